@@ -1,0 +1,160 @@
+"""The ``rlsup`` command line: run, status, config, checkpoints, demo."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Sequence
+
+from supervisor import __version__, exit_codes
+from supervisor.config import ConfigError, add_flags, load_config, reference_markdown, to_yaml
+from supervisor.incidents import read_incidents, read_state
+
+
+def _split_command(argv: list[str]) -> tuple[list[str], list[str]]:
+    if "--" in argv:
+        i = argv.index("--")
+        return argv[:i], argv[i + 1:]
+    return argv, []
+
+
+def cmd_run(args: argparse.Namespace, command: list[str]) -> int:
+    from supervisor.runner import Supervisor
+
+    if not command:
+        print("rlsup run: no command given; usage: rlsup run [options] -- COMMAND [ARGS...]", file=sys.stderr)
+        return exit_codes.CONFIG_ERROR
+    eff = load_config(args)
+    return Supervisor(eff.config, command).run().exit_code
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    eff = load_config(args)
+    state_dir = Path(eff.config.state_dir)
+    state = read_state(state_dir)
+    incidents = read_incidents(state_dir, last=args.last)
+    if args.json:
+        print(json.dumps({"state_dir": str(state_dir.resolve()), "job": state, "incidents": incidents}, indent=1))
+        return 0 if state else 1
+    if state is None:
+        print(f"no rlsup job state in {state_dir}")
+        return 1
+    age = time.time() - state.get("updated", time.time())
+    print(f"job:       {state['state']} (attempt {state['attempt']}, rlsup pid {state['pid']}, updated {age:.0f}s ago)")
+    print(f"command:   {' '.join(state['command'])}")
+    if state.get("last_step") is not None:
+        print(f"last step: {state['last_step']}")
+    if state.get("heartbeat_timeout_s") is not None:
+        print(f"heartbeat timeout: {state['heartbeat_timeout_s']:.1f}s")
+    if state.get("resume_step") is not None:
+        print(f"resumed from step {state['resume_step']} ({state['resume_dir']})")
+    if state.get("exit_code") is not None:
+        print(f"exit code: {state['exit_code']}")
+    print(f"incidents: {len(incidents)} shown")
+    for inc in incidents:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(inc["time"]))
+        extra = f" downtime {inc['downtime_s']:.1f}s" if inc.get("downtime_s") is not None else ""
+        resumed = f" resumed step {inc['resumed_step']}" if inc.get("resumed_step") is not None else ""
+        print(f"  {when} attempt {inc['attempt']}: {inc['reason']} {inc.get('detail', '')} -> {inc['action']}{extra}{resumed}")
+    return 0
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    if args.config_cmd == "reference":
+        print(reference_markdown(), end="")
+        return 0
+    print(to_yaml(load_config(args)), end="")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """The embedded default: a 2-rank torchrun trainer that crashes once and resumes under supervision."""
+    from supervisor.runner import Supervisor
+
+    script = Path(__file__).resolve().parent.parent / "examples" / "train_tiny.py"
+    if not script.exists():
+        print(f"rlsup demo: {script} not found (run from a clone of the repository)", file=sys.stderr)
+        return exit_codes.CONFIG_ERROR
+    workdir = Path(args.workdir).resolve()
+    if workdir.exists():
+        shutil.rmtree(workdir)
+    eff = load_config(args, environ={})
+    cfg = eff.config
+    cfg.checkpoint_dir = str(workdir / "checkpoints")
+    cfg.state_dir = str(workdir / "state")
+    cfg.backoff_initial = 0.5
+    cfg.heartbeat_timeout = 30.0
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               str(script), "--steps", str(args.steps), "--checkpoint-every", "5",
+               "--crash-at-step", str(args.crash_at_step), "--out", str(workdir / "final_weights.pt")]
+    print(f"[rlsup demo] supervising: {' '.join(command)}", flush=True)
+    result = Supervisor(cfg, command).run()
+    print(f"[rlsup demo] finished: {result.status.value}, {result.attempts} attempt(s), exit {result.exit_code}")
+    for inc in result.incidents:
+        print(f"[rlsup demo] incident: attempt {inc.attempt} {inc.reason} ({inc.detail}); "
+              f"resumed from step {inc.resumed_step} after {inc.downtime_s}s")
+    print(f"[rlsup demo] state: {cfg.state_dir} (try: rlsup status --state-dir {cfg.state_dir})")
+    return result.exit_code
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rlsup", description="Fault-tolerant training supervisor.")
+    parser.add_argument("--version", action="version", version=f"rlsup {__version__}")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+
+    run = sub.add_parser("run", help="Run COMMAND under supervision: rlsup run [options] -- COMMAND...")
+    add_flags(run)
+
+    status = sub.add_parser("status", help="Show the job state and recent incidents.")
+    add_flags(status)
+    status.add_argument("--json", action="store_true", help="Machine-readable output.")
+    status.add_argument("--last", type=int, default=20, help="How many incidents to show.")
+
+    config = sub.add_parser("config", help="Show the effective config or the generated reference.")
+    config_sub = config.add_subparsers(dest="config_cmd", required=True)
+    add_flags(config_sub.add_parser("show", help="Print the effective config and where each value came from."))
+    config_sub.add_parser("reference", help="Print the config reference (Markdown) generated from the code.")
+
+    demo = sub.add_parser("demo", help="Supervised demo training that survives an injected crash.")
+    add_flags(demo)
+    demo.add_argument("--workdir", default="rlsup-demo", help="Directory for the demo's checkpoints and state.")
+    demo.add_argument("--steps", type=int, default=40)
+    demo.add_argument("--crash-at-step", type=int, default=23)
+
+    try:
+        from supervisor import checkpoints_cli
+    except ImportError:
+        pass
+    else:
+        checkpoints_cli.register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    own, command = _split_command(argv)
+    parser = build_parser()
+    args = parser.parse_args(own)
+    try:
+        if args.cmd == "run":
+            return cmd_run(args, command)
+        if command:
+            parser.error(f"'--' and a command are only for 'rlsup run', not '{args.cmd}'")
+        if args.cmd == "status":
+            return cmd_status(args)
+        if args.cmd == "config":
+            return cmd_config(args)
+        if args.cmd == "demo":
+            return cmd_demo(args)
+        return int(args.func(args))
+    except ConfigError as e:
+        print(f"rlsup: config error: {e}", file=sys.stderr)
+        return exit_codes.CONFIG_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,299 @@
+"""Supervisor configuration: one dataclass, four sources, errors that name the key, file and line.
+
+Precedence is flag > environment (``RLSUP_<KEY>``) > YAML file > default. The reference in
+``docs/config.md`` is generated from :class:`SupervisorConfig` (``rlsup config reference``), so the
+documented defaults cannot drift from the code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ENV_PREFIX = "RLSUP_"
+
+
+class ConfigError(Exception):
+    """A bad configuration value; the message names the key and where it came from."""
+
+
+def _opt(default: Any, help: str, **kw: Any) -> Any:
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata={"help": help, **kw})
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass
+class SupervisorConfig:
+    """Everything ``rlsup run`` and ``rlsup daemon`` can be told. Defaults are the embedded default."""
+
+    checkpoint_dir: str = _opt("checkpoints", "Where the job's checkpoints live (passed as RLSUP_CHECKPOINT_DIR).")
+    state_dir: str = _opt(".rlsup", "rlsup's own state: incidents.jsonl, state.json, attempt logs, heartbeat files.")
+    max_restarts: int = _opt(3, "Restarts allowed within restart_window before rlsup gives up.")
+    restart_window: float = _opt(3600.0, "Seconds after which an old failure stops counting against max_restarts (0: never).")
+    backoff_initial: float = _opt(1.0, "Delay before the first restart, seconds; doubles per consecutive failure.")
+    backoff_max: float = _opt(60.0, "Upper bound of the restart delay, seconds.")
+    backoff_jitter: float = _opt(0.2, "Random +/- fraction applied to each delay so nodes do not restart in lockstep.")
+    fatal_exit_codes: list[int] = _opt([], "Exit codes that are never retried; rlsup exits with that code.")
+    kill_grace: float = _opt(10.0, "Seconds between SIGTERM and SIGKILL when a failed attempt's process tree is cleaned up.")
+    stop_grace: float = _opt(60.0, "Seconds the job gets to save and exit after rlsup is asked to stop or is preempted.")
+    heartbeat_timeout: float | None = _opt(None, "Seconds a rank that has heartbeated may stay silent; 'auto' (null) learns it from step intervals.")
+    heartbeat_timeout_initial: float = _opt(600.0, "Timeout used by 'auto' until enough step intervals were seen.")
+    auto_timeout_factor: float = _opt(5.0, "'auto': timeout = factor x longest observed step interval.")
+    auto_timeout_floor: float = _opt(30.0, "'auto': the learned timeout is never below this many seconds.")
+    auto_timeout_min_intervals: int = _opt(5, "'auto': step intervals to observe before the learned timeout replaces the initial one.")
+    startup_timeout: float = _opt(600.0, "Seconds from launch within which some rank must heartbeat, else the attempt counts as hung.")
+    save_timeout: float = _opt(1800.0, "Seconds a rank may spend in a save or load section before it counts as hung.")
+    max_no_progress_attempts: int = _opt(5, "Stop restarting after this many failed attempts in a row without a newer valid checkpoint (0: off).")
+    preempt_signal: str = _opt("SIGUSR1", "Signal that means 'preemption coming': relayed so the trainer saves (should_stop()), then rlsup exits for requeue.")
+    poll_interval: float = _opt(0.1, "Seconds between checks of the job's processes and heartbeats.")
+    output_tail_lines: int = _opt(40, "Lines of the job's output kept in each incident record.")
+    resume: bool = _opt(True, "Pick the newest valid checkpoint before each attempt and pass it as RLSUP_RESUME_DIR.")
+    checkpoint_layout: str = _opt("auto", "Checkpoint layout to read: auto, rlsup, verl, megatron, areal, dcp.")
+    repair_tracker: bool = _opt(False, "Rewrite a trainer's tracker file (verl/Megatron) to the chosen step before a restart.")
+
+    def resolved(self, base: Path | None = None) -> "SupervisorConfig":
+        """Paths made absolute, so attempts launched in other directories agree."""
+        base = base or Path.cwd()
+        return dataclasses.replace(
+            self,
+            checkpoint_dir=str((base / self.checkpoint_dir).resolve()),
+            state_dir=str((base / self.state_dir).resolve()),
+        )
+
+
+# ---------------------------------------------------------------- type coercion
+
+def _field_types() -> dict[str, Any]:
+    hints = typing.get_type_hints(SupervisorConfig)
+    return {f.name: hints[f.name] for f in dataclasses.fields(SupervisorConfig)}
+
+
+def _coerce(name: str, tp: Any, value: Any, *, from_text: bool) -> Any:
+    """Check (file values) or parse (flags, environment) one value; raise ValueError naming the type."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None or (isinstance(value, str) and value.strip().lower() in ("auto", "null", "none", "")):
+            return None
+        return _coerce(name, args[0], value, from_text=from_text)
+    if origin is list:
+        (inner,) = typing.get_args(tp)
+        if from_text and isinstance(value, str):
+            value = [v for v in value.replace(",", " ").split() if v]
+        if not isinstance(value, list):
+            raise ValueError(f"expected a list, got {type(value).__name__} {value!r}")
+        return [_coerce(name, inner, v, from_text=from_text) for v in value]
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if from_text and isinstance(value, str) and value.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+            return value.lower() in ("1", "true", "yes", "on")
+        raise ValueError(f"expected true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, bool):
+            raise ValueError(f"expected an integer, got {value!r}")
+        if isinstance(value, int):
+            return value
+        if from_text and isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                pass
+        raise ValueError(f"expected an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, bool):
+            raise ValueError(f"expected a number, got {value!r}")
+        if isinstance(value, (int, float)):
+            return float(value)
+        if from_text and isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ValueError(f"expected a number of seconds, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ValueError(f"expected a string, got {value!r}")
+    raise ValueError(f"unsupported type {tp}")
+
+
+def _unknown(key: str, names: list[str]) -> str:
+    close = difflib.get_close_matches(key, names, n=1)
+    return f"unknown key '{key}'" + (f" (did you mean '{close[0]}'?)" if close else "")
+
+
+# ---------------------------------------------------------------- sources
+
+def load_file(path: Path) -> tuple[dict[str, Any], dict[str, str]]:
+    """Values and their 'file:line' origins from a YAML mapping; raise ConfigError on any problem."""
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read config file: {e.strerror or e}") from e
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark else str(path)
+        raise ConfigError(f"{where}: malformed YAML: {getattr(e, 'problem', e)}") from e
+    if root is None:
+        return {}, {}
+    if not isinstance(root, yaml.MappingNode):
+        raise ConfigError(f"{path}:{root.start_mark.line + 1}: the config must be a mapping of key: value")
+    types_ = _field_types()
+    values: dict[str, Any] = {}
+    origins: dict[str, str] = {}
+    for key_node, value_node in root.value:
+        key = key_node.value
+        where = f"{path}:{key_node.start_mark.line + 1}"
+        if key not in types_:
+            raise ConfigError(f"{where}: {_unknown(str(key), list(types_))}")
+        raw = yaml.safe_load(yaml.serialize(value_node))
+        try:
+            values[key] = _coerce(key, types_[key], raw, from_text=False)
+        except ValueError as e:
+            raise ConfigError(f"{where}: key '{key}': {e}") from e
+        origins[key] = where
+    return values, origins
+
+
+def load_env(environ: typing.Mapping[str, str]) -> tuple[dict[str, Any], dict[str, str]]:
+    types_ = _field_types()
+    values: dict[str, Any] = {}
+    origins: dict[str, str] = {}
+    for name, tp in types_.items():
+        var = ENV_PREFIX + name.upper()
+        if var in environ:
+            try:
+                values[name] = _coerce(name, tp, environ[var], from_text=True)
+            except ValueError as e:
+                raise ConfigError(f"environment {var}: key '{name}': {e}") from e
+            origins[name] = f"env {var}"
+    return values, origins
+
+
+def add_flags(parser: argparse.ArgumentParser) -> None:
+    """One ``--kebab-case`` flag per config key; unset flags stay absent so lower sources show through."""
+    parser.add_argument("--config", "-c", type=Path, default=argparse.SUPPRESS, help="YAML config file.")
+    for f in dataclasses.fields(SupervisorConfig):
+        parser.add_argument("--" + f.name.replace("_", "-"), dest=f"cfg_{f.name}", default=argparse.SUPPRESS,
+                            metavar=f.name.upper(), help=f.metadata["help"])
+
+
+def load_flags(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, str]]:
+    types_ = _field_types()
+    values: dict[str, Any] = {}
+    origins: dict[str, str] = {}
+    for name, tp in types_.items():
+        if hasattr(args, f"cfg_{name}"):
+            flag = "--" + name.replace("_", "-")
+            try:
+                values[name] = _coerce(name, tp, getattr(args, f"cfg_{name}"), from_text=True)
+            except ValueError as e:
+                raise ConfigError(f"flag {flag}: key '{name}': {e}") from e
+            origins[name] = f"flag {flag}"
+    return values, origins
+
+
+@dataclass
+class EffectiveConfig:
+    """The merged config plus where each value came from (for ``rlsup config show``)."""
+
+    config: SupervisorConfig
+    origins: dict[str, str]
+
+
+def load_config(args: argparse.Namespace | None = None, environ: typing.Mapping[str, str] | None = None) -> EffectiveConfig:
+    environ = os.environ if environ is None else environ
+    merged: dict[str, Any] = {}
+    origins = {f.name: "default" for f in dataclasses.fields(SupervisorConfig)}
+    config_path = getattr(args, "config", None) if args is not None else None
+    if config_path is None and environ.get(ENV_PREFIX + "CONFIG"):
+        config_path = Path(environ[ENV_PREFIX + "CONFIG"])
+    layers = []
+    if config_path is not None:
+        layers.append(load_file(Path(config_path)))
+    layers.append(load_env(environ))
+    if args is not None:
+        layers.append(load_flags(args))
+    for values, where in layers:
+        merged.update(values)
+        origins.update(where)
+    cfg = SupervisorConfig(**merged)
+    _validate(cfg, origins)
+    return EffectiveConfig(cfg, origins)
+
+
+def _validate(cfg: SupervisorConfig, origins: dict[str, str]) -> None:
+    def bad(key: str, why: str) -> ConfigError:
+        return ConfigError(f"{origins[key]}: key '{key}': {why}")
+
+    for key in ("max_restarts", "max_no_progress_attempts", "output_tail_lines"):
+        if getattr(cfg, key) < 0:
+            raise bad(key, "must be >= 0")
+    for key in ("backoff_initial", "backoff_max", "kill_grace", "stop_grace", "startup_timeout", "save_timeout",
+                "restart_window", "auto_timeout_floor", "heartbeat_timeout_initial"):
+        if getattr(cfg, key) < 0:
+            raise bad(key, "must be >= 0 seconds")
+    if cfg.poll_interval <= 0:
+        raise bad("poll_interval", "must be > 0")
+    if cfg.heartbeat_timeout is not None and cfg.heartbeat_timeout <= 0:
+        raise bad("heartbeat_timeout", "must be > 0 seconds or 'auto'")
+    if not 0 <= cfg.backoff_jitter < 1:
+        raise bad("backoff_jitter", "must be in [0, 1)")
+    import signal as _signal
+
+    name = cfg.preempt_signal if cfg.preempt_signal.startswith("SIG") else "SIG" + cfg.preempt_signal
+    if not isinstance(getattr(_signal, name, None), _signal.Signals):
+        raise bad("preempt_signal", f"unknown signal {cfg.preempt_signal!r}")
+    if cfg.checkpoint_layout not in ("auto", "rlsup", "verl", "megatron", "areal", "dcp"):
+        raise bad("checkpoint_layout", f"unknown layout {cfg.checkpoint_layout!r}")
+
+
+# ---------------------------------------------------------------- rendering
+
+def to_yaml(eff: EffectiveConfig) -> str:
+    lines = []
+    for f in dataclasses.fields(SupervisorConfig):
+        value = getattr(eff.config, f.name)
+        shown = "auto" if value is None else value
+        dumped = yaml.safe_dump({f.name: shown}, default_flow_style=True, width=10_000).strip()[1:-1]
+        lines.append(f"{dumped}  # {eff.origins.get(f.name, 'default')}")
+    return "\n".join(lines) + "\n"
+
+
+def reference_markdown() -> str:
+    """The config reference, generated from the dataclass (docs/config.md is this text)."""
+    hints = _field_types()
+    out = [
+        "# Configuration reference",
+        "",
+        "Generated by `rlsup config reference` from `supervisor/config.py`; do not edit by hand.",
+        "Precedence: flag > environment `RLSUP_<KEY>` > YAML file (`--config`) > default.",
+        "",
+        "| key | flag | type | default | meaning |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    defaults = SupervisorConfig()
+    for f in dataclasses.fields(SupervisorConfig):
+        tp = hints[f.name]
+        tname = "seconds or auto" if f.name == "heartbeat_timeout" else getattr(tp, "__name__", str(tp))
+        if typing.get_origin(tp) is list:
+            tname = "list of int"
+        default = getattr(defaults, f.name)
+        shown = "auto" if default is None else default
+        out.append(f"| `{f.name}` | `--{f.name.replace('_', '-')}` | {tname} | `{shown}` | {f.metadata['help']} |")
+    return "\n".join(out) + "\n"

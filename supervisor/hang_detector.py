@@ -1,0 +1,113 @@
+"""Decide from the ranks' heartbeat files whether an attempt is hung.
+
+Rules (all on CLOCK_MONOTONIC, so wall-clock jumps never look like hangs):
+- no rank heartbeats within ``startup_timeout`` of launch: hung at startup;
+- a rank inside a ``save``/``load`` section longer than ``save_timeout``: hung in that section;
+- otherwise a rank silent for longer than the heartbeat timeout: hung.
+The heartbeat timeout is explicit, or learned ("auto") as nvidia-resiliency-ext does: a safety factor
+times the longest interval seen between heartbeats, with a floor, and a generous initial value until
+enough intervals were seen. What was learned carries over to later attempts.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from trainer_hooks.heartbeat import HeartbeatRecord, read_record
+
+
+@dataclass
+class HangVerdict:
+    """Why an attempt is considered hung."""
+
+    reason: str  # "startup_timeout" | "heartbeat_timeout" | "save_timeout"
+    rank: int | None
+    pid: int | None
+    silent_s: float
+    timeout_s: float
+    step: int | None
+
+
+@dataclass
+class AutoTimeout:
+    """Learned heartbeat timeout; survives across attempts of one supervisor."""
+
+    factor: float
+    floor: float
+    initial: float
+    min_intervals: int
+    intervals_seen: int = 0
+    longest_interval: float = 0.0
+
+    def observe(self, interval_s: float) -> None:
+        if interval_s > 0:
+            self.intervals_seen += 1
+            self.longest_interval = max(self.longest_interval, interval_s)
+
+    def current(self) -> float:
+        if self.intervals_seen < self.min_intervals:
+            return self.initial
+        return max(self.floor, self.factor * self.longest_interval)
+
+
+@dataclass
+class HangDetector:
+    """Watches one attempt's heartbeat directory."""
+
+    directory: Path
+    startup_timeout: float
+    save_timeout: float
+    explicit_timeout: float | None
+    auto: AutoTimeout
+    started_ns: int = field(default_factory=time.monotonic_ns)
+    records: dict[int, HeartbeatRecord] = field(default_factory=dict)
+
+    def timeout(self) -> float:
+        return self.explicit_timeout if self.explicit_timeout is not None else self.auto.current()
+
+    def scan(self) -> dict[int, HeartbeatRecord]:
+        """Read every rank file; feed new step intervals to the auto timeout."""
+        for path in self.directory.glob("rank_*.hb"):
+            rec = read_record(path)
+            if rec is None:
+                continue
+            old = self.records.get(rec.rank)
+            if old is not None and old.pid == rec.pid and rec.beat_ns > old.beat_ns > 0 and rec.section == "none" \
+                    and old.section == "none" and rec.section_ns <= old.beat_ns:
+                self.auto.observe((rec.beat_ns - old.beat_ns) / 1e9)
+            self.records[rec.rank] = rec
+        return self.records
+
+    def check(self, now_ns: int | None = None) -> HangVerdict | None:
+        now_ns = time.monotonic_ns() if now_ns is None else now_ns
+        records = self.scan()
+        beating = [r for r in records.values() if r.beat_ns > 0]
+        if not beating:
+            silent = (now_ns - self.started_ns) / 1e9
+            if silent > self.startup_timeout:
+                return HangVerdict("startup_timeout", None, None, silent, self.startup_timeout, None)
+            return None
+        timeout = self.timeout()
+        for rec in sorted(records.values(), key=lambda r: r.rank):
+            if rec.section in ("save", "load"):
+                silent = (now_ns - rec.section_ns) / 1e9
+                if silent > self.save_timeout:
+                    return HangVerdict("save_timeout", rec.rank, rec.pid, silent, self.save_timeout, rec.step)
+                continue
+            if rec.beat_ns == 0:
+                # Registered (a section ran) but never beat: covered by the startup rule.
+                silent = (now_ns - max(self.started_ns, rec.section_ns)) / 1e9
+                if silent > self.startup_timeout:
+                    return HangVerdict("startup_timeout", rec.rank, rec.pid, silent, self.startup_timeout, None)
+                continue
+            last = max(rec.beat_ns, rec.section_ns)  # a section that just ended counts as a sign of life
+            silent = (now_ns - last) / 1e9
+            if silent > timeout:
+                return HangVerdict("heartbeat_timeout", rec.rank, rec.pid, silent, timeout, rec.step)
+        return None
+
+    def last_step(self) -> int | None:
+        steps = [r.step for r in self.records.values() if r.beat_ns > 0]
+        return max(steps) if steps else None

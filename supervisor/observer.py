@@ -1,0 +1,25 @@
+"""Hooks the run loop calls at each event; the default does nothing, metrics override them.
+
+Keeping these as one small interface lets the loop stay free of Prometheus (and lets tests observe).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+
+class Observer:
+    def state(self, state: str) -> None:
+        """The job entered ``state`` (a JobStatus value)."""
+
+    def attempt_started(self, attempt: int, resume_step: int | None) -> None:
+        """An attempt was launched, resuming from ``resume_step`` (None: fresh start)."""
+
+    def attempt_failed(self, reason: str, last_step: int | None) -> None:
+        """An attempt ended in failure for ``reason`` (bounded set, see AttemptResult.reason)."""
+
+    def heartbeats(self, records: Mapping[int, Any], timeout_s: float) -> None:
+        """Latest heartbeat records by rank, and the heartbeat timeout in force."""
+
+    def downtime(self, seconds: float) -> None:
+        """Time from an attempt's failure to the next attempt's launch."""

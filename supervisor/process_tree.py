@@ -1,0 +1,218 @@
+"""Launch one attempt of the job and make sure every process of it is gone afterwards.
+
+The job runs in its own session (so one signal reaches its process group) with PR_SET_PDEATHSIG
+(so it dies if rlsup is SIGKILLed). rlsup is a child subreaper, so grandchildren that daemonise or
+lose their parent are re-parented to rlsup and stay visible; every process ever seen in the tree is
+remembered (pid + create time, to be safe against pid reuse) and killed at the end of the attempt.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Sequence
+
+import psutil
+
+_PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
+_libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+
+
+def become_subreaper() -> bool:
+    """Orphaned descendants are re-parented to us instead of init, so none escapes the tree."""
+    return bool(_libc is not None and _libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0)
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    if _libc is not None:
+        _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+@dataclass
+class OutputTail:
+    """Tees the job's output to our stdout and a log file, and keeps the last lines for incidents."""
+
+    lines: int
+    log_path: Path
+    echo: IO[str] | None = None
+    _tail: collections.deque = field(init=False)
+    _thread: threading.Thread | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        self._tail = collections.deque(maxlen=max(self.lines, 1))
+
+    def start(self, stream: IO[bytes]) -> None:
+        self._thread = threading.Thread(target=self._pump, args=(stream,), daemon=True, name="rlsup-output")
+        self._thread.start()
+
+    def _pump(self, stream: IO[bytes]) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            for raw in iter(stream.readline, b""):
+                log.write(raw)
+                log.flush()
+                text = raw.decode("utf-8", "replace")
+                self._tail.append(text.rstrip("\n"))
+                echo = self.echo or sys.stdout
+                try:
+                    echo.write(text)
+                    echo.flush()
+                except (OSError, ValueError):
+                    pass
+
+    def join(self, timeout: float) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def tail(self) -> list[str]:
+        return list(self._tail)
+
+
+class JobProcess:
+    """One launched attempt: the top process, the set of processes seen under it, and its output."""
+
+    helpers: set[int] = set()  # pids rlsup started for itself (py-spy), never part of a job
+
+    def __init__(self, argv: Sequence[str], env: dict[str, str], log_path: Path, tail_lines: int,
+                 cwd: str | None = None) -> None:
+        self.output = OutputTail(tail_lines, log_path)
+        self.popen = subprocess.Popen(
+            list(argv), env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent,
+        )
+        self.pid = self.popen.pid
+        self.pgid = self.pid
+        self.started = time.monotonic()
+        self._known: dict[int, psutil.Process] = {}
+        try:
+            self._known[self.pid] = psutil.Process(self.pid)
+        except psutil.NoSuchProcess:
+            pass
+        assert self.popen.stdout is not None
+        self.output.start(self.popen.stdout)
+
+    # ------------------------------------------------------------ watching
+
+    def refresh(self) -> None:
+        """Remember every live descendant (ours, and orphans re-parented to us as subreaper)."""
+        roots = [self.pid] + [p for p in self._orphans()]
+        for pid in roots:
+            try:
+                proc = self._known.get(pid) or psutil.Process(pid)
+                self._known.setdefault(pid, proc)
+                for child in proc.children(recursive=True):
+                    self._known.setdefault(child.pid, child)
+            except psutil.Error:
+                continue
+        self._reap_orphans()
+
+    def _orphans(self) -> list[int]:
+        """Children of rlsup that we did not start directly: re-parented members of this job."""
+        try:
+            me = psutil.Process()
+            return [c.pid for c in me.children() if c.pid != self.pid and c.pid not in JobProcess.helpers]
+        except psutil.Error:
+            return []
+
+    def _reap_orphans(self) -> None:
+        """Collect exit statuses of re-parented zombies (never the top process: Popen owns that one)."""
+        for pid, proc in list(self._known.items()):
+            if pid == self.pid:
+                continue
+            try:
+                if proc.status() == psutil.STATUS_ZOMBIE and proc.ppid() == os.getpid():
+                    os.waitpid(pid, os.WNOHANG)
+            except (psutil.Error, ChildProcessError, OSError):
+                pass
+
+    def poll(self) -> int | None:
+        return self.popen.poll()
+
+    def live_processes(self) -> list[psutil.Process]:
+        alive = []
+        for proc in self._known.values():
+            try:
+                if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(proc)
+            except psutil.Error:
+                continue
+        return alive
+
+    # ------------------------------------------------------------ signalling
+
+    def send(self, sig: int) -> None:
+        """Signal the whole tree: the process group plus every process seen, wherever it moved."""
+        self.refresh()
+        try:
+            os.killpg(self.pgid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+        for proc in self.live_processes():
+            try:
+                proc.send_signal(sig)
+            except psutil.Error:
+                pass
+
+    def terminate_tree(self, grace: float) -> list[int]:
+        """SIGTERM everything, SIGKILL what is left after ``grace``; return pids that needed SIGKILL."""
+        self.refresh()
+        self.send(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline:
+            self.refresh()
+            self.popen.poll()
+            if not self.live_processes():
+                break
+            time.sleep(0.05)
+        killed = []
+        for _ in range(50):
+            self.refresh()
+            alive = self.live_processes()
+            if not alive:
+                break
+            for proc in alive:
+                try:
+                    proc.kill()
+                    killed.append(proc.pid)
+                except psutil.Error:
+                    pass
+            try:
+                os.killpg(self.pgid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            psutil.wait_procs(alive, timeout=1.0)
+            self._reap_orphans()
+        try:
+            self.popen.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+        self._reap_orphans()
+        self.output.join(timeout=2)
+        return sorted(set(killed))
+
+    def wait_exit(self, timeout: float) -> int | None:
+        try:
+            return self.popen.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+
+def oom_kill_count() -> int | None:
+    """System-wide count of OOM kills (``/proc/vmstat``); a rise during an attempt marks an OOM."""
+    try:
+        with open("/proc/vmstat") as f:
+            for line in f:
+                if line.startswith("oom_kill "):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None

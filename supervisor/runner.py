@@ -1,0 +1,419 @@
+"""The supervision loop of ``rlsup run``: launch, watch, classify, clean up, back off, relaunch.
+
+The loop is short on purpose; each step is a small method a subclass (the multi-node engine, tests)
+can override: :meth:`Supervisor.choose_resume`, :meth:`launch`, :meth:`watch`, :meth:`cleanup`,
+:meth:`decide`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Sequence
+
+from supervisor import exit_codes
+from supervisor.config import SupervisorConfig
+from supervisor.hang_detector import AutoTimeout, HangDetector, HangVerdict
+from supervisor.incidents import Incident, JobState, append_incident, write_state
+from supervisor.observer import Observer
+from supervisor.process_tree import JobProcess, become_subreaper, oom_kill_count
+from supervisor.restart_policy import RestartPolicy
+from supervisor.resume import ResumePoint, choose_resume
+from trainer_hooks.heartbeat import rank_file_name, request_stop, stacks_file_name
+
+KEEP_ATTEMPT_DIRS = 10
+
+
+class JobStatus(str, Enum):
+    """Lifecycle of a supervised job::
+
+        INIT -> STARTING -> RUNNING -> SUCCEEDED
+                   ^           |
+                   |           +--> FAILED --> BACKOFF --> STARTING
+                   |           |       +-----> GAVE_UP   (retries exhausted, fatal code, no progress)
+                   |           +--> STOPPING --> STOPPED   (SIGTERM/SIGINT to rlsup)
+                   |                       +---> PREEMPTED (preemption signal: saved, exit for requeue)
+    """
+
+    INIT = "init"
+    STARTING = "starting"
+    RUNNING = "running"
+    FAILED = "failed"
+    BACKOFF = "backoff"
+    STOPPING = "stopping"
+    SUCCEEDED = "succeeded"
+    GAVE_UP = "gave_up"
+    STOPPED = "stopped"
+    PREEMPTED = "preempted"
+
+
+@dataclass
+class AttemptResult:
+    """How one attempt ended."""
+
+    attempt: int
+    reason: str  # success | exit_code | signal | oom | hang | startup_timeout | save_timeout | stopped | preempted
+    exit_code: int | None = None
+    signal: str | None = None
+    rank: int | None = None
+    pid: int | None = None
+    detail: str = ""
+    stacks: dict[str, str] = field(default_factory=dict)
+    last_step: int | None = None
+    output_tail: list[str] = field(default_factory=list)
+    ended: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class RunResult:
+    """What ``rlsup run`` ended with."""
+
+    exit_code: int
+    status: JobStatus
+    attempts: int
+    incidents: list[Incident]
+
+
+_TORCHRUN_EXIT = re.compile(r"exitcode\s*:\s*(-?\d+)\s*\(pid:\s*(\d+)\)")
+_TORCHRUN_RANK = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank")
+
+
+class Supervisor:
+    """Runs ``command`` under supervision with ``cfg``; call :meth:`run` once."""
+
+    def __init__(self, cfg: SupervisorConfig, command: Sequence[str], observer: Observer | None = None) -> None:
+        self.cfg = cfg.resolved()
+        self.command = list(command)
+        self.state_dir = Path(self.cfg.state_dir)
+        self.checkpoint_dir = Path(self.cfg.checkpoint_dir)
+        self.observer = observer or Observer()
+        self.policy = RestartPolicy(
+            self.cfg.max_restarts, self.cfg.restart_window, self.cfg.backoff_initial, self.cfg.backoff_max,
+            self.cfg.backoff_jitter, list(self.cfg.fatal_exit_codes), self.cfg.max_no_progress_attempts)
+        self.auto_timeout = AutoTimeout(self.cfg.auto_timeout_factor, self.cfg.auto_timeout_floor,
+                                        self.cfg.heartbeat_timeout_initial, self.cfg.auto_timeout_min_intervals)
+        self.stop_signal: int | None = None
+        self.preempted = False
+        self._wake = threading.Event()
+        self.incidents: list[Incident] = []
+        self.state = JobState(JobStatus.INIT.value, 0, os.getpid(), self.command, time.time())
+
+    # ------------------------------------------------------------ the loop
+
+    def run(self) -> RunResult:
+        self._install_signal_handlers()
+        become_subreaper()
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        attempt = 0
+        pending: Incident | None = None
+        pending_since = 0.0
+        while True:
+            resume = self.choose_resume()
+            self._set_state(JobStatus.STARTING, attempt=attempt, resume=resume)
+            job, hb_dir = self.launch(attempt, resume)
+            if pending is not None:
+                self._record(pending, downtime=time.monotonic() - pending_since, resume=resume)
+                pending = None
+            self._set_state(JobStatus.RUNNING, job_pid=job.pid)
+            result = self.watch(job, hb_dir, attempt)
+            self.cleanup(job, result)
+            if result.reason == "success":
+                self._set_state(JobStatus.SUCCEEDED, exit_code=0)
+                return self._finish(exit_codes.OK, JobStatus.SUCCEEDED, attempt)
+            if result.reason in ("stopped", "preempted"):
+                status = JobStatus.PREEMPTED if result.reason == "preempted" else JobStatus.STOPPED
+                code = exit_codes.REQUEUE if status is JobStatus.PREEMPTED else exit_codes.from_signal(self.stop_signal or signal.SIGTERM)
+                self._record(self._incident(result, "stop"))
+                self._set_state(status, exit_code=code)
+                return self._finish(code, status, attempt)
+            self._set_state(JobStatus.FAILED)
+            after = self.choose_resume()
+            progressed = after is not None and (resume is None or after.step > resume.step)
+            decision = self.policy.decide(result.exit_code, progressed)
+            self.observer.attempt_failed(result.reason, result.last_step)
+            incident = self._incident(result, decision.action)
+            if not decision.restart:
+                self._record(incident)
+                code = self._give_up_code(decision.action, result)
+                self._set_state(JobStatus.GAVE_UP, exit_code=code)
+                return self._finish(code, JobStatus.GAVE_UP, attempt)
+            pending, pending_since = incident, result.ended
+            self._set_state(JobStatus.BACKOFF)
+            self._log(f"attempt {attempt} failed ({result.reason}{': ' + result.detail if result.detail else ''}); "
+                      f"restarting in {decision.delay_s:.1f}s")
+            if self._wake.wait(decision.delay_s) and self.stop_signal is not None:
+                self._record(pending, downtime=None, resume=None)
+                code = exit_codes.REQUEUE if self.preempted else exit_codes.from_signal(self.stop_signal)
+                return self._finish(code, JobStatus.PREEMPTED if self.preempted else JobStatus.STOPPED, attempt)
+            attempt += 1
+
+    # ------------------------------------------------------------ steps
+
+    def choose_resume(self) -> ResumePoint | None:
+        if not self.cfg.resume:
+            return None
+        return choose_resume(self.checkpoint_dir, self.cfg.checkpoint_layout)
+
+    def attempt_env(self, attempt: int, resume: ResumePoint | None, hb_dir: Path) -> dict[str, str]:
+        env = dict(os.environ)
+        for key in ("RLSUP_RESUME_DIR", "RLSUP_RESUME_STEP"):
+            env.pop(key, None)
+        env.update({
+            "RLSUP_RESTART_COUNT": str(attempt),
+            "RLSUP_CHECKPOINT_DIR": str(self.checkpoint_dir),
+            "RLSUP_HEARTBEAT_DIR": str(hb_dir),
+            "RLSUP_STATE_DIR": str(self.state_dir),
+            "RLSUP_PREEMPT_SIGNAL": self._preempt_signum().name,
+        })
+        if resume is not None:
+            env["RLSUP_RESUME_DIR"] = str(resume.path)
+            env["RLSUP_RESUME_STEP"] = str(resume.step)
+        return env
+
+    def launch(self, attempt: int, resume: ResumePoint | None) -> tuple[JobProcess, Path]:
+        attempt_dir = self.state_dir / "attempts" / f"attempt_{attempt:04d}"
+        if attempt_dir.exists():
+            shutil.rmtree(attempt_dir, ignore_errors=True)
+        hb_dir = attempt_dir / "heartbeats"
+        hb_dir.mkdir(parents=True)
+        self._prune_attempt_dirs()
+        where = f" from step {resume.step} ({resume.path})" if resume else ""
+        self._log(f"attempt {attempt}: launching {' '.join(self.command)}{where}")
+        job = JobProcess(self.command, self.attempt_env(attempt, resume, hb_dir), attempt_dir / "output.log",
+                         self.cfg.output_tail_lines)
+        self.observer.attempt_started(attempt, resume.step if resume else None)
+        return job, hb_dir
+
+    def watch(self, job: JobProcess, hb_dir: Path, attempt: int) -> AttemptResult:
+        """Poll until the job exits, hangs, or rlsup is asked to stop."""
+        detector = HangDetector(hb_dir, self.cfg.startup_timeout, self.cfg.save_timeout,
+                                self.cfg.heartbeat_timeout, self.auto_timeout)
+        oom_before = oom_kill_count()
+        first_dead: tuple[int, int] | None = None
+        while True:
+            code = job.poll()
+            if code is not None:
+                job.output.join(timeout=2)
+                return self._classify_exit(attempt, code, job, detector, first_dead, oom_before)
+            if self.stop_signal is not None:
+                return self._stop_job(attempt, job, detector)
+            job.refresh()
+            verdict = detector.check()
+            self.observer.heartbeats(detector.records, detector.timeout())
+            self.state.last_step = detector.last_step()
+            self.state.heartbeat_timeout_s = detector.timeout()
+            if verdict is not None:
+                return self._hang(attempt, job, detector, verdict)
+            if first_dead is None:
+                first_dead = self._first_dead_rank(detector)
+            self._wake.wait(self.cfg.poll_interval)
+
+    def cleanup(self, job: JobProcess, result: AttemptResult) -> None:
+        """Nothing of an attempt may survive it: SIGTERM the tree, SIGKILL after kill_grace."""
+        killed = job.terminate_tree(self.cfg.kill_grace)
+        if killed:
+            self._log(f"attempt {result.attempt}: killed leftover processes {killed}")
+
+    # ------------------------------------------------------------ classification
+
+    def _classify_exit(self, attempt: int, code: int, job: JobProcess, detector: HangDetector,
+                       first_dead: tuple[int, int] | None, oom_before: int | None) -> AttemptResult:
+        tail = job.output.tail()
+        last_step = detector.last_step()
+        if code == 0 and self.stop_signal is None:
+            return AttemptResult(attempt, "success", 0, last_step=last_step, output_tail=tail)
+        if self.stop_signal is not None:
+            return AttemptResult(attempt, "preempted" if self.preempted else "stopped", code,
+                                 last_step=last_step, output_tail=tail)
+        result = AttemptResult(attempt, "exit_code", code, last_step=last_step, output_tail=tail)
+        if first_dead is not None:
+            result.rank, result.pid = first_dead
+        # torchrun reports each failed worker as "exitcode: -9 (pid: 123)"; a negative code is a signal.
+        for line in tail:
+            m = _TORCHRUN_EXIT.search(line)
+            if m and int(m.group(1)) < 0:
+                code_signal = -int(m.group(1))
+                result.signal = _signame(code_signal)
+                result.pid = int(m.group(2))
+                result.reason = "signal"
+            r = _TORCHRUN_RANK.search(line)
+            if r and result.rank is None:
+                result.rank = int(r.group(1))
+        if code < 0:
+            result.signal = _signame(-code)
+            result.reason = "signal"
+            result.pid = result.pid or job.pid
+        oom_after = oom_kill_count()
+        if result.signal == "SIGKILL" and oom_before is not None and oom_after is not None and oom_after > oom_before:
+            result.reason = "oom"
+        result.detail = f"exit code {code}" + (f", {result.signal}" if result.signal else "") + \
+            (f" (rank {result.rank}, pid {result.pid})" if result.rank is not None else "")
+        return result
+
+    def _first_dead_rank(self, detector: HangDetector) -> tuple[int, int] | None:
+        import psutil
+
+        for rec in detector.records.values():
+            if rec.pid and not psutil.pid_exists(rec.pid):
+                return rec.rank, rec.pid
+        return None
+
+    def _hang(self, attempt: int, job: JobProcess, detector: HangDetector, verdict: HangVerdict) -> AttemptResult:
+        reason = "hang" if verdict.reason == "heartbeat_timeout" else verdict.reason
+        who = f"rank {verdict.rank} (pid {verdict.pid})" if verdict.rank is not None else "no rank"
+        detail = f"{who} silent for {verdict.silent_s:.1f}s > {verdict.reason} {verdict.timeout_s:.1f}s"
+        self._log(f"attempt {attempt}: hang detected: {detail}; dumping stacks")
+        stacks = self._dump_stacks(detector)
+        return AttemptResult(attempt, reason, None, rank=verdict.rank, pid=verdict.pid, detail=detail, stacks=stacks,
+                             last_step=detector.last_step(), output_tail=job.output.tail())
+
+    def _dump_stacks(self, detector: HangDetector) -> dict[str, str]:
+        """py-spy when installed (sees native frames too), else faulthandler registered by trainer_hooks."""
+        stacks: dict[str, str] = {}
+        pyspy = shutil.which("py-spy")
+        pending = {}
+        for rank, rec in sorted(detector.records.items()):
+            key = f"rank {rank} pid {rec.pid}"
+            if pyspy:
+                try:
+                    out = subprocess.run([pyspy, "dump", "--pid", str(rec.pid)], capture_output=True, text=True,
+                                         timeout=15)
+                    if out.returncode == 0 and out.stdout.strip():
+                        stacks[key] = out.stdout
+                        continue
+                except (subprocess.TimeoutExpired, OSError):
+                    pass
+            path = detector.directory / stacks_file_name(rank)
+            try:
+                os.kill(rec.pid, signal.SIGUSR2)
+                pending[key] = path
+            except (ProcessLookupError, PermissionError):
+                stacks[key] = "(process gone)"
+        deadline = time.monotonic() + 5.0
+        sizes: dict[str, int] = {}
+        while pending and time.monotonic() < deadline:
+            time.sleep(0.1)
+            for key, path in list(pending.items()):
+                size = path.stat().st_size if path.exists() else 0
+                if size > 0 and sizes.get(key) == size:  # written and no longer growing
+                    stacks[key] = path.read_text(errors="replace")
+                    del pending[key]
+                sizes[key] = size
+        for key in pending:
+            stacks[key] = "(no stack dump received)"
+        return stacks
+
+    def _stop_job(self, attempt: int, job: JobProcess, detector: HangDetector) -> AttemptResult:
+        """Ask the job to save and exit (stop flags + signal), wait stop_grace, then end it."""
+        assert self.stop_signal is not None
+        self._set_state(JobStatus.STOPPING)
+        detector.scan()
+        for rank in detector.records:
+            try:
+                request_stop(detector.directory / rank_file_name(rank))
+            except OSError:
+                pass
+        if self.preempted:
+            # Only ranks that registered (trainer_hooks installed the handler) get the preemption signal.
+            for rec in detector.records.values():
+                try:
+                    os.kill(rec.pid, self.stop_signal)
+                except (ProcessLookupError, PermissionError):
+                    pass
+        else:
+            job.send(self.stop_signal)
+        self._log(f"stopping: waiting up to {self.cfg.stop_grace:.0f}s for the job to save and exit")
+        code = job.wait_exit(self.cfg.stop_grace)
+        reason = "preempted" if self.preempted else "stopped"
+        return AttemptResult(attempt, reason, code, last_step=detector.last_step(), output_tail=job.output.tail(),
+                             detail=f"job exited with {code}" if code is not None else "killed after stop_grace")
+
+    # ------------------------------------------------------------ helpers
+
+    def _preempt_signum(self) -> signal.Signals:
+        name = self.cfg.preempt_signal
+        return getattr(signal, name if name.startswith("SIG") else "SIG" + name)
+
+    def _install_signal_handlers(self) -> None:
+        def on_stop(signum: int, _frame: object) -> None:
+            self.stop_signal = signum
+            self._wake.set()
+
+        def on_preempt(signum: int, _frame: object) -> None:
+            self.preempted = True
+            on_stop(signum, _frame)
+
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, on_stop)
+            signal.signal(signal.SIGINT, on_stop)
+            signal.signal(self._preempt_signum(), on_preempt)
+
+    def _incident(self, result: AttemptResult, action: str) -> Incident:
+        return Incident(time=time.time(), attempt=result.attempt, reason=result.reason, exit_code=result.exit_code,
+                        signal=result.signal, rank=result.rank, pid=result.pid, detail=result.detail,
+                        output_tail=result.output_tail, stacks=result.stacks, last_step=result.last_step,
+                        action=action)
+
+    def _record(self, incident: Incident, downtime: float | None = None, resume: ResumePoint | None = None) -> None:
+        incident.downtime_s = None if downtime is None else round(downtime, 3)
+        if resume is not None:
+            incident.resumed_from, incident.resumed_step = str(resume.path), resume.step
+        append_incident(self.state_dir, incident)
+        self.incidents.append(incident)
+        if downtime is not None:
+            self.observer.downtime(downtime)
+
+    def _give_up_code(self, action: str, result: AttemptResult) -> int:
+        if action == "no_progress":
+            self._log(f"giving up: {self.cfg.max_no_progress_attempts} attempts in a row made no new valid checkpoint")
+            return exit_codes.NO_PROGRESS
+        if action == "fatal":
+            self._log(f"exit code {result.exit_code} is fatal: not retrying")
+            return int(result.exit_code or exit_codes.FAILED)
+        self._log(f"giving up after {result.attempt + 1} attempts")
+        code = result.exit_code
+        return code if code is not None and 0 < code < 126 else exit_codes.FAILED
+
+    def _set_state(self, status: JobStatus, *, attempt: int | None = None, resume: ResumePoint | None = None,
+                   job_pid: int | None = None, exit_code: int | None = None) -> None:
+        self.state.state = status.value
+        if attempt is not None:
+            self.state.attempt = attempt
+            self.state.resume_step = resume.step if resume else None
+            self.state.resume_dir = str(resume.path) if resume else None
+        if job_pid is not None:
+            self.state.job_pid = job_pid
+        if exit_code is not None:
+            self.state.exit_code = exit_code
+        write_state(self.state_dir, self.state)
+        self.observer.state(status.value)
+
+    def _finish(self, code: int, status: JobStatus, attempt: int) -> RunResult:
+        self._log(f"{status.value} after {attempt + 1} attempt(s); exit {code}")
+        return RunResult(code, status, attempt + 1, self.incidents)
+
+    def _prune_attempt_dirs(self) -> None:
+        dirs = sorted((self.state_dir / "attempts").glob("attempt_*"))
+        for old in dirs[:-KEEP_ATTEMPT_DIRS]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    @staticmethod
+    def _log(message: str) -> None:
+        print(f"[rlsup] {message}", file=sys.stderr, flush=True)
+
+
+def _signame(num: int) -> str:
+    try:
+        return signal.Signals(num).name
+    except ValueError:
+        return f"signal {num}"

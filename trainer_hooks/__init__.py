@@ -1,0 +1,10 @@
+"""Imported by training code inside every rank: heartbeats, the stop flag, and verified checkpoints.
+
+Stays light on purpose: it never imports ``supervisor``, an HTTP stack or prometheus.
+"""
+
+from trainer_hooks.heartbeat import heartbeat, section, should_stop
+
+__version__ = "0.1.0"
+
+__all__ = ["heartbeat", "section", "should_stop", "__version__"]

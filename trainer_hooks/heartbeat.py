@@ -1,0 +1,207 @@
+"""Rank-side heartbeats, sections and the stop flag, through one small shared-memory file per rank.
+
+Why a memory-mapped file and not a socket: a heartbeat must cost microseconds and never block, even
+when the supervisor is slow, stopped or gone. Writing a few integers into a page that rlsup also maps
+is a memory store, no system call; rlsup reads the page whenever it likes. Clocks are
+``time.monotonic_ns`` (CLOCK_MONOTONIC is system-wide on Linux), so wall-clock jumps never look like
+hangs.
+
+Record layout (little endian, 8 x int64, see :data:`RECORD`):
+  0 seq        seqlock counter: odd while the rank is writing
+  1 magic      :data:`MAGIC`
+  2 pid        writer's pid
+  3 step       last step passed to :func:`heartbeat`
+  4 beat_ns    monotonic time of the last heartbeat (0: none yet)
+  5 section    0 none, 1 save, 2 load, 3 user
+  6 section_ns monotonic time the current section began
+  7 stop       written by rlsup: non-zero asks the rank to save and exit (:func:`should_stop`)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import mmap
+import os
+import signal
+import struct
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+MAGIC = 0x524C535550484231  # "RLSUPHB1"
+RECORD = struct.Struct("<8q")
+RECORD_SIZE = 64
+SECTIONS = {"none": 0, "save": 1, "load": 2, "user": 3}
+SECTION_NAMES = {v: k for k, v in SECTIONS.items()}
+ENV_DIR = "RLSUP_HEARTBEAT_DIR"
+STACKS_SIGNAL = signal.SIGUSR2
+_I64 = struct.Struct("<q")
+
+
+def rank_file_name(rank: int) -> str:
+    return f"rank_{rank:05d}.hb"
+
+
+def stacks_file_name(rank: int) -> str:
+    return f"rank_{rank:05d}.stacks"
+
+
+@dataclass(frozen=True)
+class HeartbeatRecord:
+    """One consistent read of a rank's heartbeat file (supervisor side)."""
+
+    rank: int
+    pid: int
+    step: int
+    beat_ns: int
+    section: str
+    section_ns: int
+    stop: bool
+
+
+class _Writer:
+    """The rank's open heartbeat file; created on first use, only under rlsup."""
+
+    def __init__(self, directory: Path, rank: int) -> None:
+        self.path = directory / rank_file_name(rank)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            os.ftruncate(fd, RECORD_SIZE)
+            self.map = mmap.mmap(fd, RECORD_SIZE)
+        finally:
+            os.close(fd)
+        self.seq = 0
+        self.step = -1
+        self.beat_ns = 0
+        self.section = 0
+        self.section_ns = 0
+        self._publish()
+        # Stack dumps on demand: rlsup sends STACKS_SIGNAL before killing a hung rank.
+        self._stacks = open(directory / stacks_file_name(rank), "w")  # noqa: SIM115 - lives with the process
+        if threading.current_thread() is threading.main_thread():
+            faulthandler.register(STACKS_SIGNAL, file=self._stacks, all_threads=True, chain=False)
+
+    def _publish(self) -> None:
+        m = self.map
+        self.seq += 1
+        _I64.pack_into(m, 0, self.seq)
+        stop = _I64.unpack_from(m, 56)[0]
+        RECORD.pack_into(m, 0, self.seq, MAGIC, os.getpid(), self.step, self.beat_ns,
+                         self.section, self.section_ns, stop)
+        self.seq += 1
+        _I64.pack_into(m, 0, self.seq)
+
+    def beat(self, step: int) -> None:
+        self.step = step
+        self.beat_ns = time.monotonic_ns()
+        self._publish()
+
+    def set_section(self, code: int) -> None:
+        self.section = code
+        self.section_ns = time.monotonic_ns()
+        self._publish()
+
+    def stop_requested(self) -> bool:
+        return _I64.unpack_from(self.map, 56)[0] != 0
+
+
+_lock = threading.Lock()
+_writer: _Writer | None = None
+_initialised = False
+_signal_stop = threading.Event()
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")))
+
+
+def _get_writer() -> _Writer | None:
+    global _writer, _initialised
+    if _initialised:
+        return _writer
+    with _lock:
+        if not _initialised:
+            directory = os.environ.get(ENV_DIR)
+            if directory:
+                _writer = _Writer(Path(directory), _rank())
+            _install_stop_handlers()
+            _initialised = True
+    return _writer
+
+
+def _install_stop_handlers() -> None:
+    """SIGTERM and the preemption signal turn should_stop() true instead of killing the rank mid-step."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    names = {"SIGTERM"}
+    extra = os.environ.get("RLSUP_PREEMPT_SIGNAL")
+    if extra:
+        names.add(extra if extra.startswith("SIG") else "SIG" + extra)
+    for name in names:
+        signum = getattr(signal, name, None)
+        if signum is None:
+            continue
+        if signal.getsignal(signum) in (signal.SIG_DFL, None):
+            signal.signal(signum, lambda *_: _signal_stop.set())
+
+
+def heartbeat(step: int) -> None:
+    """Tell rlsup this rank is alive at ``step``. A few microseconds; a no-op outside rlsup."""
+    w = _writer if _initialised else _get_writer()
+    if w is not None:
+        w.beat(step)
+
+
+def should_stop() -> bool:
+    """True once rlsup (or SIGTERM / the preemption signal) asks the job to save and exit."""
+    w = _writer if _initialised else _get_writer()
+    return _signal_stop.is_set() or (w is not None and w.stop_requested())
+
+
+@contextlib.contextmanager
+def section(name: str) -> Iterator[None]:
+    """Mark a long phase (``save``, ``load``) so rlsup applies that phase's timeout, not the step timeout."""
+    code = SECTIONS[name]
+    w = _get_writer()
+    if w is None:
+        yield
+        return
+    previous = w.section
+    w.set_section(code)
+    try:
+        yield
+    finally:
+        w.set_section(previous)
+
+
+def read_record(path: Path) -> HeartbeatRecord | None:
+    """Supervisor side: a consistent snapshot of one rank file (seqlock), None while not yet written."""
+    rank = int(path.stem.split("_")[1])
+    try:
+        with open(path, "rb") as f:
+            for _ in range(1000):
+                f.seek(0)
+                data = f.read(RECORD_SIZE)
+                if len(data) < RECORD_SIZE:
+                    return None
+                seq, magic, pid, step, beat_ns, sec, sec_ns, stop = RECORD.unpack(data)
+                f.seek(0)
+                if seq % 2 == 1 or _I64.unpack(f.read(8))[0] != seq:
+                    continue  # the rank is mid-write: read again
+                if magic != MAGIC:
+                    return None
+                return HeartbeatRecord(rank, pid, step, beat_ns, SECTION_NAMES.get(sec, "user"),
+                                       sec_ns, bool(stop))
+    except (FileNotFoundError, ValueError, struct.error):
+        return None
+    return None
+
+
+def request_stop(path: Path) -> None:
+    """Supervisor side: set the stop flag in a rank's file so its should_stop() turns true."""
+    with open(path, "r+b") as f:
+        f.seek(56)
+        f.write(_I64.pack(1))
