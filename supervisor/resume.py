@@ -15,8 +15,8 @@ class ResumePoint:
 
 def choose_resume(checkpoint_dir: Path, layout: str = "auto") -> ResumePoint | None:
     """Newest valid checkpoint under ``checkpoint_dir``, or None (a fresh start)."""
-    if not checkpoint_dir.is_dir():
-        return None
+    if not checkpoint_dir.is_dir() or not any(checkpoint_dir.iterdir()):
+        return None  # fresh start: nothing to look at
     from supervisor import layouts
 
     record = layouts.latest_valid(checkpoint_dir, layout=layout)

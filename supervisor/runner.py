@@ -87,6 +87,17 @@ _TORCHRUN_EXIT = re.compile(r"exitcode\s*:\s*(-?\d+)\s*\(pid:\s*(\d+)\)")
 _TORCHRUN_RANK = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank")
 
 
+def _torchrun_root_cause(lines: list[str]) -> tuple[int, int, int] | None:
+    """(rank, exit code, pid) of the "Root Cause (first observed failure)" in torchrun's report."""
+    rank = None
+    for line in lines[next((i for i, l in enumerate(lines) if "Root Cause" in l), len(lines)):]:
+        if (m := _TORCHRUN_RANK.search(line)) is not None:
+            rank = int(m.group(1))
+        elif (m := _TORCHRUN_EXIT.search(line)) is not None and rank is not None:
+            return rank, int(m.group(1)), int(m.group(2))
+    return None
+
+
 class Supervisor:
     """Runs ``command`` under supervision with ``cfg``; call :meth:`run` once."""
 
@@ -238,17 +249,11 @@ class Supervisor:
         result = AttemptResult(attempt, "exit_code", code, last_step=last_step, output_tail=tail)
         if first_dead is not None:
             result.rank, result.pid = first_dead
-        # torchrun reports each failed worker as "exitcode: -9 (pid: 123)"; a negative code is a signal.
-        for line in tail:
-            m = _TORCHRUN_EXIT.search(line)
-            if m and int(m.group(1)) < 0:
-                code_signal = -int(m.group(1))
-                result.signal = _signame(code_signal)
-                result.pid = int(m.group(2))
-                result.reason = "signal"
-            r = _TORCHRUN_RANK.search(line)
-            if r and result.rank is None:
-                result.rank = int(r.group(1))
+        root = _torchrun_root_cause(tail)
+        if root is not None:  # torchrun hides the worker's fate behind its own exit 1; its report has it
+            result.rank, worker_code, result.pid = root
+            if worker_code < 0:
+                result.signal, result.reason = _signame(-worker_code), "signal"
         if code < 0:
             result.signal = _signame(-code)
             result.reason = "signal"
@@ -271,7 +276,7 @@ class Supervisor:
     def _hang(self, attempt: int, job: JobProcess, detector: HangDetector, verdict: HangVerdict) -> AttemptResult:
         reason = "hang" if verdict.reason == "heartbeat_timeout" else verdict.reason
         who = f"rank {verdict.rank} (pid {verdict.pid})" if verdict.rank is not None else "no rank"
-        detail = f"{who} silent for {verdict.silent_s:.1f}s > {verdict.reason} {verdict.timeout_s:.1f}s"
+        detail = f"{who} silent for {verdict.silent_s:.2f}s > {verdict.reason} {verdict.timeout_s:.2f}s"
         self._log(f"attempt {attempt}: hang detected: {detail}; dumping stacks")
         stacks = self._dump_stacks(detector)
         return AttemptResult(attempt, reason, None, rank=verdict.rank, pid=verdict.pid, detail=detail, stacks=stacks,

@@ -1,0 +1,126 @@
+"""A small deterministic CPU trainer for rlsup: torch.distributed (gloo), heartbeats, trainer_hooks checkpoints.
+
+Run it alone (one process), under torchrun, or under supervision:
+
+    rlsup run -- torchrun --standalone --nproc-per-node 2 examples/train_tiny.py --crash-at-step 23
+
+Faults for demos and tests (only on the attempt given by --fault-attempt, default the first):
+``--crash-at-step N`` kills rank ``--fault-rank`` with SIGKILL after step N; ``--hang-at-step N`` makes it
+stop heartbeating (a stuck collective). Every source of randomness (model init, data order, dropout,
+a NumPy and a Python draw per step) is seeded and checkpointed, so a run that was killed and resumed
+ends with bit-identical weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import random
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import trainer_hooks
+from trainer_hooks import CheckpointManager, ResumableSampler
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=40, help="Total optimizer steps.")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--dataset-size", type=int, default=96, help="Samples; small so epochs roll over often.")
+    p.add_argument("--checkpoint-every", type=int, default=5)
+    p.add_argument("--keep-last", type=int, default=3)
+    p.add_argument("--backend", default="torch", choices=["torch", "dcp", "megatron"])
+    p.add_argument("--checkpoint-dir", default=None, help="Default: $RLSUP_CHECKPOINT_DIR.")
+    p.add_argument("--step-time", type=float, default=0.02, help="Extra seconds per step, to look like work.")
+    p.add_argument("--crash-at-step", type=int, default=None)
+    p.add_argument("--hang-at-step", type=int, default=None)
+    p.add_argument("--fault-rank", type=int, default=1)
+    p.add_argument("--fault-attempt", type=int, default=0, help="Attempt (RLSUP_RESTART_COUNT) that gets the fault.")
+    p.add_argument("--out", default=None, help="Rank 0 writes the final weights here.")
+    p.add_argument("--seed", type=int, default=1234)
+    return p.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        dist.init_process_group("gloo")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    attempt = int(os.environ.get("RLSUP_RESTART_COUNT", "0"))
+
+    random.seed(args.seed + rank)
+    np.random.seed(args.seed + rank)
+    torch.manual_seed(args.seed)  # same init on every rank, like a broadcast
+
+    g = torch.Generator().manual_seed(args.seed)
+    xs = torch.randn(args.dataset_size, 16, generator=g)
+    ys = xs @ torch.randn(16, 1, generator=g) + 0.1 * torch.randn(args.dataset_size, 1, generator=g)
+    sampler = ResumableSampler(len(xs), num_replicas=world, rank=rank, shuffle=True, seed=args.seed)
+    loader = DataLoader(TensorDataset(xs, ys), batch_size=args.batch_size, sampler=sampler, num_workers=0)
+
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Dropout(0.1), nn.Linear(32, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=10, gamma=0.5)
+    ckpt = CheckpointManager(args.checkpoint_dir, keep_last=args.keep_last, backend=args.backend)
+    state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "sampler": sampler}
+
+    step = ckpt.restore(state)
+    if rank == 0:
+        print(f"[train_tiny] attempt {attempt}: starting at step {step} (world {world})", flush=True)
+
+    while step < args.steps and not trainer_hooks.should_stop():
+        for x, y in loader:
+            noise = float(np.random.standard_normal()) * 1e-3 + random.random() * 1e-3
+            loss = nn.functional.mse_loss(model(x) + noise, y)
+            optimizer.zero_grad()
+            loss.backward()
+            if dist.is_initialized():
+                for p in model.parameters():
+                    dist.all_reduce(p.grad)
+                    p.grad /= world
+            optimizer.step()
+            scheduler.step()
+            step += 1
+            trainer_hooks.heartbeat(step)
+            if rank == 0 and step % 5 == 0:
+                print(f"[train_tiny] step {step} loss {loss.item():.5f}", flush=True)
+            if step % args.checkpoint_every == 0 or step == args.steps:
+                ckpt.save(step, state)
+            if attempt == args.fault_attempt and rank == args.fault_rank % world:
+                if step == args.crash_at_step:
+                    print(f"[train_tiny] rank {rank}: injected crash after step {step}", flush=True)
+                    os.kill(os.getpid(), signal.SIGKILL)
+                if step == args.hang_at_step:
+                    print(f"[train_tiny] rank {rank}: injected hang after step {step}", flush=True)
+                    while True:
+                        time.sleep(1)
+            time.sleep(args.step_time)
+            if step >= args.steps or trainer_hooks.should_stop():
+                break
+        else:
+            sampler.set_epoch(sampler.epoch + 1)
+
+    if trainer_hooks.should_stop() and step % args.checkpoint_every != 0:
+        ckpt.save(step, state)  # preemption: save where we are before exiting
+    ckpt.wait()
+    if rank == 0 and args.out:
+        torch.save(model.state_dict(), args.out)
+        digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
+        print(f"[train_tiny] done at step {step}; weights sha256 {digest[:16]}", flush=True)
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

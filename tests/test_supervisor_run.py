@@ -1,0 +1,118 @@
+"""`rlsup run` with real processes and signals: restarts, give-up, fatal codes, hangs, orphans, stop."""
+
+from __future__ import annotations
+
+import signal
+import sys
+from pathlib import Path
+
+from conftest import JOBS, incidents, pid_alive, run_rlsup, start_rlsup, wait_for
+
+PY = sys.executable
+FAST = ["--backoff-initial", "0.05", "--backoff-max", "0.2", "--kill-grace", "2"]
+
+
+def test_crash_then_success(workdir: Path) -> None:
+    r = run_rlsup(["run", *FAST, "--", PY, str(JOBS / "exit_codes_job.py"), "3,0"], workdir)
+    assert r.returncode == 0, r.stderr
+    assert "attempt 0 restart_count=0" in r.stdout and "attempt 1 restart_count=1" in r.stdout
+    inc = incidents(workdir / ".rlsup")
+    assert len(inc) == 1
+    assert inc[0]["reason"] == "exit_code" and inc[0]["exit_code"] == 3 and inc[0]["action"] == "restart"
+    assert inc[0]["downtime_s"] is not None and inc[0]["output_tail"] == [
+        f"attempt 0 restart_count=0 ckpt={workdir / 'checkpoints'}"]
+
+
+def test_retries_exhausted(workdir: Path) -> None:
+    r = run_rlsup(["run", *FAST, "--max-restarts", "2", "--", PY, str(JOBS / "exit_codes_job.py"), "4"], workdir)
+    assert r.returncode == 4
+    assert r.stdout.count("restart_count=") == 3  # max_restarts + 1 attempts
+    inc = incidents(workdir / ".rlsup")
+    assert [i["action"] for i in inc] == ["restart", "restart", "give_up"]
+
+
+def test_fatal_exit_code_not_retried(workdir: Path) -> None:
+    r = run_rlsup(["run", *FAST, "--fatal-exit-codes", "13,42", "--", PY, str(JOBS / "exit_codes_job.py"), "42,0"],
+                  workdir)
+    assert r.returncode == 42
+    assert r.stdout.count("restart_count=") == 1
+    assert incidents(workdir / ".rlsup")[0]["action"] == "fatal"
+
+
+def test_signal_death_is_classified(workdir: Path) -> None:
+    script = workdir / "selfkill.py"
+    script.write_text("import os, signal\nif os.environ['RLSUP_RESTART_COUNT'] == '0':\n"
+                      "    os.kill(os.getpid(), signal.SIGSEGV)\n")
+    r = run_rlsup(["run", *FAST, "--", PY, str(script)], workdir)
+    assert r.returncode == 0
+    inc = incidents(workdir / ".rlsup")
+    assert inc[0]["reason"] == "signal" and inc[0]["signal"] == "SIGSEGV"
+
+
+def test_hang_detected_with_stacks(workdir: Path) -> None:
+    timeout = 1.5
+    r = run_rlsup(["run", *FAST, "--heartbeat-timeout", str(timeout), "--", PY, str(JOBS / "hang_job.py")], workdir)
+    assert r.returncode == 0, r.stderr
+    inc = incidents(workdir / ".rlsup")
+    assert len(inc) == 1 and inc[0]["reason"] == "hang", inc
+    assert inc[0]["rank"] == 0 and inc[0]["last_step"] == 5
+    silent = float(inc[0]["detail"].split("silent for ")[1].split("s")[0])
+    assert timeout <= silent < timeout + 1.0  # caught within the timeout plus the poll margin
+    (stack,) = inc[0]["stacks"].values()
+    assert "stuck_in_collective" in stack and "hang_job.py" in stack
+
+
+def test_startup_timeout(workdir: Path) -> None:
+    script = workdir / "silent.py"
+    script.write_text("import os, time, sys\nif os.environ['RLSUP_RESTART_COUNT'] == '0':\n    time.sleep(600)\n")
+    r = run_rlsup(["run", *FAST, "--startup-timeout", "1", "--", PY, str(script)], workdir)
+    assert r.returncode == 0
+    assert incidents(workdir / ".rlsup")[0]["reason"] == "startup_timeout"
+
+
+def test_grandchild_of_failed_attempt_is_killed(workdir: Path) -> None:
+    pidfile = workdir / "grandchild.pid"
+    r = run_rlsup(["run", *FAST, "--", PY, str(JOBS / "grandchild_job.py"), str(pidfile)], workdir)
+    assert "alive=False" in r.stdout, r.stdout + r.stderr
+    assert r.returncode == 0
+    assert not pid_alive(int(pidfile.read_text()))
+
+
+def test_sigterm_reaches_job_and_rlsup_exits(workdir: Path) -> None:
+    marker = workdir / "saved.txt"
+    proc = start_rlsup(["run", *FAST, "--", PY, str(JOBS / "stop_job.py"), str(marker)], workdir)
+    hb_dir = workdir / ".rlsup" / "attempts" / "attempt_0000" / "heartbeats"
+    wait_for(lambda: list(hb_dir.glob("rank_*.hb")), 30, "the job's first heartbeat")
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, out
+    assert marker.read_text().startswith("saved at step")
+    inc = incidents(workdir / ".rlsup")
+    assert inc[-1]["reason"] == "stopped" and inc[-1]["action"] == "stop"
+
+
+def test_preemption_signal_relayed_and_exit_for_requeue(workdir: Path) -> None:
+    marker = workdir / "saved.txt"
+    proc = start_rlsup(["run", *FAST, "--", PY, str(JOBS / "stop_job.py"), str(marker)], workdir)
+    hb_dir = workdir / ".rlsup" / "attempts" / "attempt_0000" / "heartbeats"
+    wait_for(lambda: list(hb_dir.glob("rank_*.hb")), 30, "the job's first heartbeat")
+    proc.send_signal(signal.SIGUSR1)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 75, out
+    assert marker.exists()
+    assert incidents(workdir / ".rlsup")[-1]["reason"] == "preempted"
+
+
+def test_torchrun_rank_killed_restarts_whole_job(workdir: Path) -> None:
+    out = workdir / "result"
+    r = run_rlsup(["run", *FAST, "--heartbeat-timeout", "60", "--", PY, "-m", "torch.distributed.run", "--standalone",
+                   "--nproc-per-node", "2", str(JOBS / "ddp_kill_job.py"), str(out)], workdir, timeout=240)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    inc = incidents(workdir / ".rlsup")
+    assert len(inc) == 1
+    assert inc[0]["reason"] == "signal" and inc[0]["signal"] == "SIGKILL", inc[0]
+    assert inc[0]["rank"] == 1
+    # The whole job restarted: both ranks finished in attempt 1, neither in attempt 0.
+    done = sorted(p.name for p in workdir.glob("result.rank*"))
+    assert done == ["result.rank0.attempt1", "result.rank1.attempt1"]
+    assert (workdir / "result.rank0.attempt1").read_text() == "2046.0"
