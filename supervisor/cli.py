@@ -11,8 +11,9 @@ from pathlib import Path
 from typing import Sequence
 
 from supervisor import __version__, exit_codes
-from supervisor.config import ConfigError, add_flags, load_config, reference_markdown, to_yaml
+from supervisor.config import ConfigError, SupervisorConfig, add_flags, load_config, reference_markdown, to_yaml
 from supervisor.incidents import read_incidents, read_state
+from supervisor.observer import Observer
 
 
 def _split_command(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -29,7 +30,24 @@ def cmd_run(args: argparse.Namespace, command: list[str]) -> int:
         print("rlsup run: no command given; usage: rlsup run [options] -- COMMAND [ARGS...]", file=sys.stderr)
         return exit_codes.CONFIG_ERROR
     eff = load_config(args)
-    return Supervisor(eff.config, command).run().exit_code
+    return Supervisor(eff.config, command, observer=start_metrics(eff.config)).run().exit_code
+
+
+def start_metrics(cfg: SupervisorConfig) -> Observer | None:
+    """The /metrics endpoint; a busy port is reported and supervision goes on without it."""
+    if cfg.metrics_port == 0:
+        return None
+    from supervisor.metrics import SupervisorMetrics
+
+    metrics = SupervisorMetrics(job=cfg.job_name)
+    try:
+        port = metrics.serve(cfg.metrics_addr, cfg.metrics_port)
+    except OSError as e:
+        print(f"[rlsup] warning: metrics endpoint {cfg.metrics_addr}:{cfg.metrics_port} not started: {e}",
+              file=sys.stderr)
+        return None
+    print(f"[rlsup] metrics on http://{cfg.metrics_addr}:{port}/metrics", file=sys.stderr, flush=True)
+    return metrics
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -92,7 +110,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
                str(script), "--steps", str(args.steps), "--checkpoint-every", "5",
                "--crash-at-step", str(args.crash_at_step), "--out", str(workdir / "final_weights.pt")]
     print(f"[rlsup demo] supervising: {' '.join(command)}", flush=True)
-    result = Supervisor(cfg, command).run()
+    result = Supervisor(cfg, command, observer=start_metrics(cfg)).run()
     print(f"[rlsup demo] finished: {result.status.value}, {result.attempts} attempt(s), exit {result.exit_code}")
     for inc in result.incidents:
         print(f"[rlsup demo] incident: attempt {inc.attempt} {inc.reason} ({inc.detail}); "

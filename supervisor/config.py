@@ -60,6 +60,9 @@ class SupervisorConfig:
     resume: bool = _opt(True, "Pick the newest valid checkpoint before each attempt and pass it as RLSUP_RESUME_DIR.")
     checkpoint_layout: str = _opt("auto", "Checkpoint layout to read: auto, rlsup, verl, megatron, areal, dcp.")
     repair_tracker: bool = _opt(False, "Rewrite a trainer's tracker file (verl/Megatron) to the chosen step before a restart.")
+    metrics_port: int = _opt(9778, "Port of the Prometheus /metrics endpoint (0: off). 9778 avoids node_exporter, DCGM and Prometheus' own ports.")
+    metrics_addr: str = _opt("0.0.0.0", "Address the /metrics endpoint binds to.")
+    job_name: str = _opt("", "Name shown in the rlsup_info metric (e.g. the SLURM job name).")
 
     def resolved(self, base: Path | None = None) -> "SupervisorConfig":
         """Paths made absolute, so attempts launched in other directories agree."""
@@ -241,6 +244,8 @@ def _validate(cfg: SupervisorConfig, origins: dict[str, str]) -> None:
     def bad(key: str, why: str) -> ConfigError:
         return ConfigError(f"{origins[key]}: key '{key}': {why}")
 
+    if not 0 <= cfg.metrics_port <= 65535:
+        raise bad("metrics_port", "must be a port number 0..65535")
     for key in ("max_restarts", "max_no_progress_attempts", "output_tail_lines"):
         if getattr(cfg, key) < 0:
             raise bad(key, "must be >= 0")

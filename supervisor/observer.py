@@ -23,3 +23,9 @@ class Observer:
 
     def downtime(self, seconds: float) -> None:
         """Time from an attempt's failure to the next attempt's launch."""
+
+    def checkpoint(self, step: int, written: float) -> None:
+        """The newest valid checkpoint is ``step``, written at unix time ``written``."""
+
+    def resumed_from(self, tier: str) -> None:
+        """An attempt resumes from a checkpoint found in ``tier`` (local, peer, persistent)."""

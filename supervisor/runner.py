@@ -173,7 +173,10 @@ class Supervisor:
     def choose_resume(self) -> ResumePoint | None:
         if not self.cfg.resume:
             return None
-        return choose_resume(self.checkpoint_dir, self.cfg.checkpoint_layout)
+        point = choose_resume(self.checkpoint_dir, self.cfg.checkpoint_layout)
+        if point is not None:
+            self.observer.checkpoint(point.step, point.path.stat().st_mtime)
+        return point
 
     def attempt_env(self, attempt: int, resume: ResumePoint | None, hb_dir: Path) -> dict[str, str]:
         env = dict(os.environ)
@@ -203,6 +206,8 @@ class Supervisor:
         job = JobProcess(self.command, self.attempt_env(attempt, resume, hb_dir), attempt_dir / "output.log",
                          self.cfg.output_tail_lines)
         self.observer.attempt_started(attempt, resume.step if resume else None)
+        if resume is not None:
+            self.observer.resumed_from("local")
         return job, hb_dir
 
     def watch(self, job: JobProcess, hb_dir: Path, attempt: int) -> AttemptResult:
@@ -211,6 +216,7 @@ class Supervisor:
                                 self.cfg.heartbeat_timeout, self.auto_timeout)
         oom_before = oom_kill_count()
         first_dead: tuple[int, int] | None = None
+        saving: set[int] = set()
         while True:
             code = job.poll()
             if code is not None:
@@ -227,6 +233,10 @@ class Supervisor:
                 return self._hang(attempt, job, detector, verdict)
             if first_dead is None:
                 first_dead = self._first_dead_rank(detector)
+            now_saving = {r for r, rec in detector.records.items() if rec.section == "save"}
+            if saving - now_saving:
+                self.choose_resume()  # a save just ended: refresh the newest-checkpoint metrics
+            saving = now_saving
             self._wake.wait(self.cfg.poll_interval)
 
     def cleanup(self, job: JobProcess, result: AttemptResult) -> None:

@@ -36,6 +36,7 @@ def rlsup_cmd(*args: str) -> list[str]:
 def clean_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("RLSUP_")}
     env["PYTHONUNBUFFERED"] = "1"
+    env["RLSUP_METRICS_PORT"] = "0"  # tests that scrape pass their own free port
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env.update(extra)
     return env

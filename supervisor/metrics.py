@@ -1,0 +1,162 @@
+"""Prometheus metrics for one node's supervisor, fed by the run loop's :class:`Observer` events.
+
+Naming follows Prometheus conventions: prefix ``rlsup_``, base units (seconds, bytes), counters end
+in ``_total``, and labels stay bounded (reason, state, local rank, peer, tier; never steps, paths or pids).
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from typing import Any, Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Enum, Gauge, Histogram, Info, start_http_server
+
+from supervisor import __version__
+from supervisor.observer import Observer
+
+DEFAULT_PORT = 9778
+STATES = ["init", "starting", "running", "failed", "backoff", "stopping", "succeeded", "gave_up", "stopped",
+          "preempted"]
+REASONS = ["exit_code", "signal", "oom", "hang", "startup_timeout", "save_timeout", "peer_failure"]
+
+
+class SupervisorMetrics(Observer):
+    """All series rlsup exports; one instance per supervisor process, on its own registry."""
+
+    def __init__(self, job: str = "", node: str | None = None) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.node = node or socket.gethostname()
+        Info("rlsup", "rlsup version and identity of this node's supervisor.", registry=r).info(
+            {"version": __version__, "node": self.node, "job_name": job})
+        self.job_state = Enum("rlsup_job_state", "Current state of the supervised job.", states=STATES, registry=r)
+        self.attempts = Counter("rlsup_attempts_total", "Attempts launched.", registry=r)
+        self.restarts = Counter("rlsup_restarts_total", "Failed attempts by reason.", ["reason"], registry=r)
+        for reason in REASONS:
+            self.restarts.labels(reason)
+        self.hb_age = Gauge("rlsup_heartbeat_age_seconds", "Seconds since each local rank's last heartbeat.",
+                            ["local_rank"], registry=r)
+        self.last_step = Gauge("rlsup_last_step", "Newest step reported by any rank's heartbeat.", registry=r)
+        self.hb_timeout = Gauge("rlsup_heartbeat_timeout_seconds", "Heartbeat timeout in force (learned or set).",
+                                registry=r)
+        self.saves = Counter("rlsup_checkpoint_saves_total", "Checkpoint saves seen (save sections ended).",
+                             registry=r)
+        self.save_duration = Histogram("rlsup_checkpoint_save_duration_seconds", "Duration of checkpoint saves.",
+                                       buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800), registry=r)
+        self.ckpt_step = Gauge("rlsup_checkpoint_latest_step", "Step of the newest valid checkpoint.", registry=r)
+        self.ckpt_time = Gauge("rlsup_checkpoint_latest_timestamp_seconds",
+                               "Unix time the newest valid checkpoint was written.", registry=r)
+        self.ckpt_age = Gauge("rlsup_checkpoint_age_seconds", "Age of the newest valid checkpoint.", registry=r)
+        self.ckpt_age.set_function(lambda: time.time() - self._ckpt_written if self._ckpt_written else float("nan"))
+        self.resume_seconds = Gauge("rlsup_resume_duration_seconds",
+                                    "Last restart: failure to the first heartbeat of the new attempt.", registry=r)
+        self.steps_lost = Histogram("rlsup_steps_lost", "Steps redone after each failure (last step - resume step).",
+                                    buckets=(0, 1, 5, 10, 50, 100, 500, 1000, 5000), registry=r)
+        self.downtime_total = Counter("rlsup_downtime_seconds_total",
+                                      "Seconds between a failure and the next attempt's launch.", registry=r)
+        self.goodput = Gauge("rlsup_goodput_ratio", "Productive training time over wall time since rlsup started.",
+                             registry=r)
+        self.goodput.set_function(self._goodput)
+        self.repl_bytes = Counter("rlsup_replication_bytes_total", "Checkpoint bytes sent to each peer.", ["peer"],
+                                  registry=r)
+        self.repl_failures = Counter("rlsup_replication_failures_total", "Failed transfers per peer.", ["peer"],
+                                     registry=r)
+        self.repl_lag = Gauge("rlsup_replication_lag_seconds",
+                              "Age of the newest local checkpoint not yet on this peer (0: caught up).", ["peer"],
+                              registry=r)
+        self.resume_tier = Counter("rlsup_resumes_total", "Resumes by where the checkpoint came from.", ["tier"],
+                                   registry=r)
+        self._started = time.monotonic()
+        self._ckpt_written = 0.0
+        self._productive = 0.0
+        self._running_since: float | None = None
+        self._failed_at: float | None = None
+        self._failed_step: int | None = None
+        self._awaiting_first_beat = False
+        self._step_time = 0.0
+        self._prev_step: tuple[int, float] | None = None
+        self._save_started: dict[int, int] = {}
+        self._ranks_seen: set[int] = set()
+
+    # ------------------------------------------------------------ HTTP
+
+    def serve(self, addr: str, port: int) -> int:
+        """Start the /metrics endpoint; returns the bound port (useful with port 0)."""
+        server, _thread = start_http_server(port, addr=addr, registry=self.registry)
+        return int(server.server_address[1])
+
+    # ------------------------------------------------------------ Observer events
+
+    def state(self, state: str) -> None:
+        self.job_state.state(state)
+        now = time.monotonic()
+        if state == "running":
+            self._running_since = now
+        elif self._running_since is not None:
+            self._productive += now - self._running_since
+            self._running_since = None
+
+    def attempt_started(self, attempt: int, resume_step: int | None) -> None:
+        self.attempts.inc()
+        self._awaiting_first_beat = self._failed_at is not None
+        if self._failed_step is not None:
+            lost = max(0, self._failed_step - (resume_step or 0))
+            self.steps_lost.observe(lost)
+            self._productive -= lost * self._step_time  # work that has to be done again was not productive
+        self._prev_step = None
+        for rank in self._ranks_seen:
+            self.hb_age.remove(str(rank))
+        self._ranks_seen.clear()
+
+    def attempt_failed(self, reason: str, last_step: int | None) -> None:
+        self.restarts.labels(reason if reason in REASONS else "exit_code").inc()
+        self._failed_at = time.monotonic()
+        self._failed_step = last_step
+
+    def heartbeats(self, records: Mapping[int, Any], timeout_s: float) -> None:
+        now_ns = time.monotonic_ns()
+        self.hb_timeout.set(timeout_s)
+        steps = []
+        for rank, rec in records.items():
+            if rec.beat_ns:
+                self.hb_age.labels(str(rank)).set(max(0.0, (now_ns - rec.beat_ns) / 1e9))
+                self._ranks_seen.add(rank)
+                steps.append(rec.step)
+            if rec.section == "save" and rank not in self._save_started:
+                self._save_started[rank] = rec.section_ns
+            elif rec.section != "save" and rank in self._save_started:
+                started = self._save_started.pop(rank)
+                if rank == min(records):
+                    self.saves.inc()
+                    self.save_duration.observe(max(0.0, (rec.section_ns - started) / 1e9))
+        if steps:
+            step = max(steps)
+            self.last_step.set(step)
+            now = time.monotonic()
+            if self._prev_step is not None and step > self._prev_step[0]:
+                self._step_time = (now - self._prev_step[1]) / (step - self._prev_step[0])
+            if self._prev_step is None or step != self._prev_step[0]:
+                self._prev_step = (step, now)
+            if self._awaiting_first_beat and self._failed_at is not None:
+                self.resume_seconds.set(now - self._failed_at)
+                self._awaiting_first_beat = False
+
+    def downtime(self, seconds: float) -> None:
+        self.downtime_total.inc(seconds)
+
+    def checkpoint(self, step: int, written: float) -> None:
+        """The newest valid checkpoint is ``step``, written at unix time ``written``."""
+        self.ckpt_step.set(step)
+        self.ckpt_time.set(written)
+        self._ckpt_written = written
+
+    def resumed_from(self, tier: str) -> None:
+        self.resume_tier.labels(tier).inc()
+
+    def _goodput(self) -> float:
+        wall = time.monotonic() - self._started
+        productive = self._productive
+        if self._running_since is not None:
+            productive += time.monotonic() - self._running_since
+        return max(0.0, min(1.0, productive / wall)) if wall > 0 else 0.0
