@@ -125,11 +125,12 @@ class Supervisor:
         become_subreaper()
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
-        attempt = 0
+        attempt = self.first_attempt()
         pending: Incident | None = None
         pending_since = 0.0
         while True:
-            resume = self.choose_resume()
+            self._set_state(JobStatus.STARTING, attempt=attempt)
+            resume = self.prepare(attempt)
             self._set_state(JobStatus.STARTING, attempt=attempt, resume=resume)
             job, hb_dir = self.launch(attempt, resume)
             if pending is not None:
@@ -148,12 +149,14 @@ class Supervisor:
                 self._set_state(status, exit_code=code)
                 return self._finish(code, status, attempt)
             self._set_state(JobStatus.FAILED)
-            after = self.choose_resume()
-            progressed = after is not None and (resume is None or after.step > resume.step)
+            self.attempt_failed(attempt, result)
+            after = self.progress_marker()
+            progressed = after is not None and (resume is None or after > resume.step)
             decision = self.policy.decide(result.exit_code, progressed)
             self.observer.attempt_failed(result.reason, result.last_step)
             incident = self._incident(result, decision.action)
             if not decision.restart:
+                self.give_up(f"node gave up after attempt {attempt}: {decision.action}")
                 self._record(incident)
                 code = self._give_up_code(decision.action, result)
                 self._set_state(JobStatus.GAVE_UP, exit_code=code)
@@ -166,9 +169,34 @@ class Supervisor:
                 self._record(pending, downtime=None, resume=None)
                 code = exit_codes.REQUEUE if self.preempted else exit_codes.from_signal(self.stop_signal)
                 return self._finish(code, JobStatus.PREEMPTED if self.preempted else JobStatus.STOPPED, attempt)
-            attempt += 1
+            attempt = self.next_attempt(attempt)
 
-    # ------------------------------------------------------------ steps
+    # ------------------------------------------------------------ steps (overridable)
+
+    def first_attempt(self) -> int:
+        return 0
+
+    def next_attempt(self, attempt: int) -> int:
+        return attempt + 1
+
+    def prepare(self, attempt: int) -> ResumePoint | None:
+        """Everything before launch; returns the checkpoint to resume from."""
+        return self.choose_resume()
+
+    def peer_ended(self, attempt: int) -> str | None:
+        """Polled while the job runs: a reason when another node ended this attempt (single node: never)."""
+        return None
+
+    def attempt_failed(self, attempt: int, result: "AttemptResult") -> None:
+        """This node's attempt failed (tell the other nodes)."""
+
+    def give_up(self, reason: str) -> None:
+        """This node stops restarting (tell the other nodes)."""
+
+    def progress_marker(self) -> int | None:
+        """Newest valid checkpoint step, to tell whether a failed attempt made progress."""
+        point = self.choose_resume()
+        return point.step if point is not None else None
 
     def choose_resume(self) -> ResumePoint | None:
         if not self.cfg.resume:
@@ -224,6 +252,11 @@ class Supervisor:
                 return self._classify_exit(attempt, code, job, detector, first_dead, oom_before)
             if self.stop_signal is not None:
                 return self._stop_job(attempt, job, detector)
+            peer = self.peer_ended(attempt)
+            if peer is not None:
+                self._log(f"attempt {attempt}: ended by another node ({peer}); stopping this node's job")
+                return AttemptResult(attempt, "peer_failure", None, detail=peer, last_step=detector.last_step(),
+                                     output_tail=job.output.tail())
             job.refresh()
             verdict = detector.check()
             self.observer.heartbeats(detector.records, detector.timeout())
