@@ -63,6 +63,21 @@ class SupervisorConfig:
     metrics_port: int = _opt(9778, "Port of the Prometheus /metrics endpoint (0: off). 9778 avoids node_exporter, DCGM and Prometheus' own ports.")
     metrics_addr: str = _opt("0.0.0.0", "Address the /metrics endpoint binds to.")
     job_name: str = _opt("", "Name shown in the rlsup_info metric (e.g. the SLURM job name).")
+    peers: list[str] = _opt([], "Replication endpoints host:port of every node, in node-rank order (empty: from SLURM, else single node).")
+    node_rank: int | None = _opt(None, "This node's index in peers (default: SLURM_NODEID).")
+    replication_port: int = _opt(9779, "Port of the replication endpoint when peers come from SLURM or omit a port.")
+    coordinator_port: int = _opt(9780, "Port of the coordination store (torch TCPStore) hosted by node 0's supervisor.")
+    token_file: str = _opt("", "File holding the shared secret that authenticates every replication request (mode 600).")
+    replica_dir: str = _opt("replicas", "Where this node stores the replicas it holds for other nodes.")
+    replication_factor: int = _opt(1, "Copies of each node's checkpoint parts kept on other nodes.")
+    replication_jump: int = _opt(1, "Ring step between a node and its replica holders (e.g. nodes per rack).")
+    replication_bandwidth: float = _opt(0.0, "Cap on replication traffic in bytes/s (0: unlimited).")
+    replication_concurrency: int = _opt(4, "Transfers in flight at once.")
+    replication_scan_interval: float = _opt(5.0, "Seconds between full rescans of the checkpoint directory (events trigger passes sooner).")
+    rendezvous_timeout: float = _opt(600.0, "Seconds to wait for every node before an attempt starts.")
+    tls_cert: str = _opt("", "PEM certificate for the replication endpoint (empty: plain HTTP with HMAC auth).")
+    tls_key: str = _opt("", "PEM private key for tls_cert.")
+    tls_ca: str = _opt("", "CA bundle that peers' certificates must chain to.")
 
     def resolved(self, base: Path | None = None) -> "SupervisorConfig":
         """Paths made absolute, so attempts launched in other directories agree."""
@@ -71,6 +86,7 @@ class SupervisorConfig:
             self,
             checkpoint_dir=str((base / self.checkpoint_dir).resolve()),
             state_dir=str((base / self.state_dir).resolve()),
+            replica_dir=str((base / self.replica_dir).resolve()),
         )
 
 
@@ -246,13 +262,21 @@ def _validate(cfg: SupervisorConfig, origins: dict[str, str]) -> None:
 
     if not 0 <= cfg.metrics_port <= 65535:
         raise bad("metrics_port", "must be a port number 0..65535")
-    for key in ("max_restarts", "max_no_progress_attempts", "output_tail_lines"):
+    for key in ("max_restarts", "max_no_progress_attempts", "output_tail_lines", "replication_factor",
+                "replication_bandwidth"):
         if getattr(cfg, key) < 0:
             raise bad(key, "must be >= 0")
     for key in ("backoff_initial", "backoff_max", "kill_grace", "stop_grace", "startup_timeout", "save_timeout",
                 "restart_window", "auto_timeout_floor", "heartbeat_timeout_initial"):
         if getattr(cfg, key) < 0:
             raise bad(key, "must be >= 0 seconds")
+    for key in ("replication_port", "coordinator_port"):
+        if not 0 < getattr(cfg, key) <= 65535:
+            raise bad(key, "must be a port number 1..65535")
+    if cfg.replication_jump < 1 or cfg.replication_concurrency < 1:
+        raise bad("replication_jump" if cfg.replication_jump < 1 else "replication_concurrency", "must be >= 1")
+    if bool(cfg.tls_cert) != bool(cfg.tls_key):
+        raise bad("tls_key" if cfg.tls_cert else "tls_cert", "tls_cert and tls_key go together")
     if cfg.poll_interval <= 0:
         raise bad("poll_interval", "must be > 0")
     if cfg.heartbeat_timeout is not None and cfg.heartbeat_timeout <= 0:
@@ -295,9 +319,13 @@ def reference_markdown() -> str:
     defaults = SupervisorConfig()
     for f in dataclasses.fields(SupervisorConfig):
         tp = hints[f.name]
-        tname = "seconds or auto" if f.name == "heartbeat_timeout" else getattr(tp, "__name__", str(tp))
-        if typing.get_origin(tp) is list:
-            tname = "list of int"
+        tname = getattr(tp, "__name__", str(tp))
+        if f.name == "heartbeat_timeout":
+            tname = "seconds or auto"
+        elif typing.get_origin(tp) is list:
+            tname = f"list of {typing.get_args(tp)[0].__name__}"
+        elif typing.get_origin(tp) in (typing.Union, types.UnionType):
+            tname = f"{typing.get_args(tp)[0].__name__} or null"
         default = getattr(defaults, f.name)
         shown = "auto" if default is None else default
         out.append(f"| `{f.name}` | `--{f.name.replace('_', '-')}` | {tname} | `{shown}` | {f.metadata['help']} |")

@@ -126,35 +126,35 @@ class RoundCoordinator:
 def compute_plan(rnd: int, inventories: list[dict[str, Any]]) -> RoundPlan:
     """The newest step whose every rank part is valid on some node, and what each node must fetch.
 
-    An inventory is ``{"steps": {step: {"world_size": W, "local": [ranks], "replicas": {rank: owner}}}}``
-    where ``local`` lists the rank parts valid in that node's own checkpoint directory and ``replicas``
-    the parts it holds for their owner nodes. The owner of a part is the node whose ranks wrote it; it
-    is the one that needs it back.
+    An inventory is ``{"steps": {step: {"world_size": W, "local": {rank: owner}, "replicas": {rank: owner}}}}``:
+    ``local`` lists the parts valid in that node's own checkpoint directory, ``replicas`` those it holds
+    for other nodes; ``owner`` is the node whose ranks wrote the part and which needs it back to resume.
+    A part is in place when its owner holds it locally (a shared filesystem counts), else it must come
+    from a replica holder; a part neither in place nor replicated makes the step unusable.
     """
     steps: dict[int, dict[str, Any]] = {}
     for node, inv in enumerate(inventories):
         for step_s, info in inv.get("steps", {}).items():
-            entry = steps.setdefault(int(step_s), {"world_size": set(), "local": {}, "replicas": {}})
+            entry = steps.setdefault(int(step_s), {"world_size": set(), "in_place": set(), "holders": {}})
             entry["world_size"].add(int(info["world_size"]))
-            for rank in info.get("local", []):
-                entry["local"].setdefault(int(rank), node)
+            for rank_s, owner in info.get("local", {}).items():
+                if int(owner) == node:
+                    entry["in_place"].add(int(rank_s))
             for rank_s, owner in info.get("replicas", {}).items():
-                entry["replicas"].setdefault(int(rank_s), {"owner": int(owner), "holders": []})["holders"].append(node)
+                entry["holders"].setdefault(int(rank_s), (int(owner), []))[1].append(node)
     for step in sorted(steps, reverse=True):
         entry = steps[step]
         if len(entry["world_size"]) != 1:
             continue  # nodes disagree about the job's size at this step: not a usable checkpoint
         (world,) = entry["world_size"]
         fetch: dict[int, dict[int, list[int]]] = {}
-        complete = True
         for rank in range(world):
-            if rank in entry["local"]:
+            if rank in entry["in_place"]:
                 continue
-            rep = entry["replicas"].get(rank)
-            if rep is None:
-                complete = False
+            if rank not in entry["holders"]:
                 break
-            fetch.setdefault(rep["owner"], {})[rank] = sorted(rep["holders"])
-        if complete:
+            owner, holders = entry["holders"][rank]
+            fetch.setdefault(owner, {})[rank] = sorted(holders)
+        else:
             return RoundPlan(rnd, step, world, fetch)
     return RoundPlan(rnd, None, None, {})

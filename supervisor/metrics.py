@@ -151,6 +151,15 @@ class SupervisorMetrics(Observer):
         self.ckpt_time.set(written)
         self._ckpt_written = written
 
+    def replicated(self, peer: str, nbytes: int) -> None:
+        self.repl_bytes.labels(peer).inc(nbytes)
+
+    def replication_failed(self, peer: str) -> None:
+        self.repl_failures.labels(peer).inc()
+
+    def replication_lag(self, peer: str, seconds: float) -> None:
+        self.repl_lag.labels(peer).set(seconds)
+
     def resumed_from(self, tier: str) -> None:
         self.resume_tier.labels(tier).inc()
 

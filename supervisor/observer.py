@@ -29,3 +29,12 @@ class Observer:
 
     def resumed_from(self, tier: str) -> None:
         """An attempt resumes from a checkpoint found in ``tier`` (local, peer, persistent)."""
+
+    def replicated(self, peer: str, nbytes: int) -> None:
+        """``nbytes`` of checkpoint data reached ``peer`` (a node rank)."""
+
+    def replication_failed(self, peer: str) -> None:
+        """A transfer to ``peer`` failed (it is retried on the next pass)."""
+
+    def replication_lag(self, peer: str, seconds: float) -> None:
+        """Age of the oldest local part not yet on ``peer`` (0: caught up)."""

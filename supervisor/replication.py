@@ -1,0 +1,288 @@
+"""Copy this node's valid checkpoint parts to peer nodes, and bring missing parts back.
+
+Triggers: the watchdog library reports new manifests in the checkpoint directory (a part becomes valid
+exactly when its manifest appears, since trainer_hooks writes it last); a periodic rescan catches what
+an event missed. Each part goes to ``replication_factor`` nodes chosen by :func:`replica_targets`, files
+first and manifest last, so a replica becomes valid only when whole. While a step is being copied it
+carries a ``.hold-replication-node<N>`` marker, so retention does not delete it mid-copy; once the owner
+deletes a step (retention), its replicas are deleted too. Placement is recorded beside each step in
+``.rlsup-placement.node<N>.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from watchdog.events import FileSystemEvent, FileSystemEventHandler
+from watchdog.observers import Observer as FsObserver
+
+from supervisor.membership import Membership, replica_targets
+from supervisor.observer import Observer
+from supervisor.parts import Part, scan_parts, verify_part
+from trainer_hooks.manifest import MANIFEST_RE, hash_file, list_step_dirs, manifest_name, step_dir_name
+
+log = logging.getLogger("rlsup.replication")
+
+
+def namespace_of(node: int) -> str:
+    return f"node{node}"
+
+
+@dataclass
+class PeerProgress:
+    """Replication progress to one peer, for ``rlsup status`` and metrics."""
+
+    bytes_sent: int = 0
+    parts_sent: int = 0
+    failures: int = 0
+    last_error: str = ""
+    last_ok: float = 0.0
+    lag_s: float = 0.0
+    rate_bps: float = 0.0
+
+
+@dataclass
+class ReplicationEngine:
+    """One node's replication: watcher, pusher, inventory and restore-fetcher."""
+
+    membership: Membership
+    checkpoint_dir: Path
+    replica_root: Path
+    clients: dict[int, Any]  # node rank -> PeerClient
+    factor: int
+    jump: int
+    state_path: Path
+    observer: Observer = field(default_factory=Observer)
+    scan_interval: float = 5.0
+    _wake: threading.Event = field(default_factory=threading.Event)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _done: set[tuple[int, int, int]] = field(default_factory=set)  # (target, step, rank)
+    _sent_steps: dict[int, set[int]] = field(default_factory=dict)  # target -> steps held there
+    progress: dict[int, PeerProgress] = field(default_factory=dict)
+    _threads: list[threading.Thread] = field(default_factory=list)
+    _fs: Any = None
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def me(self) -> int:
+        return self.membership.node_rank
+
+    @property
+    def targets(self) -> list[int]:
+        return replica_targets(self.me, self.membership.size, self.factor, self.jump)
+
+    # ------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        handler = _ManifestHandler(self._wake.set)
+        self._fs = FsObserver()
+        self._fs.schedule(handler, str(self.checkpoint_dir), recursive=True)
+        self._fs.start()
+        t = threading.Thread(target=self._loop, name="rlsup-replicator", daemon=True)
+        t.start()
+        self._threads.append(t)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._fs is not None:
+            self._fs.stop()
+            self._fs.join(timeout=5)
+        for t in self._threads:
+            t.join(timeout=30)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(self.scan_interval)
+            self._wake.clear()
+            if self._stop.is_set():
+                break
+            try:
+                self.sync()
+            except Exception as e:  # never let the replicator thread die
+                log.warning("replication pass failed: %s", e)
+
+    # ------------------------------------------------------------ pushing
+
+    def own_parts(self) -> list[Part]:
+        """Valid parts in the local directory that this node wrote (sizes checked; checksums on push)."""
+        return [p for p in scan_parts(self.checkpoint_dir, full=False) if p.owner in (self.me, None)]
+
+    def sync(self) -> None:
+        """One pass: push what each target lacks, delete what the owner no longer keeps."""
+        with self._lock:
+            parts = self.own_parts()
+            local_steps = {p.step for p in parts}
+            for target in self.targets:
+                for part in parts:
+                    if (target, part.step, part.rank) not in self._done and not self._stop.is_set():
+                        self._push(target, part)
+                for step in sorted(self._sent_steps.get(target, set()) - local_steps):
+                    if not (self.checkpoint_dir / step_dir_name(step)).exists():
+                        self._delete(target, step)
+            self._update_lag(parts)
+            self._save_state()
+
+    def _push(self, target: int, part: Part) -> None:
+        client = self.clients[target]
+        prog = self.progress.setdefault(target, PeerProgress())
+        hold = part.step_dir / f".hold-replication-node{self.me}"
+        ns = namespace_of(self.me)
+        base = step_dir_name(part.step)
+        started = time.monotonic()
+        try:
+            hold.touch()
+            if verify_part(part.step_dir, part.rank, full=True) is None:
+                return  # changed or corrupted since the scan: never replicate a bad part
+            sent = 0
+            for name, entry in part.manifest.files.items():
+                client.push_file(ns, f"{base}/{name}", part.step_dir / name, entry)
+                sent += entry.size
+                self.observer.replicated(str(target), entry.size)
+            client.push_file(ns, f"{base}/{manifest_name(part.rank)}", part.manifest_path,
+                             hash_file(part.manifest_path))
+            self._done.add((target, part.step, part.rank))
+            self._sent_steps.setdefault(target, set()).add(part.step)
+            prog.bytes_sent += sent
+            prog.parts_sent += 1
+            prog.last_ok = time.time()
+            elapsed = time.monotonic() - started
+            prog.rate_bps = sent / elapsed if elapsed > 0 else 0.0
+            self._record_placement(part)
+        except Exception as e:  # a dead or lying peer slows nothing but its own copies
+            prog.failures += 1
+            prog.last_error = str(e)
+            self.observer.replication_failed(str(target))
+            log.warning("replicating step %s rank %s to node %s failed: %s", part.step, part.rank, target, e)
+        finally:
+            hold.unlink(missing_ok=True)
+
+    def _delete(self, target: int, step: int) -> None:
+        try:
+            self.clients[target].delete(namespace_of(self.me), step_dir_name(step))
+            self._sent_steps[target].discard(step)
+            self._done = {d for d in self._done if not (d[0] == target and d[1] == step)}
+        except Exception as e:
+            log.warning("deleting replica of step %s on node %s failed: %s", step, target, e)
+
+    def _record_placement(self, part: Part) -> None:
+        path = part.step_dir / f".rlsup-placement.node{self.me}.json"
+        placed = sorted(t for t in self.targets if (t, part.step, part.rank) in self._done)
+        data = {"step": part.step, "owner": self.me, "targets": placed,
+                "peers": [self.membership.peers[t] for t in placed], "updated": time.time()}
+        tmp = path.with_name(path.name + ".tmp")
+        try:
+            tmp.write_text(json.dumps(data))
+            os.replace(tmp, path)
+        except OSError:
+            pass
+
+    def _update_lag(self, parts: list[Part]) -> None:
+        for target in self.targets:
+            missing = [p for p in parts if (target, p.step, p.rank) not in self._done]
+            lag = time.time() - min(p.manifest.created for p in missing) if missing else 0.0
+            self.progress.setdefault(target, PeerProgress()).lag_s = lag
+            self.observer.replication_lag(str(target), lag)
+
+    def _save_state(self) -> None:
+        data = {
+            "node": self.me,
+            "peers": list(self.membership.peers),
+            "targets": self.targets,
+            "progress": {str(t): vars(p) for t, p in self.progress.items()},
+            "steps": {str(t): sorted(s) for t, s in self._sent_steps.items()},
+            "updated": time.time(),
+        }
+        self.state_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.state_path.with_name(self.state_path.name + ".tmp")
+        tmp.write_text(json.dumps(data, indent=1))
+        os.replace(tmp, self.state_path)
+
+    # ------------------------------------------------------------ restore
+
+    def inventory(self) -> dict[str, Any]:
+        """What this node holds, fully verified (a corrupted copy is never offered)."""
+        steps: dict[str, dict[str, Any]] = {}
+        for part in scan_parts(self.checkpoint_dir, full=True):
+            entry = steps.setdefault(str(part.step), {"world_size": part.world_size, "local": {}, "replicas": {}})
+            entry["local"][str(part.rank)] = part.owner if part.owner is not None else self.me
+        if self.replica_root.is_dir():
+            for ns_dir in sorted(self.replica_root.iterdir()):
+                if not ns_dir.name.startswith("node") or not ns_dir.name[4:].isdigit():
+                    continue
+                owner = int(ns_dir.name[4:])
+                for part in scan_parts(ns_dir, full=True):
+                    entry = steps.setdefault(str(part.step),
+                                             {"world_size": part.world_size, "local": {}, "replicas": {}})
+                    entry["replicas"][str(part.rank)] = owner
+        return {"node": self.me, "steps": steps}
+
+    def fetch(self, step: int, ranks: dict[int, list[int]]) -> None:
+        """Bring this node's missing parts of ``step`` back from the peers that hold replicas."""
+        step_dir = self.checkpoint_dir / step_dir_name(step)
+        step_dir.mkdir(parents=True, exist_ok=True)
+        ns = namespace_of(self.me)
+        base = step_dir_name(step)
+        for rank, holders in sorted(ranks.items()):
+            errors = []
+            for holder in holders:
+                try:
+                    self._fetch_part(self.clients[holder], ns, base, step_dir, rank)
+                    break
+                except Exception as e:
+                    errors.append(f"node {holder}: {e}")
+            else:
+                raise RuntimeError(f"could not fetch step {step} rank {rank}: {'; '.join(errors)}")
+
+    def _fetch_part(self, client: Any, ns: str, base: str, step_dir: Path, rank: int) -> None:
+        index = client.index(ns)
+        mname = manifest_name(rank)
+        m_entry = index.get(f"{base}/{mname}")
+        if m_entry is None:
+            raise RuntimeError(f"{base}/{mname} not held")
+        staging = step_dir / f".fetch-{mname}"
+        client.fetch_file(ns, f"{base}/{mname}", staging, m_entry)
+        try:
+            from trainer_hooks.manifest import read_manifest
+
+            manifest = read_manifest(staging)
+            for name, entry in manifest.files.items():
+                client.fetch_file(ns, f"{base}/{name}", step_dir / name, entry)
+            os.replace(staging, step_dir / mname)  # manifest last: the part is valid only when whole
+        finally:
+            staging.unlink(missing_ok=True)
+        if verify_part(step_dir, rank, full=True) is None:
+            raise RuntimeError(f"fetched part of rank {rank} does not verify")
+
+
+class _ManifestHandler(FileSystemEventHandler):
+    """Wake the replicator when a manifest appears (created, or renamed into place)."""
+
+    def __init__(self, wake: Callable[[], None]) -> None:
+        self.wake = wake
+
+    def on_any_event(self, event: FileSystemEvent) -> None:
+        path = getattr(event, "dest_path", "") or event.src_path
+        name = os.path.basename(str(path))
+        if MANIFEST_RE.match(name) or event.event_type == "deleted":
+            self.wake()
+
+
+def newest_own_step(checkpoint_dir: Path, node: int) -> int | None:
+    """Newest step holding a valid part written by ``node`` (the no-progress marker in multi-node runs)."""
+    for step, step_dir in reversed(list_step_dirs(checkpoint_dir)):
+        for entry in step_dir.iterdir():
+            m = MANIFEST_RE.match(entry.name)
+            part = verify_part(step_dir, int(m.group(1)), full=False) if m else None
+            if part is not None and part.owner in (node, None):
+                return step
+    return None
