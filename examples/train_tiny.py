@@ -47,6 +47,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--fault-attempt", type=int, default=0, help="Attempt (RLSUP_RESTART_COUNT) that gets the fault.")
     p.add_argument("--out", default=None, help="Rank 0 writes the final weights here.")
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--ballast-mb", type=int, default=0, help="Extra MB saved with each checkpoint (slower saves).")
     return p.parse_args()
 
 
@@ -66,13 +67,17 @@ def main() -> None:
     xs = torch.randn(args.dataset_size, 16, generator=g)
     ys = xs @ torch.randn(16, 1, generator=g) + 0.1 * torch.randn(args.dataset_size, 1, generator=g)
     sampler = ResumableSampler(len(xs), num_replicas=world, rank=rank, shuffle=True, seed=args.seed)
-    loader = DataLoader(TensorDataset(xs, ys), batch_size=args.batch_size, sampler=sampler, num_workers=0)
+    # Own generator: a DataLoader otherwise draws its base seed from the global torch RNG per epoch.
+    loader = DataLoader(TensorDataset(xs, ys), batch_size=args.batch_size, sampler=sampler, num_workers=0,
+                        generator=torch.Generator())
 
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Dropout(0.1), nn.Linear(32, 1))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=10, gamma=0.5)
     ckpt = CheckpointManager(args.checkpoint_dir, keep_last=args.keep_last, backend=args.backend)
     state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "sampler": sampler}
+    if args.ballast_mb:
+        state["ballast"] = torch.zeros(args.ballast_mb * 2**18)  # float32: 4 bytes each
 
     step = ckpt.restore(state)
     if rank == 0:

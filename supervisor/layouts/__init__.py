@@ -1,0 +1,183 @@
+"""Layout-aware checkpoint catalogue: find the newest checkpoint a restart can actually use.
+
+Reads files only (no processes, no network); tensor bytes are read only for rlsup's own format,
+whose manifests carry checksums. One module per on-disk layout, each exposing ``looks_like(root)``,
+``list_steps(root)`` (cheap listing), ``make_context(root)`` (run-wide hints) and
+``verify_step(path, step, ctx)``; this module picks the layout and walks the steps.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import ModuleType
+
+from supervisor.layouts import areal, dcp, megatron, rlsup, tracker, verl
+from supervisor.layouts.files import tree_size
+from supervisor.layouts.record import Check, CheckpointRecord, TrackerStatus
+
+__all__ = [
+    "CheckpointRecord",
+    "TrackerStatus",
+    "Check",
+    "LAYOUTS",
+    "detect_layout",
+    "scan",
+    "latest_valid",
+    "verify_path",
+    "tracker_status",
+    "repair_tracker",
+]
+
+LAYOUTS: dict[str, ModuleType] = {
+    "rlsup": rlsup,
+    "verl": verl,
+    "verl-legacy": verl,
+    "megatron": megatron,
+    "areal": areal,
+    "dcp": dcp,
+}
+LAYOUT_NAMES = ("rlsup", "verl", "megatron", "areal", "dcp")
+TRACKED_LAYOUTS = ("verl", "verl-legacy", "megatron")
+
+
+def detect_layout(directory: str | Path) -> str:
+    """Which trainer wrote this checkpoint root: rlsup, verl, verl-legacy, megatron, areal, dcp or unknown."""
+    root = Path(directory)
+    if not root.is_dir():
+        return "unknown"
+    if rlsup.looks_like(root):
+        return "rlsup"
+    if verl.looks_like(root):
+        return "verl-legacy" if verl.is_legacy_tree(root) else "verl"
+    if megatron.looks_like(root):
+        return "megatron"
+    if areal.looks_like(root):
+        return "areal"
+    if dcp.looks_like(root):
+        return "dcp"
+    return "unknown"
+
+
+def _resolve(root: Path, layout: str) -> ModuleType | None:
+    name = detect_layout(root) if layout == "auto" else layout
+    if name == "unknown":
+        return None
+    try:
+        return LAYOUTS[name]
+    except KeyError:
+        raise ValueError(f"unknown layout {layout!r}; choose auto or one of {', '.join(LAYOUT_NAMES)}") from None
+
+
+def scan(directory: str | Path, layout: str = "auto") -> list[CheckpointRecord]:
+    """Every step under ``directory``, verified, ascending by step. Empty when nothing is recognised."""
+    root = Path(directory)
+    mod = _resolve(root, layout)
+    if mod is None:
+        return []
+    ctx = mod.make_context(root)
+    records = [mod.verify_step(path, step, ctx) for step, path in mod.list_steps(root)]
+    return sorted(records, key=lambda r: (r.step, str(r.path)))
+
+
+def latest_valid(directory: str | Path, layout: str = "auto") -> CheckpointRecord | None:
+    """The newest valid step, verifying newest-first and stopping at the first valid one."""
+    root = Path(directory)
+    mod = _resolve(root, layout)
+    if mod is None:
+        return None
+    ctx = mod.make_context(root)
+    for step, path in reversed(mod.list_steps(root)):
+        record = mod.verify_step(path, step, ctx)
+        if record.valid:
+            return record
+    return None
+
+
+def _unknown(path: Path, reason: str) -> CheckpointRecord:
+    return CheckpointRecord(step=-1, layout="unknown", path=path, valid=False, reason=reason, size_bytes=tree_size(path))
+
+
+def verify_path(path: str | Path) -> CheckpointRecord:
+    """Verify one step directory of any layout (or a bare DCP directory, or an AReaL run root)."""
+    p = Path(path)
+    if not p.exists():
+        return _unknown(p, "does not exist")
+    if not p.is_dir():
+        return _unknown(p, "not a directory")
+    if verl.step_of(p) is not None:
+        return verl.verify_step(p)
+    if verl.step_of(p.parent) is not None and verl.classify_role(p) is not None:
+        return verl.verify_role(p)
+    if megatron.step_of(p) is not None or megatron.is_mcore_dist_dir(p):
+        return megatron.verify_step(p)
+    if rlsup.step_of(p) is not None:
+        return rlsup.verify_step(p)
+    if areal.looks_like(p) and (p / areal.INFO_DIR).is_dir():
+        return areal.verify_step(p)
+    if p.name == areal.RECOVER_DIR:
+        return dcp.verify_dir(p, layout=areal.NAME, role=p.parent.name)
+    if dcp.looks_like_dcp(p):
+        return dcp.verify_dir(p)
+    return _unknown(p, "not a checkpoint directory of a known layout")
+
+
+def _find_step(root: Path, mod: ModuleType, step: int) -> Path | None:
+    for s, path in mod.list_steps(root):
+        if s == step:
+            return path
+    return None
+
+
+def tracker_status(directory: str | Path) -> TrackerStatus:
+    """What the root tracker claims and whether it holds (never raises on a torn tracker)."""
+    root = Path(directory)
+    layout = detect_layout(root)
+    mod = LAYOUTS.get(layout)
+    newest = latest_valid(root, layout) if mod is not None else None
+    path = root / tracker.TRACKER
+    status = TrackerStatus(
+        directory=root, tracker=None, kind=layout if layout in TRACKED_LAYOUTS else None, step=None, raw=None,
+        error=None, step_valid=None, step_reason="", newest_valid_step=newest.step if newest else None,
+        newest_valid_path=newest.path if newest else None,
+    )
+    if not path.exists():
+        return status
+    status.tracker = path
+    status.step, status.raw, status.error = tracker.read_tracker(path)
+    if status.error is not None or mod is None:
+        if mod is None and status.error is None:
+            status.step_valid, status.step_reason = False, f"layout {layout}: no steps recognised"
+        return status
+    step_dir = _find_step(root, mod, status.step)
+    if step_dir is None:
+        status.step_valid, status.step_reason = False, "its directory is gone (deleted by retention, or never made)"
+        return status
+    record = mod.verify_step(step_dir, status.step, mod.make_context(root))
+    status.step_valid, status.step_reason = record.valid, record.reason
+    return status
+
+
+def repair_tracker(directory: str | Path, step: int) -> Path:
+    """Point verl's/Megatron's ``latest_checkpointed_iteration.txt`` at ``step`` atomically.
+
+    Refuses (ValueError) unless ``step`` is a valid checkpoint here. The old content is kept as
+    ``latest_checkpointed_iteration.txt.rlsup-prev``. For Megatron-Bridge runs the root
+    ``latest_train_state.pt`` is also replaced by that step's ``train_state.pt``, since Bridge reads it.
+    """
+    root = Path(directory)
+    layout = detect_layout(root)
+    if layout not in TRACKED_LAYOUTS:
+        raise ValueError(f"{root}: layout {layout} keeps no latest_checkpointed_iteration.txt tracker")
+    mod = LAYOUTS[layout]
+    step_dir = _find_step(root, mod, step)
+    if step_dir is None:
+        raise ValueError(f"{root}: no step {step}")
+    record = mod.verify_step(step_dir, step, mod.make_context(root))
+    if not record.valid:
+        raise ValueError(f"{root}: step {step} is not valid ({record.reason}); refusing to point the tracker at it")
+    path = root / tracker.TRACKER
+    tracker.write_tracker(path, step)
+    bridge_state = step_dir / megatron.BRIDGE_TRAIN_STATE
+    if layout == "megatron" and (root / tracker.BRIDGE_TRACKER).exists() and bridge_state.exists():
+        tracker.copy_atomically(bridge_state, root / tracker.BRIDGE_TRACKER)
+    return path

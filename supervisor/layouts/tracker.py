@@ -1,0 +1,108 @@
+"""The 'latest step' tracker files verl and Megatron keep at the checkpoint root: read and repair.
+
+Both trainers write ``latest_checkpointed_iteration.txt`` with a plain ``open("w")`` (no temp file,
+no fsync), so it can be empty or torn after a crash; retention can leave it naming a deleted step.
+Reading never raises. Repair writes a temp file, fsyncs it, renames it over the tracker and fsyncs
+the directory, keeping the previous content beside it as ``<name>.rlsup-prev``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+TRACKER = "latest_checkpointed_iteration.txt"
+BRIDGE_TRACKER = "latest_train_state.pt"
+PREV_SUFFIX = ".rlsup-prev"
+
+
+def read_tracker(path: Path) -> tuple[int | None, str | None, str | None]:
+    """(step, raw text, error). ``error`` is set for missing, empty, torn or non-integer content."""
+    try:
+        raw = path.read_bytes().decode("utf-8", errors="replace")
+    except FileNotFoundError:
+        return None, None, "missing"
+    except OSError as exc:
+        return None, None, f"unreadable: {exc}"
+    text = raw.strip()
+    if not text:
+        return None, raw, "empty (torn write)"
+    if text == "release":
+        return None, raw, "names 'release', not a step"
+    try:
+        step = int(text)
+    except ValueError:
+        return None, raw, f"not an integer: {text[:40]!r}"
+    if step < 0:
+        return None, raw, f"negative step {step}"
+    return step, raw, None
+
+
+def _fsync_dir(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """temp file in the same directory, fsync, rename over ``path``, fsync the directory."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    _fsync_dir(path.parent)
+
+
+def keep_previous(path: Path) -> Path | None:
+    """Copy the current content of ``path`` to ``<name>.rlsup-prev`` (atomically); None if absent."""
+    if not path.exists():
+        return None
+    prev = path.with_name(path.name + PREV_SUFFIX)
+    atomic_write(prev, path.read_bytes())
+    return prev
+
+
+def write_tracker(path: Path, step: int) -> Path | None:
+    """Point ``path`` at ``step`` the way verl and Megatron write it (the bare number); returns the
+    ``.rlsup-prev`` backup path, or None when there was no old tracker."""
+    prev = keep_previous(path)
+    atomic_write(path, str(int(step)).encode())
+    return prev
+
+
+def copy_atomically(src: Path, dst: Path) -> Path | None:
+    """Replace ``dst`` by a copy of ``src`` (Bridge's latest_train_state.pt), keeping the old one."""
+    prev = keep_previous(dst)
+    fd, tmp = tempfile.mkstemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent)
+    os.close(fd)
+    try:
+        shutil.copyfile(src, tmp)
+        with open(tmp, "rb+") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp, dst)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    _fsync_dir(dst.parent)
+    return prev

@@ -1,0 +1,71 @@
+"""AReaL's single, overwritten-in-place recover checkpoint."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from layout_builders import areal_info, areal_recover, dcp_save, largest, truncate
+
+from supervisor import layouts
+
+
+def test_complete_recover_checkpoint(tmp_path: Path) -> None:
+    areal_recover(tmp_path, 40, roles=("default", "critic"))
+    assert layouts.detect_layout(tmp_path) == "areal"
+    rec = layouts.latest_valid(tmp_path)
+    assert rec is not None and rec.step == 40 and rec.path == tmp_path
+    assert layouts.verify_path(tmp_path).valid
+
+
+def test_torn_dcp_metadata_means_nothing_valid(tmp_path: Path) -> None:
+    areal_recover(tmp_path, 40)
+    truncate(tmp_path / "default" / "recover_checkpoint" / ".metadata", 0.5)
+    assert layouts.latest_valid(tmp_path) is None
+    (rec,) = layouts.scan(tmp_path)
+    assert "only copy" in rec.reason
+
+
+def test_missing_dcp_metadata_and_truncated_shard(tmp_path: Path) -> None:
+    areal_recover(tmp_path, 40, roles=("default", "critic"))
+    truncate(largest(tmp_path / "critic" / "recover_checkpoint", "*.distcp"), 0.5)
+    assert "critic" in layouts.scan(tmp_path)[0].reason
+    (tmp_path / "critic" / "recover_checkpoint" / ".metadata").unlink()
+    assert layouts.latest_valid(tmp_path) is None
+
+
+def test_step_info_torn_or_missing(tmp_path: Path) -> None:
+    areal_recover(tmp_path, 40)
+    info = tmp_path / "recover_info" / "step_info.json"
+    info.write_text('{"epoch": 0, "glob')
+    (rec,) = layouts.scan(tmp_path)
+    assert not rec.valid and "step_info.json" in rec.reason
+    info.unlink()
+    assert layouts.latest_valid(tmp_path) is None
+
+
+def test_newer_weights_under_old_step_info_are_detected(tmp_path: Path) -> None:
+    """Killed after the engine's DCP save of step 50, before recover_info was dumped."""
+    areal_recover(tmp_path, 40)
+    info = tmp_path / "recover_info" / "step_info.json"
+    past = info.stat().st_mtime_ns - 5_000_000_000
+    os.utime(info, ns=(past, past))  # keep mtimes apart on coarse-clock filesystems
+    dcp_save(tmp_path / "default" / "recover_checkpoint", seed=50)  # same shapes, same sizes
+    (rec,) = layouts.scan(tmp_path)
+    assert not rec.valid and "saved after step_info.json" in rec.reason
+    areal_info(tmp_path, 50)  # the dump completes
+    assert layouts.latest_valid(tmp_path).step == 50
+
+
+def test_shards_rewritten_after_metadata(tmp_path: Path) -> None:
+    """An overwrite in progress: a shard already rewritten, .metadata still the old one."""
+    areal_recover(tmp_path, 40)
+    ckpt = tmp_path / "default" / "recover_checkpoint"
+    meta = ckpt / ".metadata"
+    past = meta.stat().st_mtime_ns - 5_000_000_000
+    os.utime(meta, ns=(past, past))
+    os.utime(tmp_path / "recover_info" / "step_info.json", ns=(past, past))
+    shard = largest(ckpt, "*.distcp")
+    shard.write_bytes(shard.read_bytes())  # same size, new mtime
+    (rec,) = layouts.scan(tmp_path)
+    assert not rec.valid and "newer than .metadata" in rec.reason

@@ -1,0 +1,93 @@
+"""Megatron-Core / Megatron-Bridge iter_N trees written by megatron-core's dist_checkpointing.save."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import layout_builders as lb
+from layout_builders import largest, megatron_iter, truncate, write_tracker
+
+from supervisor import layouts
+
+
+@pytest.fixture(scope="module", autouse=True)
+def template() -> Path:
+    return lb.mcore_dist_template()
+
+
+def test_template_files_are_what_mcore_writes(template: Path) -> None:
+    names = {p.name for p in template.iterdir()}
+    assert {"metadata.json", "common.pt", ".metadata"} <= names and any(n.endswith(".distcp") for n in names)
+    if not lb.MCORE_REAL:
+        pytest.skip("megatron-core not installed: tree built from DCP + MCore's metadata.json/common.pt")
+
+
+def test_core_complete_partial_truncated(tmp_path: Path) -> None:
+    megatron_iter(tmp_path, 100)
+    i200 = megatron_iter(tmp_path, 200)
+    i300 = megatron_iter(tmp_path, 300)
+    i400 = megatron_iter(tmp_path, 400)
+    (i200 / "metadata.json").unlink()           # killed before MCore's last file
+    truncate(largest(i300, "*.distcp"), 0.5)   # shard cut short
+    truncate(i400 / "common.pt", 0.5)
+    assert layouts.detect_layout(tmp_path) == "megatron"
+    recs = {r.step: r for r in layouts.scan(tmp_path)}
+    assert recs[100].valid
+    assert "metadata.json missing" in recs[200].reason
+    assert "truncated" in recs[300].reason
+    assert "common.pt" in recs[400].reason
+    assert layouts.latest_valid(tmp_path).step == 100
+    st = layouts.tracker_status(tmp_path)
+    assert st.step == 400 and st.step_valid is False and st.newest_valid_step == 100
+
+
+def test_core_missing_dcp_metadata(tmp_path: Path) -> None:
+    megatron_iter(tmp_path, 1)
+    i2 = megatron_iter(tmp_path, 2)
+    (i2 / ".metadata").unlink()
+    assert ".metadata missing" in layouts.verify_path(i2).reason
+    assert layouts.latest_valid(tmp_path).step == 1
+
+
+def test_empty_iter_dir(tmp_path: Path) -> None:
+    megatron_iter(tmp_path, 1)
+    (tmp_path / "iter_0000002").mkdir()
+    assert layouts.latest_valid(tmp_path).step == 1
+
+
+def test_bridge_needs_train_state_and_run_config(tmp_path: Path) -> None:
+    megatron_iter(tmp_path, 10, bridge=True)
+    i20 = megatron_iter(tmp_path, 20, bridge=True)
+    i30 = megatron_iter(tmp_path, 30, bridge=True)
+    (i20 / "run_config.yaml").unlink()  # Bridge finalize killed after moving the tracker
+    truncate(i30 / "train_state.pt", 0.4)
+    assert "run_config.yaml missing" in layouts.verify_path(i20).reason
+    assert "train_state.pt" in layouts.verify_path(i30).reason
+    assert layouts.latest_valid(tmp_path).step == 10
+
+
+def test_tracker_names_deleted_iteration(tmp_path: Path) -> None:
+    megatron_iter(tmp_path, 5)
+    write_tracker(tmp_path, 9)
+    st = layouts.tracker_status(tmp_path)
+    assert st.step == 9 and st.step_valid is False and not st.ok
+    assert layouts.latest_valid(tmp_path).step == 5
+
+
+def test_repair_tracker_keeps_previous_and_updates_bridge_state(tmp_path: Path) -> None:
+    megatron_iter(tmp_path, 10, bridge=True)
+    i20 = megatron_iter(tmp_path, 20, bridge=True)
+    (i20 / "run_config.yaml").unlink()
+    old_state = (tmp_path / "latest_train_state.pt").read_bytes()
+    path = layouts.repair_tracker(tmp_path, 10)
+    assert path.read_text() == "10"
+    assert (tmp_path / "latest_checkpointed_iteration.txt.rlsup-prev").read_text() == "20"
+    assert (tmp_path / "latest_train_state.pt").read_bytes() == (tmp_path / "iter_0000010" / "train_state.pt").read_bytes()
+    assert (tmp_path / "latest_train_state.pt.rlsup-prev").read_bytes() == old_state
+    assert layouts.tracker_status(tmp_path).ok
+    with pytest.raises(ValueError, match="not valid"):
+        layouts.repair_tracker(tmp_path, 20)
+    with pytest.raises(ValueError, match="no step"):
+        layouts.repair_tracker(tmp_path, 99)
+    assert not list(tmp_path.glob(".latest*tmp"))

@@ -1,0 +1,31 @@
+"""Default backend: one ``torch.save`` file per rank (``rank_00003.pt``), loaded with weights_only=True.
+
+Simple and fast for replicated (DDP) or small models; each rank reloads exactly what it saved, so the
+world size must not change between save and restore (use the ``dcp`` backend to reshard).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from trainer_hooks.backends.base import LoadContext, SaveContext, safe_load
+
+
+def shard_name(rank: int) -> str:
+    return f"rank_{rank:05d}.pt"
+
+
+class TorchBackend:
+    name = "torch"
+    collective = False
+
+    def save(self, ctx: SaveContext, payload: dict[str, Any]) -> None:
+        torch.save(payload, ctx.staging / shard_name(ctx.rank))
+
+    def load(self, ctx: LoadContext) -> dict[str, Any]:
+        if ctx.saved_world_size != ctx.world_size:
+            raise ValueError(f"checkpoint {ctx.step_dir} was saved by {ctx.saved_world_size} ranks, this job "
+                             f"has {ctx.world_size}: the torch backend cannot reshard (use backend='dcp')")
+        return safe_load(ctx.step_dir / shard_name(ctx.rank), ctx.safe_globals)

@@ -1,0 +1,398 @@
+"""Atomic, verified checkpoints from inside every training rank, and exact restore.
+
+Why a protocol and not just ``torch.save``: a rank can be SIGKILLed (OOM, preemption, a hang
+timeout) at any instant, and the restarted job must then resume from a checkpoint that is complete.
+So a rank's save goes:
+
+1. ``step_dir`` is created (all ranks, ``exist_ok``);
+2. the backend writes this rank's files into ``step_dir/.staging-rank_<R>-<pid>/``;
+3. each file is fsynced, hashed (xxh3-128), and renamed to its final name in ``step_dir`` - a file
+   never has its final name while partial; the directories are fsynced;
+4. last, the rank's manifest ``manifest.rank_<R>.json`` is written atomically.
+
+A step is valid only when all ranks' manifests are present and every listed file checks out
+(:mod:`trainer_hooks.manifest`); anything else is ignored by restore and by the supervisor.
+
+Never losing data: a step that is already fully valid is never touched, and a rank whose own part of
+the step already verifies does not rewrite it (for collective backends the ranks decide together).
+Retention (``keep_last``) runs on rank 0 only once the new step verifies complete, and never deletes
+the newest valid step, a held step (``.hold-*`` marker) or the step named by ``RLSUP_RESUME_DIR``.
+
+Usage::
+
+    ckpt = CheckpointManager(keep_last=3)             # directory from RLSUP_CHECKPOINT_DIR
+    state = {"model": model, "optim": optim, "sched": sched, "loader": loader, "epoch": 0}
+    step = ckpt.restore(state)                        # 0 on a fresh start; plain values replaced
+    while step < total:
+        ...; step += 1
+        if step % 100 == 0 or should_stop():
+            ckpt.save(step, state)
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainer_hooks.backends import get_backend
+from trainer_hooks.backends.base import RNG_KEY, LoadContext, SaveContext, state_of
+from trainer_hooks.heartbeat import section
+from trainer_hooks.manifest import (
+    SCHEMA_VERSION,
+    FileEntry,
+    ManifestError,
+    RankManifest,
+    VerifyResult,
+    check_files,
+    fsync_dir,
+    hash_file,
+    is_held,
+    latest_valid,
+    list_step_dirs,
+    manifest_name,
+    read_manifest,
+    step_dir_name,
+    verify_step_dir,
+    write_manifest,
+)
+from trainer_hooks.rng import capture_rng_state, restore_rng_state
+
+log = logging.getLogger(__name__)
+
+ENV_DIR = "RLSUP_CHECKPOINT_DIR"
+ENV_RESUME = "RLSUP_RESUME_DIR"
+STAGING_PREFIX = ".staging-"
+DELETING_PREFIX = ".deleting-"
+#: Leftovers older than this are removed even when their pid looks alive (pid reuse, other hosts).
+STALE_AGE_S = 3600.0
+
+
+def _dist() -> Any | None:
+    import torch.distributed as dist
+
+    return dist if dist.is_available() and dist.is_initialized() else None
+
+
+def _rank_world() -> tuple[int, int]:
+    dist = _dist()
+    if dist is not None:
+        return dist.get_rank(), dist.get_world_size()
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _manifest_extra() -> dict[str, Any]:
+    """Who wrote the part: the node rank tells rlsup which node needs it back after a loss."""
+    extra: dict[str, Any] = {"pid": os.getpid()}
+    node = os.environ.get("RLSUP_NODE_RANK", os.environ.get("GROUP_RANK"))
+    if node is not None and node.isdigit():
+        extra["node_rank"] = int(node)
+    return extra
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _all_ranks_agree(flag: bool) -> bool:
+    """True only if ``flag`` is true on every rank (a collective when a group is initialised)."""
+    dist = _dist()
+    if dist is None:
+        return flag
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return bool(t.item())
+
+
+def _barrier() -> None:
+    dist = _dist()
+    if dist is not None:
+        dist.barrier()
+
+
+class CheckpointManager:
+    """Save and restore a dict of stateful objects and plain values, atomically and verifiably."""
+
+    def __init__(self, directory: str | os.PathLike | None = None, keep_last: int | None = None,
+                 backend: str = "torch", safe_globals: tuple | list = ()) -> None:
+        directory = directory if directory is not None else os.environ.get(ENV_DIR)
+        if not directory:
+            raise ValueError(f"no checkpoint directory: pass directory= or set {ENV_DIR}")
+        if keep_last is not None and keep_last < 1:
+            raise ValueError("keep_last must be >= 1 (or None to keep everything)")
+        self.directory = Path(directory)
+        self.keep_last = keep_last
+        self.backend_name = backend
+        self.backend = get_backend(backend)
+        self.safe_globals = tuple(safe_globals)
+        self.rank, self.world_size = _rank_world()
+
+    # ----------------------------------------------------------------------------------- save
+
+    def save(self, step: int, state: dict[str, Any]) -> Path:
+        """Write ``state`` as step ``step`` (a collective for the dcp/megatron backends)."""
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        with section("save"):
+            self.rank, self.world_size = _rank_world()
+            step_dir = self.directory / step_dir_name(step)
+            self.directory.mkdir(parents=True, exist_ok=True)
+            step_dir.mkdir(exist_ok=True)
+            fsync_dir(self.directory)
+            self._clean_leftovers(step_dir)
+            mine_ok = self._own_part_valid(step_dir, step)
+            if self.backend.collective:
+                mine_ok = _all_ranks_agree(mine_ok)
+            if mine_ok:
+                log.info("step %d: rank %d's part is already valid; not rewritten", step, self.rank)
+            else:
+                self._write_part(step, step_dir, state)
+            if self.rank == 0 and self.keep_last is not None:
+                self._retain(step_dir)
+            return step_dir
+
+    def _own_part_valid(self, step_dir: Path, step: int) -> bool:
+        """Whole step valid, or this rank's manifest matches this job and its files check out."""
+        path = step_dir / manifest_name(self.rank)
+        if not path.exists():
+            return False
+        if verify_step_dir(step_dir, full=True).valid:
+            return True  # a complete checkpoint (maybe from another world size): never touch it
+        try:
+            m = read_manifest(path)
+        except (ManifestError, OSError):
+            return False
+        if (m.step, m.world_size, m.rank, m.backend) != (step, self.world_size, self.rank, self.backend.name):
+            return False
+        reason, _ = check_files(step_dir, m.files, full=True)
+        return not reason
+
+    def _write_part(self, step: int, step_dir: Path, state: dict[str, Any]) -> None:
+        stale = step_dir / manifest_name(self.rank)
+        if stale.exists():
+            stale.unlink()  # first, so the step can never look complete with a half-rewritten part
+            fsync_dir(step_dir)
+        payload = {name: state_of(obj) for name, obj in state.items()}
+        if RNG_KEY in payload:
+            raise ValueError(f"{RNG_KEY!r} is reserved for the RNG state")
+        payload[RNG_KEY] = capture_rng_state()
+        staging = step_dir / f"{STAGING_PREFIX}rank_{self.rank:05d}-{os.getpid()}"
+        if staging.exists():
+            shutil.rmtree(staging)
+        staging.mkdir()
+        ctx = SaveContext(step, step_dir, staging, self.rank, self.world_size, _dist() is not None, dict(state))
+        try:
+            self.backend.save(ctx, payload)
+            files = self._publish(staging, step_dir)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        if self.backend.collective:
+            _barrier()  # every rank's files are in place before any manifest claims completeness
+        manifest = RankManifest(schema=SCHEMA_VERSION, step=step, world_size=self.world_size, rank=self.rank,
+                                backend=self.backend.name, files=files, created=time.time(),
+                                extra=_manifest_extra())
+        write_manifest(step_dir, manifest)
+
+    @staticmethod
+    def _publish(staging: Path, step_dir: Path) -> dict[str, FileEntry]:
+        """fsync + hash each staged file, rename it to its final name, fsync the directories."""
+        files: dict[str, FileEntry] = {}
+        dirs: set[Path] = set()
+        for src in sorted(p for p in staging.rglob("*") if p.is_file()):
+            rel = src.relative_to(staging).as_posix()
+            fd = os.open(src, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            files[rel] = hash_file(src)
+            dst = step_dir / rel
+            if dst.parent != step_dir and not dst.parent.exists():
+                dst.parent.mkdir(parents=True, exist_ok=True)
+                dirs.add(dst.parent.parent)
+            os.replace(src, dst)
+            dirs.add(dst.parent)
+        for d in sorted(dirs, key=lambda p: len(p.parts), reverse=True):
+            fsync_dir(d)
+        return files
+
+    # --------------------------------------------------------------------------- housekeeping
+
+    def _clean_leftovers(self, step_dir: Path) -> None:
+        """Remove what killed saves left behind: this rank's staging dirs and temp manifests from
+        dead (or long gone) processes; rank 0 also any rank's that are old, and dead deletions."""
+        now = time.time()
+        me = f"rank_{self.rank:05d}-"
+        dirs = [p for _, p in list_step_dirs(self.directory)]
+        if step_dir not in dirs:
+            dirs.append(step_dir)
+        for d in dirs:
+            try:
+                entries = list(os.scandir(d))
+            except OSError:
+                continue
+            for e in entries:
+                if e.name.startswith(STAGING_PREFIX):
+                    owner = e.name[len(STAGING_PREFIX):]
+                    pid_text = owner.rsplit("-", 1)[-1]
+                elif e.name.startswith(".manifest.rank_") and ".tmp-" in e.name:
+                    owner = f"rank_{e.name[len('.manifest.rank_'):].split('.', 1)[0]}-"
+                    pid_text = e.name.split(".tmp-", 1)[1].split("-", 1)[0]
+                else:
+                    continue
+                pid = int(pid_text) if pid_text.isdigit() else -1
+                if pid == os.getpid():
+                    continue
+                try:
+                    age = now - e.stat(follow_symlinks=False).st_mtime
+                except OSError:
+                    continue
+                ours_and_dead = owner.startswith(me) and not _pid_alive(pid)
+                if ours_and_dead or (self.rank == 0 and age > STALE_AGE_S):
+                    self._remove(Path(e.path))
+        if self.rank == 0:
+            try:
+                entries = list(os.scandir(self.directory))
+            except OSError:
+                entries = []
+            for e in entries:
+                if e.name.startswith(DELETING_PREFIX):
+                    pid_text = e.name.rsplit("-", 1)[-1]
+                    if not (pid_text.isdigit() and _pid_alive(int(pid_text))):
+                        self._remove(Path(e.path))
+
+    @staticmethod
+    def _remove(path: Path) -> None:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            try:
+                path.unlink()
+            except FileNotFoundError:
+                pass
+
+    def _retain(self, new_step_dir: Path) -> None:
+        """keep_last on rank 0, only once the new step is complete; protected steps always stay."""
+        if not verify_step_dir(new_step_dir, full=True).valid:
+            log.info("%s not complete yet (other ranks still writing?); retention waits", new_step_dir.name)
+            return
+        protected = {new_step_dir.resolve()}
+        resume = os.environ.get(ENV_RESUME)
+        if resume:
+            protected.add(Path(resume).resolve())
+        steps = list_step_dirs(self.directory)
+        valid_kept = 0
+        newest_valid_seen = False
+        new_step = int(new_step_dir.name.split("_")[1])
+        for step, path in reversed(steps):
+            if step > new_step:
+                # Newer than what we just saved (an old step re-saved?): leave it alone.
+                if verify_step_dir(path, full=False).valid:
+                    valid_kept += 1
+                    newest_valid_seen = True
+                continue
+            valid = verify_step_dir(path, full=False).valid
+            if valid and valid_kept < self.keep_last:
+                valid_kept += 1
+                newest_valid_seen = True
+                continue
+            if not newest_valid_seen:
+                continue  # invalid and newer than every valid step: maybe still being written
+            if path.resolve() in protected or is_held(path):
+                continue
+            self._delete_step(path)
+
+    def _delete_step(self, path: Path) -> None:
+        """Rename out of the step namespace first, so a half-deleted step never looks like one."""
+        doomed = path.with_name(f"{DELETING_PREFIX}{path.name}-{os.getpid()}")
+        try:
+            os.rename(path, doomed)
+        except OSError as e:
+            log.warning("retention could not remove %s: %s", path, e)
+            return
+        fsync_dir(self.directory)
+        log.info("retention removed %s", path.name)
+        shutil.rmtree(doomed, ignore_errors=True)
+
+    def wait(self) -> None:
+        """Block until no save is in flight. Saves are synchronous today, so this returns at once;
+        training code calls it before exiting so that it stays correct when saves become asynchronous."""
+
+    # -------------------------------------------------------------------------------- restore
+
+    def choose(self) -> VerifyResult | None:
+        """The step to resume from: ``RLSUP_RESUME_DIR`` if valid, else the newest valid step."""
+        resume = os.environ.get(ENV_RESUME)
+        if resume:
+            result = verify_step_dir(resume, full=True)
+            if result.valid:
+                return result
+            log.warning("%s=%s is not a valid checkpoint (%s); using the newest valid one instead",
+                        ENV_RESUME, resume, result.reason)
+        return latest_valid(self.directory, full=True)
+
+    def _own_part_in(self, step_dir: Path) -> bool:
+        """This rank's part of ``step_dir`` verifies (all a per-rank backend needs to load)."""
+        try:
+            m = read_manifest(step_dir / manifest_name(self.rank))
+        except (ManifestError, OSError):
+            return False
+        return m.world_size == self.world_size and not check_files(step_dir, m.files, full=True)[0]
+
+    def restore(self, state: dict[str, Any]) -> int:
+        """Load the chosen checkpoint into ``state`` in place; returns its step, 0 when none."""
+        with section("load"):
+            self.rank, self.world_size = _rank_world()
+            dist = _dist()
+            resume = os.environ.get(ENV_RESUME)
+            chosen_path: str | None = None
+            if resume and not self.backend.collective and _all_ranks_agree(self._own_part_in(Path(resume))):
+                # rlsup checked the step across all nodes (each node may hold only its own ranks' parts):
+                # every rank verified its own part, which is all the per-rank backend reads.
+                chosen_path = resume
+            elif dist is not None:
+                # Rank 0 verifies once and tells the others, so all ranks load the same step.
+                box: list[Any] = [None]
+                if self.rank == 0:
+                    chosen = self.choose()
+                    box[0] = None if chosen is None else str(chosen.path)
+                dist.broadcast_object_list(box, src=0)
+                chosen_path = box[0]
+            else:
+                chosen = self.choose()
+                chosen_path = None if chosen is None else str(chosen.path)
+            if chosen_path is None:
+                log.info("no valid checkpoint under %s: starting fresh", self.directory)
+                return 0
+            step_dir = Path(chosen_path)
+            first = read_manifest(step_dir / manifest_name(self.rank))
+            backend = self.backend if first.backend == self.backend.name else get_backend(first.backend)
+            ctx = LoadContext(step_dir, self.rank, self.world_size, first.world_size, dist is not None,
+                              self.safe_globals, dict(state))
+            payload = backend.load(ctx)
+            for name in list(state):
+                if name not in payload:
+                    log.warning("checkpoint %s has no entry %r; left as is", step_dir.name, name)
+                    continue
+                obj = state[name]
+                if callable(getattr(obj, "load_state_dict", None)):
+                    obj.load_state_dict(payload[name])
+                else:
+                    state[name] = payload[name]
+            rng = payload.get(RNG_KEY)
+            if rng is not None:
+                restore_rng_state(rng)  # last: loading objects above may draw random numbers
+            log.info("restored %s (rank %d)", step_dir.name, self.rank)
+            return first.step
