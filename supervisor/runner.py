@@ -181,7 +181,24 @@ class Supervisor:
 
     def prepare(self, attempt: int) -> ResumePoint | None:
         """Everything before launch; returns the checkpoint to resume from."""
-        return self.choose_resume()
+        point = self.choose_resume()
+        if point is not None and self.cfg.repair_tracker:
+            self.repair_tracker(point)
+        return point
+
+    def repair_tracker(self, point: ResumePoint) -> None:
+        """Point an unmodified trainer's tracker (verl, Megatron) at the step rlsup chose."""
+        from supervisor import layouts
+
+        status = layouts.tracker_status(self.checkpoint_dir)
+        if status.kind is None or status.ok:
+            return
+        try:
+            path = layouts.repair_tracker(self.checkpoint_dir, point.step)
+        except (ValueError, OSError) as e:
+            self._log(f"tracker not repaired: {e}")
+            return
+        self._log(f"tracker {path} said {status.raw!r} ({status.describe()}); now points at step {point.step}")
 
     def peer_ended(self, attempt: int) -> str | None:
         """Polled while the job runs: a reason when another node ended this attempt (single node: never)."""

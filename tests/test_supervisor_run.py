@@ -116,3 +116,37 @@ def test_torchrun_rank_killed_restarts_whole_job(workdir: Path) -> None:
     done = sorted(p.name for p in workdir.glob("result.rank*"))
     assert done == ["result.rank0.attempt1", "result.rank1.attempt1"]
     assert (workdir / "result.rank0.attempt1").read_text() == "2046.0"
+
+
+def test_no_progress_guard_stops_with_do_not_requeue_code(workdir: Path) -> None:
+    # Every attempt saves nothing new (the same step 5 again), then fails: no progress.
+    script = workdir / "stuck.py"
+    script.write_text(
+        "import sys, torch\nfrom trainer_hooks import CheckpointManager\n"
+        "m = torch.nn.Linear(2, 2)\nckpt = CheckpointManager()\nckpt.restore({'m': m})\n"
+        "ckpt.save(5, {'m': m})\nsys.exit(1)\n")
+    r = run_rlsup(["run", *FAST, "--max-restarts", "10", "--max-no-progress-attempts", "2", "--", PY, str(script)],
+                  workdir)
+    assert r.returncode == 76, r.stderr
+    inc = incidents(workdir / ".rlsup")
+    # attempt 0 made step 5 (progress); attempts 1 and 2 made nothing newer -> give up after attempt 2
+    assert [i["action"] for i in inc] == ["restart", "restart", "no_progress"]
+    assert inc[1]["resumed_step"] == 5
+
+
+def test_lying_verl_tracker_is_repaired_before_restart(workdir: Path) -> None:
+    from layout_builders import verl_fsdp_step, write_tracker
+
+    ckpt = workdir / "ckpt"
+    verl_fsdp_step(ckpt, 10)
+    s20 = verl_fsdp_step(ckpt, 20)
+    next(s20.glob("actor/model_world_size_2_rank_1.pt")).unlink()  # step 20 killed mid-save
+    write_tracker(ckpt, 20)  # ...but the tracker already says 20
+    script = workdir / "read_tracker.py"
+    script.write_text("import os\nprint('tracker says', open(os.environ['RLSUP_CHECKPOINT_DIR'] + "
+                      "'/latest_checkpointed_iteration.txt').read().strip(), os.environ.get('RLSUP_RESUME_STEP'))\n")
+    r = run_rlsup(["run", *FAST, "--checkpoint-dir", str(ckpt), "--repair-tracker", "true", "--", PY, str(script)],
+                  workdir)
+    assert r.returncode == 0, r.stderr
+    assert "tracker says 10 10" in r.stdout
+    assert (ckpt / "latest_checkpointed_iteration.txt.rlsup-prev").read_text().strip() == "20"
