@@ -79,6 +79,7 @@ class _Writer:
         self.section = 0
         self.section_ns = 0
         self._publish()
+        _die_with_parent()
         # Stack dumps on demand: rlsup sends STACKS_SIGNAL before killing a hung rank.
         self._stacks = open(directory / stacks_file_name(rank), "w")  # noqa: SIM115 - lives with the process
         if threading.current_thread() is threading.main_thread():
@@ -106,6 +107,20 @@ class _Writer:
 
     def stop_requested(self) -> bool:
         return _I64.unpack_from(self.map, 56)[0] != 0
+
+
+def _die_with_parent() -> None:
+    """Under rlsup, a rank dies with its launcher (torchrun), so a SIGKILLed node leaves no orphan ranks."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        parent = os.getppid()
+        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the launcher died before the call
+            os.kill(os.getpid(), signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
 
 
 _lock = threading.Lock()
