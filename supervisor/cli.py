@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 import time
@@ -14,6 +15,8 @@ from supervisor import __version__, exit_codes
 from supervisor.config import ConfigError, SupervisorConfig, add_flags, load_config, reference_markdown, to_yaml
 from supervisor.incidents import read_incidents, read_state
 from supervisor.observer import Observer
+
+from supervisor.membership import Membership
 
 
 def _split_command(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -30,8 +33,63 @@ def cmd_run(args: argparse.Namespace, command: list[str]) -> int:
         print("rlsup run: no command given; usage: rlsup run [options] -- COMMAND [ARGS...]", file=sys.stderr)
         return exit_codes.CONFIG_ERROR
     eff = load_config(args)
-    return Supervisor(eff.config, command, observer=start_metrics(eff.config)).run().exit_code
+    cfg = eff.config.resolved()
+    membership = membership_of(cfg)
+    observer = start_metrics(cfg)
+    if membership is None:
+        return Supervisor(cfg, command, observer=observer).run().exit_code
+    from supervisor.coordinator import CoordinationError
+    from supervisor.multinode import MultiNodeSupervisor
+    from supervisor.node_service import NodeService, daemon_running
 
+    service = NodeService(cfg, membership, observer or Observer(), serve=daemon_running(Path(cfg.state_dir)) is None)
+    service.start()
+    try:
+        assert service.engine is not None
+        return MultiNodeSupervisor(cfg, command, membership, service.engine, observer).run().exit_code
+    except CoordinationError as e:
+        print(f"rlsup: {e}", file=sys.stderr)
+        return exit_codes.FAILED
+    finally:
+        service.stop()
+
+
+def membership_of(cfg: SupervisorConfig) -> Membership | None:
+    from supervisor.membership import MembershipError, from_config
+
+    try:
+        return from_config(cfg.peers, cfg.node_rank, cfg.replication_port, os.environ)
+    except MembershipError as e:
+        raise ConfigError(f"peers/node_rank: {e}") from e
+
+
+def cmd_daemon(args: argparse.Namespace) -> int:
+    """The per-node service: replication endpoint and replicator, until SIGTERM (systemd, SLURM)."""
+    import signal
+    import threading
+
+    from supervisor import sd_notify
+    from supervisor.node_service import NodeService
+
+    cfg = load_config(args).config.resolved()
+    membership = membership_of(cfg)
+    if membership is None:
+        raise ConfigError("rlsup daemon needs peers (key 'peers' and 'node_rank', or a SLURM allocation)")
+    observer = start_metrics(cfg)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    service = NodeService(cfg, membership, observer or Observer()).start()
+    service.write_daemon_file()
+    sd_notify.ready()
+    interval = sd_notify.watchdog_interval()
+    try:
+        while not stop.wait(interval / 2 if interval else 3600):
+            sd_notify.watchdog_ping()
+    finally:
+        sd_notify.notify("STOPPING=1")
+        service.stop()
+    return exit_codes.OK
 
 def start_metrics(cfg: SupervisorConfig) -> Observer | None:
     """The /metrics endpoint; a busy port is reported and supervision goes on without it."""
@@ -137,6 +195,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(config_sub.add_parser("show", help="Print the effective config and where each value came from."))
     config_sub.add_parser("reference", help="Print the config reference (Markdown) generated from the code.")
 
+    daemon = sub.add_parser("daemon", help="Per-node service: replication endpoint and replicator (systemd, SLURM).")
+    add_flags(daemon)
+
     demo = sub.add_parser("demo", help="Supervised demo training that survives an injected crash.")
     add_flags(demo)
     demo.add_argument("--workdir", default="rlsup-demo", help="Directory for the demo's checkpoints and state.")
@@ -168,6 +229,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_config(args)
         if args.cmd == "demo":
             return cmd_demo(args)
+        if args.cmd == "daemon":
+            return cmd_daemon(args)
         return int(args.func(args))
     except ConfigError as e:
         print(f"rlsup: config error: {e}", file=sys.stderr)

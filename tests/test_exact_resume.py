@@ -45,12 +45,15 @@ def rank_pids(hb_dir: Path) -> dict[int, int]:
     return pids
 
 
-def staging_pid(ckpt: Path) -> int | None:
-    """pid of a rank that is between writing its shard and its manifest (its staging dir exists)."""
+def staging_pid(ckpt: Path, live: set[int]) -> int | None:
+    """pid of a live rank between writing its shard and its manifest (its staging dir exists).
+
+    Staging dirs of ranks killed earlier stay until a later save cleans them: only ``live`` pids count.
+    """
     try:
         for step_dir in ckpt.iterdir():
             for entry in os.scandir(step_dir):
-                if entry.name.startswith(".staging-rank_"):
+                if entry.name.startswith(".staging-rank_") and int(entry.name.rsplit("-", 1)[1]) in live:
                     return int(entry.name.rsplit("-", 1)[1])
     except (FileNotFoundError, NotADirectoryError, ValueError):
         pass
@@ -72,7 +75,8 @@ def test_killed_runs_resume_bit_identical(workdir: Path, world: int) -> None:
             pids = wait_for(lambda: (p := rank_pids(hb)) and len(p) == world and p, 120,
                             f"all ranks heartbeating in attempt {attempt}")
             if mode == "mid_save":
-                victim = wait_for(lambda: staging_pid(ckpt), 60, "a rank inside a save", interval=0.0005)
+                live = set(pids.values())
+                victim = wait_for(lambda: staging_pid(ckpt, live), 60, "a rank inside a save", interval=0.0005)
             else:
                 time.sleep(rng.uniform(0.05, 0.5))  # a random moment of training (the kill is the event)
                 victim = pids[rng.randrange(world)]

@@ -1,0 +1,110 @@
+"""The per-node replication service: endpoint, replica store, peer clients and the replication engine.
+
+``rlsup daemon`` runs one for the node's lifetime; ``rlsup run`` embeds one when no daemon serves the
+node's state directory (``daemon.json`` names a live pid), and otherwise uses only its inventory and
+fetch functions, which read the same directories.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import ssl
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+from supervisor.config import SupervisorConfig
+from supervisor.membership import Membership
+from supervisor.observer import Observer
+from supervisor.replication import ReplicationEngine
+
+DAEMON_FILE = "daemon.json"
+
+
+def _server_ssl(cfg: SupervisorConfig) -> ssl.SSLContext | None:
+    if not cfg.tls_cert:
+        return None
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.load_cert_chain(cfg.tls_cert, cfg.tls_key)
+    return ctx
+
+
+def _client_ssl(cfg: SupervisorConfig) -> ssl.SSLContext | None:
+    if not cfg.tls_cert:
+        return None
+    ctx = ssl.create_default_context(cafile=cfg.tls_ca or None)
+    ctx.check_hostname = False  # peers are addressed by IP or short host name; the CA pins identity
+    return ctx
+
+
+def daemon_running(state_dir: Path) -> dict | None:
+    """The live daemon serving ``state_dir``, if any."""
+    try:
+        info = json.loads((state_dir / DAEMON_FILE).read_text())
+        if psutil.pid_exists(int(info["pid"])) and int(info["pid"]) != os.getpid():
+            return info
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    return None
+
+
+@dataclass
+class NodeService:
+    cfg: SupervisorConfig
+    membership: Membership
+    observer: Observer = field(default_factory=Observer)
+    serve: bool = True
+    server: object | None = None
+    engine: ReplicationEngine | None = None
+    port: int | None = None
+
+    def start(self) -> "NodeService":
+        from supervisor.transport.auth import load_secret
+        from supervisor.transport.client import BandwidthLimiter, PeerClient
+        from supervisor.transport.server import ReplicationServer
+        from supervisor.transport.store import ReplicaStore
+
+        if not self.cfg.token_file:
+            raise ValueError("key 'token_file': replication between nodes needs a shared secret file")
+        secret = load_secret(self.cfg.token_file)
+        limiter = BandwidthLimiter(self.cfg.replication_bandwidth) if self.cfg.replication_bandwidth else None
+        client_ssl = _client_ssl(self.cfg)
+        clients = {n: PeerClient(ep, secret, limiter=limiter, ssl_context=client_ssl)
+                   for n, ep in enumerate(self.membership.peers) if n != self.membership.node_rank}
+        state_dir = Path(self.cfg.state_dir)
+        self.engine = ReplicationEngine(
+            self.membership, Path(self.cfg.checkpoint_dir), Path(self.cfg.replica_dir), clients,
+            self.cfg.replication_factor, self.cfg.replication_jump, state_dir / "replication.json",
+            self.observer, self.cfg.replication_scan_interval)
+        if not self.serve:
+            return self
+        host, _, port = self.membership.me.rpartition(":")
+        store = ReplicaStore(self.cfg.replica_dir)
+        self.server = ReplicationServer(store, secret, host=host, port=int(port), ssl_context=_server_ssl(self.cfg))
+        self.port = self.server.start()
+        self.engine.start()
+        print(f"[rlsup] node {self.membership.node_rank}: replication endpoint {host}:{self.port}, copies of "
+              f"this node's checkpoints go to nodes {self.engine.targets}", file=sys.stderr, flush=True)
+        return self
+
+    def write_daemon_file(self) -> None:
+        state_dir = Path(self.cfg.state_dir)
+        state_dir.mkdir(parents=True, exist_ok=True)
+        tmp = state_dir / f".{DAEMON_FILE}.tmp"
+        tmp.write_text(json.dumps({"pid": os.getpid(), "port": self.port, "node_rank": self.membership.node_rank}))
+        os.replace(tmp, state_dir / DAEMON_FILE)
+
+    def stop(self) -> None:
+        if self.engine is not None and self.serve:
+            self.engine.stop()
+        if self.server is not None:
+            self.server.stop()
+        path = Path(self.cfg.state_dir) / DAEMON_FILE
+        try:
+            if json.loads(path.read_text()).get("pid") == os.getpid():
+                path.unlink()
+        except (OSError, ValueError):
+            pass
