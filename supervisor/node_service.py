@@ -63,7 +63,7 @@ class NodeService:
 
     def start(self) -> "NodeService":
         from supervisor.transport.auth import load_secret
-        from supervisor.transport.client import BandwidthLimiter, PeerClient
+        from supervisor.transport.client import BandwidthLimiter, PeerClient, TransferPool
         from supervisor.transport.server import ReplicationServer
         from supervisor.transport.store import ReplicaStore
 
@@ -72,7 +72,8 @@ class NodeService:
         secret = load_secret(self.cfg.token_file)
         limiter = BandwidthLimiter(self.cfg.replication_bandwidth) if self.cfg.replication_bandwidth else None
         client_ssl = _client_ssl(self.cfg)
-        clients = {n: PeerClient(ep, secret, limiter=limiter, ssl_context=client_ssl)
+        pool = TransferPool(self.cfg.replication_concurrency)  # one bound for all peers of this node
+        clients = {n: PeerClient(ep, secret, limiter=limiter, ssl_context=client_ssl, pool=pool)
                    for n, ep in enumerate(self.membership.peers) if n != self.membership.node_rank}
         state_dir = Path(self.cfg.state_dir)
         self.engine = ReplicationEngine(
@@ -99,6 +100,7 @@ class NodeService:
 
     def stop(self) -> None:
         if self.engine is not None and self.serve:
+            self.engine.drain(timeout=60)
             self.engine.stop()
         if self.server is not None:
             self.server.stop()

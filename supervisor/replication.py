@@ -64,8 +64,7 @@ class ReplicationEngine:
     scan_interval: float = 5.0
     _wake: threading.Event = field(default_factory=threading.Event)
     _stop: threading.Event = field(default_factory=threading.Event)
-    _done: set[tuple[int, int, int]] = field(default_factory=set)  # (target, step, rank)
-    _sent_steps: dict[int, set[int]] = field(default_factory=dict)  # target -> steps held there
+    _held: dict[int, set[tuple[int, int]]] = field(default_factory=dict)  # target -> (step, rank) it holds
     progress: dict[int, PeerProgress] = field(default_factory=dict)
     _threads: list[threading.Thread] = field(default_factory=list)
     _fs: Any = None
@@ -118,19 +117,38 @@ class ReplicationEngine:
         return [p for p in scan_parts(self.checkpoint_dir, full=False) if p.owner in (self.me, None)]
 
     def sync(self) -> None:
-        """One pass: push what each target lacks, delete what the owner no longer keeps."""
+        """One pass: push what each target lacks, delete what the owner no longer keeps.
+
+        What a target holds is read from its index on every pass (not remembered), so a replacement
+        node that joined with an empty disk is refilled, and a replica deleted behind our back is re-sent.
+        """
         with self._lock:
             parts = self.own_parts()
             local_steps = {p.step for p in parts}
             for target in self.targets:
+                if self._stop.is_set():
+                    break
+                try:
+                    held = self.clients[target].index(namespace_of(self.me))
+                except Exception as e:  # a dead peer: try again next pass, slow nothing else
+                    self._failed(target, f"index: {e}")
+                    continue
+                self._held[target] = {(p.step, p.rank) for p in parts if _part_held(p, held)}
                 for part in parts:
-                    if (target, part.step, part.rank) not in self._done and not self._stop.is_set():
+                    if (part.step, part.rank) not in self._held[target]:
                         self._push(target, part)
-                for step in sorted(self._sent_steps.get(target, set()) - local_steps):
+                held_steps = {int(k.split("/", 1)[0][5:]) for k in held if k.startswith("step_") and "/" in k}
+                for step in sorted(held_steps - local_steps):
                     if not (self.checkpoint_dir / step_dir_name(step)).exists():
                         self._delete(target, step)
             self._update_lag(parts)
             self._save_state()
+
+    def drain(self, timeout: float) -> None:
+        """A last pass before the process exits, so the newest checkpoint is not left unreplicated."""
+        t = threading.Thread(target=self.sync, daemon=True)
+        t.start()
+        t.join(timeout)
 
     def _push(self, target: int, part: Part) -> None:
         client = self.clients[target]
@@ -150,8 +168,7 @@ class ReplicationEngine:
                 self.observer.replicated(str(target), entry.size)
             client.push_file(ns, f"{base}/{manifest_name(part.rank)}", part.manifest_path,
                              hash_file(part.manifest_path))
-            self._done.add((target, part.step, part.rank))
-            self._sent_steps.setdefault(target, set()).add(part.step)
+            self._held.setdefault(target, set()).add((part.step, part.rank))
             prog.bytes_sent += sent
             prog.parts_sent += 1
             prog.last_ok = time.time()
@@ -159,24 +176,27 @@ class ReplicationEngine:
             prog.rate_bps = sent / elapsed if elapsed > 0 else 0.0
             self._record_placement(part)
         except Exception as e:  # a dead or lying peer slows nothing but its own copies
-            prog.failures += 1
-            prog.last_error = str(e)
-            self.observer.replication_failed(str(target))
-            log.warning("replicating step %s rank %s to node %s failed: %s", part.step, part.rank, target, e)
+            self._failed(target, f"step {part.step} rank {part.rank}: {e}")
         finally:
             hold.unlink(missing_ok=True)
 
+    def _failed(self, target: int, error: str) -> None:
+        prog = self.progress.setdefault(target, PeerProgress())
+        prog.failures += 1
+        prog.last_error = error
+        self.observer.replication_failed(str(target))
+        log.warning("replication to node %s failed: %s", target, error)
+
     def _delete(self, target: int, step: int) -> None:
+        """Retention mirrored: the owner no longer keeps ``step``, so neither does its replica holder."""
         try:
             self.clients[target].delete(namespace_of(self.me), step_dir_name(step))
-            self._sent_steps[target].discard(step)
-            self._done = {d for d in self._done if not (d[0] == target and d[1] == step)}
         except Exception as e:
             log.warning("deleting replica of step %s on node %s failed: %s", step, target, e)
 
     def _record_placement(self, part: Part) -> None:
         path = part.step_dir / f".rlsup-placement.node{self.me}.json"
-        placed = sorted(t for t in self.targets if (t, part.step, part.rank) in self._done)
+        placed = sorted(t for t in self.targets if (part.step, part.rank) in self._held.get(t, set()))
         data = {"step": part.step, "owner": self.me, "targets": placed,
                 "peers": [self.membership.peers[t] for t in placed], "updated": time.time()}
         tmp = path.with_name(path.name + ".tmp")
@@ -188,7 +208,7 @@ class ReplicationEngine:
 
     def _update_lag(self, parts: list[Part]) -> None:
         for target in self.targets:
-            missing = [p for p in parts if (target, p.step, p.rank) not in self._done]
+            missing = [p for p in parts if (p.step, p.rank) not in self._held.get(target, set())]
             lag = time.time() - min(p.manifest.created for p in missing) if missing else 0.0
             self.progress.setdefault(target, PeerProgress()).lag_s = lag
             self.observer.replication_lag(str(target), lag)
@@ -199,7 +219,7 @@ class ReplicationEngine:
             "peers": list(self.membership.peers),
             "targets": self.targets,
             "progress": {str(t): vars(p) for t, p in self.progress.items()},
-            "steps": {str(t): sorted(s) for t, s in self._sent_steps.items()},
+            "steps": {str(t): sorted({step for step, _ in held}) for t, held in self._held.items()},
             "updated": time.time(),
         }
         self.state_path.parent.mkdir(parents=True, exist_ok=True)
@@ -262,6 +282,14 @@ class ReplicationEngine:
             staging.unlink(missing_ok=True)
         if verify_part(step_dir, rank, full=True) is None:
             raise RuntimeError(f"fetched part of rank {rank} does not verify")
+
+
+def _part_held(part: Part, index: dict[str, Any]) -> bool:
+    """The target's index lists every file of ``part`` and its manifest with matching checksums."""
+    base = step_dir_name(part.step)
+    if f"{base}/{manifest_name(part.rank)}" not in index:
+        return False
+    return all(index.get(f"{base}/{name}") == entry for name, entry in part.manifest.files.items())
 
 
 class _ManifestHandler(FileSystemEventHandler):

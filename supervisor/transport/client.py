@@ -1,0 +1,465 @@
+"""Talking to a peer's :class:`~supervisor.transport.server.ReplicationServer`: a synchronous API
+usable from any thread.
+
+Threading model: every :class:`PeerClient` of a process shares ONE background thread running an
+asyncio loop (started on first use, restarted after a ``fork``); each client has its own aiohttp
+session (connection pool) on that loop. A sync call submits a coroutine and blocks the calling
+thread until it finishes, so many threads can transfer at once; the I/O multiplexes on the shared
+loop and file reads/writes run in the loop's default thread pool. Memory per transfer is bounded
+(1 MiB chunks).
+
+Retries: connection errors, timeouts, a truncated or corrupted response body and 5xx answers are
+retried ``retries`` times with exponential backoff (``backoff * 2**i``, +-20% jitter); 4xx answers
+are not (the request itself is wrong). ``timeout`` is the connect timeout and the longest a transfer
+may stall (no bytes either way), not a limit on a whole multi-GB transfer. Every failure is a
+:class:`TransportError` naming the peer.
+
+Bandwidth: a :class:`BandwidthLimiter` (token bucket, thread-safe) can be shared by all clients of a
+process to cap its total replication traffic, both directions; a :class:`TransferPool` bounds how
+many file transfers run at once across the clients that share it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import os
+import random
+import secrets
+import ssl
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import aiohttp
+import xxhash
+
+from supervisor.transport.auth import H_XXH3, auth_headers
+from supervisor.transport.store import validate_namespace, validate_relpath
+from trainer_hooks.manifest import FileEntry
+
+CHUNK = 1 << 20
+
+
+class TransportError(Exception):
+    """A transfer to or from ``peer`` failed; ``status`` is the HTTP status when the peer answered."""
+
+    def __init__(self, peer: str, message: str, status: int | None = None, retryable: bool = False) -> None:
+        super().__init__(f"peer {peer}: {message}")
+        self.peer = peer
+        self.message = message
+        self.status = status
+        self.retryable = retryable
+
+
+class BandwidthLimiter:
+    """Token bucket of ``bytes_per_second`` (0/None: unlimited) with ``burst`` bytes of credit.
+
+    Thread-safe and loop-agnostic, so one instance can cap every client of a process. Implemented as
+    a virtual clock: each grant of n bytes pushes the earliest time of the next grant by n/rate;
+    a caller sleeps until its grant's time. Idle time accrues at most ``burst`` bytes of credit.
+    """
+
+    def __init__(self, bytes_per_second: float | None, burst: int | None = None) -> None:
+        self.rate = float(bytes_per_second or 0)
+        self.burst = float(burst if burst is not None else max(CHUNK, self.rate / 10))
+        self._next = 0.0
+        self._lock = threading.Lock()
+
+    @property
+    def unlimited(self) -> bool:
+        return self.rate <= 0
+
+    def _reserve(self, n: int) -> float:
+        """Seconds the caller must wait before ``n`` bytes pass (GCRA: rate plus ``burst`` of slack)."""
+        if self.unlimited or n <= 0:
+            return 0.0
+        with self._lock:
+            now = time.monotonic()
+            self._next = max(self._next, now) + n / self.rate
+            return max(0.0, self._next - self.burst / self.rate - now)
+
+    def consume(self, n: int) -> None:
+        """Block the calling thread until ``n`` bytes may pass."""
+        wait = self._reserve(n)
+        if wait > 0:
+            time.sleep(wait)
+
+    async def acquire(self, n: int) -> None:
+        """Await until ``n`` bytes may pass."""
+        wait = self._reserve(n)
+        if wait > 0:
+            await asyncio.sleep(wait)
+
+
+class TransferPool:
+    """Bounds concurrent transfers: give the same pool to several clients (``PeerClient(pool=...)``)
+    and at most ``max_concurrent`` of their file transfers run at once; ``submit``/``map`` also run
+    callables on ``max_concurrent`` worker threads (``pool.map(lambda f: client.push_file(...), files)``).
+    """
+
+    def __init__(self, max_concurrent: int) -> None:
+        if max_concurrent < 1:
+            raise ValueError("max_concurrent must be >= 1")
+        self.max_concurrent = max_concurrent
+        self._sem = threading.BoundedSemaphore(max_concurrent)
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def slot(self) -> Iterator[None]:
+        with self._sem:
+            yield
+
+    def submit(self, fn: Callable, *args: Any, **kwargs: Any) -> concurrent.futures.Future:
+        with self._lock:
+            if self._executor is None:
+                self._executor = concurrent.futures.ThreadPoolExecutor(self.max_concurrent,
+                                                                       thread_name_prefix="rlsup-xfer")
+        return self._executor.submit(fn, *args, **kwargs)
+
+    def map(self, fn: Callable, items) -> list:
+        """Run ``fn`` on every item, at most ``max_concurrent`` at once; results in order, first error raised."""
+        return [f.result() for f in [self.submit(fn, x) for x in items]]
+
+    def shutdown(self) -> None:
+        with self._lock:
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+                self._executor = None
+
+
+class _LoopThread:
+    """The process-wide asyncio loop thread the clients share."""
+
+    _lock = threading.Lock()
+    _instance: "_LoopThread | None" = None
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.loop = asyncio.new_event_loop()
+        started = threading.Event()
+
+        def run() -> None:
+            asyncio.set_event_loop(self.loop)
+            self.loop.call_soon(started.set)
+            self.loop.run_forever()
+
+        self.thread = threading.Thread(target=run, name="rlsup-transport-client", daemon=True)
+        self.thread.start()
+        started.wait()
+
+    @classmethod
+    def get(cls) -> "_LoopThread":
+        with cls._lock:
+            inst = cls._instance
+            if inst is None or inst.pid != os.getpid() or not inst.thread.is_alive():
+                inst = cls._instance = _LoopThread()
+            return inst
+
+    def run(self, coro) -> Any:
+        if threading.current_thread() is self.thread:
+            coro.close()
+            raise RuntimeError("PeerClient's sync API cannot be called from its own loop thread")
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+
+class _Retryable(Exception):
+    pass
+
+
+def _quote_path(*parts: str) -> str:
+    # Validated names only contain [A-Za-z0-9._+=@,~-] and '/', all legal unencoded in a path.
+    return "/".join(parts)
+
+
+class PeerClient:
+    def __init__(self, endpoint: str, secret: bytes, timeout: float = 30, retries: int = 3,
+                 backoff: float = 0.5, limiter: BandwidthLimiter | None = None,
+                 ssl_context: ssl.SSLContext | None = None, pool: TransferPool | None = None) -> None:
+        host, sep, port = endpoint.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ValueError(f"peer endpoint must be host:port, got {endpoint!r}")
+        self.endpoint = endpoint
+        self._secret = bytes(secret)
+        self.timeout = timeout
+        self.retries = retries
+        self.backoff = backoff
+        self.limiter = limiter
+        self.pool = pool
+        self.ssl_context = ssl_context
+        self._base = f"{'https' if ssl_context else 'http'}://{endpoint}"
+        self._session: aiohttp.ClientSession | None = None
+        self._session_loop: asyncio.AbstractEventLoop | None = None
+
+    def __repr__(self) -> str:
+        return f"PeerClient({self.endpoint!r})"
+
+    # ------------------------------------------------------------ plumbing
+
+    def _run(self, coro) -> Any:
+        return _LoopThread.get().run(coro)
+
+    async def _sess(self) -> aiohttp.ClientSession:
+        loop = asyncio.get_running_loop()
+        if self._session is None or self._session.closed or self._session_loop is not loop:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=32, ssl=self.ssl_context if self.ssl_context else False),
+                timeout=aiohttp.ClientTimeout(total=None, connect=self.timeout, sock_connect=self.timeout,
+                                              sock_read=self.timeout),
+                auto_decompress=False, skip_auto_headers=("User-Agent", "Content-Type"))
+            self._session_loop = loop
+        return self._session
+
+    def close(self) -> None:
+        if self._session is not None and not self._session.closed:
+            try:
+                self._run(self._session.close())
+            except Exception:  # noqa: BLE001
+                pass
+        self._session = None
+
+    def __enter__(self) -> "PeerClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _err(self, message: str, status: int | None = None, retryable: bool = False) -> TransportError:
+        return TransportError(self.endpoint, message, status, retryable)
+
+    async def _with_retries(self, what: str, attempt: Callable[[], Any]) -> Any:
+        last: TransportError | None = None
+        for i in range(self.retries + 1):
+            if i:
+                await asyncio.sleep(self.backoff * (2 ** (i - 1)) * random.uniform(0.8, 1.2))
+            try:
+                return await attempt()
+            except TransportError as e:
+                if not e.retryable:
+                    raise
+                last = e
+            except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as e:
+                msg = str(e) or type(e).__name__
+                last = self._err(f"{what}: {type(e).__name__}: {msg}", retryable=True)
+        assert last is not None
+        raise self._err(f"{last.message} (gave up after {self.retries + 1} attempts)", last.status)
+
+    async def _check(self, resp: aiohttp.ClientResponse, what: str) -> None:
+        if resp.status < 400:
+            return
+        try:
+            body = await resp.read()
+            detail = json.loads(body).get("error", "") if body else ""
+        except Exception:  # noqa: BLE001
+            detail = ""
+        raise self._err(f"{what}: HTTP {resp.status}{': ' + detail if detail else ''}", resp.status,
+                        retryable=resp.status >= 500)
+
+    def _headers(self, method: str, path: str, content_length: int | None = None,
+                 xxh3: str | None = None) -> dict[str, str]:
+        return auth_headers(self._secret, method, path, content_length, xxh3)
+
+    async def _request_json(self, method: str, path: str, body: dict | None = None) -> dict:
+        data = None if body is None else json.dumps(body).encode()
+
+        async def attempt() -> dict:
+            sess = await self._sess()
+            if data is None:
+                # aiohttp sends "Content-Length: 0" for body-less POST/PUT/DELETE: sign what goes out.
+                headers = self._headers(method, path, None if method in ("GET", "HEAD") else 0)
+            else:
+                headers = self._headers(method, path, len(data), xxhash.xxh3_128_hexdigest(data))
+                headers["Content-Type"] = "application/json"
+            async with sess.request(method, self._url(path), data=data, headers=headers) as resp:
+                await self._check(resp, f"{method} {path}")
+                try:
+                    out = await resp.json(content_type=None)
+                except ValueError as e:
+                    raise self._err(f"{method} {path}: invalid JSON answer: {e}") from None
+                if not isinstance(out, dict):
+                    raise self._err(f"{method} {path}: answer is not a JSON object")
+                return out
+
+        return await self._with_retries(f"{method} {path}", attempt)
+
+    def _url(self, path: str):
+        from yarl import URL
+
+        return URL(self._base + path, encoded=True)
+
+    @contextmanager
+    def _slot(self) -> Iterator[None]:
+        if self.pool is None:
+            yield
+        else:
+            with self.pool.slot():
+                yield
+
+    # ------------------------------------------------------------ API
+
+    def health(self) -> dict:
+        return self._run(self._request_json("GET", "/v1/health"))
+
+    def call_json(self, method: str, path: str, body: dict | None = None) -> dict:
+        """Call a route mounted with ``add_json_route``. For GET/DELETE ``body`` becomes the query string."""
+        method = method.upper()
+        if not path.startswith("/v1/"):
+            raise ValueError(f"path must start with /v1/: {path!r}")
+        if method in ("GET", "DELETE", "HEAD") and body:
+            from urllib.parse import urlencode
+
+            path = path + "?" + urlencode({str(k): str(v) for k, v in body.items()})
+            body = None
+        return self._run(self._request_json(method, path, body))
+
+    def index(self, namespace: str) -> dict[str, FileEntry]:
+        validate_namespace(namespace)
+        data = self._run(self._request_json("GET", f"/v1/index/{namespace}"))
+        files = data.get("files")
+        if not isinstance(files, dict):
+            raise self._err("index: answer has no 'files' object")
+        out = {}
+        for rel, v in files.items():
+            try:
+                out[rel] = FileEntry(int(v["size"]), str(v["xxh3_128"]))
+            except (KeyError, TypeError, ValueError):
+                raise self._err(f"index: malformed entry for {rel!r}") from None
+        return out
+
+    def delete(self, namespace: str, prefix: str) -> int:
+        validate_namespace(namespace)
+        validate_relpath(prefix)
+        data = self._run(self._request_json("DELETE", f"/v1/files/{_quote_path(namespace, prefix)}"))
+        return int(data.get("removed", 0))
+
+    def push_file(self, namespace: str, relpath: str, local_path: str | os.PathLike, entry: FileEntry) -> None:
+        """Upload ``local_path`` as ``namespace/relpath``; the peer stores it only if it matches ``entry``."""
+        validate_namespace(namespace)
+        validate_relpath(relpath)
+        with self._slot():
+            self._run(self._push(namespace, relpath, Path(local_path), entry))
+
+    async def _push(self, namespace: str, relpath: str, local_path: Path, entry: FileEntry) -> None:
+        path = f"/v1/files/{_quote_path(namespace, relpath)}"
+        what = f"push {namespace}/{relpath}"
+        loop = asyncio.get_running_loop()
+
+        async def attempt() -> None:
+            try:
+                f = open(local_path, "rb")
+            except OSError as e:
+                raise self._err(f"{what}: cannot read {local_path}: {e.strerror or e}") from None
+            try:
+                size = os.fstat(f.fileno()).st_size
+                if size != entry.size:
+                    raise self._err(f"{what}: {local_path} has {size} bytes, the entry says {entry.size}")
+
+                async def body():
+                    sent = 0
+                    while sent < entry.size:
+                        chunk = await loop.run_in_executor(None, f.read, min(CHUNK, entry.size - sent))
+                        if not chunk:
+                            raise self._err(f"{what}: {local_path} shrank while being sent")
+                        if self.limiter is not None:
+                            await self.limiter.acquire(len(chunk))
+                        sent += len(chunk)
+                        yield chunk
+
+                sess = await self._sess()
+                headers = self._headers("PUT", path, entry.size, entry.xxh3_128)
+                headers["Content-Type"] = "application/octet-stream"
+                async with sess.put(self._url(path), data=body(), headers=headers, expect100=True) as resp:
+                    await self._check(resp, what)
+                    await resp.read()
+            finally:
+                f.close()
+
+        await self._with_retries(what, attempt)
+
+    def fetch_file(self, namespace: str, relpath: str, dest: str | os.PathLike,
+                   entry: FileEntry | None = None) -> FileEntry:
+        """Download ``namespace/relpath`` to ``dest`` (temp file, verified, fsync'ed, renamed: ``dest``
+        is never partial). Verified against the peer's declared checksum, and ``entry`` when given."""
+        validate_namespace(namespace)
+        validate_relpath(relpath)
+        with self._slot():
+            return self._run(self._fetch(namespace, relpath, Path(dest), entry))
+
+    async def _fetch(self, namespace: str, relpath: str, dest: Path, entry: FileEntry | None) -> FileEntry:
+        path = f"/v1/files/{_quote_path(namespace, relpath)}"
+        what = f"fetch {namespace}/{relpath}"
+        loop = asyncio.get_running_loop()
+
+        async def attempt() -> FileEntry:
+            sess = await self._sess()
+            async with sess.get(self._url(path), headers=self._headers("GET", path)) as resp:
+                await self._check(resp, what)
+                declared = (resp.headers.get(H_XXH3) or "").lower()
+                length = resp.content_length
+                if not declared or length is None:
+                    raise self._err(f"{what}: answer lacks {H_XXH3} or Content-Length")
+                if entry is not None and (entry.size != length or entry.xxh3_128 != declared):
+                    raise self._err(f"{what}: peer holds size {length} xxh3 {declared}, "
+                                    f"expected size {entry.size} xxh3 {entry.xxh3_128}")
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                tmp = dest.with_name(f".{dest.name}.rlsup-{secrets.token_hex(4)}.tmp")
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                ok = False
+                try:
+                    h = xxhash.xxh3_128()
+                    got = 0
+                    buf = bytearray()
+
+                    def flush(data: bytes | bytearray) -> None:
+                        view = memoryview(data)
+                        while view:
+                            view = view[os.write(fd, view):]
+                        h.update(data)
+
+                    async for chunk in resp.content.iter_any():
+                        if self.limiter is not None:
+                            await self.limiter.acquire(len(chunk))
+                        got += len(chunk)
+                        if got > length:
+                            raise self._err(f"{what}: body longer than Content-Length", retryable=True)
+                        buf += chunk
+                        if len(buf) >= CHUNK:
+                            data, buf = buf, bytearray()
+                            await loop.run_in_executor(None, flush, data)
+                    if buf:
+                        await loop.run_in_executor(None, flush, buf)
+                    if got != length:
+                        raise self._err(f"{what}: body truncated at {got} of {length} bytes", retryable=True)
+                    if h.hexdigest() != declared:
+                        raise self._err(f"{what}: received bytes do not match xxh3 {declared}", retryable=True)
+                    await loop.run_in_executor(None, os.fsync, fd)
+                    os.close(fd)
+                    fd = -1
+                    os.replace(tmp, dest)
+                    await loop.run_in_executor(None, _fsync_dir, dest.parent)
+                    ok = True
+                    return FileEntry(length, declared)
+                finally:
+                    if fd >= 0:
+                        os.close(fd)
+                    if not ok:
+                        try:
+                            os.unlink(tmp)
+                        except FileNotFoundError:
+                            pass
+
+        return await self._with_retries(what, attempt)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
