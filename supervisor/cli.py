@@ -113,8 +113,10 @@ def cmd_status(args: argparse.Namespace) -> int:
     state_dir = Path(eff.config.state_dir)
     state = read_state(state_dir)
     incidents = read_incidents(state_dir, last=args.last)
+    replication = read_replication(state_dir, Path(eff.config.checkpoint_dir))
     if args.json:
-        print(json.dumps({"state_dir": str(state_dir.resolve()), "job": state, "incidents": incidents}, indent=1))
+        print(json.dumps({"state_dir": str(state_dir.resolve()), "job": state, "incidents": incidents,
+                          "replication": replication}, indent=1))
         return 0 if state else 1
     if state is None:
         print(f"no rlsup job state in {state_dir}")
@@ -130,6 +132,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"resumed from step {state['resume_step']} ({state['resume_dir']})")
     if state.get("exit_code") is not None:
         print(f"exit code: {state['exit_code']}")
+    if replication:
+        print_replication(replication)
     print(f"incidents: {len(incidents)} shown")
     for inc in incidents:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(inc["time"]))
@@ -137,6 +141,34 @@ def cmd_status(args: argparse.Namespace) -> int:
         resumed = f" resumed step {inc['resumed_step']}" if inc.get("resumed_step") is not None else ""
         print(f"  {when} attempt {inc['attempt']}: {inc['reason']} {inc.get('detail', '')} -> {inc['action']}{extra}{resumed}")
     return 0
+
+
+def read_replication(state_dir: Path, checkpoint_dir: Path) -> dict | None:
+    """Replication progress per peer (from the engine's state file) and where each step's parts live."""
+    try:
+        data = json.loads((state_dir / "replication.json").read_text())
+    except (OSError, ValueError):
+        return None
+    placement = {}
+    for path in sorted(checkpoint_dir.glob("step_*/.rlsup-placement.node*.json")):
+        try:
+            p = json.loads(path.read_text())
+            placement.setdefault(str(p["step"]), {})[str(p["owner"])] = p["peers"]
+        except (OSError, ValueError, KeyError):
+            continue
+    data["placement"] = placement
+    return data
+
+
+def print_replication(rep: dict) -> None:
+    print(f"replication: node {rep['node']} -> nodes {rep['targets']}")
+    for peer, prog in sorted(rep.get("progress", {}).items()):
+        err = f", last error: {prog['last_error']}" if prog.get("last_error") else ""
+        print(f"  peer {peer} ({rep['peers'][int(peer)]}): {prog['bytes_sent']} bytes in {prog['parts_sent']} parts, "
+              f"{prog['rate_bps'] / 1e6:.1f} MB/s, lag {prog['lag_s']:.1f}s, {prog['failures']} failures{err}")
+    for step, owners in sorted(rep.get("placement", {}).items(), key=lambda kv: int(kv[0])):
+        where = "; ".join(f"node {o} parts on {', '.join(peers) or 'no peer yet'}" for o, peers in owners.items())
+        print(f"  step {step}: {where}")
 
 
 def cmd_config(args: argparse.Namespace) -> int:

@@ -48,12 +48,19 @@ class MultiNodeSupervisor(Supervisor):
             self._log(f"round {attempt}: no step is complete across the nodes; starting fresh")
             resume = None
         else:
+            resume = ResumePoint(plan.step, Path(self.cfg.checkpoint_dir) / step_dir_name(plan.step), "rlsup")
             need = plan.fetch.get(self.membership.node_rank, {})
             if need:
                 self._log(f"round {attempt}: fetching ranks {sorted(need)} of step {plan.step} from peers")
-                self.engine.fetch(plan.step, need)
-                self.observer.resumed_from("peer")
-            resume = ResumePoint(plan.step, Path(self.cfg.checkpoint_dir) / step_dir_name(plan.step), "rlsup")
+                try:
+                    self.engine.fetch(plan.step, need)
+                    self.observer.resumed_from("peer")
+                except Exception as e:
+                    # End the round for everyone: the next round plans again from fresh inventories,
+                    # in which a holder that failed verification no longer offers the part.
+                    self._log(f"round {attempt}: {e}")
+                    self.coordinator.end(attempt, f"node {self.membership.node_rank}: fetch failed: {e}")
+                    resume = None
         self.coordinator.mark_ready(attempt)
         self.coordinator.wait_all_ready(attempt)
         return resume

@@ -65,6 +65,9 @@ class ReplicationEngine:
     _wake: threading.Event = field(default_factory=threading.Event)
     _stop: threading.Event = field(default_factory=threading.Event)
     _held: dict[int, set[tuple[int, int]]] = field(default_factory=dict)  # target -> (step, rank) it holds
+    # Steps this process saw in the local directory. Only those are mirrored when they disappear: a
+    # replacement node with an empty disk must never delete the replicas it is about to restore from.
+    _seen_local: set[int] = field(default_factory=set)
     progress: dict[int, PeerProgress] = field(default_factory=dict)
     _threads: list[threading.Thread] = field(default_factory=list)
     _fs: Any = None
@@ -125,6 +128,7 @@ class ReplicationEngine:
         with self._lock:
             parts = self.own_parts()
             local_steps = {p.step for p in parts}
+            self._seen_local |= local_steps
             for target in self.targets:
                 if self._stop.is_set():
                     break
@@ -138,7 +142,7 @@ class ReplicationEngine:
                     if (part.step, part.rank) not in self._held[target]:
                         self._push(target, part)
                 held_steps = {int(k.split("/", 1)[0][5:]) for k in held if k.startswith("step_") and "/" in k}
-                for step in sorted(held_steps - local_steps):
+                for step in sorted((held_steps & self._seen_local) - local_steps):
                     if not (self.checkpoint_dir / step_dir_name(step)).exists():
                         self._delete(target, step)
             self._update_lag(parts)
@@ -188,7 +192,7 @@ class ReplicationEngine:
         log.warning("replication to node %s failed: %s", target, error)
 
     def _delete(self, target: int, step: int) -> None:
-        """Retention mirrored: the owner no longer keeps ``step``, so neither does its replica holder."""
+        """Retention mirrored: the owner deleted ``step`` (seen here, then gone), so its replicas go too."""
         try:
             self.clients[target].delete(namespace_of(self.me), step_dir_name(step))
         except Exception as e:

@@ -7,6 +7,7 @@ survive, ending bit-identical to an uninterrupted run; a corrupted replica is ne
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from conftest import ROOT, clean_env, incidents, rlsup_cmd, wait_for
+from conftest import ROOT, clean_env, incidents, rlsup_cmd, run_rlsup, wait_for
 from trainer_hooks.manifest import hash_file, list_step_dirs, manifest_name, read_manifest
 
 TRAIN = str(ROOT / "examples" / "train_tiny.py")
@@ -154,3 +155,10 @@ def test_replicas_match_then_node_loss_resumes_bit_identical(tmp_path: Path) -> 
             manifest = read_manifest(mpath)
             for name, entry in manifest.files.items():
                 assert hash_file(replica / name) == entry, f"replica {replica / name} differs"
+    # `rlsup status` shows where each step's parts live and the progress per peer.
+    status = json.loads(run_rlsup(["status", "--json"], cluster.node_dir(0)).stdout)
+    rep = status["replication"]
+    assert rep["targets"] == [1] and rep["progress"]["1"]["bytes_sent"] > 0
+    assert rep["placement"]["9"]["0"] == [f"127.0.0.1:{cluster.repl_ports[1]}"]
+    text = run_rlsup(["status"], cluster.node_dir(0)).stdout
+    assert "replication: node 0 -> nodes [1]" in text and "step 9: node 0 parts on" in text

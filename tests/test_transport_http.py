@@ -1,0 +1,422 @@
+"""ReplicationServer + PeerClient over real HTTP on 127.0.0.1: transfers, hostile input, limits."""
+
+from __future__ import annotations
+
+import http.client
+import os
+import shutil
+import socket
+import ssl
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import xxhash
+
+from supervisor.transport.auth import auth_headers
+from supervisor.transport.client import BandwidthLimiter, PeerClient, TransferPool, TransportError
+from supervisor.transport.server import ReplicationServer
+from supervisor.transport.store import ReplicaStore
+from trainer_hooks.manifest import FileEntry, hash_file
+
+from conftest import wait_for
+
+SECRET = b"test-secret-test-secret-test-sec"
+
+
+def make_file(path: Path, size: int, seed: int = 0) -> FileEntry:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    block = xxhash.xxh3_128_digest(str(seed).encode()) * 4096  # 64 KiB, cheap to make
+    with open(path, "wb") as f:
+        left = size
+        while left:
+            f.write(block[:min(left, len(block))])
+            left -= min(left, len(block))
+    return hash_file(path)
+
+
+class Node:
+    def __init__(self, root: Path, **kw) -> None:
+        self.root = root
+        self.store = ReplicaStore(root)
+        self.server = ReplicationServer(self.store, SECRET, **kw)
+        self.port = self.server.start()
+        self.endpoint = f"127.0.0.1:{self.port}"
+
+    def client(self, **kw) -> PeerClient:
+        kw.setdefault("retries", 0)
+        return PeerClient(self.endpoint, SECRET, **kw)
+
+    def healthy(self) -> bool:
+        c = self.client(timeout=5)
+        try:
+            return c.health()["ok"] is True
+        finally:
+            c.close()
+
+    def incoming_empty(self) -> bool:
+        return os.listdir(self.root / ".incoming") == []
+
+
+@pytest.fixture
+def node(tmp_path: Path):
+    n = Node(tmp_path / "store", header_timeout=1.0, request_timeout=2.0)
+    yield n
+    n.server.stop()
+
+
+def raw(port: int, method: str, path: str, body: bytes = b"", sign: bool = True,
+        content_length: int | None = None, xxh3: str | None = None, extra: dict | None = None) -> tuple[int, bytes]:
+    """A signed request sent with http.client, path exactly as given (no normalisation)."""
+    headers = {}
+    if sign:
+        cl = content_length if content_length is not None else (len(body) if method in ("PUT", "POST") else None)
+        headers = auth_headers(SECRET, method, path, cl, xxh3)
+    headers.update(extra or {})
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        conn.putrequest(method, path, skip_host=False, skip_accept_encoding=True)
+        for k, v in headers.items():
+            conn.putheader(k, v)
+        conn.endheaders(body or None)
+        resp = conn.getresponse()
+        return resp.status, resp.read()
+    finally:
+        conn.close()
+
+
+# ------------------------------------------------------------ transfers
+
+def test_roundtrip_multi_mb(node: Node, tmp_path: Path) -> None:
+    src = tmp_path / "src" / "shard.bin"
+    entry = make_file(src, 12 * 1024 * 1024 + 123, seed=1)
+    c = node.client()
+    c.push_file("node0", "step_000000001/__0_0.distcp", src, entry)
+    c.push_file("node0", "step_000000001/.metadata", src, entry)
+    assert c.index("node0") == {"step_000000001/__0_0.distcp": entry, "step_000000001/.metadata": entry}
+    stored = node.store.path_of("node0", "step_000000001/__0_0.distcp")
+    assert hash_file(stored) == entry
+    dest = tmp_path / "back" / "deep" / "shard.bin"
+    assert c.fetch_file("node0", "step_000000001/__0_0.distcp", dest, entry) == entry
+    assert hash_file(dest) == entry
+    # Wrong expectation: refused, and dest never appears (not even partially).
+    bad = tmp_path / "back" / "bad.bin"
+    with pytest.raises(TransportError, match="expected size"):
+        c.fetch_file("node0", "step_000000001/__0_0.distcp", bad, FileEntry(entry.size, "0" * 32))
+    with pytest.raises(TransportError) as ei:
+        c.fetch_file("node0", "step_000000001/missing", bad)
+    assert ei.value.status == 404
+    assert not bad.exists() and sorted(os.listdir(bad.parent)) == ["deep"]
+    assert c.delete("node0", "step_000000001") == 2 and c.index("node0") == {}
+    c.close()
+
+
+def test_concurrent_pushes(node: Node, tmp_path: Path) -> None:
+    files = {f"step_000000002/rank_{i:05d}.pt": make_file(tmp_path / f"f{i}", 2 * 1024 * 1024 + i, seed=i)
+             for i in range(8)}
+    pool = TransferPool(4)
+    clients = [node.client(pool=pool), node.client(pool=pool)]
+    active, peak, lock = [0], [0], threading.Lock()
+
+    def push(item):
+        i, (rel, entry) = item
+        with lock:
+            active[0] += 1
+            peak[0] = max(peak[0], active[0])
+        try:
+            clients[i % 2].push_file("node1", rel, tmp_path / f"f{i}", entry)
+        finally:
+            with lock:
+                active[0] -= 1
+
+    pool.map(push, list(enumerate(files.items())))
+    pool.shutdown()
+    assert peak[0] <= 4
+    assert node.store.index("node1") == files
+    for c in clients:
+        c.close()
+
+
+def test_json_routes(node: Node) -> None:
+    seen = []
+
+    def inventory(body: dict) -> dict:
+        seen.append(body)
+        if body.get("bad"):
+            raise ValueError("bad request body")
+        return {"node": 3, "echo": body}
+
+    node.server.add_json_route("POST", "/v1/inventory", inventory)
+    node.server.add_json_route("GET", "/v1/status", lambda q: {"query": q})
+    with pytest.raises(ValueError):
+        node.server.add_json_route("GET", "/v1/files/x", lambda q: {})
+    c = node.client()
+    assert c.call_json("POST", "/v1/inventory", {"steps": [1, 2]}) == {"node": 3, "echo": {"steps": [1, 2]}}
+    assert c.call_json("GET", "/v1/status", {"verbose": 1}) == {"query": {"verbose": "1"}}
+    with pytest.raises(TransportError) as ei:
+        c.call_json("POST", "/v1/inventory", {"bad": True})
+    assert ei.value.status == 400 and "bad request body" in str(ei.value)
+    with pytest.raises(TransportError) as ei:
+        c.call_json("GET", "/v1/nothing", None)
+    assert ei.value.status == 404
+    # A JSON body not matching its signed checksum is refused.
+    status, _ = raw(node.port, "POST", "/v1/inventory", b'{"a": 1}', xxh3="0" * 32)
+    assert status == 400
+    c.close()
+
+
+# ------------------------------------------------------------ hostile paths
+
+@pytest.mark.parametrize("path", [
+    "/v1/files/node0/../../../outside/x",
+    "/v1/files/node0/%2e%2e/%2e%2e/outside/x",
+    "/v1/files/node0/%2E%2E%2Foutside%2Fx",
+    "/v1/files/node0//tmp/outside/x",
+    "/v1/files/../outside/x",
+    "/v1/files/.incoming/x",
+    "/v1/files/node0/a\\..\\..\\x",
+    "/v1/files/node0/a%00b",
+    "/v1/files/node0/./x",
+])
+def test_traversal_refused(node: Node, tmp_path: Path, path: str) -> None:
+    data = b"escaped"
+    status, _ = raw(node.port, "PUT", path, data, xxh3=xxhash.xxh3_128_hexdigest(data))
+    assert 400 <= status < 500, status
+    status, _ = raw(node.port, "GET", path)
+    assert 400 <= status < 500, status
+    written = [p for p in tmp_path.rglob("*") if p.is_file() and p.read_bytes() == data]
+    assert written == []
+    assert node.healthy()
+
+
+def test_symlink_planted_inside_store(node: Node, tmp_path: Path) -> None:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret").write_bytes(b"do not serve")
+    (node.root / "node0").mkdir()
+    os.symlink(outside, node.root / "node0" / "step_000000001")
+    src = tmp_path / "payload"
+    entry = make_file(src, 1000)
+    c = node.client()
+    with pytest.raises(TransportError) as ei:
+        c.push_file("node0", "step_000000001/x", src, entry)
+    assert ei.value.status == 400
+    with pytest.raises(TransportError) as ei:
+        c.fetch_file("node0", "step_000000001/secret", tmp_path / "got")
+    assert ei.value.status in (400, 404)
+    assert os.listdir(outside) == ["secret"] and not (tmp_path / "got").exists()
+    c.delete("node0", "step_000000001")
+    assert (outside / "secret").read_bytes() == b"do not serve"
+    c.close()
+
+
+# ------------------------------------------------------------ hostile bodies
+
+def test_oversized_body_413(tmp_path: Path) -> None:
+    n = Node(tmp_path / "store", max_file_bytes=1024 * 1024)
+    try:
+        src = tmp_path / "big"
+        entry = make_file(src, 2 * 1024 * 1024)
+        c = n.client()
+        with pytest.raises(TransportError) as ei:
+            c.push_file("node0", "big", src, entry)
+        assert ei.value.status == 413
+        # Without Expect: 100-continue the answer is the same, before the body is read.
+        status, _ = raw(n.port, "PUT", "/v1/files/node0/big2", b"x" * 100, content_length=2 * 1024 * 1024,
+                        xxh3=entry.xxh3_128)
+        assert status == 413
+        assert n.store.index("node0") == {} and n.healthy()
+        c.close()
+    finally:
+        n.server.stop()
+
+
+def _put_raw_socket(port: int, path: str, declared: int, body: bytes, xxh3: str) -> None:
+    headers = auth_headers(SECRET, "PUT", path, declared, xxh3)
+    head = f"PUT {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n" + "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        s.sendall(head.encode() + b"\r\n" + body)
+        s.shutdown(socket.SHUT_WR)
+        try:
+            s.recv(4096)
+        except OSError:
+            pass
+
+
+def test_truncated_body_keeps_existing_replica(node: Node, tmp_path: Path) -> None:
+    src = tmp_path / "v1"
+    entry = make_file(src, 300_000, seed=1)
+    c = node.client()
+    c.push_file("node0", "step_000000001/model.pt", src, entry)
+    new = os.urandom(1_000_000)
+    _put_raw_socket(node.port, "/v1/files/node0/step_000000001/model.pt", len(new), new[:200_000],
+                    xxhash.xxh3_128_hexdigest(new))
+    _put_raw_socket(node.port, "/v1/files/node0/step_000000001/fresh.pt", len(new), new[:10],
+                    xxhash.xxh3_128_hexdigest(new))
+    wait_for(node.incoming_empty, 10, "the aborted uploads to be cleaned from .incoming")
+    assert c.index("node0") == {"step_000000001/model.pt": entry}
+    assert hash_file(node.store.path_of("node0", "step_000000001/model.pt")) == entry
+    c.close()
+
+
+def test_wrong_checksum_400_keeps_existing(node: Node, tmp_path: Path) -> None:
+    src = tmp_path / "v1"
+    entry = make_file(src, 500_000, seed=1)
+    c = node.client()
+    c.push_file("node0", "f", src, entry)
+    other = tmp_path / "v2"
+    make_file(other, 500_000, seed=2)
+    with pytest.raises(TransportError) as ei:
+        c.push_file("node0", "f", other, entry)  # entry claims v1's checksum
+    assert ei.value.status == 400 and "mismatch" in str(ei.value)
+    assert c.index("node0") == {"f": entry} and node.incoming_empty()
+    # Missing checksum / Content-Length.
+    status, _ = raw(node.port, "PUT", "/v1/files/node0/g", b"abc")
+    assert status == 400
+    status, _ = raw(node.port, "PUT", "/v1/files/node0/g", b"", content_length=None,
+                    extra={"Transfer-Encoding": "chunked"}, xxh3="0" * 32)
+    assert 400 <= status < 500
+    c.close()
+
+
+# ------------------------------------------------------------ hostile connections
+
+def test_huge_header_refused(node: Node) -> None:
+    status, _ = raw(node.port, "GET", "/v1/health", extra={"X-Junk": "a" * 20000})
+    assert 400 <= status < 500
+    with socket.create_connection(("127.0.0.1", node.port), timeout=5) as s:
+        s.sendall(b"GET /" + b"a" * 20000 + b" HTTP/1.1\r\nHost: x\r\n\r\n")
+        line = s.recv(100).split(b"\r\n")[0]
+        assert line.startswith(b"HTTP/1.") and line.split()[1].startswith(b"4"), line
+    assert node.healthy()
+
+
+def test_slowloris_and_garbage_do_not_stop_server(node: Node) -> None:
+    slow = []
+    for _ in range(20):
+        s = socket.create_connection(("127.0.0.1", node.port), timeout=5)
+        s.sendall(b"GET /v1/health HTTP/1.1\r\nHost: x\r\nX-A: ")
+        slow.append(s)
+    garbage = []
+    for i in range(5):
+        s = socket.create_connection(("127.0.0.1", node.port), timeout=5)
+        s.sendall(os.urandom(4096) if i else b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" + os.urandom(500))
+        garbage.append(s)
+    t0 = time.monotonic()
+    assert node.healthy()
+    assert time.monotonic() - t0 < 2
+    for s in slow[:5]:
+        s.sendall(b"b")  # trickling bytes does not extend the header deadline
+
+    def closed(s: socket.socket) -> bool:
+        try:
+            s.settimeout(0.2)
+            data = s.recv(65536)
+            return data == b"" or data.startswith((b"HTTP/1.1 4", b"HTTP/1.0 4"))
+        except TimeoutError:
+            return False
+        except OSError:
+            return True
+
+    for s in slow + garbage:
+        wait_for(lambda: closed(s), 10, "the server to drop a stalled or garbage connection")
+        s.close()
+    assert node.healthy()
+
+
+def test_stalled_body_times_out(node: Node) -> None:
+    data = os.urandom(100_000)
+    path = "/v1/files/node0/stalled"
+    headers = auth_headers(SECRET, "PUT", path, len(data), xxhash.xxh3_128_hexdigest(data))
+    head = f"PUT {path} HTTP/1.1\r\nHost: x\r\n" + "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+    with socket.create_connection(("127.0.0.1", node.port), timeout=10) as s:
+        s.sendall(head.encode() + b"\r\n" + data[:1000])
+        s.settimeout(10)
+        answer = s.recv(4096)  # request_timeout=2: the server gives up on the body
+    assert b" 408 " in answer.split(b"\r\n")[0]
+    wait_for(node.incoming_empty, 10, "the stalled upload to be cleaned")
+    assert node.store.index("node0") == {} and node.healthy()
+
+
+# ------------------------------------------------------------ failures and limits
+
+def test_dead_peer_fails_after_retries(tmp_path: Path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nothing listens here
+    src = tmp_path / "f"
+    entry = make_file(src, 1000)
+    c = PeerClient(f"127.0.0.1:{port}", SECRET, timeout=2, retries=2, backoff=0.1)
+    t0 = time.monotonic()
+    with pytest.raises(TransportError) as ei:
+        c.push_file("node0", "f", src, entry)
+    elapsed = time.monotonic() - t0
+    assert ei.value.peer == f"127.0.0.1:{port}" and "after 3 attempts" in str(ei.value)
+    assert 0.2 <= elapsed < 5, elapsed  # two backoffs (0.1 + 0.2, +-20%), then give up
+    with pytest.raises(TransportError):
+        c.health()
+    c.close()
+
+
+def test_4xx_not_retried(node: Node) -> None:
+    c = PeerClient(node.endpoint, b"wrong-secret-wrong-secret-wrong!", retries=3, backoff=1.0)
+    t0 = time.monotonic()
+    with pytest.raises(TransportError) as ei:
+        c.health()
+    assert ei.value.status == 403 and time.monotonic() - t0 < 0.9
+    c.close()
+
+
+def test_bandwidth_limiter_caps_rate(node: Node, tmp_path: Path) -> None:
+    rate, burst = 2_000_000, 256 * 1024
+    limiter = BandwidthLimiter(rate, burst=burst)
+    files = [make_file(tmp_path / f"f{i}", 1_500_000, seed=i) for i in range(2)]
+    clients = [node.client(limiter=limiter), node.client(limiter=limiter)]  # shared: a process-wide cap
+    t0 = time.monotonic()
+    threads = [threading.Thread(target=clients[i].push_file, args=("n", f"f{i}", tmp_path / f"f{i}", files[i]))
+               for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    elapsed = time.monotonic() - t0
+    total = sum(e.size for e in files)
+    minimum = (total - burst) / rate
+    assert elapsed >= 0.8 * minimum, (elapsed, minimum)
+    assert len(node.store.index("n")) == 2
+    # Unlimited limiter never waits.
+    free = BandwidthLimiter(0)
+    t0 = time.monotonic()
+    free.consume(10**12)
+    assert time.monotonic() - t0 < 0.1
+    for c in clients:
+        c.close()
+
+
+# ------------------------------------------------------------ TLS
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl CLI not installed")
+def test_tls(tmp_path: Path) -> None:
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
+                    str(cert), "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True, timeout=60)
+    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_ctx.load_cert_chain(cert, key)
+    client_ctx = ssl.create_default_context(cafile=str(cert))
+    n = Node(tmp_path / "store", ssl_context=server_ctx)
+    try:
+        src = tmp_path / "f"
+        entry = make_file(src, 3 * 1024 * 1024)
+        c = PeerClient(n.endpoint, SECRET, ssl_context=client_ctx, retries=0)
+        c.push_file("node0", "f", src, entry)
+        assert c.fetch_file("node0", "f", tmp_path / "g") == entry
+        c.close()
+        plain = n.client()  # plain HTTP to a TLS port fails cleanly
+        with pytest.raises(TransportError):
+            plain.health()
+        plain.close()
+    finally:
+        n.server.stop()
