@@ -11,6 +11,7 @@ deletes a step (retention), its replicas are deleted too. Placement is recorded 
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import logging
 import os
@@ -127,26 +128,30 @@ class ReplicationEngine:
         """
         with self._lock:
             parts = self.own_parts()
-            local_steps = {p.step for p in parts}
-            self._seen_local |= local_steps
-            for target in self.targets:
-                if self._stop.is_set():
-                    break
-                try:
-                    held = self.clients[target].index(namespace_of(self.me))
-                except Exception as e:  # a dead peer: try again next pass, slow nothing else
-                    self._failed(target, f"index: {e}")
-                    continue
-                self._held[target] = {(p.step, p.rank) for p in parts if _part_held(p, held)}
-                for part in parts:
-                    if (part.step, part.rank) not in self._held[target]:
-                        self._push(target, part)
-                held_steps = {int(k.split("/", 1)[0][5:]) for k in held if k.startswith("step_") and "/" in k}
-                for step in sorted((held_steps & self._seen_local) - local_steps):
-                    if not (self.checkpoint_dir / step_dir_name(step)).exists():
-                        self._delete(target, step)
+            self._seen_local |= {p.step for p in parts}
+            # One thread per target: a dead or slow peer delays only its own copies.
+            with concurrent.futures.ThreadPoolExecutor(max(1, len(self.targets)), "rlsup-push") as pool:
+                list(pool.map(lambda t: self._sync_target(t, parts), self.targets))
             self._update_lag(parts)
             self._save_state()
+
+    def _sync_target(self, target: int, parts: list[Part]) -> None:
+        if self._stop.is_set():
+            return
+        try:
+            held = self.clients[target].index(namespace_of(self.me))
+        except Exception as e:  # a dead peer: try again next pass
+            self._failed(target, f"index: {e}")
+            return
+        self._held[target] = {(p.step, p.rank) for p in parts if _part_held(p, held)}
+        for part in parts:
+            if (part.step, part.rank) not in self._held[target] and not self._stop.is_set():
+                self._push(target, part)
+        local_steps = {p.step for p in parts}
+        held_steps = {int(k.split("/", 1)[0][5:]) for k in held if k.startswith("step_") and "/" in k}
+        for step in sorted((held_steps & self._seen_local) - local_steps):
+            if not (self.checkpoint_dir / step_dir_name(step)).exists():
+                self._delete(target, step)
 
     def drain(self, timeout: float) -> None:
         """A last pass before the process exits, so the newest checkpoint is not left unreplicated."""
