@@ -112,21 +112,21 @@ def test_replicas_match_then_node_loss_resumes_bit_identical(tmp_path: Path) -> 
     try:
         for node in range(NODES):
             cluster.start(node)
-        # Node 2's parts are replicated to node 0 (ring, factor 1). Wait for step 9's copy, then lose node 2.
-        wait_for(lambda: (replica_part(cluster, 0, 2, 9) / manifest_name(2)).exists(), 180,
-                 "node 2's step 9 part replicated to node 0")
+        # Node 2's parts are replicated to node 0 (ring, factor 1). Wait for step 12's copy, then lose node 2.
+        wait_for(lambda: (replica_part(cluster, 0, 2, 12) / manifest_name(2)).exists(), 180,
+                 "node 2's step 12 part replicated to node 0")
         cluster.procs[2].send_signal(signal.SIGKILL)
         cluster.procs[2].wait(timeout=30)
         wiped = cluster.node_dir(2)
         os.rename(wiped, tmp_path / "node2.lost")  # the node's disk is gone
-        # Corrupt node 0's replica of the newest node-2 step it holds, beyond 9: it must never be used.
-        held = [s for s, _ in list_step_dirs(cluster.node_dir(0) / "replicas" / "node2")]
+        # Corrupt node 0's replica of the newest node-2 step it holds: it must never be used.
+        held = [s for s, d in list_step_dirs(cluster.node_dir(0) / "replicas" / "node2")
+                if (d / manifest_name(2)).exists()]
         corrupt_step = max(held)
-        if corrupt_step > 9:
-            victim = replica_part(cluster, 0, 2, corrupt_step) / "rank_00002.pt"
-            data = bytearray(victim.read_bytes())
-            data[len(data) // 2] ^= 0xFF
-            victim.write_bytes(bytes(data))
+        victim = replica_part(cluster, 0, 2, corrupt_step) / "rank_00002.pt"
+        data = bytearray(victim.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        victim.write_bytes(bytes(data))
         cluster.start(2)  # the replacement, with an empty directory
         codes = cluster.wait_all(timeout=300)
         assert codes == {0: 0, 1: 0, 2: 0}, cluster.logs()
@@ -139,9 +139,8 @@ def test_replicas_match_then_node_loss_resumes_bit_identical(tmp_path: Path) -> 
     inc2 = incidents(cluster.node_dir(2) / ".rlsup")
     inc0 = incidents(cluster.node_dir(0) / ".rlsup")
     resumed = [i["resumed_step"] for i in inc0 if i.get("resumed_step") is not None]
-    assert resumed and resumed[-1] >= 9, inc0
-    if corrupt_step > 9:
-        assert resumed[-1] < corrupt_step or resumed[-1] > corrupt_step
+    # The newest step whose parts all survive uncorrupted: one checkpoint before the corrupted replica.
+    assert resumed and resumed[-1] == corrupt_step - 3, (corrupt_step, inc0)
     assert all(i["reason"] != "success" for i in inc2)
     # Every checkpoint part reached its replica holder with matching checksums.
     for owner in range(NODES):
