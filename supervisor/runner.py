@@ -87,14 +87,21 @@ _TORCHRUN_EXIT = re.compile(r"exitcode\s*:\s*(-?\d+)\s*\(pid:\s*(\d+)\)")
 _TORCHRUN_RANK = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank")
 
 
+_AGENT_FAILED = re.compile(r"failed \(exitcode:\s*(-?\d+)\)\s*local_rank:\s*(\d+)\s*\(pid:\s*(\d+)\)")
+
+
 def _torchrun_root_cause(lines: list[str]) -> tuple[int, int, int] | None:
-    """(rank, exit code, pid) of the "Root Cause (first observed failure)" in torchrun's report."""
+    """(rank, exit code, pid) of the first failed worker, from torchrun's "Root Cause" report or,
+    for launchers that print only the agent's line (NVRx ft_launcher), ``failed (exitcode: -9) local_rank: R``."""
     rank = None
     for line in lines[next((i for i, l in enumerate(lines) if "Root Cause" in l), len(lines)):]:
         if (m := _TORCHRUN_RANK.search(line)) is not None:
             rank = int(m.group(1))
         elif (m := _TORCHRUN_EXIT.search(line)) is not None and rank is not None:
             return rank, int(m.group(1)), int(m.group(2))
+    for line in lines:
+        if (m := _AGENT_FAILED.search(line)) is not None:
+            return int(m.group(2)), int(m.group(1)), int(m.group(3))
     return None
 
 
@@ -174,7 +181,22 @@ class Supervisor:
     # ------------------------------------------------------------ steps (overridable)
 
     def first_attempt(self) -> int:
-        return 0
+        """0, or the attempt after the one a previous rlsup was running when it died (SIGKILL, OOM)."""
+        import psutil
+
+        from supervisor.incidents import read_state
+
+        prev = read_state(self.state_dir)
+        terminal = {JobStatus.SUCCEEDED.value, JobStatus.GAVE_UP.value, JobStatus.STOPPED.value,
+                    JobStatus.PREEMPTED.value}
+        if not prev or prev.get("state") in terminal or psutil.pid_exists(int(prev.get("pid", 0))):
+            return 0
+        attempt = int(prev.get("attempt", 0))
+        self._record(Incident(time=time.time(), attempt=attempt, reason="supervisor_lost", action="restart",
+                              last_step=prev.get("last_step"),
+                              detail=f"rlsup pid {prev.get('pid')} died while the job was {prev.get('state')}"))
+        self._log(f"a previous rlsup died during attempt {attempt}; continuing with attempt {attempt + 1}")
+        return attempt + 1
 
     def next_attempt(self, attempt: int) -> int:
         return attempt + 1
@@ -222,6 +244,18 @@ class Supervisor:
         if point is not None:
             self.observer.checkpoint(point.step, point.path.stat().st_mtime)
         return point
+
+    def _refresh_checkpoint_metric(self) -> None:
+        """A save just ended: report the newest checkpoint. Sizes only for rlsup's own layout, so the
+        supervisor does not re-read every byte the trainer just wrote (restart selection checks all)."""
+        from trainer_hooks.manifest import latest_valid
+
+        if self.cfg.checkpoint_layout in ("rlsup", "auto"):
+            result = latest_valid(self.checkpoint_dir, full=False)
+            if result is not None and result.step is not None:
+                self.observer.checkpoint(result.step, result.path.stat().st_mtime)
+                return
+        self.choose_resume()
 
     def attempt_env(self, attempt: int, resume: ResumePoint | None, hb_dir: Path) -> dict[str, str]:
         env = dict(os.environ)
@@ -285,7 +319,7 @@ class Supervisor:
                 first_dead = self._first_dead_rank(detector)
             now_saving = {r for r, rec in detector.records.items() if rec.section == "save"}
             if saving - now_saving:
-                self.choose_resume()  # a save just ended: refresh the newest-checkpoint metrics
+                self._refresh_checkpoint_metric()
             saving = now_saving
             self._wake.wait(self.cfg.poll_interval)
 

@@ -150,3 +150,22 @@ def test_lying_verl_tracker_is_repaired_before_restart(workdir: Path) -> None:
     assert r.returncode == 0, r.stderr
     assert "tracker says 10 10" in r.stdout
     assert (ckpt / "latest_checkpointed_iteration.txt.rlsup-prev").read_text().strip() == "20"
+
+
+def test_rlsup_sigkilled_takes_job_with_it_and_next_rlsup_continues(workdir: Path) -> None:
+    marker = workdir / "saved.txt"
+    proc = start_rlsup(["run", *FAST, "--", PY, str(JOBS / "stop_job.py"), str(marker)], workdir)
+    hb_dir = workdir / ".rlsup" / "attempts" / "attempt_0000" / "heartbeats"
+    wait_for(lambda: list(hb_dir.glob("rank_*.hb")), 30, "the job's first heartbeat")
+    from trainer_hooks.heartbeat import read_record
+
+    job_pid = wait_for(lambda: (r := read_record(next(hb_dir.glob("rank_*.hb")))) and r.pid, 10, "the rank's pid")
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=10)
+    wait_for(lambda: not pid_alive(job_pid), 10, "the job to die with its supervisor")
+    # A new rlsup in the same state dir records the loss and continues the attempt numbering.
+    r = run_rlsup(["run", *FAST, "--", PY, str(JOBS / "exit_codes_job.py"), "0"], workdir)
+    assert r.returncode == 0, r.stderr
+    assert "attempt 1 restart_count=1" in r.stdout
+    inc = incidents(workdir / ".rlsup")
+    assert inc[-1]["reason"] == "supervisor_lost" and inc[-1]["attempt"] == 0
