@@ -169,3 +169,29 @@ def test_rlsup_sigkilled_takes_job_with_it_and_next_rlsup_continues(workdir: Pat
     assert "attempt 1 restart_count=1" in r.stdout
     inc = incidents(workdir / ".rlsup")
     assert inc[-1]["reason"] == "supervisor_lost" and inc[-1]["attempt"] == 0
+
+
+def test_slow_save_is_not_a_hang(workdir: Path) -> None:
+    r = run_rlsup(["run", *FAST, "--heartbeat-timeout", "1", "--save-timeout", "30", "--",
+                   PY, str(JOBS / "slow_save_job.py"), "3"], workdir)
+    assert r.returncode == 0, r.stderr
+    assert incidents(workdir / ".rlsup") == []
+
+
+def test_save_beyond_save_timeout_is_a_hang(workdir: Path) -> None:
+    r = run_rlsup(["run", *FAST, "--heartbeat-timeout", "30", "--save-timeout", "1", "--",
+                   PY, str(JOBS / "slow_save_job.py"), "600"], workdir)
+    assert r.returncode == 0, r.stderr
+    (inc,) = incidents(workdir / ".rlsup")
+    assert inc["reason"] == "save_timeout" and inc["last_step"] == 3
+
+
+def test_status_reports_state_and_incidents(workdir: Path) -> None:
+    run_rlsup(["run", *FAST, "--", PY, str(JOBS / "exit_codes_job.py"), "3,0"], workdir)
+    import json
+
+    status = json.loads(run_rlsup(["status", "--json"], workdir).stdout)
+    assert status["job"]["state"] == "succeeded" and status["job"]["attempt"] == 1
+    assert [i["reason"] for i in status["incidents"]] == ["exit_code"]
+    text = run_rlsup(["status"], workdir).stdout
+    assert "job:       succeeded (attempt 1" in text and "attempt 0: exit_code exit code 3 -> restart" in text
