@@ -4,6 +4,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
+# System tools the deploy tests use (promtool/Prometheus, SLURM+munge, systemd-analyze); root + apt only.
+bash scripts/install_system_deps.sh
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi

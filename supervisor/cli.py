@@ -9,12 +9,15 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from supervisor import __version__, exit_codes
 from supervisor.config import ConfigError, SupervisorConfig, add_flags, load_config, reference_markdown, to_yaml
 from supervisor.incidents import read_incidents, read_state
 from supervisor.observer import Observer
+
+if TYPE_CHECKING:
+    from supervisor.node_service import NodeService
 
 from supervisor.membership import Membership
 
@@ -40,10 +43,9 @@ def cmd_run(args: argparse.Namespace, command: list[str]) -> int:
         return Supervisor(cfg, command, observer=observer).run().exit_code
     from supervisor.coordinator import CoordinationError
     from supervisor.multinode import MultiNodeSupervisor
-    from supervisor.node_service import NodeService, daemon_running
+    from supervisor.node_service import daemon_running
 
-    service = NodeService(cfg, membership, observer or Observer(), serve=daemon_running(Path(cfg.state_dir)) is None)
-    service.start()
+    service = start_service(cfg, membership, observer, serve=daemon_running(Path(cfg.state_dir)) is None)
     try:
         assert service.engine is not None
         return MultiNodeSupervisor(cfg, command, membership, service.engine, observer).run().exit_code
@@ -55,12 +57,35 @@ def cmd_run(args: argparse.Namespace, command: list[str]) -> int:
 
 
 def membership_of(cfg: SupervisorConfig) -> Membership | None:
-    from supervisor.membership import MembershipError, from_config
+    from supervisor.membership import MembershipError, from_config, replica_targets
 
     try:
-        return from_config(cfg.peers, cfg.node_rank, cfg.replication_port, os.environ)
+        membership = from_config(cfg.peers, cfg.node_rank, cfg.replication_port, os.environ)
     except MembershipError as e:
-        raise ConfigError(f"peers/node_rank: {e}") from e
+        raise ConfigError(f"key 'peers'/'node_rank': {e}") from e
+    if membership is None:
+        return None
+    if membership.size < 2:
+        raise ConfigError("key 'peers': lists a single node; leave peers empty for a single-node run")
+    try:
+        replica_targets(membership.node_rank, membership.size, cfg.replication_factor, cfg.replication_jump)
+    except MembershipError as e:
+        raise ConfigError(f"key 'replication_factor'/'replication_jump': {e}") from e
+    return membership
+
+
+def start_service(cfg: SupervisorConfig, membership: Membership, observer: Observer | None,
+                  serve: bool) -> "NodeService":
+    """The node's replication service; a missing or unsafe token file is a config error (exit 2)."""
+    from supervisor.node_service import NodeService
+    from supervisor.transport.auth import SecretError
+
+    try:
+        return NodeService(cfg, membership, observer or Observer(), serve=serve).start()
+    except (SecretError, ValueError) as e:
+        raise ConfigError(str(e)) from e
+    except OSError as e:  # the endpoint's port is taken, or a directory cannot be created
+        raise ConfigError(f"replication endpoint {membership.me}: {e}") from e
 
 
 def cmd_daemon(args: argparse.Namespace) -> int:
@@ -69,7 +94,6 @@ def cmd_daemon(args: argparse.Namespace) -> int:
     import threading
 
     from supervisor import sd_notify
-    from supervisor.node_service import NodeService
 
     cfg = load_config(args).config.resolved()
     membership = membership_of(cfg)
@@ -79,7 +103,7 @@ def cmd_daemon(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    service = NodeService(cfg, membership, observer or Observer()).start()
+    service = start_service(cfg, membership, observer, serve=True)
     service.write_daemon_file()
     sd_notify.ready()
     interval = sd_notify.watchdog_interval()

@@ -76,7 +76,7 @@ class SupervisorMetrics(Observer):
         self._awaiting_first_beat = False
         self._step_time = 0.0
         self._prev_step: tuple[int, float] | None = None
-        self._save_started: dict[int, int] = {}
+        self._saves_seen: dict[int, int] = {}  # pid -> saves counted
         self._ranks_seen: set[int] = set()
 
     # ------------------------------------------------------------ HTTP
@@ -123,13 +123,12 @@ class SupervisorMetrics(Observer):
                 self.hb_age.labels(str(rank)).set(max(0.0, (now_ns - rec.beat_ns) / 1e9))
                 self._ranks_seen.add(rank)
                 steps.append(rec.step)
-            if rec.section == "save" and rank not in self._save_started:
-                self._save_started[rank] = rec.section_ns
-            elif rec.section != "save" and rank in self._save_started:
-                started = self._save_started.pop(rank)
-                if rank == min(records):
-                    self.saves.inc()
-                    self.save_duration.observe(max(0.0, (rec.section_ns - started) / 1e9))
+            if rank == min(records):  # count each save once (every rank saves), by the lowest rank
+                new = rec.saves - self._saves_seen.get(rec.pid, 0)
+                if new > 0:
+                    self.saves.inc(new)
+                    self.save_duration.observe(rec.save_ns / 1e9)
+                self._saves_seen[rec.pid] = rec.saves
         if steps:
             step = max(steps)
             self.last_step.set(step)

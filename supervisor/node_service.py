@@ -104,6 +104,9 @@ class NodeService:
             self.engine.stop()
         if self.server is not None:
             self.server.stop()
+        if self.engine is not None:
+            for client in self.engine.clients.values():
+                client.close()
         path = Path(self.cfg.state_dir) / DAEMON_FILE
         try:
             if json.loads(path.read_text()).get("pid") == os.getpid():

@@ -133,16 +133,14 @@ class Supervisor:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
         attempt = self.first_attempt()
-        pending: Incident | None = None
-        pending_since = 0.0
+        pending: tuple[Incident, float] | None = None  # last failure, recorded once the next attempt starts
         while True:
             self._set_state(JobStatus.STARTING, attempt=attempt)
             resume = self.prepare(attempt)
             self._set_state(JobStatus.STARTING, attempt=attempt, resume=resume)
             job, hb_dir = self.launch(attempt, resume)
             if pending is not None:
-                self._record(pending, downtime=time.monotonic() - pending_since, resume=resume)
-                pending = None
+                self._record(pending[0], downtime=time.monotonic() - pending[1], resume=resume)
             self._set_state(JobStatus.RUNNING, job_pid=job.pid)
             result = self.watch(job, hb_dir, attempt)
             self.cleanup(job, result)
@@ -150,33 +148,43 @@ class Supervisor:
                 self._set_state(JobStatus.SUCCEEDED, exit_code=0)
                 return self._finish(exit_codes.OK, JobStatus.SUCCEEDED, attempt)
             if result.reason in ("stopped", "preempted"):
-                status = JobStatus.PREEMPTED if result.reason == "preempted" else JobStatus.STOPPED
-                code = exit_codes.REQUEUE if status is JobStatus.PREEMPTED else exit_codes.from_signal(self.stop_signal or signal.SIGTERM)
                 self._record(self._incident(result, "stop"))
-                self._set_state(status, exit_code=code)
-                return self._finish(code, status, attempt)
-            self._set_state(JobStatus.FAILED)
-            self.attempt_failed(attempt, result)
-            after = self.progress_marker()
-            progressed = after is not None and (resume is None or after > resume.step)
-            decision = self.policy.decide(result.exit_code, progressed)
-            self.observer.attempt_failed(result.reason, result.last_step)
-            incident = self._incident(result, decision.action)
-            if not decision.restart:
-                self.give_up(f"node gave up after attempt {attempt}: {decision.action}")
-                self._record(incident)
-                code = self._give_up_code(decision.action, result)
+                return self._stopped(attempt)
+            incident, delay = self.decide(attempt, result, resume)
+            if delay is None:
+                code = self._give_up_code(incident.action, result)
                 self._set_state(JobStatus.GAVE_UP, exit_code=code)
                 return self._finish(code, JobStatus.GAVE_UP, attempt)
-            pending, pending_since = incident, result.ended
+            pending = (incident, result.ended)
             self._set_state(JobStatus.BACKOFF)
-            self._log(f"attempt {attempt} failed ({result.reason}{': ' + result.detail if result.detail else ''}); "
-                      f"restarting in {decision.delay_s:.1f}s")
-            if self._wake.wait(decision.delay_s) and self.stop_signal is not None:
-                self._record(pending, downtime=None, resume=None)
-                code = exit_codes.REQUEUE if self.preempted else exit_codes.from_signal(self.stop_signal)
-                return self._finish(code, JobStatus.PREEMPTED if self.preempted else JobStatus.STOPPED, attempt)
+            if self._wake.wait(delay) and self.stop_signal is not None:
+                self._record(incident)
+                return self._stopped(attempt)
             attempt = self.next_attempt(attempt)
+
+    def decide(self, attempt: int, result: AttemptResult, resume: ResumePoint | None) -> tuple[Incident, float | None]:
+        """A failed attempt: its incident, and the delay before the next one (None: give up, recorded now)."""
+        self._set_state(JobStatus.FAILED)
+        self.attempt_failed(attempt, result)
+        after = self.progress_marker()
+        progressed = after is not None and (resume is None or after > resume.step)
+        decision = self.policy.decide(result.exit_code, progressed)
+        self.observer.attempt_failed(result.reason, result.last_step)
+        incident = self._incident(result, decision.action)
+        if not decision.restart:
+            self.give_up(f"node gave up after attempt {attempt}: {decision.action}")
+            self._record(incident)
+            return incident, None
+        self._log(f"attempt {attempt} failed ({result.reason}{': ' + result.detail if result.detail else ''}); "
+                  f"restarting in {decision.delay_s:.1f}s")
+        return incident, decision.delay_s
+
+    def _stopped(self, attempt: int) -> RunResult:
+        """rlsup was asked to stop (exit 128+signal) or preempted (exit for requeue)."""
+        status = JobStatus.PREEMPTED if self.preempted else JobStatus.STOPPED
+        code = exit_codes.REQUEUE if self.preempted else exit_codes.from_signal(self.stop_signal or signal.SIGTERM)
+        self._set_state(status, exit_code=code)
+        return self._finish(code, status, attempt)
 
     # ------------------------------------------------------------ steps (overridable)
 
@@ -295,7 +303,7 @@ class Supervisor:
                                 self.cfg.heartbeat_timeout, self.auto_timeout)
         oom_before = oom_kill_count()
         first_dead: tuple[int, int] | None = None
-        saving: set[int] = set()
+        saves_seen = 0
         while True:
             code = job.poll()
             if code is not None:
@@ -317,10 +325,10 @@ class Supervisor:
                 return self._hang(attempt, job, detector, verdict)
             if first_dead is None:
                 first_dead = self._first_dead_rank(detector)
-            now_saving = {r for r, rec in detector.records.items() if rec.section == "save"}
-            if saving - now_saving:
-                self._refresh_checkpoint_metric()
-            saving = now_saving
+            saves = sum(rec.saves for rec in detector.records.values())
+            if saves != saves_seen:
+                saves_seen = saves
+                self._refresh_checkpoint_metric()  # a save just ended
             self._wake.wait(self.cfg.poll_interval)
 
     def cleanup(self, job: JobProcess, result: AttemptResult) -> None:

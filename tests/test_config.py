@@ -67,3 +67,18 @@ def test_invalid_value(workdir: Path) -> None:
 def test_reference_doc_is_generated_from_code() -> None:
     assert (ROOT / "docs" / "config.md").read_text() == reference_markdown(), \
         "docs/config.md is stale: run `rlsup config reference > docs/config.md`"
+
+
+def test_replication_settings_errors_exit_2(workdir: Path) -> None:
+    peers = ["--peers", "127.0.0.1:1,127.0.0.1:2", "--node-rank", "0"]
+    r = run_rlsup(["daemon", *peers], workdir)
+    assert r.returncode == 2 and "key 'token_file'" in r.stderr, r.stderr
+    short = workdir / "token"
+    short.write_text("short\n")
+    short.chmod(0o600)
+    r = run_rlsup(["daemon", *peers, "--token-file", str(short)], workdir)
+    assert r.returncode == 2 and str(short) in r.stderr and "Traceback" not in r.stderr, r.stderr
+    r = run_rlsup(["run", "--peers", "127.0.0.1:1", "--node-rank", "0", "--", "true"], workdir)
+    assert r.returncode == 2 and "single node" in r.stderr
+    r = run_rlsup(["run", *peers, "--replication-factor", "2", "--", "true"], workdir)
+    assert r.returncode == 2 and "replication_factor 2 needs more than 2 nodes" in r.stderr

@@ -6,7 +6,7 @@ is a memory store, no system call; rlsup reads the page whenever it likes. Clock
 ``time.monotonic_ns`` (CLOCK_MONOTONIC is system-wide on Linux), so wall-clock jumps never look like
 hangs.
 
-Record layout (little endian, 8 x int64, see :data:`RECORD`):
+Record layout (little endian, 10 x int64 in a 128-byte file, see :data:`RECORD`):
   0 seq        seqlock counter: odd while the rank is writing
   1 magic      :data:`MAGIC`
   2 pid        writer's pid
@@ -15,6 +15,8 @@ Record layout (little endian, 8 x int64, see :data:`RECORD`):
   5 section    0 none, 1 save, 2 load, 3 user
   6 section_ns monotonic time the current section began
   7 stop       written by rlsup: non-zero asks the rank to save and exit (:func:`should_stop`)
+  8 saves      save sections completed (rlsup counts saves even when one ends between two polls)
+  9 save_ns    duration of the last completed save section
 """
 
 from __future__ import annotations
@@ -32,8 +34,8 @@ from pathlib import Path
 from typing import Iterator
 
 MAGIC = 0x524C535550484231  # "RLSUPHB1"
-RECORD = struct.Struct("<8q")
-RECORD_SIZE = 64
+RECORD = struct.Struct("<10q")
+RECORD_SIZE = 128
 SECTIONS = {"none": 0, "save": 1, "load": 2, "user": 3}
 SECTION_NAMES = {v: k for k, v in SECTIONS.items()}
 ENV_DIR = "RLSUP_HEARTBEAT_DIR"
@@ -60,6 +62,8 @@ class HeartbeatRecord:
     section: str
     section_ns: int
     stop: bool
+    saves: int = 0
+    save_ns: int = 0
 
 
 class _Writer:
@@ -78,6 +82,8 @@ class _Writer:
         self.beat_ns = 0
         self.section = 0
         self.section_ns = 0
+        self.saves = 0
+        self.save_ns = 0
         self._publish()
         _die_with_parent()
         # Stack dumps on demand: rlsup sends STACKS_SIGNAL before killing a hung rank.
@@ -91,7 +97,7 @@ class _Writer:
         _I64.pack_into(m, 0, self.seq)
         stop = _I64.unpack_from(m, 56)[0]
         RECORD.pack_into(m, 0, self.seq, MAGIC, os.getpid(), self.step, self.beat_ns,
-                         self.section, self.section_ns, stop)
+                         self.section, self.section_ns, stop, self.saves, self.save_ns)
         self.seq += 1
         _I64.pack_into(m, 0, self.seq)
 
@@ -101,8 +107,12 @@ class _Writer:
         self._publish()
 
     def set_section(self, code: int) -> None:
+        now = time.monotonic_ns()
+        if self.section == SECTIONS["save"] and code != self.section:
+            self.saves += 1
+            self.save_ns = now - self.section_ns
         self.section = code
-        self.section_ns = time.monotonic_ns()
+        self.section_ns = now
         self._publish()
 
     def stop_requested(self) -> bool:
@@ -202,14 +212,14 @@ def read_record(path: Path) -> HeartbeatRecord | None:
                 data = f.read(RECORD_SIZE)
                 if len(data) < RECORD_SIZE:
                     return None
-                seq, magic, pid, step, beat_ns, sec, sec_ns, stop = RECORD.unpack(data)
+                seq, magic, pid, step, beat_ns, sec, sec_ns, stop, saves, save_ns = RECORD.unpack(data)
                 f.seek(0)
                 if seq % 2 == 1 or _I64.unpack(f.read(8))[0] != seq:
                     continue  # the rank is mid-write: read again
                 if magic != MAGIC:
                     return None
                 return HeartbeatRecord(rank, pid, step, beat_ns, SECTION_NAMES.get(sec, "user"),
-                                       sec_ns, bool(stop))
+                                       sec_ns, bool(stop), saves, save_ns)
     except (FileNotFoundError, ValueError, struct.error):
         return None
     return None

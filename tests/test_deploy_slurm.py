@@ -1,0 +1,232 @@
+"""deploy/slurm/rlsup.sbatch on a real one-node SLURM cluster started here (munged, slurmctld, slurmd
+from Debian's packages, all on 127.0.0.1, config in a temporary directory).
+
+Two jobs of examples/train_tiny.py under torchrun run at once:
+  * `scontrol requeue` mid-run: SLURM kills the job and starts the batch script again; the new rlsup
+    resumes from the newest checkpoint and the run ends with the same weights as an uninterrupted one.
+  * a preemption (`scancel --batch --signal=USR1`, what `--signal=B:USR1@120` sends): the script
+    relays SIGUSR1 to rlsup, the trainer saves, rlsup exits 75, the script runs `scontrol requeue`.
+A requeued job waits AuthInfo cred_expire (120 s by default) before it runs again; the test lowers it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from conftest import ROOT, clean_env, wait_for
+from test_metrics_scrape import free_ports
+
+SBATCH = ROOT / "deploy" / "slurm" / "rlsup.sbatch"
+TRAIN = ROOT / "examples" / "train_tiny.py"
+TOOLS = ("munged", "mungekey", "slurmctld", "slurmd", "sbatch", "scontrol", "squeue", "scancel", "srun")
+TRAIN_ARGS = ["--steps", "40", "--checkpoint-every", "5", "--step-time", "0.15"]
+CRED_EXPIRE = 10
+
+pytestmark = [
+    pytest.mark.skipif(any(shutil.which(t) is None for t in TOOLS),
+                       reason=f"SLURM/munge not installed (need {', '.join(TOOLS)}; scripts/install_system_deps.sh)"),
+    pytest.mark.skipif(os.geteuid() != 0, reason="the test cluster's slurmd must run as root to launch jobs"),
+]
+
+
+def test_sbatch_script_syntax() -> None:
+    r = subprocess.run(["bash", "-n", str(SBATCH)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    text = SBATCH.read_text()
+    for directive in ("--requeue", "--signal=B:USR1@120", "--open-mode=append"):
+        assert f"#SBATCH {directive}" in text
+    assert "--ntasks-per-node=1 --kill-on-bad-exit=0" in text and 'scontrol requeue "$SLURM_JOB_ID"' in text
+
+
+class Cluster:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.host = socket.gethostname()
+        self.procs: list[subprocess.Popen] = []
+        self.conf = root / "slurm.conf"
+        self.env = clean_env(SLURM_CONF=str(self.conf))
+
+    def start(self) -> None:
+        r = self.root
+        munge = r / "munge"
+        munge.mkdir(mode=0o755)  # munged refuses a socket directory others can write to
+        for d in ("state", "spool", "log"):
+            (r / d).mkdir()
+        subprocess.run(["mungekey", "--create", f"--keyfile={munge / 'munge.key'}", "--force"], check=True,
+                       capture_output=True)
+        (munge / "munge.key").chmod(0o400)
+        sock = munge / "munge.socket"
+        self._spawn(["munged", "-F", "--force", f"--socket={sock}", f"--key-file={munge / 'munge.key'}",
+                     f"--log-file={munge / 'munged.log'}", f"--pid-file={munge / 'munged.pid'}",
+                     f"--seed-file={munge / 'munged.seed'}"], "munged")
+        wait_for(sock.exists, 30, "munged's socket")
+        ctld_port, d_port = free_ports(2)
+        self.conf.write_text(f"""\
+ClusterName=rlsuptest
+SlurmctldHost={self.host}(127.0.0.1)
+SlurmctldPort={ctld_port}
+SlurmdPort={d_port}
+AuthType=auth/munge
+CredType=cred/munge
+AuthInfo=socket={sock},cred_expire={CRED_EXPIRE}
+SlurmUser=root
+SlurmdUser=root
+StateSaveLocation={r / 'state'}
+SlurmdSpoolDir={r / 'spool'}
+SlurmctldPidFile={r / 'slurmctld.pid'}
+SlurmdPidFile={r / 'slurmd.pid'}
+SlurmctldLogFile={r / 'log' / 'slurmctld.log'}
+SlurmdLogFile={r / 'log' / 'slurmd.log'}
+PlugStackConfig={r / 'plugstack.conf'}
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+MpiDefault=none
+ReturnToService=2
+SchedulerParameters=sched_interval=1
+JobRequeue=1
+KillWait=10
+MinJobAge=600
+NodeName={self.host} NodeAddr=127.0.0.1 CPUs={os.cpu_count()} State=UNKNOWN
+PartitionName=test Nodes={self.host} Default=YES MaxTime=INFINITE State=UP
+""")
+        (r / "plugstack.conf").write_text("")
+        self._spawn(["slurmctld", "-D", "-i", "-f", str(self.conf)], "slurmctld")
+        self._spawn(["slurmd", "-D", "-N", self.host, "-f", str(self.conf)], "slurmd")
+        wait_for(lambda: self.run("sinfo", "-h", "-o", "%t").stdout.strip() == "idle", 60, "the node to be idle")
+
+    def _spawn(self, cmd: list[str], name: str) -> None:
+        log = open(self.root / "log" / f"{name}.out", "ab") if (self.root / "log").exists() else subprocess.DEVNULL
+        self.procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env,
+                                           start_new_session=True))
+
+    def run(self, *cmd: str, check: bool = False) -> subprocess.CompletedProcess:
+        return subprocess.run(list(cmd), capture_output=True, text=True, env=self.env, timeout=60, check=check)
+
+    def state(self, job: str) -> tuple[str, str]:
+        out = self.run("squeue", "-h", "-j", job, "-o", "%T|%r").stdout.strip()
+        if out:
+            state, _, reason = out.partition("|")
+            return state, reason
+        m = re.search(r"JobState=(\S+)", self.run("scontrol", "show", "job", job).stdout)
+        return (m.group(1) if m else "UNKNOWN"), ""
+
+    def stop(self) -> None:
+        self.run("scancel", "--full", "-u", "root")
+        try:
+            wait_for(lambda: self.run("squeue", "-h").stdout.strip() == "", 60, "jobs to end")
+        except AssertionError:
+            pass
+        for proc in reversed(self.procs):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in reversed(self.procs):
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    def logs(self) -> str:
+        out = []
+        for p in sorted((self.root / "log").glob("*")):
+            out.append(f"--- {p.name} ---\n{p.read_text(errors='replace')[-2500:]}")
+        return "\n".join(out)
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    root = Path(tempfile.mkdtemp(prefix="rlsup-slurm-", dir="/tmp"))
+    root.chmod(0o755)
+    c = Cluster(root)
+    try:
+        c.start()
+        yield c
+    except BaseException:
+        print(c.logs())
+        raise
+    finally:
+        c.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def submit(cluster: Cluster, job_dir: Path, master_port: int) -> str:
+    job_dir.mkdir(parents=True)
+    env = clean_env(SLURM_CONF=str(cluster.conf), SUPERVISOR=str(Path(sys.executable).parent / "rlsup"),
+                    TORCHRUN=f"{sys.executable} -m torch.distributed.run", MASTER_PORT=str(master_port),
+                    JOB_DIR=str(job_dir))
+    r = subprocess.run(["sbatch", "--parsable", f"--chdir={job_dir}", str(SBATCH), str(TRAIN), *TRAIN_ARGS,
+                        "--out", str(job_dir / "final.pt")], capture_output=True, text=True, env=env, timeout=60)
+    assert r.returncode == 0, r.stderr
+    return r.stdout.strip().split(";")[0]
+
+
+def newest_step(job_dir: Path) -> int:
+    steps = [int(p.name.split("_")[1]) for p in (job_dir / "checkpoints").glob("step_*")] if (
+        job_dir / "checkpoints").exists() else []
+    return max(steps, default=0)
+
+
+def output(job_dir: Path, job: str) -> str:
+    path = job_dir / f"rlsup-train-{job}.out"
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
+def reference_sha(tmp: Path) -> str:
+    r = subprocess.run([sys.executable, str(TRAIN), *TRAIN_ARGS, "--step-time", "0", "--checkpoint-dir",
+                        str(tmp / "ref"), "--out", str(tmp / "ref.pt")], capture_output=True, text=True, env=clean_env(), timeout=300)
+    assert r.returncode == 0, r.stderr
+    return re.search(r"weights sha256 (\w+)", r.stdout + r.stderr).group(1)
+
+
+def test_requeue_and_preemption_resume_from_checkpoint(cluster: Cluster, tmp_path: Path) -> None:
+    port_a, port_b = free_ports(2)
+    dir_a, dir_b = tmp_path / "requeued", tmp_path / "preempted"
+    dir_a.parent.chmod(0o755)
+    job_a = submit(cluster, dir_a, port_a)
+    job_b = submit(cluster, dir_b, port_b)
+    try:
+        # A: `scontrol requeue` once a checkpoint exists (SLURM kills the step, then reruns the script).
+        wait_for(lambda: newest_step(dir_a) >= 10, 180, "job A's checkpoint of step 10", interval=0.2)
+        saved_a = newest_step(dir_a)
+        cluster.run("scontrol", "requeue", job_a, check=True)
+        # B: the preemption warning SLURM sends the batch shell with --signal=B:USR1@120.
+        wait_for(lambda: newest_step(dir_b) >= 10, 180, "job B's checkpoint of step 10", interval=0.2)
+        cluster.run("scancel", "--batch", "--signal=USR1", job_b, check=True)
+
+        ref = reference_sha(tmp_path)  # meanwhile (the requeued jobs wait cred_expire)
+        for job in (job_a, job_b):
+            wait_for(lambda j=job: cluster.state(j)[0] in ("COMPLETED", "FAILED", "CANCELLED"), 240,
+                     f"job {job} to finish after its requeue", interval=0.5)
+    except BaseException:
+        print(output(dir_a, job_a), output(dir_b, job_b), cluster.logs())
+        raise
+    for job, job_dir in ((job_a, dir_a), (job_b, dir_b)):
+        out = output(job_dir, job)
+        assert cluster.state(job)[0] == "COMPLETED", out
+        assert re.search(r"Restarts=1\b", cluster.run("scontrol", "show", "job", job).stdout)
+        # --open-mode=append: both runs of the batch script in one file
+        assert f"job {job} restart 0:" in out and f"job {job} restart 1:" in out, out
+        resumed = re.findall(r"\[rlsup\] attempt 0: launching .* from step (\d+)", out)
+        assert len(resumed) == 1 and int(resumed[0]) >= 10, out
+        assert "[train_tiny] done at step 40" in out and "[rlsup] succeeded" in out, out
+        assert re.findall(r"weights sha256 (\w+)", out)[-1] == ref, "resumed run's weights differ from an uninterrupted run"
+    out_a, out_b = output(dir_a, job_a), output(dir_b, job_b)
+    assert "DUE TO JOB REQUEUE" in out_a and "rlsup exited 75" not in out_a
+    assert int(re.search(r"from step (\d+)", out_a).group(1)) >= saved_a
+    assert "relaying SIGUSR1 to rlsup" in out_b and "[rlsup] preempted" in out_b, out_b
+    assert "rlsup exited 75" in out_b and f"requeueing job {job_b}" in out_b, out_b
