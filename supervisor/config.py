@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import math
 import os
 import types
 import typing
@@ -78,6 +79,11 @@ class SupervisorConfig:
     tls_cert: str = _opt("", "PEM certificate for the replication endpoint (empty: plain HTTP with HMAC auth).")
     tls_key: str = _opt("", "PEM private key for tls_cert.")
     tls_ca: str = _opt("", "CA bundle that peers' certificates must chain to.")
+    persistent_dir: str = _opt("", "Persistent checkpoint tier: a shared-filesystem directory or fsspec URL (s3://...) that valid rlsup-layout steps are copied to and restored from (empty: off).")
+    persistent_every: int = _opt(0, "Copy to the persistent tier once this many steps passed since the last copy (0: every new valid step).")
+    persistent_every_seconds: float = _opt(0.0, "Copy to the persistent tier once this many seconds passed since the last copy (0: off); with persistent_every, either one triggers.")
+    persistent_keep_last: int = _opt(0, "Valid copies kept in the persistent tier (0: all); the newest valid copy is never deleted.")
+    persistent_bandwidth: float = _opt(0.0, "Cap on persistent-tier traffic in bytes/s, reads and writes together (0: unlimited).")
 
     def resolved(self, base: Path | None = None) -> "SupervisorConfig":
         """Paths made absolute, so attempts launched in other directories agree."""
@@ -87,6 +93,8 @@ class SupervisorConfig:
             checkpoint_dir=str((base / self.checkpoint_dir).resolve()),
             state_dir=str((base / self.state_dir).resolve()),
             replica_dir=str((base / self.replica_dir).resolve()),
+            persistent_dir=self.persistent_dir if not self.persistent_dir or "://" in self.persistent_dir
+            else str((base / self.persistent_dir).resolve()),
         )
 
 
@@ -132,14 +140,17 @@ def _coerce(name: str, tp: Any, value: Any, *, from_text: bool) -> Any:
     if tp is float:
         if isinstance(value, bool):
             raise ValueError(f"expected a number, got {value!r}")
+        number = None
         if isinstance(value, (int, float)):
-            return float(value)
-        if from_text and isinstance(value, str):
+            number = float(value)
+        elif from_text and isinstance(value, str):
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
-        raise ValueError(f"expected a number of seconds, got {value!r}")
+        if number is not None and math.isfinite(number):
+            return number
+        raise ValueError(f"expected a finite number of seconds, got {value!r}")
     if tp is str:
         if isinstance(value, str):
             return value
@@ -180,10 +191,10 @@ def load_file(path: Path) -> tuple[dict[str, Any], dict[str, str]]:
         where = f"{path}:{key_node.start_mark.line + 1}"
         if key not in types_:
             raise ConfigError(f"{where}: {_unknown(str(key), list(types_))}")
-        raw = yaml.safe_load(yaml.serialize(value_node))
         try:
+            raw = yaml.safe_load(yaml.serialize(value_node))
             values[key] = _coerce(key, types_[key], raw, from_text=False)
-        except ValueError as e:
+        except (ValueError, OverflowError, yaml.YAMLError) as e:  # unsafe tags, 5000-digit ints
             raise ConfigError(f"{where}: key '{key}': {e}") from e
         origins[key] = where
     return values, origins
@@ -263,7 +274,8 @@ def _validate(cfg: SupervisorConfig, origins: dict[str, str]) -> None:
     if not 0 <= cfg.metrics_port <= 65535:
         raise bad("metrics_port", "must be a port number 0..65535")
     for key in ("max_restarts", "max_no_progress_attempts", "output_tail_lines", "replication_factor",
-                "replication_bandwidth"):
+                "replication_bandwidth", "persistent_every", "persistent_every_seconds", "persistent_keep_last",
+                "persistent_bandwidth"):
         if getattr(cfg, key) < 0:
             raise bad(key, "must be >= 0")
     for key in ("backoff_initial", "backoff_max", "kill_grace", "stop_grace", "startup_timeout", "save_timeout",

@@ -36,6 +36,7 @@ class Incident:
     downtime_s: float | None = None
     resumed_from: str | None = None
     resumed_step: int | None = None
+    resumed_tier: str | None = None  # local | peer | persistent
 
 
 @dataclass
@@ -53,6 +54,7 @@ class JobState:
     heartbeat_timeout_s: float | None = None
     resume_step: int | None = None
     resume_dir: str | None = None
+    resume_tier: str | None = None
     exit_code: int | None = None
 
 

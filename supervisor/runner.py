@@ -124,6 +124,9 @@ class Supervisor:
         self._wake = threading.Event()
         self.incidents: list[Incident] = []
         self.state = JobState(JobStatus.INIT.value, 0, os.getpid(), self.command, time.time())
+        from supervisor.persistent import PersistentTier
+
+        self.persistent = PersistentTier.from_config(self.cfg)  # None when persistent_dir is empty
 
     # ------------------------------------------------------------ the loop
 
@@ -132,6 +135,8 @@ class Supervisor:
         become_subreaper()
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        if self.persistent is not None:
+            self.persistent.start(self.checkpoint_dir, interval=self.cfg.replication_scan_interval)
         attempt = self.first_attempt()
         pending: tuple[Incident, float] | None = None  # last failure, recorded once the next attempt starts
         while True:
@@ -210,8 +215,16 @@ class Supervisor:
         return attempt + 1
 
     def prepare(self, attempt: int) -> ResumePoint | None:
-        """Everything before launch; returns the checkpoint to resume from."""
-        point = self.choose_resume()
+        """Everything before launch; returns the checkpoint to resume from (fetched from the
+        persistent tier when that holds a newer valid step than the local directory)."""
+        if self.persistent is not None and self.cfg.resume:
+            from supervisor.tiers import choose_across_tiers
+
+            point = choose_across_tiers(self.checkpoint_dir, self.persistent, self.cfg.checkpoint_layout)
+            if point is not None:
+                self.observer.checkpoint(point.step, point.path.stat().st_mtime)
+        else:
+            point = self.choose_resume()
         if point is not None and self.cfg.repair_tracker:
             self.repair_tracker(point)
         return point
@@ -294,7 +307,7 @@ class Supervisor:
                          self.cfg.output_tail_lines)
         self.observer.attempt_started(attempt, resume.step if resume else None)
         if resume is not None:
-            self.observer.resumed_from("local")
+            self.observer.resumed_from(getattr(resume, "tier", "local"))
         return job, hb_dir
 
     def watch(self, job: JobProcess, hb_dir: Path, attempt: int) -> AttemptResult:
@@ -475,6 +488,7 @@ class Supervisor:
         incident.downtime_s = None if downtime is None else round(downtime, 3)
         if resume is not None:
             incident.resumed_from, incident.resumed_step = str(resume.path), resume.step
+            incident.resumed_tier = getattr(resume, "tier", "local")
         append_incident(self.state_dir, incident)
         self.incidents.append(incident)
         if downtime is not None:
@@ -498,6 +512,7 @@ class Supervisor:
             self.state.attempt = attempt
             self.state.resume_step = resume.step if resume else None
             self.state.resume_dir = str(resume.path) if resume else None
+            self.state.resume_tier = getattr(resume, "tier", "local") if resume else None
         if job_pid is not None:
             self.state.job_pid = job_pid
         if exit_code is not None:
@@ -506,6 +521,8 @@ class Supervisor:
         self.observer.state(status.value)
 
     def _finish(self, code: int, status: JobStatus, attempt: int) -> RunResult:
+        if self.persistent is not None:
+            self.persistent.stop()
         self._log(f"{status.value} after {attempt + 1} attempt(s); exit {code}")
         return RunResult(code, status, attempt + 1, self.incidents)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -91,5 +92,35 @@ def test_killed_runs_resume_bit_identical(workdir: Path, world: int) -> None:
     assert all(i["action"] == "restart" for i in inc)
     final = torch.load(out, weights_only=True)
     assert final.keys() == ref.keys()
+    for name in ref:
+        assert torch.equal(final[name], ref[name]), f"{name} differs from the uninterrupted run"
+
+
+def test_wiped_local_dir_resumes_from_persistent_tier_under_rlsup(workdir: Path) -> None:
+    """The whole node is lost (rlsup SIGKILLed, local checkpoints gone); a new rlsup resumes from the
+    persistent tier and the run ends bit-identical to an uninterrupted one."""
+    ref = reference_weights(workdir, 1)
+    out, ckpt, persistent = workdir / "final.pt", workdir / "checkpoints", workdir / "shared-fs"
+    args = ["run", "--backoff-initial", "0.05", "--persistent-dir", str(persistent),
+            "--replication-scan-interval", "0.2", "--", *launcher(1), *TRAIN_ARGS, "--out", str(out)]
+    proc = start_rlsup(args, workdir)
+    try:
+        wait_for(lambda: (persistent / "step_000000012" / "manifest.rank_00000.json").exists(), 120,
+                 "step 12 copied to the persistent tier")
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    import shutil
+
+    shutil.rmtree(ckpt)
+    proc = start_rlsup(args, workdir)
+    output, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, output[-4000:]
+    assert incidents(workdir / ".rlsup")[-1]["reason"] == "supervisor_lost"
+    state = json.loads((workdir / ".rlsup" / "state.json").read_text())
+    assert state["resume_tier"] == "persistent" and state["resume_step"] >= 12, state
+    final = torch.load(out, weights_only=True)
     for name in ref:
         assert torch.equal(final[name], ref[name]), f"{name} differs from the uninterrupted run"

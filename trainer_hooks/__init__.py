@@ -6,7 +6,9 @@ Stays light on purpose: it never imports ``supervisor``, an HTTP stack or promet
 from trainer_hooks.checkpoint import CheckpointManager
 from trainer_hooks.heartbeat import heartbeat, section, should_stop
 from trainer_hooks.sampler import ResumableSampler
+from trainer_hooks.triggers import SaveTrigger
 
 __version__ = "0.1.0"
 
-__all__ = ["CheckpointManager", "ResumableSampler", "heartbeat", "section", "should_stop", "__version__"]
+__all__ = ["CheckpointManager", "ResumableSampler", "SaveTrigger", "heartbeat", "section", "should_stop",
+           "__version__"]

@@ -18,6 +18,9 @@ the step already verifies does not rewrite it (for collective backends the ranks
 Retention (``keep_last``) runs on rank 0 only once the new step verifies complete, and never deletes
 the newest valid step, a held step (``.hold-*`` marker) or the step named by ``RLSUP_RESUME_DIR``.
 
+Asynchronous saves (``async_save=True``, torch backend): ``save()`` returns once the state is copied
+and a writer process runs the same protocol in the background; see :mod:`trainer_hooks.async_writer`.
+
 Usage::
 
     ckpt = CheckpointManager(keep_last=3)             # directory from RLSUP_CHECKPOINT_DIR
@@ -42,7 +45,7 @@ import torch
 
 from trainer_hooks.backends import get_backend
 from trainer_hooks.backends.base import RNG_KEY, LoadContext, SaveContext, state_of
-from trainer_hooks.heartbeat import section
+from trainer_hooks.heartbeat import section, should_stop
 from trainer_hooks.manifest import (
     SCHEMA_VERSION,
     FileEntry,
@@ -126,7 +129,12 @@ class CheckpointManager:
     """Save and restore a dict of stateful objects and plain values, atomically and verifiably."""
 
     def __init__(self, directory: str | os.PathLike | None = None, keep_last: int | None = None,
-                 backend: str = "torch", safe_globals: tuple | list = ()) -> None:
+                 backend: str = "torch", safe_globals: tuple | list = (), async_save: bool = False,
+                 max_in_flight: int = 1, when_busy: str = "wait", keep_buffers: bool = True) -> None:
+        """``async_save=True``: :meth:`save` returns once the state is copied; a writer process writes
+        it (:mod:`trainer_hooks.async_writer`). At most ``max_in_flight`` saves are in flight; a save
+        beyond that waits (``when_busy="wait"``) or is skipped and returns None (``"skip"``).
+        ``keep_buffers`` keeps the snapshot buffers (pinned with CUDA) for the next save."""
         directory = directory if directory is not None else os.environ.get(ENV_DIR)
         if not directory:
             raise ValueError(f"no checkpoint directory: pass directory= or set {ENV_DIR}")
@@ -138,30 +146,59 @@ class CheckpointManager:
         self.backend = get_backend(backend)
         self.safe_globals = tuple(safe_globals)
         self.rank, self.world_size = _rank_world()
+        self._async = None
+        if async_save:
+            if self.backend.collective:
+                raise NotImplementedError(
+                    f"async_save=True is implemented for the 'torch' backend only; the {backend!r} backend's "
+                    "save is a collective that every rank must run in the training process "
+                    "(use async_save=False, or backend='torch')")
+            from trainer_hooks.async_writer import AsyncSaver
+
+            self._async = AsyncSaver(max_in_flight, when_busy, keep_buffers)
 
     # ----------------------------------------------------------------------------------- save
 
-    def save(self, step: int, state: dict[str, Any]) -> Path:
-        """Write ``state`` as step ``step`` (a collective for the dcp/megatron backends)."""
+    def save(self, step: int, state: dict[str, Any]) -> Path | None:
+        """Write ``state`` as step ``step`` (a collective for the dcp/megatron backends).
+
+        With ``async_save=True`` it returns once the state is copied (the step becomes valid when the
+        writer finishes; :meth:`wait` flushes), and None when the save was skipped (``when_busy="skip"``).
+        """
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
+        if self._async is not None:
+            with section("save"):  # only the blocking part: a free slot and the copy
+                return self._async.save(self, step, state, preempted=should_stop())
         with section("save"):
             self.rank, self.world_size = _rank_world()
-            step_dir = self.directory / step_dir_name(step)
-            self.directory.mkdir(parents=True, exist_ok=True)
-            step_dir.mkdir(exist_ok=True)
-            fsync_dir(self.directory)
-            self._clean_leftovers(step_dir)
-            mine_ok = self._own_part_valid(step_dir, step)
-            if self.backend.collective:
-                mine_ok = _all_ranks_agree(mine_ok)
-            if mine_ok:
-                log.info("step %d: rank %d's part is already valid; not rewritten", step, self.rank)
-            else:
-                self._write_part(step, step_dir, state)
-            if self.rank == 0 and self.keep_last is not None:
-                self._retain(step_dir)
-            return step_dir
+            return self._save_prepared(step, lambda: self._payload(state), state)
+
+    def _payload(self, state: dict[str, Any]) -> dict[str, Any]:
+        payload = {name: state_of(obj) for name, obj in state.items()}
+        if RNG_KEY in payload:
+            raise ValueError(f"{RNG_KEY!r} is reserved for the RNG state")
+        payload[RNG_KEY] = capture_rng_state()
+        return payload
+
+    def _save_prepared(self, step: int, make_payload: Any, live: dict[str, Any],
+                       extra: dict[str, Any] | None = None) -> Path:
+        """The save protocol once rank and world are known; the async writer process runs it too."""
+        step_dir = self.directory / step_dir_name(step)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        step_dir.mkdir(exist_ok=True)
+        fsync_dir(self.directory)
+        self._clean_leftovers(step_dir)
+        mine_ok = self._own_part_valid(step_dir, step)
+        if self.backend.collective:
+            mine_ok = _all_ranks_agree(mine_ok)
+        if mine_ok:
+            log.info("step %d: rank %d's part is already valid; not rewritten", step, self.rank)
+        else:
+            self._write_part(step, step_dir, make_payload, live, extra)
+        if self.rank == 0 and self.keep_last is not None:
+            self._retain(step_dir)
+        return step_dir
 
     def _own_part_valid(self, step_dir: Path, step: int) -> bool:
         """Whole step valid, or this rank's manifest matches this job and its files check out."""
@@ -179,20 +216,18 @@ class CheckpointManager:
         reason, _ = check_files(step_dir, m.files, full=True)
         return not reason
 
-    def _write_part(self, step: int, step_dir: Path, state: dict[str, Any]) -> None:
+    def _write_part(self, step: int, step_dir: Path, make_payload: Any, live: dict[str, Any],
+                    extra: dict[str, Any] | None = None) -> None:
         stale = step_dir / manifest_name(self.rank)
         if stale.exists():
             stale.unlink()  # first, so the step can never look complete with a half-rewritten part
             fsync_dir(step_dir)
-        payload = {name: state_of(obj) for name, obj in state.items()}
-        if RNG_KEY in payload:
-            raise ValueError(f"{RNG_KEY!r} is reserved for the RNG state")
-        payload[RNG_KEY] = capture_rng_state()
+        payload = make_payload()
         staging = step_dir / f"{STAGING_PREFIX}rank_{self.rank:05d}-{os.getpid()}"
         if staging.exists():
             shutil.rmtree(staging)
         staging.mkdir()
-        ctx = SaveContext(step, step_dir, staging, self.rank, self.world_size, _dist() is not None, dict(state))
+        ctx = SaveContext(step, step_dir, staging, self.rank, self.world_size, _dist() is not None, dict(live))
         try:
             self.backend.save(ctx, payload)
             files = self._publish(staging, step_dir)
@@ -202,7 +237,7 @@ class CheckpointManager:
             _barrier()  # every rank's files are in place before any manifest claims completeness
         manifest = RankManifest(schema=SCHEMA_VERSION, step=step, world_size=self.world_size, rank=self.rank,
                                 backend=self.backend.name, files=files, created=time.time(),
-                                extra=_manifest_extra())
+                                extra=extra if extra is not None else _manifest_extra())
         write_manifest(step_dir, manifest)
 
     @staticmethod
@@ -326,9 +361,19 @@ class CheckpointManager:
         log.info("retention removed %s", path.name)
         shutil.rmtree(doomed, ignore_errors=True)
 
-    def wait(self) -> None:
-        """Block until no save is in flight. Saves are synchronous today, so this returns at once;
-        training code calls it before exiting so that it stays correct when saves become asynchronous."""
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until no save is in flight (True), or ``timeout`` seconds passed (False).
+
+        Raises :class:`trainer_hooks.async_writer.AsyncSaveError` when a background save failed.
+        Synchronous saves are never in flight, so then it returns True at once."""
+        if self._async is None:
+            return True
+        return self._async.wait(timeout)
+
+    def close(self) -> None:
+        """Flush in-flight saves and stop the writer process (also done at interpreter exit)."""
+        if self._async is not None:
+            self._async.close()
 
     # -------------------------------------------------------------------------------- restore
 

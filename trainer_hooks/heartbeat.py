@@ -212,7 +212,7 @@ def read_record(path: Path) -> HeartbeatRecord | None:
                 data = f.read(RECORD_SIZE)
                 if len(data) < RECORD_SIZE:
                     return None
-                seq, magic, pid, step, beat_ns, sec, sec_ns, stop, saves, save_ns = RECORD.unpack(data)
+                seq, magic, pid, step, beat_ns, sec, sec_ns, stop, saves, save_ns = RECORD.unpack_from(data)
                 f.seek(0)
                 if seq % 2 == 1 or _I64.unpack(f.read(8))[0] != seq:
                     continue  # the rank is mid-write: read again

@@ -1,0 +1,250 @@
+"""CheckpointManager(async_save=True): short blocking, a true snapshot, flush on wait/atexit/preemption,
+and SIGKILL of the trainer or of the writer process never leaves a valid-looking partial checkpoint."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from conftest import ROOT, clean_env, pid_alive, wait_for
+from trainer_hooks import CheckpointManager
+from trainer_hooks.async_writer import AsyncSaveError
+from trainer_hooks.manifest import list_step_dirs, read_manifest, step_dir_name, verify_step_dir
+from trainer_hooks.triggers import SaveTrigger
+
+
+def big_state(mb: int = 100) -> dict:
+    n = mb * 2**20 // 4 // 2
+    return {"model": {"w": torch.randn(n), "b": torch.zeros(7)}, "optim": {"m": torch.randn(n)},
+            "meta": {"epoch": 3, "lr": [0.1, 0.2]}}
+
+
+def loaded(step_dir: Path) -> dict:
+    return torch.load(step_dir / "rank_00000.pt", weights_only=True)
+
+
+def test_blocking_is_a_fraction_of_sync_and_the_copy_is_a_snapshot(tmp_path: Path) -> None:
+    state = big_state(100)
+    sync = CheckpointManager(tmp_path / "sync")
+    t0 = time.perf_counter()
+    sync.save(1, state)
+    sync_s = time.perf_counter() - t0
+    mgr = CheckpointManager(tmp_path / "async", async_save=True)
+    blocked = []
+    try:
+        for step in (1, 2):
+            expect_w = state["model"]["w"].clone()
+            t0 = time.perf_counter()
+            step_dir = mgr.save(step, state)
+            blocked.append(time.perf_counter() - t0)
+            state["model"]["w"].add_(1.0)  # the next optimizer step changes the tensors in place at once
+            state["meta"]["lr"].append(9.9)
+            assert mgr.wait(timeout=60)
+            assert verify_step_dir(step_dir).valid
+            got = loaded(step_dir)
+            assert torch.equal(got["model"]["w"], expect_w), "the checkpoint saw a later in-place update"
+            assert torch.equal(got["optim"]["m"], state["optim"]["m"]) and got["meta"]["lr"][-1] != 9.9 or step == 2
+    finally:
+        mgr.close()
+    # A property of async saves, not a benchmark: the copy is far cheaper than serialise+fsync+hash.
+    assert max(blocked) < 0.5 * sync_s, (blocked, sync_s)
+    # The same bytes as a synchronous save would hold (RNG aside): loads like one.
+    a, s = loaded(tmp_path / "async" / step_dir_name(1)), loaded(tmp_path / "sync" / step_dir_name(1))
+    assert a.keys() == s.keys() and torch.equal(a["optim"]["m"], s["optim"]["m"])
+    assert read_manifest(tmp_path / "async" / step_dir_name(1) / "manifest.rank_00000.json").extra["writer_pid"]
+
+
+def test_busy_skip_wait_and_writer_killed(tmp_path: Path) -> None:
+    state = big_state(64)
+    mgr = CheckpointManager(tmp_path / "c", async_save=True, when_busy="skip", keep_last=2)
+    try:
+        mgr.save(1, {"x": torch.ones(3)})
+        assert mgr.wait(timeout=60) and verify_step_dir(tmp_path / "c" / step_dir_name(1)).valid
+        assert mgr.save(2, state) is not None
+        assert mgr.save(3, state) is None  # step 2 still in flight: skipped
+        os.kill(mgr._async.writer_pid, signal.SIGKILL)  # mid-write
+        with pytest.raises(AsyncSaveError, match="writer process died"):
+            mgr.wait(timeout=60)
+        assert not verify_step_dir(tmp_path / "c" / step_dir_name(2)).valid
+        assert verify_step_dir(tmp_path / "c" / step_dir_name(1)).valid  # older ones untouched
+        assert mgr.save(4, {"x": torch.ones(3)}) is not None  # a new writer takes over
+        assert mgr.wait(timeout=60)
+        assert verify_step_dir(tmp_path / "c" / step_dir_name(4)).valid
+    finally:
+        mgr.close()
+    waiter = CheckpointManager(tmp_path / "w", async_save=True, when_busy="wait")
+    try:
+        waiter.save(1, state)
+        waiter.save(2, state)  # waits for step 1's write, then returns
+        assert waiter.wait(timeout=60)
+        assert [s for s, _ in list_step_dirs(tmp_path / "w")] == [1, 2]
+        assert all(verify_step_dir(p).valid for _, p in list_step_dirs(tmp_path / "w"))
+    finally:
+        waiter.close()
+
+
+def test_async_needs_torch_backend(tmp_path: Path) -> None:
+    with pytest.raises(NotImplementedError, match="torch"):
+        CheckpointManager(tmp_path, backend="dcp", async_save=True)
+    with pytest.raises(ValueError):
+        CheckpointManager(tmp_path, async_save=True, when_busy="later")
+
+
+FLUSH_JOB = r"""
+import os, signal, sys
+sys.path.insert(0, os.environ["RLSUP_ROOT"])
+import torch
+from trainer_hooks import CheckpointManager, should_stop
+mode, directory = sys.argv[1], sys.argv[2]
+mgr = CheckpointManager(directory, async_save=True)
+state = {"w": torch.full((8 * 2**20,), 5.0)}
+if mode == "preempt":
+    should_stop()                       # installs the SIGTERM handler, as under rlsup
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert should_stop()
+    mgr.save(5, state)                  # preemption: returns only once step 5 is on disk
+    os._exit(0)                         # no atexit, no wait()
+mgr.save(5, state)
+sys.exit(0)                             # no wait(): the atexit hook flushes
+"""
+
+
+def test_atexit_and_preemption_flush(tmp_path: Path) -> None:
+    script = tmp_path / "flush_job.py"
+    script.write_text(FLUSH_JOB)
+    env = clean_env(RLSUP_ROOT=str(ROOT))
+    procs = {mode: subprocess.Popen([sys.executable, str(script), mode, str(tmp_path / mode)], env=env,
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for mode in ("atexit", "preempt")}
+    for mode, proc in procs.items():
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0, (mode, out[-2000:])
+        step_dir = tmp_path / mode / step_dir_name(5)
+        assert verify_step_dir(step_dir).valid, mode
+        assert bool((loaded(step_dir)["w"] == 5.0).all())
+
+
+KILL_JOB = r"""
+import os, sys, time
+sys.path.insert(0, os.environ["RLSUP_ROOT"])
+import torch
+from trainer_hooks import CheckpointManager
+from trainer_hooks.async_writer import AsyncSaveError
+mgr = CheckpointManager(sys.argv[1], async_save=True, keep_last=3)
+n = 3 * 2**20
+state = {"w": torch.zeros(n), "v": torch.zeros(n), "step": 0}
+step = mgr.restore(state)
+print("start", step, flush=True)
+while True:
+    step += 1
+    state["w"].fill_(step); state["v"].fill_(-step); state["step"] = step   # in place, as training does
+    try:
+        mgr.save(step, state)
+    except AsyncSaveError as e:
+        print("save failed:", e, flush=True)
+    time.sleep(0.01)
+"""
+
+
+def check_consistent(ckpt: Path) -> set[int]:
+    """Every step that verifies holds exactly that step's state (no torn or mixed snapshot)."""
+    valid = set()
+    for step, path in list_step_dirs(ckpt):
+        if not verify_step_dir(path).valid:
+            continue
+        d = loaded(path)
+        assert d["step"] == step and bool((d["w"] == step).all()) and bool((d["v"] == -step).all()), step
+        valid.add(step)
+    return valid
+
+
+def writer_of(pid: int) -> int | None:
+    try:
+        kids = psutil.Process(pid).children()
+    except psutil.NoSuchProcess:
+        return None
+    for k in kids:
+        try:
+            if "trainer_hooks.async_writer" in " ".join(k.cmdline()) and k.status() != psutil.STATUS_ZOMBIE:
+                return k.pid
+        except psutil.NoSuchProcess:
+            continue
+    return None
+
+
+def staging_exists(ckpt: Path) -> bool:
+    try:
+        return any(e.name.startswith(".staging-") for _, p in list_step_dirs(ckpt) for e in os.scandir(p))
+    except FileNotFoundError:
+        return False
+
+
+def test_sigkill_trainer_or_writer_never_leaves_a_valid_partial(tmp_path: Path) -> None:
+    script = tmp_path / "kill_job.py"
+    script.write_text(KILL_JOB)
+    ckpt = tmp_path / "ckpt"
+    env = clean_env(RLSUP_ROOT=str(ROOT))
+    rng = random.Random(20261124)
+    for round_ in range(2):
+        before = check_consistent(ckpt)
+        proc = subprocess.Popen([sys.executable, str(script), str(ckpt)], env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+        try:
+            wait_for(lambda: writer_of(proc.pid), 60, "the writer process")
+            newest_before = max(before, default=0)
+            wait_for(lambda: max(check_consistent(ckpt), default=0) > newest_before, 60, "a new valid step")
+            for kill in range(3 if round_ == 0 else 0):  # the writer, at random moments and once mid-write
+                writer = wait_for(lambda: writer_of(proc.pid), 60, "a (new) writer process")
+                if kill == 0:
+                    wait_for(lambda: staging_exists(ckpt), 30, "a write in progress", interval=0.001)
+                else:
+                    time.sleep(rng.uniform(0.0, 0.4))
+                os.kill(writer, signal.SIGKILL)
+                wait_for(lambda: not pid_alive(writer), 10, "the killed writer to go")
+                valid = check_consistent(ckpt)
+                assert max(valid) >= newest_before
+            good = check_consistent(ckpt)
+            wait_for(lambda: writer_of(proc.pid) and check_consistent(ckpt) - good, 60,
+                     "training and saving to go on after the writer kills")
+            writer = writer_of(proc.pid)
+            if round_ == 0:
+                wait_for(lambda: staging_exists(ckpt), 30, "a write in progress", interval=0.001)
+            else:
+                time.sleep(rng.uniform(0.0, 0.4))
+            newest = max(check_consistent(ckpt))
+            os.kill(proc.pid, signal.SIGKILL)  # the trainer
+            proc.wait(timeout=10)
+            if writer:
+                wait_for(lambda: not pid_alive(writer), 10, "the writer to die with its trainer")
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        after = check_consistent(ckpt)
+        assert newest in after or max(after) > newest  # the newest valid one stays (keep_last never drops it)
+        out = proc.stdout.read() if proc.stdout else ""
+        if round_ == 0:
+            assert "save failed" in out, out[-2000:]  # the writer kills were reported, not silent
+
+
+def test_save_trigger() -> None:
+    now = [0.0]
+    t = SaveTrigger(every_steps=10, every_seconds=60, on_epoch_end=True, on_preemption=False,
+                    clock=lambda: now[0])
+    assert [s for s in range(1, 25) if t.should_save(s)] == [10, 20]
+    assert not t.should_save(20)  # the same step never fires twice
+    assert t.should_save(21, epoch_end=True) and t.last_reason == "epoch_end"
+    now[0] = 61.0
+    assert t.should_save(22) and t.last_reason == "time"
+    assert not t.should_save(23)  # the time interval restarted
+    with pytest.raises(ValueError):
+        SaveTrigger(every_steps=0)

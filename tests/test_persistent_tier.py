@@ -1,0 +1,204 @@
+"""The persistent tier: verified copies out and back, retention, corruption, bandwidth, and a resume
+from the persistent tier after the local checkpoint directory was wiped (bit-identical weights)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ROOT, clean_env, wait_for
+from supervisor.persistent import PersistentTier, PersistentTierError
+from supervisor.tiers import choose_across_tiers
+from trainer_hooks import CheckpointManager
+from trainer_hooks.manifest import is_held, step_dir_name, verify_step_dir
+
+
+def save_steps(ckpt: Path, steps: list[int], size: int = 1000) -> None:
+    mgr = CheckpointManager(ckpt)
+    for s in steps:
+        mgr.save(s, {"w": torch.full((size,), float(s)), "step": s})
+
+
+def flip_byte(step_dir: Path) -> None:
+    shard = step_dir / "rank_00000.pt"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(data)
+
+
+def test_copy_verify_retention_and_fetch(tmp_path: Path) -> None:
+    local, dest = tmp_path / "local", tmp_path / "persistent"
+    tier = PersistentTier(dest, keep_last=2, source=local)
+    assert tier.poll() is None and tier.latest_valid() is None  # nothing to copy yet
+    for s in (10, 20, 30):
+        save_steps(local, [s])
+        assert tier.poll() == s
+        assert tier.poll() is None  # already there
+    assert tier.steps() == [20, 30]  # keep_last=2
+    assert verify_step_dir(dest / step_dir_name(30)).valid
+    assert not any(p.name.startswith(".") for p in dest.iterdir())  # no temp dirs left behind
+    assert not any(is_held(p) for p in local.iterdir())  # hold markers removed after the copy
+    # Retention never deletes the newest valid copy; an invalid newer one does not count.
+    flip_byte(dest / step_dir_name(30))
+    assert tier.latest_valid().step == 20  # the corrupted copy is never offered
+    got = tier.fetch(20, tmp_path / "back")
+    assert got == tmp_path / "back" / step_dir_name(20) and verify_step_dir(got).valid
+    assert torch.load(got / "rank_00000.pt", weights_only=True)["w"][0].item() == 20.0
+    with pytest.raises(PersistentTierError):
+        tier.fetch(30, tmp_path / "back")
+    assert not (tmp_path / "back" / step_dir_name(30)).exists()  # never renamed into place
+
+
+def test_choose_across_tiers_wiped_local_and_corrupt_copy(tmp_path: Path) -> None:
+    local, dest = tmp_path / "local", tmp_path / "persistent"
+    save_steps(local, [5, 10, 15])
+    tier = PersistentTier(dest, source=local)
+    assert tier.poll() == 15
+    save_steps(local, [20])  # newer locally, not copied: the local tier wins
+    point = choose_across_tiers(local, tier)
+    assert (point.step, point.tier) == (20, "local")
+    shutil.rmtree(local)  # the node's disk is gone
+    point = choose_across_tiers(local, tier)
+    assert (point.step, point.tier, point.layout) == (15, "persistent", "rlsup")
+    assert point.path == local / step_dir_name(15) and verify_step_dir(point.path).valid
+    # A corrupted persistent copy is skipped in favour of an older valid one (here: the local one).
+    shutil.rmtree(local)
+    save_steps(local, [5])
+    flip_byte(dest / step_dir_name(15))
+    point = choose_across_tiers(local, tier)
+    assert (point.step, point.tier) == (5, "local")
+    assert not (local / step_dir_name(15)).exists()
+    assert choose_across_tiers(tmp_path / "empty", None) is None
+
+
+def test_cadence_every_n_and_background_thread(tmp_path: Path) -> None:
+    local, dest = tmp_path / "local", tmp_path / "persistent"
+    now = [0.0]
+    tier = PersistentTier(dest, every_n=10, every_seconds=100.0, source=local, clock=lambda: now[0])
+    save_steps(local, [3])
+    assert tier.poll() == 3  # the first valid step is always copied
+    save_steps(local, [6])
+    assert tier.poll() is None  # 3 steps and 0 s since the last copy
+    save_steps(local, [13])
+    assert tier.poll() == 13  # 10 steps
+    save_steps(local, [14])
+    now[0] = 150.0
+    assert tier.poll() == 14  # 100 s
+    tier2 = PersistentTier(tmp_path / "p2")
+    tier2.start(local, interval=0.05)
+    try:
+        wait_for(lambda: tier2.steps() == [14], 20, "the background thread to copy step 14")
+        save_steps(local, [15])
+        wait_for(lambda: 15 in tier2.steps(), 20, "the background thread to copy step 15")
+    finally:
+        tier2.stop()
+    assert all(tier2.verify(s) for s in tier2.steps())
+
+
+def test_bandwidth_cap(tmp_path: Path) -> None:
+    local = tmp_path / "local"
+    save_steps(local, [1], size=1_000_000)  # ~4 MB
+    size = verify_step_dir(local / step_dir_name(1)).size_bytes
+    rate = 8e6
+    tier = PersistentTier(tmp_path / "p", bandwidth=rate, source=local)
+    t0 = time.monotonic()
+    assert tier.poll() == 1
+    elapsed = time.monotonic() - t0
+    burst = max(1 << 20, rate / 10)
+    assert elapsed >= (size - burst) / rate * 0.9, elapsed
+
+
+def test_fsspec_memory_filesystem(tmp_path: Path) -> None:
+    """The fsspec path against fsspec's in-memory filesystem (a real fsspec implementation)."""
+    pytest.importorskip("fsspec")
+    local = tmp_path / "local"
+    save_steps(local, [7, 8])
+    url = f"memory://rlsup-test-{os.getpid()}/ckpts"
+    tier = PersistentTier(url, keep_last=1, source=local)
+    assert tier.poll() == 8
+    assert tier.steps() == [8] and tier.latest_valid().step == 8
+    tier.store.fs.pipe_file(f"{tier.store.path(8)}/rank_00000.pt", b"garbage")
+    assert tier.latest_valid() is None  # corrupted: never offered
+    with pytest.raises(PersistentTierError):
+        tier.fetch(8, tmp_path / "back")
+    tier.store.delete(8)
+    fresh = PersistentTier(url, source=local)  # e.g. after a supervisor restart
+    assert fresh.steps() == [] and fresh.poll() == 8
+    got = fresh.fetch(8, tmp_path / "back")
+    assert verify_step_dir(got).valid
+    assert torch.load(got / "rank_00000.pt", weights_only=True)["w"][0].item() == 8.0
+
+
+TRAIN = r"""
+import argparse, os, random, sys
+import numpy as np, torch
+from torch import nn
+sys.path.insert(0, os.environ["RLSUP_ROOT"])
+from trainer_hooks import CheckpointManager, heartbeat
+
+p = argparse.ArgumentParser()
+p.add_argument("--dir"); p.add_argument("--steps", type=int); p.add_argument("--every", type=int, default=5)
+p.add_argument("--out")
+a = p.parse_args()
+random.seed(1); np.random.seed(1); torch.manual_seed(1)
+model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 1))
+opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+sched = torch.optim.lr_scheduler.StepLR(opt, step_size=7, gamma=0.5)
+ckpt = CheckpointManager(a.dir, keep_last=2, async_save=True)
+state = {"model": model, "optimizer": opt, "scheduler": sched}
+step = ckpt.restore(state)
+while step < a.steps:
+    x = torch.randn(16, 8)
+    noise = float(np.random.standard_normal()) * 1e-3 + random.random() * 1e-3
+    loss = ((model(x) + noise) ** 2).mean()
+    opt.zero_grad(); loss.backward(); opt.step(); sched.step()
+    step += 1
+    heartbeat(step)
+    if step % a.every == 0:
+        ckpt.save(step, state)
+ckpt.wait()
+torch.save(model.state_dict(), a.out)
+"""
+
+
+def test_wiped_local_resumes_from_persistent_bit_identical(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(TRAIN)
+    env = clean_env(RLSUP_ROOT=str(ROOT))
+
+    def train(ckpt: Path, steps: int, out: Path, **extra: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, str(script), "--dir", str(ckpt), "--steps", str(steps),
+                                 "--out", str(out)], env={**env, **extra}, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+
+    def finish(proc: subprocess.Popen) -> None:
+        out, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 0, out[-3000:]
+
+    reference = train(tmp_path / "ref", 30, tmp_path / "ref.pt")  # the uninterrupted run, concurrently
+    local, dest = tmp_path / "local", tmp_path / "persistent"
+    tier = PersistentTier(dest, keep_last=2)
+    tier.start(local, interval=0.05)  # copies in the background while the trainer saves asynchronously
+    try:
+        finish(train(local, 20, tmp_path / "first.pt"))
+        wait_for(lambda: 20 in tier.steps(), 30, "step 20 in the persistent tier")
+    finally:
+        tier.stop()
+    assert tier.latest_valid().step == 20
+    shutil.rmtree(local)  # the local disk is gone
+    point = choose_across_tiers(local, tier)
+    assert (point.step, point.tier) == (20, "persistent")
+    finish(train(local, 30, tmp_path / "final.pt", RLSUP_RESUME_DIR=str(point.path)))
+    finish(reference)
+    ref = torch.load(tmp_path / "ref.pt", weights_only=True)
+    final = torch.load(tmp_path / "final.pt", weights_only=True)
+    assert ref.keys() == final.keys()
+    for k in ref:
+        assert torch.equal(ref[k], final[k]), f"{k} differs from the uninterrupted run"

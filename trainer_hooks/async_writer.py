@@ -1,0 +1,577 @@
+"""Asynchronous checkpoint saves: ``CheckpointManager(async_save=True)``.
+
+``save()`` blocks the training loop only while the state is copied off the training tensors; a
+separate writer *process* then does everything that costs time (serialisation, fsync, xxh3 hashing,
+renames, the manifest, retention), with exactly the protocol of a synchronous save (staging
+directory, fsync, rename, manifest last), so a step is valid only once all of it happened.
+
+Design, and why:
+
+* **The snapshot** goes into one anonymous shared-memory buffer per save (``memfd_create``, mapped by
+  both processes): every tensor is ``copy_``-ed into its own 64-byte-aligned slice, everything else
+  (ints, lists, NumPy RNG states, the sampler's dict) is pickled with the tensors replaced by small
+  references, which is also its deep copy. The trainer may change its tensors in place the moment
+  ``save()`` returns. A ``memfd`` has no name, so nothing can leak in ``/dev/shm`` when a process is
+  SIGKILLed (the kernel frees it with the last mapping), and it is not bounded by the size of
+  ``/dev/shm`` (64 MB in a default Docker container). When CUDA is available the buffer is pinned
+  (``cudaHostRegister``), so GPU->host copies are DMA. Buffers are kept for reuse (no page faults, no
+  re-pinning on the next save) unless ``keep_buffers=False``.
+* **The writer** is one long-lived process per manager, started on the first save with
+  ``subprocess`` (``python -m trainer_hooks.async_writer``: a fresh interpreter, like the ``spawn``
+  start method, but it does not re-import the training script's ``__main__``, which hangs or re-runs
+  scripts without an ``if __name__ == "__main__"`` guard). It is fed through a Unix socket; the
+  buffer's file descriptor travels with each request (``SCM_RIGHTS``). A process and not a thread:
+  serialising and hashing a large state holds the GIL for long stretches, and a crash or OOM kill of
+  the writer must not take the trainer with it. One process per save would pay a torch import
+  (1-2 s) per save; a forked one would copy a CUDA/threaded trainer.
+* **Failure semantics.** The writer dies with the trainer (``PR_SET_PDEATHSIG``), ignores the
+  signals rlsup relays to the job (SIGTERM, SIGINT, the preemption signal, SIGUSR2), and a killed
+  writer leaves a staging directory and no manifest: the step is invalid and the previous valid ones
+  are untouched (they are never rewritten). A background save that failed (an exception in the
+  writer, or the writer died) raises :class:`AsyncSaveError` from the next ``save()`` or ``wait()``,
+  as the synchronous save would have raised; the next save starts a new writer.
+* **Flushing.** ``wait()`` blocks until nothing is in flight; an ``atexit`` hook does the same at
+  interpreter exit; a ``save()`` called while :func:`trainer_hooks.should_stop` is true (preemption)
+  waits for its own write before returning, so the trainer may exit right after it.
+* **Heartbeat.** Only the blocking part (waiting for a slot, the copy) is inside ``section("save")``;
+  the rank heartbeats normally while the writer works. The writer never touches heartbeat files.
+
+Only the ``torch`` backend (per-rank files, no collectives) is written asynchronously.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import io
+import logging
+import mmap
+import os
+import pickle
+import select
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+import traceback
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+ALIGN = 64
+_HEADER = struct.Struct("<Q")
+_IGNORED_SIGNALS = ("SIGINT", "SIGTERM", "SIGUSR1", "SIGUSR2", "SIGHUP")
+#: Seconds to wait for the writer to exit after it was asked to.
+STOP_TIMEOUT_S = 30.0
+
+
+class AsyncSaveError(RuntimeError):
+    """A background save failed (an exception in the writer, or the writer process died)."""
+
+
+# ------------------------------------------------------------------------------------ framing
+
+
+def _send(sock: socket.socket, obj: Any, fds: list[int] | None = None) -> None:
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    header = _HEADER.pack(len(data))
+    if fds:
+        socket.send_fds(sock, [header], fds)
+    else:
+        sock.sendall(header)
+    sock.sendall(data)
+
+
+def _recv_exact(sock: socket.socket, n: int, first: bytes = b"") -> bytes | None:
+    chunks, got = [first], len(first)
+    while got < n:
+        chunk = sock.recv(min(n - got, 1 << 20))
+        if not chunk:
+            return None
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)
+
+
+def _recv(sock: socket.socket) -> tuple[Any, list[int]] | None:
+    """One message and the descriptors sent with it; None on EOF (the other side is gone)."""
+    data, fds, _, _ = socket.recv_fds(sock, _HEADER.size, 4)
+    if not data:
+        for fd in fds:
+            os.close(fd)
+        return None
+    header = _recv_exact(sock, _HEADER.size, data)
+    body = None if header is None else _recv_exact(sock, _HEADER.unpack(header)[0])
+    if body is None:
+        for fd in fds:
+            os.close(fd)
+        return None
+    return pickle.loads(body), list(fds)
+
+
+# ------------------------------------------------------------------------- trainer side: snapshot
+
+
+def _by_reference(t: torch.Tensor) -> bool:
+    """Dense CPU/CUDA tensors go through the shared buffer; anything exotic is pickled whole."""
+    return (type(t) in (torch.Tensor, torch.nn.Parameter) and t.layout == torch.strided
+            and t.device.type in ("cpu", "cuda") and not t.is_quantized and not t.is_nested
+            and not t.is_meta)
+
+
+class _RefPickler(pickle.Pickler):
+    """Pickles the payload with every shareable tensor replaced by ("t", index); collects them."""
+
+    def __init__(self, file: io.BytesIO) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.tensors: list[torch.Tensor] = []
+        self._index: dict[int, int] = {}  # id(tensor) -> index: a tensor listed twice is saved once
+
+    def persistent_id(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            if _by_reference(obj):
+                i = self._index.get(id(obj))
+                if i is None:
+                    i = self._index[id(obj)] = len(self.tensors)
+                    self.tensors.append(obj)
+                return ("t", i)
+            if obj.device.type != "cpu":
+                raise ValueError(f"async_save cannot snapshot a {type(obj).__name__} on {obj.device} "
+                                 f"(layout {obj.layout}); use async_save=False")
+        return None
+
+
+class _Buffer:
+    """An anonymous shared-memory region (memfd), mapped here; pinned for CUDA copies when asked."""
+
+    def __init__(self, size: int, pin: bool) -> None:
+        self.size = max(size, ALIGN)
+        self.fd = os.memfd_create("rlsup-ckpt", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(self.fd, self.size)
+            self.map = mmap.mmap(self.fd, self.size)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self.base: torch.Tensor | None = torch.frombuffer(self.map, dtype=torch.uint8)
+        self.pinned = False
+        if pin:
+            self.pin()
+
+    def pin(self) -> None:
+        if self.pinned or self.base is None:
+            return
+        try:
+            err = torch.cuda.cudart().cudaHostRegister(self.base.data_ptr(), self.size, 0)
+            self.pinned = int(getattr(err, "value", err)) == 0
+        except Exception as e:  # noqa: BLE001 - pinning is an optimisation
+            log.debug("could not pin the snapshot buffer: %s", e)
+
+    def view(self, offset: int, t: torch.Tensor) -> torch.Tensor:
+        nbytes = t.numel() * t.element_size()
+        assert self.base is not None
+        return self.base[offset:offset + nbytes].view(t.dtype).view(t.shape)
+
+    def close(self) -> None:
+        if self.pinned and self.base is not None:
+            try:
+                torch.cuda.cudart().cudaHostUnregister(self.base.data_ptr())
+            except Exception:  # noqa: BLE001
+                pass
+            self.pinned = False
+        self.base = None
+        try:
+            self.map.close()
+        except BufferError:  # a view is still referenced somewhere: the GC unmaps it later
+            pass
+        try:
+            os.close(self.fd)
+        except OSError:
+            pass
+
+
+@dataclass
+class _Job:
+    job_id: int
+    step: int
+    step_dir: Path
+    buffer: _Buffer
+    started: float
+    done: bool = False
+    error: str | None = None
+    result: dict = field(default_factory=dict)
+
+
+def snapshot(payload: dict[str, Any], buffers: list[_Buffer]) -> tuple[bytes, list[tuple], _Buffer]:
+    """Copy ``payload`` off the live objects: (pickled skeleton, tensor table, buffer holding the bytes).
+
+    Reuses a buffer from ``buffers`` (removed from the list) when one fits, else allocates one.
+    """
+    out = io.BytesIO()
+    pickler = _RefPickler(out)
+    pickler.dump(payload)
+    tensors = pickler.tensors
+    table: list[tuple] = []
+    offset = 0
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        table.append((offset, nbytes, str(t.dtype).removeprefix("torch."), tuple(t.shape),
+                      isinstance(t, torch.nn.Parameter), bool(t.requires_grad)))
+        offset += (nbytes + ALIGN - 1) // ALIGN * ALIGN
+    cuda = any(t.is_cuda for t in tensors)
+    buf = None
+    for i, b in enumerate(buffers):
+        if offset <= b.size <= max(2 * offset, ALIGN):
+            buf = buffers.pop(i)
+            break
+    if buf is None:
+        buf = _Buffer(offset, pin=cuda)
+    elif cuda:
+        buf.pin()
+    devices = set()
+    with torch.no_grad():
+        for t, (off, nbytes, *_rest) in zip(tensors, table):
+            if nbytes == 0:
+                continue
+            non_blocking = t.is_cuda and buf.pinned
+            buf.view(off, t).copy_(t.detach(), non_blocking=non_blocking)
+            if non_blocking:
+                devices.add(t.device)
+    for d in devices:
+        torch.cuda.synchronize(d)
+    return out.getvalue(), table, buf
+
+
+# ----------------------------------------------------------------------------- trainer side: saver
+
+_live_savers: "weakref.WeakSet[AsyncSaver]" = weakref.WeakSet()
+
+
+def _flush_all_at_exit() -> None:
+    for saver in list(_live_savers):
+        try:
+            saver.close()
+        except Exception as e:  # noqa: BLE001 - never raise from atexit
+            log.error("async checkpoint flush at exit failed: %s", e)
+            print(f"rlsup: async checkpoint flush at exit failed: {e}", file=sys.stderr)
+
+
+atexit.register(_flush_all_at_exit)
+
+
+class AsyncSaver:
+    """The trainer side: snapshots, hands requests to the writer process, tracks what is in flight."""
+
+    def __init__(self, max_in_flight: int = 1, when_busy: str = "wait", keep_buffers: bool = True) -> None:
+        if max_in_flight < 1:
+            raise ValueError("max_in_flight must be >= 1")
+        if when_busy not in ("wait", "skip"):
+            raise ValueError(f"when_busy must be 'wait' or 'skip', got {when_busy!r}")
+        self.max_in_flight = max_in_flight
+        self.when_busy = when_busy
+        self.keep_buffers = keep_buffers
+        self.inflight: list[_Job] = []
+        self.free: list[_Buffer] = []
+        self.proc: subprocess.Popen | None = None
+        self.sock: socket.socket | None = None
+        self.failed: list[_Job] = []
+        self.completed: list[_Job] = []  # the last few, for tests and logs
+        self._next_id = 0
+        self._lock = threading.RLock()
+        _live_savers.add(self)
+
+    # ------------------------------------------------------------------ writer process
+
+    @property
+    def writer_pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None and self.proc.poll() is None else None
+
+    def _start_writer(self) -> None:
+        parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        child_fd = child_sock.fileno()
+        env = dict(os.environ)
+        root = str(Path(__file__).resolve().parent.parent)
+        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        main_thread = threading.current_thread() is threading.main_thread()
+        cmd = [sys.executable, "-m", "trainer_hooks.async_writer", "--fd", str(child_fd),
+               "--parent", str(os.getpid())]
+        if main_thread:  # PDEATHSIG follows the creating *thread*: only safe from the main thread
+            cmd.append("--die-with-parent")
+        try:
+            self.proc = subprocess.Popen(cmd, pass_fds=[child_fd], env=env, stdin=subprocess.DEVNULL,
+                                         close_fds=True)
+        finally:
+            child_sock.close()
+        self.sock = parent_sock
+        log.info("async checkpoint writer started (pid %d)", self.proc.pid)
+
+    def _writer_gone(self, why: str) -> None:
+        """The writer died: every request in flight failed."""
+        code = None
+        if self.proc is not None:
+            try:
+                code = self.proc.wait(timeout=STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                code = self.proc.wait()
+        desc = f"signal {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit code {code}"
+        for job in self.inflight:
+            job.done, job.error = True, f"the checkpoint writer process died ({desc}) {why}"
+            self._finish(job)
+        self.inflight = []
+        if self.sock is not None:
+            self.sock.close()
+        self.sock, self.proc = None, None
+
+    # ------------------------------------------------------------------ bookkeeping
+
+    def _finish(self, job: _Job) -> None:
+        if job.error:
+            log.error("async save of step %d failed: %s", job.step, job.error)
+            self.failed.append(job)
+        else:
+            log.info("async save of step %d complete after %.2fs", job.step, time.monotonic() - job.started)
+        self.completed = (self.completed + [job])[-8:]
+        if self.keep_buffers and len(self.free) < self.max_in_flight:
+            self.free.append(job.buffer)
+        else:
+            job.buffer.close()
+
+    def _collect(self, timeout: float | None) -> bool:
+        """Read one reply (waiting up to ``timeout``; None: forever). False when none came."""
+        if not self.inflight or self.sock is None:
+            return False
+        ready, _, _ = select.select([self.sock], [], [], timeout)
+        if not ready:
+            return False
+        try:
+            msg = _recv(self.sock)
+        except OSError as e:
+            msg = None
+            why = f"({e})"
+        else:
+            why = "while writing"
+        if msg is None:
+            self._writer_gone(why)
+            return True
+        (kind, job_id, ok, info), fds = msg
+        for fd in fds:
+            os.close(fd)
+        job = next(j for j in self.inflight if j.job_id == job_id)
+        self.inflight.remove(job)
+        job.done, job.result = True, info
+        if not ok:
+            job.error = info.get("error", "unknown error")
+        self._finish(job)
+        return True
+
+    def poll(self) -> None:
+        """Collect finished saves without blocking."""
+        with self._lock:
+            while self._collect(0):
+                pass
+
+    def raise_failures(self) -> None:
+        if self.failed:
+            failed, self.failed = self.failed, []
+            msgs = "; ".join(f"step {j.step}: {j.error}" for j in failed)
+            raise AsyncSaveError(f"asynchronous checkpoint save failed: {msgs}")
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until nothing is in flight (True) or ``timeout`` passed (False); raise failures."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            while self.inflight:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    break
+                self._collect(left)
+            done = not self.inflight
+        self.raise_failures()
+        return done
+
+    # ------------------------------------------------------------------ save
+
+    def save(self, manager: Any, step: int, state: dict[str, Any], preempted: bool) -> Path | None:
+        """Called by CheckpointManager.save inside section("save"): the blocking part only."""
+        from trainer_hooks.checkpoint import _manifest_extra, _rank_world
+        from trainer_hooks.manifest import step_dir_name
+
+        with self._lock:
+            while self._collect(0):
+                pass
+            self.raise_failures()
+            if len(self.inflight) >= self.max_in_flight:
+                if self.when_busy == "skip" and not preempted:
+                    log.warning("step %d not saved: %d save(s) still in flight (when_busy='skip')",
+                                step, len(self.inflight))
+                    return None
+                while len(self.inflight) >= self.max_in_flight:
+                    self._collect(None)
+                self.raise_failures()
+            manager.rank, manager.world_size = _rank_world()
+            payload = manager._payload(state)
+            skeleton, table, buf = snapshot(payload, self.free)
+            del payload
+            if self.proc is None or self.proc.poll() is not None or self.sock is None:
+                if self.sock is not None:
+                    self._writer_gone("before the request was sent")
+                self._start_writer()
+            self._next_id += 1
+            step_dir = manager.directory / step_dir_name(step)
+            job = _Job(self._next_id, step, step_dir, buf, time.monotonic())
+            extra = _manifest_extra()
+            request = {"directory": str(manager.directory), "keep_last": manager.keep_last,
+                       "backend": manager.backend_name, "rank": manager.rank, "world_size": manager.world_size,
+                       "step": step, "skeleton": skeleton, "table": table, "size": buf.size, "extra": extra}
+            self.inflight.append(job)
+            try:
+                assert self.sock is not None
+                _send(self.sock, ("save", job.job_id, request), [buf.fd])
+            except OSError as e:
+                self._writer_gone(f"(request not delivered: {e})")
+        if preempted:
+            self.wait()  # the job is about to exit: this save must be on disk first
+        return step_dir
+
+    def close(self) -> None:
+        """Flush, then stop the writer and free the buffers."""
+        try:
+            self.wait()
+        finally:
+            with self._lock:
+                if self.sock is not None:
+                    try:
+                        _send(self.sock, ("stop", 0, {}))
+                    except OSError:
+                        pass
+                    self.sock.close()
+                    self.sock = None
+                if self.proc is not None:
+                    try:
+                        self.proc.wait(timeout=STOP_TIMEOUT_S)
+                    except subprocess.TimeoutExpired:
+                        self.proc.kill()
+                        self.proc.wait()
+                    self.proc = None
+                for b in self.free:
+                    b.close()
+                self.free = []
+
+
+# ------------------------------------------------------------------------------ writer process
+
+
+class _RefUnpickler(pickle.Unpickler):
+    def __init__(self, file: io.BytesIO, tensors: list[torch.Tensor]) -> None:
+        super().__init__(file)
+        self.tensors = tensors
+
+    def persistent_load(self, pid: Any) -> Any:
+        return self.tensors[pid[1]]
+
+
+def _rebuild(request: dict, fd: int) -> tuple[dict[str, Any], mmap.mmap]:
+    """The payload, each tensor over its own slice of the shared buffer (one storage per tensor, so
+    ``torch.save`` writes what a synchronous save would)."""
+    mm = mmap.mmap(fd, request["size"])
+    view = memoryview(mm)
+    tensors: list[torch.Tensor] = []
+    for offset, nbytes, dtype_name, shape, is_param, requires_grad in request["table"]:
+        dtype = getattr(torch, dtype_name)
+        if nbytes == 0:
+            t = torch.empty(shape, dtype=dtype)
+        else:
+            t = torch.frombuffer(view[offset:offset + nbytes], dtype=dtype).view(shape)
+        if is_param:
+            t = torch.nn.Parameter(t, requires_grad=requires_grad)
+        tensors.append(t)
+    payload = _RefUnpickler(io.BytesIO(request["skeleton"]), tensors).load()
+    return payload, mm
+
+
+def _write(request: dict, fd: int) -> str:
+    from trainer_hooks.checkpoint import CheckpointManager
+
+    payload, mm = _rebuild(request, fd)
+    manager = CheckpointManager(request["directory"], keep_last=request["keep_last"], backend=request["backend"])
+    manager.rank, manager.world_size = request["rank"], request["world_size"]
+    extra = dict(request["extra"], writer_pid=os.getpid())
+    step_dir = manager._save_prepared(request["step"], lambda: payload, {}, extra=extra)
+    del payload
+    try:
+        mm.close()
+    except BufferError:
+        pass
+    return str(step_dir)
+
+
+def _die_with_parent(parent: int) -> None:
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+def writer_main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="rlsup asynchronous checkpoint writer (started by CheckpointManager)")
+    ap.add_argument("--fd", type=int, required=True)
+    ap.add_argument("--parent", type=int, required=True)
+    ap.add_argument("--die-with-parent", action="store_true")
+    args = ap.parse_args(argv)
+    if args.die_with_parent:
+        _die_with_parent(args.parent)
+    # rlsup relays stop/preemption signals to the job's process group: the trainer handles them and
+    # flushes; the writer must keep writing until it is told to stop (or its trainer is gone).
+    names = set(_IGNORED_SIGNALS)
+    preempt = os.environ.get("RLSUP_PREEMPT_SIGNAL")
+    if preempt:
+        names.add(preempt if preempt.startswith("SIG") else "SIG" + preempt)
+    for name in names:
+        signum = getattr(signal, name, None)
+        if signum is not None:
+            signal.signal(signum, signal.SIG_IGN)
+    os.environ.pop("RLSUP_HEARTBEAT_DIR", None)  # the rank's heartbeat file belongs to the trainer
+    logging.basicConfig(level=logging.WARNING, format="rlsup-writer: %(message)s")
+    sock = socket.socket(fileno=args.fd)
+    while True:
+        try:
+            msg = _recv(sock)
+        except OSError:
+            return 0
+        if msg is None:
+            return 0  # the trainer closed the socket (or died)
+        (kind, job_id, request), fds = msg
+        if kind == "stop":
+            return 0
+        t0 = time.monotonic()
+        try:
+            path = _write(request, fds[0])
+            reply = ("done", job_id, True, {"path": path, "seconds": time.monotonic() - t0})
+        except BaseException as e:  # noqa: BLE001 - reported to the trainer, which raises it
+            reply = ("done", job_id, False, {"error": f"{type(e).__name__}: {e}",
+                                             "traceback": traceback.format_exc()})
+        finally:
+            for fd in fds:
+                os.close(fd)
+        try:
+            _send(sock, reply)
+        except OSError:
+            return 0
+
+
+if __name__ == "__main__":
+    sys.exit(writer_main())
