@@ -84,6 +84,7 @@ class _Writer:
         self.section_ns = 0
         self.saves = 0
         self.save_ns = 0
+        self._save_started = 0
         self._publish()
         _die_with_parent()
         # Stack dumps on demand: rlsup sends STACKS_SIGNAL before killing a hung rank.
@@ -108,9 +109,12 @@ class _Writer:
 
     def set_section(self, code: int) -> None:
         now = time.monotonic_ns()
-        if self.section == SECTIONS["save"] and code != self.section:
+        save = SECTIONS["save"]
+        if code == save and self.section != save:
+            self._save_started = now
+        elif self.section == save and code != save:  # nested save sections count once, outermost
             self.saves += 1
-            self.save_ns = now - self.section_ns
+            self.save_ns = now - self._save_started
         self.section = code
         self.section_ns = now
         self._publish()
