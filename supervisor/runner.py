@@ -27,8 +27,9 @@ from supervisor.incidents import Incident, JobState, append_incident, write_stat
 from supervisor.observer import Observer
 from supervisor.process_tree import JobProcess, become_subreaper, oom_kill_count
 from supervisor.restart_policy import RestartPolicy
+from supervisor.stacks import dump_stacks
 from supervisor.resume import ResumePoint, choose_resume
-from trainer_hooks.heartbeat import rank_file_name, request_stop, stacks_file_name
+from trainer_hooks.heartbeat import rank_file_name, request_stop
 
 KEEP_ATTEMPT_DIRS = 10
 
@@ -393,45 +394,9 @@ class Supervisor:
         who = f"rank {verdict.rank} (pid {verdict.pid})" if verdict.rank is not None else "no rank"
         detail = f"{who} silent for {verdict.silent_s:.2f}s > {verdict.reason} {verdict.timeout_s:.2f}s"
         self._log(f"attempt {attempt}: hang detected: {detail}; dumping stacks")
-        stacks = self._dump_stacks(detector)
+        stacks = dump_stacks(detector.directory, detector.records)
         return AttemptResult(attempt, reason, None, rank=verdict.rank, pid=verdict.pid, detail=detail, stacks=stacks,
                              last_step=detector.last_step(), output_tail=job.output.tail())
-
-    def _dump_stacks(self, detector: HangDetector) -> dict[str, str]:
-        """py-spy when installed (sees native frames too), else faulthandler registered by trainer_hooks."""
-        stacks: dict[str, str] = {}
-        pyspy = shutil.which("py-spy")
-        pending = {}
-        for rank, rec in sorted(detector.records.items()):
-            key = f"rank {rank} pid {rec.pid}"
-            if pyspy:
-                try:
-                    out = subprocess.run([pyspy, "dump", "--pid", str(rec.pid)], capture_output=True, text=True,
-                                         timeout=15)
-                    if out.returncode == 0 and out.stdout.strip():
-                        stacks[key] = out.stdout
-                        continue
-                except (subprocess.TimeoutExpired, OSError):
-                    pass
-            path = detector.directory / stacks_file_name(rank)
-            try:
-                os.kill(rec.pid, signal.SIGUSR2)
-                pending[key] = path
-            except (ProcessLookupError, PermissionError):
-                stacks[key] = "(process gone)"
-        deadline = time.monotonic() + 5.0
-        sizes: dict[str, int] = {}
-        while pending and time.monotonic() < deadline:
-            time.sleep(0.1)
-            for key, path in list(pending.items()):
-                size = path.stat().st_size if path.exists() else 0
-                if size > 0 and sizes.get(key) == size:  # written and no longer growing
-                    stacks[key] = path.read_text(errors="replace")
-                    del pending[key]
-                sizes[key] = size
-        for key in pending:
-            stacks[key] = "(no stack dump received)"
-        return stacks
 
     def _stop_job(self, attempt: int, job: JobProcess, detector: HangDetector) -> AttemptResult:
         """Ask the job to save and exit (stop flags + signal), wait stop_grace, then end it."""

@@ -172,8 +172,9 @@ def test_rlsup_sigkilled_takes_job_with_it_and_next_rlsup_continues(workdir: Pat
 
 
 def test_slow_save_is_not_a_hang(workdir: Path) -> None:
-    r = run_rlsup(["run", *FAST, "--heartbeat-timeout", "1", "--save-timeout", "30", "--",
-                   PY, str(JOBS / "slow_save_job.py"), "3"], workdir)
+    # The save takes twice the heartbeat timeout; the timeout leaves room for a loaded machine.
+    r = run_rlsup(["run", *FAST, "--heartbeat-timeout", "3", "--save-timeout", "60", "--",
+                   PY, str(JOBS / "slow_save_job.py"), "6"], workdir)
     assert r.returncode == 0, r.stderr
     assert incidents(workdir / ".rlsup") == []
 

@@ -1,0 +1,56 @@
+"""Collect every rank's Python stacks when an attempt hangs, before it is killed.
+
+py-spy when installed (it also sees native frames and needs nothing from the rank); otherwise the
+faulthandler that trainer_hooks registers on ``STACKS_SIGNAL``, which writes into a per-rank file
+beside the heartbeat file. Only ranks that registered (they have a heartbeat record) are signalled,
+since the signal's default action would kill a process that did not.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+from typing import Mapping
+
+from trainer_hooks.heartbeat import STACKS_SIGNAL, HeartbeatRecord, stacks_file_name
+
+
+def dump_stacks(hb_dir: Path, records: Mapping[int, HeartbeatRecord], wait_s: float = 5.0) -> dict[str, str]:
+    """``{"rank R pid P": stack text}`` for every rank with a heartbeat record."""
+    stacks: dict[str, str] = {}
+    pyspy = shutil.which("py-spy")
+    pending: dict[str, Path] = {}
+    for rank, rec in sorted(records.items()):
+        key = f"rank {rank} pid {rec.pid}"
+        if pyspy and (text := _pyspy(pyspy, rec.pid)):
+            stacks[key] = text
+            continue
+        try:
+            os.kill(rec.pid, STACKS_SIGNAL)
+            pending[key] = hb_dir / stacks_file_name(rank)
+        except (ProcessLookupError, PermissionError):
+            stacks[key] = "(process gone)"
+    deadline = time.monotonic() + wait_s
+    sizes: dict[str, int] = {}
+    while pending and time.monotonic() < deadline:
+        time.sleep(0.1)
+        for key, path in list(pending.items()):
+            size = path.stat().st_size if path.exists() else 0
+            if size > 0 and sizes.get(key) == size:  # written and no longer growing
+                stacks[key] = path.read_text(errors="replace")
+                del pending[key]
+            sizes[key] = size
+    for key in pending:
+        stacks[key] = "(no stack dump received)"
+    return stacks
+
+
+def _pyspy(pyspy: str, pid: int) -> str | None:
+    try:
+        out = subprocess.run([pyspy, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=15)
+    except (subprocess.TimeoutExpired, OSError):
+        return None
+    return out.stdout if out.returncode == 0 and out.stdout.strip() else None
