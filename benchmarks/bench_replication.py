@@ -104,37 +104,30 @@ def fsync_tree(path: Path) -> None:
     subprocess.run(["sync", "-f", str(path)], check=False)
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--size-gb", type=float, default=2.0)
-    ap.add_argument("--quick", action="store_true", help="0.2 GB")
-    ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--concurrency", type=int, default=4, help="concurrent file transfers (TransferPool)")
-    ap.add_argument("--dir", default=None, help="scratch directory (default: a temp dir)")
-    args = ap.parse_args()
-    size = int((0.2 if args.quick else args.size_gb) * 1e9)
+def measure(size: int, runs: int = 3, concurrency: int = 4, scratch: str | None = None) -> list[tuple[str, float, float]]:
+    """Push a ``size``-byte checkpoint to 1 and 2 peers, alternating rlsup, ``cp -r`` and the rsync daemon
+    ``runs`` times each; returns (name, rlsup median MB/s, baseline median MB/s) rows."""
     if shutil.which("rsync") is None:
         print("rsync not installed (apt-get install -y rsync); the rsync rows are skipped", file=sys.stderr)
-
-    work = Path(tempfile.mkdtemp(prefix="rlsup-bench-", dir=args.dir))
+    work = Path(tempfile.mkdtemp(prefix="rlsup-bench-", dir=scratch))
     servers: list[ReplicationServer] = []
     daemons: list[RsyncDaemon] = []
     try:
         src = work / "src"
         entries = make_checkpoint(src, size)
         total = sum(e.size for e in entries.values())
-        print(f"checkpoint: {len(entries)} files, {total / 1e9:.2f} GB in {src}; {args.runs} runs, median",
+        print(f"checkpoint: {len(entries)} files, {total / 1e9:.2f} GB in {src}; {runs} runs, median",
               file=sys.stderr)
         stores = [ReplicaStore(work / f"peer{i}") for i in range(2)]
         servers = [ReplicationServer(s, SECRET) for s in stores]
         clients = [PeerClient(f"127.0.0.1:{srv.start()}", SECRET, retries=0) for srv in servers]
-        pool = TransferPool(args.concurrency)
+        pool = TransferPool(concurrency)
         if shutil.which("rsync"):
             daemons = [RsyncDaemon(work, work / f"peer{i}") for i in range(2)]
         rows = []
         for npeers in (1, 2):
             rl, cp, rs = [], [], []
-            for run in range(args.runs):
+            for run in range(runs):
                 tag = f"run{run}"
                 # rlsup
                 t = push_rlsup(src, entries, clients[:npeers], pool, tag)
@@ -171,15 +164,29 @@ def main() -> int:
                              statistics.median(rs)))
         for c in clients:
             c.close()
-        print(f"\n{'name':<34} {'rlsup median':>13} {'baseline median':>16} {'ratio':>7}  unit")
-        for name, a, b in rows:
-            print(f"{name:<34} {a:>13.0f} {b:>16.0f} {a / b:>7.2f}  MB/s")
+        pool.shutdown()
+        return rows
     finally:
         for srv in servers:
             srv.stop()
         for d in daemons:
             d.stop()
         drop(work)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size-gb", type=float, default=2.0)
+    ap.add_argument("--quick", action="store_true", help="0.2 GB")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--concurrency", type=int, default=4, help="concurrent file transfers (TransferPool)")
+    ap.add_argument("--dir", default=None, help="scratch directory (default: a temp dir)")
+    args = ap.parse_args()
+    size = int((0.2 if args.quick else args.size_gb) * 1e9)
+    rows = measure(size, args.runs, args.concurrency, args.dir)
+    print(f"\n{'name':<34} {'rlsup median':>13} {'baseline median':>16} {'ratio':>7}  unit")
+    for name, a, b in rows:
+        print(f"{name:<34} {a:>13.0f} {b:>16.0f} {a / b:>7.2f}  MB/s")
     return 0
 
 

@@ -346,8 +346,12 @@ class Supervisor:
             self._wake.wait(self.cfg.poll_interval)
 
     def cleanup(self, job: JobProcess, result: AttemptResult) -> None:
-        """Nothing of an attempt may survive it: SIGTERM the tree, SIGKILL after kill_grace."""
-        killed = job.terminate_tree(self.cfg.kill_grace)
+        """Nothing of an attempt may survive it: SIGTERM the tree, SIGKILL after kill_grace.
+
+        A hung attempt gets no grace: its stacks are already saved, and a rank stuck in a collective
+        would only turn SIGTERM into should_stop() and never act on it."""
+        hung = result.reason in ("hang", "startup_timeout", "save_timeout")
+        killed = job.terminate_tree(0.0 if hung else self.cfg.kill_grace)
         if killed:
             self._log(f"attempt {result.attempt}: killed leftover processes {killed}")
 

@@ -1,14 +1,31 @@
 """Imported by training code inside every rank: heartbeats, the stop flag, and verified checkpoints.
 
-Stays light on purpose: it never imports ``supervisor``, an HTTP stack or prometheus.
+Stays light on purpose: it never imports ``supervisor``, an HTTP stack or prometheus, and the
+checkpoint classes (which need torch) load on first use, so the supervisor can read manifests
+without paying for torch.
 """
 
-from trainer_hooks.checkpoint import CheckpointManager
+from typing import Any
+
 from trainer_hooks.heartbeat import heartbeat, section, should_stop
-from trainer_hooks.sampler import ResumableSampler
-from trainer_hooks.triggers import SaveTrigger
 
 __version__ = "0.1.0"
 
+_LAZY = {
+    "CheckpointManager": "trainer_hooks.checkpoint",
+    "ResumableSampler": "trainer_hooks.sampler",
+    "SaveTrigger": "trainer_hooks.triggers",
+}
+
 __all__ = ["CheckpointManager", "ResumableSampler", "SaveTrigger", "heartbeat", "section", "should_stop",
            "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'trainer_hooks' has no attribute {name!r}")

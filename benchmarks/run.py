@@ -1,0 +1,835 @@
+"""rlsup against what users run today: one line per figure, rlsup median vs baseline median.
+
+    .venv/bin/python benchmarks/run.py --quick            # < 5 min on 2 cores
+    .venv/bin/python benchmarks/run.py                    # full, ~15-20 min
+    .venv/bin/python benchmarks/run.py --only restart,hang --reps 3
+
+Every benchmark runs rlsup and its baseline alternately (rlsup first on even repetitions, the baseline
+first on odd ones) and prints, as soon as a figure is done, one row per figure::
+
+    name | rlsup median | baseline median | ratio (rlsup / baseline) | unit | note
+
+Figures (``--only`` keys): restart, hang, save, heartbeat, selection, replication, restore, footprint,
+goodput. Jobs are 2-rank torchrun/gloo runs of ``benchmarks/jobs/bench_trainer.py``, which writes
+``time.monotonic()`` events (CLOCK_MONOTONIC is system-wide on Linux, so ranks, attempts and this script
+share one clock). Method, machine and results: BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+BENCH = Path(__file__).resolve().parent
+ROOT = BENCH.parent
+sys.path[:0] = [str(ROOT), str(BENCH), str(ROOT / "tests")]
+
+PY = sys.executable
+BIN = Path(sys.executable).parent
+TRAINER = BENCH / "jobs" / "bench_trainer.py"
+FIGURES = ("restart", "hang", "save", "heartbeat", "selection", "replication", "restore", "footprint", "goodput")
+
+
+# ------------------------------------------------------------------------------------------ output
+
+
+@dataclass
+class Row:
+    name: str
+    rlsup: float | None
+    base: float | None
+    unit: str
+    note: str = ""
+
+    @property
+    def ratio(self) -> float | None:
+        if self.rlsup is None or self.base is None or self.base == 0:
+            return None
+        return self.rlsup / self.base
+
+
+def fmt(x: float | None) -> str:
+    if x is None:
+        return "n/a"
+    if x == 0:
+        return "0"
+    a = abs(x)
+    if a >= 1000:
+        return f"{x:.0f}"
+    if a >= 100:
+        return f"{x:.1f}"
+    if a >= 1:
+        return f"{x:.2f}"
+    if a >= 0.01:
+        return f"{x:.3f}"
+    return f"{x:.2e}"
+
+
+HEADER = f"{'name':<72} | {'rlsup median':>12} | {'baseline median':>15} | {'ratio':>7} | {'unit':<6} | note"
+
+
+def print_row(row: Row) -> None:
+    ratio = "n/a" if row.ratio is None else f"{row.ratio:.2f}"
+    print(f"{row.name:<72} | {fmt(row.rlsup):>12} | {fmt(row.base):>15} | {ratio:>7} | {row.unit:<6} | {row.note}",
+          flush=True)
+
+
+def log(msg: str) -> None:
+    print(f"# {msg}", file=sys.stderr, flush=True)
+
+
+def median(xs: list[float]) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
+# ------------------------------------------------------------------------------------------ context
+
+
+@dataclass
+class Ctx:
+    quick: bool
+    reps: int
+    work: Path
+    layouts: list[str] | None = None
+
+    def fresh(self, name: str) -> Path:
+        d = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=self.work))
+        return d
+
+
+def job_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RLSUP_", "TORCHELASTIC_", "FT_"))}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONUNBUFFERED"] = "1"
+    env["RLSUP_METRICS_PORT"] = "0"
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def nvrx_missing() -> str | None:
+    """Why NVRx's ft_launcher cannot be benchmarked, or None when it can."""
+    if importlib.util.find_spec("nvidia_resiliency_ext") is None:
+        return "nvidia_resiliency_ext not importable (install: docs/nvrx.md)"
+    if not (BIN / "ft_launcher").exists() and shutil.which("ft_launcher") is None:
+        return "ft_launcher not on PATH"
+    return None
+
+
+def ft_launcher() -> str:
+    return str(BIN / "ft_launcher") if (BIN / "ft_launcher").exists() else shutil.which("ft_launcher") or "ft_launcher"
+
+
+def launch(kind: str, d: Path, trainer_args: list[str], max_restarts: int, extra: list[str] = ()) -> subprocess.Popen:
+    """Start a 2-rank job in ``d`` under ``kind`` (rlsup | torchrun | ft), in its own session."""
+    targs = [str(TRAINER), "--events", str(d / "events.jsonl"), "--checkpoint-dir", str(d / "ckpt"), *trainer_args]
+    torchrun = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2"]
+    if kind == "rlsup":
+        cmd = [PY, "-m", "supervisor.cli", "run", "--state-dir", str(d / "state"), "--checkpoint-dir",
+               str(d / "ckpt"), "--max-restarts", str(max_restarts), "--stop-grace", "2", "--kill-grace", "2",
+               *extra, "--", *torchrun, *targs]
+    elif kind == "torchrun":
+        cmd = [*torchrun, "--max-restarts", str(max_restarts), *extra, *targs]
+    elif kind == "ft":
+        cmd = [ft_launcher(), "--standalone", "--nproc-per-node", "2", "--max-restarts", str(max_restarts),
+               "--ft-enable-nic-monitor", "false", *extra, *targs]
+    else:
+        raise ValueError(kind)
+    out = open(d / "output.log", "wb")
+    try:
+        return subprocess.Popen(cmd, cwd=d, env=job_env(), stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    finally:
+        out.close()
+
+
+def stop(proc: subprocess.Popen, grace: float = 8.0) -> None:
+    """SIGTERM the job's process group (rlsup forwards to its own job session), SIGKILL after ``grace``."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            pass
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(10)
+
+
+def events(d: Path) -> list[dict]:
+    path = d / "events.jsonl"
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        with contextlib.suppress(ValueError):
+            out.append(json.loads(line))
+    return out
+
+
+def failed(d: Path, what: str) -> None:
+    """Say why a trial failed: the last lines of its output (the scratch directory is removed at the end)."""
+    try:
+        lines = (d / "output.log").read_text(errors="replace").splitlines()
+    except OSError:
+        lines = []
+    tail = [l for l in lines if "[rlsup]" in l or "rror" in l][-12:]
+    log(f"{what}; last output lines:\n#   " + "\n#   ".join(tail))
+
+
+def wait_until(pred: Callable[[], object], timeout: float, interval: float = 0.05) -> object:
+    deadline = time.monotonic() + timeout
+    while True:
+        v = pred()
+        if v or time.monotonic() > deadline:
+            return v
+        time.sleep(interval)
+
+
+def alternate(reps: int, kinds: list[str]) -> Iterator[tuple[int, str]]:
+    for r in range(reps):
+        for k in (kinds if r % 2 == 0 else list(reversed(kinds))):
+            yield r, k
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+# ------------------------------------------------------------------------------------------ 1. restart
+
+
+def bench_restart(ctx: Ctx) -> list[Row]:
+    """SIGKILL of rank 1 (its own event, just before) -> rank 0 of the next attempt completes a step."""
+    kinds = ["rlsup", "torchrun"]
+    why_no_ft = nvrx_missing()
+    if why_no_ft is None:
+        kinds.append("ft")
+    targs = ["--steps", "40", "--checkpoint-every", "5", "--crash-at-step", "12", "--step-time", "0.02"]
+    lat: dict[str, list[float]] = {k: [] for k in kinds}
+    to_start: dict[str, list[float]] = {k: [] for k in kinds}  # kill -> first process of the next attempt runs
+    downtime: list[float] = []  # rlsup's own record: attempt ended -> next attempt launched
+    fails: dict[str, list[str]] = {k: [] for k in kinds}
+    for _, kind in alternate(ctx.reps, kinds):
+        d = ctx.fresh(f"restart-{kind}")
+        t_trial = time.monotonic()
+        proc = launch(kind, d, targs, max_restarts=1)
+
+        def first_step_of_next() -> dict | None:
+            return next((e for e in events(d) if e["ev"] == "step" and e["attempt"] == 1), None)
+
+        # The crash comes a few seconds after launch; then the next attempt gets 60 s to train.
+        wait_until(lambda: next((e for e in events(d) if e["ev"] == "kill"), None) or proc.poll() is not None, 120)
+        wait_until(lambda: first_step_of_next() or proc.poll() is not None, 60)
+        nxt = first_step_of_next()
+        evs = events(d)
+        kill = next((e for e in evs if e["ev"] == "kill"), None)
+        rc = proc.poll()  # None: still running when we gave up waiting
+        stop(proc)
+        if kill is not None and nxt is not None:
+            lat[kind].append(nxt["t"] - kill["t"])
+            to_start[kind].append(min(e["t"] for e in evs if e["ev"] == "start" and e["attempt"] == 1) - kill["t"])
+            with contextlib.suppress(OSError, ValueError, IndexError, KeyError, TypeError):
+                inc = (d / "state" / "incidents.jsonl").read_text().splitlines()
+                downtime.append(float(json.loads(inc[0])["downtime_s"]))
+        else:
+            text = (d / "output.log").read_text(errors="replace")
+            if kill is None:
+                cause = "no crash recorded"
+            elif "connectFullMesh" in text:
+                cause = "connectFullMesh refused"
+            elif any(e["ev"] == "start" and e["attempt"] == 1 for e in evs):
+                cause = "next attempt started, never trained" + (f" (exit {rc})" if rc is not None else " in 60 s")
+            else:
+                cause = f"no next attempt (exit {rc})"
+            fails[kind].append(cause)
+            failed(d, f"restart {kind}: failed ({cause})")
+            continue
+        log(f"restart {kind}: {lat[kind][-1]:.2f} s (trial {time.monotonic() - t_trial:.0f} s)")
+        shutil.rmtree(d, ignore_errors=True)
+
+    def note(k: str) -> str:
+        n = len(lat[k]) + len(fails[k])
+        parts = [f"{k}: {len(fails[k])}/{n} restarts failed ({', '.join(sorted(set(fails[k])))})"] if fails[k] else []
+        return "; ".join(parts)
+
+    def phases(k: str) -> str:
+        a, b = median(to_start[k]), median([x - y for x, y in zip(lat[k], to_start[k])])
+        return f"{k}: kill->worker start {fmt(a)} s + start->step {fmt(b)} s" if a is not None else ""
+
+    rl_phases = phases("rlsup") + (f" (rlsup downtime {fmt(median(downtime))} s incl. backoff_initial 1 s)"
+                                   if downtime else "")
+    rows = [Row("restart latency: SIGKILL -> next first step, vs torchrun --max-restarts 1", median(lat["rlsup"]),
+                median(lat["torchrun"]), "s",
+                "; ".join(x for x in [note("rlsup"), note("torchrun"), rl_phases, phases("torchrun")] if x))]
+    if "ft" in kinds:
+        rows.append(Row("restart latency: SIGKILL -> next first step, vs ft_launcher --max-restarts 1",
+                        median(lat["rlsup"]), median(lat["ft"]), "s",
+                        "; ".join(x for x in [note("ft"), phases("ft")] if x)))
+    else:
+        rows.append(Row("restart latency: SIGKILL -> next first step, vs ft_launcher --max-restarts 1",
+                        median(lat["rlsup"]), None, "s", f"n/a: {why_no_ft}"))
+    return rows
+
+
+# ------------------------------------------------------------------------------------------ 2. hang
+
+
+def bench_hang(ctx: Ctx) -> list[Row]:
+    """Rank 1 stops heartbeating (sleeps forever) after step 100 of fast (20 ms) steps: time until the
+    launcher says so in its log (detected), and until the hung rank is gone (killed)."""
+    import torch.distributed.constants as c10d_constants
+
+    kinds = ["rlsup"]
+    why_no_ft = nvrx_missing()
+    if why_no_ft is None:
+        kinds.append("ft")
+    # Step 100 (~2.5 s of training): rlsup's auto timeout needs auto_timeout_min_intervals (5) heartbeat
+    # intervals seen by its 0.1 s poll before it replaces heartbeat_timeout_initial (600 s).
+    targs = ["--hang-at-step", "100", "--checkpoint-every", "10", "--step-time", "0.02"]
+    extra = {
+        # auto timeout: 5 x the longest step interval seen, at least the floor (2 s) once 5 intervals were seen
+        "rlsup": ["--auto-timeout-floor", "2", "--heartbeat-timeout", "auto"],
+        # NVRx: the same 2 s after the first heartbeat, checked as often as rlsup polls (0.1 s)
+        "ft": ["--ft-workload-check-interval", "0.1", "--ft-initial-rank-heartbeat-timeout", "120",
+               "--ft-rank-heartbeat-timeout", "2"],
+    }
+    marker = {"rlsup": "hang detected", "ft": "Did not get subsequent heartbeat"}
+    detect: dict[str, list[float]] = {k: [] for k in kinds}
+    killed: dict[str, list[float]] = {k: [] for k in kinds}
+    learned: list[float] = []
+    fails: dict[str, int] = {k: 0 for k in kinds}
+    for _, kind in alternate(ctx.reps, kinds):
+        d = ctx.fresh(f"hang-{kind}")
+        proc = launch(kind, d, targs, max_restarts=0, extra=extra[kind])
+        hang = wait_until(lambda: next((e for e in events(d) if e["ev"] == "hang"), None) or proc.poll() is not None,
+                          120, 0.02)
+        seen_at = dead_at = None
+        if isinstance(hang, dict):
+            deadline = time.monotonic() + 150  # an auto timeout can be long when a step (a save) was slow
+            while time.monotonic() < deadline and (seen_at is None or dead_at is None):
+                now = time.monotonic()
+                if seen_at is None and marker[kind] in (d / "output.log").read_text(errors="replace"):
+                    seen_at = now
+                if dead_at is None and not pid_alive(hang["pid"]):
+                    dead_at = now
+                if proc.poll() is not None and dead_at is not None:
+                    break
+                time.sleep(0.01)
+        if kind == "rlsup":  # "hang detected: rank R (pid P) silent for X s > heartbeat_timeout T s"
+            import re
+
+            m = re.search(r"> heartbeat_timeout ([0-9.]+)s", (d / "output.log").read_text(errors="replace"))
+            if m:
+                learned.append(float(m.group(1)))
+        stop(proc)
+        if dead_at is None or seen_at is None:
+            fails[kind] += 1
+            failed(d, f"hang {kind}: not detected (hang event: {hang!r}, exit {proc.returncode})")
+            continue
+        detect[kind].append(seen_at - hang["t"])
+        killed[kind].append(dead_at - hang["t"])
+        log(f"hang {kind}: detected {detect[kind][-1]:.2f} s, killed {killed[kind][-1]:.2f} s")
+        shutil.rmtree(d, ignore_errors=True)
+    pg = c10d_constants.default_pg_timeout.total_seconds()
+    nccl_td = getattr(c10d_constants, "default_pg_nccl_timeout", None)
+    nccl = f"{nccl_td.total_seconds():.0f} s" if nccl_td is not None else "None in this CPU build; 600 s in CUDA builds"
+    fail_note = "; ".join(f"{k}: {n} not detected in 150 s" for k, n in fails.items() if n)
+    learned_note = f"rlsup learned timeout {'/'.join(f'{x:.1f}' for x in learned)} s" if learned else ""
+    ft_name = "ft_launcher rank-heartbeat-timeout 2 s"
+    rows = [
+        Row("hang -> detected: rlsup auto timeout vs plain torchrun", median(detect["rlsup"]), pg, "s",
+            f"torchrun has no hang detection: ranks wait for the collective timeout, gloo default_pg_timeout "
+            f"{pg:.0f} s (NCCL default_pg_nccl_timeout: {nccl}); not waited"),
+    ]
+    for label, data in (("detected", detect), ("hung rank killed", killed)):
+        note = "; ".join(x for x in [learned_note if label == "detected" else
+                                     "rlsup dumps every rank's stacks before it kills", fail_note] if x)
+        rows.append(Row(f"hang -> {label}: rlsup auto (floor 2 s) vs {ft_name}", median(data["rlsup"]),
+                        median(data["ft"]) if "ft" in kinds else None, "s",
+                        note if "ft" in kinds else f"n/a: {why_no_ft}"))
+    return rows
+
+
+# ------------------------------------------------------------------------------------------ 3. save, heartbeat
+
+
+def bench_save(ctx: Ctx) -> list[Row]:
+    import torch
+
+    import bench_save as bs
+    from trainer_hooks.checkpoint import CheckpointManager
+
+    rows = []
+    for size_mb in ([100] if ctx.quick else [100, 1024]):
+        state = bs.make_state(size_mb)
+        d = ctx.fresh(f"save-{size_mb}")
+        mgr = CheckpointManager(d / "ckpt", keep_last=1)
+        times: dict[str, list[float]] = {"rlsup": [], "torch.save": [], "torch.save+fsync": []}
+        reps = max(3, ctx.reps)
+        for r, kind in alternate(reps, list(times)):
+            t0 = time.perf_counter()
+            if kind == "rlsup":
+                mgr.save(r + 1, state)
+            elif kind == "torch.save":
+                torch.save(state, d / "plain.pt")
+            else:
+                with open(d / "plainfs.pt", "wb") as f:
+                    torch.save(state, f)
+                    f.flush()
+                    os.fsync(f.fileno())
+            times[kind].append(time.perf_counter() - t0)
+            for name in ("plain.pt", "plainfs.pt"):
+                (d / name).unlink(missing_ok=True)
+        del state
+        shutil.rmtree(d, ignore_errors=True)
+        label = f"{size_mb} MB" if size_mb < 1000 else f"{size_mb / 1024:.0f} GB"
+        note = "staging, fsync, xxh3 of every byte, manifest"
+        rows.append(Row(f"save {label}: CheckpointManager.save vs torch.save", median(times["rlsup"]),
+                        median(times["torch.save"]), "s", note + "; torch.save: page cache, no fsync"))
+        rows.append(Row(f"save {label}: CheckpointManager.save vs torch.save + fsync", median(times["rlsup"]),
+                        median(times["torch.save+fsync"]), "s", note))
+    return rows
+
+
+def bench_heartbeat(ctx: Ctx) -> list[Row]:
+    import bench_heartbeat as bh
+
+    blocks, per_block = (15, 500) if ctx.quick else (31, 1000)
+    with_hb, without = bh.step_overhead(steps_per_block=per_block, blocks=blocks)
+    calls = 50_000 if ctx.quick else 200_000
+    under, outside = bh.measure(calls, True), bh.measure(calls, False)
+    return [
+        Row("training step with heartbeat(step) vs without (4 x 128x128 matmul)", with_hb, without, "us",
+            f"alternating blocks of {per_block} steps, {blocks} each, median; budget <= 1% slowdown"),
+        Row("heartbeat() call under rlsup (mmap) vs outside rlsup (no-op)", under, outside, "ns",
+            f"{calls} calls x 7, median"),
+    ]
+
+
+# ------------------------------------------------------------------------------------------ 4. selection
+
+
+LAYOUT_KEYS = {"verl-fsdp": "verl (FSDP)", "verl-megatron": "verl (Megatron v2)", "megatron-core": "Megatron-Core",
+               "megatron-bridge": "Megatron-Bridge", "dcp": "torch DCP", "areal": "AReaL", "rlsup": "rlsup"}
+
+
+def tracker_baseline(root: Path, layout: str) -> int | None:
+    """What a trainer does to find its checkpoint: read the tracker file, or take the highest step number."""
+    import re
+
+    if layout in ("verl", "megatron"):
+        text = (root / "latest_checkpointed_iteration.txt").read_text().strip()
+        return int(text) if text.isdigit() else None
+    if layout == "areal":
+        return int(json.loads((root / "recover_info" / "step_info.json").read_text())["global_step"])
+    steps = [int(m.group(1)) for n in os.listdir(root) if (m := re.search(r"(\d+)$", n))]
+    return max(steps) if steps else None
+
+
+def bench_selection(ctx: Ctx) -> list[Row]:
+    import bench_selection as bsel
+    import layout_builders as lb
+
+    from supervisor import layouts
+
+    steps = 1000
+    keys = ctx.layouts or (["verl-fsdp", "megatron-core", "dcp", "rlsup"] if ctx.quick else list(LAYOUT_KEYS))
+    if any(k.startswith(("megatron", "verl-megatron")) for k in keys):
+        lb.mcore_dist_template()
+    reps = 7 if ctx.quick else 15
+    rows = []
+    for key in keys:
+        label = LAYOUT_KEYS[key]
+        layout, build = bsel.BUILDERS[label]
+        root = ctx.fresh(f"sel-{key}")
+        try:
+            build(root, steps)
+        except ImportError as e:
+            rows.append(Row(f"select newest valid of {steps}: {label}", None, None, "ms", f"skipped: {e}"))
+            continue
+        n = len(layouts.LAYOUTS[layout].list_steps(root))
+        t_rl, t_base = [], []
+        picked = base_pick = None
+        for _, kind in alternate(reps, ["rlsup", "base"]):
+            t0 = time.perf_counter()
+            if kind == "rlsup":
+                rec = layouts.latest_valid(root)  # auto-detect, as `rlsup run` does by default
+                t_rl.append((time.perf_counter() - t0) * 1e3)
+                picked = rec.step if rec else None
+            else:
+                base_pick = tracker_baseline(root, layout)
+                t_base.append((time.perf_counter() - t0) * 1e3)
+        newest = max(s for s, _ in layouts.LAYOUTS[layout].list_steps(root)) if n else None
+        how = "tracker file" if layout in ("verl", "megatron", "areal") else "highest step number"
+        broken = picked != newest
+        note = (f"{n} step{'s' if n != 1 else ''}{f', newest ({newest}) broken' if broken else ''}; rlsup picks "
+                f"{picked}, baseline ({how}) picks {base_pick}" + (" (the broken one)" if broken and base_pick == newest else ""))
+        rows.append(Row(f"select newest valid of {n}: {label} vs {how}", median(t_rl), median(t_base), "ms", note))
+        shutil.rmtree(root, ignore_errors=True)
+    return rows
+
+
+# ------------------------------------------------------------------------------------------ 5. replication, restore
+
+
+def bench_replication(ctx: Ctx) -> list[Row]:
+    import bench_replication as br
+
+    size = int((0.2 if ctx.quick else 2.0) * 1e9)
+    rows = br.measure(size, runs=max(3, ctx.reps), scratch=str(ctx.work))
+    label = f"{size / 1e9:.1f} GB"
+    return [Row(f"replicate {label}: {name}", a, b, "MB/s",
+                "127.0.0.1; rlsup: HMAC, xxh3 verify, fsync, rename; baselines synced") for name, a, b in rows]
+
+
+SECRET = b"benchmark-secret-benchmark-secret"
+
+
+def bench_restore(ctx: Ctx) -> list[Row]:
+    """A node lost its disk: rlsup fetches its part of the newest step from the replica holder (verified,
+    manifest last) vs ``cp -r`` of the step from a local copy (+ sync)."""
+    import torch
+
+    from supervisor.membership import Membership
+    from supervisor.replication import ReplicationEngine
+    from supervisor.transport.client import PeerClient
+    from supervisor.transport.server import ReplicationServer
+    from supervisor.transport.store import ReplicaStore
+    from trainer_hooks.checkpoint import CheckpointManager
+    from trainer_hooks.manifest import step_dir_name
+
+    size = int((0.2 if ctx.quick else 2.0) * 1e9)
+    d = ctx.fresh("restore")
+    server = ReplicationServer(ReplicaStore(d / "node1-replicas"), SECRET)
+    port = server.start()
+    client = PeerClient(f"127.0.0.1:{port}", SECRET, retries=0)
+    try:
+        ckpt = d / "node0" / "checkpoints"
+        n = size // 4
+        state = {"model": {"w": torch.randn(n // 2)}, "optim": {"m": torch.randn(n - n // 2)}}
+        step_dir = CheckpointManager(ckpt).save(100, state)
+        del state
+        total = sum(p.stat().st_size for p in step_dir.iterdir() if p.is_file())
+        membership = Membership(("127.0.0.1:1", f"127.0.0.1:{port}"), 0)
+        engine = ReplicationEngine(membership, ckpt, d / "node0-replicas", {1: client}, factor=1, jump=1,
+                                   state_path=d / "replication.json")
+        engine.sync()  # node 1 now holds node 0's part of step 100
+        local_copy = d / "local-copy"
+        shutil.copytree(step_dir, local_copy / step_dir_name(100))
+        t_rl, t_cp = [], []
+        for _, kind in alternate(max(3, ctx.reps), ["rlsup", "cp"]):
+            shutil.rmtree(ckpt, ignore_errors=True)  # the wiped node
+            ckpt.mkdir(parents=True)
+            t0 = time.perf_counter()
+            if kind == "rlsup":
+                engine.fetch(100, {0: [1]})
+                t_rl.append(time.perf_counter() - t0)
+            else:
+                subprocess.run(["cp", "-r", str(local_copy / step_dir_name(100)), str(ckpt)], check=True)
+                subprocess.run(["sync", "-f", str(ckpt)], check=False)
+                t_cp.append(time.perf_counter() - t0)
+        return [Row(f"restore a wiped node ({total / 1e9:.1f} GB): fetch from replica vs cp -r local copy",
+                    median(t_rl), median(t_cp), "s",
+                    "rlsup: HTTP on 127.0.0.1, xxh3 on receipt and full verify_part after; cp: + sync")]
+    finally:
+        client.close()
+        server.stop()
+        shutil.rmtree(d, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------------------ 6. footprint
+
+
+def _tree(pid: int) -> list:
+    import psutil
+
+    try:
+        p = psutil.Process(pid)
+        return [p, *p.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _cpu_s(pid: int) -> float:
+    """CPU seconds of a process, its threads and its reaped children, plus its live children."""
+    import psutil
+
+    total = 0.0
+    for i, p in enumerate(_tree(pid)):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            t = p.cpu_times()
+            total += t.user + t.system + (t.children_user + t.children_system if i == 0 else 0.0)
+    return total
+
+
+def _rss_mb(pid: int) -> float:
+    import psutil
+
+    total = 0
+    for p in _tree(pid):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            total += p.memory_info().rss
+    return total / 2**20
+
+
+def _sample(pids: list[int], until: Callable[[], bool], timeout: float) -> tuple[list[float], list[float], float]:
+    """Peak RSS (MB) and CPU seconds of each pid's tree while ``until()`` is false; and the elapsed time."""
+    cpu0 = [_cpu_s(p) for p in pids]
+    peak = [_rss_mb(p) for p in pids]
+    t0 = time.monotonic()
+    while not until() and time.monotonic() - t0 < timeout:
+        time.sleep(0.02)
+        peak = [max(a, _rss_mb(p)) for a, p in zip(peak, pids)]
+    elapsed = time.monotonic() - t0
+    return peak, [_cpu_s(p) - c for p, c in zip(pids, cpu0)], elapsed
+
+
+def bench_footprint(ctx: Ctx) -> list[Row]:
+    import torch
+
+    import bench_replication as br
+    from trainer_hooks.checkpoint import CheckpointManager
+    from trainer_hooks.manifest import manifest_name, step_dir_name
+
+    d = ctx.fresh("footprint")
+    token = d / "token"
+    token.write_text("benchmark-secret-benchmark-secret\n")
+    token.chmod(0o600)
+    ports = [br.free_port(), br.free_port()]
+    peers = ",".join(f"127.0.0.1:{p}" for p in ports)
+    daemons: list[subprocess.Popen] = []
+    rsyncd = None
+    try:
+        for node in range(2):
+            nd = d / f"node{node}"
+            nd.mkdir()
+            daemons.append(subprocess.Popen(
+                [PY, "-m", "supervisor.cli", "daemon", "--peers", peers, "--node-rank", str(node), "--token-file",
+                 str(token), "--replication-factor", "1", "--replication-scan-interval", "30"],
+                cwd=nd, env=job_env(), stdout=open(nd / "daemon.log", "wb"), stderr=subprocess.STDOUT))
+        if not wait_until(lambda: all((d / f"node{n}" / ".rlsup" / "daemon.json").exists() for n in range(2)), 60):
+            raise RuntimeError(f"rlsup daemons did not start (logs in {d})")
+        rsync_dest = d / "rsync-dest"
+        rsync_dest.mkdir()
+        rsyncd = br.RsyncDaemon(d, rsync_dest) if shutil.which("rsync") else None
+        time.sleep(1.0)  # let both settle after startup
+        window = 4.0 if ctx.quick else 8.0
+        idle: dict[str, list[tuple[float, float]]] = {"rlsup": [], "rsync": []}
+        for _, kind in alternate(max(2, ctx.reps), ["rlsup", "rsync"]):
+            if kind == "rsync" and rsyncd is None:
+                continue
+            pid = daemons[0].pid if kind == "rlsup" else rsyncd.proc.pid
+            end = time.monotonic() + window
+            peak, cpu, el = _sample([pid], lambda: time.monotonic() > end, window + 1)
+            idle[kind].append((peak[0], 100 * cpu[0] / el))
+        # replicating: a fresh step appears on node 0; its daemon pushes it to node 1
+        size = int((0.2 if ctx.quick else 1.0) * 1e9)
+        n = size // 4
+        state = {"w": torch.randn(n)}
+        staging = d / "staging"
+        rep: dict[str, list[tuple]] = {"rlsup": [], "rsync": []}
+        for r, kind in alternate(max(2, ctx.reps), ["rlsup", "rsync"]):
+            if kind == "rsync" and rsyncd is None:
+                continue
+            step = 100 + r
+            if kind == "rlsup":
+                # saved straight into node 0's checkpoint directory: the manifest, written last, wakes its daemon
+                dst = CheckpointManager(d / "node0" / "checkpoints").save(step, state)
+                replica = d / "node1" / "replicas" / "node0" / step_dir_name(step) / manifest_name(0)
+                peak, cpu, el = _sample([daemons[0].pid, daemons[1].pid], replica.exists, 300)
+                shutil.rmtree(dst, ignore_errors=True)
+            else:
+                src = CheckpointManager(staging).save(step, state)
+                proc = subprocess.Popen(["rsync", "-a", "--whole-file", f"{src}/",
+                                         f"rsync://127.0.0.1:{rsyncd.port}/ckpt/s{step}/"])
+                peak, cpu, el = _sample([proc.pid, rsyncd.proc.pid], lambda: not pid_alive(proc.pid), 300)
+                # The client's CPU from the kernel (it has exited). Not ru_maxrss: a forked child inherits its
+                # parent's high-water mark (this process holds the state), so its peak RSS is the sampled one.
+                _, status, ru = os.wait4(proc.pid, 0)
+                proc.returncode = os.waitstatus_to_exitcode(status)
+                cpu[0] = ru.ru_utime + ru.ru_stime
+                shutil.rmtree(rsync_dest / f"s{step}", ignore_errors=True)
+            rep[kind].append((peak[0], cpu[0] / (size / 1e9), peak[1], cpu[1] / (size / 1e9), el))
+            shutil.rmtree(staging, ignore_errors=True)
+        del state
+
+        def col(kind: str, data: dict, i: int) -> float | None:
+            return median([x[i] for x in data[kind]])
+
+        base_idle = "idle `rsync --daemon` (C, no TLS/auth/watcher)"
+        rows = [
+            Row("daemon idle RSS vs idle rsync --daemon", col("rlsup", idle, 0), col("rsync", idle, 0), "MB",
+                f"{base_idle}; rlsup: Python, aiohttp, watchdog, prometheus, and torch (imported via trainer_hooks/__init__)"),
+            Row("daemon idle CPU vs idle rsync --daemon", col("rlsup", idle, 1), col("rsync", idle, 1), "%",
+                f"{window:.0f} s windows; rlsup polls its loops"),
+            Row(f"replicating {size / 1e9:.1f} GB: sender peak RSS vs rsync client", col("rlsup", rep, 0),
+                col("rsync", rep, 0), "MB", "rlsup daemon (node 0) vs the `rsync` client pushing the same step"),
+            Row(f"replicating {size / 1e9:.1f} GB: sender CPU vs rsync client", col("rlsup", rep, 1),
+                col("rsync", rep, 1), "s/GB", "rlsup: re-verifies xxh3 before sending, HMAC + xxh3 per file"),
+            Row(f"replicating {size / 1e9:.1f} GB: receiver peak RSS vs rsync daemon", col("rlsup", rep, 2),
+                col("rsync", rep, 2), "MB", "rlsup daemon (node 1) vs rsync daemon + its forked receiver"),
+            Row(f"replicating {size / 1e9:.1f} GB: receiver CPU vs rsync daemon", col("rlsup", rep, 3),
+                col("rsync", rep, 3), "s/GB", "rlsup: xxh3 of every byte received, fsync, rename"),
+        ]
+        return rows
+    finally:
+        for p in daemons:
+            p.send_signal(signal.SIGTERM)
+        for p in daemons:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(10)
+        if rsyncd is not None:
+            rsyncd.stop()
+        shutil.rmtree(d, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------------------ 7. goodput
+
+
+def goodput_of(evs: list[dict], t0: float, t_end: float, killed: set[int]) -> tuple[float, int, int, int]:
+    """(productive step seconds, final step, attempts that started, failed restarts: attempts that never
+    trained although nobody killed them, the last one excepted).
+
+    Rank 0's steps are kept unless a later attempt resumed from an earlier step (the work was redone);
+    the productive time is the sum of the kept steps' durations that ended inside the window."""
+    kept: list[tuple[int, float, float]] = []  # (step, t, dur)
+    by_attempt: dict[int, list[dict]] = {}
+    for e in evs:
+        if e["rank"] == 0 and e["t"] <= t_end:
+            by_attempt.setdefault(e["attempt"], []).append(e)
+    started = {e["attempt"] for e in evs if e["ev"] == "start" and e["t"] <= t_end}
+    trained = {a for a, es in by_attempt.items() if any(e["ev"] == "step" for e in es)}
+    for a in sorted(by_attempt):
+        for e in sorted(by_attempt[a], key=lambda e: e["t"]):
+            if e["ev"] == "resumed":
+                kept = [k for k in kept if k[0] <= e["step"]]
+            elif e["ev"] == "step":
+                kept.append((e["step"], e["t"], e["dur"]))
+    productive = sum(dur for _, t, dur in kept if t0 <= t <= t_end)
+    last_attempt = max(started) if started else -1
+    never = len([a for a in started if a not in trained and a not in killed and a != last_attempt])
+    return productive, (kept[-1][0] if kept else 0), len(started), never
+
+
+def bench_goodput(ctx: Ctx) -> list[Row]:
+    window = 25.0 if ctx.quick else 60.0
+    every = 10.0 if ctx.quick else 15.0
+    reps = 1 if ctx.quick else 2
+    targs = ["--checkpoint-every", "10", "--step-time", "0.02"]
+    res: dict[str, list[tuple[float, int, int, int, int]]] = {"rlsup": [], "torchrun": []}
+    for _, kind in alternate(reps, list(res)):
+        d = ctx.fresh(f"goodput-{kind}")
+        t0 = time.monotonic()
+        proc = launch(kind, d, targs, max_restarts=100)
+        kills = 0
+        killed: set[int] = set()
+        t_end = t0 + window
+        next_kill = t0 + every
+        while time.monotonic() < t_end:
+            time.sleep(0.05)
+            if time.monotonic() >= next_kill:
+                next_kill += every
+                starts = [e for e in events(d) if e["ev"] == "start" and e["rank"] == 1]
+                if starts:
+                    victim = max(starts, key=lambda e: (e["attempt"], e["t"]))
+                    if pid_alive(victim["pid"]):
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(victim["pid"], signal.SIGKILL)
+                            kills += 1
+                            killed.add(victim["attempt"])
+        evs = events(d)
+        stop(proc)
+        productive, last_step, attempts, never = goodput_of(evs, t0, t_end, killed)
+        res[kind].append((productive / window, last_step, attempts, never, kills))
+        log(f"goodput {kind}: {productive / window:.3f} (step {last_step}, {attempts} attempts, {never} failed "
+            f"restarts, {kills} kills)")
+        shutil.rmtree(d, ignore_errors=True)
+
+    def summary(kind: str) -> str:
+        xs = res[kind]
+        return (f"{kind}: steps {'/'.join(str(x[1]) for x in xs)}, kills {sum(x[4] for x in xs)}, "
+                f"failed restarts {sum(x[3] for x in xs)}")
+
+    return [Row(f"goodput, SIGKILL every {every:.0f} s over {window:.0f} s, vs torchrun --max-restarts 100",
+                median([x[0] for x in res["rlsup"]]), median([x[0] for x in res["torchrun"]]), "frac",
+                f"productive step time / wall; {summary('rlsup')}; {summary('torchrun')}")]
+
+
+# ------------------------------------------------------------------------------------------ main
+
+
+BENCHES: dict[str, Callable[[Ctx], list[Row]]] = {
+    "restart": bench_restart, "hang": bench_hang, "save": bench_save, "heartbeat": bench_heartbeat,
+    "selection": bench_selection, "replication": bench_replication, "restore": bench_restore,
+    "footprint": bench_footprint, "goodput": bench_goodput,
+}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="small sizes, fewer repetitions: < 5 min on 2 cores")
+    ap.add_argument("--only", default="", help=f"comma-separated subset of: {','.join(FIGURES)}")
+    ap.add_argument("--reps", type=int, default=None, help="repetitions per side (default: 2 quick, 5 full)")
+    ap.add_argument("--layouts", default="", help=f"selection layouts, comma-separated: {','.join(LAYOUT_KEYS)}")
+    ap.add_argument("--dir", default=None, help="scratch directory (default: a temp dir; needs ~5 GB full)")
+    ap.add_argument("--json", default=None, help="also write the rows as JSON here")
+    args = ap.parse_args()
+    only = [x.strip() for x in args.only.split(",") if x.strip()] or list(FIGURES)
+    unknown = [x for x in only if x not in BENCHES]
+    layouts = [x.strip() for x in args.layouts.split(",") if x.strip()] or None
+    bad_layouts = [x for x in layouts or [] if x not in LAYOUT_KEYS]
+    if unknown or bad_layouts:
+        ap.error(f"unknown figure(s) {unknown} or layout(s) {bad_layouts}")
+    work = Path(tempfile.mkdtemp(prefix="rlsup-bench-run-", dir=args.dir))
+    ctx = Ctx(args.quick, args.reps or (2 if args.quick else 5), work, layouts)
+    import platform
+
+    print(f"rlsup benchmarks ({'quick' if args.quick else 'full'}): {os.cpu_count()} cores, "
+          f"{platform.platform()}, python {platform.python_version()}, reps {ctx.reps}", flush=True)
+    print(HEADER, flush=True)
+    all_rows: list[Row] = []
+    started = time.monotonic()
+    try:
+        for key in only:
+            t0 = time.monotonic()
+            try:
+                rows = BENCHES[key](ctx)
+            except Exception as e:  # one broken figure must not hide the others
+                rows = [Row(f"{key}: failed", None, None, "", f"{type(e).__name__}: {e}")]
+            for row in rows:
+                print_row(row)
+            all_rows += rows
+            log(f"{key}: {time.monotonic() - t0:.0f} s")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    log(f"total {time.monotonic() - started:.0f} s")
+    if args.json:
+        Path(args.json).write_text(json.dumps([{**r.__dict__, "ratio": r.ratio} for r in all_rows], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

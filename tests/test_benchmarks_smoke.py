@@ -1,0 +1,32 @@
+"""benchmarks/run.py runs and prints its table: a cheap subset only, and no timed assertions."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import ROOT, clean_env
+
+
+def test_run_quick_selection_and_heartbeat_prints_table(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "run.py"), "--quick", "--only", "selection,heartbeat",
+         "--layouts", "rlsup,dcp", "--dir", str(tmp_path)],
+        cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("name") and "rlsup median" in line)
+    assert all(col in lines[header] for col in ("baseline median", "ratio", "unit"))
+    rows = [line.split("|") for line in lines[header + 1:] if "|" in line]
+    names = [r[0].strip() for r in rows]
+    assert any(n.startswith("select newest valid of 1000: rlsup") for n in names), names
+    assert any(n.startswith("select newest valid of 1000: torch DCP") for n in names), names
+    assert any(n.startswith("training step with heartbeat") for n in names), names
+    assert any(n.startswith("heartbeat() call under rlsup") for n in names), names
+    assert not any("failed" in n for n in names), out.stdout
+    for r in rows:
+        assert len(r) == 6, r
+        float(r[1])  # rlsup median is a number
+        float(r[2])  # baseline median is a number
+    assert not list(tmp_path.iterdir()), "the scratch directory was not cleaned up"
