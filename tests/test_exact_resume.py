@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,6 +17,7 @@ import torch
 
 from conftest import ROOT, clean_env, incidents, start_rlsup, wait_for
 from trainer_hooks.heartbeat import read_record
+from trainer_hooks.manifest import list_step_dirs, verify_step_dir
 
 TRAIN = str(ROOT / "examples" / "train_tiny.py")
 PY = sys.executable
@@ -99,28 +101,34 @@ def test_killed_runs_resume_bit_identical(workdir: Path, world: int) -> None:
 def test_wiped_local_dir_resumes_from_persistent_tier_under_rlsup(workdir: Path) -> None:
     """The whole node is lost (rlsup SIGKILLed, local checkpoints gone); a new rlsup resumes from the
     persistent tier and the run ends bit-identical to an uninterrupted one."""
-    ref = reference_weights(workdir, 1)
+    train = ["--steps", "30", "--checkpoint-every", "3", "--step-time", "0.15", "--ballast-mb", "4", "--keep-last", "2"]
+    ref_out = workdir / "reference.pt"
+    subprocess.run([*launcher(1), *train, "--step-time", "0", "--checkpoint-dir", str(workdir / "ref"),
+                    "--out", str(ref_out)], env=clean_env(), check=True, capture_output=True, timeout=300)
+    ref = torch.load(ref_out, weights_only=True)
     out, ckpt, persistent = workdir / "final.pt", workdir / "checkpoints", workdir / "shared-fs"
     args = ["run", "--backoff-initial", "0.05", "--persistent-dir", str(persistent),
-            "--replication-scan-interval", "0.2", "--", *launcher(1), *TRAIN_ARGS, "--out", str(out)]
+            "--replication-scan-interval", "0.2", "--", *launcher(1), *train, "--out", str(out)]
+
+    def persisted() -> int:
+        return max((s for s, d in list_step_dirs(persistent) if verify_step_dir(d).valid), default=0)
+
     proc = start_rlsup(args, workdir)
     try:
-        wait_for(lambda: (persistent / "step_000000012" / "manifest.rank_00000.json").exists(), 120,
-                 "step 12 copied to the persistent tier")
+        wait_for(lambda: persisted() >= 6, 120, "a step >= 6 copied to the persistent tier")
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
     finally:
         if proc.poll() is None:
             proc.kill()
-    import shutil
-
+    saved = persisted()
     shutil.rmtree(ckpt)
     proc = start_rlsup(args, workdir)
     output, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, output[-4000:]
     assert incidents(workdir / ".rlsup")[-1]["reason"] == "supervisor_lost"
     state = json.loads((workdir / ".rlsup" / "state.json").read_text())
-    assert state["resume_tier"] == "persistent" and state["resume_step"] >= 12, state
+    assert state["resume_tier"] == "persistent" and state["resume_step"] >= saved, (saved, state)
     final = torch.load(out, weights_only=True)
     for name in ref:
         assert torch.equal(final[name], ref[name]), f"{name} differs from the uninterrupted run"
