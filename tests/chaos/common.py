@@ -1,0 +1,173 @@
+"""Helpers shared by the chaos scenarios: sandboxes, launching rlsup and the example trainer, polling.
+
+Self-contained (no import of tests/conftest.py) so that ``python -m tests.chaos.soak`` works outside pytest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, TypeVar
+
+ROOT = Path(__file__).resolve().parents[2]
+TRAIN = str(ROOT / "examples" / "train_tiny.py")
+PY = sys.executable
+T = TypeVar("T")
+
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+class Deadline(AssertionError):
+    pass
+
+
+def wait_for(predicate: Callable[[], T], timeout: float, what: str, interval: float = 0.05) -> T:
+    """Poll ``predicate`` until truthy; raise Deadline naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise Deadline(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+def clean_env(sandbox: "Sandbox | None" = None, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RLSUP_")}
+    env["PYTHONUNBUFFERED"] = "1"
+    env["PYTHONDONTWRITEBYTECODE"] = "1"  # no __pycache__ written into the repository by the job
+    env["RLSUP_METRICS_PORT"] = "0"
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env["OMP_NUM_THREADS"] = "1"  # 2 cores shared with other engineers' tests
+    if sandbox is not None:
+        env["TMPDIR"] = str(sandbox.tmp)
+        env["HOME"] = str(sandbox.home)
+    env.update(extra)
+    return env
+
+
+def rlsup_cmd(*args: str) -> list[str]:
+    return [PY, "-m", "supervisor.cli", *args]
+
+
+def pid_alive(pid: int) -> bool:
+    """Alive and not a zombie."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+def incidents(state_dir: Path) -> list[dict]:
+    path = state_dir / "incidents.jsonl"
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
+
+
+@dataclass
+class Sandbox:
+    """``parent/`` (the sentinel parent: holds ``sentinel.txt`` and nothing we may write) and ``parent/run/``
+    (cwd of every process; all configured directories live under it)."""
+
+    parent: Path
+    run: Path = field(init=False)
+    sentinel: Path = field(init=False)
+    tmp: Path = field(init=False)
+    home: Path = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.parent.mkdir(parents=True, exist_ok=True)
+        self.run = self.parent / "run"
+        self.run.mkdir(exist_ok=True)
+        self.sentinel = self.parent / "sentinel.txt"
+        self.sentinel.write_text("sentinel: nothing may write, read through a checkpoint, or create files here\n")
+        self.tmp = self.run / "tmp"
+        self.home = self.run / "home"
+        self.tmp.mkdir(exist_ok=True)
+        self.home.mkdir(exist_ok=True)
+        from .invariants import snapshot_tree
+
+        self.parent_snapshot = snapshot_tree(self.parent, exclude=(self.run,))
+
+    @property
+    def ckpt(self) -> Path:
+        return self.run / "checkpoints"
+
+    @property
+    def state(self) -> Path:
+        return self.run / ".rlsup"
+
+
+def train_args(steps: int = 30, every: int = 3, keep_last: int = 2, ballast_mb: int = 6,
+               step_time: float = 0.03) -> list[str]:
+    return ["--steps", str(steps), "--checkpoint-every", str(every), "--step-time", str(step_time),
+            "--ballast-mb", str(ballast_mb), "--keep-last", str(keep_last)]
+
+
+def launcher(world: int) -> list[str]:
+    if world == 1:
+        return [PY, TRAIN]
+    return [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world), TRAIN]
+
+
+_REF_CACHE: dict[str, dict] = {}
+
+
+def reference_weights(cache_dir: Path, world: int, args: list[str]) -> dict:
+    """Final weights of an uninterrupted run (cached per process and on disk under ``cache_dir``)."""
+    import torch
+
+    relevant = list(args)
+    if "--keep-last" in relevant:  # retention never changes the weights: share the reference
+        i = relevant.index("--keep-last")
+        del relevant[i:i + 2]
+    key = hashlib.sha256(json.dumps([world, relevant]).encode()).hexdigest()[:16]
+    if key in _REF_CACHE:
+        return _REF_CACHE[key]
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    out = cache_dir / f"reference-{key}.pt"
+    if not out.exists():
+        work = cache_dir / f"ref-{key}"
+        work.mkdir(exist_ok=True)
+        r = subprocess.run([*launcher(world), *args, "--step-time", "0", "--checkpoint-dir", str(work / "ckpt"),
+                            "--out", str(out)], env=clean_env(TMPDIR=str(work)), cwd=work, capture_output=True,
+                           text=True, timeout=600)
+        if r.returncode != 0:
+            raise AssertionError(f"reference run failed: {r.stdout[-2000:]}{r.stderr[-2000:]}")
+    _REF_CACHE[key] = torch.load(out, weights_only=True)
+    return _REF_CACHE[key]
+
+
+def same_weights(path: Path, ref: dict) -> str:
+    """'' when the weights at ``path`` equal ``ref`` bit for bit, else what differs."""
+    import torch
+
+    if not path.exists():
+        return f"{path} missing"
+    final = torch.load(path, weights_only=True)
+    if final.keys() != ref.keys():
+        return f"keys differ: {sorted(final)} vs {sorted(ref)}"
+    bad = [k for k in ref if not torch.equal(final[k], ref[k])]
+    return f"tensors differ from the uninterrupted run: {bad}" if bad else ""

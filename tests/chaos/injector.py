@@ -1,0 +1,298 @@
+"""A seeded fault injector for a supervised single-node run.
+
+Fault kinds: ``rank_kill`` (SIGKILL one rank), ``rank_stop`` (SIGSTOP one rank: must be caught as a hang),
+``supervisor_kill`` (SIGKILL rlsup alone: its job must die with it, a new rlsup resumes from the state dir),
+``node_kill`` (SIGKILL rlsup and every rank at once), ``supervisor_stop`` (SIGSTOP rlsup for a while, then
+SIGCONT: must cost nothing). Moments: ``random`` (a random instant of training), ``mid_save`` (the victim's
+``.staging-rank_*`` dir exists), ``mid_manifest`` (the victim's files are in place but its manifest is not:
+temp manifest or no manifest yet), ``mid_load`` (the victim is inside ``restore``). A moment that is not
+reached within its deadline falls back to ``random`` and is recorded as missed (``hit=False``).
+
+Every random choice comes from ``random.Random(seed)`` so a failing soak iteration is replayed with its seed
+(timing still varies: which instant a poll catches is up to the scheduler).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from trainer_hooks.heartbeat import read_record
+from trainer_hooks.manifest import list_step_dirs, manifest_name
+
+from .common import Deadline, clean_env, pid_alive, rlsup_cmd, wait_for
+from .invariants import ProcessTracker, valid_steps
+
+KINDS = ("rank_kill", "rank_stop", "supervisor_kill", "node_kill", "supervisor_stop")
+MOMENTS = ("random", "mid_save", "mid_manifest", "mid_load")
+
+
+@dataclass
+class Fault:
+    kind: str
+    moment: str
+    injected: bool = False
+    hit: bool = False  # the requested moment was caught (else it fell back to a random instant)
+    attempt: int | None = None
+    step: int | None = None  # the victim's last heartbeat step when the fault hit
+    victim: int | None = None
+    valid_before: set[int] = field(default_factory=set)
+    note: str = ""
+
+    @property
+    def steps_lost(self) -> int:
+        if self.step is None or not self.injected or self.kind == "supervisor_stop":
+            return 0
+        return max(0, self.step - max(self.valid_before, default=0))
+
+
+class SupervisedRun:
+    """`rlsup run` of the example trainer in a sandbox; restartable after its supervisor was killed."""
+
+    def __init__(self, sandbox, job: list[str], rlsup_args: list[str], env: dict[str, str] | None = None) -> None:
+        self.sandbox = sandbox
+        self.job = job
+        self.rlsup_args = rlsup_args
+        self.env = clean_env(sandbox, **(env or {}))
+        self.tracker = ProcessTracker(sandbox.state).start()
+        self.proc: subprocess.Popen | None = None
+        self.generation = 0
+        self.survivor_problems: list[str] = []
+
+    def start(self) -> subprocess.Popen:
+        log = open(self.sandbox.run / f"rlsup.{self.generation}.log", "ab")
+        self.proc = subprocess.Popen(rlsup_cmd("run", *self.rlsup_args, "--", *self.job), cwd=self.sandbox.run,
+                                     env=self.env, stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        self.generation += 1
+        self.tracker.add_root(self.proc.pid)
+        return self.proc
+
+    def state(self) -> dict:
+        try:
+            return json.loads((self.sandbox.state / "state.json").read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def ranks(self, attempt: int) -> dict[int, "object"]:
+        hb = self.sandbox.state / "attempts" / f"attempt_{attempt:04d}" / "heartbeats"
+        out = {}
+        for path in hb.glob("rank_*.hb"):
+            rec = read_record(path)
+            if rec is not None and rec.pid:
+                out[rec.rank] = rec
+        return out
+
+    def wait_exit(self, timeout: float) -> int:
+        assert self.proc is not None
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill_all()
+            raise Deadline(f"rlsup did not finish within {timeout}s:\n{self.log_tail()}")
+
+    def kill_all(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+        for pid in self.tracker.alive():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+
+    def log_tail(self, n: int = 6000) -> str:
+        text = ""
+        for i in range(self.generation):
+            p = self.sandbox.run / f"rlsup.{i}.log"
+            if p.exists():
+                text += f"--- rlsup generation {i} ---\n" + p.read_text(errors="replace")[-n:]
+        return text
+
+
+class FaultInjector:
+    def __init__(self, run: SupervisedRun, world: int, steps: int, seed: int, moment_timeout: float = 30.0,
+                 stop_hold: float = 2.0) -> None:
+        self.run = run
+        self.world = world
+        self.steps = steps
+        self.rng = random.Random(seed)
+        self.moment_timeout = moment_timeout
+        self.stop_hold = stop_hold
+        self.faults: list[Fault] = []
+        self._faulted_attempts: set[int] = set()
+
+    # ------------------------------------------------------------ waiting for an attempt and a moment
+
+    def _live_attempt(self) -> tuple[int, dict] | None:
+        st = self.run.state()
+        if st.get("state") != "running" or st.get("pid") != self.run.proc.pid:
+            return None
+        attempt = int(st.get("attempt", -1))
+        if attempt in self._faulted_attempts:
+            return None
+        ranks = self.run.ranks(attempt)
+        if len(ranks) < self.world or not all(pid_alive(r.pid) for r in ranks.values()):
+            return None
+        return attempt, ranks
+
+    def _staging_of(self, pid: int) -> bool:
+        for _, d in list_step_dirs(self.run.sandbox.ckpt):
+            try:
+                for e in os.scandir(d):
+                    if e.name.startswith(".staging-rank_") and e.name.endswith(f"-{pid}"):
+                        return True
+            except OSError:
+                continue
+        return False
+
+    def _mid_manifest(self, rank: int, pid: int) -> bool:
+        """Temp manifest of this pid, or this rank's data file in place but no manifest yet."""
+        mname = manifest_name(rank)
+        for step, d in list_step_dirs(self.run.sandbox.ckpt)[-2:]:
+            try:
+                names = os.listdir(d)
+            except OSError:
+                continue
+            if any(n.startswith(f".{mname}.tmp-{pid}-") for n in names):
+                return True
+            data = f"rank_{rank:05d}.pt"
+            if data in names and mname not in names and not any(n.endswith(f"-{pid}") for n in names
+                                                                 if n.startswith(".staging-")):
+                return True
+        return False
+
+    def _strobe_manifest(self, rank: int, pid: int, slice_s: float = 0.0003) -> bool:
+        """The manifest window (data in place, manifest not yet) lasts a few ms: too short to catch by
+        polling on a loaded machine. So, once the victim is inside a save, let it run in short slices
+        (SIGCONT, sleep, SIGSTOP) and look while it is frozen. True: caught, the victim is left STOPPED
+        (the caller injects, then continues it); False: the save ended without being caught."""
+        deadline = time.monotonic() + 20
+        try:
+            while time.monotonic() < deadline and pid_alive(pid):
+                os.kill(pid, signal.SIGSTOP)
+                wait_for(lambda: _proc_state(pid) in ("T", "t", "Z", "X", None), 5, "the victim to stop",
+                         interval=0.0002)
+                if self._mid_manifest(rank, pid):
+                    return True
+                if not self._staging_of(pid):
+                    # Staging gone and no manifest window seen: the save is over, not caught.
+                    break
+                os.kill(pid, signal.SIGCONT)
+                time.sleep(slice_s)
+        except (ProcessLookupError, Deadline):
+            pass
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+        return False
+
+    def _wait_moment(self, fault: Fault, attempt: int, rank: int, pid: int) -> bool:
+        hb = self.run.sandbox.state / "attempts" / f"attempt_{attempt:04d}" / "heartbeats" / f"rank_{rank:05d}.hb"
+        deadline = time.monotonic() + self.moment_timeout
+        if fault.moment == "random":
+            time.sleep(self.rng.uniform(0.05, 0.8))
+            return True
+        polls = 0
+        while time.monotonic() < deadline and pid_alive(pid):
+            polls += 1
+            if polls % 200 == 0:
+                rec = read_record(hb)
+                if rec is not None and rec.step >= self.steps - 4:
+                    return False  # training nearly over: fall back to a random instant while there is one
+            if fault.moment == "mid_save" and self._staging_of(pid):
+                return True
+            if fault.moment == "mid_manifest" and self._staging_of(pid) and self._strobe_manifest(rank, pid):
+                return True
+            if fault.moment == "mid_load":
+                rec = read_record(hb)
+                if rec is not None and rec.section == "load":
+                    return True
+                if rec is not None and rec.beat_ns > 0:
+                    return False  # the load is over for this attempt
+            time.sleep(0.0005)
+        return False
+
+    # ------------------------------------------------------------ injecting
+
+    def inject(self, kind: str, moment: str) -> Fault:
+        fault = Fault(kind, moment)
+        self.faults.append(fault)
+        run = self.run
+        found = wait_for(lambda: run.proc.poll() is not None or self._live_attempt(), 180,
+                         f"a fresh live attempt for fault {kind}@{moment}", interval=0.0005 if moment == "mid_load" else 0.02)
+        if found is True:
+            fault.note = "rlsup already finished"
+            return fault
+        attempt, ranks = found
+        fault.attempt = attempt
+        rank = self.rng.randrange(self.world)
+        pid = ranks[rank].pid
+        fault.victim = pid
+        fault.valid_before = valid_steps(run.sandbox.ckpt) if moment != "mid_load" else set()
+        fault.hit = self._wait_moment(fault, attempt, rank, pid)
+        if moment == "mid_load":
+            fault.valid_before = valid_steps(run.sandbox.ckpt)
+        rec = run.ranks(attempt).get(rank)
+        fault.step = rec.step if rec is not None else None
+        if not pid_alive(pid) or run.proc.poll() is not None or (fault.step or 0) >= self.steps - 1:
+            fault.note = "job already past the fault window"
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+            return fault
+        if kind == "rank_kill":
+            os.kill(pid, signal.SIGKILL)
+        elif kind == "rank_stop":
+            os.kill(pid, signal.SIGSTOP)
+        elif kind == "supervisor_kill":
+            run.proc.send_signal(signal.SIGKILL)
+        elif kind == "node_kill":
+            run.proc.send_signal(signal.SIGKILL)
+            for r in ranks.values():
+                try:
+                    os.kill(r.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        elif kind == "supervisor_stop":
+            run.proc.send_signal(signal.SIGSTOP)
+            time.sleep(self.stop_hold)
+            run.proc.send_signal(signal.SIGCONT)
+        else:
+            raise ValueError(kind)
+        fault.injected = True
+        if kind != "rank_stop":
+            try:
+                os.kill(pid, signal.SIGCONT)  # the strobe may have left it frozen; a SIGKILL wins anyway
+            except ProcessLookupError:
+                pass
+        if kind != "supervisor_stop":
+            self._faulted_attempts.add(attempt)  # the next fault waits for the next attempt
+        if kind in ("supervisor_kill", "node_kill"):
+            run.proc.wait(timeout=30)
+            # The job must die with its supervisor (PR_SET_PDEATHSIG) before anything else happens.
+            from .invariants import check_no_survivors
+
+            run.tracker.sample()
+            run.survivor_problems += check_no_survivors(run.tracker, timeout=20)
+            run.start()
+        return fault
+
+    def random_plan(self, n: int, kinds=KINDS, moments=MOMENTS) -> list[tuple[str, str]]:
+        return [(self.rng.choice(kinds), self.rng.choice(moments)) for _ in range(n)]
+
+
+def _proc_state(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0]
+    except OSError:
+        return None
