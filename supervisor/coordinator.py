@@ -65,6 +65,14 @@ class RoundCoordinator:
 
     def join(self) -> int:
         """The round this node takes part in next (see the module docstring)."""
+        try:
+            return self._join()
+        except CoordinationError:
+            raise
+        except Exception as e:  # torch raises DistNetworkError and friends when node 0's store is gone
+            raise CoordinationError(f"the coordination store is unreachable: {e}") from e
+
+    def _join(self) -> int:
         if self.store.check(["abort"]):
             raise CoordinationError(f"the job was aborted: {self._get('abort')}")
         if not self.store.check(["round"]):

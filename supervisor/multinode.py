@@ -31,6 +31,7 @@ class MultiNodeSupervisor(Supervisor):
                   f"{host}:{cfg.coordinator_port}{' (hosted here)' if membership.node_rank == 0 else ''}")
         self.coordinator = RoundCoordinator(host, cfg.coordinator_port, membership.node_rank, membership.size,
                                             cfg.rendezvous_timeout)
+        self._store_lost = False
 
     def first_attempt(self) -> int:
         return self.coordinator.join()
@@ -72,11 +73,20 @@ class MultiNodeSupervisor(Supervisor):
         return env
 
     def peer_ended(self, attempt: int) -> str | None:
-        return self.coordinator.ended(attempt)
+        try:
+            return self.coordinator.ended(attempt)
+        except Exception:  # node 0's store is gone (it finished, or it was lost): this job's own end decides
+            if not self._store_lost:
+                self._store_lost = True
+                self._log("the coordination store on node 0 is unreachable; watching this node's job only")
+            return None
 
     def attempt_failed(self, attempt: int, result: AttemptResult) -> None:
         if result.reason != "peer_failure":
-            self.coordinator.end(attempt, f"node {self.membership.node_rank}: {result.reason} {result.detail}".strip())
+            try:
+                self.coordinator.end(attempt, f"node {self.membership.node_rank}: {result.reason} {result.detail}".strip())
+            except Exception as e:  # the next join reports the unreachable store with its address
+                self._log(f"could not tell the other nodes that attempt {attempt} failed: {e}")
 
     def give_up(self, reason: str) -> None:
         try:

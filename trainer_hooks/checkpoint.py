@@ -196,6 +196,8 @@ class CheckpointManager:
             log.info("step %d: rank %d's part is already valid; not rewritten", step, self.rank)
         else:
             self._write_part(step, step_dir, make_payload, live, extra)
+        if self.backend.collective:
+            _barrier()  # every manifest is written: the step is complete on return, so retention can run
         if self.rank == 0 and self.keep_last is not None:
             self._retain(step_dir)
         return step_dir
