@@ -88,6 +88,19 @@ def print_row(row: Row) -> None:
           flush=True)
 
 
+def markdown_table(rows: list[Row]) -> str:
+    """The rows as BENCHMARKS.md shows them (pipes in names and notes escaped)."""
+    def cell(text: str) -> str:
+        return text.replace("|", "\\|")
+
+    out = ["| figure | rlsup median | baseline median | ratio | unit | note |",
+           "| --- | ---: | ---: | ---: | --- | --- |"]
+    for r in rows:
+        ratio = "n/a" if r.ratio is None else f"{r.ratio:.2f}"
+        out.append(f"| {cell(r.name)} | {fmt(r.rlsup)} | {fmt(r.base)} | {ratio} | {r.unit} | {cell(r.note)} |")
+    return "\n".join(out) + "\n"
+
+
 def log(msg: str) -> None:
     print(f"# {msg}", file=sys.stderr, flush=True)
 
@@ -823,6 +836,7 @@ def main() -> int:
     ap.add_argument("--layouts", default="", help=f"selection layouts, comma-separated: {','.join(LAYOUT_KEYS)}")
     ap.add_argument("--dir", default=None, help="scratch directory (default: a temp dir; needs ~5 GB full)")
     ap.add_argument("--json", default=None, help="also write the rows as JSON here")
+    ap.add_argument("--markdown", default=None, help="also write the rows as a Markdown table here (BENCHMARKS.md)")
     args = ap.parse_args()
     only = [x.strip() for x in args.only.split(",") if x.strip()] or list(FIGURES)
     unknown = [x for x in only if x not in BENCHES]
@@ -855,6 +869,8 @@ def main() -> int:
     log(f"total {time.monotonic() - started:.0f} s")
     if args.json:
         Path(args.json).write_text(json.dumps([{**r.__dict__, "ratio": r.ratio} for r in all_rows], indent=1))
+    if args.markdown:
+        Path(args.markdown).write_text(markdown_table(all_rows))
     return 0
 
 
