@@ -323,3 +323,61 @@ def test_sigkill_at_random_moments_never_loses_a_valid_checkpoint(tmp_path):
                 assert state["step"] == r.step and bool((state["w"] == r.step).all())
     assert last_saved > 0
     print(f"invalid (killed-mid-save) step dirs observed: {invalid_seen}")
+
+
+# ------------------------------------------------------------ a full disk says so (issue #9)
+
+def _mount_tmpfs(path: Path, size_kb: int) -> str:
+    """Mount a small tmpfs at ``path``: '' on success, else why not (the test then skips)."""
+    import shutil as _shutil
+
+    if os.geteuid() != 0 or _shutil.which("mount") is None:
+        return "needs root and mount(8) for a small tmpfs"
+    path.mkdir(parents=True, exist_ok=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_kb}k", "tmpfs", str(path)],
+                       capture_output=True, text=True)
+    return "" if r.returncode == 0 else f"mount -t tmpfs failed: {r.stderr.strip() or r.returncode}"
+
+
+@pytest.mark.timeout(180)
+def test_full_disk_save_error_says_no_space(tmp_path):
+    import errno
+    import re
+
+    from trainer_hooks.async_writer import AsyncSaveError
+
+    ckpt_dir = tmp_path / "ckpt"
+    why = _mount_tmpfs(ckpt_dir, 2048)  # 2 MiB
+    if why:
+        pytest.skip(why)
+    try:
+        ckpt = CheckpointManager(ckpt_dir)
+        ckpt.save(1, {"w": torch.zeros(1000), "step": 1})  # ~4 KB: fits
+        assert verify_step_dir(ckpt_dir / step_dir_name(1)).valid
+        big = {"w": torch.zeros(1_000_000), "step": 2}  # 4 MB: cannot fit
+        with pytest.raises(RuntimeError) as ei:  # still a RuntimeError, as torch's own error was
+            ckpt.save(2, big)
+        err = ei.value
+        step2 = ckpt_dir / step_dir_name(2)
+        m = re.fullmatch(rf"checkpoint save to {re.escape(str(step2))} failed: no space left on device "
+                         r"\((\d+) bytes free, step 2 needs about (\d+)\).*", str(err))
+        assert m, str(err)
+        free, needed = int(m.group(1)), int(m.group(2))
+        assert needed >= 4_000_000 and free < needed
+        assert isinstance(err, OSError) and err.errno == errno.ENOSPC and err.__cause__ is not None
+        # Today's behaviour kept: no staging left, the older valid checkpoint untouched.
+        assert not any(p.name.startswith(".staging") for p in step2.iterdir())
+        assert not verify_step_dir(step2).valid and latest_valid(ckpt_dir).step == 1
+        state = {"w": None, "step": None}
+        assert CheckpointManager(ckpt_dir).restore(state) == 1 and state["step"] == 1
+        # The asynchronous writer process reports the same clear message.
+        actx = CheckpointManager(ckpt_dir, async_save=True)
+        try:
+            actx.save(3, {"w": torch.zeros(1_000_000), "step": 3})
+            with pytest.raises(AsyncSaveError, match="no space left on device"):
+                actx.wait(timeout=120)
+        finally:
+            actx.close()
+        assert latest_valid(ckpt_dir).step == 1
+    finally:
+        subprocess.run(["umount", "-l", str(ckpt_dir)], capture_output=True)

@@ -176,3 +176,96 @@ def test_is_held(tmp_path: Path):
     assert is_held(d)
     assert verify_step_dir(d).valid  # a hold marker is not a data file
     assert not is_held(tmp_path / "missing")
+
+
+# ------------------------------------------------------------ symlinks and non-regular files (issue #9)
+
+def _retarget(d: Path, name: str, target: Path) -> None:
+    """Replace ``d/name`` by a symlink to ``target`` and rewrite the listing manifests to match the
+    target's bytes, so a verifier that follows the link would find size and checksum correct."""
+    (d / name).unlink()
+    os.symlink(target, d / name)
+    for mpath in sorted(d.glob("manifest.rank_*.json")):
+        m = RankManifest.from_json(mpath.read_bytes())
+        if name in m.files:
+            m.files[name] = hash_file(target)
+            write_manifest(d, m)
+
+
+@pytest.mark.parametrize("full", [True, False])
+def test_symlinked_data_file_is_invalid(tmp_path: Path, full: bool):
+    from trainer_hooks.manifest import check_files, read_manifest
+
+    root = tmp_path / "ckpt"
+    older = make_step(root, 100)
+    # A shard of another (valid) step, with the correct size and checksum behind the link.
+    d = make_step(root, 200)
+    _retarget(d, "rank_00000.pt", older / "rank_00000.pt")
+    r = verify_step_dir(d, full=full)
+    assert not r.valid and r.reason == "rank_00000.pt: a symbolic link (not followed)", r.reason
+    # Garbage outside the checkpoint dir (think /etc/passwd), listed with its true checksum.
+    outside = tmp_path / "passwd"
+    outside.write_bytes(b"root:x:0:0:root:/root:/bin/bash\n" * 40)
+    d = make_step(root, 300)
+    _retarget(d, "rank_00001.pt", outside)
+    assert not verify_step_dir(d, full=full).valid
+    # A directory on the way that is a symlink (dcp/ pointing at another step's dcp/).
+    real_dcp = tmp_path / "elsewhere" / "dcp"
+    real_dcp.mkdir(parents=True)
+    (real_dcp / "__0_0.distcp").write_bytes(b"tensor bytes")
+    d = root / step_dir_name(400)
+    d.mkdir()
+    os.symlink(real_dcp, d / "dcp")
+    files = {"dcp/__0_0.distcp": hash_file(real_dcp / "__0_0.distcp")}
+    write_manifest(d, RankManifest(SCHEMA_VERSION, 400, 1, 0, "dcp", files, 1.0, "t", {}))
+    r = verify_step_dir(d, full=full)
+    assert not r.valid and "symbolic link" in r.reason, r.reason
+    reason, _ = check_files(d, files, full=full)
+    assert "symbolic link" in reason
+    # The newest step that is really complete wins; nothing above verifies through a link.
+    best = latest_valid(root, full=full)
+    assert best is not None and best.step == 100
+    # Reading one part's manifest refuses a symlinked manifest too.
+    d5 = make_step(root, 500)
+    (d5 / manifest_name(1)).unlink()
+    os.symlink(d5 / manifest_name(0), d5 / manifest_name(1))
+    with pytest.raises(OSError, match="symbolic link"):
+        read_manifest(d5 / manifest_name(1))
+    r = verify_step_dir(d5, full=full)
+    assert not r.valid and "manifest.rank_00001.json" in r.reason and "symbolic link" in r.reason
+
+
+def test_symlinked_manifest_from_another_step_is_invalid(tmp_path: Path):
+    # Step 6's manifests are links to step 5's (same files, same checksums): following them would make
+    # step 6 look like a copy of step 5.
+    d5 = make_step(tmp_path, 5)
+    d6 = tmp_path / step_dir_name(6)
+    d6.mkdir()
+    for rank in range(2):
+        os.link(d5 / f"rank_{rank:05d}.pt", d6 / f"rank_{rank:05d}.pt")  # hard links are regular files
+        m = RankManifest.from_json((d5 / manifest_name(rank)).read_bytes())
+        m.step = 6
+        (tmp_path / f"m6.{rank}.json").write_text(m.to_json())
+        os.symlink(tmp_path / f"m6.{rank}.json", d6 / manifest_name(rank))
+    r = verify_step_dir(d6)
+    assert not r.valid and r.reason.startswith("unreadable manifest manifest.rank_00000.json"), r.reason
+
+
+@pytest.mark.timeout(60)
+def test_fifo_or_directory_instead_of_a_file_is_invalid_without_blocking(tmp_path: Path):
+    d = make_step(tmp_path, 7)
+    (d / "rank_00000.pt").unlink()
+    os.mkfifo(d / "rank_00000.pt")  # opening it for reading would block forever without O_NONBLOCK
+    for full in (True, False):
+        r = verify_step_dir(d, full=full)
+        assert not r.valid and r.reason == "rank_00000.pt: not a regular file", r.reason
+    d = make_step(tmp_path, 8)
+    (d / manifest_name(1)).unlink()
+    os.mkfifo(d / manifest_name(1))
+    r = verify_step_dir(d)
+    assert not r.valid and "not a regular file" in r.reason, r.reason
+    d = make_step(tmp_path, 9)
+    (d / "rank_00001.pt").unlink()
+    (d / "rank_00001.pt").mkdir()
+    r = verify_step_dir(d)
+    assert not r.valid and r.reason == "rank_00001.pt: not a regular file", r.reason

@@ -420,3 +420,154 @@ def test_tls(tmp_path: Path) -> None:
         plain.close()
     finally:
         n.server.stop()
+
+
+# ------------------------------------------------------------ overall deadlines (issue #9)
+
+class TricklePeer:
+    """A real aiohttp server on 127.0.0.1 whose every answer (a file, or an index) arrives one byte
+    every ``interval`` seconds: it never stalls long enough for a per-read timeout to fire."""
+
+    def __init__(self, content: bytes, interval: float = 0.2) -> None:
+        import asyncio
+
+        from aiohttp import web
+
+        self.content = content
+        self.interval = interval
+        self.requests: list[str] = []
+        self.loop = asyncio.new_event_loop()
+        ready = threading.Event()
+
+        async def trickle(request: web.Request, body: bytes, ctype: str) -> web.StreamResponse:
+            self.requests.append(request.path)
+            resp = web.StreamResponse(status=200, headers={
+                "Content-Type": ctype, "X-Rlsup-Xxh3": xxhash.xxh3_128_hexdigest(body)})
+            resp.content_length = len(body)
+            await resp.prepare(request)
+            for i in range(len(body)):
+                await asyncio.sleep(self.interval)
+                await resp.write(body[i:i + 1])
+            return resp
+
+        async def files(request: web.Request) -> web.StreamResponse:
+            return await trickle(request, self.content, "application/octet-stream")
+
+        async def index(request: web.Request) -> web.StreamResponse:
+            body = b'{"files": {}}' + b" " * 200  # valid JSON, slowly
+            return await trickle(request, body, "application/json")
+
+        async def setup() -> None:
+            app = web.Application()
+            app.router.add_get("/v1/files/{tail:.*}", files)
+            app.router.add_get("/v1/index/{ns}", index)
+            self.runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=0.5)
+            await self.runner.setup()
+            site = web.TCPSite(self.runner, "127.0.0.1", 0)
+            await site.start()
+            self.port = self.runner.addresses[0][1]
+
+        def run() -> None:
+            asyncio.set_event_loop(self.loop)
+            self.loop.run_until_complete(setup())
+            ready.set()
+            self.loop.run_forever()
+
+        self.thread = threading.Thread(target=run, daemon=True, name="trickle-peer")
+        self.thread.start()
+        assert ready.wait(10)
+        self.endpoint = f"127.0.0.1:{self.port}"
+
+    def close(self) -> None:
+        import asyncio
+
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+def _bounded(fn, seconds: float):
+    """Run ``fn`` in a thread; the test fails (instead of hanging) if it has not returned in ``seconds``."""
+    out: dict = {}
+
+    def work() -> None:
+        try:
+            out["value"] = fn()
+        except BaseException as e:  # noqa: BLE001
+            out["error"] = e
+
+    t = threading.Thread(target=work, daemon=True)
+    t.start()
+    t.join(seconds)
+    assert not t.is_alive(), f"still running after {seconds}s: no overall deadline"
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_trickling_peer_hits_overall_deadline(tmp_path: Path) -> None:
+    content = os.urandom(2000)
+    entry = FileEntry(len(content), xxhash.xxh3_128_hexdigest(content))
+    peer = TricklePeer(content, interval=0.2)  # 5 B/s: the whole file would take 400 s
+    try:
+        # timeout=2 bounds stalls only (a byte comes every 0.2 s); the deadline is 1 s + 2000 B / 1000 B/s.
+        c = PeerClient(peer.endpoint, SECRET, timeout=2, retries=2, backoff=0.05, min_throughput=1000,
+                       deadline_base=1.0)
+        dest = tmp_path / "step_000000003" / "rank_00002.pt"
+        out = _bounded(lambda: c.fetch_file("node2", "step_000000003/rank_00002.pt", dest, entry), 30)
+        err = out.get("error")
+        assert isinstance(err, TransportError), out
+        assert err.peer == peer.endpoint and "step_000000003/rank_00002.pt" in str(err)
+        assert "overall deadline" in str(err) and peer.endpoint in str(err)
+        assert peer.requests == ["/v1/files/node2/step_000000003/rank_00002.pt"]  # not retried
+        assert not dest.exists() and os.listdir(dest.parent) == []  # the partial temp file is gone
+
+        # Without an entry the deadline follows the declared Content-Length: the same answer.
+        out = _bounded(lambda: c.fetch_file("node2", "step_000000003/rank_00002.pt", dest), 30)
+        assert isinstance(out.get("error"), TransportError) and "overall deadline" in str(out["error"])
+        assert os.listdir(dest.parent) == []
+
+        # An index (a small JSON request) has its own overall deadline.
+        out = _bounded(lambda: c.index("node2"), 30)
+        err = out.get("error")
+        assert isinstance(err, TransportError) and "overall deadline" in str(err), out
+        assert "/v1/index/node2" in str(err) and err.peer == peer.endpoint
+        c.close()
+    finally:
+        peer.close()
+
+
+@pytest.mark.timeout(120)
+def test_deadline_does_not_count_our_own_bandwidth_cap(tmp_path: Path) -> None:
+    # 300 KB through a 100 KB/s limiter takes ~2.7 s, far beyond 1 s + 300 KB at 1 MB/s; the time spent
+    # waiting for our own limiter is not the peer's slowness, so both directions must succeed. (A server
+    # with default timeouts: the limiter holds the one 300 KB chunk longer than the fixture's 2 s.)
+    node = Node(tmp_path / "store")
+    try:
+        src = tmp_path / "src.bin"
+        entry = make_file(src, 300_000, seed=5)
+        limiter = BandwidthLimiter(100_000, burst=32 * 1024)
+        c = node.client(limiter=limiter, min_throughput=1_000_000, deadline_base=1.0)
+        t0 = time.monotonic()
+        c.push_file("node0", "step_000000001/rank_00000.pt", src, entry)
+        assert c.fetch_file("node0", "step_000000001/rank_00000.pt", tmp_path / "back.bin", entry) == entry
+        assert time.monotonic() - t0 > 2.0  # the limiter did hold both transfers beyond the bare deadline
+        assert hash_file(tmp_path / "back.bin") == entry
+        c.close()
+    finally:
+        node.server.stop()
+
+
+def test_push_refuses_symlinked_source(node: Node, tmp_path: Path) -> None:
+    real = tmp_path / "real.bin"
+    entry = make_file(real, 1000)
+    link = tmp_path / "rank_00000.pt"
+    os.symlink(real, link)
+    c = node.client()
+    with pytest.raises(TransportError, match="symbolic link"):
+        c.push_file("node0", "step_000000001/rank_00000.pt", link, entry)
+    from supervisor.transport.store import InvalidPath
+
+    with pytest.raises(InvalidPath, match="symbolic link"):  # nor copied into a store locally
+        node.store.put_file("node0", "step_000000001/rank_00000.pt", link, entry)
+    assert node.store.index("node0") == {} and node.incoming_empty()
+    c.close()

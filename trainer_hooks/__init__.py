@@ -3,6 +3,10 @@
 Stays light on purpose: it never imports ``supervisor``, an HTTP stack or prometheus, and the
 checkpoint classes (which need torch) load on first use, so the supervisor can read manifests
 without paying for torch.
+
+Under rlsup (``RLSUP_HEARTBEAT_DIR`` set) importing it arms die-with-parent (``PR_SET_PDEATHSIG``,
+see :mod:`trainer_hooks.heartbeat`), so a rank that never reaches its first heartbeat still dies with
+its launcher.
 """
 
 from typing import Any

@@ -34,10 +34,13 @@ Usage::
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import logging
 import os
 import shutil
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -106,6 +109,126 @@ def _pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+class CheckpointSpaceError(OSError, RuntimeError):
+    """A save failed because the checkpoint filesystem is full (or over quota). torch reports a full
+    disk as ``iostream error`` / ``unexpected pos``; this says what happened, with the free space and
+    about how much the step needed. An OSError with errno ENOSPC, and a RuntimeError like torch's own
+    error (raised ``from`` it), so existing handlers of either still catch it."""
+
+    def __init__(self, message: str, free: int | None = None, needed: int | None = None) -> None:
+        super().__init__(errno.ENOSPC, message)
+        self.free = free
+        self.needed = needed
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+    def __reduce__(self) -> Any:
+        return (type(self), (self.strerror, self.free, self.needed))
+
+
+_SPACE_ERRNOS = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
+# How torch's C++ writer words a failed write (it drops the errno): only these, or an EIO / errno-less
+# OSError, may be blamed on the disk when free space turns out to be short.
+_WRITE_FAILURE_TEXT = ("iostream error", "unexpected pos", "write failed", "PytorchStreamWriter",
+                       "No space left", "Disk quota exceeded")
+
+
+def _exception_chain(exc: BaseException) -> list[BaseException]:
+    out: list[BaseException] = []
+    cur: BaseException | None = exc
+    while cur is not None and cur not in out and len(out) < 32:
+        out.append(cur)
+        cur = cur.__cause__ or cur.__context__
+    return out
+
+
+def _payload_bytes(payload: Any) -> int | None:
+    """About how many bytes ``payload`` takes on disk: tensor storages (each counted once), arrays, bytes."""
+    seen: dict[int, int] = {}
+    other = 0
+
+    def walk(value: Any, depth: int) -> None:
+        nonlocal other
+        if depth > 64:
+            return
+        if isinstance(value, torch.Tensor):
+            try:
+                storage = value.untyped_storage()
+                seen[storage.data_ptr() or id(storage)] = storage.nbytes()
+            except Exception:  # noqa: BLE001 - sparse/meta tensors: their logical size will do
+                other += value.numel() * value.element_size()
+        elif isinstance(value, dict):
+            for v in value.values():
+                walk(v, depth + 1)
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                walk(v, depth + 1)
+        elif isinstance(value, (bytes, bytearray, memoryview)):
+            other += len(value)
+        elif hasattr(value, "nbytes") and isinstance(getattr(value, "nbytes"), int):
+            other += value.nbytes  # numpy arrays
+
+    try:
+        walk(payload, 0)
+    except Exception:  # noqa: BLE001 - an estimate for an error message
+        return None
+    return sum(seen.values()) + other
+
+
+def _free_bytes(path: Path) -> int | None:
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    blocks = st.f_bfree if os.geteuid() == 0 else st.f_bavail  # root may use the reserved blocks
+    return blocks * st.f_frsize
+
+
+def disk_full_error(exc: BaseException, step_dir: Path, step: int, payload: Any) -> CheckpointSpaceError | None:
+    """A clear :class:`CheckpointSpaceError` when the failed save ``exc`` was a full disk (ENOSPC or
+    EDQUOT anywhere in its chain, or a failed write while the filesystem has less free space than the
+    step needs), else None. Called after the staging directory is removed, so the free space is what
+    the filesystem really has."""
+    chain = _exception_chain(exc)
+    codes = {getattr(e, "errno", None) for e in chain}
+    texts = [str(e) for e in chain]
+    by_errno = bool(codes & _SPACE_ERRNOS) or any("No space left on device" in t for t in texts)
+    quota = (hasattr(errno, "EDQUOT") and errno.EDQUOT in codes) or any("Disk quota exceeded" in t for t in texts)
+    looks_like_write = any((isinstance(e, OSError) and e.errno in (errno.EIO, None))
+                           or any(m in t for m in _WRITE_FAILURE_TEXT) for e, t in zip(chain, texts))
+    if not (by_errno or quota or looks_like_write):
+        return None
+    # torch's failed writer (and its open, already unlinked staging file) lives on in the finished
+    # frames of the traceback until they are cleared: free them, or the space is not given back yet.
+    for e in chain:
+        traceback.clear_frames(e.__traceback__)
+    free = _free_bytes(step_dir if step_dir.exists() else step_dir.parent)
+    needed = _payload_bytes(payload)
+    by_space = looks_like_write and free is not None and needed is not None and free < needed + (64 << 10)
+    if not (by_errno or quota or by_space):
+        return None
+    what = "no space left on device" + (" (disk quota exceeded)" if quota else "")
+    detail = f"{free} bytes free" if free is not None else "free space unknown"
+    if needed is not None:
+        detail += f", step {step} needs about {needed}"
+    return CheckpointSpaceError(f"checkpoint save to {step_dir} failed: {what} ({detail}); the step was not "
+                                "written, older checkpoints are untouched", free, needed)
+
+
+@contextlib.contextmanager
+def _explain_full_disk(step_dir: Path, step: int, payload: Any) -> Any:
+    """Re-raise a failed save that was a full disk as a :class:`CheckpointSpaceError` (and log it)."""
+    try:
+        yield
+    except Exception as e:
+        err = disk_full_error(e, step_dir, step, payload)
+        if err is None:
+            raise
+        log.error("%s (original error: %s: %s)", err, type(e).__name__, e)
+        raise err from e
 
 
 def _all_ranks_agree(flag: bool) -> bool:
@@ -230,17 +353,19 @@ class CheckpointManager:
             shutil.rmtree(staging)
         staging.mkdir()
         ctx = SaveContext(step, step_dir, staging, self.rank, self.world_size, _dist() is not None, dict(live))
-        try:
-            self.backend.save(ctx, payload)
-            files = self._publish(staging, step_dir)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
+        with _explain_full_disk(step_dir, step, payload):  # checked after the staging dir is gone
+            try:
+                self.backend.save(ctx, payload)
+                files = self._publish(staging, step_dir)
+            finally:
+                shutil.rmtree(staging, ignore_errors=True)
         if self.backend.collective:
             _barrier()  # every rank's files are in place before any manifest claims completeness
         manifest = RankManifest(schema=SCHEMA_VERSION, step=step, world_size=self.world_size, rank=self.rank,
                                 backend=self.backend.name, files=files, created=time.time(),
                                 extra=extra if extra is not None else _manifest_extra())
-        write_manifest(step_dir, manifest)
+        with _explain_full_disk(step_dir, step, payload):
+            write_manifest(step_dir, manifest)
 
     @staticmethod
     def _publish(staging: Path, step_dir: Path) -> dict[str, FileEntry]:

@@ -27,6 +27,7 @@ import mmap
 import os
 import signal
 import struct
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -123,18 +124,49 @@ class _Writer:
         return _I64.unpack_from(self.map, 56)[0] != 0
 
 
+# The launcher as seen when this module was imported (reset in a forked child): the parent that
+# PR_SET_PDEATHSIG must follow. Compared after every prctl, so a launcher that died between the import
+# and the arming still takes the rank with it.
+_parent_at_import = os.getppid()
+
+
+def _after_fork_in_child() -> None:
+    global _parent_at_import
+    _parent_at_import = os.getppid()  # the kernel clears PDEATHSIG in a child: its parent is the forker
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def _die_with_parent() -> None:
-    """Under rlsup, a rank dies with its launcher (torchrun), so a SIGKILLed node leaves no orphan ranks."""
+    """Under rlsup, a rank dies with its launcher (torchrun), so a SIGKILLed node leaves no orphan ranks.
+
+    Armed when trainer_hooks is imported under rlsup (:func:`_arm_at_import`) and again when the
+    heartbeat writer is created (idempotent). As always with PR_SET_PDEATHSIG, "parent" is the thread
+    that created this process (torchrun's agent starts its workers from its main thread). If the parent
+    seen at import is already gone when the prctl is made, the rank kills itself."""
     import ctypes
 
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        parent = os.getppid()
         libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
-        if os.getppid() != parent:  # the launcher died before the call
+        if os.getppid() != _parent_at_import:  # the launcher died before the call
             os.kill(os.getpid(), signal.SIGKILL)
     except (OSError, AttributeError):
         pass
+
+
+def _arm_at_import() -> None:
+    """Arm die-with-parent as soon as trainer_hooks is imported under rlsup, not only at the first
+    heartbeat: a rank killed or stuck before its first heartbeat (in ``init_process_group``, loading
+    data) must not outlive a SIGKILLed launcher. Not in the async checkpoint writer, which arms itself
+    only when its creator is a main thread (its parent thread may be a short-lived one)."""
+    if not os.environ.get(ENV_DIR):
+        return
+    argv = list(getattr(sys, "orig_argv", ()))
+    if "-m" in argv and argv[argv.index("-m") + 1:argv.index("-m") + 2] == ["trainer_hooks.async_writer"]:
+        return
+    _die_with_parent()
 
 
 _lock = threading.Lock()
@@ -234,3 +266,6 @@ def request_stop(path: Path) -> None:
     with open(path, "r+b") as f:
         f.seek(56)
         f.write(_I64.pack(1))
+
+
+_arm_at_import()  # last: everything it needs is defined

@@ -20,10 +20,12 @@ Layout::
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
 import re
+import stat
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -39,10 +41,19 @@ CHUNK_SIZE = 8 * 1024 * 1024
 _HEX128_RE = re.compile(r"^[0-9a-f]{32}$")
 _FIELDS = ("schema", "step", "world_size", "rank", "backend", "files", "created",
            "rlsup_version", "extra")
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+# O_NONBLOCK: opening a FIFO planted where a file should be must not block; O_NOCTTY: nor grab a tty.
+_FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | _CLOEXEC
+_SUBDIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | _CLOEXEC
 
 
 class ManifestError(ValueError):
     """A manifest that cannot be trusted: bad JSON, wrong types, unsafe paths, unknown schema."""
+
+
+class UnsafeFileError(OSError):
+    """A checkpoint file (or a directory on its way) that is a symbolic link, or not a regular file:
+    never followed, never read. ``strerror`` says which."""
 
 
 def step_dir_name(step: int) -> str:
@@ -165,6 +176,64 @@ def check_relative_path(name: object) -> None:
         raise ManifestError(f"file name {name!r} is a manifest, not a data file")
 
 
+def open_checkpoint_file(base: str | os.PathLike, name: str) -> int:
+    """A read-only fd (caller closes) of ``base/name`` that is a regular file reached without following
+    any symbolic link below ``base`` (``name`` is '/'-separated, relative; ``base`` itself is opened
+    as given). A checkpoint's data files and manifests are never symlinks: following one would verify,
+    copy or load whatever it points at (another step's shard, a file outside the checkpoint dir).
+    FileNotFoundError when absent, :class:`UnsafeFileError` for a symlink or a non-regular file."""
+    parts = name.split("/")
+    dfd = os.open(base, os.O_RDONLY | os.O_DIRECTORY | _CLOEXEC)
+    try:
+        for part in parts[:-1]:
+            try:
+                nfd = os.open(part, _SUBDIR_FLAGS, dir_fd=dfd)
+            except OSError as e:
+                if e.errno in (errno.ELOOP, errno.ENOTDIR):
+                    raise UnsafeFileError(e.errno, f"directory {part!r} on its path is a symbolic link "
+                                                   "or not a directory (not followed)") from None
+                raise
+            os.close(dfd)
+            dfd = nfd
+        try:
+            fd = os.open(parts[-1], _FILE_FLAGS, dir_fd=dfd)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise UnsafeFileError(errno.ELOOP, "a symbolic link (not followed)") from None
+            raise
+    finally:
+        os.close(dfd)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise UnsafeFileError(errno.EINVAL, "not a regular file")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_checkpoint_file(base: str | os.PathLike, name: str) -> bytes:
+    """The bytes of ``base/name``, opened as :func:`open_checkpoint_file` does (for manifests)."""
+    with os.fdopen(open_checkpoint_file(base, name), "rb") as f:
+        return f.read()
+
+
+def hash_fd(fd: int) -> FileEntry:
+    """Size and xxh3-128 of an open file from its current offset to its end, 8 MiB at a time."""
+    h = xxhash.xxh3_128()
+    size = 0
+    buf = bytearray(CHUNK_SIZE)
+    view = memoryview(buf)
+    while True:
+        n = os.readv(fd, [buf])
+        if not n:
+            break
+        h.update(view[:n])
+        size += n
+    return FileEntry(size, h.hexdigest())
+
+
 def hash_file(path: str | os.PathLike) -> FileEntry:
     """Size and xxh3-128 of a file, streamed so a 100 GB shard costs 8 MiB of memory."""
     h = xxhash.xxh3_128()
@@ -212,35 +281,38 @@ def write_manifest(step_dir: str | os.PathLike, manifest: RankManifest) -> Path:
 
 
 def read_manifest(path: str | os.PathLike) -> RankManifest:
-    """Read and validate one manifest file (ManifestError or OSError on failure)."""
-    with open(path, "rb") as f:
-        return RankManifest.from_json(f.read())
+    """Read and validate one manifest file (ManifestError or OSError on failure: a symlink or a
+    non-regular file is :class:`UnsafeFileError`, never followed)."""
+    path = Path(path)
+    return RankManifest.from_json(read_checkpoint_file(path.parent, path.name))
 
 
 def check_files(step_dir: Path, files: dict[str, FileEntry], full: bool = True) -> tuple[str, int]:
-    """("", total size) when every listed file matches, else (first problem, size so far)."""
+    """("", total size) when every listed file matches, else (first problem, size so far). A listed file
+    that is a symbolic link (or reached through one), or not a regular file, does not match."""
     total = 0
     for name, entry in files.items():
-        path = step_dir / name
         try:
-            st = path.stat()
+            fd = open_checkpoint_file(step_dir, name)  # never through a symlink; regular files only
         except FileNotFoundError:
             return f"{name}: missing", total
         except OSError as e:
             return f"{name}: {e.strerror or e}", total
-        if not path.is_file():
-            return f"{name}: not a regular file", total
-        if st.st_size != entry.size:
-            return f"{name}: size {st.st_size} != {entry.size}", total
-        if full:
-            try:
-                actual = hash_file(path)
-            except OSError as e:
-                return f"{name}: unreadable: {e.strerror or e}", total
-            if actual.size != entry.size:
-                return f"{name}: size {actual.size} != {entry.size}", total
-            if actual.xxh3_128 != entry.xxh3_128:
-                return f"checksum mismatch in {name}", total
+        try:
+            st = os.fstat(fd)
+            if st.st_size != entry.size:
+                return f"{name}: size {st.st_size} != {entry.size}", total
+            if full:
+                try:
+                    actual = hash_fd(fd)
+                except OSError as e:
+                    return f"{name}: unreadable: {e.strerror or e}", total
+                if actual.size != entry.size:
+                    return f"{name}: size {actual.size} != {entry.size}", total
+                if actual.xxh3_128 != entry.xxh3_128:
+                    return f"checksum mismatch in {name}", total
+        finally:
+            os.close(fd)
         total += entry.size
     return "", total
 
@@ -289,7 +361,7 @@ def verify_step_dir(step_dir: str | os.PathLike, full: bool = True) -> VerifyRes
         for rank in sorted(found):
             name = found[rank]
             try:
-                raw = (step_dir / name).read_bytes()
+                raw = read_checkpoint_file(step_dir, name)  # a symlinked manifest is never followed
                 m = RankManifest.from_json(raw)
             except ManifestError as e:
                 return bad(f"torn manifest: {name}: {e}")

@@ -11,8 +11,15 @@ loop and file reads/writes run in the loop's default thread pool. Memory per tra
 Retries: connection errors, timeouts, a truncated or corrupted response body and 5xx answers are
 retried ``retries`` times with exponential backoff (``backoff * 2**i``, +-20% jitter); 4xx answers
 are not (the request itself is wrong). ``timeout`` is the connect timeout and the longest a transfer
-may stall (no bytes either way), not a limit on a whole multi-GB transfer. Every failure is a
-:class:`TransportError` naming the peer.
+may stall (no bytes either way). Every failure is a :class:`TransportError` naming the peer.
+
+Overall deadlines: a peer that trickles bytes (one every few seconds) never stalls long enough for
+``timeout`` to fire, so every request attempt also has an overall deadline of ``deadline_base``
+seconds plus ``size / min_throughput`` (the size is the file's for a transfer, the answer's declared
+length for an index or other JSON call), not counting time spent waiting for our own bandwidth limiter.
+A request that misses it fails at once with a :class:`TransportError` naming the peer and the file
+(not retried: a peer that slow is better replaced by another holder); a fetch removes its temp file.
+``min_throughput=0`` turns the overall deadline off.
 
 Bandwidth: a :class:`BandwidthLimiter` (token bucket, thread-safe) can be shared by all clients of a
 process to cap its total replication traffic, both directions; a :class:`TransferPool` bounds how
@@ -23,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import errno
 import json
 import os
 import random
@@ -171,6 +179,79 @@ class _Retryable(Exception):
     pass
 
 
+class _Deadline:
+    """The overall deadline of one request attempt (see the module docstring): ``base`` seconds, plus
+    ``size / rate`` once the size is known, plus the time spent waiting for our own bandwidth limiter.
+    ``rate <= 0``: no deadline. Use as ``async with``; ``expired()`` tells a deadline's TimeoutError
+    from aiohttp's own (stall) timeouts."""
+
+    def __init__(self, base: float, rate: float, size: int = 0) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.start = self.loop.time()
+        self.base = base
+        self.rate = rate
+        self.size = max(0, size)
+        self.done = 0  # bytes moved so far, for the error message
+        self.waited = 0.0
+        self.cm = asyncio.timeout_at(self._when())
+
+    def _when(self) -> float | None:
+        if self.rate <= 0:
+            return None
+        return self.start + self.base + self.waited + self.size / self.rate
+
+    @property
+    def seconds(self) -> float:
+        when = self._when()
+        return float("inf") if when is None else when - self.start
+
+    async def __aenter__(self) -> "_Deadline":
+        await self.cm.__aenter__()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> bool | None:
+        return await self.cm.__aexit__(*exc)
+
+    def expired(self) -> bool:
+        return self.cm.expired()
+
+    def sized(self, size: int | None) -> None:
+        """The body's size became known (a Content-Length): the deadline grows with it."""
+        if size is not None and size > self.size:
+            self.size = size
+            self._reschedule()
+
+    async def throttle(self, limiter: "BandwidthLimiter | None", n: int) -> None:
+        """Wait for the limiter's grant of ``n`` bytes; the wait does not count against the peer."""
+        self.done += n
+        if limiter is None:
+            return
+        wait = limiter._reserve(n)  # known before sleeping: the deadline moves first
+        if wait > 0:
+            self.waited += wait
+            self._reschedule()
+            await asyncio.sleep(wait)
+
+    def _reschedule(self) -> None:
+        if self.rate <= 0:
+            return
+        try:
+            self.cm.reschedule(self._when())
+        except RuntimeError:
+            pass  # already expired or left (an upload body runs in aiohttp's writer task): nothing to move
+
+
+async def _in_thread(fn: Callable, *args: Any) -> Any:
+    """``fn(*args)`` in the loop's thread pool. When the caller is cancelled (a deadline), wait for the
+    thread to finish before re-raising: it may be writing to a descriptor the caller then closes."""
+    fut = asyncio.get_running_loop().run_in_executor(None, fn, *args)
+    try:
+        return await asyncio.shield(fut)
+    except asyncio.CancelledError:
+        await asyncio.wait([fut])
+        raise
+
+
 def _quote_path(*parts: str) -> str:
     # Validated names only contain [A-Za-z0-9._+=@,~-] and '/', all legal unencoded in a path.
     return "/".join(parts)
@@ -179,7 +260,11 @@ def _quote_path(*parts: str) -> str:
 class PeerClient:
     def __init__(self, endpoint: str, secret: bytes, timeout: float = 30, retries: int = 3,
                  backoff: float = 0.5, limiter: BandwidthLimiter | None = None,
-                 ssl_context: ssl.SSLContext | None = None, pool: TransferPool | None = None) -> None:
+                 ssl_context: ssl.SSLContext | None = None, pool: TransferPool | None = None,
+                 min_throughput: float = 1 << 20, deadline_base: float | None = None) -> None:
+        """``min_throughput`` (bytes/s, default 1 MiB/s; 0 = no overall deadline) and ``deadline_base``
+        (seconds, default ``max(60, 2 * timeout)``) set each request's overall deadline:
+        ``deadline_base + size / min_throughput``."""
         host, sep, port = endpoint.rpartition(":")
         if not sep or not host or not port.isdigit():
             raise ValueError(f"peer endpoint must be host:port, got {endpoint!r}")
@@ -188,6 +273,12 @@ class PeerClient:
         self.timeout = timeout
         self.retries = retries
         self.backoff = backoff
+        if min_throughput is None or min_throughput < 0:
+            raise ValueError(f"min_throughput must be >= 0 bytes/s, got {min_throughput!r}")
+        self.min_throughput = float(min_throughput)
+        self.deadline_base = float(deadline_base) if deadline_base is not None else max(60.0, 2.0 * timeout)
+        if not self.deadline_base > 0:
+            raise ValueError(f"deadline_base must be > 0 seconds, got {deadline_base!r}")
         self.limiter = limiter
         self.pool = pool
         self.ssl_context = ssl_context
@@ -231,6 +322,23 @@ class PeerClient:
     def _err(self, message: str, status: int | None = None, retryable: bool = False) -> TransportError:
         return TransportError(self.endpoint, message, status, retryable)
 
+    async def _within_deadline(self, what: str, size: int, body: Callable[[_Deadline], Any]) -> Any:
+        """Run ``body(deadline)`` under an overall deadline (see the module docstring); on expiry a
+        non-retryable TransportError naming the peer and ``what`` (the request and its file)."""
+        dl = _Deadline(self.deadline_base, self.min_throughput, size)
+        try:
+            async with dl:
+                return await body(dl)
+        except TimeoutError:
+            if not dl.expired():
+                raise  # aiohttp's own connect/stall timeout: retryable as before
+            moved = ""
+            if dl.done:
+                moved = f" with {dl.done} of {dl.size} bytes moved" if dl.size else f" with {dl.done} bytes moved"
+            raise self._err(f"{what}: overall deadline of {dl.seconds:.1f}s exceeded{moved} "
+                            f"(allowed: {dl.base:g}s + size at >= {dl.rate:g} B/s); the peer is too slow "
+                            "or trickling") from None
+
     async def _with_retries(self, what: str, attempt: Callable[[], Any]) -> Any:
         last: TransportError | None = None
         for i in range(self.retries + 1):
@@ -266,7 +374,7 @@ class PeerClient:
     async def _request_json(self, method: str, path: str, body: dict | None = None) -> dict:
         data = None if body is None else json.dumps(body).encode()
 
-        async def attempt() -> dict:
+        async def attempt(dl: _Deadline) -> dict:
             sess = await self._sess()
             if data is None:
                 # aiohttp sends "Content-Length: 0" for body-less POST/PUT/DELETE: sign what goes out.
@@ -275,6 +383,7 @@ class PeerClient:
                 headers = self._headers(method, path, len(data), xxhash.xxh3_128_hexdigest(data))
                 headers["Content-Type"] = "application/json"
             async with sess.request(method, self._url(path), data=data, headers=headers) as resp:
+                dl.sized(resp.content_length)
                 await self._check(resp, f"{method} {path}")
                 try:
                     out = await resp.json(content_type=None)
@@ -284,7 +393,8 @@ class PeerClient:
                     raise self._err(f"{method} {path}: answer is not a JSON object")
                 return out
 
-        return await self._with_retries(f"{method} {path}", attempt)
+        what = f"{method} {path}"
+        return await self._with_retries(what, lambda: self._within_deadline(what, len(data or b""), attempt))
 
     def _url(self, path: str):
         from yarl import URL
@@ -348,9 +458,9 @@ class PeerClient:
         what = f"push {namespace}/{relpath}"
         loop = asyncio.get_running_loop()
 
-        async def attempt() -> None:
+        async def attempt(dl: _Deadline) -> None:
             try:
-                f = open(local_path, "rb")
+                f = _open_regular_nofollow(local_path)
             except OSError as e:
                 raise self._err(f"{what}: cannot read {local_path}: {e.strerror or e}") from None
             try:
@@ -364,8 +474,7 @@ class PeerClient:
                         chunk = await loop.run_in_executor(None, f.read, min(CHUNK, entry.size - sent))
                         if not chunk:
                             raise self._err(f"{what}: {local_path} shrank while being sent")
-                        if self.limiter is not None:
-                            await self.limiter.acquire(len(chunk))
+                        await dl.throttle(self.limiter, len(chunk))
                         sent += len(chunk)
                         yield chunk
 
@@ -378,7 +487,7 @@ class PeerClient:
             finally:
                 f.close()
 
-        await self._with_retries(what, attempt)
+        await self._with_retries(what, lambda: self._within_deadline(what, entry.size, attempt))
 
     def fetch_file(self, namespace: str, relpath: str, dest: str | os.PathLike,
                    entry: FileEntry | None = None) -> FileEntry:
@@ -392,9 +501,8 @@ class PeerClient:
     async def _fetch(self, namespace: str, relpath: str, dest: Path, entry: FileEntry | None) -> FileEntry:
         path = f"/v1/files/{_quote_path(namespace, relpath)}"
         what = f"fetch {namespace}/{relpath}"
-        loop = asyncio.get_running_loop()
 
-        async def attempt() -> FileEntry:
+        async def attempt(dl: _Deadline) -> FileEntry:
             sess = await self._sess()
             async with sess.get(self._url(path), headers=self._headers("GET", path)) as resp:
                 await self._check(resp, what)
@@ -402,6 +510,8 @@ class PeerClient:
                 length = resp.content_length
                 if not declared or length is None:
                     raise self._err(f"{what}: answer lacks {H_XXH3} or Content-Length")
+                if entry is None:
+                    dl.sized(length)  # with an entry the deadline already fits its size (checked next)
                 if entry is not None and (entry.size != length or entry.xxh3_128 != declared):
                     raise self._err(f"{what}: peer holds size {length} xxh3 {declared}, "
                                     f"expected size {entry.size} xxh3 {entry.xxh3_128}")
@@ -421,27 +531,26 @@ class PeerClient:
                         h.update(data)
 
                     async for chunk in resp.content.iter_any():
-                        if self.limiter is not None:
-                            await self.limiter.acquire(len(chunk))
+                        await dl.throttle(self.limiter, len(chunk))
                         got += len(chunk)
                         if got > length:
                             raise self._err(f"{what}: body longer than Content-Length", retryable=True)
                         buf += chunk
                         if len(buf) >= CHUNK:
                             data, buf = buf, bytearray()
-                            await loop.run_in_executor(None, flush, data)
+                            await _in_thread(flush, data)
                     if buf:
-                        await loop.run_in_executor(None, flush, buf)
+                        await _in_thread(flush, buf)
                     if got != length:
                         raise self._err(f"{what}: body truncated at {got} of {length} bytes", retryable=True)
                     if h.hexdigest() != declared:
                         raise self._err(f"{what}: received bytes do not match xxh3 {declared}", retryable=True)
-                    await loop.run_in_executor(None, os.fsync, fd)
+                    await _in_thread(os.fsync, fd)
                     os.close(fd)
                     fd = -1
                     os.replace(tmp, dest)
-                    await loop.run_in_executor(None, _fsync_dir, dest.parent)
-                    ok = True
+                    ok = True  # dest is complete and verified from here on
+                    await _in_thread(_fsync_dir, dest.parent)
                     return FileEntry(length, declared)
                 finally:
                     if fd >= 0:
@@ -452,7 +561,29 @@ class PeerClient:
                         except FileNotFoundError:
                             pass
 
-        return await self._with_retries(what, attempt)
+        size = entry.size if entry is not None else 0
+        return await self._with_retries(what, lambda: self._within_deadline(what, size, attempt))
+
+
+def _open_regular_nofollow(path: Path):
+    """``path`` opened for reading, refusing a symlink (a checkpoint file is never one: following it
+    would send whatever it points at) and anything but a regular file (a FIFO would block)."""
+    import stat
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise OSError(errno.ELOOP, "a symbolic link (not followed)") from None
+        raise
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def _fsync_dir(path: Path) -> None:

@@ -312,12 +312,26 @@ class ReplicaStore:
         self._remember(namespace, "/".join(segs), final, digest)
 
     def put_file(self, namespace: str, relpath: str, src: str | os.PathLike, entry: FileEntry) -> FileEntry:
-        """Copy a local file into the store through the same verify-then-rename path as an upload."""
+        """Copy a local file into the store through the same verify-then-rename path as an upload.
+        ``src`` must be a regular file, not a symlink (InvalidPath): a checkpoint file never is one."""
+        try:
+            src_fd = os.open(src, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY
+                             | getattr(os, "O_CLOEXEC", 0))
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise InvalidPath(f"source {src} is a symbolic link (not followed)") from None
+            raise
+        with os.fdopen(src_fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(src_fd).st_mode):
+                raise InvalidPath(f"source {src} is not a regular file")
+            os.set_blocking(src_fd, True)
+            return self._put_from(namespace, relpath, f, entry)
+
+    def _put_from(self, namespace: str, relpath: str, f, entry: FileEntry) -> FileEntry:
         inc = self.begin_write(namespace, relpath, entry.size, entry.xxh3_128)
         try:
-            with open(src, "rb") as f:
-                while chunk := f.read(4 << 20):
-                    inc.write(chunk)
+            while chunk := f.read(4 << 20):
+                inc.write(chunk)
         except BaseException:
             inc.abort()
             raise
