@@ -3,21 +3,52 @@
 Extends the single-node loop through its hooks only: the attempt number comes from the coordinator's
 round, ``prepare`` agrees on the resume step and fetches missing parts before launch, ``peer_ended``
 stops this node's job when another node's attempt failed, and a failure here ends the round for all.
+
+The persistent tier (``persistent_dir``) works per part here: each node copies the parts its own ranks
+wrote (:meth:`supervisor.persistent.PersistentTier.poll_parts`), and node 0 offers the tier's parts to
+the plan as the last holder (in place > peer > persistent), fetched with the same verify-then-rename rule.
 """
 
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
 from supervisor.config import SupervisorConfig
-from supervisor.coordinator import CoordinationError, RoundCoordinator, compute_plan
+from supervisor.coordinator import (
+    PERSISTENT_HOLDER,
+    CoordinationError,
+    FetchResult,
+    RoundCoordinator,
+    RoundPlan,
+    compute_plan,
+)
 from supervisor.membership import Membership
 from supervisor.observer import Observer
+from supervisor.persistent import PersistentPartInvalid
 from supervisor.replication import ReplicationEngine, newest_own_step
 from supervisor.resume import ResumePoint
 from supervisor.runner import AttemptResult, Supervisor
-from trainer_hooks.manifest import step_dir_name
+from supervisor.tiers import TIER_LOCAL, TIER_PEER, TIER_PERSISTENT, TieredResumePoint
+from trainer_hooks.manifest import manifest_name, step_dir_name
+
+log = logging.getLogger(__name__)
+
+# Plans per round: each failed try excludes at least one more (step, rank) from the persistent tier,
+# so the round falls back to older steps; the bound only guards against a tier that fails everything.
+PLAN_TRIES = 8
+_TIER_ORDER = {TIER_LOCAL: 0, TIER_PEER: 1, TIER_PERSISTENT: 2}
+
+
+@dataclass
+class _Fetched:
+    """This node's side of one plan try."""
+
+    result: FetchResult = field(default_factory=FetchResult)
+    tier: str = TIER_LOCAL  # where this node's missing parts came from (the farthest tier used)
+    ranks: list[int] = field(default_factory=list)  # parts fetched (dropped again if the step is abandoned)
 
 
 class MultiNodeSupervisor(Supervisor):
@@ -32,6 +63,12 @@ class MultiNodeSupervisor(Supervisor):
         self.coordinator = RoundCoordinator(host, cfg.coordinator_port, membership.node_rank, membership.size,
                                             cfg.rendezvous_timeout)
         self._store_lost = False
+        if self.persistent is not None:
+            # Node-local directories hold only this node's parts, so whole-step copies never happen:
+            # copy per part (and let node 0 alone start steps and prune the tier).
+            self.persistent.node = membership.node_rank
+        # Node 0, the planner: persistent parts that failed verification, never offered again.
+        self._bad_persistent: set[tuple[int, int]] = set()
 
     def first_attempt(self) -> int:
         return self.coordinator.join()
@@ -40,31 +77,128 @@ class MultiNodeSupervisor(Supervisor):
         return self.coordinator.join()
 
     def prepare(self, attempt: int) -> ResumePoint | None:
-        """Publish what we hold; node 0 plans; fetch what we lack; start together."""
+        """Publish what we hold; node 0 plans; fetch what we lack; start together.
+
+        A persistent part that fails verification does not end the round: every node reports its
+        fetch, and node 0 plans again without the bad parts (an older step, or a fresh start), so one
+        corrupted copy costs a re-plan, not a restart. Any other fetch failure ends the round for
+        everyone, as before: the next round plans from fresh, fully verified inventories."""
+        me = self.membership.node_rank
         self.coordinator.publish_inventory(attempt, self.engine.inventory())
-        if self.membership.node_rank == 0:
-            self.coordinator.publish_plan(compute_plan(attempt, self.coordinator.inventories(attempt)))
-        plan = self.coordinator.plan(attempt)
-        if plan.step is None:
-            self._log(f"round {attempt}: no step is complete across the nodes; starting fresh")
-            resume = None
+        excluded: set[tuple[int, int, int]] = set()
+        fetched: dict[int, set[int]] = {}
+        resume: TieredResumePoint | None = None
+        for attempt_try in range(PLAN_TRIES):
+            if me == 0:
+                self.coordinator.publish_plan(self._make_plan(attempt, excluded), attempt_try)
+            plan = self.coordinator.plan(attempt, attempt_try)
+            mine = self._fetch(attempt, plan)
+            if plan.step is not None:
+                fetched.setdefault(plan.step, set()).update(mine.ranks)
+            if mine.result.error:  # before anyone can launch: the round is over for all
+                self._log(f"round {attempt}: {mine.result.error}")
+                self.coordinator.end(attempt, f"node {me}: fetch failed: {mine.result.error}")
+            self.coordinator.publish_fetch_result(attempt, attempt_try, mine.result)
+            results = self.coordinator.fetch_results(attempt, attempt_try)
+            bad = {b for r in results for b in r.bad}
+            if me == 0:
+                self._bad_persistent |= bad
+            if any(r.error for r in results):
+                break  # ended above by the failing node; the next round starts from fresh inventories
+            if not bad:
+                if plan.step is None:
+                    self._log(f"round {attempt}: no step is complete across the nodes and tiers; starting fresh")
+                else:
+                    resume = TieredResumePoint(plan.step, self.checkpoint_dir / step_dir_name(plan.step), "rlsup",
+                                               mine.tier)
+                self._drop_abandoned(fetched, plan.step)
+                break
+            self._log(f"round {attempt}: persistent parts (step, rank) {sorted(bad)} do not verify; "
+                      "planning again without them")
+            excluded |= {(s, r, PERSISTENT_HOLDER) for s, r in bad}
         else:
-            resume = ResumePoint(plan.step, Path(self.cfg.checkpoint_dir) / step_dir_name(plan.step), "rlsup")
-            need = plan.fetch.get(self.membership.node_rank, {})
-            if need:
-                self._log(f"round {attempt}: fetching ranks {sorted(need)} of step {plan.step} from peers")
-                try:
-                    self.engine.fetch(plan.step, need)
-                    self.observer.resumed_from("peer")
-                except Exception as e:
-                    # End the round for everyone: the next round plans again from fresh inventories,
-                    # in which a holder that failed verification no longer offers the part.
-                    self._log(f"round {attempt}: {e}")
-                    self.coordinator.end(attempt, f"node {self.membership.node_rank}: fetch failed: {e}")
-                    resume = None
+            self.coordinator.end(attempt, f"node {me}: no usable plan after {PLAN_TRIES} tries")
         self.coordinator.mark_ready(attempt)
         self.coordinator.wait_all_ready(attempt)
         return resume
+
+    def _make_plan(self, attempt: int, excluded: set[tuple[int, int, int]]) -> RoundPlan:
+        """Node 0: plan from the inventories, then offer the persistent tier's parts of newer steps."""
+        inventories = self.coordinator.inventories(attempt)
+        exclude = excluded | {(s, r, PERSISTENT_HOLDER) for s, r in self._bad_persistent}
+        plan = compute_plan(attempt, inventories, exclude=exclude)
+        if self.persistent is None:
+            return plan
+        try:
+            listing = self.persistent.part_listing(newer_than=plan.step, exclude=self._bad_persistent)
+        except Exception as e:  # an unreachable tier must not stop a restart from peers or local parts
+            self._log(f"round {attempt}: persistent tier {self.persistent.location} not listed: {e}")
+            listing = {}
+        if listing:
+            plan = compute_plan(attempt, inventories, listing, exclude)
+        self.persistent.protect(plan.step)  # retention keeps the step the nodes are about to fetch
+        return plan
+
+    def _fetch(self, attempt: int, plan: RoundPlan) -> _Fetched:
+        """Fetch this node's missing parts of the planned step, each from its holders in plan order."""
+        out = _Fetched()
+        need: dict[int, list[int]] = plan.fetch.get(self.membership.node_rank, {}) if plan.step is not None else {}
+        if need:
+            self._log(f"round {attempt}: fetching ranks {sorted(need)} of step {plan.step} "
+                      f"({self._describe(need)})")
+        for rank, holders in sorted(need.items()):
+            tier, errors, bad = self._fetch_part(plan.step, rank, holders)
+            if tier is None:
+                if bad:
+                    out.result.bad.append((plan.step, rank))  # fall back to another plan
+                else:
+                    out.result.error = f"could not fetch step {plan.step} rank {rank}: {'; '.join(errors)}"
+                break
+            out.ranks.append(rank)
+            out.tier = max(out.tier, tier, key=_TIER_ORDER.__getitem__)
+        return out
+
+    def _fetch_part(self, step: int, rank: int, holders: list[int]) -> tuple[str | None, list[str], bool]:
+        """(tier it came from or None, errors, whether the persistent copy failed verification)."""
+        errors: list[str] = []
+        bad = False
+        for holder in holders:
+            try:
+                if holder == PERSISTENT_HOLDER:
+                    if self.persistent is None:
+                        raise RuntimeError("no persistent_dir configured on this node")
+                    self.persistent.fetch_part(step, rank, self.checkpoint_dir)
+                    return TIER_PERSISTENT, errors, bad
+                self.engine.fetch(step, {rank: [holder]})
+                return TIER_PEER, errors, bad
+            except PersistentPartInvalid as e:
+                bad = True
+                errors.append(f"persistent tier: {e}")
+            except Exception as e:
+                errors.append(f"{'persistent tier' if holder == PERSISTENT_HOLDER else f'node {holder}'}: {e}")
+        return None, errors, bad
+
+    @staticmethod
+    def _describe(need: dict[int, list[int]]) -> str:
+        first = {h[0] for h in need.values() if h}
+        names = sorted("the persistent tier" if h == PERSISTENT_HOLDER else f"node {h}" for h in first)
+        return "from " + ", ".join(names)
+
+    def _drop_abandoned(self, fetched: dict[int, set[int]], keep: int | None) -> None:
+        """Parts fetched for a step the round then abandoned lose their manifests (invalid again), so
+        the trainer rewrites them when it reaches that step instead of mixing in the old ones."""
+        for step, ranks in fetched.items():
+            if step == keep:
+                continue
+            for rank in sorted(ranks):
+                path = self.checkpoint_dir / step_dir_name(step) / manifest_name(rank)
+                try:
+                    path.unlink()
+                    self._log(f"step {step}: dropped rank {rank}'s fetched part (that step is not used)")
+                except FileNotFoundError:
+                    pass
+                except OSError as e:
+                    log.warning("could not drop %s: %s", path, e)
 
     def attempt_env(self, attempt: int, resume: ResumePoint | None, hb_dir: Path) -> dict[str, str]:
         env = super().attempt_env(attempt, resume, hb_dir)

@@ -42,6 +42,7 @@ from typing import Any, Callable, Iterator
 
 import xxhash
 
+from supervisor.parts import Part, owner_of, verify_part
 from trainer_hooks.manifest import (
     CHUNK_SIZE,
     MANIFEST_RE,
@@ -51,6 +52,7 @@ from trainer_hooks.manifest import (
     RankManifest,
     fsync_dir,
     latest_valid,
+    list_step_dirs,
     manifest_name,
     step_dir_name,
     verify_step_dir,
@@ -62,10 +64,21 @@ HOLD_NAME = ".hold-persistent"
 INCOMING_PREFIX = ".incoming-"
 DELETING_PREFIX = ".deleting-"
 STALE_AGE_S = 3600.0
+# Multi-node (per-part) mode: temp files inside the tier's step dirs are named
+# ``.part-<host>-<pid>-<token>``; the host tells a later pass whether the pid can be checked here.
+PART_TMP_PREFIX = ".part-"
+CLEAN_EVERY_S = 60.0
 
 
 class PersistentTierError(RuntimeError):
     """A copy to or from the persistent tier failed or did not verify."""
+
+
+class PersistentPartInvalid(PersistentTierError):
+    """A part in the persistent tier is missing, torn, or does not match its manifest.
+
+    Distinct from an I/O error on this node (a full local disk): a caller may safely stop offering
+    this part, whereas an I/O error says nothing about the copy in the tier."""
 
 
 @dataclass(frozen=True)
@@ -109,9 +122,20 @@ def _copy_stream(src: Any, dst: Any, limiter: Any, hasher: Any = None) -> int:
         n += len(chunk)
 
 
+def _open_step_file(src: Path) -> Any:
+    """``src``, a file of a step directory, opened for reading without following a symlink anywhere
+    below that step directory (its nearest ``step_N`` ancestor; else just the file itself), and only
+    if it is a regular file: a symlinked shard would otherwise be copied as whatever it points at and
+    the copy would verify. UnsafeFileError (an OSError) otherwise."""
+    from trainer_hooks.manifest import open_checkpoint_file
+
+    base = next((p for p in src.parents if STEP_DIR_RE.match(p.name)), src.parent)
+    return os.fdopen(open_checkpoint_file(base, src.relative_to(base).as_posix()), "rb")
+
+
 def _copy_local_file(src: Path, dst: Path, limiter: Any) -> None:
     dst.parent.mkdir(parents=True, exist_ok=True)
-    with open(src, "rb") as fin, open(dst, "wb") as fout:
+    with _open_step_file(src) as fin, open(dst, "wb") as fout:
         _copy_stream(fin, fout, limiter)
         fout.flush()
         os.fsync(fout.fileno())
@@ -125,7 +149,8 @@ def _source_manifests(step_dir: Path) -> tuple[list[tuple[str, bytes]], dict[str
     rank = 0
     while True:
         path = step_dir / manifest_name(rank)
-        raw = path.read_bytes()
+        with _open_step_file(path) as f:  # a symlinked manifest is refused, never followed
+            raw = f.read()
         m = RankManifest.from_json(raw)
         first = first or m
         manifests.append((path.name, raw))
@@ -259,7 +284,15 @@ class _FsspecStore:
         except ImportError as e:
             raise ImportError(f"persistent tier {url!r} needs fsspec (and the protocol's package, "
                               "e.g. s3fs for s3://): pip install fsspec s3fs") from e
-        self.fs, self.root = fsspec.core.url_to_fs(url)
+        # Credentials and endpoint come from the environment: the protocol's own (for s3fs, botocore
+        # reads AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL, ...) and fsspec's
+        # FSSPEC_<PROTOCOL>_<KWARG> (e.g. FSSPEC_S3_ENDPOINT_URL). No listings cache: other processes
+        # (another node's retention, an operator) change the store, and a stale listing would give
+        # stale sizes and ETags (s3fs reads with If-Match: the cached ETag, so a replaced object fails).
+        try:
+            self.fs, self.root = fsspec.core.url_to_fs(url, use_listings_cache=False)
+        except TypeError:  # a filesystem that takes no such option
+            self.fs, self.root = fsspec.core.url_to_fs(url)
         self.root = self.root.rstrip("/")
         self.location = url
 
@@ -305,14 +338,17 @@ class _FsspecStore:
         if not found:
             return False, "no manifests", 0
         manifests = {}
+        manifest_bytes = 0  # counted in the size, as verify_step_dir does for a directory
         for rank, name in sorted(found.items()):
             try:
-                m = RankManifest.from_json(self.fs.cat_file(f"{base}/{name}"))
+                raw = self.fs.cat_file(f"{base}/{name}")
+                m = RankManifest.from_json(raw)
             except (ManifestError, OSError) as e:
                 return False, f"torn manifest: {name}: {e}", 0
             if m.rank != rank:
                 return False, f"torn manifest: {name} says rank {m.rank}", 0
             manifests[rank] = m
+            manifest_bytes += len(raw)
         first = manifests[min(manifests)]
         if any((m.world_size, m.step, m.backend) != (first.world_size, first.step, first.backend)
                for m in manifests.values()):
@@ -326,7 +362,7 @@ class _FsspecStore:
             for name, entry in m.files.items():
                 if seen.setdefault(name, entry) != entry:
                     return False, f"{name}: listed by several ranks with different contents", 0
-        total = 0
+        total = manifest_bytes
         for name, entry in seen.items():
             try:
                 size = self.fs.size(f"{base}/{name}")
@@ -334,7 +370,11 @@ class _FsspecStore:
                 return False, f"{name}: missing", total
             if size != entry.size:
                 return False, f"{name}: size {size} != {entry.size}", total
-            if full and self._hash(f"{base}/{name}", limiter) != entry:
+            try:
+                digest = self._hash(f"{base}/{name}", limiter) if full else entry
+            except OSError as e:  # deleted or replaced while read (S3: 404, 412 on If-Match)
+                return False, f"{name}: unreadable: {e}", total
+            if digest != entry:
                 return False, f"checksum mismatch in {name}", total
             total += entry.size
         return True, "ok", total
@@ -397,7 +437,209 @@ class _FsspecStore:
         for n in names:  # manifests first: a half-deleted step is never valid
             if MANIFEST_RE.match(n.rstrip("/").rsplit("/", 1)[-1]):
                 self.fs.rm(n)
-        self.fs.rm(base, recursive=True)
+        try:
+            self.fs.rm(base, recursive=True)
+        except FileNotFoundError:  # an object store has no directories: nothing left is nothing to do
+            pass
+
+
+# ------------------------------------------------------------------------------------- per-part access
+#
+# Multi-node runs write each rank's part (manifest + files) from the node that owns it, several nodes
+# into one step directory at once, so the whole-step rename above cannot be used. These adapters give
+# PersistentTier the few per-file operations the per-part protocol needs, for either store; they never
+# decide anything (what to copy, what to keep) themselves.
+
+
+def _host_tag() -> str:
+    """This machine's name, safe inside a temp file name (no '-', which separates the fields)."""
+    import socket
+
+    return "".join(c if c.isalnum() else "_" for c in socket.gethostname())[:40] or "host"
+
+
+def _part_tmp_owner(name: str) -> tuple[str, int] | None:
+    """(host, pid) of a ``.part-<host>-<pid>-<token>`` temp name, or None for any other name."""
+    if not name.startswith(PART_TMP_PREFIX):
+        return None
+    fields = name[len(PART_TMP_PREFIX):].split("-")
+    if len(fields) != 3 or not fields[1].isdigit():
+        return None
+    return fields[0], int(fields[1])
+
+
+class _LocalParts:
+    """Per-file access to a :class:`_LocalStore`: data files through temp + fsync + read back + rename."""
+
+    def __init__(self, store: _LocalStore) -> None:
+        self.store = store
+        self.host = _host_tag()
+
+    def _p(self, step: int, rel: str) -> Path:
+        return self.store.path(step) / rel
+
+    def names(self, step: int) -> list[str]:
+        try:
+            return sorted(os.listdir(self.store.path(step)))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+
+    def read(self, step: int, rel: str) -> bytes:
+        return self._p(step, rel).read_bytes()
+
+    def size(self, step: int, rel: str) -> int | None:
+        try:
+            st = os.stat(self._p(step, rel), follow_symlinks=False)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        return st.st_size
+
+    def hash(self, step: int, rel: str, limiter: Any) -> FileEntry:
+        return _hash_path(self._p(step, rel), limiter)
+
+    def open(self, step: int, rel: str) -> Any:
+        return open(self._p(step, rel), "rb")
+
+    def _tmp_beside(self, final: Path) -> Path:
+        return final.parent / f"{PART_TMP_PREFIX}{self.host}-{os.getpid()}-{secrets.token_hex(4)}"
+
+    def put_file(self, step: int, rel: str, src: Path, entry: FileEntry, limiter: Any) -> None:
+        """Copy under a temp name, read it back, and give it its final name only if it matches."""
+        final = self._p(step, rel)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self._tmp_beside(final)
+        try:
+            _copy_local_file(src, tmp, limiter)
+            got = _hash_path(tmp, limiter)
+            if got != entry:
+                raise PersistentTierError(f"{self.store.location}: {rel} of step {step} reads back as "
+                                          f"{got.size} bytes {got.xxh3_128}, expected {entry.size} {entry.xxh3_128}")
+            os.replace(tmp, final)
+        finally:
+            tmp.unlink(missing_ok=True)
+        fsync_dir(final.parent)
+
+    def put_manifest(self, step: int, name: str, raw: bytes) -> None:
+        """The commit of a part: temp, fsync, rename, directory fsync (as trainer_hooks writes manifests)."""
+        final = self._p(step, name)
+        tmp = self._tmp_beside(final)
+        try:
+            with open(tmp, "wb") as f:
+                f.write(raw)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, final)
+        finally:
+            tmp.unlink(missing_ok=True)
+        fsync_dir(final.parent)
+
+    def remove(self, step: int, rel: str) -> None:
+        self._p(step, rel).unlink(missing_ok=True)
+        fsync_dir(self.store.path(step))
+
+    def clean(self) -> None:
+        """Remove temp files of killed copies: this host's dead pids at once, any host's after STALE_AGE_S
+        (a live copy keeps its temp file's mtime fresh; another host's pid cannot be checked from here)."""
+        now = time.time()
+        try:
+            top = list(os.scandir(self.store.root))
+        except OSError:
+            top = []
+        for e in top:  # steps a killed node 0 was deleting: out of the step namespace, doomed anyway
+            if e.name.startswith(DELETING_PREFIX) and f"-{os.getpid()}-" not in e.name:
+                _remove_tree(Path(e.path))
+        for step in self.store.steps():
+            for dirpath, _dirs, files in os.walk(self.store.path(step)):
+                for name in files:
+                    owner = _part_tmp_owner(name)
+                    if owner is None:
+                        continue
+                    path = Path(dirpath) / name
+                    try:
+                        age = now - path.stat(follow_symlinks=False).st_mtime
+                    except OSError:
+                        continue
+                    host, pid = owner
+                    dead_here = host == self.host and pid != os.getpid() and not _pid_alive(pid)
+                    if dead_here or age > STALE_AGE_S:
+                        path.unlink(missing_ok=True)
+
+
+class _NullSink:
+    """A write target that discards: hashing a file reuses the (rate-limited) copy loop."""
+
+    def write(self, chunk: bytes) -> int:
+        return len(chunk)
+
+
+def _hash_path(path: Path, limiter: Any) -> FileEntry:
+    h = xxhash.xxh3_128()
+    with open(path, "rb") as f:
+        n = _copy_stream(f, _NullSink(), limiter, h)
+    return FileEntry(n, h.hexdigest())
+
+
+class _FsspecParts:
+    """Per-file access to an :class:`_FsspecStore`. No rename: an object is written in one put, read
+    back and hashed; the manifest put last is the part's commit. A killed upload leaves data objects
+    without a manifest, which never counts."""
+
+    def __init__(self, store: _FsspecStore) -> None:
+        self.store = store
+        self.fs = store.fs
+
+    def _p(self, step: int, rel: str) -> str:
+        return f"{self.store.path(step)}/{rel}"
+
+    def names(self, step: int) -> list[str]:
+        base = self.store.path(step)
+        try:
+            try:
+                entries = self.fs.ls(base, detail=False, refresh=True)
+            except TypeError:  # filesystems without refresh=
+                entries = self.fs.ls(base, detail=False)
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        return sorted(n.rstrip("/").rsplit("/", 1)[-1] for n in entries)
+
+    def read(self, step: int, rel: str) -> bytes:
+        return self.fs.cat_file(self._p(step, rel))
+
+    def size(self, step: int, rel: str) -> int | None:
+        try:
+            return int(self.fs.size(self._p(step, rel)))
+        except FileNotFoundError:
+            return None
+
+    def hash(self, step: int, rel: str, limiter: Any) -> FileEntry:
+        return self.store._hash(self._p(step, rel), limiter)
+
+    def open(self, step: int, rel: str) -> Any:
+        return self.fs.open(self._p(step, rel), "rb")
+
+    def put_file(self, step: int, rel: str, src: Path, entry: FileEntry, limiter: Any) -> None:
+        path = self._p(step, rel)
+        self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+        with open(src, "rb") as fin, self.fs.open(path, "wb") as fout:
+            _copy_stream(fin, fout, limiter)
+        got = self.hash(step, rel, limiter)
+        if got != entry:
+            raise PersistentTierError(f"{self.store.location}: {rel} of step {step} does not match after upload")
+
+    def put_manifest(self, step: int, name: str, raw: bytes) -> None:
+        path = self._p(step, name)
+        self.fs.pipe_file(path, raw)
+        if self.fs.cat_file(path) != raw:
+            raise PersistentTierError(f"{self.store.location}: {name} of step {step} does not read back")
+
+    def remove(self, step: int, rel: str) -> None:
+        try:
+            self.fs.rm(self._p(step, rel))
+        except FileNotFoundError:
+            pass
+
+    def clean(self) -> None:
+        pass  # nothing is renamed, so there are no temp objects; half-written parts have no manifest
 
 
 # ------------------------------------------------------------------------------------- the tier
@@ -408,7 +650,7 @@ class PersistentTier:
 
     def __init__(self, url_or_path: str | os.PathLike, every_n: int | None = None, every_seconds: float | None = None,
                  keep_last: int | None = None, bandwidth: float = 0, source: str | os.PathLike | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, node: int | None = None) -> None:
         if keep_last is not None and keep_last < 1:
             raise ValueError("persistent keep_last must be >= 1 (or None/0 to keep everything)")
         target = str(url_or_path)
@@ -433,10 +675,17 @@ class PersistentTier:
         self.copies = 0
         self.bytes_copied = 0
         self.last_error: str | None = None
+        # Multi-node (per-part) mode when ``node`` is set: see :meth:`poll_parts`.
+        self.node = node
+        self.parts: Any = _FsspecParts(self.store) if isinstance(self.store, _FsspecStore) else _LocalParts(self.store)
+        self._done_parts: set[tuple[int, int]] = set()  # (step, rank) known valid in the tier
+        self._protected: set[int] = set()  # steps a restore is using: retention leaves them alone
+        self._last_clean: float | None = None
 
     @classmethod
-    def from_config(cls, cfg: Any) -> "PersistentTier | None":
-        """From a SupervisorConfig (persistent_* keys); None when ``persistent_dir`` is empty."""
+    def from_config(cls, cfg: Any, node: int | None = None) -> "PersistentTier | None":
+        """From a SupervisorConfig (persistent_* keys); None when ``persistent_dir`` is empty.
+        ``node``: this node's rank in a multi-node run (per-part mode), None for a single node."""
         target = getattr(cfg, "persistent_dir", "") or ""
         if not target:
             return None
@@ -444,7 +693,7 @@ class PersistentTier:
                    every_seconds=getattr(cfg, "persistent_every_seconds", 0.0) or None,
                    keep_last=getattr(cfg, "persistent_keep_last", 0) or None,
                    bandwidth=getattr(cfg, "persistent_bandwidth", 0.0) or 0.0,
-                   source=getattr(cfg, "checkpoint_dir", None))
+                   source=getattr(cfg, "checkpoint_dir", None), node=node)
 
     # ---------------------------------------------------------------- copying out
 
@@ -463,6 +712,8 @@ class PersistentTier:
         src_root = Path(source) if source is not None else self.source
         if src_root is None:
             raise ValueError("no source checkpoint directory: pass source= to PersistentTier or poll()")
+        if self.node is not None:
+            return self.poll_parts(src_root)
         with self._lock:
             self.store.clean_leftovers()
             if self._last_step is None:
@@ -585,6 +836,314 @@ class PersistentTier:
                 return self.store.get(step, Path(dest_dir), self.limiter)
             except (OSError, ManifestError) as e:
                 raise PersistentTierError(f"fetching step {step} from {self.location} failed: {e}") from e
+
+    # ---------------------------------------------------------------- multi-node: one part per rank
+
+    def poll_parts(self, source: str | os.PathLike) -> int | None:
+        """Multi-node copy-out: copy this node's own valid parts of the steps being persisted.
+
+        Which steps: node 0 *starts* a step (its newest own part, when the cadence says so); every node
+        *joins* the steps started in the tier that are not older than the newest complete one, copying
+        the parts it owns and still holds locally. No other node decides on its own, so nodes with
+        different clocks or restart histories still complete the same steps. Returns the newest step
+        this pass copied (or found already valid) a part of, or None."""
+        assert self.node is not None
+        with self._lock:
+            self._maybe_clean()
+            steps = self.store.steps()
+            if self._last_step is None and steps:
+                self._last_step = steps[-1]  # a restarted node 0 continues the cadence, not restarts it
+            floor = self._newest_complete(steps)
+            own = self._own_local_parts(Path(source), floor)
+            wanted = {s for s in steps if s in own and (floor is None or s >= floor)}
+            started = None
+            if self.node == 0 and own:
+                newest = max(own)
+                if newest not in steps and (self._last_step is None or newest > self._last_step) \
+                        and self._due(newest):
+                    started = newest
+                    wanted.add(newest)
+            copied = None
+            for step in sorted(wanted, reverse=True):
+                for part in own[step]:
+                    if (step, part.rank) in self._done_parts or self._copy_part(part):
+                        copied = step if copied is None else max(copied, step)
+            if started is not None and all((started, p.rank) in self._done_parts for p in own[started]):
+                self._last_step, self._last_time = started, self._clock()
+            if self.node == 0:
+                self._retain_parts()
+            return copied
+
+    def _maybe_clean(self) -> None:
+        """Temp files of killed copies, at most every CLEAN_EVERY_S (it walks every step directory)."""
+        now = time.monotonic()
+        if self._last_clean is None or now - self._last_clean >= CLEAN_EVERY_S:
+            self._last_clean = now
+            self.parts.clean()
+
+    def _newest_complete(self, steps: list[int]) -> int | None:
+        """Newest step whose manifests of ranks 0..W-1 are all present (names only: cheap)."""
+        for step in reversed(steps):
+            ranks = {int(m.group(1)) for n in self.parts.names(step) if (m := MANIFEST_RE.match(n))}
+            if not ranks:
+                continue
+            try:
+                world = RankManifest.from_json(self.parts.read(step, manifest_name(min(ranks)))).world_size
+            except (OSError, ManifestError):
+                continue
+            if ranks == set(range(world)):
+                return step
+        return None
+
+    def _own_local_parts(self, root: Path, min_step: int | None) -> dict[int, list[Part]]:
+        """This node's valid parts (sizes checked) in its checkpoint directory, by step, from ``min_step``."""
+        out: dict[int, list[Part]] = {}
+        for step, step_dir in list_step_dirs(root):
+            if min_step is not None and step < min_step:
+                continue
+            try:
+                names = sorted(os.listdir(step_dir))
+            except OSError:
+                continue
+            for name in names:
+                m = MANIFEST_RE.match(name)
+                part = verify_part(step_dir, int(m.group(1)), full=False) if m else None
+                if part is not None and part.step == step and part.owner in (self.node, None):
+                    out.setdefault(step, []).append(part)
+        return out
+
+    def _tier_part_state(self, step: int, rank: int, full: bool = True) -> str:
+        """"valid", "missing" or "invalid" for the part of ``rank`` in the tier's ``step``.
+
+        Only a definite answer counts as invalid (torn manifest, missing or mismatching file); any
+        other read error propagates, so a flaky read never makes a node replace a valid part."""
+        try:
+            raw = self.parts.read(step, manifest_name(rank))
+        except FileNotFoundError:
+            return "missing"
+        try:
+            m = RankManifest.from_json(raw)
+        except ManifestError:
+            return "invalid"
+        if (m.rank, m.step) != (rank, step):
+            return "invalid"
+        for rel, entry in m.files.items():
+            if self.parts.size(step, rel) != entry.size:
+                return "invalid"
+            if full:
+                try:
+                    got = self.parts.hash(step, rel, self.limiter)
+                except FileNotFoundError:
+                    return "invalid"
+                if got != entry:
+                    return "invalid"
+        return "valid"
+
+    def _check_no_conflict(self, step: int, rank: int, files: dict[str, FileEntry]) -> None:
+        """Refuse to write a file that another rank's manifest in the tier lists with other contents:
+        that would break another node's part (and the step could never verify anyway)."""
+        for name in self.parts.names(step):
+            m = MANIFEST_RE.match(name)
+            if m is None or int(m.group(1)) == rank:
+                continue
+            try:
+                other = RankManifest.from_json(self.parts.read(step, name))
+            except (FileNotFoundError, ManifestError):
+                continue
+            for rel, entry in files.items():
+                if rel in other.files and other.files[rel] != entry:
+                    raise PersistentTierError(f"{rel} is listed by {name} with other contents; "
+                                              "not overwriting another node's part")
+
+    def _copy_part(self, part: Part) -> bool:
+        """Copy one own part into the tier: data files first (each verified by reading it back), the
+        manifest last, so the part counts only once whole. A valid part already there is kept; an
+        invalid one of ours loses its manifest first, then is rewritten."""
+        step, rank = part.step, part.rank
+        hold = part.step_dir / f"{HOLD_NAME}-{os.getpid()}"
+        try:
+            hold.touch()
+        except OSError:
+            return False  # deleted under us
+        t0 = time.monotonic()
+        try:
+            fresh = verify_part(part.step_dir, rank, full=True)
+            if fresh is None or fresh.step != step:
+                return False  # changed or corrupted since the scan: never persist a bad part
+            raw = fresh.manifest_path.read_bytes()
+            state = self._tier_part_state(step, rank)
+            if state == "valid":
+                self._done_parts.add((step, rank))
+                return True
+            if state == "invalid":
+                log.warning("persistent step %d: rank %d's part does not verify; rewriting it", step, rank)
+                self.parts.remove(step, manifest_name(rank))
+            self._check_no_conflict(step, rank, fresh.manifest.files)
+            for rel, entry in sorted(fresh.manifest.files.items()):
+                if self.parts.size(step, rel) == entry.size and self.parts.hash(step, rel, self.limiter) == entry:
+                    continue  # a file several ranks list, or left by an earlier try: already right
+                self.parts.put_file(step, rel, fresh.step_dir / rel, entry, self.limiter)
+            self.parts.put_manifest(step, manifest_name(rank), raw)
+            if self._tier_part_state(step, rank, full=False) != "valid":
+                raise PersistentTierError(f"rank {rank}'s part does not verify after the copy")
+        except (OSError, ManifestError, PersistentTierError) as e:
+            self.last_error = f"step {step} rank {rank}: {e}"
+            log.warning("persistent copy of step %d rank %d to %s failed: %s", step, rank, self.location, e)
+            return False
+        finally:
+            hold.unlink(missing_ok=True)
+        self._done_parts.add((step, rank))
+        self.copies += 1
+        self.bytes_copied += fresh.size
+        self.last_error = None
+        log.info("step %d rank %d copied to the persistent tier %s in %.1fs", step, rank, self.location,
+                 time.monotonic() - t0)
+        return True
+
+    def _retain_parts(self) -> None:
+        """Node 0's retention in multi-node mode: whole steps older than the newest ``keep_last`` valid
+        ones (sizes checked), never a protected step; so never the newest valid one, and never a step
+        newer than it that other nodes may still be completing."""
+        if self.keep_last is None:
+            return
+        steps = self.store.steps()
+        kept, boundary = 0, None
+        for step in reversed(steps):
+            if self.store.verify(step, False)[0]:
+                kept += 1
+                if kept == self.keep_last:
+                    boundary = step
+                    break
+        if boundary is None:
+            return
+        for step in steps:
+            if step >= boundary:
+                break
+            if step in self._protected:
+                continue
+            log.info("persistent tier retention removes step %d", step)
+            self.store.delete(step)
+            self._done_parts = {d for d in self._done_parts if d[0] != step}
+
+    def protect(self, step: int | None) -> None:
+        """Keep ``step`` from retention (the step a restore is using); replaces the previous one."""
+        self._protected = set() if step is None else {step}
+
+    def part_listing(self, newer_than: int | None = None,
+                     exclude: set[tuple[int, int]] | frozenset[tuple[int, int]] = frozenset()) -> dict[int, dict[str, Any]]:
+        """Parts offered for a multi-node restore: ``{step: {"world_size": W, "ranks": [...], "owners":
+        {rank: node}}}`` (owners as the manifests record them; ranks without one are left out there).
+
+        Cheap: manifests read and file sizes checked, no checksums (the fetching node verifies in
+        full). Newest first, down to ``newer_than`` (exclusive) or the first step whose every rank is
+        offered, since nothing older could then be chosen. ``exclude``: (step, rank) known bad."""
+        out: dict[int, dict[str, Any]] = {}
+        for step in reversed(self.store.steps()):
+            if newer_than is not None and step <= newer_than:
+                break
+            ranks, worlds, owners = [], set(), {}
+            for name in self.parts.names(step):
+                m = MANIFEST_RE.match(name)
+                if m is None or (step, int(m.group(1))) in exclude:
+                    continue
+                rank = int(m.group(1))
+                try:
+                    man = RankManifest.from_json(self.parts.read(step, name))
+                except (FileNotFoundError, ManifestError):
+                    continue
+                if (man.rank, man.step) != (rank, step):
+                    continue
+                if any(self.parts.size(step, rel) != e.size for rel, e in man.files.items()):
+                    continue
+                ranks.append(rank)
+                worlds.add(man.world_size)
+                if (owner := owner_of(man)) is not None:
+                    owners[rank] = owner
+            if len(worlds) != 1:
+                continue
+            (world,) = worlds
+            out[step] = {"world_size": world, "ranks": sorted(ranks), "owners": owners}
+            if sorted(ranks) == list(range(world)):
+                break
+        return out
+
+    def fetch_part(self, step: int, rank: int, dest_dir: str | os.PathLike) -> Path:
+        """Copy ``rank``'s part of ``step`` into ``dest_dir/step_N`` and return that step directory.
+
+        Files go to a staging directory (trainer_hooks' ``.staging-rank_R-<pid>`` name, so a trainer
+        cleans it up if we are killed), each is checked against the manifest while read and hashed
+        again on disk; they get their final names only then, the manifest last. A valid local part is
+        kept. Raises :class:`PersistentPartInvalid` when the tier's part is missing, torn or does not
+        match, :class:`PersistentTierError` for other failures."""
+        step_dir = Path(dest_dir) / step_dir_name(step)
+        have = verify_part(step_dir, rank, full=True)
+        if have is not None and have.step == step:
+            return step_dir
+        mname = manifest_name(rank)
+        try:
+            raw = self.parts.read(step, mname)
+        except FileNotFoundError as e:
+            raise PersistentPartInvalid(f"step {step} rank {rank}: no manifest in {self.location}") from e
+        except OSError as e:
+            raise PersistentTierError(f"step {step} rank {rank}: reading {self.location}: {e}") from e
+        try:
+            man = RankManifest.from_json(raw)
+        except ManifestError as e:
+            raise PersistentPartInvalid(f"step {step} rank {rank}: torn manifest in {self.location}: {e}") from e
+        if (man.rank, man.step) != (rank, step):
+            raise PersistentPartInvalid(f"step {step} rank {rank}: manifest says step {man.step} rank {man.rank}")
+        try:
+            self._fetch_part_files(step, rank, man, raw, step_dir)
+        except PersistentTierError:
+            raise
+        except OSError as e:
+            raise PersistentTierError(f"fetching step {step} rank {rank} from {self.location} failed: {e}") from e
+        if verify_part(step_dir, rank, full=False) is None:
+            raise PersistentTierError(f"step {step} rank {rank}: fetched part does not verify")
+        self._done_parts.add((step, rank))  # just read in full: the tier's copy is good
+        return step_dir
+
+    def _fetch_part_files(self, step: int, rank: int, man: RankManifest, raw: bytes, step_dir: Path) -> None:
+        step_dir.mkdir(parents=True, exist_ok=True)
+        (step_dir / manifest_name(rank)).unlink(missing_ok=True)  # an invalid local part: manifest first
+        staging = step_dir / f".staging-rank_{rank:05d}-{os.getpid()}"
+        _remove_tree(staging)
+        staging.mkdir()
+        try:
+            for rel, entry in sorted(man.files.items()):
+                tmp = staging / rel
+                tmp.parent.mkdir(parents=True, exist_ok=True)
+                try:
+                    src = self.parts.open(step, rel)
+                except FileNotFoundError as e:
+                    raise PersistentPartInvalid(f"step {step} rank {rank}: {rel} missing in {self.location}") from e
+                h = xxhash.xxh3_128()
+                with src, open(tmp, "wb") as fout:
+                    n = _copy_stream(src, fout, self.limiter, h)
+                    fout.flush()
+                    os.fsync(fout.fileno())
+                if FileEntry(n, h.hexdigest()) != entry:
+                    raise PersistentPartInvalid(f"step {step} rank {rank}: {rel} in {self.location} does not "
+                                                f"match its manifest ({n} bytes, expected {entry.size})")
+                if _hash_path(tmp, None) != entry:  # what landed on this disk, before it gets its name
+                    raise PersistentTierError(f"step {step} rank {rank}: {rel} differs after writing it locally")
+            dirs = {step_dir}
+            for rel in sorted(man.files):
+                final = step_dir / rel
+                final.parent.mkdir(parents=True, exist_ok=True)
+                os.replace(staging / rel, final)
+                dirs.add(final.parent)
+            for d in sorted(dirs, key=lambda p: len(p.parts), reverse=True):
+                fsync_dir(d)
+            tmp_manifest = staging / manifest_name(rank)
+            with open(tmp_manifest, "wb") as f:
+                f.write(raw)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp_manifest, step_dir / manifest_name(rank))  # last: the part is valid only now
+            fsync_dir(step_dir)
+        finally:
+            _remove_tree(staging)
 
 
 def iter_candidates(tier: PersistentTier, newer_than: int | None) -> Iterator[int]:

@@ -6,7 +6,9 @@ allocation), the step is fetched into the local checkpoint directory first (temp
 full, renamed), so the trainer resumes from a local path exactly as before; a persistent copy that
 does not verify is skipped and the next older one tried. Peer replicas are chosen by the multi-node
 coordinator (:mod:`supervisor.multinode`); ``peers`` is the hook for a single-node caller that wants
-to offer them here too.
+to offer them here too. In multi-node runs the persistent tier is one more holder in the coordinator's
+plan (per part, see :meth:`supervisor.persistent.PersistentTier.part_listing`), and the resume point
+is a :class:`TieredResumePoint` too, naming the farthest tier this node fetched from.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from supervisor.resume import ResumePoint, choose_resume
 log = logging.getLogger(__name__)
 
 TIER_LOCAL = "local"
+TIER_PEER = "peer"
 TIER_PERSISTENT = "persistent"
 
 
@@ -62,5 +65,5 @@ def choose_across_tiers(local_dir: str | Path, persistent: PersistentTier | None
     if peers is not None:
         point = peers(best.step if best else None)
         if point is not None and (best is None or point.step > best.step):
-            best = TieredResumePoint(point.step, point.path, point.layout, "peer")
+            best = TieredResumePoint(point.step, point.path, point.layout, TIER_PEER)
     return best

@@ -90,3 +90,67 @@ def test_missing_node_times_out_naming_it() -> None:
     leader.publish_inventory(0, {"steps": {}})
     with pytest.raises(CoordinationError, match="inv/0/1"):
         leader.inventories(0)
+
+
+# ------------------------------------------------------------------------ the persistent tier as a holder
+
+from supervisor.coordinator import PERSISTENT_HOLDER, FetchResult  # noqa: E402
+
+
+def tier(steps: dict) -> dict:
+    """A persistent listing: step -> ranks offered (owners: rank r on node r)."""
+    return {s: {"world_size": w, "ranks": ranks, "owners": {r: r for r in ranks}} for s, (w, ranks) in steps.items()}
+
+
+def test_plan_restores_from_persistent_tier_when_every_node_was_wiped() -> None:
+    plan = compute_plan(1, [inv({}), inv({})], tier({12: (2, [0, 1]), 18: (2, [0, 1])}))
+    assert (plan.step, plan.world_size) == (18, 2)
+    assert plan.fetch == {0: {0: [PERSISTENT_HOLDER]}, 1: {1: [PERSISTENT_HOLDER]}}
+    # Without owners in the manifests, ranks go to nodes the way torchrun assigns them (2 per node).
+    plan = compute_plan(1, [inv({}), inv({})], {18: {"world_size": 4, "ranks": [0, 1, 2, 3]}})
+    assert plan.fetch == {0: {0: [-1], 1: [-1]}, 1: {2: [-1], 3: [-1]}}
+
+
+def test_plan_prefers_in_place_then_peer_then_persistent_per_part() -> None:
+    invs = [inv({18: {"world_size": 2, "local": {"0": 0}, "replicas": {"1": 1}}}),
+            inv({})]  # node 1 lost its disk; node 0 holds its replica
+    plan = compute_plan(2, invs, tier({18: (2, [0, 1])}))
+    assert plan.step == 18 and plan.fetch == {1: {1: [0, PERSISTENT_HOLDER]}}  # rank 0 in place
+    # A step newer than anything in place is taken when the tier completes it, part by part.
+    invs = [inv({12: {"world_size": 2, "local": {"0": 0}, "replicas": {}},
+                 18: {"world_size": 2, "local": {"0": 0}, "replicas": {}}}),
+            inv({12: {"world_size": 2, "local": {"1": 1}, "replicas": {}}})]
+    assert compute_plan(2, invs).step == 12
+    plan = compute_plan(2, invs, tier({18: (2, [1])}))
+    assert plan.step == 18 and plan.fetch == {1: {1: [PERSISTENT_HOLDER]}}
+
+
+def test_plan_excludes_bad_parts_and_falls_back() -> None:
+    invs = [inv({}), inv({})]
+    listing = tier({6: (2, [0, 1]), 12: (2, [0, 1]), 18: (2, [0, 1])})
+    assert compute_plan(3, invs, listing, exclude={(18, 1, PERSISTENT_HOLDER)}).step == 12
+    bad = {(18, 1, PERSISTENT_HOLDER), (12, 0, PERSISTENT_HOLDER), (6, 0, PERSISTENT_HOLDER)}
+    assert compute_plan(3, invs, listing, exclude=bad).step is None  # fresh start, never a loop
+    # A peer holder that failed is skipped, the tier still serves the part.
+    invs = [inv({18: {"world_size": 2, "local": {"0": 0}, "replicas": {"1": 1}}}), inv({})]
+    plan = compute_plan(3, invs, listing, exclude={(18, 1, 0)})
+    assert plan.fetch == {1: {1: [PERSISTENT_HOLDER]}}
+    # The tier and the nodes disagree about the world size: the step is not usable.
+    invs = [inv({18: {"world_size": 2, "local": {"0": 0}, "replicas": {}}}), inv({})]
+    assert compute_plan(3, invs, tier({18: (3, [1])})).step is None
+
+
+def test_plan_tries_and_fetch_results_through_real_store() -> None:
+    port = free_port()
+    leader = RoundCoordinator("127.0.0.1", port, 0, 2, timeout_s=10)
+    follower = RoundCoordinator("127.0.0.1", port, 1, 2, timeout_s=10)
+    listing = tier({12: (2, [0, 1]), 18: (2, [0, 1])})
+    leader.publish_plan(compute_plan(0, [inv({}), inv({})], listing))
+    assert follower.plan(0).step == 18
+    follower.publish_fetch_result(0, 0, FetchResult(bad=[(18, 1)]))
+    leader.publish_fetch_result(0, 0, FetchResult())
+    results = leader.fetch_results(0, 0)
+    assert [r.bad for r in results] == [[], [(18, 1)]] and not any(r.error for r in results)
+    bad = {(s, r, PERSISTENT_HOLDER) for res in results for s, r in res.bad}
+    leader.publish_plan(compute_plan(0, [inv({}), inv({})], listing, exclude=bad), 1)
+    assert follower.plan(0, 1).step == 12 and follower.plan(0).step == 18  # each try keeps its own key

@@ -202,3 +202,35 @@ def test_wiped_local_resumes_from_persistent_bit_identical(tmp_path: Path) -> No
     assert ref.keys() == final.keys()
     for k in ref:
         assert torch.equal(ref[k], final[k]), f"{k} differs from the uninterrupted run"
+
+
+# ------------------------------------------------------------ symlinks are never copied (issue #9)
+
+def test_symlinked_file_is_never_copied(tmp_path: Path) -> None:
+    from supervisor.persistent import _copy_local_file
+
+    local, dest = tmp_path / "local", tmp_path / "persistent"
+    save_steps(local, [10, 20])
+    # Step 20's shard becomes a link to a file holding exactly the same bytes: size and checksum
+    # match, so a copy that followed it would verify.
+    shard = local / step_dir_name(20) / "rank_00000.pt"
+    twin = tmp_path / "twin.pt"
+    shutil.copyfile(shard, twin)
+    shard.unlink()
+    os.symlink(twin, shard)
+    with pytest.raises(OSError, match="symbolic link"):  # trainer_hooks.manifest.UnsafeFileError
+        _copy_local_file(shard, tmp_path / "out" / "rank_00000.pt", None)
+    assert not (tmp_path / "out" / "rank_00000.pt").exists()
+    tier = PersistentTier(dest, source=local)
+    assert tier.poll() == 10  # the newest step that is really complete; 20 is never copied
+    assert tier.steps() == [10] and not (dest / step_dir_name(20)).exists()
+    # The same trap planted in the persistent copy: fetching it back refuses, nothing lands locally.
+    copied = dest / step_dir_name(10) / "rank_00000.pt"
+    twin10 = tmp_path / "twin10.pt"
+    shutil.copyfile(copied, twin10)
+    copied.unlink()
+    os.symlink(twin10, copied)
+    assert tier.latest_valid() is None
+    with pytest.raises(PersistentTierError):
+        tier.fetch(10, tmp_path / "back")
+    assert not (tmp_path / "back" / step_dir_name(10)).exists()
