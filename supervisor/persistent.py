@@ -672,6 +672,7 @@ class PersistentTier:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._final = False  # flush(): the last copy ignores the cadence
         self.copies = 0
         self.bytes_copied = 0
         self.last_error: str | None = None
@@ -698,7 +699,7 @@ class PersistentTier:
     # ---------------------------------------------------------------- copying out
 
     def _due(self, step: int) -> bool:
-        if self.every_n is None and self.every_seconds is None:
+        if self._final or (self.every_n is None and self.every_seconds is None):
             return True
         if self._last_step is None:
             return True
@@ -808,6 +809,28 @@ class PersistentTier:
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
+
+    def flush(self, timeout: float) -> int | None:
+        """The job ended (finished, stopped, preempted): stop the thread, then copy the newest valid step
+        whatever the cadence says, so the run's last checkpoint outlives the allocation. Waits at most
+        ``timeout`` seconds; a copy cut off by rlsup's exit is never valid (temp names, manifest last)
+        and is cleaned by the next pass. On several nodes node 0 starts the step and the others join
+        only if they see it started, so there the final copy is best effort."""
+        self.stop(timeout)
+        self._final = True
+        result: list[int | None] = []
+
+        def final() -> None:
+            try:
+                result.append(self.poll())
+            except Exception as e:  # noqa: BLE001 - the tier must never kill the supervisor
+                self.last_error = str(e)
+                log.warning("final persistent copy failed: %s", e)
+
+        thread = threading.Thread(target=final, name="rlsup-persistent-flush", daemon=True)
+        thread.start()
+        thread.join(timeout)
+        return result[0] if result else None
 
     # ---------------------------------------------------------------- reading back
 

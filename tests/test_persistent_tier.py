@@ -234,3 +234,16 @@ def test_symlinked_file_is_never_copied(tmp_path: Path) -> None:
     with pytest.raises(PersistentTierError):
         tier.fetch(10, tmp_path / "back")
     assert not (tmp_path / "back" / step_dir_name(10)).exists()
+
+
+def test_flush_copies_the_last_step_whatever_the_cadence(tmp_path: Path) -> None:
+    """A run that ends (or is preempted) between two cadence points still leaves its last step in the tier."""
+    ckpt, dest = tmp_path / "ckpt", tmp_path / "persistent"
+    tier = PersistentTier(dest, every_n=100, source=ckpt)
+    save_steps(ckpt, [1])
+    assert tier.poll() == 1  # the first valid step is always due
+    save_steps(ckpt, [2])
+    assert tier.poll() is None  # 1 step since the last copy < every_n
+    assert tier.flush(timeout=60) == 2
+    assert verify_step_dir(dest / step_dir_name(2), full=True).valid
+    assert tier.flush(timeout=60) is None  # nothing newer: no second copy
