@@ -717,8 +717,8 @@ class PersistentTier:
             return self.poll_parts(src_root)
         with self._lock:
             self.store.clean_leftovers()
-            if self._last_step is None:
-                existing = self.store.steps()
+            if self._last_step is None:  # continue the cadence from the newest copy that is whole
+                existing = [s for s in self.store.steps() if self.store.verify(s, False)[0]]
                 if existing:
                     self._last_step = existing[-1]
                     self._done.update(existing)

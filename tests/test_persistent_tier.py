@@ -247,3 +247,16 @@ def test_flush_copies_the_last_step_whatever_the_cadence(tmp_path: Path) -> None
     assert tier.flush(timeout=60) == 2
     assert verify_step_dir(dest / step_dir_name(2), full=True).valid
     assert tier.flush(timeout=60) is None  # nothing newer: no second copy
+
+
+def test_a_cut_off_copy_is_not_taken_for_done(tmp_path: Path) -> None:
+    """A new rlsup (fresh tier object) finds a copy that a killed one left without manifests: it copies
+    that step again instead of skipping it as already persisted."""
+    ckpt, dest = tmp_path / "ckpt", tmp_path / "persistent"
+    save_steps(ckpt, [3])
+    assert PersistentTier(dest, source=ckpt).poll() == 3
+    for m in (dest / step_dir_name(3)).glob("manifest*"):
+        m.unlink()  # as if the copy had been cut off before its manifests
+    assert not verify_step_dir(dest / step_dir_name(3)).valid
+    assert PersistentTier(dest, source=ckpt).poll() == 3
+    assert verify_step_dir(dest / step_dir_name(3), full=True).valid
