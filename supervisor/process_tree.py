@@ -18,7 +18,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Sequence
+from typing import IO, Mapping, Sequence
 
 import psutil
 
@@ -77,18 +77,37 @@ class OutputTail:
         return list(self._tail)
 
 
+def spawn_job_root(argv: Sequence[str], env: Mapping[str, str], cwd: str | None = None,
+                   stdin: int | IO | None = subprocess.DEVNULL, pass_fds: Sequence[int] = ()) -> subprocess.Popen:
+    """Start a job's top process: own session, dies with rlsup, stdout+stderr on one pipe.
+
+    PR_SET_PDEATHSIG fires when the *thread* that forked the child exits: call this from the thread
+    that supervises the job (the run loop), never from a short-lived helper thread."""
+    return subprocess.Popen(
+        list(argv), env=None if env is None else dict(env), cwd=cwd, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        start_new_session=True, preexec_fn=_die_with_parent, pass_fds=tuple(pass_fds),
+    )
+
+
 class JobProcess:
     """One launched attempt: the top process, the set of processes seen under it, and its output."""
 
-    helpers: set[int] = set()  # pids rlsup started for itself (py-spy), never part of a job
+    helpers: set[int] = set()  # pids rlsup started for itself (py-spy, warm launchers), never part of a job
 
     def __init__(self, argv: Sequence[str], env: dict[str, str], log_path: Path, tail_lines: int,
                  cwd: str | None = None) -> None:
+        self._adopt(spawn_job_root(argv, env, cwd), log_path, tail_lines)
+
+    @classmethod
+    def from_popen(cls, popen: subprocess.Popen, log_path: Path, tail_lines: int) -> "JobProcess":
+        """An attempt whose top process was spawned ahead with :func:`spawn_job_root` (a warm launcher)."""
+        job = cls.__new__(cls)
+        job._adopt(popen, log_path, tail_lines)
+        return job
+
+    def _adopt(self, popen: subprocess.Popen, log_path: Path, tail_lines: int) -> None:
         self.output = OutputTail(tail_lines, log_path)
-        self.popen = subprocess.Popen(
-            list(argv), env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent,
-        )
+        self.popen = popen
         self.pid = self.popen.pid
         self.pgid = self.pid
         self.started = time.monotonic()

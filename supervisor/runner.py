@@ -29,6 +29,7 @@ from supervisor.process_tree import JobProcess, become_subreaper, oom_kill_count
 from supervisor.restart_policy import RestartPolicy
 from supervisor.stacks import dump_stacks
 from supervisor.resume import ResumePoint, choose_resume
+from supervisor.warm_launcher import Zygote, warm_spec
 from trainer_hooks.heartbeat import rank_file_name, request_stop
 
 KEEP_ATTEMPT_DIRS = 10
@@ -125,6 +126,7 @@ class Supervisor:
         self._wake = threading.Event()
         self.incidents: list[Incident] = []
         self.state = JobState(JobStatus.INIT.value, 0, os.getpid(), self.command, time.time())
+        self._zygote: Zygote | None = None  # the next attempt's pre-spawned torchrun (warm_launcher)
         from supervisor.persistent import PersistentTier
 
         self.persistent = PersistentTier.from_config(self.cfg)  # None when persistent_dir is empty
@@ -132,6 +134,12 @@ class Supervisor:
     # ------------------------------------------------------------ the loop
 
     def run(self) -> RunResult:
+        try:
+            return self._run()
+        finally:
+            self._discard_zygote()  # every way out, exceptions included: no unused launcher outlives rlsup
+
+    def _run(self) -> RunResult:
         self._install_signal_handlers()
         become_subreaper()
         self.state_dir.mkdir(parents=True, exist_ok=True)
@@ -304,12 +312,57 @@ class Supervisor:
         self._prune_attempt_dirs()
         where = f" from step {resume.step} ({resume.path})" if resume else ""
         self._log(f"attempt {attempt}: launching {' '.join(self.command)}{where}")
-        job = JobProcess(self.command, self.attempt_env(attempt, resume, hb_dir), attempt_dir / "output.log",
-                         self.cfg.output_tail_lines)
+        env = self.attempt_env(attempt, resume, hb_dir)
+        job = self._start_warm(attempt, env, attempt_dir / "output.log")
+        if job is None:
+            job = JobProcess(self.command, env, attempt_dir / "output.log", self.cfg.output_tail_lines)
         self.observer.attempt_started(attempt, resume.step if resume else None)
         if resume is not None:
             self.observer.resumed_from(getattr(resume, "tier", "local"))
+        self._arm_zygote(env)
         return job, hb_dir
+
+    def _start_warm(self, attempt: int, env: dict[str, str], log_path: Path) -> JobProcess | None:
+        """This attempt's job root from the pre-spawned warm launcher; None: launch cold."""
+        zygote, self._zygote = self._zygote, None
+        if zygote is None:
+            return None
+        age = time.monotonic() - zygote.spawned
+        try:
+            job = zygote.start(None, env, os.getcwd(), log_path, self.cfg.output_tail_lines)
+        except Exception as e:  # whatever went wrong, the cold launch still can
+            zygote.discard()
+            self._log(f"attempt {attempt}: warm launcher pid {zygote.pid} failed to start ({e}); launching cold")
+            return None
+        if job is None:
+            said = [line for line in zygote.output_left.splitlines() if line.strip()]
+            self._log(f"attempt {attempt}: warm launcher pid {zygote.pid} not usable (exit {zygote.popen.returncode}"
+                      f"{': ' + said[-1].strip() if said else ''}); launching cold")
+        else:
+            self._log(f"attempt {attempt}: started by the warm launcher (pid {job.pid}, spawned {age:.1f}s ago)")
+        return job
+
+    def _arm_zygote(self, env: dict[str, str]) -> None:
+        """Pre-spawn the next attempt's job root while this one runs (torchrun jobs, warm_launcher on).
+        Not when this attempt's failure would end the run anyway (max_restarts used up)."""
+        if not self.cfg.warm_launcher or self._zygote is not None:
+            return
+        if len(self.policy.failures) >= self.cfg.max_restarts:
+            return
+        spec = warm_spec(self.command, env)
+        if spec is None:
+            return
+        try:
+            self._zygote = Zygote(spec, env)
+        except (OSError, subprocess.SubprocessError) as e:
+            self._log(f"warm launcher not started ({e}); restarts launch cold")
+            return
+        self._log(f"warm launcher pid {self._zygote.pid} spawned for the next attempt")
+
+    def _discard_zygote(self) -> None:
+        zygote, self._zygote = self._zygote, None
+        if zygote is not None:
+            zygote.discard()
 
     def watch(self, job: JobProcess, hb_dir: Path, attempt: int) -> AttemptResult:
         """Poll until the job exits, hangs, or rlsup is asked to stop."""
@@ -490,8 +543,11 @@ class Supervisor:
         self.observer.state(status.value)
 
     def _finish(self, code: int, status: JobStatus, attempt: int) -> RunResult:
+        self._discard_zygote()  # no next attempt: do not keep a launcher alive through the final copy
         if self.persistent is not None:
-            self.persistent.stop()
+            step = self.persistent.flush(self.cfg.stop_grace)  # the last checkpoint, whatever the cadence
+            if step is not None:
+                self._log(f"step {step} copied to the persistent tier {self.persistent.location}")
         self._log(f"{status.value} after {attempt + 1} attempt(s); exit {code}")
         return RunResult(code, status, attempt + 1, self.incidents)
 
