@@ -23,11 +23,14 @@ round ``c`` (its predecessor's ranks are gone anyway) and joins ``c+1``. ``abort
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Iterable
 
 from torch.distributed import TCPStore
+
+WAIT_POLL_S = 0.05  # how often a wait looks at the store (its keys, and the round's end)
 
 
 # The persistent tier as a pseudo-holder in RoundPlan.fetch (node ranks are >= 0).
@@ -36,6 +39,10 @@ PERSISTENT_HOLDER = -1
 
 class CoordinationError(RuntimeError):
     """The nodes could not agree in time (a node missing, the store unreachable)."""
+
+
+class RoundEnded(CoordinationError):
+    """The round ended (a node failed, or a replacement node rejoined) while this node waited inside it."""
 
 
 @dataclass
@@ -114,7 +121,7 @@ class RoundCoordinator:
 
     def inventories(self, rnd: int) -> list[dict[str, Any]]:
         keys = [f"inv/{rnd}/{n}" for n in range(self.num_nodes)]
-        self._wait(keys, f"inventories of round {rnd}")
+        self._wait(keys, f"inventories of round {rnd}", rnd)
         return [json.loads(self._get(k)) for k in keys]
 
     @staticmethod
@@ -130,7 +137,7 @@ class RoundCoordinator:
 
     def plan(self, rnd: int, attempt_try: int = 0) -> RoundPlan:
         key = self._plan_key(rnd, attempt_try)
-        self._wait([key], f"the plan of round {rnd}" + (f" (try {attempt_try})" if attempt_try else ""))
+        self._wait([key], f"the plan of round {rnd}" + (f" (try {attempt_try})" if attempt_try else ""), rnd)
         return RoundPlan.from_json(self._get(key))
 
     def publish_fetch_result(self, rnd: int, attempt_try: int, result: FetchResult) -> None:
@@ -139,14 +146,14 @@ class RoundCoordinator:
     def fetch_results(self, rnd: int, attempt_try: int) -> list[FetchResult]:
         """Every node's result of try ``attempt_try`` (waits for all: the same answer on every node)."""
         keys = [f"fetched/{rnd}/{attempt_try}/{n}" for n in range(self.num_nodes)]
-        self._wait(keys, f"every node's fetch in round {rnd}")
+        self._wait(keys, f"every node's fetch in round {rnd}", rnd)
         return [FetchResult.from_json(self._get(k)) for k in keys]
 
     def mark_ready(self, rnd: int) -> None:
         self.store.set(f"ready/{rnd}/{self.node_rank}", "1")
 
     def wait_all_ready(self, rnd: int) -> None:
-        self._wait([f"ready/{rnd}/{n}" for n in range(self.num_nodes)], f"all nodes ready for round {rnd}")
+        self._wait([f"ready/{rnd}/{n}" for n in range(self.num_nodes)], f"all nodes ready for round {rnd}", rnd)
 
     def end(self, rnd: int, reason: str) -> str:
         """End round ``rnd`` for everyone; returns the reason that won (maybe another node's)."""
@@ -166,13 +173,26 @@ class RoundCoordinator:
     def _get(self, key: str) -> str:
         return self.store.get(key).decode()
 
-    def _wait(self, keys: list[str], what: str) -> None:
-        try:
-            self.store.wait(keys, self.timeout)
-        except Exception as e:
-            missing = [k for k in keys if not self.store.check([k])]
-            raise CoordinationError(f"timed out after {self.timeout.total_seconds():.0f}s waiting for {what}; "
-                                    f"missing {missing}") from e
+    def _wait(self, keys: list[str], what: str, rnd: int | None = None) -> None:
+        """Poll until every key exists. Inside round ``rnd``, its end (``end/rnd``) stops the wait with
+        :class:`RoundEnded`: a node that died there never writes its keys, and its replacement ends the
+        round on rejoin, so waiting out the timeout would only lose the job."""
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        while True:
+            try:
+                if self.store.check(keys):
+                    return
+                if rnd is not None and self.store.check([f"end/{rnd}"]):
+                    raise RoundEnded(f"round {rnd} ended while waiting for {what}: {self._get(f'end/{rnd}')}")
+                if time.monotonic() > deadline:
+                    missing = [k for k in keys if not self.store.check([k])]
+                    raise CoordinationError(f"timed out after {self.timeout.total_seconds():.0f}s waiting for "
+                                            f"{what}; missing {missing}")
+            except CoordinationError:
+                raise
+            except Exception as e:  # torch raises DistNetworkError and friends when node 0's store is gone
+                raise CoordinationError(f"the coordination store is unreachable while waiting for {what}: {e}") from e
+            time.sleep(WAIT_POLL_S)
 
 
 def compute_plan(rnd: int, inventories: list[dict[str, Any]], persistent: dict[int, dict[str, Any]] | None = None,

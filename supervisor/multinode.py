@@ -20,6 +20,7 @@ from supervisor.config import SupervisorConfig
 from supervisor.coordinator import (
     PERSISTENT_HOLDER,
     CoordinationError,
+    RoundEnded,
     FetchResult,
     RoundCoordinator,
     RoundPlan,
@@ -30,7 +31,7 @@ from supervisor.observer import Observer
 from supervisor.persistent import PersistentPartInvalid
 from supervisor.replication import ReplicationEngine, newest_own_step
 from supervisor.resume import ResumePoint
-from supervisor.runner import AttemptResult, Supervisor
+from supervisor.runner import AttemptAbandoned, AttemptResult, Supervisor
 from supervisor.tiers import TIER_LOCAL, TIER_PEER, TIER_PERSISTENT, TieredResumePoint
 from trainer_hooks.manifest import manifest_name, step_dir_name
 
@@ -77,6 +78,14 @@ class MultiNodeSupervisor(Supervisor):
         return self.coordinator.join()
 
     def prepare(self, attempt: int) -> ResumePoint | None:
+        """:meth:`_prepare_round`; a round that ends meanwhile (a node failed its fetch, or died and its
+        replacement rejoined) is abandoned before launch, and every node goes to the next round."""
+        try:
+            return self._prepare_round(attempt)
+        except RoundEnded as e:
+            raise AttemptAbandoned(str(e)) from e
+
+    def _prepare_round(self, attempt: int) -> ResumePoint | None:
         """Publish what we hold; node 0 plans; fetch what we lack; start together.
 
         A persistent part that fails verification does not end the round: every node reports its

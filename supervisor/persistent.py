@@ -34,6 +34,7 @@ import logging
 import os
 import secrets
 import shutil
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -91,6 +92,8 @@ class TierCopy:
 
 
 def _pid_alive(pid: int) -> bool:
+    if pid <= 0:  # no pid in the name: unknown owner, only age makes it stale (and kill(-1, 0) means "all")
+        return True
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -208,6 +211,36 @@ class _LocalStore:
             return
         fsync_dir(self.root)
         _remove_tree(doomed)
+
+
+def _hold_name() -> str:
+    """``.hold-persistent-<host>-<pid>``: the host tells whose pid it is when the checkpoint dir is shared."""
+    return f"{HOLD_NAME}-{socket.gethostname()}-{os.getpid()}"
+
+
+def clear_stale_holds(checkpoint_dir: Path) -> list[Path]:
+    """Remove this host's holds whose process is gone (an rlsup SIGKILLed mid-copy): retention skips
+    held steps, so a stale hold would keep its step on disk forever. Holds of other hosts are left."""
+    removed = []
+    host = socket.gethostname()
+    try:
+        steps = [e.path for e in os.scandir(checkpoint_dir) if STEP_DIR_RE.match(e.name) and e.is_dir()]
+    except OSError:
+        return removed
+    for step_dir in steps:
+        try:
+            names = [n for n in os.listdir(step_dir) if n.startswith(HOLD_NAME + "-")]
+        except OSError:
+            continue
+        for name in names:
+            who, _, pid = name[len(HOLD_NAME) + 1:].rpartition("-")
+            if pid.isdigit() and who in (host, "") and int(pid) != os.getpid() and not _pid_alive(int(pid)):
+                try:
+                    os.unlink(os.path.join(step_dir, name))
+                    removed.append(Path(step_dir, name))
+                except OSError:
+                    pass
+    return removed
 
 
 def _clean_dir(root: Path) -> None:
@@ -713,6 +746,8 @@ class PersistentTier:
         src_root = Path(source) if source is not None else self.source
         if src_root is None:
             raise ValueError("no source checkpoint directory: pass source= to PersistentTier or poll()")
+        for hold in clear_stale_holds(src_root):
+            log.info("removed the stale hold %s (its rlsup is gone)", hold)
         if self.node is not None:
             return self.poll_parts(src_root)
         with self._lock:
@@ -730,7 +765,7 @@ class PersistentTier:
                 return None
             if not self._due(step):
                 return None
-            hold = newest.path / f"{HOLD_NAME}-{os.getpid()}"
+            hold = newest.path / _hold_name()
             try:
                 hold.touch()
             except OSError:
@@ -855,6 +890,7 @@ class PersistentTier:
         A valid local copy already there is kept. Raises PersistentTierError when the persistent copy
         does not verify (it is never renamed into place)."""
         with self._lock:
+            _clean_dir(Path(dest_dir))  # the temp copy of a fetch whose rlsup was killed
             try:
                 return self.store.get(step, Path(dest_dir), self.limiter)
             except (OSError, ManifestError) as e:
@@ -983,7 +1019,7 @@ class PersistentTier:
         manifest last, so the part counts only once whole. A valid part already there is kept; an
         invalid one of ours loses its manifest first, then is rewritten."""
         step, rank = part.step, part.rank
-        hold = part.step_dir / f"{HOLD_NAME}-{os.getpid()}"
+        hold = part.step_dir / _hold_name()
         try:
             hold.touch()
         except OSError:

@@ -15,6 +15,7 @@ import concurrent.futures
 import json
 import logging
 import os
+import re
 import queue
 import threading
 import time
@@ -259,6 +260,7 @@ class ReplicationEngine:
         """Bring this node's missing parts of ``step`` back from the peers that hold replicas."""
         step_dir = self.checkpoint_dir / step_dir_name(step)
         step_dir.mkdir(parents=True, exist_ok=True)
+        _remove_fetch_leftovers(step_dir)
         ns = namespace_of(self.me)
         base = step_dir_name(step)
         for rank, holders in sorted(ranks.items()):
@@ -291,6 +293,21 @@ class ReplicationEngine:
             staging.unlink(missing_ok=True)
         if verify_part(step_dir, rank, full=True) is None:
             raise RuntimeError(f"fetched part of rank {rank} does not verify")
+
+
+_FETCH_TEMP_RE = re.compile(r"^(\..+\.rlsup-[0-9a-f]+\.tmp|\.fetch-manifest\..+)$")
+
+
+def _remove_fetch_leftovers(step_dir: Path) -> None:
+    """Temp files of a fetch whose process was killed (partial data, a staged manifest). Only a fetch
+    writes these names into the checkpoint dir, and fetches run before launch, one at a time."""
+    for dirpath, _dirs, files in os.walk(step_dir):
+        for name in files:
+            if _FETCH_TEMP_RE.match(name):
+                try:
+                    os.unlink(os.path.join(dirpath, name))
+                except OSError:
+                    pass
 
 
 def _part_held(part: Part, index: dict[str, Any]) -> bool:

@@ -75,6 +75,11 @@ class AttemptResult:
     ended: float = field(default_factory=time.monotonic)
 
 
+class AttemptAbandoned(Exception):
+    """Raised by :meth:`Supervisor.prepare`: the attempt is over before launch (another node ended it);
+    nothing is launched, and it counts as a failed attempt (``peer_failure``) for the restart policy."""
+
+
 @dataclass
 class RunResult:
     """What ``rlsup run`` ended with."""
@@ -150,14 +155,15 @@ class Supervisor:
         pending: tuple[Incident, float] | None = None  # last failure, recorded once the next attempt starts
         while True:
             self._set_state(JobStatus.STARTING, attempt=attempt)
-            resume = self.prepare(attempt)
-            self._set_state(JobStatus.STARTING, attempt=attempt, resume=resume)
-            job, hb_dir = self.launch(attempt, resume)
-            if pending is not None:
-                self._record(pending[0], downtime=time.monotonic() - pending[1], resume=resume)
-            self._set_state(JobStatus.RUNNING, job_pid=job.pid)
-            result = self.watch(job, hb_dir, attempt)
-            self.cleanup(job, result)
+            try:
+                resume = self.prepare(attempt)
+            except AttemptAbandoned as e:
+                self._log(f"attempt {attempt}: not launched: {e}")
+                if pending is not None:
+                    self._record(pending[0])
+                resume, result = None, AttemptResult(attempt, "peer_failure", None, detail=str(e))
+            else:
+                result = self._launch_and_watch(attempt, resume, pending)
             if result.reason == "success":
                 self._set_state(JobStatus.SUCCEEDED, exit_code=0)
                 return self._finish(exit_codes.OK, JobStatus.SUCCEEDED, attempt)
@@ -175,6 +181,17 @@ class Supervisor:
                 self._record(incident)
                 return self._stopped(attempt)
             attempt = self.next_attempt(attempt)
+
+    def _launch_and_watch(self, attempt: int, resume: ResumePoint | None,
+                          pending: tuple[Incident, float] | None) -> AttemptResult:
+        self._set_state(JobStatus.STARTING, attempt=attempt, resume=resume)
+        job, hb_dir = self.launch(attempt, resume)
+        if pending is not None:
+            self._record(pending[0], downtime=time.monotonic() - pending[1], resume=resume)
+        self._set_state(JobStatus.RUNNING, job_pid=job.pid)
+        result = self.watch(job, hb_dir, attempt)
+        self.cleanup(job, result)
+        return result
 
     def decide(self, attempt: int, result: AttemptResult, resume: ResumePoint | None) -> tuple[Incident, float | None]:
         """A failed attempt: its incident, and the delay before the next one (None: give up, recorded now)."""

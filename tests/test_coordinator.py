@@ -154,3 +154,33 @@ def test_plan_tries_and_fetch_results_through_real_store() -> None:
     bad = {(s, r, PERSISTENT_HOLDER) for res in results for s, r in res.bad}
     leader.publish_plan(compute_plan(0, [inv({}), inv({})], listing, exclude=bad), 1)
     assert follower.plan(0, 1).step == 12 and follower.plan(0).step == 18  # each try keeps its own key
+
+
+def test_a_wait_inside_a_round_ends_when_a_replacement_rejoins() -> None:
+    """Node 1 died mid-fetch: node 0 waits for its fetch result. The replacement's rejoin ends the round,
+    and node 0's wait stops at once (RoundEnded) instead of running out the rendezvous timeout."""
+    from supervisor.coordinator import RoundEnded
+
+    port = free_port()
+    leader = RoundCoordinator("127.0.0.1", port, 0, 2, timeout_s=60)
+    dead = RoundCoordinator("127.0.0.1", port, 1, 2, timeout_s=60)
+    assert leader.join() == 0 and dead.join() == 0
+    dead.publish_inventory(0, {"steps": {}})
+    leader.publish_inventory(0, {"steps": {}})
+    leader.publish_plan(compute_plan(0, leader.inventories(0)))
+    leader.publish_fetch_result(0, 0, FetchResult())
+    caught: list[BaseException] = []
+
+    def node0() -> None:
+        try:
+            leader.fetch_results(0, 0)
+        except BaseException as e:  # noqa: BLE001 - handed to the test thread
+            caught.append(e)
+
+    t = threading.Thread(target=node0)
+    t.start()
+    assert RoundCoordinator("127.0.0.1", port, 1, 2, timeout_s=60).join() == 1  # the replacement
+    t.join(10)
+    assert not t.is_alive(), "node 0 kept waiting for the dead node's fetch result"
+    assert caught and isinstance(caught[0], RoundEnded) and "node 1 rejoined" in str(caught[0])
+    assert leader.join() == 1

@@ -171,3 +171,106 @@ def same_weights(path: Path, ref: dict) -> str:
         return f"keys differ: {sorted(final)} vs {sorted(ref)}"
     bad = [k for k in ref if not torch.equal(final[k], ref[k])]
     return f"tensors differ from the uninterrupted run: {bad}" if bad else ""
+
+
+def reference_checkpoints(cache_dir: Path, world: int, args: list[str]) -> Path:
+    """An uninterrupted run that keeps every checkpoint: ``<dir>/ckpt/step_N`` for each saved step (cached
+    on disk under ``cache_dir``). A checkpoint of an interrupted run that verifies must hold exactly the
+    state of the same step here: that is how a torn or mixed snapshot that still verifies is caught."""
+    import shutil
+
+    relevant = list(args)
+    if "--keep-last" in relevant:
+        i = relevant.index("--keep-last")
+        del relevant[i:i + 2]
+    key = hashlib.sha256(json.dumps(["keep-all", world, relevant]).encode()).hexdigest()[:16]
+    work = cache_dir / f"refckpt-{key}"
+    if (work / "final.pt").exists():
+        return work / "ckpt"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    r = subprocess.run([*launcher(world), *relevant, "--keep-last", "100000", "--step-time", "0",
+                        "--checkpoint-dir", str(work / "ckpt"), "--out", str(work / "final.pt.tmp")],
+                       env=clean_env(TMPDIR=str(work)), cwd=work, capture_output=True, text=True, timeout=600)
+    if r.returncode != 0:
+        raise AssertionError(f"reference run (all checkpoints kept) failed: {r.stdout[-2000:]}{r.stderr[-2000:]}")
+    os.replace(work / "final.pt.tmp", work / "final.pt")
+    return work / "ckpt"
+
+
+def payload_diff(got: object, want: object, where: str = "") -> str:
+    """'' when two loaded checkpoint payloads are equal (tensors bit for bit), else the first difference."""
+    import torch
+
+    if isinstance(want, torch.Tensor) or isinstance(got, torch.Tensor):
+        if not (isinstance(got, torch.Tensor) and isinstance(want, torch.Tensor)):
+            return f"{where or '/'}: {type(got).__name__} vs {type(want).__name__}"
+        if got.dtype != want.dtype or got.shape != want.shape or not torch.equal(got, want):
+            return f"{where or '/'}: tensors differ"
+        return ""
+    if isinstance(want, dict):
+        if not isinstance(got, dict) or set(got) != set(want):
+            return f"{where or '/'}: keys {sorted(map(str, got)) if isinstance(got, dict) else type(got).__name__} " \
+                   f"vs {sorted(map(str, want))}"
+        for k in want:
+            d = payload_diff(got[k], want[k], f"{where}/{k}")
+            if d:
+                return d
+        return ""
+    if isinstance(want, (list, tuple)):
+        if not isinstance(got, (list, tuple)) or len(got) != len(want):
+            return f"{where or '/'}: sequence lengths differ"
+        for i, (a, b) in enumerate(zip(got, want)):
+            d = payload_diff(a, b, f"{where}/{i}")
+            if d:
+                return d
+        return ""
+    return "" if got == want else f"{where or '/'}: {got!r:.60} vs {want!r:.60}"
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct TCP ports free on 127.0.0.1 right now."""
+    import socket
+
+    socks = []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        socks.append(s)
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def proc_state(pid: int) -> str | None:
+    """The /proc state letter of ``pid`` (R, S, T, Z, ...), None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0]
+    except OSError:
+        return None
+
+
+def freeze(pid: int, timeout: float = 5.0) -> bool:
+    """SIGSTOP ``pid`` and wait until it is stopped; False when it is gone."""
+    import signal
+
+    try:
+        os.kill(pid, signal.SIGSTOP)
+    except ProcessLookupError:
+        return False
+    try:
+        wait_for(lambda: proc_state(pid) in ("T", "t", "Z", "X", None), timeout, f"pid {pid} to stop", interval=0.001)
+    except Deadline:
+        return False
+    return proc_state(pid) in ("T", "t")
+
+
+def thaw(pid: int) -> None:
+    import signal
+
+    try:
+        os.kill(pid, signal.SIGCONT)
+    except ProcessLookupError:
+        pass

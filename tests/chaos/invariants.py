@@ -8,6 +8,10 @@ an empty list means the invariant holds. Scenarios collect them and fail with al
   configured directories at the top of the sandbox.
 - :class:`ProcessTracker` / :func:`check_no_survivors`: no process of the job outlived its supervisor.
 - :func:`check_incidents`: incidents.jsonl accounts for every injected fault that killed an attempt.
+- :func:`check_steps_match_reference`: every step that verifies holds exactly the uninterrupted run's
+  state of that step (a torn or mixed snapshot that still verifies would be caught here).
+- :func:`check_no_stale_holds` / :func:`check_no_temp_copies`: no retention hold of a dead process and no
+  temp copy (persistent tier, peer fetch) is left behind once a run ended.
 """
 
 from __future__ import annotations
@@ -203,6 +207,8 @@ def check_no_survivors(tracker: ProcessTracker, timeout: float = 20.0) -> list[s
 EXPECTED_REASONS = {
     "rank_kill": {"signal", "exit_code"},
     "rank_stop": {"hang", "save_timeout"},  # stopped inside a save/load section: save_timeout
+    # The async writer died: the trainer's next save() or wait() raises AsyncSaveError (exit 1).
+    "writer_kill": {"exit_code"},
     "supervisor_kill": {"supervisor_lost"},
     "node_kill": {"supervisor_lost"},
 }
@@ -229,4 +235,76 @@ def check_incidents(state_dir: Path, faults: list) -> list[str]:
         if i.get("resumed_step") is not None and newest is not None and i["resumed_step"] < newest:
             problems.append(f"after {f.kind} the next attempt resumed from step {i['resumed_step']}, "
                             f"but step {newest} was valid")
+    return problems
+
+
+# ------------------------------------------------------------------ tiers: content, holds, temp copies
+
+
+def check_steps_match_reference(ckpt_dir: Path, ref_ckpt: Path, world: int) -> list[str]:
+    """Every step of ``ckpt_dir`` that verifies holds the same payload (model, optimizer, sampler, RNG, ...)
+    as the same step of an uninterrupted run (:func:`tests.chaos.common.reference_checkpoints`)."""
+    import torch
+
+    from .common import payload_diff
+
+    problems = []
+    for step, path in list_step_dirs(ckpt_dir):
+        if not verify_step_dir(path, full=True).valid:
+            continue
+        ref = ref_ckpt / path.name
+        if not ref.is_dir():
+            problems.append(f"valid step {step} does not exist in the uninterrupted run")
+            continue
+        for rank in range(world):
+            name = f"rank_{rank:05d}.pt"
+            try:
+                got = torch.load(path / name, weights_only=True)
+            except FileNotFoundError:
+                continue
+            diff = payload_diff(got, torch.load(ref / name, weights_only=True))
+            if diff:
+                problems.append(f"valid step {step} rank {rank} differs from the uninterrupted run's: {diff}")
+    return problems
+
+
+def _pid_of_suffix(name: str) -> int | None:
+    tail = name.rsplit("-", 1)[-1]
+    return int(tail) if tail.isdigit() else None
+
+
+def check_no_stale_holds(ckpt_dir: Path) -> list[str]:
+    """No ``.hold-persistent-<pid>`` marker of a dead process pins a step (retention skips held steps, so a
+    stale marker keeps that step forever)."""
+    problems = []
+    for step, path in list_step_dirs(ckpt_dir):
+        try:
+            names = os.listdir(path)
+        except OSError:
+            continue
+        for name in names:
+            if not name.startswith(".hold-persistent"):
+                continue
+            pid = _pid_of_suffix(name)
+            if pid is None or not psutil.pid_exists(pid):
+                problems.append(f"step {step}: stale retention hold {name} of a dead process (the step can never "
+                                f"be deleted by keep_last)")
+    return problems
+
+
+def check_no_temp_copies(*roots: Path) -> list[str]:
+    """No temp copy is left: ``.incoming-*`` (persistent tier, both directions), ``.fetch-*`` and
+    ``*.rlsup-*.tmp`` (peer fetches), directly under a root or inside its step directories."""
+    problems = []
+    for root in roots:
+        dirs = [root] + [p for _, p in list_step_dirs(root)]
+        for d in dirs:
+            try:
+                names = os.listdir(d)
+            except OSError:
+                continue
+            for name in names:
+                if (name.startswith(".incoming-") or name.startswith(".fetch-")
+                        or (name.startswith(".") and ".rlsup-" in name and name.endswith(".tmp"))):
+                    problems.append(f"leftover temp copy {os.path.join(d, name)}")
     return problems

@@ -17,9 +17,12 @@ import time
 from pathlib import Path
 
 from . import scenarios as S
+from . import scenarios_multinode as MN
+from . import scenarios_tiers as T
 
 WEIGHTS = {"kill-w1": 6, "kill-w2": 2, "corruption": 1, "disk_full": 1, "replica_disk_full": 1, "clock_jump": 1,
-           "hostile_peer": 1, "hostile_client": 1, "bad_config": 1}
+           "hostile_peer": 1, "hostile_client": 1, "bad_config": 1, "async-w1": 2, "async-w2": 1, "persistent": 2,
+           "mn_transfer": 1, "mn_fetch": 1}
 
 
 def run_one(name: str, seed: int, work: Path, ref_cache: Path) -> S.ScenarioResult:
@@ -45,6 +48,16 @@ def run_one(name: str, seed: int, work: Path, ref_cache: Path) -> S.ScenarioResu
         return S.hostile_client_scenario(work, seed)
     if name == "bad_config":
         return S.bad_config_scenario(work, seed, n_random=200)
+    if name.startswith("async"):
+        world = 2 if name == "async-w2" else 1
+        return T.async_write_scenario(work, ref_cache, seed, world, n_faults=rng.randint(2, 5), require_injected=False)
+    if name == "persistent":
+        return T.persistent_copy_scenario(work, ref_cache, seed, n_faults=rng.randint(1, 3),
+                                          require_injected=False)
+    if name == "mn_transfer":
+        return MN.transfer_kill_scenario(work, seed)
+    if name == "mn_fetch":
+        return MN.fetch_kill_scenario(work, ref_cache, seed, kills=rng.randint(1, 2))
     raise ValueError(name)
 
 
@@ -84,7 +97,8 @@ def run_soak(minutes: float, root: Path, seed: int | None = None, out: Path | No
         for f in res.faults:
             if f.injected:
                 faults[f"{f.kind}@{f.moment}" if f.kind in ("rank_kill", "rank_stop", "supervisor_kill", "node_kill",
-                                                            "supervisor_stop") else f.kind] += 1
+                                                            "supervisor_stop", "writer_kill", "daemon_kill")
+                       else f.kind] += 1
                 if not f.hit and f.moment != "random":
                     missed[f"{f.kind}@{f.moment}"] += 1
             if f.note and "no overall deadline" in f.note:
