@@ -46,7 +46,7 @@ class SupervisorConfig:
     backoff_jitter: float = _opt(0.2, "Random +/- fraction applied to each delay so nodes do not restart in lockstep.")
     fatal_exit_codes: list[int] = _opt([], "Exit codes that are never retried; rlsup exits with that code.")
     kill_grace: float = _opt(10.0, "Seconds between SIGTERM and SIGKILL when a failed attempt's process tree is cleaned up.")
-    stop_grace: float = _opt(60.0, "Seconds the job gets to save and exit after rlsup is asked to stop or is preempted.")
+    stop_grace: float = _opt(60.0, "Seconds the job gets to save and exit after rlsup is asked to stop or is preempted; also the most the final copy to the persistent tier may take when the run ends.")
     heartbeat_timeout: float | None = _opt(None, "Seconds a rank that has heartbeated may stay silent; 'auto' (null) learns it from step intervals.")
     heartbeat_timeout_initial: float = _opt(600.0, "Timeout used by 'auto' until enough step intervals were seen.")
     auto_timeout_factor: float = _opt(5.0, "'auto': timeout = factor x longest observed step interval.")
