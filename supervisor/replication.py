@@ -16,7 +16,6 @@ import json
 import logging
 import os
 import re
-import queue
 import threading
 import time
 from dataclasses import dataclass, field

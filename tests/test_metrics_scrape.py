@@ -7,14 +7,11 @@ the inventory the dashboard and alert tests check their metric names against.
 from __future__ import annotations
 
 import json
-import math
-import os
 import shutil
 import signal
 import socket
 import subprocess
 import sys
-import time
 import urllib.parse
 import urllib.request
 from pathlib import Path
@@ -24,7 +21,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import JOBS, ROOT, clean_env, rlsup_cmd, wait_for
+from conftest import JOBS, ROOT, clean_env, free_ports, rlsup_cmd, wait_for
 
 PY = sys.executable
 JOB = [PY, str(JOBS / "metrics_job.py")]
@@ -34,18 +31,6 @@ PROM_DIR = ROOT / "deploy" / "prometheus"
 
 
 # ---------------------------------------------------------------- helpers (also used by test_deploy_*)
-
-def free_ports(n: int) -> list[int]:
-    socks = []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
 
 def http_get(url: str, timeout: float = 5) -> str:
     with urllib.request.urlopen(url, timeout=timeout) as r:

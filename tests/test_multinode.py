@@ -10,14 +10,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import torch
 
-from conftest import ROOT, clean_env, incidents, rlsup_cmd, run_rlsup, wait_for
+from conftest import ROOT, clean_env, free_ports, incidents, rlsup_cmd, run_rlsup, wait_for
 from trainer_hooks.manifest import hash_file, list_step_dirs, manifest_name, read_manifest
 
 TRAIN = str(ROOT / "examples" / "train_tiny.py")
@@ -25,18 +24,6 @@ PY = sys.executable
 NODES = 3
 STEPS = 24
 TRAIN_ARGS = ["--steps", str(STEPS), "--checkpoint-every", "3", "--step-time", "0.15", "--keep-last", "100"]
-
-
-def free_ports(n: int) -> list[int]:
-    socks = []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 class Cluster:
