@@ -85,10 +85,7 @@ class HangDetector:
         records = self.scan()
         beating = [r for r in records.values() if r.beat_ns > 0]
         if not beating:
-            silent = (now_ns - self.started_ns) / 1e9
-            if silent > self.startup_timeout:
-                return HangVerdict("startup_timeout", None, None, silent, self.startup_timeout, None)
-            return None
+            return self._check_startup(now_ns, records)
         timeout = self.timeout()
         for rec in sorted(records.values(), key=lambda r: r.rank):
             if rec.section in ("save", "load"):
@@ -106,6 +103,22 @@ class HangDetector:
             silent = (now_ns - last) / 1e9
             if silent > timeout:
                 return HangVerdict("heartbeat_timeout", rec.rank, rec.pid, silent, timeout, rec.step)
+        return None
+
+    def _check_startup(self, now_ns: int, records: dict[int, HeartbeatRecord]) -> HangVerdict | None:
+        """Before any rank heartbeated. A rank inside a save/load section (the first restore of a large
+        checkpoint) is held to save_timeout, not startup_timeout; startup restarts when a section ends."""
+        in_section = [r for r in records.values() if r.section in ("save", "load")]
+        for rec in sorted(in_section, key=lambda r: r.rank):
+            silent = (now_ns - rec.section_ns) / 1e9
+            if silent > self.save_timeout:
+                return HangVerdict("save_timeout", rec.rank, rec.pid, silent, self.save_timeout, None)
+        if in_section:
+            return None
+        since = max([self.started_ns] + [r.section_ns for r in records.values()])
+        silent = (now_ns - since) / 1e9
+        if silent > self.startup_timeout:
+            return HangVerdict("startup_timeout", None, None, silent, self.startup_timeout, None)
         return None
 
     def last_step(self) -> int | None:

@@ -206,8 +206,8 @@ def check_no_survivors(tracker: ProcessTracker, timeout: float = 20.0) -> list[s
 
 EXPECTED_REASONS = {
     "rank_kill": {"signal", "exit_code"},
-    # Stopped inside a save/load section: save_timeout; stopped inside the first restore, before any rank
-    # heartbeated: startup_timeout (soak seed kill-w1:1665032077).
+    # Stopped inside a save/load section: save_timeout (the first restore too, since soak seed
+    # kill-w1:1665032077 showed it was held to startup_timeout); stopped before registering: startup_timeout.
     "rank_stop": {"hang", "save_timeout", "startup_timeout"},
     # The async writer died: the trainer's next save() or wait() raises AsyncSaveError (exit 1).
     "writer_kill": {"exit_code"},
