@@ -107,9 +107,15 @@ def cmd_daemon(args: argparse.Namespace) -> int:
     service.write_daemon_file()
     sd_notify.ready()
     interval = sd_notify.watchdog_interval()
+    ping_every = interval / 2 if interval else None
+    last_ping = time.monotonic()
     try:
-        while not stop.wait(interval / 2 if interval else 3600):
-            sd_notify.watchdog_ping()
+        # Short slices: a signal that lands on another thread runs its Python handler only when the main
+        # thread wakes, so one long wait could sit on SIGTERM for as long as the wait lasts.
+        while not stop.wait(min(0.5, ping_every or 0.5)):
+            if ping_every is not None and time.monotonic() - last_ping >= ping_every:
+                sd_notify.watchdog_ping()
+                last_ping = time.monotonic()
     finally:
         sd_notify.notify("STOPPING=1")
         service.stop()
