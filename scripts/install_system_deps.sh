@@ -4,6 +4,7 @@
 #   slurm-wlm    -> slurmctld, slurmd, sbatch, scontrol (tests/test_deploy_slurm.py)
 #   munge        -> munged, SLURM's authentication
 #   systemd      -> systemd-analyze (tests/test_deploy_systemd.py); systemd need not be running
+#   etcd-server  -> etcd, a real 3-member cluster on 127.0.0.1 (tests/test_kvstore.py)
 # Idempotent: a quick no-op when every tool is already on PATH. Without root or apt-get it only says
 # what is missing (the tests that need a missing tool skip themselves).
 set -euo pipefail
@@ -16,6 +17,7 @@ declare -A TOOL_PKG=(
   [sbatch]=slurm-wlm
   [munged]=munge
   [systemd-analyze]=systemd
+  [etcd]=etcd-server
 )
 
 missing=()
