@@ -566,12 +566,16 @@ def bench_restore(ctx: Ctx) -> list[Row]:
         ckpt = d / "node0" / "checkpoints"
         n = size // 4
         state = {"model": {"w": torch.randn(n // 2)}, "optim": {"m": torch.randn(n - n // 2)}}
-        step_dir = CheckpointManager(ckpt).save(100, state)
+        os.environ["RLSUP_JOB_ID"] = "bench"  # as under rlsup: the part names its job, which fetch checks
+        try:
+            step_dir = CheckpointManager(ckpt).save(100, state)
+        finally:
+            del os.environ["RLSUP_JOB_ID"]
         del state
         total = sum(p.stat().st_size for p in step_dir.iterdir() if p.is_file())
         membership = Membership(("127.0.0.1:1", f"127.0.0.1:{port}"), 0)
         engine = ReplicationEngine(membership, ckpt, d / "node0-replicas", {1: client}, factor=1, jump=1,
-                                   state_path=d / "replication.json")
+                                   state_path=d / "replication.json", job="bench")
         engine.sync()  # node 1 now holds node 0's part of step 100
         local_copy = d / "local-copy"
         shutil.copytree(step_dir, local_copy / step_dir_name(100))
@@ -694,7 +698,10 @@ def bench_footprint(ctx: Ctx) -> list[Row]:
             if kind == "rlsup":
                 # saved straight into node 0's checkpoint directory: the manifest, written last, wakes its daemon
                 dst = CheckpointManager(d / "node0" / "checkpoints").save(step, state)
-                replica = d / "node1" / "replicas" / "node0" / step_dir_name(step) / manifest_name(0)
+                from supervisor.job_identity import job_identity, namespace_of
+
+                ns = namespace_of(job_identity("", "checkpoints", True, environ={}).id, 0)  # the daemons' default job
+                replica = d / "node1" / "replicas" / ns / step_dir_name(step) / manifest_name(0)
                 peak, cpu, el = _sample([daemons[0].pid, daemons[1].pid], replica.exists, 300)
                 shutil.rmtree(dst, ignore_errors=True)
             else:

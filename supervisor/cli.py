@@ -17,6 +17,7 @@ from supervisor.incidents import read_incidents, read_state
 from supervisor.observer import Observer
 
 if TYPE_CHECKING:
+    from supervisor.job_identity import JobIdentity
     from supervisor.node_service import NodeService
 
 from supervisor.membership import Membership
@@ -30,6 +31,7 @@ def _split_command(argv: list[str]) -> tuple[list[str], list[str]]:
 
 
 def cmd_run(args: argparse.Namespace, command: list[str]) -> int:
+    from supervisor.dir_lock import DirInUse, DirLock
     from supervisor.runner import Supervisor
 
     if not command:
@@ -38,22 +40,50 @@ def cmd_run(args: argparse.Namespace, command: list[str]) -> int:
     eff = load_config(args)
     cfg = eff.config.resolved()
     membership = membership_of(cfg)
-    observer = start_metrics(cfg)
-    if membership is None:
-        return Supervisor(cfg, command, observer=observer).run().exit_code
-    from supervisor.coordinator import CoordinationError
-    from supervisor.multinode import MultiNodeSupervisor
-    from supervisor.node_service import daemon_running
+    job = identity_of(eff.config, membership is not None)
+    try:
+        lock = DirLock(cfg.state_dir, "run.lock", "state_dir", job.id).acquire()
+    except DirInUse as e:
+        raise ConfigError(str(e)) from e
+    try:
+        observer = start_metrics(cfg)
+        if membership is None:
+            return Supervisor(cfg, command, observer=observer, job=job).run().exit_code
+        return _run_multinode(cfg, command, membership, job, observer)
+    finally:
+        lock.release()
 
-    service = start_service(cfg, membership, observer, serve=daemon_running(Path(cfg.state_dir)) is None)
+
+def _run_multinode(cfg: SupervisorConfig, command: list[str], membership: Membership, job: "JobIdentity",
+                   observer: Observer | None) -> int:
+    from supervisor.coordinator import CoordinationError, JobClash
+    from supervisor.multinode import MultiNodeSupervisor, connect_coordinator
+    from supervisor.node_service import daemon_running
+    from supervisor.rank_pinning import PinningError
+    from supervisor.transport.auth import load_secret
+
+    service = start_service(cfg, membership, observer, serve=daemon_running(Path(cfg.state_dir)) is None, job=job)
     try:
         assert service.engine is not None
-        return MultiNodeSupervisor(cfg, command, membership, service.engine, observer).run().exit_code
+        coordinator = connect_coordinator(cfg, membership, job, load_secret(cfg.token_file))
+        supervisor = MultiNodeSupervisor(cfg, command, membership, service.engine, observer, job=job,
+                                         coordinator=coordinator)
+        return supervisor.run().exit_code
+    except (JobClash, PinningError) as e:
+        print(f"rlsup: {e}", file=sys.stderr)
+        return exit_codes.CONFIG_ERROR
     except CoordinationError as e:
         print(f"rlsup: {e}", file=sys.stderr)
         return exit_codes.FAILED
     finally:
         service.stop()
+
+
+def identity_of(raw: SupervisorConfig, multi_node: bool) -> "JobIdentity":
+    """The job's identity from the config as written (before paths are resolved) and the environment."""
+    from supervisor.job_identity import job_identity
+
+    return job_identity(raw.job_name, raw.checkpoint_dir, multi_node)
 
 
 def membership_of(cfg: SupervisorConfig) -> Membership | None:
@@ -75,17 +105,20 @@ def membership_of(cfg: SupervisorConfig) -> Membership | None:
 
 
 def start_service(cfg: SupervisorConfig, membership: Membership, observer: Observer | None,
-                  serve: bool) -> "NodeService":
-    """The node's replication service; a missing or unsafe token file is a config error (exit 2)."""
+                  serve: bool, job: "JobIdentity") -> "NodeService":
+    """The node's replication service; a missing or unsafe token file, a replica_dir or endpoint port
+    another job holds, is a config error (exit 2) naming the clash."""
+    from supervisor.dir_lock import DirInUse
     from supervisor.node_service import NodeService
     from supervisor.transport.auth import SecretError
 
     try:
-        return NodeService(cfg, membership, observer or Observer(), serve=serve).start()
-    except (SecretError, ValueError) as e:
+        return NodeService(cfg, membership, observer or Observer(), serve=serve, job=job).start()
+    except (SecretError, ValueError, DirInUse) as e:
         raise ConfigError(str(e)) from e
     except OSError as e:  # the endpoint's port is taken, or a directory cannot be created
-        raise ConfigError(f"replication endpoint {membership.me}: {e}") from e
+        raise ConfigError(f"replication endpoint {membership.me} (job {job.id}): {e}; another job on this host "
+                          "may hold the port: give each job its own peers ports") from e
 
 
 def cmd_daemon(args: argparse.Namespace) -> int:
@@ -95,15 +128,17 @@ def cmd_daemon(args: argparse.Namespace) -> int:
 
     from supervisor import sd_notify
 
-    cfg = load_config(args).config.resolved()
+    raw = load_config(args).config
+    cfg = raw.resolved()
     membership = membership_of(cfg)
     if membership is None:
         raise ConfigError("rlsup daemon needs peers (key 'peers' and 'node_rank', or a SLURM allocation)")
+    job = identity_of(raw, multi_node=True)
     observer = start_metrics(cfg)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    service = start_service(cfg, membership, observer, serve=True)
+    service = start_service(cfg, membership, observer, serve=True, job=job)
     service.write_daemon_file()
     sd_notify.ready()
     interval = sd_notify.watchdog_interval()

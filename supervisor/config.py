@@ -64,11 +64,13 @@ class SupervisorConfig:
     repair_tracker: bool = _opt(False, "Rewrite a trainer's tracker file (verl/Megatron) to the chosen step before a restart.")
     metrics_port: int = _opt(9778, "Port of the Prometheus /metrics endpoint (0: off). 9778 avoids node_exporter, DCGM and Prometheus' own ports.")
     metrics_addr: str = _opt("0.0.0.0", "Address the /metrics endpoint binds to.")
-    job_name: str = _opt("", "Name shown in the rlsup_info metric (e.g. the SLURM job name).")
+    job_name: str = _opt("", "The job's identity: every checkpoint part, replica, coordination key and persistent copy carries it, and no job is offered another's (empty: SLURM_JOB_ID, else the checkpoint_dir). Also shown in the rlsup_info metric.")
     peers: list[str] = _opt([], "Replication endpoints host:port of every node, in node-rank order (empty: from SLURM, else single node).")
     node_rank: int | None = _opt(None, "This node's index in peers (default: SLURM_NODEID).")
     replication_port: int = _opt(9779, "Port of the replication endpoint when peers come from SLURM or omit a port.")
-    coordinator_port: int = _opt(9780, "Port of the coordination store (torch TCPStore) hosted by node 0's supervisor.")
+    coordinator_port: int = _opt(9780, "Port of the coordination store (torch TCPStore) hosted by node 0's supervisor (coordinator_backend embedded).")
+    coordinator_backend: str = _opt("embedded", "Where the nodes agree before each attempt: embedded (a TCPStore hosted by node 0's supervisor; a replacement node 0 hosts it again) or etcd (an etcd v3 cluster, coordinator_endpoints; no node's loss stalls the others).")
+    coordinator_endpoints: list[str] = _opt([], "coordinator_backend etcd: client URLs host:port of the etcd members (the gRPC gateway, etcd's default client port).")
     token_file: str = _opt("", "File holding the shared secret that authenticates every replication request (mode 600).")
     replica_dir: str = _opt("replicas", "Where this node stores the replicas it holds for other nodes.")
     replication_factor: int = _opt(1, "Copies of each node's checkpoint parts kept on other nodes.")
@@ -303,6 +305,10 @@ def _validate(cfg: SupervisorConfig, origins: dict[str, str]) -> None:
         raise bad("preempt_signal", f"unknown signal {cfg.preempt_signal!r}")
     if cfg.checkpoint_layout not in ("auto", "rlsup", "verl", "megatron", "areal", "dcp"):
         raise bad("checkpoint_layout", f"unknown layout {cfg.checkpoint_layout!r}")
+    if cfg.coordinator_backend not in ("embedded", "etcd"):
+        raise bad("coordinator_backend", f"unknown backend {cfg.coordinator_backend!r} (embedded or etcd)")
+    if cfg.coordinator_backend == "etcd" and not cfg.coordinator_endpoints:
+        raise bad("coordinator_endpoints", "coordinator_backend etcd needs the etcd members' host:port")
 
 
 # ---------------------------------------------------------------- rendering

@@ -1,36 +1,56 @@
-"""Agreement between the node supervisors of one job, through torch.distributed's TCPStore.
+"""Agreement between the node supervisors of one job, through a key-value store.
 
-Node 0's supervisor hosts the store (as torchrun's c10d rendezvous would); no home-made consensus.
+The store is the embedded torch ``TCPStore`` hosted by node 0's supervisor (as torchrun's c10d
+rendezvous hosts its own), or etcd v3 (``coordinator_backend: etcd``), which no single node's loss stalls.
+Every key lives under ``rlsup/<job>/`` and every value is signed with the job's shared secret
+(HMAC-SHA256 over key, job, writer, time and payload): a value another job wrote, or one a writer
+without the secret forged, is ignored and named in the log. No home-made consensus: the store's
+atomic create is the only arbiter.
+
 Every attempt is a *round* ``r`` (= ``RLSUP_RESTART_COUNT`` on every node):
 
-1. each node publishes its inventory ``inv/r/<node>`` (which checkpoint parts it holds, locally or as
-   replicas for others);
+0. joining: when the store has no round yet (a new job, or node 0's supervisor was lost and its
+   replacement hosts a fresh embedded store), every node proposes the next round it may run
+   (``join/<node>``: 0, or one past the attempt it last ran) and node 0 publishes ``base`` = the largest,
+   so a job that lost its store keeps counting its attempts;
+1. each node publishes its inventory ``inv/r/<node>`` (which checkpoint parts of this job it holds,
+   locally or as replicas for others);
 2. node 0 waits for all inventories, computes the plan (the newest step whose every rank part is valid
    somewhere: in place, on a peer, or in the persistent tier; and where each node fetches what it lacks)
    and publishes ``plan/r`` and ``round`` = r;
 3. each node fetches and publishes ``fetched/r/t/<node>``: the persistent parts that failed verification
    (and any other error). If a part was bad and nothing else failed, node 0 plans again without it
-   (``plan/r/t``, t = 1, 2, ...), so the round falls back to an older step instead of ending; a bad
-   persistent part is never offered again while node 0's supervisor lives. Then each node marks
-   ``ready/r/<node>``; all launch once every node is ready;
-4. the first node whose attempt fails writes ``end/r`` (compare-and-set: the first reason wins); every
-   other node sees it, stops its attempt, and all go to round r+1 together.
+   (``plan/r/t``, t = 1, 2, ...), so the round falls back to an older step instead of ending. Then each
+   node marks ``ready/r/<node>``; all launch once every node is ready;
+4. the first node whose attempt fails creates ``end/r`` (first writer wins); every other node sees it,
+   stops its attempt, and all go to round r+1 together.
 
-A node that joins while round ``c`` is planned and not ended is a replacement for a lost node: it ends
-round ``c`` (its predecessor's ranks are gone anyway) and joins ``c+1``. ``abort`` makes every node give up.
+A node that joins while round ``c`` is open (planned or based, and not ended) is a replacement for a
+lost node: it ends round ``c`` (its predecessor's ranks are gone anyway) and joins ``c+1``. ``abort``
+makes every node give up. The embedded store also carries ``rlsup/host``, the job it is hosted for: a
+node of another job that reaches it (same hosts, same default port) refuses to start and names both jobs.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
+import logging
+import sys
 import time
 from dataclasses import dataclass, field
-from datetime import timedelta
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
-from torch.distributed import TCPStore
+from supervisor.job_identity import JobIdentity
+from supervisor.kvstore import KVStore, StoreUnavailable, TCPKVStore
 
-WAIT_POLL_S = 0.05  # how often a wait looks at the store (its keys, and the round's end)
+log = logging.getLogger("rlsup.coordinator")
+
+WAIT_POLL_MIN_S = 0.002  # a wait polls fast at first (agreement is quick when every node is there) ...
+WAIT_POLL_MAX_S = 0.05  # ... and backs off to this
+HOST_KEY = "rlsup/host"
+ABORT_MAX_AGE_S = 60.0  # an abort written this long before this node started belongs to an earlier run
 
 
 # The persistent tier as a pseudo-holder in RoundPlan.fetch (node ranks are >= 0).
@@ -43,6 +63,10 @@ class CoordinationError(RuntimeError):
 
 class RoundEnded(CoordinationError):
     """The round ended (a node failed, or a replacement node rejoined) while this node waited inside it."""
+
+
+class JobClash(CoordinationError):
+    """The coordination store belongs to another job (same hosts and port): this node must not join it."""
 
 
 @dataclass
@@ -83,46 +107,191 @@ class RoundPlan:
         return cls(d["round"], d["step"], d["world_size"], fetch)
 
 
-class RoundCoordinator:
-    """One node's handle on the job's store."""
+@dataclass(frozen=True)
+class Signed:
+    """A verified value: who wrote it, when, and what."""
 
-    def __init__(self, host: str, port: int, node_rank: int, num_nodes: int, timeout_s: float) -> None:
+    job: str
+    node: int
+    time: float
+    payload: str
+
+
+class SignedKeys:
+    """The job's namespace in a store: keys under ``rlsup/<job>/``, values signed with the job's secret."""
+
+    def __init__(self, store: KVStore, job: JobIdentity, secret: bytes, node_rank: int) -> None:
+        self.store, self.job, self.secret, self.node_rank = store, job, secret, node_rank
+        self.prefix = f"rlsup/{job.id}/"
+        self._warned: set[str] = set()
+
+    def key(self, name: str) -> str:
+        return self.prefix + name
+
+    def seal(self, full_key: str, payload: str) -> bytes:
+        body = json.dumps({"job": self.job.id, "node": self.node_rank, "time": time.time(), "v": payload})
+        mac = hmac.new(self.secret, full_key.encode() + b"\0" + body.encode(), hashlib.sha256).hexdigest()
+        return f"{mac}:{body}".encode()
+
+    def open(self, full_key: str, raw: bytes | None, quiet: bool = False) -> Signed | None:
+        """The verified value, or None (absent, or written by someone without this job's secret)."""
+        if raw is None:
+            return None
+        try:
+            mac, _, body = raw.decode().partition(":")
+            good = hmac.compare_digest(
+                mac, hmac.new(self.secret, full_key.encode() + b"\0" + body.encode(), hashlib.sha256).hexdigest())
+            d = json.loads(body) if good else None
+            if d is not None and d.get("job") == self.job.id:
+                return Signed(str(d["job"]), int(d["node"]), float(d["time"]), str(d["v"]))
+        except (UnicodeDecodeError, ValueError, KeyError, TypeError):
+            pass
+        if not quiet and full_key not in self._warned:
+            self._warned.add(full_key)
+            log.warning("ignored %s in %s: not signed by job %s (a foreign or stale writer)", full_key,
+                        self.store.describe(), self.job.id)
+            print(f"[rlsup] ignored {full_key}: not signed by this job's secret (a foreign or stale writer)",
+                  file=sys.stderr, flush=True)
+        return None
+
+    def set(self, name: str, payload: str) -> None:
+        k = self.key(name)
+        self.store.set(k, self.seal(k, payload))
+
+    def get(self, name: str) -> Signed | None:
+        k = self.key(name)
+        return self.open(k, self.store.get(k))
+
+    def get_many(self, names: list[str]) -> list[Signed | None]:
+        keys = [self.key(n) for n in names]
+        return [self.open(k, raw) for k, raw in zip(keys, self.store.get_many(keys))]
+
+    def create(self, name: str, payload: str) -> Signed:
+        """First signed writer wins; an unsigned squatter is overwritten (it cannot hold a key against us)."""
+        k = self.key(name)
+        sealed = self.seal(k, payload)
+        current = self.open(k, self.store.create(k, sealed))
+        if current is None:
+            self.store.set(k, sealed)
+            current = self.open(k, sealed)
+        assert current is not None
+        return current
+
+
+class RoundCoordinator:
+    """One node's handle on the job's rounds (see the module docstring).
+
+    ``reconnect``: how to reach the store again after it was lost (the embedded store, when node 0's
+    supervisor died and a replacement hosts a new one); None for a store that does not go away."""
+
+    def __init__(self, store: KVStore, job: JobIdentity, secret: bytes, node_rank: int, num_nodes: int,
+                 timeout_s: float, reconnect: Callable[[float], KVStore] | None = None) -> None:
+        self.job, self.secret = job, secret
         self.node_rank = node_rank
         self.num_nodes = num_nodes
-        self.timeout = timedelta(seconds=timeout_s)
+        self.timeout_s = timeout_s
+        self.reconnect = reconnect
+        self.started = time.time()
+        self.keys = SignedKeys(store, job, secret, node_rank)
+
+    @property
+    def store(self) -> KVStore:
+        return self.keys.store
+
+    def describe(self) -> str:
+        return self.store.describe()
+
+    # ------------------------------------------------------------ the embedded store's owner
+
+    def claim_host(self) -> None:
+        """Node 0 of the embedded store: record which job this store is for (before anyone joins)."""
+        self.store.set(HOST_KEY, self.keys.seal(HOST_KEY, json.dumps({"job": self.job.id, "source": self.job.source})))
+
+    def check_host(self) -> None:
+        """Refuse a store hosted for another job (:class:`JobClash`, naming both)."""
+        deadline = time.monotonic() + min(10.0, self.timeout_s)
+        raw = self.store.get(HOST_KEY)
+        while raw is None and time.monotonic() < deadline:  # node 0 sets it right after binding the port
+            time.sleep(WAIT_POLL_MAX_S)
+            raw = self.store.get(HOST_KEY)
+        other = self.host_owner(raw)
+        if other is not None:
+            raise JobClash(f"the coordination store {self.describe()} is hosted for {other}; this node is job "
+                           f"{self.job}. Two jobs on the same hosts need their own coordinator_port (and "
+                           "replication ports); the nodes of one job need the same job_name or checkpoint_dir")
+
+    def host_owner(self, raw: bytes | None) -> str | None:
+        """None when ``raw`` (the store's host record) is this job's or absent; else who holds the store."""
+        if raw is None or self.keys.open(HOST_KEY, raw, quiet=True) is not None:
+            return None
         try:
-            self.store = TCPStore(host, port, None, node_rank == 0, self.timeout, wait_for_workers=False)
-        except Exception as e:  # torch raises several types; all mean the same to us
-            raise CoordinationError(f"cannot reach the coordination store at {host}:{port}: {e}") from e
+            other = json.loads(json.loads(raw.decode().partition(":")[2])["v"])
+            return f"rlsup job {other['job']!r} ({other['source']}; or a job signing with another secret)"
+        except (UnicodeDecodeError, ValueError, KeyError, TypeError):
+            return "another job (its record does not parse)"
 
     # ------------------------------------------------------------ rounds
 
-    def join(self) -> int:
-        """The round this node takes part in next (see the module docstring)."""
-        try:
-            return self._join()
-        except CoordinationError:
-            raise
-        except Exception as e:  # torch raises DistNetworkError and friends when node 0's store is gone
-            raise CoordinationError(f"the coordination store is unreachable: {e}") from e
+    def join(self, min_round: int = 0) -> int:
+        """The round this node takes part in next (see the module docstring); ``min_round`` is the round
+        this node would run next by its own count (used only when the store has no round yet)."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                return self._join(min_round)
+            except StoreUnavailable as e:
+                if self.reconnect is None:
+                    raise CoordinationError(f"the coordination store is unreachable: {e}") from e
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise CoordinationError(f"the coordination store {self.describe()} stayed unreachable for "
+                                            f"{self.timeout_s:.0f}s (rendezvous_timeout): {e}") from e
+                print(f"[rlsup] node {self.node_rank}: the coordination store {self.describe()} is gone; waiting "
+                      f"up to {left:.0f}s for node 0 (or its replacement) to host it again", file=sys.stderr,
+                      flush=True)
+                try:
+                    self.keys.store = self.reconnect(left)
+                    self.check_host()
+                except StoreUnavailable:
+                    continue
 
-    def _join(self) -> int:
-        if self.store.check(["abort"]):
-            raise CoordinationError(f"the job was aborted: {self._get('abort')}")
-        if not self.store.check(["round"]):
-            return 0
-        current = int(self._get("round"))
-        if not self.store.check([f"end/{current}"]):
+    def _join(self, min_round: int) -> int:
+        self._check_abort()
+        current = self._current_round()
+        if current is None:
+            return self._join_fresh(min_round)
+        if self.ended(current) is None:
             self.end(current, f"node {self.node_rank} rejoined")
         return current + 1
 
+    def _current_round(self) -> int | None:
+        planned, base = self.keys.get_many(["round", "base"])
+        values = [int(v.payload) for v in (planned, base) if v is not None]
+        return max(values) if values else None
+
+    def _join_fresh(self, min_round: int) -> int:
+        """No round in this store yet: every node proposes; node 0 publishes the largest as ``base``."""
+        self.keys.set(f"join/{self.node_rank}", str(min_round))
+        if self.node_rank == 0:
+            names = [f"join/{n}" for n in range(self.num_nodes)]
+            self._wait(names, "every node to join")
+            base = max(int(v.payload) for v in self.keys.get_many(names) if v is not None)
+            return int(self.keys.create("base", str(base)).payload)
+        self._wait(["base"], "node 0 to open the first round")
+        got = self.keys.get("base")
+        assert got is not None
+        return int(got.payload)
+
+    def _check_abort(self) -> None:
+        abort = self.keys.get("abort")
+        if abort is not None and abort.time >= self.started - ABORT_MAX_AGE_S:
+            raise CoordinationError(f"the job was aborted: {abort.payload}")
+
     def publish_inventory(self, rnd: int, inventory: dict[str, Any]) -> None:
-        self.store.set(f"inv/{rnd}/{self.node_rank}", json.dumps(inventory))
+        self.keys.set(f"inv/{rnd}/{self.node_rank}", json.dumps(inventory))
 
     def inventories(self, rnd: int) -> list[dict[str, Any]]:
-        keys = [f"inv/{rnd}/{n}" for n in range(self.num_nodes)]
-        self._wait(keys, f"inventories of round {rnd}", rnd)
-        return [json.loads(self._get(k)) for k in keys]
+        return [json.loads(v) for v in self._wait_all(f"inv/{rnd}", f"inventories of round {rnd}", rnd)]
 
     @staticmethod
     def _plan_key(rnd: int, attempt_try: int) -> str:
@@ -131,68 +300,117 @@ class RoundCoordinator:
     def publish_plan(self, plan: RoundPlan, attempt_try: int = 0) -> None:
         """Try 0 is the round's plan (``round`` = r marks it planned); later tries replace a plan whose
         persistent parts failed verification."""
-        self.store.set(self._plan_key(plan.round, attempt_try), plan.to_json())
+        self.keys.set(self._plan_key(plan.round, attempt_try), plan.to_json())
         if attempt_try == 0:
-            self.store.set("round", str(plan.round))
+            self.keys.set("round", str(plan.round))
 
     def plan(self, rnd: int, attempt_try: int = 0) -> RoundPlan:
         key = self._plan_key(rnd, attempt_try)
-        self._wait([key], f"the plan of round {rnd}" + (f" (try {attempt_try})" if attempt_try else ""), rnd)
-        return RoundPlan.from_json(self._get(key))
+        (value,) = self._wait([key], f"the plan of round {rnd}" + (f" (try {attempt_try})" if attempt_try else ""), rnd)
+        return RoundPlan.from_json(value)
 
     def publish_fetch_result(self, rnd: int, attempt_try: int, result: FetchResult) -> None:
-        self.store.set(f"fetched/{rnd}/{attempt_try}/{self.node_rank}", result.to_json())
+        self.keys.set(f"fetched/{rnd}/{attempt_try}/{self.node_rank}", result.to_json())
 
     def fetch_results(self, rnd: int, attempt_try: int) -> list[FetchResult]:
         """Every node's result of try ``attempt_try`` (waits for all: the same answer on every node)."""
-        keys = [f"fetched/{rnd}/{attempt_try}/{n}" for n in range(self.num_nodes)]
-        self._wait(keys, f"every node's fetch in round {rnd}", rnd)
-        return [FetchResult.from_json(self._get(k)) for k in keys]
+        values = self._wait_all(f"fetched/{rnd}/{attempt_try}", f"every node's fetch in round {rnd}", rnd)
+        return [FetchResult.from_json(v) for v in values]
 
     def mark_ready(self, rnd: int) -> None:
-        self.store.set(f"ready/{rnd}/{self.node_rank}", "1")
+        self.keys.set(f"ready/{rnd}/{self.node_rank}", "1")
 
     def wait_all_ready(self, rnd: int) -> None:
-        self._wait([f"ready/{rnd}/{n}" for n in range(self.num_nodes)], f"all nodes ready for round {rnd}", rnd)
+        self._wait_all(f"ready/{rnd}", f"all nodes ready for round {rnd}", rnd)
 
     def end(self, rnd: int, reason: str) -> str:
         """End round ``rnd`` for everyone; returns the reason that won (maybe another node's)."""
-        return self.store.compare_set(f"end/{rnd}", "", reason).decode()
+        return self.keys.create(f"end/{rnd}", reason).payload
 
     def ended(self, rnd: int) -> str | None:
         """Non-blocking: why round ``rnd`` ended, or None while it runs."""
-        if self.store.check([f"end/{rnd}"]):
-            return self._get(f"end/{rnd}")
-        return None
+        value = self.keys.get(f"end/{rnd}")
+        return None if value is None else value.payload
 
     def abort(self, reason: str) -> None:
-        self.store.compare_set("abort", "", reason)
+        self.keys.create("abort", reason)
 
-    # ------------------------------------------------------------ store access
+    def finish(self) -> None:
+        """The job ended for good: a store that outlives it (etcd) forgets its keys (node 0 only)."""
+        if self.node_rank == 0:
+            self.store.delete_prefix(self.keys.prefix)
 
-    def _get(self, key: str) -> str:
-        return self.store.get(key).decode()
+    # ------------------------------------------------------------ waiting
 
-    def _wait(self, keys: list[str], what: str, rnd: int | None = None) -> None:
-        """Poll until every key exists. Inside round ``rnd``, its end (``end/rnd``) stops the wait with
-        :class:`RoundEnded`: a node that died there never writes its keys, and its replacement ends the
-        round on rejoin, so waiting out the timeout would only lose the job."""
-        deadline = time.monotonic() + self.timeout.total_seconds()
+    def _wait_all(self, prefix: str, what: str, rnd: int | None) -> list[str]:
+        return self._wait([f"{prefix}/{n}" for n in range(self.num_nodes)], what, rnd)
+
+    def _wait(self, names: list[str], what: str, rnd: int | None = None) -> list[str]:
+        """Poll until every key holds a signed value; their payloads. Inside round ``rnd``, its end stops
+        the wait with :class:`RoundEnded`: a node that died there never writes its keys, and its
+        replacement ends the round on rejoin, so waiting out the timeout would only lose the job. A
+        store lost meanwhile ends the round too (node 0 is gone; the next join waits for it)."""
+        deadline = time.monotonic() + self.timeout_s
+        poll = WAIT_POLL_MIN_S
+        end_name = f"end/{rnd}" if rnd is not None else None
         while True:
             try:
-                if self.store.check(keys):
-                    return
-                if rnd is not None and self.store.check([f"end/{rnd}"]):
-                    raise RoundEnded(f"round {rnd} ended while waiting for {what}: {self._get(f'end/{rnd}')}")
-                if time.monotonic() > deadline:
-                    missing = [k for k in keys if not self.store.check([k])]
-                    raise CoordinationError(f"timed out after {self.timeout.total_seconds():.0f}s waiting for "
-                                            f"{what}; missing {missing}")
-            except CoordinationError:
-                raise
-            except Exception as e:  # torch raises DistNetworkError and friends when node 0's store is gone
+                values = self.keys.get_many(names + ([end_name] if end_name else []))
+            except StoreUnavailable as e:
+                if rnd is not None and self.reconnect is not None:
+                    raise RoundEnded(f"round {rnd} ended while waiting for {what}: {e}") from e
                 raise CoordinationError(f"the coordination store is unreachable while waiting for {what}: {e}") from e
-            time.sleep(WAIT_POLL_S)
+            got = values[:len(names)]
+            if all(v is not None for v in got):
+                return [v.payload for v in got if v is not None]
+            if end_name and values[-1] is not None:
+                raise RoundEnded(f"round {rnd} ended while waiting for {what}: {values[-1].payload}")
+            if time.monotonic() > deadline:
+                missing = [self.keys.key(n) for n, v in zip(names, got) if v is None]
+                raise CoordinationError(f"timed out after {self.timeout_s:.0f}s waiting for {what}; missing {missing}")
+            time.sleep(poll)
+            poll = min(poll * 2, WAIT_POLL_MAX_S)
+
+
+def embedded_coordinator(host: str, port: int, job: JobIdentity, secret: bytes, node_rank: int, num_nodes: int,
+                         timeout_s: float) -> RoundCoordinator:
+    """Node 0 hosts a TCPStore on ``port`` and claims it for ``job``; other nodes connect (and reconnect to
+    a replacement node 0 after a loss) and refuse a store hosted for another job."""
+    if node_rank == 0:
+        try:
+            store = TCPKVStore(host, port, True, timeout_s)
+        except StoreUnavailable as e:
+            clash = _hosted_for(host, port, job, secret)
+            raise (JobClash(f"coordinator port {port} on {host} is taken{clash}; this node is job {job}. Give each "
+                            "job on these hosts its own coordinator_port") if clash is not None
+                   else CoordinationError(str(e))) from e
+        coordinator = RoundCoordinator(store, job, secret, node_rank, num_nodes, timeout_s)
+        coordinator.claim_host()
+        return coordinator
+
+    def connect(wait_s: float) -> KVStore:
+        return TCPKVStore(host, port, False, wait_s)
+
+    try:
+        store = connect(timeout_s)
+    except StoreUnavailable as e:
+        raise CoordinationError(str(e)) from e
+    coordinator = RoundCoordinator(store, job, secret, node_rank, num_nodes, timeout_s, reconnect=connect)
+    coordinator.check_host()
+    return coordinator
+
+
+def _hosted_for(host: str, port: int, job: JobIdentity, secret: bytes) -> str | None:
+    """What holds a port node 0 could not bind: " by rlsup job X", " by another program", or None."""
+    try:
+        probe = RoundCoordinator(TCPKVStore(host, port, False, 2.0), job, secret, 0, 1, 2.0)
+        raw = probe.store.get(HOST_KEY)
+    except StoreUnavailable:
+        return " by another program"
+    if raw is None:
+        return " by another program (no rlsup job record)"
+    other = probe.host_owner(raw)
+    return f" by {other}" if other is not None else " by another node 0 of this same job (is it running twice?)"
 
 
 def compute_plan(rnd: int, inventories: list[dict[str, Any]], persistent: dict[int, dict[str, Any]] | None = None,

@@ -20,15 +20,18 @@ from supervisor.config import SupervisorConfig
 from supervisor.coordinator import (
     PERSISTENT_HOLDER,
     CoordinationError,
-    RoundEnded,
     FetchResult,
     RoundCoordinator,
+    RoundEnded,
     RoundPlan,
     compute_plan,
+    embedded_coordinator,
 )
+from supervisor.job_identity import JobIdentity
 from supervisor.membership import Membership
 from supervisor.observer import Observer
 from supervisor.persistent import PersistentPartInvalid
+from supervisor.rank_pinning import pin_ranks
 from supervisor.replication import ReplicationEngine, newest_own_step
 from supervisor.resume import ResumePoint
 from supervisor.runner import AttemptAbandoned, AttemptResult, Supervisor
@@ -52,17 +55,37 @@ class _Fetched:
     ranks: list[int] = field(default_factory=list)  # parts fetched (dropped again if the step is abandoned)
 
 
+def connect_coordinator(cfg: SupervisorConfig, membership: Membership, job: JobIdentity,
+                        secret: bytes) -> RoundCoordinator:
+    """This node's handle on the job's coordination store (``coordinator_backend``)."""
+    if cfg.coordinator_backend == "etcd":
+        from supervisor.kvstore import StoreUnavailable
+        from supervisor.kvstore_etcd import EtcdKVStore
+
+        try:
+            store = EtcdKVStore(list(cfg.coordinator_endpoints), timeout_s=min(30.0, cfg.rendezvous_timeout))
+        except StoreUnavailable as e:
+            raise CoordinationError(str(e)) from e
+        return RoundCoordinator(store, job, secret, membership.node_rank, membership.size, cfg.rendezvous_timeout)
+    host = membership.peers[0].rpartition(":")[0]
+    return embedded_coordinator(host, cfg.coordinator_port, job, secret, membership.node_rank, membership.size,
+                                cfg.rendezvous_timeout)
+
+
 class MultiNodeSupervisor(Supervisor):
     def __init__(self, cfg: SupervisorConfig, command: Sequence[str], membership: Membership,
-                 engine: ReplicationEngine, observer: Observer | None = None) -> None:
-        super().__init__(cfg, command, observer)
+                 engine: ReplicationEngine, observer: Observer | None = None, *, job: JobIdentity,
+                 coordinator: RoundCoordinator) -> None:
+        master = membership.peers[0].rpartition(":")[0]
+        pinned = pin_ranks(command, membership.node_rank, membership.size, master)
+        super().__init__(cfg, pinned.command, observer, job=job)
         self.membership = membership
         self.engine = engine
-        host = membership.peers[0].rpartition(":")[0]
-        self._log(f"node {membership.node_rank} of {membership.size}: coordination store "
-                  f"{host}:{cfg.coordinator_port}{' (hosted here)' if membership.node_rank == 0 else ''}")
-        self.coordinator = RoundCoordinator(host, cfg.coordinator_port, membership.node_rank, membership.size,
-                                            cfg.rendezvous_timeout)
+        self.coordinator = coordinator
+        self._log(f"node {membership.node_rank} of {membership.size}, job {job}: coordination store "
+                  f"{coordinator.describe()}{' (hosted here)' if membership.node_rank == 0 and cfg.coordinator_backend == 'embedded' else ''}")
+        if pinned.note:
+            self._log(pinned.note)
         self._store_lost = False
         if self.persistent is not None:
             # Node-local directories hold only this node's parts, so whole-step copies never happen:
@@ -72,10 +95,19 @@ class MultiNodeSupervisor(Supervisor):
         self._bad_persistent: set[tuple[int, int]] = set()
 
     def first_attempt(self) -> int:
-        return self.coordinator.join()
+        return self.coordinator.join(super().first_attempt())
 
     def next_attempt(self, attempt: int) -> int:
-        return self.coordinator.join()
+        return self.coordinator.join(attempt + 1)
+
+    def run(self):  # type: ignore[override]
+        result = super().run()
+        if result.status.value == "succeeded":
+            try:
+                self.coordinator.finish()  # a store that outlives the job (etcd) forgets its keys
+            except Exception as e:  # noqa: BLE001 - the job is done; stale keys are ignored by the next run
+                self._log(f"could not clear the job's coordination keys: {e}")
+        return result
 
     def prepare(self, attempt: int) -> ResumePoint | None:
         """:meth:`_prepare_round`; a round that ends meanwhile (a node failed its fetch, or died and its

@@ -17,6 +17,8 @@ from pathlib import Path
 import psutil
 
 from supervisor.config import SupervisorConfig
+from supervisor.dir_lock import DirLock
+from supervisor.job_identity import JobIdentity
 from supervisor.membership import Membership
 from supervisor.observer import Observer
 from supervisor.replication import ReplicationEngine
@@ -57,9 +59,11 @@ class NodeService:
     membership: Membership
     observer: Observer = field(default_factory=Observer)
     serve: bool = True
+    job: JobIdentity = field(default_factory=lambda: JobIdentity("job", "default"))
     server: object | None = None
     engine: ReplicationEngine | None = None
     port: int | None = None
+    _lock: DirLock | None = None
 
     def start(self) -> "NodeService":
         from supervisor.transport.auth import load_secret
@@ -79,9 +83,11 @@ class NodeService:
         self.engine = ReplicationEngine(
             self.membership, Path(self.cfg.checkpoint_dir), Path(self.cfg.replica_dir), clients,
             self.cfg.replication_factor, self.cfg.replication_jump, state_dir / "replication.json",
-            self.observer, self.cfg.replication_scan_interval)
+            self.observer, self.cfg.replication_scan_interval, job=self.job.id)
         if not self.serve:
             return self
+        # One server per replica directory: two jobs sharing the relative default must not both serve it.
+        self._lock = DirLock(self.cfg.replica_dir, ".serve.lock", "replica_dir", self.job.id).acquire()
         host, _, port = self.membership.me.rpartition(":")
         store = ReplicaStore(self.cfg.replica_dir)
         self.server = ReplicationServer(store, secret, host=host, port=int(port), ssl_context=_server_ssl(self.cfg))
@@ -104,6 +110,8 @@ class NodeService:
             self.engine.stop()
         if self.server is not None:
             self.server.stop()
+        if self._lock is not None:
+            self._lock.release()
         if self.engine is not None:
             for client in self.engine.clients.values():
                 client.close()

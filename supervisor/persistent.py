@@ -717,12 +717,16 @@ class PersistentTier:
         self._last_clean: float | None = None
 
     @classmethod
-    def from_config(cls, cfg: Any, node: int | None = None) -> "PersistentTier | None":
+    def from_config(cls, cfg: Any, node: int | None = None, job: str = "") -> "PersistentTier | None":
         """From a SupervisorConfig (persistent_* keys); None when ``persistent_dir`` is empty.
-        ``node``: this node's rank in a multi-node run (per-part mode), None for a single node."""
+        ``node``: this node's rank in a multi-node run (per-part mode), None for a single node.
+        ``job``: the job's identity; its copies live under ``<persistent_dir>/<job>/``, so jobs that
+        share a persistent_dir never see each other's steps."""
         target = getattr(cfg, "persistent_dir", "") or ""
         if not target:
             return None
+        if job:
+            target = target.rstrip("/") + "/" + job
         return cls(target, every_n=getattr(cfg, "persistent_every", 0) or None,
                    every_seconds=getattr(cfg, "persistent_every_seconds", 0.0) or None,
                    keep_last=getattr(cfg, "persistent_keep_last", 0) or None,

@@ -25,16 +25,13 @@ from typing import Any, Callable
 from watchdog.events import FileSystemEvent, FileSystemEventHandler
 from watchdog.observers import Observer as FsObserver
 
+from supervisor.job_identity import namespace_of, parse_namespace
 from supervisor.membership import Membership, replica_targets
 from supervisor.observer import Observer
 from supervisor.parts import Part, scan_parts, verify_part
 from trainer_hooks.manifest import MANIFEST_RE, hash_file, list_step_dirs, manifest_name, step_dir_name
 
 log = logging.getLogger("rlsup.replication")
-
-
-def namespace_of(node: int) -> str:
-    return f"node{node}"
 
 
 @dataclass
@@ -63,6 +60,7 @@ class ReplicationEngine:
     state_path: Path
     observer: Observer = field(default_factory=Observer)
     scan_interval: float = 5.0
+    job: str = "job"  # the job's identity: replicas live in <job>.node<N>, other jobs' parts are never offered
     _wake: threading.Event = field(default_factory=threading.Event)
     _stop: threading.Event = field(default_factory=threading.Event)
     _held: dict[int, set[tuple[int, int]]] = field(default_factory=dict)  # target -> (step, rank) it holds
@@ -117,8 +115,10 @@ class ReplicationEngine:
     # ------------------------------------------------------------ pushing
 
     def own_parts(self) -> list[Part]:
-        """Valid parts in the local directory that this node wrote (sizes checked; checksums on push)."""
-        return [p for p in scan_parts(self.checkpoint_dir, full=False) if p.owner in (self.me, None)]
+        """Valid parts in the local directory that this node wrote for this job (sizes checked; checksums
+        on push). A part with no job stamp was written outside rlsup into this job's own directory."""
+        return [p for p in scan_parts(self.checkpoint_dir, full=False)
+                if p.owner in (self.me, None) and job_of(p) in (self.job, None)]
 
     def sync(self) -> None:
         """One pass: push what each target lacks, delete what the owner no longer keeps.
@@ -139,7 +139,7 @@ class ReplicationEngine:
         if self._stop.is_set():
             return
         try:
-            held = self.clients[target].index(namespace_of(self.me))
+            held = self.clients[target].index(namespace_of(self.job, self.me))
         except Exception as e:  # a dead peer: try again next pass
             self._failed(target, f"index: {e}")
             return
@@ -163,7 +163,7 @@ class ReplicationEngine:
         client = self.clients[target]
         prog = self.progress.setdefault(target, PeerProgress())
         hold = part.step_dir / f".hold-replication-node{self.me}"
-        ns = namespace_of(self.me)
+        ns = namespace_of(self.job, self.me)
         base = step_dir_name(part.step)
         started = time.monotonic()
         try:
@@ -199,7 +199,7 @@ class ReplicationEngine:
     def _delete(self, target: int, step: int) -> None:
         """Retention mirrored: the owner deleted ``step`` (seen here, then gone), so its replicas go too."""
         try:
-            self.clients[target].delete(namespace_of(self.me), step_dir_name(step))
+            self.clients[target].delete(namespace_of(self.job, self.me), step_dir_name(step))
         except Exception as e:
             log.warning("deleting replica of step %s on node %s failed: %s", step, target, e)
 
@@ -242,14 +242,19 @@ class ReplicationEngine:
         """What this node holds, fully verified (a corrupted copy is never offered)."""
         steps: dict[str, dict[str, Any]] = {}
         for part in scan_parts(self.checkpoint_dir, full=True):
+            if job_of(part) not in (self.job, None):
+                continue  # another job wrote into this directory: never offered to this one
             entry = steps.setdefault(str(part.step), {"world_size": part.world_size, "local": {}, "replicas": {}})
             entry["local"][str(part.rank)] = part.owner if part.owner is not None else self.me
         if self.replica_root.is_dir():
             for ns_dir in sorted(self.replica_root.iterdir()):
-                if not ns_dir.name.startswith("node") or not ns_dir.name[4:].isdigit():
-                    continue
-                owner = int(ns_dir.name[4:])
+                parsed = parse_namespace(ns_dir.name)
+                if parsed is None or parsed[0] != self.job:
+                    continue  # another job's replicas (or an older layout): never this job's data
+                owner = parsed[1]
                 for part in scan_parts(ns_dir, full=True):
+                    if job_of(part) != self.job:
+                        continue
                     entry = steps.setdefault(str(part.step),
                                              {"world_size": part.world_size, "local": {}, "replicas": {}})
                     entry["replicas"][str(part.rank)] = owner
@@ -260,7 +265,7 @@ class ReplicationEngine:
         step_dir = self.checkpoint_dir / step_dir_name(step)
         step_dir.mkdir(parents=True, exist_ok=True)
         _remove_fetch_leftovers(step_dir)
-        ns = namespace_of(self.me)
+        ns = namespace_of(self.job, self.me)
         base = step_dir_name(step)
         for rank, holders in sorted(ranks.items()):
             errors = []
@@ -290,8 +295,12 @@ class ReplicationEngine:
             os.replace(staging, step_dir / mname)  # manifest last: the part is valid only when whole
         finally:
             staging.unlink(missing_ok=True)
-        if verify_part(step_dir, rank, full=True) is None:
+        part = verify_part(step_dir, rank, full=True)
+        if part is None:
             raise RuntimeError(f"fetched part of rank {rank} does not verify")
+        if job_of(part) != self.job:
+            (step_dir / mname).unlink(missing_ok=True)
+            raise RuntimeError(f"fetched part of rank {rank} belongs to job {job_of(part)!r}, not {self.job!r}")
 
 
 _FETCH_TEMP_RE = re.compile(r"^(\..+\.rlsup-[0-9a-f]+\.tmp|\.fetch-manifest\..+)$")
@@ -307,6 +316,12 @@ def _remove_fetch_leftovers(step_dir: Path) -> None:
                     os.unlink(os.path.join(dirpath, name))
                 except OSError:
                     pass
+
+
+def job_of(part: Part) -> str | None:
+    """The job a part's manifest names (None: written without rlsup)."""
+    job = part.manifest.extra.get("job")
+    return job if isinstance(job, str) else None
 
 
 def _part_held(part: Part, index: dict[str, Any]) -> bool:

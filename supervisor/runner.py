@@ -24,6 +24,7 @@ from supervisor import exit_codes
 from supervisor.config import SupervisorConfig
 from supervisor.hang_detector import AutoTimeout, HangDetector, HangVerdict
 from supervisor.incidents import Incident, JobState, append_incident, write_state
+from supervisor.job_identity import ENV_JOB_ID, JobIdentity, job_identity
 from supervisor.observer import Observer
 from supervisor.process_tree import JobProcess, become_subreaper, oom_kill_count
 from supervisor.restart_policy import RestartPolicy
@@ -115,7 +116,9 @@ def _torchrun_root_cause(lines: list[str]) -> tuple[int, int, int] | None:
 class Supervisor:
     """Runs ``command`` under supervision with ``cfg``; call :meth:`run` once."""
 
-    def __init__(self, cfg: SupervisorConfig, command: Sequence[str], observer: Observer | None = None) -> None:
+    def __init__(self, cfg: SupervisorConfig, command: Sequence[str], observer: Observer | None = None,
+                 job: JobIdentity | None = None) -> None:
+        self.job = job or job_identity(cfg.job_name, cfg.checkpoint_dir, multi_node=False)
         self.cfg = cfg.resolved()
         self.command = list(command)
         self.state_dir = Path(self.cfg.state_dir)
@@ -134,7 +137,7 @@ class Supervisor:
         self._zygote: Zygote | None = None  # the next attempt's pre-spawned torchrun (warm_launcher)
         from supervisor.persistent import PersistentTier
 
-        self.persistent = PersistentTier.from_config(self.cfg)  # None when persistent_dir is empty
+        self.persistent = PersistentTier.from_config(self.cfg, job=self.job.id)  # None when persistent_dir is empty
 
     # ------------------------------------------------------------ the loop
 
@@ -314,9 +317,12 @@ class Supervisor:
             "RLSUP_HEARTBEAT_DIR": str(hb_dir),
             "RLSUP_STATE_DIR": str(self.state_dir),
             "RLSUP_PREEMPT_SIGNAL": self._preempt_signum().name,
+            ENV_JOB_ID: self.job.id,
+            # Always set: the step every rank must load, or empty for "start fresh". trainer_hooks never
+            # picks another step on its own under rlsup (a rank quietly starting over loses the run).
+            "RLSUP_RESUME_DIR": str(resume.path) if resume is not None else "",
         })
         if resume is not None:
-            env["RLSUP_RESUME_DIR"] = str(resume.path)
             env["RLSUP_RESUME_STEP"] = str(resume.step)
         return env
 

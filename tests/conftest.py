@@ -89,3 +89,17 @@ def pid_alive(pid: int) -> bool:
 @pytest.fixture
 def workdir(tmp_path: Path) -> Path:
     return tmp_path
+
+
+def replica_ns(replica_root: Path, owner: int) -> Path:
+    """The replica namespace holding ``owner``'s parts (``<job>.node<owner>``); one job per test dir."""
+    found = sorted(replica_root.glob(f"*.node{owner}"))
+    assert len(found) <= 1, f"more than one job's replicas of node {owner}: {found}"
+    return found[0] if found else replica_root / f"missing.node{owner}"
+
+
+def job_subdir(persistent_root: Path) -> Path:
+    """The job's directory in a persistent tier (``<persistent_dir>/<job>/``); one job per test dir."""
+    found = [p for p in persistent_root.iterdir() if p.is_dir()] if persistent_root.is_dir() else []
+    assert len(found) <= 1, f"more than one job in {persistent_root}: {found}"
+    return found[0] if found else persistent_root / "missing-job"

@@ -203,16 +203,37 @@ def test_retention_waits_while_new_step_incomplete(tmp_path, monkeypatch):
     assert valid_steps(tmp_path) == [2] and not (tmp_path / step_dir_name(1)).exists()
 
 
-def test_resume_dir_env_and_fallback(tmp_path, monkeypatch, caplog):
+def test_resume_dir_named_by_rlsup_is_loaded_or_fails_loudly(tmp_path, monkeypatch):
+    """rlsup's choice is binding: the named step, "" for a fresh start, never another step quietly."""
+    from trainer_hooks.checkpoint import ResumeError
+
     ckpt = CheckpointManager(tmp_path)
     for step in (1, 2):
         ckpt.save(step, {"v": step})
+    monkeypatch.setenv("RLSUP_CHECKPOINT_DIR", str(tmp_path))
     monkeypatch.setenv("RLSUP_RESUME_DIR", str(tmp_path / step_dir_name(1)))
+    monkeypatch.setenv("RLSUP_RESUME_STEP", "1")
     state = {"v": 0}
     assert ckpt.restore(state) == 1 and state["v"] == 1
     (tmp_path / step_dir_name(1) / manifest_name(0)).unlink()
+    with pytest.raises(ResumeError, match=r"rank 0 cannot load the step rlsup named .*step_000000001.*manifest.rank_00000.json"):
+        ckpt.restore(state)  # before: it quietly took step 2
+    monkeypatch.setenv("RLSUP_RESUME_DIR", "")  # rlsup decided: fresh start (e.g. every step was another job's)
+    state = {"v": 0}
+    assert ckpt.restore(state) == 0 and state["v"] == 0
+    monkeypatch.delenv("RLSUP_RESUME_DIR")  # outside rlsup: the newest valid step
     assert ckpt.restore(state) == 2 and state["v"] == 2
-    assert "not a valid checkpoint" in caplog.text
+
+
+def test_resume_step_must_match_the_named_one(tmp_path, monkeypatch):
+    from trainer_hooks.checkpoint import ResumeError
+
+    ckpt = CheckpointManager(tmp_path)
+    ckpt.save(3, {"v": 3})
+    monkeypatch.setenv("RLSUP_RESUME_DIR", str(tmp_path / step_dir_name(3)))
+    monkeypatch.setenv("RLSUP_RESUME_STEP", "4")
+    with pytest.raises(ResumeError, match="rlsup named step 4"):
+        ckpt.restore({"v": 0})
 
 
 def test_save_over_invalid_same_step_replaces_it(tmp_path):

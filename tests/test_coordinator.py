@@ -7,13 +7,34 @@ import threading
 
 import pytest
 
-from supervisor.coordinator import CoordinationError, RoundCoordinator, compute_plan
+from supervisor.coordinator import CoordinationError, RoundCoordinator, compute_plan, embedded_coordinator
+from supervisor.job_identity import JobIdentity
+
+JOB = JobIdentity("job-a", "test")
+SECRET = b"0123456789abcdef-shared"
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def node(port: int, rank: int, nodes: int = 2, timeout_s: float = 10, job: JobIdentity = JOB,
+         secret: bytes = SECRET) -> RoundCoordinator:
+    return embedded_coordinator("127.0.0.1", port, job, secret, rank, nodes, timeout_s)
+
+
+def join_all(coords: list[RoundCoordinator], mins: list[int] | None = None) -> list[int]:
+    """Every node joins at once (a fresh store waits for all proposals)."""
+    out: dict[int, int] = {}
+    threads = [threading.Thread(target=lambda i=i, c=c: out.__setitem__(i, c.join((mins or [0] * len(coords))[i])))
+               for i, c in enumerate(coords)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    return [out[i] for i in range(len(coords))]
 
 
 def inv(steps: dict) -> dict:
@@ -51,9 +72,9 @@ def test_plan_ignores_parts_local_to_a_non_owner_and_size_disagreement() -> None
 
 def test_rounds_end_and_rejoin_through_real_store() -> None:
     port = free_port()
-    leader = RoundCoordinator("127.0.0.1", port, 0, 2, timeout_s=10)
-    follower = RoundCoordinator("127.0.0.1", port, 1, 2, timeout_s=10)
-    assert leader.join() == 0 and follower.join() == 0
+    leader = node(port, 0)
+    follower = node(port, 1)
+    assert join_all([leader, follower]) == [0, 0]
     results = {}
 
     def node1() -> None:
@@ -77,7 +98,7 @@ def test_rounds_end_and_rejoin_through_real_store() -> None:
     assert leader.join() == 1 and follower.join() == 1
     # A replacement for node 1 joining while round 1 is planned and running ends it and joins round 2.
     leader.publish_plan(compute_plan(1, [{"steps": {}}, {"steps": {}}]))
-    replacement = RoundCoordinator("127.0.0.1", port, 1, 2, timeout_s=10)
+    replacement = node(port, 1)
     assert replacement.join() == 2
     assert leader.ended(1) == "node 1 rejoined"
     replacement.abort("node 1: gave up")
@@ -86,7 +107,7 @@ def test_rounds_end_and_rejoin_through_real_store() -> None:
 
 
 def test_missing_node_times_out_naming_it() -> None:
-    leader = RoundCoordinator("127.0.0.1", free_port(), 0, 2, timeout_s=0.5)
+    leader = node(free_port(), 0, timeout_s=0.5)
     leader.publish_inventory(0, {"steps": {}})
     with pytest.raises(CoordinationError, match="inv/0/1"):
         leader.inventories(0)
@@ -142,8 +163,8 @@ def test_plan_excludes_bad_parts_and_falls_back() -> None:
 
 def test_plan_tries_and_fetch_results_through_real_store() -> None:
     port = free_port()
-    leader = RoundCoordinator("127.0.0.1", port, 0, 2, timeout_s=10)
-    follower = RoundCoordinator("127.0.0.1", port, 1, 2, timeout_s=10)
+    leader = node(port, 0)
+    follower = node(port, 1)
     listing = tier({12: (2, [0, 1]), 18: (2, [0, 1])})
     leader.publish_plan(compute_plan(0, [inv({}), inv({})], listing))
     assert follower.plan(0).step == 18
@@ -162,9 +183,9 @@ def test_a_wait_inside_a_round_ends_when_a_replacement_rejoins() -> None:
     from supervisor.coordinator import RoundEnded
 
     port = free_port()
-    leader = RoundCoordinator("127.0.0.1", port, 0, 2, timeout_s=60)
-    dead = RoundCoordinator("127.0.0.1", port, 1, 2, timeout_s=60)
-    assert leader.join() == 0 and dead.join() == 0
+    leader = node(port, 0, timeout_s=60)
+    dead = node(port, 1, timeout_s=60)
+    assert join_all([leader, dead]) == [0, 0]
     dead.publish_inventory(0, {"steps": {}})
     leader.publish_inventory(0, {"steps": {}})
     leader.publish_plan(compute_plan(0, leader.inventories(0)))
@@ -179,8 +200,67 @@ def test_a_wait_inside_a_round_ends_when_a_replacement_rejoins() -> None:
 
     t = threading.Thread(target=node0)
     t.start()
-    assert RoundCoordinator("127.0.0.1", port, 1, 2, timeout_s=60).join() == 1  # the replacement
+    assert node(port, 1, timeout_s=60).join() == 1  # the replacement
     t.join(10)
     assert not t.is_alive(), "node 0 kept waiting for the dead node's fetch result"
     assert caught and isinstance(caught[0], RoundEnded) and "node 1 rejoined" in str(caught[0])
     assert leader.join() == 1
+
+
+# ------------------------------------------------------------------------ job identity and a lost node 0
+
+
+def test_a_node_of_another_job_is_refused_naming_both_jobs() -> None:
+    """Two jobs on the same hosts with the default port: the second one's nodes never join the first's store."""
+    from supervisor.coordinator import JobClash
+
+    port = free_port()
+    leader = node(port, 0)
+    other = JobIdentity("job-b", "checkpoint_dir 'b'")
+    with pytest.raises(JobClash, match="job-a.*this node is job job-b"):
+        node(port, 1, job=other)
+    with pytest.raises(JobClash, match="coordinator port .* taken by rlsup job 'job-a'"):
+        node(port, 0, job=other)  # its node 0 cannot host, and names who does
+    with pytest.raises(JobClash):  # the same job name with another secret is another job too
+        node(port, 1, secret=b"another-secret-of-16+")
+    assert leader.join is not None
+
+
+def test_forged_values_are_ignored_and_named(capsys: pytest.CaptureFixture[str]) -> None:
+    """A writer without the job's secret (another job, a stale or hostile client) cannot end a round or
+    plant a plan: its values do not verify and are ignored, with the key named in the log."""
+    from torch.distributed import TCPStore
+    from datetime import timedelta
+
+    port = free_port()
+    leader, follower = node(port, 0), node(port, 1)
+    assert join_all([leader, follower]) == [0, 0]
+    intruder = TCPStore("127.0.0.1", port, None, False, timedelta(seconds=5))
+    intruder.set("rlsup/job-a/end/0", "node 9: forged")
+    intruder.set("rlsup/job-a/plan/0", '{"round": 0, "step": 999, "world_size": 1, "fetch": {}}')
+    assert follower.ended(0) is None
+    assert "ignored rlsup/job-a/end/0" in capsys.readouterr().err
+    assert leader.end(0, "node 0: real") == "node 0: real"  # the signed writer takes the key back
+    assert follower.ended(0) == "node 0: real"
+
+
+def test_a_replacement_node_0_hosts_a_fresh_store_and_the_job_keeps_counting() -> None:
+    """Node 0's supervisor dies (its embedded store with it). The other node waits in join for a
+    replacement node 0, which hosts a new store; they agree on the next round from their proposals."""
+    port = free_port()
+    leader, follower = node(port, 0, timeout_s=30), node(port, 1, timeout_s=30)
+    assert join_all([leader, follower]) == [0, 0]
+    leader.end(0, "node 0: crashed")
+    assert join_all([leader, follower]) == [1, 1]
+    leader.store.close()
+    del leader  # the store goes with node 0's supervisor
+    import gc
+
+    gc.collect()
+    got: dict[str, int] = {}
+    t = threading.Thread(target=lambda: got.__setitem__("follower", follower.join(2)))
+    t.start()
+    replacement = node(port, 0, timeout_s=30)  # an empty disk: it would start at round 0
+    assert replacement.join(0) == 2
+    t.join(30)
+    assert got == {"follower": 2}

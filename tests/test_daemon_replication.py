@@ -11,6 +11,7 @@ import torch
 
 from conftest import clean_env, rlsup_cmd, wait_for
 from test_multinode import free_ports
+from supervisor.job_identity import job_identity, namespace_of
 from trainer_hooks import CheckpointManager
 from trainer_hooks.manifest import hash_file, manifest_name, read_manifest
 
@@ -37,7 +38,7 @@ def test_daemon_replicates_on_manifest_and_dead_peer_slows_nothing(tmp_path: Pat
         model = torch.nn.Linear(64, 64)
         started = time.monotonic()
         step_dir = CheckpointManager(n0 / "checkpoints").save(7, {"model": model})
-        replica = n1 / "replicas" / "node0" / step_dir.name
+        replica = n1 / "replicas" / namespace_of(job_identity("", "checkpoints", True, environ={}).id, 0) / step_dir.name
         # The scan interval is 30 s: only the watchdog event can make this arrive in time.
         wait_for(lambda: (replica / manifest_name(0)).exists(), 20, "step 7 replicated to node 2")
         elapsed = time.monotonic() - started

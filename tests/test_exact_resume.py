@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, clean_env, incidents, start_rlsup, wait_for
+from conftest import ROOT, clean_env, incidents, job_subdir, start_rlsup, wait_for
 from trainer_hooks.heartbeat import read_record
 from trainer_hooks.manifest import list_step_dirs, verify_step_dir
 
@@ -111,7 +111,7 @@ def test_wiped_local_dir_resumes_from_persistent_tier_under_rlsup(workdir: Path)
             "--replication-scan-interval", "0.2", "--", *launcher(1), *train, "--out", str(out)]
 
     def persisted() -> int:
-        return max((s for s, d in list_step_dirs(persistent) if verify_step_dir(d).valid), default=0)
+        return max((s for s, d in list_step_dirs(job_subdir(persistent)) if verify_step_dir(d).valid), default=0)
 
     proc = start_rlsup(args, workdir)
     try:

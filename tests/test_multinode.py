@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from conftest import ROOT, clean_env, free_ports, incidents, rlsup_cmd, run_rlsup, wait_for
+from conftest import ROOT, clean_env, free_ports, incidents, replica_ns, rlsup_cmd, run_rlsup, wait_for
 from trainer_hooks.manifest import hash_file, list_step_dirs, manifest_name, read_manifest
 
 TRAIN = str(ROOT / "examples" / "train_tiny.py")
@@ -76,7 +76,7 @@ class Cluster:
 
 
 def replica_part(cluster: Cluster, holder: int, owner: int, step: int) -> Path:
-    return cluster.node_dir(holder) / "replicas" / f"node{owner}" / f"step_{step:09d}"
+    return replica_ns(cluster.node_dir(holder) / "replicas", owner) / f"step_{step:09d}"
 
 
 def reference_weights(tmp: Path) -> dict[str, torch.Tensor]:
@@ -107,7 +107,7 @@ def test_replicas_match_then_node_loss_resumes_bit_identical(tmp_path: Path) -> 
         wiped = cluster.node_dir(2)
         os.rename(wiped, tmp_path / "node2.lost")  # the node's disk is gone
         # Corrupt node 0's replica of the newest node-2 step it holds: it must never be used.
-        held = [s for s, d in list_step_dirs(cluster.node_dir(0) / "replicas" / "node2")
+        held = [s for s, d in list_step_dirs(replica_ns(cluster.node_dir(0) / "replicas", 2))
                 if (d / manifest_name(2)).exists()]
         corrupt_step = max(held)
         victim = replica_part(cluster, 0, 2, corrupt_step) / "rank_00002.pt"

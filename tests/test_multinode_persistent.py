@@ -24,7 +24,7 @@ import psutil
 import pytest
 import torch
 
-from conftest import ROOT, clean_env, rlsup_cmd, wait_for
+from conftest import ROOT, clean_env, job_subdir, rlsup_cmd, wait_for
 from supervisor.persistent import PART_TMP_PREFIX, PersistentPartInvalid, PersistentTier, _host_tag
 from test_multinode import PY, assert_same_weights, free_ports
 from trainer_hooks import CheckpointManager
@@ -208,7 +208,7 @@ class Cluster:
             shutil.rmtree(self.node_dir(node) / "replicas", ignore_errors=True)
 
     def valid_persistent_steps(self) -> list[int]:
-        tier = PersistentTier(self.persistent)
+        tier = PersistentTier(job_subdir(self.persistent))
         return [s for s in tier.steps() if tier.verify(s, full=True)]
 
     def state(self, node: int) -> dict:
@@ -275,11 +275,11 @@ def test_corrupted_persistent_part_falls_back_to_older_step(tmp_path: Path, refe
     valid = run_until_persisted(cluster, 9)
     newest = max(valid)
     older = [s for s in valid if s < newest]
-    shard = cluster.persistent / step_dir_name(newest) / "rank_00001.pt"
+    shard = job_subdir(cluster.persistent) / step_dir_name(newest) / "rank_00001.pt"
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
-    assert not verify_step_dir(cluster.persistent / step_dir_name(newest)).valid
+    assert not verify_step_dir(job_subdir(cluster.persistent) / step_dir_name(newest)).valid
     restart_and_finish(cluster)
     assert_same_weights(cluster.node_dir(0) / "final.pt", reference)
     expected = (max(older), "persistent") if older else (None, None)

@@ -246,7 +246,10 @@ def test_rlsup_run_resumes_from_s3_bit_identical(s3_env: dict[str, str], bucket:
     out, ckpt = tmp_path / "final.pt", tmp_path / "checkpoints"
     args = ["run", "--backoff-initial", "0.05", "--persistent-dir", url, "--replication-scan-interval", "0.2",
             "--", PY, TRAIN, *train, "--out", str(out)]
-    probe = PersistentTier(url)
+    from supervisor.job_identity import job_identity
+
+    # rlsup keeps each job's copies under <persistent_dir>/<job>/ (the job: its absolute checkpoint_dir here)
+    probe = PersistentTier(f"{url}/{job_identity('', 'checkpoints', False, environ={}, cwd=str(tmp_path)).id}")
 
     def persisted() -> int:
         return max((s for s in probe.steps() if probe.verify(s, full=False)), default=0)

@@ -72,7 +72,10 @@ from trainer_hooks.rng import capture_rng_state, restore_rng_state
 log = logging.getLogger(__name__)
 
 ENV_DIR = "RLSUP_CHECKPOINT_DIR"
+#: Set by rlsup for every attempt: a step directory to load (every rank must), or empty for a fresh start.
 ENV_RESUME = "RLSUP_RESUME_DIR"
+ENV_RESUME_STEP = "RLSUP_RESUME_STEP"
+ENV_JOB = "RLSUP_JOB_ID"
 STAGING_PREFIX = ".staging-"
 DELETING_PREFIX = ".deleting-"
 #: Leftovers older than this are removed even when their pid looks alive (pid reuse, other hosts).
@@ -98,6 +101,9 @@ def _manifest_extra() -> dict[str, Any]:
     node = os.environ.get("RLSUP_NODE_RANK", os.environ.get("GROUP_RANK"))
     if node is not None and node.isdigit():
         extra["node_rank"] = int(node)
+    job = os.environ.get(ENV_JOB)
+    if job:
+        extra["job"] = job  # which job the part belongs to: rlsup never offers it to another
     return extra
 
 
@@ -240,6 +246,22 @@ def _all_ranks_agree(flag: bool) -> bool:
     t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
     return bool(t.item())
+
+
+def _failed_ranks(ok: bool) -> list[int]:
+    """Every rank whose ``ok`` is False (a collective when a group is initialised)."""
+    dist = _dist()
+    if dist is None:
+        return [] if ok else [_rank_world()[0]]
+    flags: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(flags, ok)
+    return [r for r, f in enumerate(flags) if not f]
+
+
+class ResumeError(RuntimeError):
+    """rlsup named a step to resume from (``RLSUP_RESUME_DIR``) and it cannot be loaded here. The
+    attempt fails loudly instead of quietly starting over: a rank that started fresh while its peers
+    resumed, or every rank starting fresh after rlsup said "from step N", would lose the run's progress."""
 
 
 def _barrier() -> None:
@@ -505,35 +527,70 @@ class CheckpointManager:
     # -------------------------------------------------------------------------------- restore
 
     def choose(self) -> VerifyResult | None:
-        """The step to resume from: ``RLSUP_RESUME_DIR`` if valid, else the newest valid step."""
-        resume = os.environ.get(ENV_RESUME)
-        if resume:
+        """The step to resume from: the one rlsup named (``RLSUP_RESUME_DIR``; it must verify, else
+        :class:`ResumeError`), none when rlsup said "fresh" (empty), else the newest valid step."""
+        resume = self._rlsup_resume()
+        if resume == "":
+            return None
+        if resume is not None:
             result = verify_step_dir(resume, full=True)
-            if result.valid:
-                return result
-            log.warning("%s=%s is not a valid checkpoint (%s); using the newest valid one instead",
-                        ENV_RESUME, resume, result.reason)
+            if not result.valid:
+                raise ResumeError(f"rlsup named {resume} to resume from, but it is not a valid checkpoint here: "
+                                  f"{result.reason}")
+            return result
         return latest_valid(self.directory, full=True)
 
-    def _own_part_in(self, step_dir: Path) -> bool:
-        """This rank's part of ``step_dir`` verifies (all a per-rank backend needs to load)."""
+    def _rlsup_resume(self) -> str | None:
+        """rlsup's decision for this manager's directory: a step directory, "" (start fresh), or None
+        (not under rlsup, or this manager writes somewhere rlsup does not watch: choose here)."""
+        resume = os.environ.get(ENV_RESUME)
+        if resume is None:
+            return None
+        watched = os.environ.get(ENV_DIR)
+        mine = os.path.realpath(self.directory)
+        if resume:
+            return resume if os.path.realpath(os.path.dirname(resume.rstrip("/"))) == mine else None
+        return "" if watched and os.path.realpath(watched) == mine else None
+
+    def _own_part_problem(self, step_dir: Path) -> str:
+        """Why this rank's part of ``step_dir`` cannot be loaded ("" when it verifies: all a per-rank
+        backend reads)."""
+        path = step_dir / manifest_name(self.rank)
         try:
-            m = read_manifest(step_dir / manifest_name(self.rank))
-        except (ManifestError, OSError):
-            return False
-        return m.world_size == self.world_size and not check_files(step_dir, m.files, full=True)[0]
+            m = read_manifest(path)
+        except (ManifestError, OSError) as e:
+            return f"{path} is missing or unreadable ({e.__class__.__name__}: {e})"
+        if m.world_size != self.world_size:
+            return f"{path} was written by a job of {m.world_size} ranks, this one has {self.world_size}"
+        reason, _ = check_files(step_dir, m.files, full=True)
+        return f"{step_dir}: {reason}" if reason else ""
+
+    def _named_step(self, resume: str) -> str:
+        """The step rlsup named, checked on every rank: each rank's own part for per-rank backends (a node
+        may hold only its own ranks' parts), the whole step for collective ones. Raises
+        :class:`ResumeError` naming every rank that cannot load it."""
+        step_dir = Path(resume)
+        if self.backend.collective:
+            problem = "" if self.rank != 0 else (verify_step_dir(step_dir, full=True).reason or "")
+        else:
+            problem = self._own_part_problem(step_dir)
+        failed = _failed_ranks(not problem)
+        if problem:
+            raise ResumeError(f"rank {self.rank} cannot load the step rlsup named ({resume}): {problem}")
+        if failed:
+            raise ResumeError(f"rank(s) {failed} cannot load the step rlsup named ({resume}); see their errors")
+        return resume
 
     def restore(self, state: dict[str, Any]) -> int:
         """Load the chosen checkpoint into ``state`` in place; returns its step, 0 when none."""
         with section("load"):
             self.rank, self.world_size = _rank_world()
             dist = _dist()
-            resume = os.environ.get(ENV_RESUME)
+            resume = self._rlsup_resume()
             chosen_path: str | None = None
-            if resume and not self.backend.collective and _all_ranks_agree(self._own_part_in(Path(resume))):
-                # rlsup checked the step across all nodes (each node may hold only its own ranks' parts):
-                # every rank verified its own part, which is all the per-rank backend reads.
-                chosen_path = resume
+            if resume is not None:
+                # rlsup chose across all nodes and tiers: that step, or (empty) a fresh start; never another.
+                chosen_path = self._named_step(resume) if resume else None
             elif dist is not None:
                 # Rank 0 verifies once and tells the others, so all ranks load the same step.
                 box: list[Any] = [None]
@@ -566,5 +623,8 @@ class CheckpointManager:
             rng = payload.get(RNG_KEY)
             if rng is not None:
                 restore_rng_state(rng)  # last: loading objects above may draw random numbers
+            named = os.environ.get(ENV_RESUME_STEP)
+            if resume and named and named.isdigit() and int(named) != first.step:
+                raise ResumeError(f"rlsup named step {named} but {step_dir} holds step {first.step}")
             log.info("restored %s (rank %d)", step_dir.name, self.rank)
             return first.step

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import psutil
 
+from supervisor.job_identity import job_identity, namespace_of
 from trainer_hooks.manifest import hash_file, list_step_dirs, manifest_name, read_manifest, step_dir_name
 
 from .common import (PY, TRAIN, Deadline, Sandbox, clean_env, freeze, free_ports, incidents, reference_weights,
@@ -33,6 +34,9 @@ from .injector import Fault
 from .invariants import (ProcessTracker, check_no_survivors, check_no_temp_copies, check_no_writes_outside,
                          check_weights)
 from .scenarios import ScenarioResult
+
+# The job every node derives from the default checkpoint_dir ("checkpoints", as written, on several nodes).
+DEFAULT_JOB = job_identity("", "checkpoints", multi_node=True, environ={}).id
 
 SECRET_TEXT = "chaos-multinode-shared-secret-0123456789\n"
 
@@ -90,7 +94,7 @@ def transfer_kill_scenario(parent: Path, seed: int, victims: list[str] | None = 
     tracker = ProcessTracker(dirs[0] / ".rlsup").start()
     store1 = dirs[1] / "replicas"
     incoming = store1 / ".incoming"
-    ns_dir = store1 / "node0"
+    ns_dir = store1 / namespace_of(DEFAULT_JOB, 0)
     client = None
 
     def start(node: int) -> None:
@@ -311,7 +315,7 @@ def fetch_kill_scenario(parent: Path, ref_cache: Path, seed: int, kills: int = 1
     try:
         start(0)
         start(1)
-        replica_root = node_dir[0] / "replicas" / "node1"
+        replica_root = node_dir[0] / "replicas" / namespace_of(DEFAULT_JOB, 1)
 
         def replicated() -> int | None:
             for s, d in reversed(list_step_dirs(replica_root)):

@@ -320,10 +320,10 @@ def persistent_copy_scenario(parent: Path, ref_cache: Path, seed: int,
     rng = random.Random(seed)
     res = ScenarioResult("persistent", seed)
     sb = Sandbox(parent)
-    dest = sb.run / "persistent"
+    dest = sb.run / "persistent" / "chaos"  # rlsup keeps the job's copies under <persistent_dir>/<job_name>/
     args = train_args(steps=steps, keep_last=keep_last)
     ref = reference_weights(ref_cache, 1, args)
-    rlsup_args = [*RLSUP_FAST, "--heartbeat-timeout", "6", "--persistent-dir", str(dest),
+    rlsup_args = [*RLSUP_FAST, "--heartbeat-timeout", "6", "--persistent-dir", str(dest.parent), "--job-name", "chaos",
                   "--persistent-bandwidth", str(bandwidth), "--persistent-keep-last", str(persistent_keep_last),
                   "--replication-scan-interval", "0.1"]
     run = SupervisedRun(sb, [*launcher(1), *args, "--out", str(sb.run / "final.pt")], rlsup_args)

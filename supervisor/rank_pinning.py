@@ -1,0 +1,141 @@
+"""Pin each node's ranks to the node that wrote their checkpoint parts, whatever rendezvous was typed.
+
+torchrun's c10d (and etcd) rendezvous hands out node ranks in its own order: torch's
+``DynamicRendezvousHandler`` sorts participants by ``(addr, pid, local_id)``, and ``--node-rank`` is
+ignored. So after a restart a rank can land on a node that never held its part, and a node-local
+checkpoint directory then has nothing to load. rlsup already runs a rendezvous of its own before every
+attempt (the coordinator's round: all nodes agree on the step and launch together), so for a
+torchrun-compatible launcher (``torchrun``, ``python -m torch.distributed.run``, NVRx ``ft_launcher``)
+in a multi-node run it launches each node with torchrun's *static* rendezvous: ``--node-rank`` = rlsup's
+node rank, ``--nnodes`` = the number of peers, and the master at node 0's host (the port the user gave
+for the rendezvous endpoint or master). Global ranks are then ``node_rank * nproc_per_node + local_rank``
+on every attempt, and each rank's part is on its node (in place or fetched before launch).
+
+Everything else on the command line is left as typed; the change is logged once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from dataclasses import dataclass
+from typing import Sequence
+
+DEFAULT_PORT = {"c10d": 29400, "static": 29500}
+# The options this module owns: removed from the user's command and set again (with their values).
+_OWNED = {"--nnodes", "--rdzv-backend", "--rdzv_backend", "--rdzv-endpoint", "--rdzv_endpoint", "--rdzv-id",
+          "--rdzv_id", "--node-rank", "--node_rank", "--master-addr", "--master_addr", "--master-port",
+          "--master_port", "--standalone"}
+
+
+class PinningError(ValueError):
+    """The launcher's command cannot be pinned as it is (the message says which option and why)."""
+
+
+@dataclass(frozen=True)
+class Pinned:
+    command: list[str]
+    note: str  # what changed, for the log ("" when nothing did)
+
+
+def _launcher(command: Sequence[str]) -> tuple[int, argparse.ArgumentParser] | None:
+    """(index of the launcher's first option, its argparse parser) for a torchrun-compatible launcher."""
+    if not command:
+        return None
+    head = os.path.basename(command[0])
+    if head == "torchrun":
+        start = 1
+    elif re.fullmatch(r"python[0-9.]*", head) and list(command[1:3]) == ["-m", "torch.distributed.run"]:
+        start = 3
+    elif head == "ft_launcher" or (re.fullmatch(r"python[0-9.]*", head) and len(command) > 2 and command[1] == "-m"
+                                   and command[2].startswith("nvidia_resiliency_ext.")):
+        start = 1 if head == "ft_launcher" else 3
+        try:
+            from nvidia_resiliency_ext.fault_tolerance.launcher import get_args_parser as ft_parser
+        except Exception:  # NVRx not installed here: ft_launcher runs as typed
+            return None
+        return start, ft_parser()
+    else:
+        return None
+    from torch.distributed.run import get_args_parser
+
+    return start, get_args_parser()
+
+
+def _value_options(parser: argparse.ArgumentParser) -> tuple[set[str], set[str]]:
+    """(options that take a value, options that take none) of ``parser``."""
+    takes, flags = set(), set()
+    for action in parser._actions:  # argparse has no public listing of its actions
+        for opt in action.option_strings:
+            (flags if action.nargs == 0 else takes).add(opt)
+    return takes, flags
+
+
+def pin_ranks(command: Sequence[str], node_rank: int, num_nodes: int, master_host: str) -> Pinned:
+    """``command`` with torchrun's static rendezvous at rlsup's node rank (see the module docstring);
+    unchanged for anything that is not a torchrun-compatible launcher."""
+    found = _launcher(command)
+    if found is None:
+        return Pinned(list(command), "")
+    start, parser = found
+    takes, flags = _value_options(parser)
+    options: dict[str, str] = {}
+    kept: list[str] = []
+    i = start
+    while i < len(command):
+        tok = command[i]
+        if not tok.startswith("-") or tok == "--":
+            break  # the training script (or module) and its own arguments
+        name, eq, inline = tok.partition("=")
+        if name in takes:
+            if eq:
+                value, i = inline, i + 1
+            elif i + 1 < len(command):
+                value, i = command[i + 1], i + 2
+            else:
+                raise PinningError(f"launcher option {name} has no value")
+            if name in _OWNED:
+                options[name.replace("_", "-")] = value
+            else:
+                kept += [tok] if eq else [name, value]
+        elif name in flags:
+            if name in _OWNED:
+                options[name] = "1"
+            else:
+                kept.append(tok)
+            i += 1
+        else:
+            kept.append(tok)  # unknown to the parser: leave it, the launcher will say what it thinks
+            i += 1
+    rest = list(command[i:])
+    if not rest:
+        return Pinned(list(command), "")
+    backend = options.get("--rdzv-backend", "static")
+    nnodes = options.get("--nnodes")
+    if nnodes is not None:
+        lo, _, hi = nnodes.partition(":")
+        if not (lo.isdigit() and (not hi or hi.isdigit())) or int(hi or lo) < num_nodes or int(lo) > num_nodes:
+            raise PinningError(f"launcher option --nnodes {nnodes} does not admit the {num_nodes} nodes in peers")
+    endpoint = options.get("--rdzv-endpoint", "")
+    port = options.get("--master-port") or (endpoint.rpartition(":")[2] if ":" in endpoint else "")
+    port = port or str(DEFAULT_PORT.get(backend, DEFAULT_PORT["c10d"]))
+    if not port.isdigit():
+        raise PinningError(f"launcher rendezvous port {port!r} is not a number")
+    host = master_host if backend != "static" or "--master-addr" not in options else options["--master-addr"]
+    head = list(command[:start])
+    pinned = head + kept + ["--nnodes", str(num_nodes), "--node-rank", str(node_rank), "--rdzv-backend", "static",
+                            "--master-addr", host, "--master-port", port] + rest
+    before = {k: v for k, v in options.items()}
+    after = {"--rdzv-backend": "static", "--node-rank": str(node_rank), "--nnodes": str(num_nodes),
+             "--master-addr": host, "--master-port": port}
+    changed = {k: v for k, v in after.items() if before.get(k) != v}
+    dropped = sorted(set(before) - set(after))
+    if not changed and not dropped:
+        return Pinned(pinned, "")
+    what = ", ".join(f"{k} {v}" for k, v in changed.items())
+    note = (f"launcher rendezvous pinned to rlsup's node rank ({what}"
+            + (f"; dropped {' '.join(dropped)}" if dropped else "") + "): ranks stay on the node that holds "
+            f"their checkpoint parts (was {backend}"
+            + (", which orders nodes by join order and ignores --node-rank)" if backend != "static" else ")"))
+    return Pinned(pinned, note)
