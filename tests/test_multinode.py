@@ -1,14 +1,19 @@
-"""Three node supervisors on 127.0.0.1 (own ports, own directories) around a 3-node torchrun job.
+"""Three node supervisors on 127.0.0.1 (own ports, own directories) around a 3-node torchrun job,
+launched as PyTorch documents multi-node jobs: ``--rdzv-backend c10d --rdzv-endpoint``.
 
 Shows: every checkpoint part reaches its replica holder with matching checksums; a node SIGKILLed and
 wiped is replaced by one with an empty disk, and all nodes resume from the newest step whose parts
-survive, ending bit-identical to an uninterrupted run; a corrupted replica is never used.
+survive, ending bit-identical to an uninterrupted run; a corrupted replica is never used. c10d orders
+nodes by join order (and ignores --node-rank); rlsup pins each node's ranks, so every rank resumes from
+its own part, and what rlsup says it resumed ("from step N") is what every trainer loaded. Losing node 0
+(which hosts the embedded coordination store and torchrun's master) is survived the same way.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -27,11 +32,14 @@ TRAIN_ARGS = ["--steps", str(STEPS), "--checkpoint-every", "3", "--step-time", "
 
 
 class Cluster:
-    """Node supervisors as separate `rlsup run` processes, each in its own directory."""
+    """Node supervisors as separate `rlsup run` processes, each in its own directory (its own "machine")."""
 
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        *self.repl_ports, self.coord_port, self.master_port = free_ports(NODES + 2)
+    def __init__(self, root: Path, nodes: int = NODES, rdzv: str = "c10d", extra: list[str] | None = None,
+                 train_args: list[str] | None = None) -> None:
+        self.root, self.nodes, self.rdzv = root, nodes, rdzv
+        self.extra = extra or []
+        self.train_args = train_args or TRAIN_ARGS
+        *self.repl_ports, self.coord_port, self.master_port = free_ports(nodes + 2)
         self.token = root / "token"
         self.token.write_text("s3cret-shared-by-all-nodes\n")
         self.token.chmod(0o600)
@@ -40,6 +48,14 @@ class Cluster:
     def node_dir(self, node: int) -> Path:
         return self.root / f"node{node}"
 
+    def launcher(self, node: int) -> list[str]:
+        """torchrun as a user types it: c10d (no node rank: torchrun ignores it) or static."""
+        common = [PY, "-m", "torch.distributed.run", "--nnodes", str(self.nodes), "--nproc-per-node", "1"]
+        if self.rdzv == "c10d":
+            return [*common, "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{self.master_port}",
+                    "--rdzv-id", "job1"]
+        return [*common, "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(self.master_port)]
+
     def start(self, node: int) -> None:
         d = self.node_dir(node)
         d.mkdir(parents=True, exist_ok=True)
@@ -47,13 +63,17 @@ class Cluster:
         args = ["run", "--peers", peers, "--node-rank", str(node), "--coordinator-port", str(self.coord_port),
                 "--token-file", str(self.token), "--replication-scan-interval", "0.5", "--heartbeat-timeout", "60",
                 "--backoff-initial", "0.2", "--backoff-max", "0.5", "--rendezvous-timeout", "120",
-                "--kill-grace", "3", "--",
-                PY, "-m", "torch.distributed.run", "--nnodes", str(NODES), "--node-rank", str(node),
-                "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(self.master_port),
-                TRAIN, *TRAIN_ARGS, "--out", str(d / "final.pt")]
+                "--kill-grace", "3", *self.extra, "--",
+                *self.launcher(node), TRAIN, *self.train_args, "--out", str(d / "final.pt")]
         log = open(d / "rlsup.log", "ab")
         self.procs[node] = subprocess.Popen(rlsup_cmd(*args), cwd=d, env=clean_env(), stdout=log,
                                             stderr=subprocess.STDOUT)
+
+    def lose(self, node: int) -> None:
+        """SIGKILL the node's supervisor (its job dies with it) and take its disk away."""
+        self.procs[node].send_signal(signal.SIGKILL)
+        self.procs[node].wait(timeout=30)
+        os.rename(self.node_dir(node), self.root / f"node{node}.lost")
 
     def wait_all(self, timeout: float) -> dict[int, int]:
         codes = {}
@@ -70,9 +90,27 @@ class Cluster:
                 proc.kill()
                 proc.wait()
 
+    def log(self, node: int) -> str:
+        path = self.node_dir(node) / "rlsup.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
     def logs(self) -> str:
-        return "\n".join(f"--- node {n} ---\n" + (self.node_dir(n) / "rlsup.log").read_text(errors="replace")[-3000:]
-                         for n in range(NODES) if (self.node_dir(n) / "rlsup.log").exists())
+        return "\n".join(f"--- node {n} ---\n" + self.log(n)[-3000:] for n in range(self.nodes))
+
+
+def trainer_starts(log: str) -> list[int]:
+    """The steps rank 0's trainer said it started from, attempt by attempt."""
+    return [int(m) for m in re.findall(r"\[train_tiny\] attempt \d+: starting at step (\d+)", log)]
+
+
+def rlsup_resumes(log: str) -> list[int | None]:
+    """What rlsup said each launch resumed from (None: a fresh start)."""
+    out: list[int | None] = []
+    for line in log.splitlines():
+        if "[rlsup] attempt" in line and ": launching" in line:
+            m = re.search(r" from step (\d+) ", line)
+            out.append(int(m.group(1)) if m else None)
+    return out
 
 
 def replica_part(cluster: Cluster, holder: int, owner: int, step: int) -> Path:
@@ -102,10 +140,7 @@ def test_replicas_match_then_node_loss_resumes_bit_identical(tmp_path: Path) -> 
         # Node 2's parts are replicated to node 0 (ring, factor 1). Wait for step 12's copy, then lose node 2.
         wait_for(lambda: (replica_part(cluster, 0, 2, 12) / manifest_name(2)).exists(), 180,
                  "node 2's step 12 part replicated to node 0")
-        cluster.procs[2].send_signal(signal.SIGKILL)
-        cluster.procs[2].wait(timeout=30)
-        wiped = cluster.node_dir(2)
-        os.rename(wiped, tmp_path / "node2.lost")  # the node's disk is gone
+        cluster.lose(2)  # the node and its disk are gone
         # Corrupt node 0's replica of the newest node-2 step it holds: it must never be used.
         held = [s for s, d in list_step_dirs(replica_ns(cluster.node_dir(0) / "replicas", 2))
                 if (d / manifest_name(2)).exists()]
@@ -122,6 +157,11 @@ def test_replicas_match_then_node_loss_resumes_bit_identical(tmp_path: Path) -> 
 
     # Every node ended bit-identical to the uninterrupted run (rank 0 writes the weights on node 0).
     assert_same_weights(cluster.node_dir(0) / "final.pt", ref)
+    # c10d was pinned to rlsup's node ranks, and what rlsup said each launch resumed from is what the
+    # trainer loaded (every rank must: a rank missing its part fails the attempt, it never starts fresh).
+    log0 = cluster.log(0)
+    assert "launcher rendezvous pinned to rlsup's node rank" in log0, log0[-3000:]
+    assert trainer_starts(log0) == [r or 0 for r in rlsup_resumes(log0)] and trainer_starts(log0)[-1] > 0, log0[-4000:]
     # The replacement resumed from a step it fetched from a peer, never the corrupted one.
     inc2 = incidents(cluster.node_dir(2) / ".rlsup")
     inc0 = incidents(cluster.node_dir(0) / ".rlsup")
@@ -148,3 +188,34 @@ def test_replicas_match_then_node_loss_resumes_bit_identical(tmp_path: Path) -> 
     assert rep["placement"]["9"]["0"] == [f"127.0.0.1:{cluster.repl_ports[1]}"]
     text = run_rlsup(["status"], cluster.node_dir(0)).stdout
     assert "replication: node 0 -> nodes [1]" in text and "step 9: node 0 parts on" in text
+
+
+def test_node_0_lost_and_replaced_with_an_empty_disk_resumes_bit_identical(tmp_path: Path) -> None:
+    """Node 0 hosts the embedded coordination store and torchrun's master. It is SIGKILLed and its disk
+    wiped; the other nodes wait for a replacement, which joins with an empty disk, re-hosts the store,
+    fetches node 0's parts from their replicas, and the job resumes from a step at least as new as the
+    newest one that was complete and replicated when node 0 died, ending bit-identical."""
+    ref = reference_weights(tmp_path)
+    cluster = Cluster(tmp_path)
+    try:
+        for node in range(NODES):
+            cluster.start(node)
+        wait_for(lambda: (replica_part(cluster, 1, 0, 9) / manifest_name(0)).exists(), 180,
+                 "node 0's step 9 part replicated to node 1")
+        cluster.lose(0)
+        held0 = {s for s, d in list_step_dirs(replica_ns(cluster.node_dir(1) / "replicas", 0))
+                 if (d / manifest_name(0)).exists()}
+        own = [{s for s, d in list_step_dirs(cluster.node_dir(n) / "checkpoints") if (d / manifest_name(n)).exists()}
+               for n in (1, 2)]
+        complete = max(held0 & own[0] & own[1])
+        cluster.start(0)  # the replacement: same address, empty directory
+        codes = cluster.wait_all(timeout=300)
+        assert codes == {0: 0, 1: 0, 2: 0}, cluster.logs()
+    finally:
+        cluster.kill_all()
+    assert_same_weights(cluster.node_dir(0) / "final.pt", ref)
+    log0 = cluster.log(0)
+    starts = trainer_starts(log0)
+    assert starts and starts[0] >= complete, (complete, log0[-4000:])
+    assert starts == [r or 0 for r in rlsup_resumes(log0)], log0[-4000:]
+    assert "is gone; waiting" in cluster.log(1), cluster.log(1)[-3000:]  # node 1 waited for the new store
