@@ -9,6 +9,11 @@ Faults for demos and tests (only on the attempt given by --fault-attempt, defaul
 stop heartbeating (a stuck collective). Every source of randomness (model init, data order, dropout,
 a NumPy and a Python draw per step) is seeded and checkpointed, so a run that was killed and resumed
 ends with bit-identical weights.
+
+``--ddp`` wraps the model in DistributedDataParallel (gloo, CPU) instead of all-reducing each gradient by
+hand, and calls ``trainer_hooks.prime_ddp`` after the restore so that every step reduces with DDP's final
+bucket layout (``--no-prime`` leaves that out: a resume at 3+ ranks then differs in the last bits).
+Checkpoints hold the unwrapped model's state either way.
 """
 
 from __future__ import annotations
@@ -48,6 +53,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--out", default=None, help="Rank 0 writes the final weights here.")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--ballast-mb", type=int, default=0, help="Extra MB saved with each checkpoint (slower saves).")
+    p.add_argument("--ddp", action="store_true", help="Wrap the model in DistributedDataParallel when world > 1.")
+    p.add_argument("--no-prime", action="store_true", help="With --ddp: skip trainer_hooks.prime_ddp (inexact resume).")
     return p.parse_args()
 
 
@@ -72,6 +79,9 @@ def main() -> None:
                         generator=torch.Generator())
 
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Dropout(0.1), nn.Linear(32, 1))
+    use_ddp = args.ddp and dist.is_initialized()
+    # DDP averages the gradients in buckets during backward; checkpoints keep the unwrapped model's state.
+    net = nn.parallel.DistributedDataParallel(model) if use_ddp else model
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=10, gamma=0.5)
     ckpt = CheckpointManager(args.checkpoint_dir, keep_last=args.keep_last, backend=args.backend)
@@ -80,16 +90,20 @@ def main() -> None:
         state["ballast"] = torch.zeros(args.ballast_mb * 2**18)  # float32: 4 bytes each
 
     step = ckpt.restore(state)
+    if use_ddp and not args.no_prime:
+        # Fix DDP's bucket layout (the order gradients are summed in) before the first real step, fresh or
+        # resumed; the example batch is built without drawing random numbers.
+        trainer_hooks.prime_ddp(net, torch.zeros(args.batch_size, 16))
     if rank == 0:
         print(f"[train_tiny] attempt {attempt}: starting at step {step} (world {world})", flush=True)
 
     while step < args.steps and not trainer_hooks.should_stop():
         for x, y in loader:
             noise = float(np.random.standard_normal()) * 1e-3 + random.random() * 1e-3
-            loss = nn.functional.mse_loss(model(x) + noise, y)
+            loss = nn.functional.mse_loss(net(x) + noise, y)
             optimizer.zero_grad()
             loss.backward()
-            if dist.is_initialized():
+            if dist.is_initialized() and not use_ddp:
                 for p in model.parameters():
                     dist.all_reduce(p.grad)
                     p.grad /= world

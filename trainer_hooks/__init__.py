@@ -19,10 +19,11 @@ _LAZY = {
     "CheckpointManager": "trainer_hooks.checkpoint",
     "ResumableSampler": "trainer_hooks.sampler",
     "SaveTrigger": "trainer_hooks.triggers",
+    "prime_ddp": "trainer_hooks.ddp",
 }
 
-__all__ = ["CheckpointManager", "ResumableSampler", "SaveTrigger", "heartbeat", "section", "should_stop",
-           "__version__"]
+__all__ = ["CheckpointManager", "ResumableSampler", "SaveTrigger", "heartbeat", "prime_ddp", "section",
+           "should_stop", "__version__"]
 
 
 def __getattr__(name: str) -> Any:
