@@ -700,7 +700,7 @@ def bench_footprint(ctx: Ctx) -> list[Row]:
                 dst = CheckpointManager(d / "node0" / "checkpoints").save(step, state)
                 from supervisor.job_identity import job_identity, namespace_of
 
-                ns = namespace_of(job_identity("", "checkpoints", True, environ={}).id, 0)  # the daemons' default job
+                ns = namespace_of(job_identity("", "checkpoints", True, environ={}, peers=peers.split(",")).id, 0)  # the daemons' default job
                 replica = d / "node1" / "replicas" / ns / step_dir_name(step) / manifest_name(0)
                 peak, cpu, el = _sample([daemons[0].pid, daemons[1].pid], replica.exists, 300)
                 shutil.rmtree(dst, ignore_errors=True)

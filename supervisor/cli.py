@@ -40,7 +40,7 @@ def cmd_run(args: argparse.Namespace, command: list[str]) -> int:
     eff = load_config(args)
     cfg = eff.config.resolved()
     membership = membership_of(cfg)
-    job = identity_of(eff.config, membership is not None)
+    job = identity_of(eff.config, membership)
     try:
         lock = DirLock(cfg.state_dir, "run.lock", "state_dir", job.id).acquire()
     except DirInUse as e:
@@ -79,11 +79,12 @@ def _run_multinode(cfg: SupervisorConfig, command: list[str], membership: Member
         service.stop()
 
 
-def identity_of(raw: SupervisorConfig, multi_node: bool) -> "JobIdentity":
+def identity_of(raw: SupervisorConfig, membership: Membership | None) -> "JobIdentity":
     """The job's identity from the config as written (before paths are resolved) and the environment."""
     from supervisor.job_identity import job_identity
 
-    return job_identity(raw.job_name, raw.checkpoint_dir, multi_node)
+    peers = membership.peers if membership is not None else ()
+    return job_identity(raw.job_name, raw.checkpoint_dir, membership is not None, peers=peers)
 
 
 def membership_of(cfg: SupervisorConfig) -> Membership | None:
@@ -133,7 +134,7 @@ def cmd_daemon(args: argparse.Namespace) -> int:
     membership = membership_of(cfg)
     if membership is None:
         raise ConfigError("rlsup daemon needs peers (key 'peers' and 'node_rank', or a SLURM allocation)")
-    job = identity_of(raw, multi_node=True)
+    job = identity_of(raw, membership)
     observer = start_metrics(cfg)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

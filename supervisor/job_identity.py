@@ -10,9 +10,10 @@ The identity comes from, in order:
 1. ``job_name`` when set;
 2. the scheduler's job id (``SLURM_JOB_ID``: it survives a requeue, so a requeued job resumes its own data);
 3. the checkpoint directory: on one node its absolute path; on several nodes the path as written in the
-   config, because each node resolves a relative path in its own working directory and all nodes of
-   one job must derive the same identity. Nodes that derive different identities never join one job:
-   the coordinator refuses them with both identities named.
+   config together with the peers list, because each node resolves a relative path in its own working
+   directory and all nodes of one job must derive the same identity, while two jobs launched alike from
+   other directories on the same hosts (same default checkpoint_dir) differ in their peers. Nodes that
+   derive different identities never join one job: the coordinator refuses them with both named.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import hashlib
 import os
 import re
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Mapping, Sequence
 
 ENV_JOB_ID = "RLSUP_JOB_ID"
 _SAFE = re.compile(r"[^A-Za-z0-9_-]+")
@@ -50,7 +51,8 @@ def _slug(text: str, salt: str) -> str:
 
 
 def job_identity(job_name: str, checkpoint_dir: str, multi_node: bool,
-                 environ: Mapping[str, str] | None = None, cwd: str | None = None) -> JobIdentity:
+                 environ: Mapping[str, str] | None = None, cwd: str | None = None,
+                 peers: Sequence[str] = ()) -> JobIdentity:
     """The job's identity (see the module docstring); ``checkpoint_dir`` as configured, not resolved."""
     environ = os.environ if environ is None else environ
     if job_name:
@@ -60,13 +62,13 @@ def job_identity(job_name: str, checkpoint_dir: str, multi_node: bool,
         return JobIdentity(_slug(f"slurm-{slurm}", "slurm"), f"SLURM_JOB_ID {slurm}")
     if multi_node:
         path = os.path.normpath(checkpoint_dir)
-        how = "checkpoint_dir as written"
+        how = f"checkpoint_dir as written {path!r} and peers {','.join(peers)}"
     else:
         path = os.path.realpath(os.path.join(cwd or os.getcwd(), checkpoint_dir))
-        how = "checkpoint_dir"
+        how = f"checkpoint_dir {path!r}"
     base = _SAFE.sub("-", os.path.basename(path.rstrip("/"))).strip("-_")[:40]
-    digest = hashlib.sha256(f"dir\0{path}".encode()).hexdigest()[:12]
-    return JobIdentity(f"{base}-{digest}" if base[:1].isalnum() else f"job-{digest}", f"{how} {path!r}")
+    digest = hashlib.sha256("\0".join(["dir", path, *peers]).encode()).hexdigest()[:12]
+    return JobIdentity(f"{base}-{digest}" if base[:1].isalnum() else f"job-{digest}", how)
 
 
 def namespace_of(job: str, node: int) -> str:

@@ -38,7 +38,7 @@ def test_daemon_replicates_on_manifest_and_dead_peer_slows_nothing(tmp_path: Pat
         model = torch.nn.Linear(64, 64)
         started = time.monotonic()
         step_dir = CheckpointManager(n0 / "checkpoints").save(7, {"model": model})
-        replica = n1 / "replicas" / namespace_of(job_identity("", "checkpoints", True, environ={}).id, 0) / step_dir.name
+        replica = n1 / "replicas" / namespace_of(job_identity("", "checkpoints", True, environ={}, peers=peers.split(",")).id, 0) / step_dir.name
         # The scan interval is 30 s: only the watchdog event can make this arrive in time.
         wait_for(lambda: (replica / manifest_name(0)).exists(), 20, "step 7 replicated to node 2")
         elapsed = time.monotonic() - started

@@ -35,10 +35,12 @@ class Cluster:
     """Node supervisors as separate `rlsup run` processes, each in its own directory (its own "machine")."""
 
     def __init__(self, root: Path, nodes: int = NODES, rdzv: str = "c10d", extra: list[str] | None = None,
-                 train_args: list[str] | None = None) -> None:
-        self.root, self.nodes, self.rdzv = root, nodes, rdzv
+                 train_args: list[str] | None = None, log_name: str = "rlsup.log") -> None:
+        self.root, self.nodes, self.rdzv, self.log_name = root, nodes, rdzv, log_name
         self.extra = extra or []
         self.train_args = train_args or TRAIN_ARGS
+        self.repl_ports: list[int]
+        self.coord_port: int | None  # None: the default port, as a user who sets none gets
         *self.repl_ports, self.coord_port, self.master_port = free_ports(nodes + 2)
         self.token = root / "token"
         self.token.write_text("s3cret-shared-by-all-nodes\n")
@@ -60,12 +62,12 @@ class Cluster:
         d = self.node_dir(node)
         d.mkdir(parents=True, exist_ok=True)
         peers = ",".join(f"127.0.0.1:{p}" for p in self.repl_ports)
-        args = ["run", "--peers", peers, "--node-rank", str(node), "--coordinator-port", str(self.coord_port),
-                "--token-file", str(self.token), "--replication-scan-interval", "0.5", "--heartbeat-timeout", "60",
+        coord = ["--coordinator-port", str(self.coord_port)] if self.coord_port else []
+        args = ["run", "--peers", peers, "--node-rank", str(node), *coord, "--token-file", str(self.token), "--replication-scan-interval", "0.5", "--heartbeat-timeout", "60",
                 "--backoff-initial", "0.2", "--backoff-max", "0.5", "--rendezvous-timeout", "120",
                 "--kill-grace", "3", *self.extra, "--",
-                *self.launcher(node), TRAIN, *self.train_args, "--out", str(d / "final.pt")]
-        log = open(d / "rlsup.log", "ab")
+                *self.launcher(node), TRAIN, *self.train_args, "--out", str(d / self.out_name)]
+        log = open(d / self.log_name, "ab")
         self.procs[node] = subprocess.Popen(rlsup_cmd(*args), cwd=d, env=clean_env(), stdout=log,
                                             stderr=subprocess.STDOUT)
 
@@ -90,8 +92,12 @@ class Cluster:
                 proc.kill()
                 proc.wait()
 
+    @property
+    def out_name(self) -> str:
+        return self.log_name.replace(".log", "-final.pt")
+
     def log(self, node: int) -> str:
-        path = self.node_dir(node) / "rlsup.log"
+        path = self.node_dir(node) / self.log_name
         return path.read_text(errors="replace") if path.exists() else ""
 
     def logs(self) -> str:
@@ -117,10 +123,10 @@ def replica_part(cluster: Cluster, holder: int, owner: int, step: int) -> Path:
     return replica_ns(cluster.node_dir(holder) / "replicas", owner) / f"step_{step:09d}"
 
 
-def reference_weights(tmp: Path) -> dict[str, torch.Tensor]:
+def reference_weights(tmp: Path, nodes: int = NODES, train_args: list[str] = TRAIN_ARGS) -> dict[str, torch.Tensor]:
     out = tmp / "reference.pt"
-    subprocess.run([PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(NODES), TRAIN,
-                    *TRAIN_ARGS, "--step-time", "0", "--checkpoint-dir", str(tmp / "ref_ckpt"), "--out", str(out)],
+    subprocess.run([PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nodes), TRAIN,
+                    *train_args, "--step-time", "0", "--checkpoint-dir", str(tmp / "ref_ckpt"), "--out", str(out)],
                    env=clean_env(), check=True, capture_output=True, timeout=300)
     return torch.load(out, weights_only=True)
 
@@ -156,7 +162,7 @@ def test_replicas_match_then_node_loss_resumes_bit_identical(tmp_path: Path) -> 
         cluster.kill_all()
 
     # Every node ended bit-identical to the uninterrupted run (rank 0 writes the weights on node 0).
-    assert_same_weights(cluster.node_dir(0) / "final.pt", ref)
+    assert_same_weights(cluster.node_dir(0) / cluster.out_name, ref)
     # c10d was pinned to rlsup's node ranks, and what rlsup said each launch resumed from is what the
     # trainer loaded (every rank must: a rank missing its part fails the attempt, it never starts fresh).
     log0 = cluster.log(0)
@@ -213,7 +219,7 @@ def test_node_0_lost_and_replaced_with_an_empty_disk_resumes_bit_identical(tmp_p
         assert codes == {0: 0, 1: 0, 2: 0}, cluster.logs()
     finally:
         cluster.kill_all()
-    assert_same_weights(cluster.node_dir(0) / "final.pt", ref)
+    assert_same_weights(cluster.node_dir(0) / cluster.out_name, ref)
     log0 = cluster.log(0)
     starts = trainer_starts(log0)
     assert starts and starts[0] >= complete, (complete, log0[-4000:])

@@ -35,8 +35,10 @@ from .invariants import (ProcessTracker, check_no_survivors, check_no_temp_copie
                          check_weights)
 from .scenarios import ScenarioResult
 
-# The job every node derives from the default checkpoint_dir ("checkpoints", as written, on several nodes).
-DEFAULT_JOB = job_identity("", "checkpoints", multi_node=True, environ={}).id
+
+def default_job(peers: str) -> str:
+    """The job every node derives from the default checkpoint_dir ("checkpoints", as written) and the peers."""
+    return job_identity("", "checkpoints", multi_node=True, environ={}, peers=peers.split(",")).id
 
 SECRET_TEXT = "chaos-multinode-shared-secret-0123456789\n"
 
@@ -94,7 +96,7 @@ def transfer_kill_scenario(parent: Path, seed: int, victims: list[str] | None = 
     tracker = ProcessTracker(dirs[0] / ".rlsup").start()
     store1 = dirs[1] / "replicas"
     incoming = store1 / ".incoming"
-    ns_dir = store1 / namespace_of(DEFAULT_JOB, 0)
+    ns_dir = store1 / namespace_of(default_job(peers), 0)
     client = None
 
     def start(node: int) -> None:
@@ -315,7 +317,7 @@ def fetch_kill_scenario(parent: Path, ref_cache: Path, seed: int, kills: int = 1
     try:
         start(0)
         start(1)
-        replica_root = node_dir[0] / "replicas" / namespace_of(DEFAULT_JOB, 1)
+        replica_root = node_dir[0] / "replicas" / namespace_of(default_job(peers), 1)
 
         def replicated() -> int | None:
             for s, d in reversed(list_step_dirs(replica_root)):
