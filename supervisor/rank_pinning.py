@@ -4,14 +4,20 @@ torchrun's c10d (and etcd) rendezvous hands out node ranks in its own order: tor
 ``DynamicRendezvousHandler`` sorts participants by ``(addr, pid, local_id)``, and ``--node-rank`` is
 ignored. So after a restart a rank can land on a node that never held its part, and a node-local
 checkpoint directory then has nothing to load. rlsup already runs a rendezvous of its own before every
-attempt (the coordinator's round: all nodes agree on the step and launch together), so for a
-torchrun-compatible launcher (``torchrun``, ``python -m torch.distributed.run``, NVRx ``ft_launcher``)
-in a multi-node run it launches each node with torchrun's *static* rendezvous: ``--node-rank`` = rlsup's
+attempt (the coordinator's round: all nodes agree on the step and launch together), so for
+``torchrun`` and ``python -m torch.distributed.run`` in a multi-node run it launches each node with
+torchrun's *static* rendezvous: ``--node-rank`` = rlsup's
 node rank, ``--nnodes`` = the number of peers, and the master at node 0's host (the port the user gave
 for the rendezvous endpoint or master). Global ranks are then ``node_rank * nproc_per_node + local_rank``
 on every attempt, and each rank's part is on its node (in place or fetched before launch).
 
 Everything else on the command line is left as typed; the change is logged once.
+
+NVRx ``ft_launcher`` accepts only c10d (its ``config_from_args`` refuses any other backend), and its
+rendezvous also sorts nodes by ``(addr, pid, local_id)``: it runs as typed, with a warning. On a cluster
+its order follows the host names, so list ``peers`` in that order (SLURM's node list is); if ranks do
+move, ``CheckpointManager.restore`` fails the attempt naming the rank whose part is missing (never a
+quiet fresh start).
 """
 
 from __future__ import annotations
@@ -27,6 +33,11 @@ DEFAULT_PORT = {"c10d": 29400, "static": 29500}
 _OWNED = {"--nnodes", "--rdzv-backend", "--rdzv_backend", "--rdzv-endpoint", "--rdzv_endpoint", "--rdzv-id",
           "--rdzv_id", "--node-rank", "--node_rank", "--master-addr", "--master_addr", "--master-port",
           "--master_port", "--standalone"}
+
+
+FT_LAUNCHER_NOTE = ("warning: ft_launcher supports only the c10d rendezvous, which orders nodes by host name "
+                    "(then pid), not by --node-rank: list peers in host-name order so each rank stays on the node "
+                    "that holds its checkpoint part; a rank that lands elsewhere fails its attempt (ResumeError)")
 
 
 class PinningError(ValueError):
@@ -48,14 +59,6 @@ def _launcher(command: Sequence[str]) -> tuple[int, argparse.ArgumentParser] | N
         start = 1
     elif re.fullmatch(r"python[0-9.]*", head) and list(command[1:3]) == ["-m", "torch.distributed.run"]:
         start = 3
-    elif head == "ft_launcher" or (re.fullmatch(r"python[0-9.]*", head) and len(command) > 2 and command[1] == "-m"
-                                   and command[2].startswith("nvidia_resiliency_ext.")):
-        start = 1 if head == "ft_launcher" else 3
-        try:
-            from nvidia_resiliency_ext.fault_tolerance.launcher import get_args_parser as ft_parser
-        except Exception:  # NVRx not installed here: ft_launcher runs as typed
-            return None
-        return start, ft_parser()
     else:
         return None
     from torch.distributed.run import get_args_parser
@@ -77,6 +80,9 @@ def pin_ranks(command: Sequence[str], node_rank: int, num_nodes: int, master_hos
     unchanged for anything that is not a torchrun-compatible launcher."""
     found = _launcher(command)
     if found is None:
+        if command and (os.path.basename(command[0]) == "ft_launcher"
+                        or any(c.startswith("nvidia_resiliency_ext.") for c in command[1:3])):
+            return Pinned(list(command), FT_LAUNCHER_NOTE)
         return Pinned(list(command), "")
     start, parser = found
     takes, flags = _value_options(parser)
@@ -126,7 +132,7 @@ def pin_ranks(command: Sequence[str], node_rank: int, num_nodes: int, master_hos
     head = list(command[:start])
     pinned = head + kept + ["--nnodes", str(num_nodes), "--node-rank", str(node_rank), "--rdzv-backend", "static",
                             "--master-addr", host, "--master-port", port] + rest
-    before = {k: v for k, v in options.items()}
+    before = {"--rdzv-backend": "static", **options}  # torchrun's default backend is static
     after = {"--rdzv-backend": "static", "--node-rank": str(node_rank), "--nnodes": str(num_nodes),
              "--master-addr": host, "--master-port": port}
     changed = {k: v for k, v in after.items() if before.get(k) != v}
