@@ -13,13 +13,28 @@ class ResumePoint:
     layout: str
 
 
-def choose_resume(checkpoint_dir: Path, layout: str = "auto") -> ResumePoint | None:
-    """Newest valid checkpoint under ``checkpoint_dir``, or None (a fresh start)."""
+def choose_resume(checkpoint_dir: Path, layout: str = "auto", job: str | None = None) -> ResumePoint | None:
+    """Newest valid checkpoint under ``checkpoint_dir``, or None (a fresh start). With ``job``, an rlsup
+    step whose manifest names another job is passed over: a job never resumes from another's data."""
     if not checkpoint_dir.is_dir() or not any(checkpoint_dir.iterdir()):
         return None  # fresh start: nothing to look at
     from supervisor import layouts
 
-    record = layouts.latest_valid(checkpoint_dir, layout=layout)
+    def ours(record: "layouts.CheckpointRecord") -> bool:
+        return record.layout != "rlsup" or job is None or step_job(Path(record.path)) in (job, None)
+
+    record = layouts.latest_valid(checkpoint_dir, layout=layout, accept=ours)
     if record is None:
         return None
     return ResumePoint(record.step, Path(record.path), record.layout)
+
+
+def step_job(step_dir: Path) -> str | None:
+    """The job rank 0's manifest of an rlsup step names (None: written without rlsup, or unreadable)."""
+    from trainer_hooks.manifest import ManifestError, manifest_name, read_manifest
+
+    try:
+        job = read_manifest(step_dir / manifest_name(0)).extra.get("job")
+    except (OSError, ManifestError):
+        return None
+    return job if isinstance(job, str) else None

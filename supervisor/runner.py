@@ -249,7 +249,8 @@ class Supervisor:
         if self.persistent is not None and self.cfg.resume:
             from supervisor.tiers import choose_across_tiers
 
-            point = choose_across_tiers(self.checkpoint_dir, self.persistent, self.cfg.checkpoint_layout)
+            point = choose_across_tiers(self.checkpoint_dir, self.persistent, self.cfg.checkpoint_layout,
+                                        job=self.job.id)
             if point is not None:
                 self.observer.checkpoint(point.step, point.path.stat().st_mtime)
         else:
@@ -290,7 +291,7 @@ class Supervisor:
     def choose_resume(self) -> ResumePoint | None:
         if not self.cfg.resume:
             return None
-        point = choose_resume(self.checkpoint_dir, self.cfg.checkpoint_layout)
+        point = choose_resume(self.checkpoint_dir, self.cfg.checkpoint_layout, self.job.id)
         if point is not None:
             self.observer.checkpoint(point.step, point.path.stat().st_mtime)
         return point

@@ -36,7 +36,8 @@ class TieredResumePoint(ResumePoint):
 
 
 def choose_across_tiers(local_dir: str | Path, persistent: PersistentTier | None, layout: str = "auto",
-                        peers: Callable[[int | None], ResumePoint | None] | None = None) -> TieredResumePoint | None:
+                        peers: Callable[[int | None], ResumePoint | None] | None = None,
+                        job: str | None = None) -> TieredResumePoint | None:
     """The newest valid step across tiers, fetched into ``local_dir`` when it came from elsewhere.
 
     ``layout`` is the local directory's layout (``auto`` detects); the persistent tier holds rlsup
@@ -44,7 +45,7 @@ def choose_across_tiers(local_dir: str | Path, persistent: PersistentTier | None
     replicas; its tier is reported as ``peer``. None when nothing valid exists anywhere (fresh start).
     """
     local_dir = Path(local_dir)
-    local = choose_resume(local_dir, layout)
+    local = choose_resume(local_dir, layout, job)
     best = TieredResumePoint(local.step, local.path, local.layout, TIER_LOCAL) if local else None
     if persistent is not None and layout in ("auto", "rlsup"):
         newer_than = best.step if best else None

@@ -196,3 +196,28 @@ def test_status_reports_state_and_incidents(workdir: Path) -> None:
     assert [i["reason"] for i in status["incidents"]] == ["exit_code"]
     text = run_rlsup(["status"], workdir).stdout
     assert "job:       succeeded (attempt 1" in text and "attempt 0: exit_code exit code 3 -> restart" in text
+
+
+def test_a_job_never_resumes_from_another_jobs_steps_in_its_directory(workdir: Path) -> None:
+    """Two jobs (job_name a, then b) pointed at one checkpoint_dir: b starts fresh and, at its first save
+    over a's step, fails naming both jobs (a's valid step is never overwritten, b's is never silently
+    dropped); a, run again, resumes its own last step."""
+    import sys
+
+    from conftest import ROOT
+
+    train = [sys.executable, str(ROOT / "examples" / "train_tiny.py"), "--steps", "6", "--checkpoint-every", "3",
+             "--step-time", "0", "--keep-last", "100"]
+
+    def run(name: str) -> str:
+        out = run_rlsup(["run", "--job-name", name, "--metrics-port", "0", "--max-restarts", "0", "--", *train],
+                        workdir)
+        return f"{out.returncode}\n{out.stdout}{out.stderr}"
+
+    first = run("a")
+    assert first.startswith("0\n") and "starting at step 0" in first, first[-3000:]
+    other = run("b")
+    assert not other.startswith("0\n") and "starting at step 0" in other, other[-3000:]
+    assert "was written by job 'a', this is job 'b'" in other, other[-3000:]
+    again = run("a")
+    assert again.startswith("0\n") and "starting at step 6" in again, again[-3000:]

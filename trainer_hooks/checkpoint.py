@@ -264,6 +264,22 @@ class ResumeError(RuntimeError):
     resumed, or every rank starting fresh after rlsup said "from step N", would lose the run's progress."""
 
 
+class CheckpointConflictError(RuntimeError):
+    """The checkpoint directory holds this step from another job: two jobs share one checkpoint_dir.
+    The other job's valid step is never overwritten, and this job's save must not silently vanish."""
+
+
+def _refuse_foreign(manifest_path: Path) -> None:
+    job = os.environ.get(ENV_JOB)
+    try:
+        theirs = read_manifest(manifest_path).extra.get("job")
+    except (ManifestError, OSError):
+        return
+    if job and isinstance(theirs, str) and theirs != job:
+        raise CheckpointConflictError(f"{manifest_path.parent} was written by job {theirs!r}, this is job {job!r}: "
+                                      "two jobs share this checkpoint_dir; give each its own")
+
+
 def _barrier() -> None:
     dist = _dist()
     if dist is not None:
@@ -353,6 +369,7 @@ class CheckpointManager:
         if not path.exists():
             return False
         if verify_step_dir(step_dir, full=True).valid:
+            _refuse_foreign(path)
             return True  # a complete checkpoint (maybe from another world size): never touch it
         try:
             m = read_manifest(path)

@@ -9,6 +9,7 @@ whose manifests carry checksums. One module per on-disk layout, each exposing ``
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 from types import ModuleType
 
 from supervisor.layouts import areal, dcp, megatron, rlsup, tracker, verl
@@ -79,8 +80,10 @@ def scan(directory: str | Path, layout: str = "auto") -> list[CheckpointRecord]:
     return sorted(records, key=lambda r: (r.step, str(r.path)))
 
 
-def latest_valid(directory: str | Path, layout: str = "auto") -> CheckpointRecord | None:
-    """The newest valid step, verifying newest-first and stopping at the first valid one."""
+def latest_valid(directory: str | Path, layout: str = "auto",
+                 accept: Callable[[CheckpointRecord], bool] | None = None) -> CheckpointRecord | None:
+    """The newest valid step (that ``accept`` takes, when given), verifying newest-first and stopping at
+    the first one."""
     root = Path(directory)
     mod = _resolve(root, layout)
     if mod is None:
@@ -88,7 +91,7 @@ def latest_valid(directory: str | Path, layout: str = "auto") -> CheckpointRecor
     ctx = mod.make_context(root)
     for step, path in reversed(mod.list_steps(root)):
         record = mod.verify_step(path, step, ctx)
-        if record.valid:
+        if record.valid and (accept is None or accept(record)):
             return record
     return None
 
