@@ -59,7 +59,7 @@ class SupervisorConfig:
     poll_interval: float = _opt(0.1, "Seconds between checks of the job's processes and heartbeats.")
     output_tail_lines: int = _opt(40, "Lines of the job's output kept in each incident record.")
     warm_launcher: bool = _opt(True, "For `torchrun ...` and `python -m torch.distributed.run ...` jobs: while an attempt runs, pre-spawn the next attempt's launcher (the job's interpreter with torchrun already imported), so a restart skips interpreter start and import.")
-    resume: bool = _opt(True, "Pick the newest valid checkpoint before each attempt and pass it as RLSUP_RESUME_DIR.")
+    resume: bool = _opt(True, "Pick the newest valid checkpoint before each attempt and pass it as RLSUP_RESUME_DIR (empty: start fresh), which every rank must load; false: the trainer chooses.")
     checkpoint_layout: str = _opt("auto", "Checkpoint layout to read: auto, rlsup, verl, megatron, areal, dcp.")
     repair_tracker: bool = _opt(False, "Rewrite a trainer's tracker file (verl/Megatron) to the chosen step before a restart.")
     metrics_port: int = _opt(9778, "Port of the Prometheus /metrics endpoint (0: off). 9778 avoids node_exporter, DCGM and Prometheus' own ports.")

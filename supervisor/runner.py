@@ -319,10 +319,12 @@ class Supervisor:
             "RLSUP_STATE_DIR": str(self.state_dir),
             "RLSUP_PREEMPT_SIGNAL": self._preempt_signum().name,
             ENV_JOB_ID: self.job.id,
-            # Always set: the step every rank must load, or empty for "start fresh". trainer_hooks never
-            # picks another step on its own under rlsup (a rank quietly starting over loses the run).
-            "RLSUP_RESUME_DIR": str(resume.path) if resume is not None else "",
         })
+        if self.cfg.resume:
+            # The step every rank must load, or empty for "start fresh": trainer_hooks never picks another
+            # step on its own under rlsup (a rank quietly starting over loses the run). Not set with
+            # resume: false, where the trainer chooses.
+            env["RLSUP_RESUME_DIR"] = str(resume.path) if resume is not None else ""
         if resume is not None:
             env["RLSUP_RESUME_STEP"] = str(resume.step)
         return env
