@@ -34,7 +34,7 @@ from supervisor.persistent import PersistentPartInvalid
 from supervisor.rank_pinning import pin_ranks
 from supervisor.replication import ReplicationEngine, newest_own_step
 from supervisor.resume import ResumePoint
-from supervisor.runner import AttemptAbandoned, AttemptResult, Supervisor
+from supervisor.runner import AttemptAbandoned, AttemptResult, JobStatus, RunResult, Supervisor
 from supervisor.tiers import TIER_LOCAL, TIER_PEER, TIER_PERSISTENT, TieredResumePoint
 from trainer_hooks.manifest import manifest_name, step_dir_name
 
@@ -100,9 +100,9 @@ class MultiNodeSupervisor(Supervisor):
     def next_attempt(self, attempt: int) -> int:
         return self.coordinator.join(attempt + 1)
 
-    def run(self):  # type: ignore[override]
+    def run(self) -> RunResult:
         result = super().run()
-        if result.status.value == "succeeded":
+        if result.status is JobStatus.SUCCEEDED:
             try:
                 self.coordinator.finish()  # a store that outlives the job (etcd) forgets its keys
             except Exception as e:  # noqa: BLE001 - the job is done; stale keys are ignored by the next run
