@@ -159,6 +159,9 @@ class Cluster:
         args = ["run", "--peers", peers, "--node-rank", str(node), "--coordinator-port", str(self.coord_port),
                 "--token-file", str(self.token), "--replication-scan-interval", "0.3", "--heartbeat-timeout", "60",
                 "--backoff-initial", "0.2", "--backoff-max", "0.5", "--rendezvous-timeout", "120",
+                # A new allocation on other addresses (new ports below) is the same job only by name (or
+                # SLURM_JOB_ID): without one, the identity includes the peers.
+                "--job-name", "mn-persistent",
                 "--kill-grace", "3", "--persistent-dir", str(self.persistent), "--persistent-every", "6",
                 "--persistent-keep-last", "3", "--",
                 PY, "-m", "torch.distributed.run", "--nnodes", str(NODES), "--node-rank", str(node),
