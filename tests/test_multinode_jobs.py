@@ -4,14 +4,15 @@ relative default directories (``replicas``, ``.rlsup``) and the default coordina
 - One after the other, each with its own checkpoint_dir: the second starts fresh (it never resumes from
   the first job's replicas), and the first, run again, resumes its own last step.
 - At the same time: the second job refuses to start, naming the clash (the replication port, the
-  coordination store and the job that holds it, or the state directory), and the first is untouched.
+  coordination store and the job that holds it, the state or the replica directory), and the first is
+  untouched.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from conftest import run_rlsup, wait_for
+from conftest import free_ports, run_rlsup, wait_for
 from test_multinode import Cluster, assert_same_weights, reference_weights, rlsup_resumes, trainer_starts
 
 SHORT = ["--steps", "9", "--checkpoint-every", "3", "--step-time", "0.05", "--keep-last", "100"]
@@ -87,6 +88,12 @@ def test_a_second_job_on_the_same_hosts_refuses_and_the_first_is_untouched(tmp_p
         # D: a single-node job started in A's node-0 directory: the state directory is A's.
         d = run_rlsup(["run", "--checkpoint-dir", "ckpt-d", "--metrics-port", "0", "--", "true"], a.node_dir(0))
         assert d.returncode == 2 and "state_dir" in d.stderr and "is in use by rlsup job" in d.stderr, d.stderr
+
+        # E: a node of another job (its own ports and state_dir) in A's node-1 directory: the replica_dir is A's.
+        e_ports = ",".join(f"127.0.0.1:{p}" for p in free_ports(2))
+        e = run_rlsup(["run", "--peers", e_ports, "--node-rank", "1", "--token-file", str(a.token), "--state-dir",
+                       "state-e", "--metrics-port", "0", "--", "true"], a.node_dir(1))
+        assert e.returncode == 2 and "replica_dir" in e.stderr and "is in use by rlsup job" in e.stderr, e.stderr
 
         assert a.wait_all(timeout=300) == {0: 0, 1: 0}, a.logs()
     finally:
