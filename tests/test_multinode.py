@@ -196,6 +196,40 @@ def test_replicas_match_then_node_loss_resumes_bit_identical(tmp_path: Path) -> 
     assert "replication: node 0 -> nodes [1]" in text and "step 9: node 0 parts on" in text
 
 
+def lose_node_0_and_replace(cluster: Cluster, before_loss=lambda: None) -> int:
+    """Run the job, lose node 0 once its step 9 part is replicated (``before_loss`` runs just before),
+    start a replacement with an empty disk, and wait for the end. Returns the newest step that was
+    complete and replicated when node 0 died (every resume must be at least as new)."""
+    try:
+        for node in range(cluster.nodes):
+            cluster.start(node)
+        wait_for(lambda: (replica_part(cluster, 1, 0, 9) / manifest_name(0)).exists(), 180,
+                 "node 0's step 9 part replicated to node 1")
+        before_loss()
+        cluster.lose(0)
+        held0 = {s for s, d in list_step_dirs(replica_ns(cluster.node_dir(1) / "replicas", 0))
+                 if (d / manifest_name(0)).exists()}
+        own = [{s for s, d in list_step_dirs(cluster.node_dir(n) / "checkpoints") if (d / manifest_name(n)).exists()}
+               for n in range(1, cluster.nodes)]
+        complete = max(held0.intersection(*own))
+        cluster.start(0)  # the replacement: same address, empty directory
+        codes = cluster.wait_all(timeout=300)
+        assert codes == {n: 0 for n in range(cluster.nodes)}, cluster.logs()
+    finally:
+        cluster.kill_all()
+    return complete
+
+
+def assert_resumed_at_least(cluster: Cluster, complete: int, ref: dict[str, torch.Tensor]) -> None:
+    """Bit-identical, and the replacement node 0 resumed (as rlsup said and the trainer loaded) from a
+    step at least as new as ``complete``."""
+    assert_same_weights(cluster.node_dir(0) / cluster.out_name, ref)
+    log0 = cluster.log(0)
+    starts = trainer_starts(log0)
+    assert starts and starts[0] >= complete, (complete, log0[-4000:])
+    assert starts == [r or 0 for r in rlsup_resumes(log0)], log0[-4000:]
+
+
 def test_node_0_lost_and_replaced_with_an_empty_disk_resumes_bit_identical(tmp_path: Path) -> None:
     """Node 0 hosts the embedded coordination store and torchrun's master. It is SIGKILLed and its disk
     wiped; the other nodes wait for a replacement, which joins with an empty disk, re-hosts the store,
@@ -203,25 +237,6 @@ def test_node_0_lost_and_replaced_with_an_empty_disk_resumes_bit_identical(tmp_p
     newest one that was complete and replicated when node 0 died, ending bit-identical."""
     ref = reference_weights(tmp_path)
     cluster = Cluster(tmp_path)
-    try:
-        for node in range(NODES):
-            cluster.start(node)
-        wait_for(lambda: (replica_part(cluster, 1, 0, 9) / manifest_name(0)).exists(), 180,
-                 "node 0's step 9 part replicated to node 1")
-        cluster.lose(0)
-        held0 = {s for s, d in list_step_dirs(replica_ns(cluster.node_dir(1) / "replicas", 0))
-                 if (d / manifest_name(0)).exists()}
-        own = [{s for s, d in list_step_dirs(cluster.node_dir(n) / "checkpoints") if (d / manifest_name(n)).exists()}
-               for n in (1, 2)]
-        complete = max(held0 & own[0] & own[1])
-        cluster.start(0)  # the replacement: same address, empty directory
-        codes = cluster.wait_all(timeout=300)
-        assert codes == {0: 0, 1: 0, 2: 0}, cluster.logs()
-    finally:
-        cluster.kill_all()
-    assert_same_weights(cluster.node_dir(0) / cluster.out_name, ref)
-    log0 = cluster.log(0)
-    starts = trainer_starts(log0)
-    assert starts and starts[0] >= complete, (complete, log0[-4000:])
-    assert starts == [r or 0 for r in rlsup_resumes(log0)], log0[-4000:]
+    complete = lose_node_0_and_replace(cluster)
+    assert_resumed_at_least(cluster, complete, ref)
     assert "is gone; waiting" in cluster.log(1), cluster.log(1)[-3000:]  # node 1 waited for the new store
