@@ -19,11 +19,18 @@ Every attempt is a *round* ``r`` (= ``RLSUP_RESTART_COUNT`` on every node):
    somewhere: in place, on a peer, or in the persistent tier; and where each node fetches what it lacks)
    and publishes ``plan/r`` and ``round`` = r;
 3. each node fetches and publishes ``fetched/r/t/<node>``: the persistent parts that failed verification
-   (and any other error). If a part was bad and nothing else failed, node 0 plans again without it
-   (``plan/r/t``, t = 1, 2, ...), so the round falls back to an older step instead of ending. Then each
-   node marks ``ready/r/<node>``; all launch once every node is ready;
+   (and any other error); node 0 waits for all of them and publishes their union ``fetched/r/t/all``,
+   which is what the other nodes read. If a part was bad and nothing else failed, node 0 plans again
+   without it (``plan/r/t``, t = 1, 2, ...), so the round falls back to an older step instead of ending.
+   Then each node marks ``ready/r/<node>``; node 0 waits for all and publishes ``ready/r/all``; all
+   launch once they see it;
 4. the first node whose attempt fails creates ``end/r`` (first writer wins); every other node sees it,
    stops its attempt, and all go to round r+1 together.
+
+Only node 0 reads one key per node (the proposals, inventories, fetch results and ready marks); every
+other node reads a constant number of keys per round, so what it sends and receives does not grow with
+the number of nodes. A wait's poll asks whether every key it still needs exists and, if not, whether
+the round ended (one etcd transaction, two TCPStore round trips); values move once all are there.
 
 A node that joins while round ``c`` is open (planned or based, and not ended) is a replacement for a
 lost node: it ends round ``c`` (its predecessor's ranks are gone anyway) and joins ``c+1``. ``abort``
@@ -165,6 +172,16 @@ class SignedKeys:
     def get_many(self, names: list[str]) -> list[Signed | None]:
         keys = [self.key(n) for n in names]
         return [self.open(k, raw) for k, raw in zip(keys, self.store.get_many(keys))]
+
+    def poll(self, names: list[str], other: str | None) -> tuple[list[Signed | None] | None, Signed | None]:
+        """:meth:`KVStore.poll`, verified: every value (None where it does not verify) once all exist, else
+        ``other``'s."""
+        keys = [self.key(n) for n in names]
+        other_key = self.key(other) if other is not None else None
+        values, other_raw = self.store.poll(keys, other_key)
+        if values is not None:
+            return [self.open(k, raw) for k, raw in zip(keys, values)], None
+        return None, self.open(other_key, other_raw) if other_key is not None else None
 
     def create(self, name: str, payload: str) -> Signed:
         """First signed writer wins; an unsigned squatter is overwritten (it cannot hold a key against us)."""
@@ -313,15 +330,29 @@ class RoundCoordinator:
         self.keys.set(f"fetched/{rnd}/{attempt_try}/{self.node_rank}", result.to_json())
 
     def fetch_results(self, rnd: int, attempt_try: int) -> list[FetchResult]:
-        """Every node's result of try ``attempt_try`` (waits for all: the same answer on every node)."""
-        values = self._wait_all(f"fetched/{rnd}/{attempt_try}", f"every node's fetch in round {rnd}", rnd)
-        return [FetchResult.from_json(v) for v in values]
+        """The results of try ``attempt_try``, the same answer on every node: on node 0 every node's (it
+        waits for all, then publishes their union ``fetched/r/t/all``); elsewhere that union, one key."""
+        prefix = f"fetched/{rnd}/{attempt_try}"
+        if self.node_rank != 0:
+            (value,) = self._wait([f"{prefix}/all"], f"node 0's summary of every node's fetch in round {rnd}", rnd)
+            return [FetchResult.from_json(value)]
+        results = [FetchResult.from_json(v) for v in self._wait_all(prefix, f"every node's fetch in round {rnd}", rnd)]
+        union = FetchResult(sorted({b for r in results for b in r.bad}),
+                            "; ".join(f"node {n}: {r.error}" for n, r in enumerate(results) if r.error))
+        self.keys.set(f"{prefix}/all", union.to_json())
+        return results
 
     def mark_ready(self, rnd: int) -> None:
         self.keys.set(f"ready/{rnd}/{self.node_rank}", "1")
 
     def wait_all_ready(self, rnd: int) -> None:
+        """Until every node is ready: node 0 waits for every ``ready/r/<node>`` and publishes ``ready/r/all``,
+        which the other nodes wait for."""
+        if self.node_rank != 0:
+            self._wait([f"ready/{rnd}/all"], f"node 0 to see all nodes ready for round {rnd}", rnd)
+            return
         self._wait_all(f"ready/{rnd}", f"all nodes ready for round {rnd}", rnd)
+        self.keys.set(f"ready/{rnd}/all", "1")
 
     def end(self, rnd: int, reason: str) -> str:
         """End round ``rnd`` for everyone; returns the reason that won (maybe another node's)."""
@@ -349,24 +380,35 @@ class RoundCoordinator:
         """Poll until every key holds a signed value; their payloads. Inside round ``rnd``, its end stops
         the wait with :class:`RoundEnded`: a node that died there never writes its keys, and its
         replacement ends the round on rejoin, so waiting out the timeout would only lose the job. A
-        store lost meanwhile ends the round too (node 0 is gone; the next join waits for it)."""
+        store lost meanwhile ends the round too (node 0 is gone; the next join waits for it).
+
+        A poll is one look (:meth:`KVStore.poll`: one etcd transaction, two TCPStore round trips) whatever
+        the number of keys: whether every key still missing exists, and if not, whether the round ended.
+        Values move and are verified once they all exist; a verified value is kept, so only a key that
+        failed verification is read again."""
         deadline = time.monotonic() + self.timeout_s
         poll = WAIT_POLL_MIN_S
         end_name = f"end/{rnd}" if rnd is not None else None
+        got: dict[str, Signed] = {}
         while True:
+            pending = [n for n in names if n not in got]
             try:
-                values = self.keys.get_many(names + ([end_name] if end_name else []))
+                values, ended = self.keys.poll(pending, end_name)
+                if values is not None:
+                    got.update((n, v) for n, v in zip(pending, values) if v is not None)
+                    if len(got) == len(names):
+                        return [got[n].payload for n in names]
+                    ended = self.keys.get(end_name) if end_name else None  # a value did not verify
+                if ended is None and time.monotonic() > deadline:
+                    pending = [n for n, v in zip(pending, self.keys.get_many(pending)) if v is None]
             except StoreUnavailable as e:
                 if rnd is not None and self.reconnect is not None:
                     raise RoundEnded(f"round {rnd} ended while waiting for {what}: {e}") from e
                 raise CoordinationError(f"the coordination store is unreachable while waiting for {what}: {e}") from e
-            got = values[:len(names)]
-            if all(v is not None for v in got):
-                return [v.payload for v in got if v is not None]
-            if end_name and values[-1] is not None:
-                raise RoundEnded(f"round {rnd} ended while waiting for {what}: {values[-1].payload}")
-            if time.monotonic() > deadline:
-                missing = [self.keys.key(n) for n, v in zip(names, got) if v is None]
+            if ended is not None:
+                raise RoundEnded(f"round {rnd} ended while waiting for {what}: {ended.payload}")
+            if time.monotonic() > deadline and pending:
+                missing = [self.keys.key(n) for n in pending]
                 raise CoordinationError(f"timed out after {self.timeout_s:.0f}s waiting for {what}; missing {missing}")
             time.sleep(poll)
             poll = min(poll * 2, WAIT_POLL_MAX_S)
@@ -430,46 +472,61 @@ def compute_plan(rnd: int, inventories: list[dict[str, Any]], persistent: dict[i
     (step, rank, holder) triples that failed, so a plan is never made twice with the same bad holder.
     """
     excluded = set(exclude)
-    steps: dict[int, dict[str, Any]] = {}
-
-    def entry_of(step: int) -> dict[str, Any]:
-        return steps.setdefault(step, {"world_size": set(), "in_place": set(), "holders": {}, "owners": {}})
-
+    # Which inventories list each step; a step's parts are read only when the steps newer than it were
+    # not usable, so the common case (the newest step is) reads one step of every inventory, not all.
+    listed: dict[int, list[tuple[int, dict[str, Any]]]] = {}
     for node, inv in enumerate(inventories):
         for step_s, info in inv.get("steps", {}).items():
-            entry = entry_of(int(step_s))
-            entry["world_size"].add(int(info["world_size"]))
-            for rank_s, owner in info.get("local", {}).items():
-                entry["owners"].setdefault(int(rank_s), int(owner))
-                if int(owner) == node:
-                    entry["in_place"].add(int(rank_s))
-            for rank_s, owner in info.get("replicas", {}).items():
-                entry["owners"].setdefault(int(rank_s), int(owner))
-                if (int(step_s), int(rank_s), node) not in excluded:
-                    entry["holders"].setdefault(int(rank_s), []).append(node)
-    for step_s, info in (persistent or {}).items():
-        entry = entry_of(int(step_s))
-        entry["world_size"].add(int(info["world_size"]))
-        entry["persistent"] = {int(r) for r in info.get("ranks", []) if (int(step_s), int(r), PERSISTENT_HOLDER)
-                               not in excluded}
-        for rank_s, owner in info.get("owners", {}).items():
-            entry["owners"].setdefault(int(rank_s), int(owner))
-    for step in sorted(steps, reverse=True):
-        entry = steps[step]
-        if len(entry["world_size"]) != 1:
+            listed.setdefault(int(step_s), []).append((node, info))
+    tier = {int(step_s): info for step_s, info in (persistent or {}).items()}
+    for step in sorted(listed.keys() | tier.keys(), reverse=True):
+        entries = listed.get(step, [])
+        world_sizes = {int(info["world_size"]) for _, info in entries}
+        if step in tier:
+            world_sizes.add(int(tier[step]["world_size"]))
+        if len(world_sizes) != 1:
             continue  # nodes (or the tier) disagree about the job's size at this step: not usable
-        (world,) = entry["world_size"]
+        (world,) = world_sizes
+        # Each inventory's ranks and owners as ints (map and set operations: this runs for every node).
+        parsed = []
+        in_place: set[int] = set()
+        for node, info in entries:
+            local, replicas = info.get("local", {}), info.get("replicas", {})
+            local_ranks, local_owners = list(map(int, local)), list(map(int, local.values()))
+            parsed.append((node, local_ranks, local_owners,
+                           list(map(int, replicas)), list(map(int, replicas.values()))))
+            if local_owners.count(node) == len(local_owners):
+                in_place.update(local_ranks)
+            else:
+                in_place.update(r for r, o in zip(local_ranks, local_owners) if o == node)
+        missing = sorted(set(range(world)).difference(in_place))
+        # A part's owner: the first inventory (in node order, local before replicas) to name it, then the
+        # tier's manifests; updating from the last inventory to the first leaves the first one's word.
+        owners: dict[int, int] = {}
+        for _, local_ranks, local_owners, replica_ranks, replica_owners in reversed(parsed):
+            owners.update(zip(replica_ranks, replica_owners))
+            owners.update(zip(local_ranks, local_owners))
+        holders: dict[int, list[int]] = {}  # only for the parts not in place
+        wanted = set(missing)
+        for node, _, _, replica_ranks, _ in parsed:
+            for rank in wanted.intersection(replica_ranks):
+                if not excluded or (step, rank, node) not in excluded:
+                    holders.setdefault(rank, []).append(node)
+        in_tier: set[int] = set()
+        if step in tier:
+            info = tier[step]
+            in_tier = {int(r) for r in info.get("ranks", []) if (step, int(r), PERSISTENT_HOLDER) not in excluded}
+            for rank_s, owner_s in info.get("owners", {}).items():
+                owners.setdefault(int(rank_s), int(owner_s))
         fetch: dict[int, dict[int, list[int]]] = {}
-        for rank in range(world):
-            if rank in entry["in_place"]:
-                continue
-            holders = sorted(entry["holders"].get(rank, []))
-            if rank in entry.get("persistent", ()):
-                holders.append(PERSISTENT_HOLDER)
-            owner = entry["owners"].get(rank, _default_owner(rank, world, len(inventories)))
-            if not holders or owner is None:
+        for rank in missing:
+            found = sorted(holders.get(rank, []))
+            if rank in in_tier:
+                found.append(PERSISTENT_HOLDER)
+            owner = owners.get(rank, _default_owner(rank, world, len(inventories)))
+            if not found or owner is None:
                 break
-            fetch.setdefault(owner, {})[rank] = holders
+            fetch.setdefault(owner, {})[rank] = found
         else:
             return RoundPlan(rnd, step, world, fetch)
     return RoundPlan(rnd, None, None, {})

@@ -35,6 +35,12 @@ class KVStore(Protocol):
     def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
         """:meth:`get` of several keys in as few round trips as the store allows."""
 
+    def poll(self, keys: Sequence[str], other: str | None = None) -> tuple[list[bytes] | None, bytes | None]:
+        """One look for a wait: ``(values of keys, None)`` when every key exists, else ``(None, value of
+        other)`` (None when ``other`` is absent or not given). Few round trips, and no values moved while a
+        key is missing: TCPStore checks the keys, then reads ``other`` or every value; etcd does it all in
+        one transaction."""
+
     def create(self, key: str, value: bytes) -> bytes:
         """Set ``key`` only if absent; return the value it holds afterwards (the first writer's)."""
 
@@ -87,6 +93,12 @@ class TCPKVStore:
         if self._call("check", self._store.check, keys):  # one round trip for the common case
             return list(self._call("multi_get", self._store.multi_get, keys))
         return [self.get(k) for k in keys]
+
+    def poll(self, keys: Sequence[str], other: str | None = None) -> tuple[list[bytes] | None, bytes | None]:
+        keys = list(keys)
+        if not keys or self._call("check", self._store.check, keys):
+            return self.get_many(keys), None  # keys are never deleted from this store: all still there
+        return None, self.get(other) if other is not None else None
 
     def create(self, key: str, value: bytes) -> bytes:
         # TCPStore's compare_set with an empty expected value sets a missing key, else returns the current one.
