@@ -96,8 +96,10 @@ class TCPKVStore:
 
     def poll(self, keys: Sequence[str], other: str | None = None) -> tuple[list[bytes] | None, bytes | None]:
         keys = list(keys)
-        if not keys or self._call("check", self._store.check, keys):
-            return self.get_many(keys), None  # keys are never deleted from this store: all still there
+        if not keys:
+            return [], None
+        if self._call("check", self._store.check, keys):  # keys are never deleted here: all still there
+            return list(self._call("multi_get", self._store.multi_get, keys)), None
         return None, self.get(other) if other is not None else None
 
     def create(self, key: str, value: bytes) -> bytes:
