@@ -690,7 +690,7 @@ def measure_bytes(nodes: int, scratch: str | None, steps: int = 2, ranks: int = 
 
         for n in range(nodes):
             start_server(n)
-        peers = [f"127.0.0.1:{hub.add(('peer', n), lambda n=n: server_ports[n])}" for n in range(nodes)]
+        peers = [f"127.0.0.1:{server_ports[n]}" for n in range(nodes)]  # membership; traffic goes by PairClients
 
         def engine(n: int) -> ReplicationEngine:
             base = work / f"node{n}"
