@@ -43,7 +43,6 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
-import logging
 import sys
 import time
 from dataclasses import dataclass, field
@@ -52,7 +51,6 @@ from typing import Any, Callable, Iterable
 from supervisor.job_identity import JobIdentity
 from supervisor.kvstore import KVStore, StoreUnavailable, TCPKVStore
 
-log = logging.getLogger("rlsup.coordinator")
 
 WAIT_POLL_MIN_S = 0.002  # a wait polls fast at first (agreement is quick when every node is there) ...
 WAIT_POLL_MAX_S = 0.05  # ... and backs off to this
@@ -155,9 +153,12 @@ class SignedKeys:
             pass
         if not quiet and full_key not in self._warned:
             self._warned.add(full_key)
-            log.warning("ignored %s in %s: not signed by job %s (a foreign or stale writer)", full_key,
-                        self.store.describe(), self.job.id)
-            print(f"[rlsup] ignored {full_key}: not signed by this job's secret (a foreign or stale writer)",
+            try:
+                claim = json.loads(raw.decode().partition(":")[2])
+                who = f" (it claims job {claim.get('job')!r}, node {claim.get('node')!r})"
+            except (UnicodeDecodeError, ValueError, AttributeError):
+                who = ""
+            print(f"[rlsup] ignored {full_key}: not signed by this job's secret (a foreign or stale writer){who}",
                   file=sys.stderr, flush=True)
         return None
 
