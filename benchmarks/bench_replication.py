@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from supervisor.transport.client import PeerClient, TransferPool  # noqa: E402
 from supervisor.transport.server import ReplicationServer  # noqa: E402
 from supervisor.transport.store import ReplicaStore  # noqa: E402
-from trainer_hooks.manifest import hash_file  # noqa: E402
+from rlsup_format.manifest import hash_file  # noqa: E402
 
 SECRET = b"benchmark-secret-benchmark-secret"
 

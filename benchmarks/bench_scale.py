@@ -652,7 +652,7 @@ class PairClients(dict):
 
 def write_parts(ckpt: Path, node: int, nodes: int, job: str, steps: int, ranks: int, part_bytes: int) -> None:
     """Real checkpoint parts as trainer_hooks writes them: one data file per rank, the manifest last."""
-    from trainer_hooks.manifest import SCHEMA_VERSION, RankManifest, hash_file, step_dir_name, write_manifest
+    from rlsup_format.manifest import SCHEMA_VERSION, RankManifest, hash_file, step_dir_name, write_manifest
 
     for s in range(1, steps + 1):
         step = s * STEP_EVERY

@@ -68,7 +68,7 @@ def build_rlsup(root: Path, steps: int) -> None:
 
     import torch
     from trainer_hooks.checkpoint import CheckpointManager
-    from trainer_hooks.manifest import manifest_name, read_manifest, step_dir_name
+    from rlsup_format.manifest import manifest_name, read_manifest, step_dir_name
 
     tpl = CheckpointManager(directory=root, backend="torch").save(1, {"w": torch.zeros(16)})
     manifest = read_manifest(tpl / manifest_name(0))

@@ -555,7 +555,7 @@ def bench_restore(ctx: Ctx) -> list[Row]:
     from supervisor.transport.server import ReplicationServer
     from supervisor.transport.store import ReplicaStore
     from trainer_hooks.checkpoint import CheckpointManager
-    from trainer_hooks.manifest import step_dir_name
+    from rlsup_format.manifest import step_dir_name
 
     size = int((0.2 if ctx.quick else 2.0) * 1e9)
     d = ctx.fresh("restore")
@@ -652,7 +652,7 @@ def bench_footprint(ctx: Ctx) -> list[Row]:
 
     import bench_replication as br
     from trainer_hooks.checkpoint import CheckpointManager
-    from trainer_hooks.manifest import manifest_name, step_dir_name
+    from rlsup_format.manifest import manifest_name, step_dir_name
 
     d = ctx.fresh("footprint")
     token = d / "token"

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from trainer_hooks.heartbeat import HeartbeatRecord, read_record
+from rlsup_format.heartbeat_record import HeartbeatRecord, read_record
 
 
 @dataclass

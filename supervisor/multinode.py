@@ -36,7 +36,7 @@ from supervisor.replication import ReplicationEngine, newest_own_step
 from supervisor.resume import ResumePoint
 from supervisor.runner import AttemptAbandoned, AttemptResult, JobStatus, RunResult, Supervisor
 from supervisor.tiers import TIER_LOCAL, TIER_PEER, TIER_PERSISTENT, TieredResumePoint
-from trainer_hooks.manifest import manifest_name, step_dir_name
+from rlsup_format.manifest import manifest_name, step_dir_name
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainer_hooks.manifest import (
+from rlsup_format.manifest import (
     MANIFEST_RE,
     ManifestError,
     RankManifest,

@@ -10,7 +10,7 @@ The same rule as everywhere in rlsup: a copy has its final name only once it ver
 
 * Filesystem destination: the files listed in the source's manifests are copied (fsynced) into
   ``<dest>/.incoming-step_N-<pid>-<token>/step_N/``, the manifests last; the copy is verified with
-  :func:`trainer_hooks.manifest.verify_step_dir` (``full=True``: every checksum); only then is it
+  :func:`rlsup_format.manifest.verify_step_dir` (``full=True``: every checksum); only then is it
   renamed to ``<dest>/step_N``. An invalid old copy of the same step is moved aside first; a valid one
   is never rewritten. While copying, the source step carries a ``.hold-persistent-<pid>`` marker, so
   the trainer's ``keep_last`` does not delete it under the copy.
@@ -44,7 +44,7 @@ from typing import Any, Callable, Iterator
 import xxhash
 
 from supervisor.parts import Part, owner_of, verify_part
-from trainer_hooks.manifest import (
+from rlsup_format.manifest import (
     CHUNK_SIZE,
     MANIFEST_RE,
     STEP_DIR_RE,
@@ -130,10 +130,10 @@ def _open_step_file(src: Path) -> Any:
     below that step directory (its nearest ``step_N`` ancestor; else just the file itself), and only
     if it is a regular file: a symlinked shard would otherwise be copied as whatever it points at and
     the copy would verify. UnsafeFileError (an OSError) otherwise."""
-    from trainer_hooks.manifest import open_checkpoint_file
+    from rlsup_format.manifest import open_nofollow
 
     base = next((p for p in src.parents if STEP_DIR_RE.match(p.name)), src.parent)
-    return os.fdopen(open_checkpoint_file(base, src.relative_to(base).as_posix()), "rb")
+    return os.fdopen(open_nofollow(base, src.relative_to(base).as_posix()), "rb")
 
 
 def _copy_local_file(src: Path, dst: Path, limiter: Any) -> None:

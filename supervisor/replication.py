@@ -29,7 +29,7 @@ from supervisor.job_identity import namespace_of, parse_namespace
 from supervisor.membership import Membership, replica_targets
 from supervisor.observer import Observer
 from supervisor.parts import Part, scan_parts, verify_part
-from trainer_hooks.manifest import MANIFEST_RE, hash_file, list_step_dirs, manifest_name, step_dir_name
+from rlsup_format.manifest import MANIFEST_RE, hash_file, list_step_dirs, manifest_name, step_dir_name
 
 log = logging.getLogger("rlsup.replication")
 
@@ -287,7 +287,7 @@ class ReplicationEngine:
         staging = step_dir / f".fetch-{mname}"
         client.fetch_file(ns, f"{base}/{mname}", staging, m_entry)
         try:
-            from trainer_hooks.manifest import read_manifest
+            from rlsup_format.manifest import read_manifest
 
             manifest = read_manifest(staging)
             for name, entry in manifest.files.items():

@@ -31,7 +31,7 @@ def choose_resume(checkpoint_dir: Path, layout: str = "auto", job: str | None = 
 
 def step_job(step_dir: Path) -> str | None:
     """The job rank 0's manifest of an rlsup step names (None: written without rlsup, or unreadable)."""
-    from trainer_hooks.manifest import ManifestError, manifest_name, read_manifest
+    from rlsup_format.manifest import ManifestError, manifest_name, read_manifest
 
     try:
         job = read_manifest(step_dir / manifest_name(0)).extra.get("job")

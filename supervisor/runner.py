@@ -31,7 +31,7 @@ from supervisor.restart_policy import RestartPolicy
 from supervisor.stacks import dump_stacks
 from supervisor.resume import ResumePoint, choose_resume
 from supervisor.warm_launcher import Zygote, warm_spec
-from trainer_hooks.heartbeat import rank_file_name, request_stop
+from rlsup_format.heartbeat_record import rank_file_name, request_stop
 
 KEEP_ATTEMPT_DIRS = 10
 
@@ -299,7 +299,7 @@ class Supervisor:
     def _refresh_checkpoint_metric(self) -> None:
         """A save just ended: report the newest checkpoint. Sizes only for rlsup's own layout, so the
         supervisor does not re-read every byte the trainer just wrote (restart selection checks all)."""
-        from trainer_hooks.manifest import latest_valid
+        from rlsup_format.manifest import latest_valid
 
         if self.cfg.checkpoint_layout in ("rlsup", "auto"):
             result = latest_valid(self.checkpoint_dir, full=False)

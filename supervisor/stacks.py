@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Mapping
 
-from trainer_hooks.heartbeat import STACKS_SIGNAL, HeartbeatRecord, stacks_file_name
+from rlsup_format.heartbeat_record import STACKS_SIGNAL, HeartbeatRecord, stacks_file_name
 
 
 def dump_stacks(hb_dir: Path, records: Mapping[int, HeartbeatRecord], wait_s: float = 5.0) -> dict[str, str]:

@@ -18,7 +18,7 @@ import torch
 from conftest import ROOT, clean_env, pid_alive, wait_for
 from trainer_hooks import CheckpointManager
 from trainer_hooks.async_writer import AsyncSaveError
-from trainer_hooks.manifest import list_step_dirs, read_manifest, step_dir_name, verify_step_dir
+from rlsup_format.manifest import list_step_dirs, read_manifest, step_dir_name, verify_step_dir
 from trainer_hooks.triggers import SaveTrigger
 
 

@@ -10,7 +10,7 @@ import torch
 
 from trainer_hooks.backends import available_backends, get_backend
 from trainer_hooks.checkpoint import CheckpointManager
-from trainer_hooks.manifest import latest_valid
+from rlsup_format.manifest import latest_valid
 
 HAVE_MEGATRON = importlib.util.find_spec("megatron") is not None
 

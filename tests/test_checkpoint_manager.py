@@ -18,7 +18,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from trainer_hooks.checkpoint import CheckpointManager
-from trainer_hooks.manifest import (
+from rlsup_format.manifest import (
     is_held,
     latest_valid,
     list_step_dirs,

@@ -9,7 +9,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from trainer_hooks.manifest import latest_valid, list_step_dirs, verify_step_dir
+from rlsup_format.manifest import latest_valid, list_step_dirs, verify_step_dir
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -13,7 +13,7 @@ from conftest import clean_env, rlsup_cmd, wait_for
 from test_multinode import free_ports
 from supervisor.job_identity import job_identity, namespace_of
 from trainer_hooks import CheckpointManager
-from trainer_hooks.manifest import hash_file, manifest_name, read_manifest
+from rlsup_format.manifest import hash_file, manifest_name, read_manifest
 
 
 def start_daemon(d: Path, peers: str, node: int, token: Path, factor: int) -> subprocess.Popen:

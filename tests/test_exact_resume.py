@@ -17,7 +17,7 @@ import torch
 
 from conftest import ROOT, clean_env, incidents, job_subdir, start_rlsup, wait_for
 from trainer_hooks.heartbeat import read_record
-from trainer_hooks.manifest import list_step_dirs, verify_step_dir
+from rlsup_format.manifest import list_step_dirs, verify_step_dir
 
 TRAIN = str(ROOT / "examples" / "train_tiny.py")
 PY = sys.executable

@@ -1,4 +1,4 @@
-"""rlsup's own format through trainer_hooks.manifest (skipped until that module exists)."""
+"""rlsup's own format through rlsup_format.manifest (skipped until that module exists)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from supervisor import layouts
 checkpoint = pytest.importorskip(
     "trainer_hooks.checkpoint", reason="trainer_hooks.checkpoint/manifest (a colleague's module) not present yet"
 )
-pytest.importorskip("trainer_hooks.manifest", reason="trainer_hooks.manifest not present yet")
+pytest.importorskip("rlsup_format.manifest", reason="rlsup_format.manifest not present yet")
 
 
 def test_rlsup_steps_through_manifest_verifier(tmp_path: Path) -> None:

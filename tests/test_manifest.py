@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer_hooks.manifest import (
+from rlsup_format.manifest import (
     SCHEMA_VERSION,
     STEP_DIR_RE,
     FileEntry,
@@ -194,7 +194,7 @@ def _retarget(d: Path, name: str, target: Path) -> None:
 
 @pytest.mark.parametrize("full", [True, False])
 def test_symlinked_data_file_is_invalid(tmp_path: Path, full: bool):
-    from trainer_hooks.manifest import check_files, read_manifest
+    from rlsup_format.manifest import check_files, read_manifest
 
     root = tmp_path / "ckpt"
     older = make_step(root, 100)

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from conftest import ROOT, clean_env, free_ports, incidents, replica_ns, rlsup_cmd, run_rlsup, wait_for
-from trainer_hooks.manifest import hash_file, list_step_dirs, manifest_name, read_manifest
+from rlsup_format.manifest import hash_file, list_step_dirs, manifest_name, read_manifest
 
 TRAIN = str(ROOT / "examples" / "train_tiny.py")
 PY = sys.executable

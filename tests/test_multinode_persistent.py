@@ -28,7 +28,7 @@ from conftest import ROOT, clean_env, job_subdir, rlsup_cmd, wait_for
 from supervisor.persistent import PART_TMP_PREFIX, PersistentPartInvalid, PersistentTier, _host_tag
 from test_multinode import PY, assert_same_weights, free_ports
 from trainer_hooks import CheckpointManager
-from trainer_hooks.manifest import hash_file, manifest_name, step_dir_name, verify_step_dir
+from rlsup_format.manifest import hash_file, manifest_name, step_dir_name, verify_step_dir
 
 TRAIN = str(ROOT / "examples" / "train_tiny.py")
 NODES = 2

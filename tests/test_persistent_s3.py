@@ -33,7 +33,7 @@ from conftest import ROOT, clean_env, incidents, start_rlsup, wait_for  # noqa: 
 from supervisor.persistent import PersistentTier, PersistentTierError  # noqa: E402
 from supervisor.tiers import choose_across_tiers  # noqa: E402
 from trainer_hooks import CheckpointManager  # noqa: E402
-from trainer_hooks.manifest import MANIFEST_RE, manifest_name, step_dir_name, verify_step_dir  # noqa: E402
+from rlsup_format.manifest import MANIFEST_RE, manifest_name, step_dir_name, verify_step_dir  # noqa: E402
 
 KEY, SECRET, REGION = "rlsup-test-key", "rlsup-test-secret", "us-east-1"
 

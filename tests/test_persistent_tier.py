@@ -17,7 +17,7 @@ from conftest import ROOT, clean_env, wait_for
 from supervisor.persistent import PersistentTier, PersistentTierError
 from supervisor.tiers import choose_across_tiers
 from trainer_hooks import CheckpointManager
-from trainer_hooks.manifest import is_held, step_dir_name, verify_step_dir
+from rlsup_format.manifest import is_held, step_dir_name, verify_step_dir
 
 
 def save_steps(ckpt: Path, steps: list[int], size: int = 1000) -> None:
@@ -218,7 +218,7 @@ def test_symlinked_file_is_never_copied(tmp_path: Path) -> None:
     shutil.copyfile(shard, twin)
     shard.unlink()
     os.symlink(twin, shard)
-    with pytest.raises(OSError, match="symbolic link"):  # trainer_hooks.manifest.UnsafeFileError
+    with pytest.raises(OSError, match="symbolic link"):  # rlsup_format.manifest.UnsafeFileError
         _copy_local_file(shard, tmp_path / "out" / "rank_00000.pt", None)
     assert not (tmp_path / "out" / "rank_00000.pt").exists()
     tier = PersistentTier(dest, source=local)

@@ -19,7 +19,7 @@ from supervisor.transport.auth import auth_headers
 from supervisor.transport.client import BandwidthLimiter, PeerClient, TransferPool, TransportError
 from supervisor.transport.server import ReplicationServer
 from supervisor.transport.store import ReplicaStore
-from trainer_hooks.manifest import FileEntry, hash_file
+from rlsup_format.manifest import FileEntry, hash_file
 
 from conftest import wait_for
 

@@ -10,7 +10,7 @@ import xxhash
 
 from supervisor.transport.store import (IntegrityError, InvalidPath, NotFound, ReplicaStore, validate_namespace,
                                         validate_relpath)
-from trainer_hooks.manifest import FileEntry
+from rlsup_format.manifest import FileEntry
 
 
 def entry_of(data: bytes) -> FileEntry:

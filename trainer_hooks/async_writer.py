@@ -403,7 +403,7 @@ class AsyncSaver:
     def save(self, manager: Any, step: int, state: dict[str, Any], preempted: bool) -> Path | None:
         """Called by CheckpointManager.save inside section("save"): the blocking part only."""
         from trainer_hooks.checkpoint import _manifest_extra, _rank_world
-        from trainer_hooks.manifest import step_dir_name
+        from rlsup_format.manifest import step_dir_name
 
         with self._lock:
             while self._collect(0):

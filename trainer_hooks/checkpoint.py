@@ -11,7 +11,7 @@ So a rank's save goes:
 4. last, the rank's manifest ``manifest.rank_<R>.json`` is written atomically.
 
 A step is valid only when all ranks' manifests are present and every listed file checks out
-(:mod:`trainer_hooks.manifest`); anything else is ignored by restore and by the supervisor.
+(:mod:`rlsup_format.manifest`); anything else is ignored by restore and by the supervisor.
 
 Never losing data: a step that is already fully valid is never touched, and a rank whose own part of
 the step already verifies does not rewrite it (for collective backends the ranks decide together).
@@ -49,7 +49,7 @@ import torch
 from trainer_hooks.backends import get_backend
 from trainer_hooks.backends.base import RNG_KEY, LoadContext, SaveContext, state_of
 from trainer_hooks.heartbeat import section, should_stop
-from trainer_hooks.manifest import (
+from rlsup_format.manifest import (
     SCHEMA_VERSION,
     FileEntry,
     ManifestError,

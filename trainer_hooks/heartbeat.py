@@ -34,37 +34,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-MAGIC = 0x524C535550484231  # "RLSUPHB1"
-RECORD = struct.Struct("<10q")
-RECORD_SIZE = 128
-SECTIONS = {"none": 0, "save": 1, "load": 2, "user": 3}
-SECTION_NAMES = {v: k for k, v in SECTIONS.items()}
-ENV_DIR = "RLSUP_HEARTBEAT_DIR"
-STACKS_SIGNAL = signal.SIGUSR2
-_I64 = struct.Struct("<q")
-
-
-def rank_file_name(rank: int) -> str:
-    return f"rank_{rank:05d}.hb"
-
-
-def stacks_file_name(rank: int) -> str:
-    return f"rank_{rank:05d}.stacks"
-
-
-@dataclass(frozen=True)
-class HeartbeatRecord:
-    """One consistent read of a rank's heartbeat file (supervisor side)."""
-
-    rank: int
-    pid: int
-    step: int
-    beat_ns: int
-    section: str
-    section_ns: int
-    stop: bool
-    saves: int = 0
-    save_ns: int = 0
+from rlsup_format.heartbeat_record import (  # noqa: F401 - re-exported for rank-side callers
+    ENV_DIR,
+    I64 as _I64,
+    MAGIC,
+    RECORD,
+    RECORD_SIZE,
+    SECTION_NAMES,
+    SECTIONS,
+    STACKS_SIGNAL,
+    STOP_OFFSET,
+    HeartbeatRecord,
+    rank_file_name,
+    read_record,
+    request_stop,
+    stacks_file_name,
+)
 
 
 class _Writer:
@@ -97,7 +82,7 @@ class _Writer:
         m = self.map
         self.seq += 1
         _I64.pack_into(m, 0, self.seq)
-        stop = _I64.unpack_from(m, 56)[0]
+        stop = _I64.unpack_from(m, STOP_OFFSET)[0]
         RECORD.pack_into(m, 0, self.seq, MAGIC, os.getpid(), self.step, self.beat_ns,
                          self.section, self.section_ns, stop, self.saves, self.save_ns)
         self.seq += 1
@@ -121,7 +106,7 @@ class _Writer:
         self._publish()
 
     def stop_requested(self) -> bool:
-        return _I64.unpack_from(self.map, 56)[0] != 0
+        return _I64.unpack_from(self.map, STOP_OFFSET)[0] != 0
 
 
 # The launcher as seen when this module was imported (reset in a forked child): the parent that
@@ -236,36 +221,6 @@ def section(name: str) -> Iterator[None]:
         yield
     finally:
         w.set_section(previous)
-
-
-def read_record(path: Path) -> HeartbeatRecord | None:
-    """Supervisor side: a consistent snapshot of one rank file (seqlock), None while not yet written."""
-    rank = int(path.stem.split("_")[1])
-    try:
-        with open(path, "rb") as f:
-            for _ in range(1000):
-                f.seek(0)
-                data = f.read(RECORD_SIZE)
-                if len(data) < RECORD_SIZE:
-                    return None
-                seq, magic, pid, step, beat_ns, sec, sec_ns, stop, saves, save_ns = RECORD.unpack_from(data)
-                f.seek(0)
-                if seq % 2 == 1 or _I64.unpack(f.read(8))[0] != seq:
-                    continue  # the rank is mid-write: read again
-                if magic != MAGIC:
-                    return None
-                return HeartbeatRecord(rank, pid, step, beat_ns, SECTION_NAMES.get(sec, "user"),
-                                       sec_ns, bool(stop), saves, save_ns)
-    except (FileNotFoundError, ValueError, struct.error):
-        return None
-    return None
-
-
-def request_stop(path: Path) -> None:
-    """Supervisor side: set the stop flag in a rank's file so its should_stop() turns true."""
-    with open(path, "r+b") as f:
-        f.seek(56)
-        f.write(_I64.pack(1))
 
 
 _arm_at_import()  # last: everything it needs is defined

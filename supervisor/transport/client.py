@@ -47,7 +47,7 @@ import xxhash
 
 from supervisor.transport.auth import H_XXH3, auth_headers
 from supervisor.transport.store import validate_namespace, validate_relpath
-from trainer_hooks.manifest import FileEntry
+from rlsup_format.manifest import FileEntry
 
 CHUNK = 1 << 20
 

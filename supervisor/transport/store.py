@@ -44,7 +44,7 @@ from typing import Iterator
 
 import xxhash
 
-from trainer_hooks.manifest import FileEntry
+from rlsup_format.manifest import FileEntry
 
 INCOMING = ".incoming"
 META = ".meta"

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from trainer_hooks.heartbeat import read_record
-from trainer_hooks.manifest import list_step_dirs, manifest_name
+from rlsup_format.manifest import list_step_dirs, manifest_name
 
 from .common import Deadline, clean_env, pid_alive, rlsup_cmd, wait_for
 from .invariants import ProcessTracker, valid_steps

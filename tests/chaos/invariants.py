@@ -25,7 +25,7 @@ from typing import Iterable
 import psutil
 
 from trainer_hooks.heartbeat import read_record
-from trainer_hooks.manifest import list_step_dirs, verify_step_dir
+from rlsup_format.manifest import list_step_dirs, verify_step_dir
 
 
 # ------------------------------------------------------------------ files

@@ -266,7 +266,7 @@ def hostile_manifest_steps(sb: Sandbox, ckpt: Path, template_step: Path, first: 
     for reading would block the verifier (caught by the caller's timeout)."""
     import json
 
-    from trainer_hooks.manifest import hash_file, manifest_name, step_dir_name
+    from rlsup_format.manifest import hash_file, manifest_name, step_dir_name
 
     fifo = sb.parent / "fifo-trap"
     if not fifo.exists():
@@ -323,7 +323,7 @@ def corruption_scenario(parent: Path, ref_cache: Path, seed: int, n_damaged: int
         res.faults += [Fault("hostile_manifest", f"step {s}", injected=True, hit=True) for s in hostile]
         # Selection, as the CLI sees it (a blocked open of the FIFO would hit the timeout).
         for s in damaged:
-            from trainer_hooks.manifest import verify_step_dir
+            from rlsup_format.manifest import verify_step_dir
 
             res.check([f"damaged step {s} still verifies ({notes})"] if verify_step_dir(sb.ckpt / f"step_{s:09d}").valid
                       else [])
@@ -332,7 +332,7 @@ def corruption_scenario(parent: Path, ref_cache: Path, seed: int, n_damaged: int
         res.check([] if r.stdout.strip().endswith(f"step_{expected:09d}")
                   else [f"rlsup checkpoints latest chose {r.stdout[:300]!r} {r.stderr[-500:]}, expected step {expected}"])
         for s in hostile:
-            from trainer_hooks.manifest import verify_step_dir
+            from rlsup_format.manifest import verify_step_dir
 
             v = verify_step_dir(sb.ckpt / f"step_{s:09d}")
             res.check([f"hostile step {s} verified valid"] if v.valid else [])
@@ -447,7 +447,7 @@ def hostile_peer_scenario(parent: Path, seed: int, modes: tuple[str, ...] | None
     answers garbage: every fetch fails with TransportError in bounded time, the destination never
     appears (not even partially), no temp file stays, nothing outside the checkpoint dir is written."""
     from supervisor.transport.client import PeerClient, TransportError
-    from trainer_hooks.manifest import FileEntry
+    from rlsup_format.manifest import FileEntry
 
     from .hostile import PEER_MODES, HostilePeer
 
@@ -518,7 +518,7 @@ def hostile_client_scenario(parent: Path, seed: int) -> ScenarioResult:
     from supervisor.transport.client import PeerClient
     from supervisor.transport.server import ReplicationServer
     from supervisor.transport.store import ReplicaStore
-    from trainer_hooks.manifest import FileEntry
+    from rlsup_format.manifest import FileEntry
 
     from .hostile import hostile_requests, send_raw
 
@@ -599,7 +599,7 @@ def replica_disk_full_scenario(parent: Path, seed: int) -> ScenarioResult:
     from supervisor.transport.client import PeerClient, TransportError
     from supervisor.transport.server import ReplicationServer
     from supervisor.transport.store import ReplicaStore
-    from trainer_hooks.manifest import FileEntry
+    from rlsup_format.manifest import FileEntry
     import xxhash
 
     started = time.monotonic()

@@ -26,7 +26,7 @@ from pathlib import Path
 import psutil
 
 from supervisor.job_identity import job_identity, namespace_of
-from trainer_hooks.manifest import hash_file, list_step_dirs, manifest_name, read_manifest, step_dir_name
+from rlsup_format.manifest import hash_file, list_step_dirs, manifest_name, read_manifest, step_dir_name
 
 from .common import (PY, TRAIN, Deadline, Sandbox, clean_env, freeze, free_ports, incidents, reference_weights,
                      rlsup_cmd, thaw, train_args, wait_for)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import psutil
 
-from trainer_hooks.manifest import list_step_dirs, manifest_name, read_manifest, step_dir_name, verify_step_dir
+from rlsup_format.manifest import list_step_dirs, manifest_name, read_manifest, step_dir_name, verify_step_dir
 
 from .common import (PY, Deadline, Sandbox, freeze, incidents, launcher, pid_alive, reference_checkpoints,
                      reference_weights, thaw, train_args, wait_for)

@@ -1,12 +1,11 @@
-"""The on-disk checkpoint format: per-rank manifests, and the checks that say a step is complete.
+"""The manifest rules: per-rank manifests, and the checks that say a step is complete.
 
 Why manifests: a checkpoint directory that merely *exists* proves nothing. A rank killed mid-save,
 a full disk or a flaky filesystem leaves files with the right names and the wrong bytes. Each rank
 therefore writes, last of all, a small JSON manifest listing every file it wrote with its size and
 xxh3-128 checksum. A step is valid only when the manifests of all ranks 0..W-1 are present, agree
-with each other, and every listed file matches. Both the ranks (to pick a resume point) and the
-supervisor (to decide where a restart resumes) use this module, so it only ever *reads* checkpoint
-data and never raises on bad data: corruption is a normal, reported outcome.
+with each other, and every listed file matches. Verification only ever *reads* and never raises on
+bad data: corruption is a normal, reported outcome.
 
 Layout::
 
@@ -14,69 +13,56 @@ Layout::
         manifest.rank_00000.json   written last by rank 0 (atomic rename)
         manifest.rank_00001.json
         rank_00000.pt ...          files listed in the manifests (backend specific)
-        .hold-replication          optional hold markers: retention never deletes the step
-        .staging-rank_00001-4242/  a save in progress (or a killed one's leftovers)
+        .hold-...                  hold markers: retention never deletes the step
+        .staging-rank_00001-...    a save in progress (or a killed one's leftovers)
+
+The checks run over a :class:`StepReader`, so a step in a local directory and one in an object
+store (:mod:`supervisor.part_stores`) are judged by the same code.
 """
 
 from __future__ import annotations
 
-import errno
 import json
 import math
 import os
 import re
-import stat
-import tempfile
 from dataclasses import asdict, dataclass, field
+from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-import xxhash
+# Re-exported with the manifest because every reader of a step needs them together.
+from rlsup_format.digest import CHUNK_SIZE, FileEntry, hash_fd, hash_file  # noqa: F401
+from rlsup_format.fileio import UnsafeFileError, fsync_dir, open_nofollow, read_nofollow, write_durable  # noqa: F401
+from rlsup_format.names import (  # noqa: F401
+    MANIFEST_RE,
+    STEP_DIR_RE,
+    Kind,
+    hold_prefix,
+    manifest_name,
+    parse_step,
+    reserved_name,
+    step_dir_name,
+)
 
 SCHEMA_VERSION = 1
-STEP_DIR_RE = re.compile(r"^step_(\d{9,})$")
-MANIFEST_RE = re.compile(r"^manifest\.rank_(\d{5,})\.json$")
-HOLD_PREFIX = ".hold-"
-CHUNK_SIZE = 8 * 1024 * 1024
 _HEX128_RE = re.compile(r"^[0-9a-f]{32}$")
 _FIELDS = ("schema", "step", "world_size", "rank", "backend", "files", "created",
            "rlsup_version", "extra")
-_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
-# O_NONBLOCK: opening a FIFO planted where a file should be must not block; O_NOCTTY: nor grab a tty.
-_FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | _CLOEXEC
-_SUBDIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | _CLOEXEC
 
 
 class ManifestError(ValueError):
     """A manifest that cannot be trusted: bad JSON, wrong types, unsafe paths, unknown schema."""
 
 
-class UnsafeFileError(OSError):
-    """A checkpoint file (or a directory on its way) that is a symbolic link, or not a regular file:
-    never followed, never read. ``strerror`` says which."""
-
-
-def step_dir_name(step: int) -> str:
-    return f"step_{step:09d}"
-
-
-def manifest_name(rank: int) -> str:
-    return f"manifest.rank_{rank:05d}.json"
-
-
+@lru_cache(maxsize=1)
 def _rlsup_version() -> str:
-    # Imported lazily: trainer_hooks/__init__ may import this module while it is half initialised.
-    import trainer_hooks
+    from importlib import metadata
 
-    return str(getattr(trainer_hooks, "__version__", "unknown"))
-
-
-@dataclass
-class FileEntry:
-    """Size and checksum of one checkpoint file, as its writer saw it."""
-
-    size: int
-    xxh3_128: str
+    try:
+        return metadata.version("rlsup")
+    except metadata.PackageNotFoundError:
+        return "unknown"
 
 
 @dataclass
@@ -176,177 +162,134 @@ def check_relative_path(name: object) -> None:
         raise ManifestError(f"file name {name!r} is a manifest, not a data file")
 
 
-def open_checkpoint_file(base: str | os.PathLike, name: str) -> int:
-    """A read-only fd (caller closes) of ``base/name`` that is a regular file reached without following
-    any symbolic link below ``base`` (``name`` is '/'-separated, relative; ``base`` itself is opened
-    as given). A checkpoint's data files and manifests are never symlinks: following one would verify,
-    copy or load whatever it points at (another step's shard, a file outside the checkpoint dir).
-    FileNotFoundError when absent, :class:`UnsafeFileError` for a symlink or a non-regular file."""
-    parts = name.split("/")
-    dfd = os.open(base, os.O_RDONLY | os.O_DIRECTORY | _CLOEXEC)
-    try:
-        for part in parts[:-1]:
-            try:
-                nfd = os.open(part, _SUBDIR_FLAGS, dir_fd=dfd)
-            except OSError as e:
-                if e.errno in (errno.ELOOP, errno.ENOTDIR):
-                    raise UnsafeFileError(e.errno, f"directory {part!r} on its path is a symbolic link "
-                                                   "or not a directory (not followed)") from None
-                raise
-            os.close(dfd)
-            dfd = nfd
-        try:
-            fd = os.open(parts[-1], _FILE_FLAGS, dir_fd=dfd)
-        except OSError as e:
-            if e.errno == errno.ELOOP:
-                raise UnsafeFileError(errno.ELOOP, "a symbolic link (not followed)") from None
-            raise
-    finally:
-        os.close(dfd)
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise UnsafeFileError(errno.EINVAL, "not a regular file")
-        os.set_blocking(fd, True)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-def read_checkpoint_file(base: str | os.PathLike, name: str) -> bytes:
-    """The bytes of ``base/name``, opened as :func:`open_checkpoint_file` does (for manifests)."""
-    with os.fdopen(open_checkpoint_file(base, name), "rb") as f:
-        return f.read()
-
-
-def hash_fd(fd: int) -> FileEntry:
-    """Size and xxh3-128 of an open file from its current offset to its end, 8 MiB at a time."""
-    h = xxhash.xxh3_128()
-    size = 0
-    buf = bytearray(CHUNK_SIZE)
-    view = memoryview(buf)
-    while True:
-        n = os.readv(fd, [buf])
-        if not n:
-            break
-        h.update(view[:n])
-        size += n
-    return FileEntry(size, h.hexdigest())
-
-
-def hash_file(path: str | os.PathLike) -> FileEntry:
-    """Size and xxh3-128 of a file, streamed so a 100 GB shard costs 8 MiB of memory."""
-    h = xxhash.xxh3_128()
-    size = 0
-    buf = bytearray(CHUNK_SIZE)
-    view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
-        while True:
-            n = f.readinto(buf)
-            if not n:
-                break
-            h.update(view[:n])
-            size += n
-    return FileEntry(size, h.hexdigest())
-
-
-def fsync_dir(path: str | os.PathLike) -> None:
-    """Make renames/creations inside ``path`` durable (a rename is only safe once its dir is synced)."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
 
 def write_manifest(step_dir: str | os.PathLike, manifest: RankManifest) -> Path:
     """Publish a rank's manifest atomically: temp file, fsync, rename, fsync the directory."""
     step_dir = Path(step_dir)
     final = step_dir / manifest_name(manifest.rank)
-    fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.tmp-{os.getpid()}-", dir=step_dir)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(manifest.to_json())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    fsync_dir(step_dir)
+    write_durable(final, manifest.to_json().encode(), step_dir / reserved_name(Kind.TMP, final.name))
     return final
 
 
 def read_manifest(path: str | os.PathLike) -> RankManifest:
     """Read and validate one manifest file (ManifestError or OSError on failure: a symlink or a
-    non-regular file is :class:`UnsafeFileError`, never followed)."""
+    non-regular file is :class:`rlsup_format.fileio.UnsafeFileError`, never followed)."""
     path = Path(path)
-    return RankManifest.from_json(read_checkpoint_file(path.parent, path.name))
+    return RankManifest.from_json(read_nofollow(path.parent, path.name))
+
+
+class StepReader(Protocol):
+    """Read access to one step, wherever it is stored."""
+
+    def names(self) -> list[str]:
+        """Top-level entry names of the step (FileNotFoundError when the step is absent)."""
+
+    def read(self, name: str) -> bytes:
+        """A manifest's bytes (never through a symlink)."""
+
+    def check(self, name: str, entry: FileEntry, full: bool) -> str:
+        """"" when the data file ``name`` matches ``entry`` (sizes only unless ``full``), else why not."""
+
+
+class LocalStep:
+    """A :class:`StepReader` over a step directory on a local filesystem."""
+
+    def __init__(self, step_dir: str | os.PathLike) -> None:
+        self.path = Path(step_dir)
+
+    def names(self) -> list[str]:
+        return sorted(os.listdir(self.path))
+
+    def read(self, name: str) -> bytes:
+        return read_nofollow(self.path, name)
+
+    def check(self, name: str, entry: FileEntry, full: bool) -> str:
+        return check_file(self.path, name, entry, full)
+
+
+def check_file(step_dir: str | os.PathLike, name: str, entry: FileEntry, full: bool = True) -> str:
+    """"" when ``step_dir/name`` is a regular file (reached without a symlink) matching ``entry``."""
+    try:
+        fd = open_nofollow(step_dir, name)
+    except FileNotFoundError:
+        return f"{name}: missing"
+    except OSError as e:
+        return f"{name}: {e.strerror or e}"
+    try:
+        st = os.fstat(fd)
+        if st.st_size != entry.size:
+            return f"{name}: size {st.st_size} != {entry.size}"
+        if full:
+            try:
+                actual = hash_fd(fd)
+            except OSError as e:
+                return f"{name}: unreadable: {e.strerror or e}"
+            if actual.size != entry.size:
+                return f"{name}: size {actual.size} != {entry.size}"
+            if actual.xxh3_128 != entry.xxh3_128:
+                return f"checksum mismatch in {name}"
+    finally:
+        os.close(fd)
+    return ""
 
 
 def check_files(step_dir: Path, files: dict[str, FileEntry], full: bool = True) -> tuple[str, int]:
-    """("", total size) when every listed file matches, else (first problem, size so far). A listed file
-    that is a symbolic link (or reached through one), or not a regular file, does not match."""
+    """("", total size) when every listed file matches, else (first problem, size so far)."""
+    return _check_listed(LocalStep(step_dir), files, full)
+
+
+def _check_listed(reader: StepReader, files: dict[str, FileEntry], full: bool) -> tuple[str, int]:
     total = 0
     for name, entry in files.items():
-        try:
-            fd = open_checkpoint_file(step_dir, name)  # never through a symlink; regular files only
-        except FileNotFoundError:
-            return f"{name}: missing", total
-        except OSError as e:
-            return f"{name}: {e.strerror or e}", total
-        try:
-            st = os.fstat(fd)
-            if st.st_size != entry.size:
-                return f"{name}: size {st.st_size} != {entry.size}", total
-            if full:
-                try:
-                    actual = hash_fd(fd)
-                except OSError as e:
-                    return f"{name}: unreadable: {e.strerror or e}", total
-                if actual.size != entry.size:
-                    return f"{name}: size {actual.size} != {entry.size}", total
-                if actual.xxh3_128 != entry.xxh3_128:
-                    return f"checksum mismatch in {name}", total
-        finally:
-            os.close(fd)
+        reason = reader.check(name, entry, full)
+        if reason:
+            return reason, total
         total += entry.size
     return "", total
 
 
 @dataclass
 class VerifyResult:
-    """Whether a step directory is a complete checkpoint, and if not the first reason why."""
+    """Whether a step is a complete checkpoint, and if not the first reason why."""
 
     valid: bool
     reason: str
     step: int | None
     world_size: int | None
     size_bytes: int
-    path: Path
+    path: Path | str
 
 
-def _step_from_name(step_dir: Path) -> int | None:
-    m = STEP_DIR_RE.match(step_dir.name)
-    return int(m.group(1)) if m else None
+def verify_part(reader: StepReader, step: int, rank: int, full: bool = True) -> tuple[RankManifest | None, str]:
+    """One rank's part of ``step``: (its manifest, "") when the manifest parses, names this rank and
+    step, and every file it lists matches; else (None, why not). Never raises on bad data."""
+    name = manifest_name(rank)
+    try:
+        m = RankManifest.from_json(reader.read(name))
+    except FileNotFoundError:
+        return None, f"{name}: missing"
+    except ManifestError as e:
+        return None, f"torn manifest: {name}: {e}"
+    except OSError as e:
+        return None, f"unreadable manifest {name}: {e.strerror or e}"
+    if (m.rank, m.step) != (rank, step):
+        return None, f"{name} says step {m.step} rank {m.rank}"
+    reason, _ = _check_listed(reader, m.files, full)
+    return (None, reason) if reason else (m, "")
 
 
-def verify_step_dir(step_dir: str | os.PathLike, full: bool = True) -> VerifyResult:
-    """Check a step directory; ``full`` also re-hashes every file (else sizes only). Never raises."""
-    step_dir = Path(step_dir)
-    dir_step = _step_from_name(step_dir)
+def verify_step(reader: StepReader, step: int | None, full: bool = True, where: Path | str = "") -> VerifyResult:
+    """Check one step through ``reader``; ``full`` also re-hashes every file (else sizes only).
+    ``step``: the step its location names (None: not a step name). Never raises."""
 
     def bad(reason: str, world_size: int | None = None, size: int = 0) -> VerifyResult:
-        return VerifyResult(False, reason, dir_step, world_size, size, step_dir)
+        return VerifyResult(False, reason, step, world_size, size, where)
 
     try:
-        if dir_step is None:
-            return bad(f"directory name {step_dir.name!r} is not step_NNNNNNNNN")
+        if step is None:
+            return bad(f"directory name {Path(str(where)).name!r} is not step_NNNNNNNNN")
         try:
-            names = sorted(os.listdir(step_dir))
+            names = reader.names()
         except FileNotFoundError:
             return bad("directory missing")
         except NotADirectoryError:
@@ -361,7 +304,7 @@ def verify_step_dir(step_dir: str | os.PathLike, full: bool = True) -> VerifyRes
         for rank in sorted(found):
             name = found[rank]
             try:
-                raw = read_checkpoint_file(step_dir, name)  # a symlinked manifest is never followed
+                raw = reader.read(name)
                 m = RankManifest.from_json(raw)
             except ManifestError as e:
                 return bad(f"torn manifest: {name}: {e}")
@@ -371,35 +314,50 @@ def verify_step_dir(step_dir: str | os.PathLike, full: bool = True) -> VerifyRes
                 return bad(f"torn manifest: {name} says rank {m.rank}")
             manifests[rank] = m
             size += len(raw)
-        first = manifests[min(manifests)]
-        world = first.world_size
-        for rank, m in manifests.items():
-            if m.world_size != world:
-                return bad(f"rank {rank} world_size {m.world_size} != {world}", world)
-            if m.step != first.step:
-                return bad(f"rank {rank} step {m.step} != {first.step}", world)
-            if m.backend != first.backend:
-                return bad(f"rank {rank} backend {m.backend!r} != {first.backend!r}", world)
-        if first.step != dir_step:
-            return bad(f"manifest step {first.step} != directory step {dir_step}", world)
-        for rank in range(world):
-            if rank not in manifests:
-                return bad(f"rank {rank} manifest missing", world)
-        extra_ranks = sorted(r for r in manifests if r >= world)
-        if extra_ranks:
-            return bad(f"rank {extra_ranks[0]} manifest beyond world_size {world}", world)
-        seen: dict[str, FileEntry] = {}
-        for rank in range(world):
-            for name, entry in manifests[rank].files.items():
-                if name in seen and seen[name] != entry:
-                    return bad(f"{name}: listed by several ranks with different contents", world)
-                seen[name] = entry
-        reason, data_size = check_files(step_dir, seen, full)
+        problem, seen = _agreement(manifests, step)
+        world = manifests[min(manifests)].world_size
+        if problem:
+            return bad(problem, world)
+        reason, data_size = _check_listed(reader, seen, full)
         if reason:
             return bad(reason, world, size + data_size)
-        return VerifyResult(True, "ok", dir_step, world, size + data_size, step_dir)
+        return VerifyResult(True, "ok", step, world, size + data_size, where)
     except Exception as e:  # noqa: BLE001 - the contract is "never raises on bad data"
         return bad(f"unexpected error while verifying: {type(e).__name__}: {e}")
+
+
+def _agreement(manifests: dict[int, RankManifest], step: int) -> tuple[str, dict[str, FileEntry]]:
+    """("", union of listed files) when the manifests form one complete step, else (why not, {})."""
+    first = manifests[min(manifests)]
+    world = first.world_size
+    for rank, m in manifests.items():
+        if m.world_size != world:
+            return f"rank {rank} world_size {m.world_size} != {world}", {}
+        if m.step != first.step:
+            return f"rank {rank} step {m.step} != {first.step}", {}
+        if m.backend != first.backend:
+            return f"rank {rank} backend {m.backend!r} != {first.backend!r}", {}
+    if first.step != step:
+        return f"manifest step {first.step} != directory step {step}", {}
+    for rank in range(world):
+        if rank not in manifests:
+            return f"rank {rank} manifest missing", {}
+    extra_ranks = sorted(r for r in manifests if r >= world)
+    if extra_ranks:
+        return f"rank {extra_ranks[0]} manifest beyond world_size {world}", {}
+    seen: dict[str, FileEntry] = {}
+    for rank in range(world):
+        for name, entry in manifests[rank].files.items():
+            if name in seen and seen[name] != entry:
+                return f"{name}: listed by several ranks with different contents", {}
+            seen[name] = entry
+    return "", seen
+
+
+def verify_step_dir(step_dir: str | os.PathLike, full: bool = True) -> VerifyResult:
+    """Check a local step directory (see :func:`verify_step`). Never raises."""
+    step_dir = Path(step_dir)
+    return verify_step(LocalStep(step_dir), parse_step(step_dir.name), full, step_dir)
 
 
 def list_step_dirs(directory: str | os.PathLike) -> list[tuple[int, Path]]:
@@ -428,9 +386,9 @@ def latest_valid(directory: str | os.PathLike, full: bool = True) -> VerifyResul
 
 
 def is_held(step_dir: str | os.PathLike) -> bool:
-    """True when a ``.hold-*`` marker asks retention to keep the step (replication, a pinned resume)."""
+    """True when a hold marker asks retention to keep the step (replication, a copy, a pinned resume)."""
     try:
-        return any(name.startswith(HOLD_PREFIX) for name in os.listdir(step_dir))
+        return any(name.startswith(hold_prefix()) for name in os.listdir(step_dir))
     except FileNotFoundError:
         return False
     except OSError:
