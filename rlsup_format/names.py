@@ -25,7 +25,6 @@ import enum
 import os
 import re
 import secrets
-import socket
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -85,7 +84,7 @@ class Reserved:
 @lru_cache(maxsize=1)
 def host_tag() -> str:
     """This machine's name, safe as one field of a reserved name (no '-', which separates fields)."""
-    return "".join(c if c.isalnum() else "_" for c in socket.gethostname())[:40] or "host"
+    return "".join(c if c.isalnum() else "_" for c in os.uname().nodename)[:40] or "host"
 
 
 def reserved_name(kind: Kind, label: str = "") -> str:
