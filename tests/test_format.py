@@ -1,0 +1,107 @@
+"""rlsup_format in-process: reserved names round-trip, the one leftover rule, the one retention rule."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from rlsup_format.leftovers import STALE_AGE_S, clean_leftovers
+from rlsup_format.names import Kind, host_tag, parse_reserved, reserved_name
+from rlsup_format.retention import StepState, steps_to_delete
+
+
+@pytest.mark.parametrize("kind", list(Kind))
+@pytest.mark.parametrize("label", ["", "rank_00001", "step_000000100", "with-dashes-in-it"])
+def test_reserved_names_round_trip(kind: Kind, label: str) -> None:
+    name = reserved_name(kind, label)
+    assert name.startswith(".")
+    res = parse_reserved(name)
+    assert res is not None
+    assert (res.kind, res.label, res.host, res.pid) == (kind, label, host_tag(), os.getpid())
+    assert res.mine()
+    assert reserved_name(kind, label) != name  # a fresh token each time
+
+
+@pytest.mark.parametrize("name", ["step_000000001", "manifest.rank_00000.json", ".hidden", ".tmp-x",
+                                  ".nokind-host-1-ab", ".tmp-host-notapid-ab", "rank_00000.pt"])
+def test_other_names_are_not_reserved(name: str) -> None:
+    assert parse_reserved(name) is None
+
+
+def test_reserved_label_cannot_escape_its_directory() -> None:
+    with pytest.raises(ValueError):
+        reserved_name(Kind.TMP, "../x")
+
+
+def _dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def _plant(directory: Path, kind: Kind, host: str, pid: int, age: float = 0.0, is_dir: bool = False) -> Path:
+    path = directory / f".{kind.value}-lbl-{host}-{pid}-abcd"
+    if is_dir:
+        path.mkdir()
+        (path / "inner").write_bytes(b"x")
+    else:
+        path.write_bytes(b"x")
+    if age:
+        t = time.time() - age
+        os.utime(path, (t, t))
+    return path
+
+
+def test_leftovers_rule(tmp_path: Path) -> None:
+    dead, alive = _dead_pid(), os.getppid()
+    gone = [_plant(tmp_path, Kind.STAGING, host_tag(), dead, is_dir=True),
+            _plant(tmp_path, Kind.TMP, host_tag(), dead),
+            _plant(tmp_path, Kind.HOLD, host_tag(), dead),
+            _plant(tmp_path, Kind.TMP, "otherhost", alive, age=STALE_AGE_S + 10)]
+    kept = [_plant(tmp_path, Kind.TMP, host_tag(), alive),                       # a live writer here
+            _plant(tmp_path, Kind.TMP, "otherhost", dead),                       # cannot check: too young
+            _plant(tmp_path, Kind.HOLD, "otherhost", alive, age=STALE_AGE_S + 10),  # a long copy elsewhere
+            tmp_path / reserved_name(Kind.TMP, "mine")]                          # this very process
+    kept[-1].write_bytes(b"x")
+    (tmp_path / "step_000000001").mkdir()
+    removed = clean_leftovers(tmp_path)
+    assert sorted(removed) == sorted(gone)
+    assert all(p.exists() for p in kept) and (tmp_path / "step_000000001").exists()
+
+
+def test_leftovers_recursive_and_by_kind(tmp_path: Path) -> None:
+    dead = _dead_pid()
+    step = tmp_path / "step_000000002" / "sub"
+    step.mkdir(parents=True)
+    nested = _plant(step, Kind.TMP, host_tag(), dead)
+    hold = _plant(tmp_path / "step_000000002", Kind.HOLD, host_tag(), dead)
+    assert clean_leftovers(tmp_path, kinds={Kind.TMP}) == []
+    assert clean_leftovers(tmp_path, kinds={Kind.TMP}, recursive=True) == [nested]
+    assert hold.exists()
+
+
+# (steps as (step, valid, protected), keep_last) -> steps deleted, newest first
+RETENTION = [
+    ([(10, True, False), (9, True, False), (8, True, False)], 2, [8]),
+    ([(10, False, False), (9, True, False), (8, True, False)], 1, [8]),       # newest invalid: maybe in progress
+    ([(10, True, False), (9, False, False), (8, True, False)], 2, [9]),       # invalid between valid ones goes
+    ([(10, True, False), (9, True, True), (8, True, False)], 1, [8]),         # protected stays, does not count
+    ([(3, False, False), (2, False, False)], 1, []),                          # nothing valid: keep everything
+    ([(5, True, False), (4, True, False)], None, []),                          # no retention
+    ([(12, False, True), (11, True, False), (10, True, False)], 1, [10]),     # a protected newer step
+]
+
+
+@pytest.mark.parametrize("steps,keep,expected", RETENTION)
+def test_retention_rule(steps: list, keep: int | None, expected: list[int]) -> None:
+    assert steps_to_delete([StepState(*s) for s in steps], keep) == expected
+
+
+def test_retention_refuses_zero() -> None:
+    with pytest.raises(ValueError):
+        steps_to_delete([StepState(1, True)], 0)
