@@ -10,7 +10,20 @@ if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
 PIP=(.venv/bin/python -m pip -q --disable-pip-version-check)
-"${PIP[@]}" install --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
-"${PIP[@]}" install torch==2.13.0 2>&1 | grep -v "^WARNING: Location" || true
-"${PIP[@]}" install -e ".[test,megatron,nvrx]" 2>&1 | grep -v "^WARNING: Location" || true
-.venv/bin/python -c "import torch, supervisor, trainer_hooks; print('rlsup ready: torch', torch.__version__)"
+LOG=$(mktemp)
+trap 'rm -f "$LOG"' EXIT
+# pip's own errors and warnings are shown; the build backend's chatter (setuptools' notices about
+# editable installs) and this mirror's "Location ... ignored" lines are not. A failed install
+# prints its whole log and stops the set-up.
+pip_install() {
+  if ! "${PIP[@]}" install "$@" >"$LOG" 2>&1; then
+    grep -v "^WARNING: Location" "$LOG" >&2
+    echo "setup: pip install $* failed" >&2
+    exit 1
+  fi
+  grep -E "^(ERROR|WARNING)" "$LOG" | grep -v "^WARNING: Location" || true
+}
+pip_install --upgrade pip
+pip_install torch==2.13.0
+pip_install -e ".[test,megatron,nvrx]"
+.venv/bin/python -c "import torch, rlsup_format, supervisor, trainer_hooks; print('rlsup ready: torch', torch.__version__)"
