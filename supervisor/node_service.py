@@ -16,6 +16,8 @@ from pathlib import Path
 
 import psutil
 
+from rlsup_format.fileio import write_durable
+from rlsup_format.names import Kind, reserved_name
 from supervisor.config import SupervisorConfig
 from supervisor.dir_lock import DirLock
 from supervisor.job_identity import JobIdentity
@@ -100,9 +102,8 @@ class NodeService:
     def write_daemon_file(self) -> None:
         state_dir = Path(self.cfg.state_dir)
         state_dir.mkdir(parents=True, exist_ok=True)
-        tmp = state_dir / f".{DAEMON_FILE}.tmp"
-        tmp.write_text(json.dumps({"pid": os.getpid(), "port": self.port, "node_rank": self.membership.node_rank}))
-        os.replace(tmp, state_dir / DAEMON_FILE)
+        data = json.dumps({"pid": os.getpid(), "port": self.port, "node_rank": self.membership.node_rank})
+        write_durable(state_dir / DAEMON_FILE, data.encode(), state_dir / reserved_name(Kind.TMP, DAEMON_FILE))
 
     def stop(self) -> None:
         if self.engine is not None and self.serve:

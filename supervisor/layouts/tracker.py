@@ -2,16 +2,19 @@
 
 Both trainers write ``latest_checkpointed_iteration.txt`` with a plain ``open("w")`` (no temp file,
 no fsync), so it can be empty or torn after a crash; retention can leave it naming a deleted step.
-Reading never raises. Repair writes a temp file, fsyncs it, renames it over the tracker and fsyncs
-the directory, keeping the previous content beside it as ``<name>.rlsup-prev``.
+Reading never raises. Repair writes a temp file (a reserved name, :mod:`rlsup_format.names`), fsyncs
+it, renames it over the tracker and fsyncs the directory, keeping the previous content beside it as
+``<name>.rlsup-prev``.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 from pathlib import Path
+
+from rlsup_format.fileio import fsync_dir, fsync_file, write_durable
+from rlsup_format.names import Kind, reserved_name
 
 TRACKER = "latest_checkpointed_iteration.txt"
 BRIDGE_TRACKER = "latest_train_state.pt"
@@ -40,35 +43,13 @@ def read_tracker(path: Path) -> tuple[int | None, str | None, str | None]:
     return step, raw, None
 
 
-def _fsync_dir(directory: Path) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+def _temp_beside(path: Path) -> Path:
+    return path.with_name(reserved_name(Kind.TMP, path.name))
 
 
 def atomic_write(path: Path, data: bytes) -> None:
     """temp file in the same directory, fsync, rename over ``path``, fsync the directory."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    _fsync_dir(path.parent)
+    write_durable(path, data, _temp_beside(path))
 
 
 def keep_previous(path: Path) -> Path | None:
@@ -91,12 +72,10 @@ def write_tracker(path: Path, step: int) -> Path | None:
 def copy_atomically(src: Path, dst: Path) -> Path | None:
     """Replace ``dst`` by a copy of ``src`` (Bridge's latest_train_state.pt), keeping the old one."""
     prev = keep_previous(dst)
-    fd, tmp = tempfile.mkstemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent)
-    os.close(fd)
+    tmp = _temp_beside(dst)
     try:
         shutil.copyfile(src, tmp)
-        with open(tmp, "rb+") as fh:
-            os.fsync(fh.fileno())
+        fsync_file(tmp)
         os.replace(tmp, dst)
     except BaseException:
         try:
@@ -104,5 +83,5 @@ def copy_atomically(src: Path, dst: Path) -> Path | None:
         except OSError:
             pass
         raise
-    _fsync_dir(dst.parent)
+    fsync_dir(dst.parent)
     return prev

@@ -43,6 +43,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from rlsup_format.digest import new_hasher
+
 SCHEME = "RLSUP-HMAC-SHA256"
 H_TIMESTAMP = "X-Rlsup-Timestamp"
 H_NONCE = "X-Rlsup-Nonce"
@@ -95,6 +97,13 @@ def write_secret(path: str | os.PathLike) -> bytes:
     with os.fdopen(fd, "wb") as f:
         f.write(token + b"\n")
     return token
+
+
+def body_digest(data: bytes | bytearray) -> str:
+    """The xxh3-128 (the format's digest) a request or answer declares in ``X-Rlsup-Xxh3`` for ``data``."""
+    h = new_hasher()
+    h.update(data)
+    return h.hexdigest()
 
 
 def canonical(method: str, path: str, timestamp: str, nonce: str, content_length: str, xxh3: str) -> bytes:

@@ -30,11 +30,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import errno
 import json
 import os
 import random
-import secrets
 import ssl
 import threading
 import time
@@ -43,13 +41,16 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import aiohttp
-import xxhash
 
-from supervisor.transport.auth import H_XXH3, auth_headers
+from rlsup_format.digest import FileEntry, new_hasher
+from rlsup_format.fileio import fsync_dir, open_nofollow
+from rlsup_format.names import Kind, reserved_name
+from supervisor.transport.auth import H_XXH3, auth_headers, body_digest
 from supervisor.transport.store import validate_namespace, validate_relpath
-from rlsup_format.manifest import FileEntry
 
 CHUNK = 1 << 20
+#: The destination's name in a fetch's temp name is cut to this (a file name has at most 255 bytes).
+_LABEL_MAX = 100
 
 
 class TransportError(Exception):
@@ -91,16 +92,11 @@ class BandwidthLimiter:
             return max(0.0, self._next - self.burst / self.rate - now)
 
     def consume(self, n: int) -> None:
-        """Block the calling thread until ``n`` bytes may pass."""
+        """Block the calling thread until ``n`` bytes may pass (the loop's transfers use
+        :meth:`_Deadline.throttle`, which moves their deadline by the wait first)."""
         wait = self._reserve(n)
         if wait > 0:
             time.sleep(wait)
-
-    async def acquire(self, n: int) -> None:
-        """Await until ``n`` bytes may pass."""
-        wait = self._reserve(n)
-        if wait > 0:
-            await asyncio.sleep(wait)
 
 
 class TransferPool:
@@ -173,10 +169,6 @@ class _LoopThread:
             coro.close()
             raise RuntimeError("PeerClient's sync API cannot be called from its own loop thread")
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
-
-
-class _Retryable(Exception):
-    pass
 
 
 class _Deadline:
@@ -380,7 +372,7 @@ class PeerClient:
                 # aiohttp sends "Content-Length: 0" for body-less POST/PUT/DELETE: sign what goes out.
                 headers = self._headers(method, path, None if method in ("GET", "HEAD") else 0)
             else:
-                headers = self._headers(method, path, len(data), xxhash.xxh3_128_hexdigest(data))
+                headers = self._headers(method, path, len(data), body_digest(data))
                 headers["Content-Type"] = "application/json"
             async with sess.request(method, self._url(path), data=data, headers=headers) as resp:
                 dl.sized(resp.content_length)
@@ -460,7 +452,9 @@ class PeerClient:
 
         async def attempt(dl: _Deadline) -> None:
             try:
-                f = _open_regular_nofollow(local_path)
+                # A checkpoint file is never a symlink (following one would send whatever it points at),
+                # nor a FIFO (it would block): refused, with the reason in strerror.
+                f = os.fdopen(open_nofollow(local_path.parent, local_path.name), "rb")
             except OSError as e:
                 raise self._err(f"{what}: cannot read {local_path}: {e.strerror or e}") from None
             try:
@@ -515,82 +509,65 @@ class PeerClient:
                 if entry is not None and (entry.size != length or entry.xxh3_128 != declared):
                     raise self._err(f"{what}: peer holds size {length} xxh3 {declared}, "
                                     f"expected size {entry.size} xxh3 {entry.xxh3_128}")
-                dest.parent.mkdir(parents=True, exist_ok=True)
-                tmp = dest.with_name(f".{dest.name}.rlsup-{secrets.token_hex(4)}.tmp")
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-                ok = False
-                try:
-                    h = xxhash.xxh3_128()
-                    got = 0
-                    buf = bytearray()
-
-                    def flush(data: bytes | bytearray) -> None:
-                        view = memoryview(data)
-                        while view:
-                            view = view[os.write(fd, view):]
-                        h.update(data)
-
-                    async for chunk in resp.content.iter_any():
-                        await dl.throttle(self.limiter, len(chunk))
-                        got += len(chunk)
-                        if got > length:
-                            raise self._err(f"{what}: body longer than Content-Length", retryable=True)
-                        buf += chunk
-                        if len(buf) >= CHUNK:
-                            data, buf = buf, bytearray()
-                            await _in_thread(flush, data)
-                    if buf:
-                        await _in_thread(flush, buf)
-                    if got != length:
-                        raise self._err(f"{what}: body truncated at {got} of {length} bytes", retryable=True)
-                    if h.hexdigest() != declared:
-                        raise self._err(f"{what}: received bytes do not match xxh3 {declared}", retryable=True)
-                    await _in_thread(os.fsync, fd)
-                    os.close(fd)
-                    fd = -1
-                    os.replace(tmp, dest)
-                    ok = True  # dest is complete and verified from here on
-                    await _in_thread(_fsync_dir, dest.parent)
-                    return FileEntry(length, declared)
-                finally:
-                    if fd >= 0:
-                        os.close(fd)
-                    if not ok:
-                        try:
-                            os.unlink(tmp)
-                        except FileNotFoundError:
-                            pass
+                await self._receive(resp, dl, dest, FileEntry(length, declared), what)
+                return FileEntry(length, declared)
 
         size = entry.size if entry is not None else 0
         return await self._with_retries(what, lambda: self._within_deadline(what, size, attempt))
 
+    async def _receive(self, resp: aiohttp.ClientResponse, dl: _Deadline, dest: Path, declared: FileEntry,
+                       what: str) -> None:
+        """The body of ``resp`` into a temp file beside ``dest`` (a reserved name: the format's leftover
+        cleaner knows it), hashed while it arrives, fsync'ed and renamed over ``dest`` only when its size
+        and xxh3 match ``declared``; removed otherwise. ``dest`` is never partial."""
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dest.with_name(reserved_name(Kind.TMP, dest.name[:_LABEL_MAX]))
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        ok = False
+        try:
+            digest = await self._write_body(resp, dl, fd, declared.size, what)
+            if digest != declared.xxh3_128:
+                raise self._err(f"{what}: received bytes do not match xxh3 {declared.xxh3_128}", retryable=True)
+            await _in_thread(os.fsync, fd)
+            os.close(fd)
+            fd = -1
+            os.replace(tmp, dest)
+            ok = True  # dest is complete and verified from here on
+            await _in_thread(fsync_dir, dest.parent)
+        finally:
+            if fd >= 0:
+                os.close(fd)
+            if not ok:
+                try:
+                    os.unlink(tmp)
+                except FileNotFoundError:
+                    pass
 
-def _open_regular_nofollow(path: Path):
-    """``path`` opened for reading, refusing a symlink (a checkpoint file is never one: following it
-    would send whatever it points at) and anything but a regular file (a FIFO would block)."""
-    import stat
+    async def _write_body(self, resp: aiohttp.ClientResponse, dl: _Deadline, fd: int, length: int,
+                          what: str) -> str:
+        """Write exactly ``length`` body bytes to ``fd`` (in CHUNK-sized writes off the loop), hashing
+        them as they pass; returns their xxh3-128. A longer or shorter body is a retryable error."""
+        h = new_hasher()
+        got = 0
+        buf = bytearray()
 
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | getattr(os, "O_CLOEXEC", 0))
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise OSError(errno.ELOOP, "a symbolic link (not followed)") from None
-        raise
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(errno.EINVAL, "not a regular file")
-        os.set_blocking(fd, True)
-        return os.fdopen(fd, "rb")
-    except BaseException:
-        os.close(fd)
-        raise
+        def flush(data: bytes | bytearray) -> None:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            h.update(data)
 
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+        async for chunk in resp.content.iter_any():
+            await dl.throttle(self.limiter, len(chunk))
+            got += len(chunk)
+            if got > length:
+                raise self._err(f"{what}: body longer than Content-Length", retryable=True)
+            buf += chunk
+            if len(buf) >= CHUNK:
+                data, buf = buf, bytearray()
+                await _in_thread(flush, data)
+        if buf:
+            await _in_thread(flush, buf)
+        if got != length:
+            raise self._err(f"{what}: body truncated at {got} of {length} bytes", retryable=True)
+        return h.hexdigest()

@@ -33,10 +33,9 @@ import threading
 import time
 from typing import Any, Callable
 
-import xxhash
 from aiohttp import web
 
-from supervisor.transport.auth import H_XXH3, Verifier
+from supervisor.transport.auth import H_XXH3, Verifier, body_digest
 from supervisor.transport.store import (IntegrityError, ReplicaStore, StoreError, validate_namespace,
                                        validate_relpath)
 
@@ -392,7 +391,7 @@ class ReplicationServer:
                 raise _HTTPError(408, "body stalled") from None
             declared = request.headers.get(H_XXH3)
             if declared:
-                if xxhash.xxh3_128_hexdigest(raw) != declared.lower():
+                if body_digest(raw) != declared.lower():
                     raise _HTTPError(400, "body does not match its declared xxh3-128")
             try:
                 arg = json.loads(raw) if raw else {}

@@ -14,7 +14,7 @@ descriptors relative to ``root``, so a symlink planted anywhere inside the store
 a bug) is refused instead of followed, even if it appears between a check and the use. ``path_of``
 additionally checks that the resolved real path stays inside ``root``.
 
-Writes: data goes to ``root/.incoming/<random>``, is hashed while written, and is renamed into place
+Writes: data goes to ``root/.incoming/<reserved temp name>`` (:mod:`rlsup_format.names`), is hashed while written, and is renamed into place
 only after its size and xxh3-128 match what the sender declared; the file and the target directory
 are fsync'ed, so a crash leaves either the old file or the new one, never a torn one. A failed or
 aborted write leaves the existing file untouched.
@@ -25,8 +25,8 @@ trusted only while the file's ``lstat`` still shows the same size, mtime and ino
 file changed or put there behind the store's back) it is re-hashed. The sidecar is a cache: losing
 it costs one re-hash, never a wrong answer short of someone forging mtimes.
 
-One process should own a store root at a time: leftovers in ``.incoming`` are deleted when a store
-is opened.
+One process should own a store root at a time: leftovers in ``.incoming`` (and temp sidecars in
+``.meta``) are deleted when a store is opened.
 """
 
 from __future__ import annotations
@@ -35,16 +35,15 @@ import errno
 import json
 import os
 import re
-import secrets
 import stat
 import threading
 import time
 from pathlib import Path
 from typing import Iterator
 
-import xxhash
-
-from rlsup_format.manifest import FileEntry
+from rlsup_format.digest import FileEntry, hash_fd, new_hasher
+from rlsup_format.fileio import UnsafeFileError, open_nofollow
+from rlsup_format.names import Kind, parse_reserved, reserved_name
 
 INCOMING = ".incoming"
 META = ".meta"
@@ -54,6 +53,8 @@ _NS_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _SEG_RE = re.compile(r"^[A-Za-z0-9._+=@,~-]{1,255}$")
 _HEX128_RE = re.compile(r"^[0-9a-f]{32}$")
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+# O_NONBLOCK: a FIFO planted in the store must not block the open (it is refused as not regular).
+_FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | getattr(os, "O_CLOEXEC", 0)
 _PERSIST_EVERY_S = 2.0
 
 
@@ -108,14 +109,6 @@ def validate_relpath(relpath: str, allow_empty: bool = False) -> tuple[str, ...]
     return segs
 
 
-def _fsync_fd(fd: int) -> None:
-    try:
-        os.fsync(fd)
-    except OSError as e:  # some filesystems refuse fsync on directories
-        if e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
-            raise
-
-
 class IncomingFile:
     """One upload in progress: ``write`` chunks, then ``commit`` (verify + rename) or ``abort``."""
 
@@ -126,8 +119,8 @@ class IncomingFile:
         self.size = size
         self.xxh3 = xxh3
         self.received = 0
-        self._hash = xxhash.xxh3_128()
-        self._name = f"{int(time.time())}-{secrets.token_hex(8)}"
+        self._hash = new_hasher()
+        self._name = reserved_name(Kind.TMP, namespace)
         self._fd: int | None = os.open(self._name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
                                        | getattr(os, "O_CLOEXEC", 0), 0o644, dir_fd=store._incoming_fd)
         self._done = False
@@ -196,16 +189,22 @@ class ReplicaStore:
                 pass
         self._incoming_fd = os.open(INCOMING, _DIR_FLAGS, dir_fd=self._root_fd)
         self._meta_fd = os.open(META, _DIR_FLAGS, dir_fd=self._root_fd)
-        for name in os.listdir(self._incoming_fd):  # leftovers of a crashed process
-            try:
-                os.unlink(name, dir_fd=self._incoming_fd)
-            except OSError:
-                pass
+        self._remove_leftovers()
         self._lock = threading.RLock()
         self._meta: dict[str, dict[str, list]] = {}
         self._dirty: set[str] = set()
         self._persisted_at: dict[str, float] = {}
         self._closed = False
+
+    def _remove_leftovers(self) -> None:
+        """What a crashed owner left: every upload in ``.incoming``, every temp sidecar in ``.meta``
+        (the store's owner is the only writer of both; see the module docstring)."""
+        for name in os.listdir(self._incoming_fd):
+            _unlink_quietly(name, self._incoming_fd)
+        for name in os.listdir(self._meta_fd):
+            res = parse_reserved(name)
+            if res is not None and res.kind is Kind.TMP:
+                _unlink_quietly(name, self._meta_fd)
 
     # ------------------------------------------------------------ paths
 
@@ -221,7 +220,7 @@ class ReplicaStore:
                         raise NotFound(f"{namespace}/{'/'.join(segs)}: not found") from None
                     try:
                         os.mkdir(s, 0o755, dir_fd=fd)
-                        _fsync_fd(fd)
+                        os.fsync(fd)
                     except FileExistsError:
                         pass
                     nfd = self._open_component(fd, s, namespace, segs)
@@ -305,7 +304,7 @@ class ReplicaStore:
             except FileNotFoundError:
                 pass
             os.replace(incoming_name, segs[-1], src_dir_fd=self._incoming_fd, dst_dir_fd=fd)
-            _fsync_fd(fd)
+            os.fsync(fd)
             final = os.stat(segs[-1], dir_fd=fd, follow_symlinks=False)
         finally:
             os.close(fd)
@@ -314,17 +313,12 @@ class ReplicaStore:
     def put_file(self, namespace: str, relpath: str, src: str | os.PathLike, entry: FileEntry) -> FileEntry:
         """Copy a local file into the store through the same verify-then-rename path as an upload.
         ``src`` must be a regular file, not a symlink (InvalidPath): a checkpoint file never is one."""
+        src = Path(src)
         try:
-            src_fd = os.open(src, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY
-                             | getattr(os, "O_CLOEXEC", 0))
-        except OSError as e:
-            if e.errno == errno.ELOOP:
-                raise InvalidPath(f"source {src} is a symbolic link (not followed)") from None
-            raise
+            src_fd = open_nofollow(src.parent, src.name)
+        except UnsafeFileError as e:
+            raise InvalidPath(f"source {src}: {e.strerror}") from None
         with os.fdopen(src_fd, "rb") as f:
-            if not stat.S_ISREG(os.fstat(src_fd).st_mode):
-                raise InvalidPath(f"source {src} is not a regular file")
-            os.set_blocking(src_fd, True)
             return self._put_from(namespace, relpath, f, entry)
 
     def _put_from(self, namespace: str, relpath: str, f, entry: FileEntry) -> FileEntry:
@@ -346,7 +340,7 @@ class ReplicaStore:
         dfd = self._open_dir(namespace, segs[:-1], create=False)
         try:
             try:
-                fd = os.open(segs[-1], os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), dir_fd=dfd)
+                fd = os.open(segs[-1], _FILE_FLAGS, dir_fd=dfd)
             except FileNotFoundError:
                 raise NotFound(f"{namespace}/{relpath}: not found") from None
             except OSError as e:
@@ -359,6 +353,7 @@ class ReplicaStore:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
                 raise NotFound(f"{namespace}/{relpath}: not a regular file")
+            os.set_blocking(fd, True)
             entry = self._entry_for(namespace, "/".join(segs), st, fd)
             return fd, entry
         except BaseException:
@@ -386,12 +381,13 @@ class ReplicaStore:
                 except InvalidPath:
                     continue  # put there by hand; not addressable through the API
                 try:
-                    fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), dir_fd=dfd)
+                    fd = os.open(name, _FILE_FLAGS, dir_fd=dfd)
                 except OSError:
                     continue
                 try:
                     st = os.fstat(fd)
                     if stat.S_ISREG(st.st_mode):
+                        os.set_blocking(fd, True)
                         out[rel] = self._entry_for(namespace, rel, st, fd)
                         seen.add(rel)
                 finally:
@@ -452,7 +448,7 @@ class ReplicaStore:
             else:
                 os.unlink(name, dir_fd=pfd)
                 removed = 1
-            _fsync_fd(pfd)
+            os.fsync(pfd)
         finally:
             os.close(pfd)
         with self._lock:
@@ -514,7 +510,7 @@ class ReplicaStore:
             cached = self._load_meta(namespace).get(rel)
         if cached and cached[0] == st.st_size and cached[1] == st.st_mtime_ns and cached[2] == st.st_ino:
             return FileEntry(st.st_size, cached[3])
-        entry = _hash_fd(fd)
+        entry = hash_fd(fd)  # a fresh fd: from offset 0 (readers of open_read's fd use pread)
         st2 = os.fstat(fd)
         if st2.st_size == st.st_size and st2.st_mtime_ns == st.st_mtime_ns:
             self._remember(namespace, rel, st2, entry.xxh3_128)
@@ -528,7 +524,7 @@ class ReplicaStore:
         if not force and now - self._persisted_at.get(namespace, 0.0) < min_age:
             return
         data = json.dumps(self._meta.get(namespace, {}), separators=(",", ":")).encode()
-        tmp = f"{namespace}.json.{secrets.token_hex(4)}.tmp"
+        tmp = reserved_name(Kind.TMP, self._meta_name(namespace))
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=self._meta_fd)
             with os.fdopen(fd, "wb") as f:
@@ -567,11 +563,9 @@ class ReplicaStore:
         self.close()
 
 
-def _hash_fd(fd: int) -> FileEntry:
-    """Size and xxh3-128 of an open file, read with pread (the fd's offset is left alone)."""
-    h = xxhash.xxh3_128()
-    size = 0
-    while chunk := os.pread(fd, 8 << 20, size):
-        h.update(chunk)
-        size += len(chunk)
-    return FileEntry(size, h.hexdigest())
+
+def _unlink_quietly(name: str, dir_fd: int) -> None:
+    try:
+        os.unlink(name, dir_fd=dir_fd)
+    except OSError:
+        pass
