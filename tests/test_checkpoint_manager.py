@@ -27,6 +27,7 @@ from rlsup_format.manifest import (
     verify_step_dir,
 )
 from trainer_hooks.sampler import ResumableSampler
+from rlsup_format.names import host_tag
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -263,15 +264,20 @@ def test_leftovers_of_dead_saves_are_cleaned(tmp_path):
     d = ckpt.save(1, {"v": 1})
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait(timeout=30)
-    stale = d / f".staging-rank_00000-{dead.pid}"
+    here = host_tag()  # leftover names say host and pid (rlsup_format.names)
+    stale = d / f".staging-rank_00000-{here}-{dead.pid}-0a0a0a0a"
     stale.mkdir()
     (stale / "rank_00000.pt").write_bytes(b"partial")
-    tmp_manifest = d / f".manifest.rank_00000.json.tmp-{dead.pid}-abc"
+    tmp_manifest = d / f".tmp-manifest.rank_00000.json-{here}-{dead.pid}-0b0b0b0b"
     tmp_manifest.write_text("{")
-    other_rank = d / f".staging-rank_00001-{dead.pid}"  # another rank's: not ours to judge
+    # Not ours to judge: another rank's on another host (its pid means nothing here, and it is young),
+    # and a live writer's on this host (a save under way).
+    other_rank = d / f".staging-rank_00001-otherhost-{dead.pid}-0c0c0c0c"
     other_rank.mkdir()
+    live = d / f".staging-rank_00001-{here}-{os.getppid()}-0d0d0d0d"
+    live.mkdir()
     ckpt.save(2, {"v": 2})
-    assert not stale.exists() and not tmp_manifest.exists() and other_rank.exists()
+    assert not stale.exists() and not tmp_manifest.exists() and other_rank.exists() and live.exists()
     assert verify_step_dir(d).valid
 
 

@@ -2,8 +2,11 @@
 
 ``save()`` blocks the training loop only while the state is copied off the training tensors; a
 separate writer *process* then does everything that costs time (serialisation, fsync, xxh3 hashing,
-renames, the manifest, retention), with exactly the protocol of a synchronous save (staging
-directory, fsync, rename, manifest last), so a step is valid only once all of it happened.
+renames, the manifest, retention) by running the very protocol of a synchronous save,
+:func:`trainer_hooks.step_writer.write_step`, so a step is valid only once all of it happened.
+The saver is handed plain data (the step, the payload, a :class:`~trainer_hooks.step_writer.RankIdentity`,
+a :class:`~trainer_hooks.step_writer.StepTarget`); it never sees the manager, and this module never
+imports :mod:`trainer_hooks.checkpoint`.
 
 Design, and why:
 
@@ -63,6 +66,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from rlsup_format.names import step_dir_name
+from trainer_hooks.backends import get_backend
+from trainer_hooks.step_writer import PayloadSource, RankIdentity, StepTarget, write_step
 
 log = logging.getLogger(__name__)
 
@@ -270,11 +277,13 @@ atexit.register(_flush_all_at_exit)
 class AsyncSaver:
     """The trainer side: snapshots, hands requests to the writer process, tracks what is in flight."""
 
-    def __init__(self, max_in_flight: int = 1, when_busy: str = "wait", keep_buffers: bool = True) -> None:
+    def __init__(self, backend_name: str = "torch", max_in_flight: int = 1, when_busy: str = "wait",
+                 keep_buffers: bool = True) -> None:
         if max_in_flight < 1:
             raise ValueError("max_in_flight must be >= 1")
         if when_busy not in ("wait", "skip"):
             raise ValueError(f"when_busy must be 'wait' or 'skip', got {when_busy!r}")
+        self.backend_name = backend_name
         self.max_in_flight = max_in_flight
         self.when_busy = when_busy
         self.keep_buffers = keep_buffers
@@ -400,38 +409,26 @@ class AsyncSaver:
 
     # ------------------------------------------------------------------ save
 
-    def save(self, manager: Any, step: int, state: dict[str, Any], preempted: bool) -> Path | None:
-        """Called by CheckpointManager.save inside section("save"): the blocking part only."""
-        from trainer_hooks.checkpoint import _manifest_extra, _rank_world
-        from rlsup_format.manifest import step_dir_name
-
+    def save(self, target: StepTarget, step: int, payload: PayloadSource, who: RankIdentity,
+             preempted: bool) -> Path | None:
+        """The blocking part of a save: wait for a slot (or skip), snapshot ``payload`` (or what the
+        callable makes, once a slot is free), hand it to the writer. ``preempted``: the job is about to
+        exit, so never skip and wait for this write before returning."""
         with self._lock:
-            while self._collect(0):
-                pass
-            self.raise_failures()
-            if len(self.inflight) >= self.max_in_flight:
-                if self.when_busy == "skip" and not preempted:
-                    log.warning("step %d not saved: %d save(s) still in flight (when_busy='skip')",
-                                step, len(self.inflight))
-                    return None
-                while len(self.inflight) >= self.max_in_flight:
-                    self._collect(None)
-                self.raise_failures()
-            manager.rank, manager.world_size = _rank_world()
-            payload = manager._payload(state)
-            skeleton, table, buf = snapshot(payload, self.free)
-            del payload
+            if not self._free_slot(step, preempted):
+                return None
+            data = payload() if callable(payload) else payload
+            skeleton, table, buf = snapshot(data, self.free)
+            del data
             if self.proc is None or self.proc.poll() is not None or self.sock is None:
                 if self.sock is not None:
                     self._writer_gone("before the request was sent")
                 self._start_writer()
             self._next_id += 1
-            step_dir = manager.directory / step_dir_name(step)
+            step_dir = Path(target.directory) / step_dir_name(step)
             job = _Job(self._next_id, step, step_dir, buf, time.monotonic())
-            extra = _manifest_extra()
-            request = {"directory": str(manager.directory), "keep_last": manager.keep_last,
-                       "backend": manager.backend_name, "rank": manager.rank, "world_size": manager.world_size,
-                       "step": step, "skeleton": skeleton, "table": table, "size": buf.size, "extra": extra}
+            request = {"target": target, "backend": self.backend_name, "who": who, "step": step,
+                       "skeleton": skeleton, "table": table, "size": buf.size}
             self.inflight.append(job)
             try:
                 assert self.sock is not None
@@ -441,6 +438,22 @@ class AsyncSaver:
         if preempted:
             self.wait()  # the job is about to exit: this save must be on disk first
         return step_dir
+
+    def _free_slot(self, step: int, preempted: bool) -> bool:
+        """Collect finished saves and raise their failures; then a slot is free (True), or the save
+        is skipped (False, ``when_busy="skip"`` and not preempted)."""
+        while self._collect(0):
+            pass
+        self.raise_failures()
+        if len(self.inflight) < self.max_in_flight:
+            return True
+        if self.when_busy == "skip" and not preempted:
+            log.warning("step %d not saved: %d save(s) still in flight (when_busy='skip')", step, len(self.inflight))
+            return False
+        while len(self.inflight) >= self.max_in_flight:
+            self._collect(None)
+        self.raise_failures()
+        return True
 
     def close(self) -> None:
         """Flush, then stop the writer and free the buffers."""
@@ -499,13 +512,9 @@ def _rebuild(request: dict, fd: int) -> tuple[dict[str, Any], mmap.mmap]:
 
 
 def _write(request: dict, fd: int) -> str:
-    from trainer_hooks.checkpoint import CheckpointManager
-
+    """Run the step-writing protocol (:func:`trainer_hooks.step_writer.write_step`) on the snapshot."""
     payload, mm = _rebuild(request, fd)
-    manager = CheckpointManager(request["directory"], keep_last=request["keep_last"], backend=request["backend"])
-    manager.rank, manager.world_size = request["rank"], request["world_size"]
-    extra = dict(request["extra"], writer_pid=os.getpid())
-    step_dir = manager._save_prepared(request["step"], lambda: payload, {}, extra=extra)
+    step_dir = write_step(request["target"], request["step"], payload, request["who"], get_backend(request["backend"]))
     del payload
     try:
         mm.close()
