@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import shutil
 import sys
@@ -12,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
 from supervisor import __version__, exit_codes
+from supervisor import log as rlsup_log
 from supervisor.config import ConfigError, SupervisorConfig, add_flags, load_config, reference_markdown, to_yaml
 from supervisor.incidents import read_incidents, read_state
 from supervisor.observer import Observer
@@ -22,6 +24,7 @@ if TYPE_CHECKING:
 
 from supervisor.membership import Membership
 
+log = logging.getLogger(__name__)
 
 def _split_command(argv: list[str]) -> tuple[list[str], list[str]]:
     if "--" in argv:
@@ -159,18 +162,18 @@ def cmd_daemon(args: argparse.Namespace) -> int:
 
 def start_metrics(cfg: SupervisorConfig) -> Observer | None:
     """The /metrics endpoint; a busy port is reported and supervision goes on without it."""
-    if cfg.metrics_port == 0:
-        return None
-    from supervisor.metrics import SupervisorMetrics
+    from supervisor.metrics import MetricsSettings, SupervisorMetrics
 
-    metrics = SupervisorMetrics(job=cfg.job_name)
-    try:
-        port = metrics.serve(cfg.metrics_addr, cfg.metrics_port)
-    except OSError as e:
-        print(f"[rlsup] warning: metrics endpoint {cfg.metrics_addr}:{cfg.metrics_port} not started: {e}",
-              file=sys.stderr)
+    settings = MetricsSettings.from_config(cfg)
+    if settings.port == 0:
         return None
-    print(f"[rlsup] metrics on http://{cfg.metrics_addr}:{port}/metrics", file=sys.stderr, flush=True)
+    metrics = SupervisorMetrics(job=settings.job_name)
+    try:
+        port = metrics.serve(settings.addr, settings.port)
+    except OSError as e:
+        log.warning("metrics endpoint %s:%s not started: %s", settings.addr, settings.port, e)
+        return None
+    log.info("metrics on http://%s:%s/metrics", settings.addr, port)
     return metrics
 
 
@@ -256,12 +259,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
     workdir = Path(args.workdir).resolve()
     if workdir.exists():
         shutil.rmtree(workdir)
-    eff = load_config(args, environ={})
-    cfg = eff.config
-    cfg.checkpoint_dir = str(workdir / "checkpoints")
-    cfg.state_dir = str(workdir / "state")
-    cfg.backoff_initial = 0.5
-    cfg.heartbeat_timeout = 30.0
+    # The demo's own values, validated with the rest (they win over flags and files, as they always did).
+    demo = {"checkpoint_dir": str(workdir / "checkpoints"), "state_dir": str(workdir / "state"),
+            "backoff_initial": 0.5, "heartbeat_timeout": 30.0}
+    cfg = load_config(args, environ={}, overrides=demo, overrides_origin="rlsup demo").config
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                str(script), "--steps", str(args.steps), "--checkpoint-every", "5",
                "--crash-at-step", str(args.crash_at_step), "--out", str(workdir / "final_weights.pt")]
@@ -278,6 +279,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlsup", description="Fault-tolerant training supervisor.")
     parser.add_argument("--version", action="version", version=f"rlsup {__version__}")
+    parser.add_argument("--log-level", default=rlsup_log.DEFAULT_LEVEL, type=str.upper, choices=rlsup_log.LEVELS,
+                        help="Level of rlsup's own lines on stderr, every component alike (default INFO).")
     sub = parser.add_subparsers(dest="cmd", required=True)
 
     run = sub.add_parser("run", help="Run COMMAND under supervision: rlsup run [options] -- COMMAND...")
@@ -299,6 +302,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="Supervised demo training that survives an injected crash.")
     add_flags(demo)
     demo.add_argument("--workdir", default="rlsup-demo", help="Directory for the demo's checkpoints and state.")
+    for command in (run, daemon, demo, status):  # also after the subcommand: rlsup run --log-level DEBUG -- ...
+        command.add_argument("--log-level", default=argparse.SUPPRESS, type=str.upper, choices=rlsup_log.LEVELS,
+                             help="Level of rlsup's own lines on stderr (default INFO).")
     demo.add_argument("--steps", type=int, default=40)
     demo.add_argument("--crash-at-step", type=int, default=23)
 
@@ -316,6 +322,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     own, command = _split_command(argv)
     parser = build_parser()
     args = parser.parse_args(own)
+    rlsup_log.configure(args.log_level)
     try:
         if args.cmd == "run":
             return cmd_run(args, command)

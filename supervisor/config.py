@@ -28,14 +28,18 @@ class ConfigError(Exception):
 
 
 def _opt(default: Any, help: str, **kw: Any) -> Any:
-    if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata={"help": help, **kw})
     return field(default=default, metadata={"help": help, **kw})
 
 
-@dataclass
+@dataclass(frozen=True)
 class SupervisorConfig:
-    """Everything ``rlsup run`` and ``rlsup daemon`` can be told. Defaults are the embedded default."""
+    """Everything ``rlsup run`` and ``rlsup daemon`` can be told. Defaults are the embedded default.
+
+    Frozen: nothing changes a loaded config (a change would bypass validation and provenance);
+    build another with :func:`dataclasses.replace`, or give values as a source of
+    :func:`load_config` (``overrides``, as ``rlsup demo`` does). List-valued keys hold tuples. Each component takes its own small
+    settings object built from it (``RestartSettings.from_config``, ``HangSettings.from_config``,
+    ``MetricsSettings.from_config``), not the whole config."""
 
     checkpoint_dir: str = _opt("checkpoints", "Where the job's checkpoints live (passed as RLSUP_CHECKPOINT_DIR).")
     state_dir: str = _opt(".rlsup", "rlsup's own state: incidents.jsonl, state.json, attempt logs, heartbeat files.")
@@ -44,7 +48,7 @@ class SupervisorConfig:
     backoff_initial: float = _opt(1.0, "Delay before the first restart, seconds; doubles per consecutive failure.")
     backoff_max: float = _opt(60.0, "Upper bound of the restart delay, seconds.")
     backoff_jitter: float = _opt(0.2, "Random +/- fraction applied to each delay so nodes do not restart in lockstep.")
-    fatal_exit_codes: list[int] = _opt([], "Exit codes that are never retried; rlsup exits with that code.")
+    fatal_exit_codes: tuple[int, ...] = _opt((), "Exit codes that are never retried; rlsup exits with that code.")
     kill_grace: float = _opt(10.0, "Seconds between SIGTERM and SIGKILL when a failed attempt's process tree is cleaned up.")
     stop_grace: float = _opt(60.0, "Seconds the job gets to save and exit after rlsup is asked to stop or is preempted; also the most the final copy to the persistent tier may take when the run ends.")
     heartbeat_timeout: float | None = _opt(None, "Seconds a rank that has heartbeated may stay silent; 'auto' (null) learns it from step intervals.")
@@ -65,12 +69,12 @@ class SupervisorConfig:
     metrics_port: int = _opt(9778, "Port of the Prometheus /metrics endpoint (0: off). 9778 avoids node_exporter, DCGM and Prometheus' own ports.")
     metrics_addr: str = _opt("0.0.0.0", "Address the /metrics endpoint binds to.")
     job_name: str = _opt("", "The job's identity: every checkpoint part, replica, coordination key and persistent copy carries it, and no job is offered another's (empty: SLURM_JOB_ID, else the checkpoint_dir). Also shown in the rlsup_info metric.")
-    peers: list[str] = _opt([], "Replication endpoints host:port of every node, in node-rank order (empty: from SLURM, else single node).")
+    peers: tuple[str, ...] = _opt((), "Replication endpoints host:port of every node, in node-rank order (empty: from SLURM, else single node).")
     node_rank: int | None = _opt(None, "This node's index in peers (default: SLURM_NODEID).")
     replication_port: int = _opt(9779, "Port of the replication endpoint when peers come from SLURM or omit a port.")
     coordinator_port: int = _opt(9780, "Port of the coordination store (torch TCPStore) hosted by node 0's supervisor (coordinator_backend embedded).")
     coordinator_backend: str = _opt("embedded", "Where the nodes agree before each attempt: embedded (a TCPStore hosted by node 0's supervisor; a replacement node 0 hosts it again) or etcd (an etcd v3 cluster, coordinator_endpoints; no node's loss stalls the others).")
-    coordinator_endpoints: list[str] = _opt([], "coordinator_backend etcd: client URLs host:port of the etcd members (the gRPC gateway, etcd's default client port).")
+    coordinator_endpoints: tuple[str, ...] = _opt((), "coordinator_backend etcd: client URLs host:port of the etcd members (the gRPC gateway, etcd's default client port).")
     token_file: str = _opt("", "File holding the shared secret that authenticates every replication request (mode 600).")
     replica_dir: str = _opt("replicas", "Where this node stores the replicas it holds for other nodes.")
     replication_factor: int = _opt(1, "Copies of each node's checkpoint parts kept on other nodes.")
@@ -87,6 +91,11 @@ class SupervisorConfig:
     persistent_every_seconds: float = _opt(0.0, "Copy to the persistent tier once this many seconds passed since the last copy (0: off); with persistent_every, either one triggers.")
     persistent_keep_last: int = _opt(0, "Valid copies kept in the persistent tier (0: all); the newest valid copy is never deleted.")
     persistent_bandwidth: float = _opt(0.0, "Cap on persistent-tier traffic in bytes/s, reads and writes together (0: unlimited).")
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):  # a list given in code becomes a tuple: no change after load
+            if isinstance(getattr(self, f.name), list):
+                object.__setattr__(self, f.name, tuple(getattr(self, f.name)))
 
     def resolved(self, base: Path | None = None) -> "SupervisorConfig":
         """Paths made absolute, so attempts launched in other directories agree."""
@@ -116,13 +125,13 @@ def _coerce(name: str, tp: Any, value: Any, *, from_text: bool) -> Any:
         if value is None or (isinstance(value, str) and value.strip().lower() in ("auto", "null", "none", "")):
             return None
         return _coerce(name, args[0], value, from_text=from_text)
-    if origin is list:
-        (inner,) = typing.get_args(tp)
+    if origin is tuple:  # list-valued keys: tuple[X, ...]
+        inner = typing.get_args(tp)[0]
         if from_text and isinstance(value, str):
             value = [v for v in value.replace(",", " ").split() if v]
-        if not isinstance(value, list):
+        if not isinstance(value, (list, tuple)):
             raise ValueError(f"expected a list, got {type(value).__name__} {value!r}")
-        return [_coerce(name, inner, v, from_text=from_text) for v in value]
+        return tuple(_coerce(name, inner, v, from_text=from_text) for v in value)
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -241,7 +250,20 @@ def load_flags(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, str]
     return values, origins
 
 
-@dataclass
+def _load_overrides(values: typing.Mapping[str, Any], origin: str) -> tuple[dict[str, Any], dict[str, str]]:
+    types_ = _field_types()
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        if key not in types_:
+            raise ConfigError(f"{origin}: {_unknown(key, list(types_))}")
+        try:
+            out[key] = _coerce(key, types_[key], value, from_text=False)
+        except ValueError as e:
+            raise ConfigError(f"{origin}: key '{key}': {e}") from e
+    return out, {key: origin for key in out}
+
+
+@dataclass(frozen=True)
 class EffectiveConfig:
     """The merged config plus where each value came from (for ``rlsup config show``)."""
 
@@ -249,7 +271,10 @@ class EffectiveConfig:
     origins: dict[str, str]
 
 
-def load_config(args: argparse.Namespace | None = None, environ: typing.Mapping[str, str] | None = None) -> EffectiveConfig:
+def load_config(args: argparse.Namespace | None = None, environ: typing.Mapping[str, str] | None = None,
+                overrides: typing.Mapping[str, Any] | None = None, overrides_origin: str = "code") -> EffectiveConfig:
+    """Merge the sources, then validate; ``overrides`` (values a command sets itself, e.g. ``rlsup
+    demo``'s directories) sit above every other source and are validated with them."""
     environ = os.environ if environ is None else environ
     merged: dict[str, Any] = {}
     origins = {f.name: "default" for f in dataclasses.fields(SupervisorConfig)}
@@ -262,6 +287,8 @@ def load_config(args: argparse.Namespace | None = None, environ: typing.Mapping[
     layers.append(load_env(environ))
     if args is not None:
         layers.append(load_flags(args))
+    if overrides:
+        layers.append(_load_overrides(overrides, overrides_origin))
     for values, where in layers:
         merged.update(values)
         origins.update(where)
@@ -317,7 +344,7 @@ def to_yaml(eff: EffectiveConfig) -> str:
     lines = []
     for f in dataclasses.fields(SupervisorConfig):
         value = getattr(eff.config, f.name)
-        shown = "auto" if value is None else value
+        shown = "auto" if value is None else list(value) if isinstance(value, tuple) else value
         dumped = yaml.safe_dump({f.name: shown}, default_flow_style=True, width=10_000).strip()[1:-1]
         lines.append(f"{dumped}  # {eff.origins.get(f.name, 'default')}")
     return "\n".join(lines) + "\n"
@@ -341,11 +368,11 @@ def reference_markdown() -> str:
         tname = getattr(tp, "__name__", str(tp))
         if f.name == "heartbeat_timeout":
             tname = "seconds or auto"
-        elif typing.get_origin(tp) is list:
+        elif typing.get_origin(tp) is tuple:
             tname = f"list of {typing.get_args(tp)[0].__name__}"
         elif typing.get_origin(tp) in (typing.Union, types.UnionType):
             tname = f"{typing.get_args(tp)[0].__name__} or null"
         default = getattr(defaults, f.name)
-        shown = "auto" if default is None else default
+        shown = "auto" if default is None else list(default) if isinstance(default, tuple) else default
         out.append(f"| `{f.name}` | `--{f.name.replace('_', '-')}` | {tname} | `{shown}` | {f.metadata['help']} |")
     return "\n".join(out) + "\n"

@@ -14,8 +14,30 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rlsup_format.heartbeat_record import HeartbeatRecord, read_record
+
+if TYPE_CHECKING:
+    from supervisor.config import SupervisorConfig
+
+
+@dataclass(frozen=True)
+class HangSettings:
+    """The hang detector's part of the config (keys of the same names; ``heartbeat_timeout`` None: auto)."""
+
+    startup_timeout: float = 600.0
+    save_timeout: float = 1800.0
+    heartbeat_timeout: float | None = None
+    heartbeat_timeout_initial: float = 600.0
+    auto_timeout_factor: float = 5.0
+    auto_timeout_floor: float = 30.0
+    auto_timeout_min_intervals: int = 5
+
+    @classmethod
+    def from_config(cls, cfg: "SupervisorConfig") -> "HangSettings":
+        return cls(cfg.startup_timeout, cfg.save_timeout, cfg.heartbeat_timeout, cfg.heartbeat_timeout_initial,
+                   cfg.auto_timeout_factor, cfg.auto_timeout_floor, cfg.auto_timeout_min_intervals)
 
 
 @dataclass
@@ -41,6 +63,11 @@ class AutoTimeout:
     intervals_seen: int = 0
     longest_interval: float = 0.0
 
+    @classmethod
+    def from_settings(cls, s: HangSettings) -> "AutoTimeout":
+        return cls(s.auto_timeout_factor, s.auto_timeout_floor, s.heartbeat_timeout_initial,
+                   s.auto_timeout_min_intervals)
+
     def observe(self, interval_s: float) -> None:
         if interval_s > 0:
             self.intervals_seen += 1
@@ -63,6 +90,11 @@ class HangDetector:
     auto: AutoTimeout
     started_ns: int = field(default_factory=time.monotonic_ns)
     records: dict[int, HeartbeatRecord] = field(default_factory=dict)
+
+    @classmethod
+    def from_settings(cls, directory: Path, s: HangSettings, auto: AutoTimeout) -> "HangDetector":
+        """One attempt's detector; ``auto`` is shared by the attempts of a run (what it learned carries over)."""
+        return cls(directory, s.startup_timeout, s.save_timeout, s.heartbeat_timeout, auto)
 
     def timeout(self) -> float:
         return self.explicit_timeout if self.explicit_timeout is not None else self.auto.current()

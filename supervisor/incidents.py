@@ -13,6 +13,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from supervisor.lifecycle import Action, EndReason, JobStatus
+
 INCIDENTS = "incidents.jsonl"
 STATE = "state.json"
 
@@ -23,7 +25,7 @@ class Incident:
 
     time: float
     attempt: int
-    reason: str  # exit_code | signal | oom | hang | startup_timeout | save_timeout | preempted | stopped
+    reason: EndReason  # written as its string value; read back (read_incidents) as that string
     exit_code: int | None = None
     signal: str | None = None
     rank: int | None = None
@@ -32,7 +34,7 @@ class Incident:
     output_tail: list[str] = field(default_factory=list)
     stacks: dict[str, str] = field(default_factory=dict)
     last_step: int | None = None
-    action: str = "restart"  # restart | give_up | fatal | no_progress | stop
+    action: Action = Action.RESTART
     downtime_s: float | None = None
     resumed_from: str | None = None
     resumed_step: int | None = None
@@ -43,7 +45,7 @@ class Incident:
 class JobState:
     """What ``rlsup status`` shows about the current or last run."""
 
-    state: str
+    state: JobStatus
     attempt: int
     pid: int
     command: list[str]

@@ -8,17 +8,34 @@ from __future__ import annotations
 
 import socket
 import time
-from typing import Any, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Enum, Gauge, Histogram, Info, start_http_server
 
 from supervisor import __version__
+from supervisor.lifecycle import ATTEMPT_FAILURES, EndReason, JobStatus
 from supervisor.observer import Observer
 
+if TYPE_CHECKING:
+    from supervisor.config import SupervisorConfig
+
 DEFAULT_PORT = 9778
-STATES = ["init", "starting", "running", "failed", "backoff", "stopping", "succeeded", "gave_up", "stopped",
-          "preempted"]
-REASONS = ["exit_code", "signal", "oom", "hang", "startup_timeout", "save_timeout", "peer_failure"]
+STATES = [s.value for s in JobStatus]
+REASONS = [r.value for r in ATTEMPT_FAILURES]
+
+
+@dataclass(frozen=True)
+class MetricsSettings:
+    """The /metrics endpoint's part of the config: ``metrics_port`` (0: off), ``metrics_addr``, ``job_name``."""
+
+    port: int = DEFAULT_PORT
+    addr: str = "0.0.0.0"
+    job_name: str = ""
+
+    @classmethod
+    def from_config(cls, cfg: "SupervisorConfig") -> "MetricsSettings":
+        return cls(cfg.metrics_port, cfg.metrics_addr, cfg.job_name)
 
 
 class SupervisorMetrics(Observer):
@@ -110,7 +127,7 @@ class SupervisorMetrics(Observer):
         self._ranks_seen.clear()
 
     def attempt_failed(self, reason: str, last_step: int | None) -> None:
-        self.restarts.labels(reason if reason in REASONS else "exit_code").inc()
+        self.restarts.labels(reason if reason in REASONS else EndReason.EXIT_CODE.value).inc()
         self._failed_at = time.monotonic()
         self._failed_step = last_step
 

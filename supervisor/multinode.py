@@ -28,9 +28,11 @@ from supervisor.coordinator import (
     embedded_coordinator,
 )
 from supervisor.job_identity import JobIdentity
+from supervisor.lifecycle import EndReason
 from supervisor.membership import Membership
 from supervisor.observer import Observer
 from supervisor.persistent import PersistentPartInvalid
+from supervisor.process_tree import ProcessLayer
 from supervisor.rank_pinning import pin_ranks
 from supervisor.replication import ReplicationEngine, newest_own_step
 from supervisor.resume import ResumePoint
@@ -75,10 +77,10 @@ def connect_coordinator(cfg: SupervisorConfig, membership: Membership, job: JobI
 class MultiNodeSupervisor(Supervisor):
     def __init__(self, cfg: SupervisorConfig, command: Sequence[str], membership: Membership,
                  engine: ReplicationEngine, observer: Observer | None = None, *, job: JobIdentity,
-                 coordinator: RoundCoordinator) -> None:
+                 coordinator: RoundCoordinator, processes: ProcessLayer | None = None) -> None:
         master = membership.peers[0].rpartition(":")[0]
         pinned = pin_ranks(command, membership.node_rank, membership.size, master)
-        super().__init__(cfg, pinned.command, observer, job=job)
+        super().__init__(cfg, pinned.command, observer, job=job, processes=processes)
         self.membership = membership
         self.engine = engine
         self.coordinator = coordinator
@@ -261,7 +263,7 @@ class MultiNodeSupervisor(Supervisor):
             return None
 
     def attempt_failed(self, attempt: int, result: AttemptResult) -> None:
-        if result.reason != "peer_failure":
+        if result.reason != EndReason.PEER_FAILURE:
             try:
                 self.coordinator.end(attempt, f"node {self.membership.node_rank}: {result.reason} {result.detail}".strip())
             except Exception as e:  # the next join reports the unreachable store with its address

@@ -235,3 +235,34 @@ def oom_kill_count() -> int | None:
     except OSError:
         return None
     return None
+
+
+class ProcessLayer:
+    """What the run loop asks of the operating system, in one place: start an attempt's job root,
+    look at and signal pids, count OOM kills, collect stacks. The default is the real thing; the
+    in-process tests of the loop (tests/test_run_loop.py) pass a fake, as torch elastic's TestAgent
+    fakes its worker layer."""
+
+    def start(self, command: Sequence[str], env: dict[str, str], log_path: Path, tail_lines: int) -> JobProcess:
+        return JobProcess(command, env, log_path, tail_lines)
+
+    def become_subreaper(self) -> bool:
+        return become_subreaper()
+
+    def oom_kill_count(self) -> int | None:
+        return oom_kill_count()
+
+    def pid_exists(self, pid: int) -> bool:
+        return psutil.pid_exists(pid)
+
+    def kill(self, pid: int, sig: int) -> None:
+        """Signal one registered rank; a rank already gone is not an error."""
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def dump_stacks(self, hb_dir: Path, records: Mapping) -> dict[str, str]:
+        from supervisor.stacks import dump_stacks
+
+        return dump_stacks(hb_dir, records)

@@ -6,47 +6,76 @@ from __future__ import annotations
 import random
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from supervisor.lifecycle import Action
+
+if TYPE_CHECKING:
+    from supervisor.config import SupervisorConfig
+
+
+@dataclass(frozen=True)
+class RestartSettings:
+    """The restart policy's part of the config (keys of the same names)."""
+
+    max_restarts: int = 3
+    restart_window: float = 3600.0
+    backoff_initial: float = 1.0
+    backoff_max: float = 60.0
+    backoff_jitter: float = 0.2
+    fatal_exit_codes: tuple[int, ...] = ()
+    max_no_progress_attempts: int = 5
+
+    @classmethod
+    def from_config(cls, cfg: "SupervisorConfig") -> "RestartSettings":
+        return cls(cfg.max_restarts, cfg.restart_window, cfg.backoff_initial, cfg.backoff_max, cfg.backoff_jitter,
+                   tuple(cfg.fatal_exit_codes), cfg.max_no_progress_attempts)
 
 
 @dataclass
 class RestartDecision:
     restart: bool
     delay_s: float
-    action: str  # restart | give_up | fatal | no_progress
+    action: Action
 
 
 @dataclass
 class RestartPolicy:
-    max_restarts: int
-    restart_window: float
-    backoff_initial: float
-    backoff_max: float
-    backoff_jitter: float
-    fatal_exit_codes: list[int]
-    max_no_progress_attempts: int
+    """One run's restart decisions: the settings, and the failures and streaks seen so far."""
+
+    settings: RestartSettings = field(default_factory=RestartSettings)
     failures: list[float] = field(default_factory=list)
     consecutive: int = 0
     no_progress_streak: int = 0
     rng: random.Random = field(default_factory=random.Random)
+
+    @classmethod
+    def from_config(cls, cfg: "SupervisorConfig") -> "RestartPolicy":
+        return cls(RestartSettings.from_config(cfg))
+
+    def budget_left(self) -> bool:
+        """Whether one more failure could still be restarted (max_restarts not used up in the window)."""
+        return len(self.failures) < self.settings.max_restarts
 
     def record_success_progress(self, progressed: bool) -> None:
         self.no_progress_streak = 0 if progressed else self.no_progress_streak + 1
 
     def decide(self, exit_code: int | None, progressed: bool, now: float | None = None) -> RestartDecision:
         """Called once per failed attempt, in order."""
+        s = self.settings
         now = time.monotonic() if now is None else now
-        if exit_code is not None and exit_code in self.fatal_exit_codes:
-            return RestartDecision(False, 0.0, "fatal")
+        if exit_code is not None and exit_code in s.fatal_exit_codes:
+            return RestartDecision(False, 0.0, Action.FATAL)
         self.record_success_progress(progressed)
-        if self.max_no_progress_attempts and self.no_progress_streak >= self.max_no_progress_attempts:
-            return RestartDecision(False, 0.0, "no_progress")
+        if s.max_no_progress_attempts and self.no_progress_streak >= s.max_no_progress_attempts:
+            return RestartDecision(False, 0.0, Action.NO_PROGRESS)
         self.failures.append(now)
-        if self.restart_window > 0:
-            self.failures = [t for t in self.failures if now - t <= self.restart_window]
-        if len(self.failures) > self.max_restarts:
-            return RestartDecision(False, 0.0, "give_up")
+        if s.restart_window > 0:
+            self.failures = [t for t in self.failures if now - t <= s.restart_window]
+        if len(self.failures) > s.max_restarts:
+            return RestartDecision(False, 0.0, Action.GIVE_UP)
         self.consecutive = self.consecutive + 1 if progressed is False else 1
-        delay = min(self.backoff_max, self.backoff_initial * (2 ** (self.consecutive - 1)))
-        if self.backoff_jitter:
-            delay *= 1 + self.rng.uniform(-self.backoff_jitter, self.backoff_jitter)
-        return RestartDecision(True, max(0.0, delay), "restart")
+        delay = min(s.backoff_max, s.backoff_initial * (2 ** (self.consecutive - 1)))
+        if s.backoff_jitter:
+            delay *= 1 + self.rng.uniform(-s.backoff_jitter, s.backoff_jitter)
+        return RestartDecision(True, max(0.0, delay), Action.RESTART)

@@ -2,61 +2,40 @@
 
 The loop is short on purpose; each step is a small method a subclass (the multi-node engine, tests)
 can override: :meth:`Supervisor.choose_resume`, :meth:`launch`, :meth:`watch`, :meth:`cleanup`,
-:meth:`decide`.
+:meth:`decide`. Every state change goes through :func:`supervisor.lifecycle.check_transition`;
+everything it does to processes goes through a :class:`~supervisor.process_tree.ProcessLayer`
+(a fake one in the in-process tests, tests/test_run_loop.py).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import shutil
 import signal
 import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from enum import Enum
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 from supervisor import exit_codes
 from supervisor.config import SupervisorConfig
-from supervisor.hang_detector import AutoTimeout, HangDetector, HangVerdict
+from supervisor.hang_detector import AutoTimeout, HangDetector, HangSettings, HangVerdict
 from supervisor.incidents import Incident, JobState, append_incident, write_state
 from supervisor.job_identity import ENV_JOB_ID, JobIdentity, job_identity
+from supervisor.lifecycle import FINAL, HUNG, Action, EndReason, JobStatus, check_transition
 from supervisor.observer import Observer
-from supervisor.process_tree import JobProcess, become_subreaper, oom_kill_count
+from supervisor.process_tree import JobProcess, ProcessLayer
 from supervisor.restart_policy import RestartPolicy
-from supervisor.stacks import dump_stacks
 from supervisor.resume import ResumePoint, choose_resume
 from supervisor.warm_launcher import Zygote, warm_spec
 from rlsup_format.heartbeat_record import rank_file_name, request_stop
 
 KEEP_ATTEMPT_DIRS = 10
-
-
-class JobStatus(str, Enum):
-    """Lifecycle of a supervised job::
-
-        INIT -> STARTING -> RUNNING -> SUCCEEDED
-                   ^           |
-                   |           +--> FAILED --> BACKOFF --> STARTING
-                   |           |       +-----> GAVE_UP   (retries exhausted, fatal code, no progress)
-                   |           +--> STOPPING --> STOPPED   (SIGTERM/SIGINT to rlsup)
-                   |                       +---> PREEMPTED (preemption signal: saved, exit for requeue)
-    """
-
-    INIT = "init"
-    STARTING = "starting"
-    RUNNING = "running"
-    FAILED = "failed"
-    BACKOFF = "backoff"
-    STOPPING = "stopping"
-    SUCCEEDED = "succeeded"
-    GAVE_UP = "gave_up"
-    STOPPED = "stopped"
-    PREEMPTED = "preempted"
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -64,7 +43,7 @@ class AttemptResult:
     """How one attempt ended."""
 
     attempt: int
-    reason: str  # success | exit_code | signal | oom | hang | startup_timeout | save_timeout | stopped | preempted
+    reason: EndReason
     exit_code: int | None = None
     signal: str | None = None
     rank: int | None = None
@@ -117,23 +96,22 @@ class Supervisor:
     """Runs ``command`` under supervision with ``cfg``; call :meth:`run` once."""
 
     def __init__(self, cfg: SupervisorConfig, command: Sequence[str], observer: Observer | None = None,
-                 job: JobIdentity | None = None) -> None:
+                 job: JobIdentity | None = None, processes: ProcessLayer | None = None) -> None:
         self.job = job or job_identity(cfg.job_name, cfg.checkpoint_dir, multi_node=False)
         self.cfg = cfg.resolved()
         self.command = list(command)
         self.state_dir = Path(self.cfg.state_dir)
         self.checkpoint_dir = Path(self.cfg.checkpoint_dir)
         self.observer = observer or Observer()
-        self.policy = RestartPolicy(
-            self.cfg.max_restarts, self.cfg.restart_window, self.cfg.backoff_initial, self.cfg.backoff_max,
-            self.cfg.backoff_jitter, list(self.cfg.fatal_exit_codes), self.cfg.max_no_progress_attempts)
-        self.auto_timeout = AutoTimeout(self.cfg.auto_timeout_factor, self.cfg.auto_timeout_floor,
-                                        self.cfg.heartbeat_timeout_initial, self.cfg.auto_timeout_min_intervals)
+        self.processes = processes or ProcessLayer()
+        self.policy = RestartPolicy.from_config(self.cfg)
+        self.hang_settings = HangSettings.from_config(self.cfg)
+        self.auto_timeout = AutoTimeout.from_settings(self.hang_settings)
         self.stop_signal: int | None = None
         self.preempted = False
         self._wake = threading.Event()
         self.incidents: list[Incident] = []
-        self.state = JobState(JobStatus.INIT.value, 0, os.getpid(), self.command, time.time())
+        self.state = JobState(JobStatus.INIT, 0, os.getpid(), self.command, time.time())
         self._zygote: Zygote | None = None  # the next attempt's pre-spawned torchrun (warm_launcher)
         from supervisor.persistent import PersistentTier
 
@@ -142,14 +120,23 @@ class Supervisor:
     # ------------------------------------------------------------ the loop
 
     def run(self) -> RunResult:
+        previous = self._install_signal_handlers()
         try:
             return self._run()
         finally:
             self._discard_zygote()  # every way out, exceptions included: no unused launcher outlives rlsup
+            for signum, handler in previous.items():  # a second Supervisor in this process starts clean
+                signal.signal(signum, handler)
+
+    def request_stop(self, signum: int, preempted: bool = False) -> None:
+        """Stop the run (what the signal handlers call): the job is asked to save and exit; rlsup exits
+        128+signal, or REQUEUE when ``preempted``."""
+        self.preempted = self.preempted or preempted
+        self.stop_signal = signum
+        self._wake.set()
 
     def _run(self) -> RunResult:
-        self._install_signal_handlers()
-        become_subreaper()
+        self.processes.become_subreaper()
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
         if self.persistent is not None:
@@ -164,14 +151,14 @@ class Supervisor:
                 self._log(f"attempt {attempt}: not launched: {e}")
                 if pending is not None:
                     self._record(pending[0])
-                resume, result = None, AttemptResult(attempt, "peer_failure", None, detail=str(e))
+                resume, result = None, AttemptResult(attempt, EndReason.PEER_FAILURE, None, detail=str(e))
             else:
                 result = self._launch_and_watch(attempt, resume, pending)
-            if result.reason == "success":
+            if result.reason == EndReason.SUCCESS:
                 self._set_state(JobStatus.SUCCEEDED, exit_code=0)
                 return self._finish(exit_codes.OK, JobStatus.SUCCEEDED, attempt)
-            if result.reason in ("stopped", "preempted"):
-                self._record(self._incident(result, "stop"))
+            if result.reason in (EndReason.STOPPED, EndReason.PREEMPTED):
+                self._record(self._incident(result, Action.STOP))
                 return self._stopped(attempt)
             incident, delay = self.decide(attempt, result, resume)
             if delay is None:
@@ -187,7 +174,7 @@ class Supervisor:
 
     def _launch_and_watch(self, attempt: int, resume: ResumePoint | None,
                           pending: tuple[Incident, float] | None) -> AttemptResult:
-        self._set_state(JobStatus.STARTING, attempt=attempt, resume=resume)
+        self._update_state(attempt=attempt, resume=resume)
         job, hb_dir = self.launch(attempt, resume)
         if pending is not None:
             self._record(pending[0], downtime=time.monotonic() - pending[1], resume=resume)
@@ -214,7 +201,10 @@ class Supervisor:
         return incident, decision.delay_s
 
     def _stopped(self, attempt: int) -> RunResult:
-        """rlsup was asked to stop (exit 128+signal) or preempted (exit for requeue)."""
+        """rlsup was asked to stop (exit 128+signal) or preempted (exit for requeue). A job that exited
+        before rlsup acted on the signal still passes through STOPPING (the table has no shortcut)."""
+        if self.state.state == JobStatus.RUNNING:
+            self._set_state(JobStatus.STOPPING)
         status = JobStatus.PREEMPTED if self.preempted else JobStatus.STOPPED
         code = exit_codes.REQUEUE if self.preempted else exit_codes.from_signal(self.stop_signal or signal.SIGTERM)
         self._set_state(status, exit_code=code)
@@ -224,17 +214,13 @@ class Supervisor:
 
     def first_attempt(self) -> int:
         """0, or the attempt after the one a previous rlsup was running when it died (SIGKILL, OOM)."""
-        import psutil
-
         from supervisor.incidents import read_state
 
         prev = read_state(self.state_dir)
-        terminal = {JobStatus.SUCCEEDED.value, JobStatus.GAVE_UP.value, JobStatus.STOPPED.value,
-                    JobStatus.PREEMPTED.value}
-        if not prev or prev.get("state") in terminal or psutil.pid_exists(int(prev.get("pid", 0))):
+        if not prev or prev.get("state") in FINAL or self.processes.pid_exists(int(prev.get("pid", 0))):
             return 0
         attempt = int(prev.get("attempt", 0))
-        self._record(Incident(time=time.time(), attempt=attempt, reason="supervisor_lost", action="restart",
+        self._record(Incident(time=time.time(), attempt=attempt, reason=EndReason.SUPERVISOR_LOST, action=Action.RESTART,
                               last_step=prev.get("last_step"),
                               detail=f"rlsup pid {prev.get('pid')} died while the job was {prev.get('state')}"))
         self._log(f"a previous rlsup died during attempt {attempt}; continuing with attempt {attempt + 1}")
@@ -341,7 +327,7 @@ class Supervisor:
         env = self.attempt_env(attempt, resume, hb_dir)
         job = self._start_warm(attempt, env, attempt_dir / "output.log")
         if job is None:
-            job = JobProcess(self.command, env, attempt_dir / "output.log", self.cfg.output_tail_lines)
+            job = self.processes.start(self.command, env, attempt_dir / "output.log", self.cfg.output_tail_lines)
         self.observer.attempt_started(attempt, resume.step if resume else None)
         if resume is not None:
             self.observer.resumed_from(getattr(resume, "tier", "local"))
@@ -373,7 +359,7 @@ class Supervisor:
         Not when this attempt's failure would end the run anyway (max_restarts used up)."""
         if not self.cfg.warm_launcher or self._zygote is not None:
             return
-        if len(self.policy.failures) >= self.cfg.max_restarts:
+        if not self.policy.budget_left():
             return
         spec = warm_spec(self.command, env)
         if spec is None:
@@ -392,9 +378,8 @@ class Supervisor:
 
     def watch(self, job: JobProcess, hb_dir: Path, attempt: int) -> AttemptResult:
         """Poll until the job exits, hangs, or rlsup is asked to stop."""
-        detector = HangDetector(hb_dir, self.cfg.startup_timeout, self.cfg.save_timeout,
-                                self.cfg.heartbeat_timeout, self.auto_timeout)
-        oom_before = oom_kill_count()
+        detector = HangDetector.from_settings(hb_dir, self.hang_settings, self.auto_timeout)
+        oom_before = self.processes.oom_kill_count()
         first_dead: tuple[int, int] | None = None
         saves_seen = 0
         while True:
@@ -407,7 +392,7 @@ class Supervisor:
             peer = self.peer_ended(attempt)
             if peer is not None:
                 self._log(f"attempt {attempt}: ended by another node ({peer}); stopping this node's job")
-                return AttemptResult(attempt, "peer_failure", None, detail=peer, last_step=detector.last_step(),
+                return AttemptResult(attempt, EndReason.PEER_FAILURE, None, detail=peer, last_step=detector.last_step(),
                                      output_tail=job.output.tail())
             job.refresh()
             verdict = detector.check()
@@ -429,8 +414,7 @@ class Supervisor:
 
         A hung attempt gets no grace: its stacks are already saved, and a rank stuck in a collective
         would only turn SIGTERM into should_stop() and never act on it."""
-        hung = result.reason in ("hang", "startup_timeout", "save_timeout")
-        killed = job.terminate_tree(0.0 if hung else self.cfg.kill_grace)
+        killed = job.terminate_tree(0.0 if result.reason in HUNG else self.cfg.kill_grace)
         if killed:
             self._log(f"attempt {result.attempt}: killed leftover processes {killed}")
 
@@ -441,43 +425,40 @@ class Supervisor:
         tail = job.output.tail()
         last_step = detector.last_step()
         if code == 0 and self.stop_signal is None:
-            return AttemptResult(attempt, "success", 0, last_step=last_step, output_tail=tail)
+            return AttemptResult(attempt, EndReason.SUCCESS, 0, last_step=last_step, output_tail=tail)
         if self.stop_signal is not None:
-            return AttemptResult(attempt, "preempted" if self.preempted else "stopped", code,
-                                 last_step=last_step, output_tail=tail)
-        result = AttemptResult(attempt, "exit_code", code, last_step=last_step, output_tail=tail)
+            return AttemptResult(attempt, self._stop_reason(), code, last_step=last_step, output_tail=tail)
+        result = AttemptResult(attempt, EndReason.EXIT_CODE, code, last_step=last_step, output_tail=tail)
         if first_dead is not None:
             result.rank, result.pid = first_dead
         root = _torchrun_root_cause(tail)
         if root is not None:  # torchrun hides the worker's fate behind its own exit 1; its report has it
             result.rank, worker_code, result.pid = root
             if worker_code < 0:
-                result.signal, result.reason = _signame(-worker_code), "signal"
+                result.signal, result.reason = _signame(-worker_code), EndReason.SIGNAL
         if code < 0:
             result.signal = _signame(-code)
-            result.reason = "signal"
+            result.reason = EndReason.SIGNAL
             result.pid = result.pid or job.pid
-        oom_after = oom_kill_count()
+        oom_after = self.processes.oom_kill_count()
         if result.signal == "SIGKILL" and oom_before is not None and oom_after is not None and oom_after > oom_before:
-            result.reason = "oom"
+            result.reason = EndReason.OOM
         result.detail = f"exit code {code}" + (f", {result.signal}" if result.signal else "") + \
             (f" (rank {result.rank}, pid {result.pid})" if result.rank is not None else "")
         return result
 
     def _first_dead_rank(self, detector: HangDetector) -> tuple[int, int] | None:
-        import psutil
-
         for rec in detector.records.values():
-            if rec.pid and not psutil.pid_exists(rec.pid):
+            if rec.pid and not self.processes.pid_exists(rec.pid):
                 return rec.rank, rec.pid
         return None
 
     def _hang(self, attempt: int, job: JobProcess, detector: HangDetector, verdict: HangVerdict) -> AttemptResult:
-        reason = "hang" if verdict.reason == "heartbeat_timeout" else verdict.reason
+        reason = EndReason.HANG if verdict.reason == "heartbeat_timeout" else EndReason(verdict.reason)
         who = f"rank {verdict.rank} (pid {verdict.pid})" if verdict.rank is not None else "no rank"
         detail = f"{who} silent for {verdict.silent_s:.2f}s > {verdict.reason} {verdict.timeout_s:.2f}s"
         self._log(f"attempt {attempt}: hang detected: {detail}; dumping stacks")
-        stacks = dump_stacks(detector.directory, detector.records)
+        stacks = self.processes.dump_stacks(detector.directory, detector.records)
         return AttemptResult(attempt, reason, None, rank=verdict.rank, pid=verdict.pid, detail=detail, stacks=stacks,
                              last_step=detector.last_step(), output_tail=job.output.tail())
 
@@ -494,16 +475,12 @@ class Supervisor:
         if self.preempted:
             # Only ranks that registered (trainer_hooks installed the handler) get the preemption signal.
             for rec in detector.records.values():
-                try:
-                    os.kill(rec.pid, self.stop_signal)
-                except (ProcessLookupError, PermissionError):
-                    pass
+                self.processes.kill(rec.pid, self.stop_signal)
         else:
             job.send(self.stop_signal)
         self._log(f"stopping: waiting up to {self.cfg.stop_grace:.0f}s for the job to save and exit")
         code = job.wait_exit(self.cfg.stop_grace)
-        reason = "preempted" if self.preempted else "stopped"
-        return AttemptResult(attempt, reason, code, last_step=detector.last_step(), output_tail=job.output.tail(),
+        return AttemptResult(attempt, self._stop_reason(), code, last_step=detector.last_step(), output_tail=job.output.tail(),
                              detail=f"job exited with {code}" if code is not None else "killed after stop_grace")
 
     # ------------------------------------------------------------ helpers
@@ -512,21 +489,19 @@ class Supervisor:
         name = self.cfg.preempt_signal
         return getattr(signal, name if name.startswith("SIG") else "SIG" + name)
 
-    def _install_signal_handlers(self) -> None:
-        def on_stop(signum: int, _frame: object) -> None:
-            self.stop_signal = signum
-            self._wake.set()
+    def _stop_reason(self) -> EndReason:
+        return EndReason.PREEMPTED if self.preempted else EndReason.STOPPED
 
-        def on_preempt(signum: int, _frame: object) -> None:
-            self.preempted = True
-            on_stop(signum, _frame)
+    def _install_signal_handlers(self) -> dict[int, Any]:
+        """SIGTERM/SIGINT stop, the preemption signal preempts; the handlers they replace (main thread only)."""
+        if threading.current_thread() is not threading.main_thread():
+            return {}
+        handlers = {signal.SIGTERM: lambda signum, _f: self.request_stop(signum),
+                    signal.SIGINT: lambda signum, _f: self.request_stop(signum),
+                    self._preempt_signum(): lambda signum, _f: self.request_stop(signum, preempted=True)}
+        return {signum: signal.signal(signum, handler) for signum, handler in handlers.items()}
 
-        if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, on_stop)
-            signal.signal(signal.SIGINT, on_stop)
-            signal.signal(self._preempt_signum(), on_preempt)
-
-    def _incident(self, result: AttemptResult, action: str) -> Incident:
+    def _incident(self, result: AttemptResult, action: Action) -> Incident:
         return Incident(time=time.time(), attempt=result.attempt, reason=result.reason, exit_code=result.exit_code,
                         signal=result.signal, rank=result.rank, pid=result.pid, detail=result.detail,
                         output_tail=result.output_tail, stacks=result.stacks, last_step=result.last_step,
@@ -542,11 +517,12 @@ class Supervisor:
         if downtime is not None:
             self.observer.downtime(downtime)
 
-    def _give_up_code(self, action: str, result: AttemptResult) -> int:
-        if action == "no_progress":
-            self._log(f"giving up: {self.cfg.max_no_progress_attempts} attempts in a row made no new valid checkpoint")
+    def _give_up_code(self, action: Action, result: AttemptResult) -> int:
+        if action == Action.NO_PROGRESS:
+            self._log(f"giving up: {self.policy.settings.max_no_progress_attempts} attempts in a row made no new "
+                      "valid checkpoint")
             return exit_codes.NO_PROGRESS
-        if action == "fatal":
+        if action == Action.FATAL:
             self._log(f"exit code {result.exit_code} is fatal: not retrying")
             return int(result.exit_code or exit_codes.FAILED)
         self._log(f"giving up after {result.attempt + 1} attempts")
@@ -555,7 +531,13 @@ class Supervisor:
 
     def _set_state(self, status: JobStatus, *, attempt: int | None = None, resume: ResumePoint | None = None,
                    job_pid: int | None = None, exit_code: int | None = None) -> None:
-        self.state.state = status.value
+        """Move to ``status`` (IllegalTransition if the lifecycle table does not allow it), with its details."""
+        self.state.state = check_transition(self.state.state, status)
+        self._update_state(attempt=attempt, resume=resume, job_pid=job_pid, exit_code=exit_code, changed=True)
+
+    def _update_state(self, *, attempt: int | None = None, resume: ResumePoint | None = None,
+                      job_pid: int | None = None, exit_code: int | None = None, changed: bool = False) -> None:
+        """Details of the current state (state.json); the observer hears of state changes only."""
         if attempt is not None:
             self.state.attempt = attempt
             self.state.resume_step = resume.step if resume else None
@@ -566,7 +548,8 @@ class Supervisor:
         if exit_code is not None:
             self.state.exit_code = exit_code
         write_state(self.state_dir, self.state)
-        self.observer.state(status.value)
+        if changed:
+            self.observer.state(self.state.state.value)
 
     def _finish(self, code: int, status: JobStatus, attempt: int) -> RunResult:
         self._discard_zygote()  # no next attempt: do not keep a launcher alive through the final copy
@@ -584,7 +567,8 @@ class Supervisor:
 
     @staticmethod
     def _log(message: str) -> None:
-        print(f"[rlsup] {message}", file=sys.stderr, flush=True)
+        """The run loop's own lines, on rlsup's one logging channel (:mod:`supervisor.log`)."""
+        log.info(message)
 
 
 def _signame(num: int) -> str:
