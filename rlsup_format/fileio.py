@@ -23,13 +23,27 @@ class UnsafeFileError(OSError):
     never followed, never read. ``strerror`` says which."""
 
 
+#: What a filesystem that cannot sync a directory answers (some FUSE and network mounts): there the
+#: rename is as durable as that filesystem makes it, and refusing every write would help nobody.
+_DIR_FSYNC_UNSUPPORTED = (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP)
+
+
 def fsync_dir(path: str | os.PathLike) -> None:
     """Make renames/creations inside ``path`` durable (a rename is only safe once its dir is synced)."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | _CLOEXEC)
     try:
-        os.fsync(fd)
+        fsync_dir_fd(fd)
     finally:
         os.close(fd)
+
+
+def fsync_dir_fd(fd: int) -> None:
+    """fsync an open directory; a filesystem that does not support it is not an error."""
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        if e.errno not in _DIR_FSYNC_UNSUPPORTED:
+            raise
 
 
 def fsync_dirs(paths: set[Path] | list[Path]) -> None:

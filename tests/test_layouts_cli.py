@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from rlsup_format.names import parse_reserved
+
 from layout_builders import verl_fsdp_step, write_tracker
 
 from supervisor import checkpoints_cli
@@ -34,7 +36,7 @@ def test_latest_reports_lying_tracker_and_repairs_it(tmp_path: Path) -> None:
     assert (tmp_path / "latest_checkpointed_iteration.txt").read_text() == "10"
     assert (tmp_path / "latest_checkpointed_iteration.txt.rlsup-prev").read_text() == "20"
     assert "rewrote" in p.stderr
-    assert not [x for x in tmp_path.iterdir() if x.name.endswith(".tmp")]
+    assert not [x for x in tmp_path.iterdir() if x.name.endswith(".tmp") or parse_reserved(x.name)]
     p = run("latest", str(tmp_path))
     assert "tracker" not in p.stderr
 

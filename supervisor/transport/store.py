@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Iterator
 
 from rlsup_format.digest import FileEntry, hash_fd, new_hasher
-from rlsup_format.fileio import UnsafeFileError, open_nofollow
+from rlsup_format.fileio import UnsafeFileError, fsync_dir_fd, open_nofollow
 from rlsup_format.names import Kind, parse_reserved, reserved_name
 
 INCOMING = ".incoming"
@@ -220,7 +220,7 @@ class ReplicaStore:
                         raise NotFound(f"{namespace}/{'/'.join(segs)}: not found") from None
                     try:
                         os.mkdir(s, 0o755, dir_fd=fd)
-                        os.fsync(fd)
+                        fsync_dir_fd(fd)
                     except FileExistsError:
                         pass
                     nfd = self._open_component(fd, s, namespace, segs)
@@ -304,7 +304,7 @@ class ReplicaStore:
             except FileNotFoundError:
                 pass
             os.replace(incoming_name, segs[-1], src_dir_fd=self._incoming_fd, dst_dir_fd=fd)
-            os.fsync(fd)
+            fsync_dir_fd(fd)
             final = os.stat(segs[-1], dir_fd=fd, follow_symlinks=False)
         finally:
             os.close(fd)
@@ -448,7 +448,7 @@ class ReplicaStore:
             else:
                 os.unlink(name, dir_fd=pfd)
                 removed = 1
-            os.fsync(pfd)
+            fsync_dir_fd(pfd)
         finally:
             os.close(pfd)
         with self._lock:

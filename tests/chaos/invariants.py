@@ -25,6 +25,7 @@ from typing import Iterable
 import psutil
 
 from trainer_hooks.heartbeat import read_record
+from rlsup_format.names import Kind, parse_reserved
 from rlsup_format.manifest import list_step_dirs, verify_step_dir
 
 
@@ -92,7 +93,9 @@ def check_no_leftovers(ckpt_dir: Path, allow_dead_staging: bool = False) -> list
         for name in dirs + files:
             if name.startswith(".staging-") and not allow_dead_staging:
                 problems.append(f"leftover staging dir {os.path.join(root, name)}")
-            if name.startswith(".manifest.") and ".tmp-" in name:
+            res = parse_reserved(name)
+            temp_manifest = res is not None and res.kind is Kind.TMP and res.label.startswith("manifest.")
+            if temp_manifest or (name.startswith(".manifest.") and ".tmp-" in name):
                 problems.append(f"leftover temp manifest {os.path.join(root, name)}")
             if name.startswith(".deleting-"):
                 problems.append(f"leftover half-deleted step {os.path.join(root, name)}")
@@ -295,8 +298,9 @@ def check_no_stale_holds(ckpt_dir: Path) -> list[str]:
 
 
 def check_no_temp_copies(*roots: Path) -> list[str]:
-    """No temp copy is left: ``.incoming-*`` (persistent tier, both directions), ``.fetch-*`` and
-    ``*.rlsup-*.tmp`` (peer fetches), directly under a root or inside its step directories."""
+    """No temp copy is left: a reserved TMP or INCOMING name (rlsup_format.names: persistent tier,
+    peer fetches, copies; also the older ``.incoming-*``, ``.fetch-*`` and ``*.rlsup-*.tmp`` names),
+    directly under a root or inside its step directories."""
     problems = []
     for root in roots:
         dirs = [root] + [p for _, p in list_step_dirs(root)]
@@ -306,7 +310,9 @@ def check_no_temp_copies(*roots: Path) -> list[str]:
             except OSError:
                 continue
             for name in names:
-                if (name.startswith(".incoming-") or name.startswith(".fetch-")
+                res = parse_reserved(name)
+                if ((res is not None and res.kind in (Kind.TMP, Kind.INCOMING))
+                        or name.startswith(".incoming-") or name.startswith(".fetch-")
                         or (name.startswith(".") and ".rlsup-" in name and name.endswith(".tmp"))):
                     problems.append(f"leftover temp copy {os.path.join(d, name)}")
     return problems
