@@ -1,0 +1,373 @@
+"""The run loop in-process, over a fake process layer (torch elastic's TestAgent style): crash, hang,
+startup timeout, OOM, success, give-up, fatal, no progress, stop, preemption, a lost supervisor.
+
+No process is started: :class:`FakeProcesses` hands the loop scripted jobs whose ranks heartbeat into
+the real heartbeat directory, so the real :class:`HangDetector`, classification, restart policy,
+incidents and state table run as in production. Each test takes well under a second.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from rlsup_format.heartbeat_record import MAGIC, RECORD, RECORD_SIZE, STOP_OFFSET, I64, rank_file_name
+from supervisor import exit_codes
+from supervisor.config import SupervisorConfig
+from supervisor.incidents import read_incidents, read_state
+from supervisor.lifecycle import IllegalTransition, JobStatus
+from supervisor.observer import Observer
+from supervisor.process_tree import ProcessLayer
+from supervisor.resume import ResumePoint
+from supervisor.runner import Supervisor
+
+
+@dataclass
+class Attempt:
+    """One scripted attempt. Each poll of the job is one tick; ranks heartbeat step = tick until
+    ``hang_at`` (then silence), the job exits with ``exit_code`` at tick ``exit_at``; ``saves`` is the
+    step it checkpoints at tick ``exit_at - 1`` (progress). Asked to stop, it exits with ``stop_exit``."""
+
+    exit_code: int | None = 0
+    exit_at: int = 3
+    ranks: int = 2
+    beats: bool = True
+    hang_at: int | None = None
+    saves: int | None = None
+    oom: bool = False
+    dead_rank: int | None = None  # this rank's process dies first (exit_code is the launcher's)
+    stop_exit: int | None = 0  # None: ignores the stop request (killed after stop_grace)
+    on_tick: tuple[int, object] | None = None  # (tick, callable) run during that poll
+
+
+class FakeOutput:
+    def __init__(self, lines: list[str]) -> None:
+        self.lines = lines
+
+    def join(self, timeout: float) -> None:
+        pass
+
+    def tail(self) -> list[str]:
+        return list(self.lines)
+
+
+class FakeJob:
+    """Quacks like process_tree.JobProcess."""
+
+    def __init__(self, layer: "FakeProcesses", script: Attempt, env: dict[str, str], pid: int) -> None:
+        self.layer, self.script, self.pid = layer, script, pid
+        self.hb_dir = Path(env["RLSUP_HEARTBEAT_DIR"])
+        self.env = env
+        self.tick = 0
+        self.code: int | None = None
+        self.signals: list[int] = []
+        self.grace: float | None = None
+        self.output = FakeOutput([f"attempt {env['RLSUP_RESTART_COUNT']} output"])
+
+    def rank_pid(self, rank: int) -> int:
+        return self.pid + 1 + rank
+
+    def _beat(self, rank: int, step: int) -> None:
+        path = self.hb_dir / rank_file_name(rank)
+        stop = I64.unpack_from(path.read_bytes(), STOP_OFFSET)[0] if path.exists() else 0  # rlsup's flag stays
+        data = bytearray(RECORD_SIZE)
+        now = time.monotonic_ns()
+        RECORD.pack_into(data, 0, 2, MAGIC, self.rank_pid(rank), step, now, 0, 0, stop, 0, 0)
+        path.write_bytes(bytes(data))
+
+    def stop_requested(self) -> bool:
+        for rank in range(self.script.ranks):
+            path = self.hb_dir / rank_file_name(rank)
+            if path.exists() and I64.unpack_from(path.read_bytes(), STOP_OFFSET)[0]:
+                return True
+        return bool(self.signals)
+
+    def poll(self) -> int | None:
+        if self.code is not None:
+            return self.code
+        s = self.script
+        self.tick += 1
+        if s.on_tick is not None and s.on_tick[0] == self.tick:
+            s.on_tick[1]()
+        if s.beats and (s.hang_at is None or self.tick < s.hang_at):
+            for rank in range(s.ranks):
+                self._beat(rank, self.tick)
+        if s.saves is not None and self.tick == s.exit_at - 1:
+            self.layer.checkpoints.append(s.saves)
+        if s.exit_code is not None and self.tick >= s.exit_at:
+            self.code = s.exit_code
+            self.layer.ooms += int(s.oom)
+        return self.code
+
+    def refresh(self) -> None:
+        pass
+
+    def send(self, sig: int) -> None:
+        self.signals.append(sig)
+
+    def wait_exit(self, timeout: float) -> int | None:
+        if self.script.stop_exit is not None and self.stop_requested():
+            self.code = self.script.stop_exit
+            return self.code
+        return None
+
+    def terminate_tree(self, grace: float) -> list[int]:
+        self.grace = grace
+        alive = self.code is None
+        self.code = -signal.SIGKILL if alive else self.code
+        return [self.pid] if alive else []
+
+
+class FakeProcesses(ProcessLayer):
+    """The operating system as the loop sees it, scripted: one :class:`Attempt` per launch."""
+
+    def __init__(self, *attempts: Attempt) -> None:
+        self.script = list(attempts)
+        self.jobs: list[FakeJob] = []
+        self.checkpoints: list[int] = []  # steps "saved" by the fake jobs (what choose_resume finds)
+        self.ooms = 0
+        self.rank_signals: list[tuple[int, int]] = []
+        self.live_pids: set[int] = set()
+
+    def start(self, command, env, log_path, tail_lines) -> FakeJob:  # type: ignore[override]
+        assert self.script, "the loop launched more attempts than the test scripted"
+        job = FakeJob(self, self.script.pop(0), dict(env), 100_000 + 100 * len(self.jobs))
+        self.jobs.append(job)
+        return job
+
+    def become_subreaper(self) -> bool:
+        return True
+
+    def oom_kill_count(self) -> int | None:
+        return self.ooms
+
+    def pid_exists(self, pid: int) -> bool:
+        if pid in self.live_pids:
+            return True
+        for job in self.jobs:
+            for rank in range(job.script.ranks):
+                if job.rank_pid(rank) == pid:
+                    return job.code is None and rank != job.script.dead_rank
+        return False
+
+    def kill(self, pid: int, sig: int) -> None:
+        self.rank_signals.append((pid, sig))
+
+    def dump_stacks(self, hb_dir: Path, records) -> dict[str, str]:  # type: ignore[override]
+        return {f"rank {r} pid {rec.pid}": "fake stack" for r, rec in sorted(records.items())}
+
+
+class Recorder(Observer):
+    def __init__(self) -> None:
+        self.states: list[str] = []
+        self.failures: list[str] = []
+        self.on_state: dict[str, object] = {}
+
+    def state(self, state: str) -> None:
+        self.states.append(state)
+        if state in self.on_state:
+            self.on_state.pop(state)()  # type: ignore[operator]
+
+    def attempt_failed(self, reason: str, last_step: int | None) -> None:
+        self.failures.append(reason)
+
+
+class LoopUnderTest(Supervisor):
+    """The checkpoint directory is the fake layer's list of saved steps."""
+
+    def choose_resume(self) -> ResumePoint | None:
+        steps = self.processes.checkpoints  # type: ignore[attr-defined]
+        return ResumePoint(max(steps), self.checkpoint_dir / f"step_{max(steps)}", "rlsup") if steps else None
+
+
+def make(tmp_path: Path, *attempts: Attempt, **cfg: object) -> tuple[LoopUnderTest, FakeProcesses, Recorder]:
+    settings = dict(checkpoint_dir=str(tmp_path / "ckpt"), state_dir=str(tmp_path / "state"), metrics_port=0,
+                    poll_interval=0.005, backoff_initial=0.01, backoff_max=0.02, backoff_jitter=0.0,
+                    heartbeat_timeout=0.3, startup_timeout=0.3, warm_launcher=False, kill_grace=3.0,
+                    stop_grace=5.0)
+    settings.update(cfg)
+    layer, recorder = FakeProcesses(*attempts), Recorder()
+    sup = LoopUnderTest(SupervisorConfig(**settings), ["train"], observer=recorder, processes=layer)
+    return sup, layer, recorder
+
+
+ATTEMPT = ["starting", "running"]
+
+
+def incidents(tmp_path: Path) -> list[dict]:
+    return read_incidents(tmp_path / "state")
+
+
+def test_success(tmp_path: Path) -> None:
+    sup, layer, rec = make(tmp_path, Attempt(exit_code=0))
+    result = sup.run()
+    assert (result.exit_code, result.status, result.attempts) == (0, JobStatus.SUCCEEDED, 1)
+    assert rec.states == [*ATTEMPT, "succeeded"] and incidents(tmp_path) == []
+    state = read_state(tmp_path / "state")
+    assert state is not None and state["state"] == "succeeded" and state["exit_code"] == 0
+    assert layer.jobs[0].grace == 3.0  # every attempt's tree is cleaned up (orphans), with kill_grace
+
+
+def test_crash_then_resume_and_success(tmp_path: Path) -> None:
+    sup, layer, rec = make(tmp_path, Attempt(exit_code=3, exit_at=4, saves=2), Attempt(exit_code=0))
+    result = sup.run()
+    assert result.exit_code == 0 and result.attempts == 2
+    assert rec.states == [*ATTEMPT, "failed", "backoff", *ATTEMPT, "succeeded"]
+    (inc,) = incidents(tmp_path)
+    assert (inc["reason"], inc["exit_code"], inc["action"], inc["last_step"]) == ("exit_code", 3, "restart", 3)
+    assert inc["resumed_step"] == 2 and inc["downtime_s"] is not None and inc["output_tail"] == ["attempt 0 output"]
+    second = layer.jobs[1].env
+    assert second["RLSUP_RESTART_COUNT"] == "1" and second["RLSUP_RESUME_STEP"] == "2"
+    assert layer.jobs[0].grace == 3.0  # kill_grace for a crash
+
+
+def test_dead_rank_is_named(tmp_path: Path) -> None:
+    sup, _, _ = make(tmp_path, Attempt(exit_code=1, dead_rank=1), Attempt(exit_code=0))
+    assert sup.run().exit_code == 0
+    (inc,) = incidents(tmp_path)
+    assert inc["rank"] == 1 and "rank 1" in inc["detail"]
+
+
+def test_signal_and_oom(tmp_path: Path) -> None:
+    sup, _, rec = make(tmp_path, Attempt(exit_code=-signal.SIGSEGV), Attempt(exit_code=-signal.SIGKILL, oom=True),
+                       Attempt(exit_code=0))
+    assert sup.run().exit_code == 0
+    assert [(i["reason"], i["signal"]) for i in incidents(tmp_path)] == [("signal", "SIGSEGV"), ("oom", "SIGKILL")]
+    assert rec.failures == ["signal", "oom"]
+
+
+def test_hang_dumps_stacks_and_kills_without_grace(tmp_path: Path) -> None:
+    sup, layer, _ = make(tmp_path, Attempt(exit_code=None, hang_at=3), Attempt(exit_code=0))
+    t0 = time.monotonic()
+    assert sup.run().exit_code == 0
+    assert time.monotonic() - t0 < 5
+    (inc,) = incidents(tmp_path)
+    assert inc["reason"] == "hang" and inc["last_step"] == 2 and inc["rank"] == 0
+    assert inc["stacks"] == {f"rank 0 pid {layer.jobs[0].rank_pid(0)}": "fake stack",
+                             f"rank 1 pid {layer.jobs[0].rank_pid(1)}": "fake stack"}
+    assert layer.jobs[0].grace == 0.0  # a hung job gets no kill_grace
+
+
+def test_startup_timeout(tmp_path: Path) -> None:
+    sup, layer, _ = make(tmp_path, Attempt(exit_code=None, beats=False), Attempt(exit_code=0))
+    assert sup.run().exit_code == 0
+    (inc,) = incidents(tmp_path)
+    assert inc["reason"] == "startup_timeout" and layer.jobs[0].grace == 0.0
+
+
+def test_retries_exhausted_gives_up_with_the_jobs_code(tmp_path: Path) -> None:
+    sup, _, rec = make(tmp_path, *[Attempt(exit_code=4, saves=s) for s in (1, 2, 3)], max_restarts=2)
+    result = sup.run()
+    assert (result.exit_code, result.status, result.attempts) == (4, JobStatus.GAVE_UP, 3)
+    assert [i["action"] for i in incidents(tmp_path)] == ["restart", "restart", "give_up"]
+    assert rec.states[-2:] == ["failed", "gave_up"]
+
+
+def test_fatal_exit_code(tmp_path: Path) -> None:
+    sup, layer, _ = make(tmp_path, Attempt(exit_code=42), fatal_exit_codes=[42])
+    assert sup.run().exit_code == 42 and len(layer.jobs) == 1
+    assert incidents(tmp_path)[0]["action"] == "fatal"
+
+
+def test_no_progress_exits_76(tmp_path: Path) -> None:
+    sup, layer, _ = make(tmp_path, *[Attempt(exit_code=1)] * 3, max_no_progress_attempts=3, max_restarts=10)
+    result = sup.run()
+    assert result.exit_code == exit_codes.NO_PROGRESS and len(layer.jobs) == 3
+    assert [i["action"] for i in incidents(tmp_path)] == ["restart", "restart", "no_progress"]
+
+
+def test_stop_while_running(tmp_path: Path) -> None:
+    sup, layer, rec = make(tmp_path, Attempt(exit_code=None))
+    layer.script[0].on_tick = (2, lambda: sup.request_stop(signal.SIGTERM))
+    result = sup.run()
+    assert (result.exit_code, result.status) == (128 + signal.SIGTERM, JobStatus.STOPPED)
+    assert rec.states == [*ATTEMPT, "stopping", "stopped"]
+    assert layer.jobs[0].signals == [signal.SIGTERM]  # the whole tree is signalled
+    (inc,) = incidents(tmp_path)
+    assert (inc["reason"], inc["action"], inc["exit_code"]) == ("stopped", "stop", 0)
+
+
+def test_preemption_relays_to_ranks_and_exits_for_requeue(tmp_path: Path) -> None:
+    sup, layer, rec = make(tmp_path, Attempt(exit_code=None))
+    layer.script[0].on_tick = (2, lambda: sup.request_stop(signal.SIGUSR1, preempted=True))
+    result = sup.run()
+    assert (result.exit_code, result.status) == (exit_codes.REQUEUE, JobStatus.PREEMPTED)
+    assert rec.states == [*ATTEMPT, "stopping", "preempted"]
+    job = layer.jobs[0]
+    assert job.signals == [] and sorted(layer.rank_signals) == [(job.rank_pid(0), signal.SIGUSR1),
+                                                                 (job.rank_pid(1), signal.SIGUSR1)]
+    assert job.stop_requested()  # the stop flag in every rank's heartbeat file
+    assert incidents(tmp_path)[0]["reason"] == "preempted"
+
+
+def test_stop_ignored_is_killed_after_stop_grace(tmp_path: Path) -> None:
+    sup, layer, _ = make(tmp_path, Attempt(exit_code=None, stop_exit=None))
+    layer.script[0].on_tick = (2, lambda: sup.request_stop(signal.SIGINT))
+    assert sup.run().exit_code == 128 + signal.SIGINT
+    assert incidents(tmp_path)[0]["detail"] == "killed after stop_grace" and layer.jobs[0].grace == 3.0
+
+
+def test_job_exits_on_its_own_after_the_stop_signal(tmp_path: Path) -> None:
+    """SIGINT from a terminal reaches the job too: it may exit before rlsup acts; still STOPPING -> STOPPED."""
+    sup, layer, rec = make(tmp_path, Attempt(exit_code=130, exit_at=2))
+    layer.script[0].on_tick = (2, lambda: sup.request_stop(signal.SIGINT))
+    assert sup.run().exit_code == 128 + signal.SIGINT
+    assert rec.states == [*ATTEMPT, "stopping", "stopped"]
+
+
+@pytest.mark.parametrize("preempted", [False, True])
+def test_stop_during_backoff(tmp_path: Path, preempted: bool) -> None:
+    sup, layer, rec = make(tmp_path, Attempt(exit_code=1), Attempt(exit_code=0), backoff_initial=30.0)
+    rec.on_state["backoff"] = lambda: sup.request_stop(signal.SIGTERM, preempted=preempted)
+    t0 = time.monotonic()
+    result = sup.run()
+    assert time.monotonic() - t0 < 5  # the 30 s backoff was cut short
+    final = "preempted" if preempted else "stopped"
+    assert rec.states == [*ATTEMPT, "failed", "backoff", final] and len(layer.jobs) == 1
+    assert result.exit_code == (exit_codes.REQUEUE if preempted else 128 + signal.SIGTERM)
+    assert [i["action"] for i in incidents(tmp_path)] == ["restart"]  # the failure, recorded once
+
+
+def test_real_sigterm_reaches_the_loop_and_handlers_are_restored(tmp_path: Path) -> None:
+    sentinel = signal.signal(signal.SIGTERM, lambda *_: pytest.fail("the supervisor's handler was not installed"))
+    try:
+        sup, layer, _ = make(tmp_path, Attempt(exit_code=None))
+        layer.script[0].on_tick = (2, lambda: os.kill(os.getpid(), signal.SIGTERM))
+        assert sup.run().exit_code == 128 + signal.SIGTERM
+        assert signal.getsignal(signal.SIGTERM) is not sentinel  # ours, restored after run()
+    finally:
+        signal.signal(signal.SIGTERM, sentinel)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def test_supervisor_lost_is_recorded_and_the_next_attempt_runs(tmp_path: Path) -> None:
+    state_dir = tmp_path / "state"
+    state_dir.mkdir()
+    (state_dir / "state.json").write_text(json.dumps({"state": "running", "attempt": 4, "pid": 999_999_999,
+                                                      "last_step": 17}))
+    sup, layer, _ = make(tmp_path, Attempt(exit_code=0))
+    assert sup.run().exit_code == 0
+    (inc,) = incidents(tmp_path)
+    assert (inc["reason"], inc["action"], inc["attempt"], inc["last_step"]) == ("supervisor_lost", "restart", 4, 17)
+    assert layer.jobs[0].env["RLSUP_RESTART_COUNT"] == "5"
+
+
+def test_a_final_state_does_not_count_as_lost(tmp_path: Path) -> None:
+    state_dir = tmp_path / "state"
+    state_dir.mkdir()
+    (state_dir / "state.json").write_text(json.dumps({"state": "succeeded", "attempt": 4, "pid": 999_999_999}))
+    sup, layer, _ = make(tmp_path, Attempt(exit_code=0))
+    assert sup.run().exit_code == 0 and incidents(tmp_path) == []
+    assert layer.jobs[0].env["RLSUP_RESTART_COUNT"] == "0"
+
+
+def test_illegal_transition_raises(tmp_path: Path) -> None:
+    sup, _, _ = make(tmp_path)
+    with pytest.raises(IllegalTransition, match="INIT -> RUNNING"):
+        sup._set_state(JobStatus.RUNNING)
