@@ -553,10 +553,8 @@ class Supervisor:
 
     def _finish(self, code: int, status: JobStatus, attempt: int) -> RunResult:
         self._discard_zygote()  # no next attempt: do not keep a launcher alive through the final copy
-        if self.persistent is not None:
-            step = self.persistent.flush(self.cfg.stop_grace)  # the last checkpoint, whatever the cadence
-            if step is not None:
-                self._log(f"step {step} copied to the persistent tier {self.persistent.location}")
+        if self.persistent is not None:  # the last checkpoint, whatever the cadence; the tier logs the copy
+            self.persistent.flush(self.cfg.stop_grace)
         self._log(f"{status.value} after {attempt + 1} attempt(s); exit {code}")
         return RunResult(code, status, attempt + 1, self.incidents)
 
