@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 from supervisor.membership import Membership
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("supervisor.cli")  # not __name__: under `python -m` that is __main__
 
 def _split_command(argv: list[str]) -> tuple[list[str], list[str]]:
     if "--" in argv:
@@ -38,7 +38,7 @@ def cmd_run(args: argparse.Namespace, command: list[str]) -> int:
     from supervisor.runner import Supervisor
 
     if not command:
-        print("rlsup run: no command given; usage: rlsup run [options] -- COMMAND [ARGS...]", file=sys.stderr)
+        log.error("no command given; usage: rlsup run [options] -- COMMAND [ARGS...]")
         return exit_codes.CONFIG_ERROR
     eff = load_config(args)
     cfg = eff.config.resolved()
@@ -73,10 +73,10 @@ def _run_multinode(cfg: SupervisorConfig, command: list[str], membership: Member
                                          coordinator=coordinator)
         return supervisor.run().exit_code
     except (JobClash, PinningError) as e:
-        print(f"rlsup: {e}", file=sys.stderr)
+        log.error("%s", e)
         return exit_codes.CONFIG_ERROR
     except CoordinationError as e:
-        print(f"rlsup: {e}", file=sys.stderr)
+        log.error("%s", e)
         return exit_codes.FAILED
     finally:
         service.stop()
@@ -254,7 +254,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     script = Path(__file__).resolve().parent.parent / "examples" / "train_tiny.py"
     if not script.exists():
-        print(f"rlsup demo: {script} not found (run from a clone of the repository)", file=sys.stderr)
+        log.error("demo: %s not found (run from a clone of the repository)", script)
         return exit_codes.CONFIG_ERROR
     workdir = Path(args.workdir).resolve()
     if workdir.exists():
@@ -338,7 +338,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_daemon(args)
         return int(args.func(args))
     except ConfigError as e:
-        print(f"rlsup: config error: {e}", file=sys.stderr)
+        log.error("config error: %s", e)
         return exit_codes.CONFIG_ERROR
 
 
