@@ -5,8 +5,9 @@ round, ``prepare`` agrees on the resume step and fetches missing parts before la
 stops this node's job when another node's attempt failed, and a failure here ends the round for all.
 
 The persistent tier (``persistent_dir``) works per part here: each node copies the parts its own ranks
-wrote (:meth:`supervisor.persistent.PersistentTier.poll_parts`), and node 0 offers the tier's parts to
-the plan as the last holder (in place > peer > persistent), fetched with the same verify-then-rename rule.
+wrote (:class:`supervisor.persistent.PersistentTier`, built with this node's rank), and node 0 offers
+the tier's parts to the plan as the last holder (in place > peer > persistent). A missing part is
+fetched from its holders in plan order by one call, :func:`supervisor.part_protocol.fetch_part`.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ from supervisor.job_identity import JobIdentity
 from supervisor.lifecycle import EndReason
 from supervisor.membership import Membership
 from supervisor.observer import Observer
-from supervisor.persistent import PersistentPartInvalid
+from supervisor.part_protocol import FetchFailed, PartStore, fetch_part
+from supervisor.persistent import PersistentTier
 from supervisor.process_tree import ProcessLayer
 from supervisor.rank_pinning import pin_ranks
 from supervisor.replication import ReplicationEngine, newest_own_step
@@ -90,9 +92,9 @@ class MultiNodeSupervisor(Supervisor):
             self._log(pinned.note)
         self._store_lost = False
         if self.persistent is not None:
-            # Node-local directories hold only this node's parts, so whole-step copies never happen:
-            # copy per part (and let node 0 alone start steps and prune the tier).
-            self.persistent.node = membership.node_rank
+            # The tier of this node (node 0 alone starts steps and prunes the tier); the single-node one
+            # the base class made is not started yet and is replaced, never changed.
+            self.persistent = PersistentTier.from_config(self.cfg, membership.node_rank, job.id)
         # Node 0, the planner: persistent parts that failed verification, never offered again.
         self._bad_persistent: set[tuple[int, int]] = set()
 
@@ -193,6 +195,7 @@ class MultiNodeSupervisor(Supervisor):
         if need:
             self._log(f"round {attempt}: fetching ranks {sorted(need)} of step {plan.step} "
                       f"({self._describe(need)})")
+            self.engine.clean()  # what a killed fetch left (temp files, spooled transfers)
         for rank, holders in sorted(need.items()):
             tier, errors, bad = self._fetch_part(plan.step, rank, holders)
             if tier is None:
@@ -207,23 +210,20 @@ class MultiNodeSupervisor(Supervisor):
 
     def _fetch_part(self, step: int, rank: int, holders: list[int]) -> tuple[str | None, list[str], bool]:
         """(tier it came from or None, errors, whether the persistent copy failed verification)."""
+        tier_of: dict[PartStore, str] = {}  # the holders in plan order, each a store
         errors: list[str] = []
-        bad = False
         for holder in holders:
-            try:
-                if holder == PERSISTENT_HOLDER:
-                    if self.persistent is None:
-                        raise RuntimeError("no persistent_dir configured on this node")
-                    self.persistent.fetch_part(step, rank, self.checkpoint_dir)
-                    return TIER_PERSISTENT, errors, bad
-                self.engine.fetch(step, {rank: [holder]})
-                return TIER_PEER, errors, bad
-            except PersistentPartInvalid as e:
-                bad = True
-                errors.append(f"persistent tier: {e}")
-            except Exception as e:
-                errors.append(f"{'persistent tier' if holder == PERSISTENT_HOLDER else f'node {holder}'}: {e}")
-        return None, errors, bad
+            if holder != PERSISTENT_HOLDER:
+                tier_of[self.engine.peer_store(holder)] = TIER_PEER
+            elif self.persistent is not None:
+                tier_of[self.persistent.store] = TIER_PERSISTENT
+            else:
+                errors.append("persistent tier: no persistent_dir configured on this node")
+        try:
+            used, _ = fetch_part(list(tier_of), self.engine.local_store(), step, rank, accept=self.engine.accept)
+        except FetchFailed as e:
+            return None, [*errors, str(e)], any(tier_of[s] == TIER_PERSISTENT for s in e.invalid)
+        return tier_of[used], errors, False
 
     @staticmethod
     def _describe(need: dict[int, list[int]]) -> str:

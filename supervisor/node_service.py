@@ -23,7 +23,7 @@ from supervisor.dir_lock import DirLock
 from supervisor.job_identity import JobIdentity
 from supervisor.membership import Membership
 from supervisor.observer import Observer
-from supervisor.replication import ReplicationEngine
+from supervisor.replication import ReplicationEngine, ReplicationSettings
 
 DAEMON_FILE = "daemon.json"
 
@@ -83,9 +83,10 @@ class NodeService:
                    for n, ep in enumerate(self.membership.peers) if n != self.membership.node_rank}
         state_dir = Path(self.cfg.state_dir)
         self.engine = ReplicationEngine(
-            self.membership, Path(self.cfg.checkpoint_dir), Path(self.cfg.replica_dir), clients,
-            self.cfg.replication_factor, self.cfg.replication_jump, state_dir / "replication.json",
-            self.observer, self.cfg.replication_scan_interval, job=self.job.id)
+            membership=self.membership, checkpoint_dir=Path(self.cfg.checkpoint_dir),
+            replica_root=Path(self.cfg.replica_dir), clients=clients,
+            settings=ReplicationSettings.from_config(self.cfg), state_path=state_dir / "replication.json",
+            observer=self.observer, job=self.job.id)
         if not self.serve:
             return self
         # One server per replica directory: two jobs sharing the relative default must not both serve it.

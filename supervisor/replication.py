@@ -1,12 +1,15 @@
 """Copy this node's valid checkpoint parts to peer nodes, and bring missing parts back.
 
 Triggers: the watchdog library reports new manifests in the checkpoint directory (a part becomes valid
-exactly when its manifest appears, since trainer_hooks writes it last); a periodic rescan catches what
-an event missed. Each part goes to ``replication_factor`` nodes chosen by :func:`replica_targets`, files
-first and manifest last, so a replica becomes valid only when whole. While a step is being copied it
-carries a ``.hold-replication-node<N>`` marker, so retention does not delete it mid-copy; once the owner
-deletes a step (retention), its replicas are deleted too. Placement is recorded beside each step in
-``.rlsup-placement.node<N>.json``.
+exactly when its manifest appears, since trainer_hooks writes it last); a periodic rescan
+(``scan_interval``) catches what an event missed. Each part goes to ``replication_factor`` nodes chosen
+by :func:`replica_targets`, through :func:`supervisor.part_protocol.copy_part` from the checkpoint
+directory (:class:`~supervisor.part_stores.local.LocalStore`) to the peer's replica namespace
+(:class:`~supervisor.part_stores.peer.PeerStore`): verified, files first, manifest last, so a replica
+becomes valid only when whole. While a part is copied its step carries a ``.hold-replication-node<N>-...``
+marker, so retention does not delete it mid-copy; once the owner deletes a step (retention), its
+replicas are deleted too. Placement is recorded beside each step in
+:func:`rlsup_format.names.placement_name` (``.rlsup-placement.node<N>.json``).
 """
 
 from __future__ import annotations
@@ -15,21 +18,28 @@ import concurrent.futures
 import json
 import logging
 import os
-import re
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from watchdog.events import FileSystemEvent, FileSystemEventHandler
 from watchdog.observers import Observer as FsObserver
 
+from rlsup_format.fileio import write_durable
+from rlsup_format.manifest import MANIFEST_RE, RankManifest, list_step_dirs, manifest_name, step_dir_name
+from rlsup_format.names import Kind, placement_name, reserved_name
 from supervisor.job_identity import namespace_of, parse_namespace
 from supervisor.membership import Membership, replica_targets
 from supervisor.observer import Observer
+from supervisor.part_protocol import copy_part
+from supervisor.part_stores.local import LocalStore
+from supervisor.part_stores.peer import PeerStore
 from supervisor.parts import Part, scan_parts, verify_part
-from rlsup_format.manifest import MANIFEST_RE, hash_file, list_step_dirs, manifest_name, step_dir_name
+
+if TYPE_CHECKING:
+    from supervisor.config import SupervisorConfig
 
 log = logging.getLogger("rlsup.replication")
 
@@ -47,19 +57,30 @@ class PeerProgress:
     rate_bps: float = 0.0
 
 
-@dataclass
+@dataclass(frozen=True)
+class ReplicationSettings:
+    """What replication needs from the configuration."""
+
+    factor: int = 1  # copies of each part on other nodes
+    jump: int = 1  # ring step between a node and its replica holders
+    scan_interval: float = 5.0  # seconds between full rescans (events trigger passes sooner)
+
+    @classmethod
+    def from_config(cls, cfg: "SupervisorConfig") -> "ReplicationSettings":
+        return cls(cfg.replication_factor, cfg.replication_jump, cfg.replication_scan_interval)
+
+
+@dataclass(kw_only=True)
 class ReplicationEngine:
-    """One node's replication: watcher, pusher, inventory and restore-fetcher."""
+    """One node's replication: watcher, pusher, inventory and the holders a restore fetches from."""
 
     membership: Membership
     checkpoint_dir: Path
     replica_root: Path
     clients: dict[int, Any]  # node rank -> PeerClient
-    factor: int
-    jump: int
+    settings: ReplicationSettings = field(default_factory=ReplicationSettings)
     state_path: Path
     observer: Observer = field(default_factory=Observer)
-    scan_interval: float = 5.0
     job: str = "job"  # the job's identity: replicas live in <job>.node<N>, other jobs' parts are never offered
     _wake: threading.Event = field(default_factory=threading.Event)
     _stop: threading.Event = field(default_factory=threading.Event)
@@ -78,12 +99,13 @@ class ReplicationEngine:
 
     @property
     def targets(self) -> list[int]:
-        return replica_targets(self.me, self.membership.size, self.factor, self.jump)
+        return replica_targets(self.me, self.membership.size, self.settings.factor, self.settings.jump)
 
     # ------------------------------------------------------------ lifecycle
 
     def start(self) -> None:
         self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        self.clean()
         handler = _ManifestHandler(self._wake.set)
         self._fs = FsObserver()
         self._fs.schedule(handler, str(self.checkpoint_dir), recursive=True)
@@ -103,7 +125,7 @@ class ReplicationEngine:
 
     def _loop(self) -> None:
         while not self._stop.is_set():
-            self._wake.wait(self.scan_interval)
+            self._wake.wait(self.settings.scan_interval)
             self._wake.clear()
             if self._stop.is_set():
                 break
@@ -159,35 +181,36 @@ class ReplicationEngine:
         t.start()
         t.join(timeout)
 
+    def local_store(self) -> LocalStore:
+        """This node's checkpoint directory as a part store (holds named for this node's replication)."""
+        return LocalStore(self.checkpoint_dir, hold_label=f"replication-node{self.me}")
+
+    def peer_store(self, node: int) -> PeerStore:
+        """``node``'s copy of this node's parts (its replica namespace for this job)."""
+        return PeerStore(self.clients[node], namespace_of(self.job, self.me), self.state_path.parent, f"node {node}")
+
+    def accept(self, manifest: RankManifest) -> str:
+        """"" for a part of this job (or one written without rlsup), else why it must not be used."""
+        job = manifest.extra.get("job")
+        return "" if job in (self.job, None) else f"belongs to job {job!r}, not {self.job!r}"
+
     def _push(self, target: int, part: Part) -> None:
-        client = self.clients[target]
         prog = self.progress.setdefault(target, PeerProgress())
-        hold = part.step_dir / f".hold-replication-node{self.me}"
-        ns = namespace_of(self.job, self.me)
-        base = step_dir_name(part.step)
         started = time.monotonic()
         try:
-            hold.touch()
-            if verify_part(part.step_dir, part.rank, full=True) is None:
-                return  # changed or corrupted since the scan: never replicate a bad part
-            sent = 0
-            for name, entry in part.manifest.files.items():
-                client.push_file(ns, f"{base}/{name}", part.step_dir / name, entry)
-                sent += entry.size
-                self.observer.replicated(str(target), entry.size)
-            client.push_file(ns, f"{base}/{manifest_name(part.rank)}", part.manifest_path,
-                             hash_file(part.manifest_path))
-            self._held.setdefault(target, set()).add((part.step, part.rank))
-            prog.bytes_sent += sent
-            prog.parts_sent += 1
-            prog.last_ok = time.time()
-            elapsed = time.monotonic() - started
-            prog.rate_bps = sent / elapsed if elapsed > 0 else 0.0
-            self._record_placement(part)
-        except Exception as e:  # a dead or lying peer slows nothing but its own copies
+            done = copy_part(self.local_store(), self.peer_store(target), part.step, part.rank)
+        except Exception as e:  # a dead or lying peer, or a part changed under us: only this copy fails
             self._failed(target, f"step {part.step} rank {part.rank}: {e}")
-        finally:
-            hold.unlink(missing_ok=True)
+            return
+        self._held.setdefault(target, set()).add((part.step, part.rank))
+        if done.written:
+            self.observer.replicated(str(target), done.size)
+            prog.bytes_sent += done.size
+            prog.parts_sent += 1
+            elapsed = time.monotonic() - started
+            prog.rate_bps = done.size / elapsed if elapsed > 0 else 0.0
+        prog.last_ok = time.time()
+        self._record_placement(part)
 
     def _failed(self, target: int, error: str) -> None:
         prog = self.progress.setdefault(target, PeerProgress())
@@ -199,21 +222,19 @@ class ReplicationEngine:
     def _delete(self, target: int, step: int) -> None:
         """Retention mirrored: the owner deleted ``step`` (seen here, then gone), so its replicas go too."""
         try:
-            self.clients[target].delete(namespace_of(self.job, self.me), step_dir_name(step))
+            self.peer_store(target).delete(step)
         except Exception as e:
             log.warning("deleting replica of step %s on node %s failed: %s", step, target, e)
 
     def _record_placement(self, part: Part) -> None:
-        path = part.step_dir / f".rlsup-placement.node{self.me}.json"
+        path = part.step_dir / placement_name(self.me)
         placed = sorted(t for t in self.targets if (part.step, part.rank) in self._held.get(t, set()))
         data = {"step": part.step, "owner": self.me, "targets": placed,
                 "peers": [self.membership.peers[t] for t in placed], "updated": time.time()}
-        tmp = path.with_name(path.name + ".tmp")
         try:
-            tmp.write_text(json.dumps(data))
-            os.replace(tmp, path)
+            write_durable(path, json.dumps(data).encode(), part.step_dir / reserved_name(Kind.TMP, "placement"))
         except OSError:
-            pass
+            pass  # the step was deleted meanwhile: nothing to record
 
     def _update_lag(self, parts: list[Part]) -> None:
         for target in self.targets:
@@ -232,9 +253,8 @@ class ReplicationEngine:
             "updated": time.time(),
         }
         self.state_path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.state_path.with_name(self.state_path.name + ".tmp")
-        tmp.write_text(json.dumps(data, indent=1))
-        os.replace(tmp, self.state_path)
+        tmp = self.state_path.with_name(reserved_name(Kind.TMP, self.state_path.name))
+        write_durable(self.state_path, json.dumps(data, indent=1).encode(), tmp)
 
     # ------------------------------------------------------------ restore
 
@@ -260,62 +280,12 @@ class ReplicationEngine:
                     entry["replicas"][str(part.rank)] = owner
         return {"node": self.me, "steps": steps}
 
-    def fetch(self, step: int, ranks: dict[int, list[int]]) -> None:
-        """Bring this node's missing parts of ``step`` back from the peers that hold replicas."""
-        step_dir = self.checkpoint_dir / step_dir_name(step)
-        step_dir.mkdir(parents=True, exist_ok=True)
-        _remove_fetch_leftovers(step_dir)
-        ns = namespace_of(self.job, self.me)
-        base = step_dir_name(step)
-        for rank, holders in sorted(ranks.items()):
-            errors = []
-            for holder in holders:
-                try:
-                    self._fetch_part(self.clients[holder], ns, base, step_dir, rank)
-                    break
-                except Exception as e:
-                    errors.append(f"node {holder}: {e}")
-            else:
-                raise RuntimeError(f"could not fetch step {step} rank {rank}: {'; '.join(errors)}")
-
-    def _fetch_part(self, client: Any, ns: str, base: str, step_dir: Path, rank: int) -> None:
-        index = client.index(ns)
-        mname = manifest_name(rank)
-        m_entry = index.get(f"{base}/{mname}")
-        if m_entry is None:
-            raise RuntimeError(f"{base}/{mname} not held")
-        staging = step_dir / f".fetch-{mname}"
-        client.fetch_file(ns, f"{base}/{mname}", staging, m_entry)
-        try:
-            from rlsup_format.manifest import read_manifest
-
-            manifest = read_manifest(staging)
-            for name, entry in manifest.files.items():
-                client.fetch_file(ns, f"{base}/{name}", step_dir / name, entry)
-            os.replace(staging, step_dir / mname)  # manifest last: the part is valid only when whole
-        finally:
-            staging.unlink(missing_ok=True)
-        part = verify_part(step_dir, rank, full=True)
-        if part is None:
-            raise RuntimeError(f"fetched part of rank {rank} does not verify")
-        if job_of(part) != self.job:
-            (step_dir / mname).unlink(missing_ok=True)
-            raise RuntimeError(f"fetched part of rank {rank} belongs to job {job_of(part)!r}, not {self.job!r}")
-
-
-_FETCH_TEMP_RE = re.compile(r"^(\..+\.rlsup-[0-9a-f]+\.tmp|\.fetch-manifest\..+)$")
-
-
-def _remove_fetch_leftovers(step_dir: Path) -> None:
-    """Temp files of a fetch whose process was killed (partial data, a staged manifest). Only a fetch
-    writes these names into the checkpoint dir, and fetches run before launch, one at a time."""
-    for dirpath, _dirs, files in os.walk(step_dir):
-        for name in files:
-            if _FETCH_TEMP_RE.match(name):
-                try:
-                    os.unlink(os.path.join(dirpath, name))
-                except OSError:
-                    pass
+    def clean(self) -> None:
+        """Leftovers of killed fetches and copies: temp files in the checkpoint directory's steps, stale
+        holds, spooled transfers in the state directory (one rule: rlsup_format.leftovers)."""
+        self.local_store().clean()
+        if self.clients:
+            self.peer_store(next(iter(self.clients))).clean()
 
 
 def job_of(part: Part) -> str | None:

@@ -25,10 +25,11 @@ import pytest
 import torch
 
 from conftest import ROOT, clean_env, job_subdir, rlsup_cmd, wait_for
-from supervisor.persistent import PART_TMP_PREFIX, PersistentPartInvalid, PersistentTier, _host_tag
+from supervisor.persistent import PersistentPartInvalid, PersistentTier
 from test_multinode import PY, assert_same_weights, free_ports
 from trainer_hooks import CheckpointManager
 from rlsup_format.manifest import hash_file, manifest_name, step_dir_name, verify_step_dir
+from rlsup_format.names import host_tag
 
 TRAIN = str(ROOT / "examples" / "train_tiny.py")
 NODES = 2
@@ -49,7 +50,7 @@ def save_part(root: Path, step: int, rank: int, world: int, monkeypatch: pytest.
 
 
 def flip_tier_byte(tier: PersistentTier, step: int, rel: str) -> None:
-    data = bytearray(tier.parts.read(step, rel))
+    data = bytearray(tier.store.reader(step).read(rel))
     data[len(data) // 2] ^= 0xFF
     if tier.location.startswith("memory://"):
         tier.store.fs.pipe_file(f"{tier.store.path(step)}/{rel}", bytes(data))
@@ -93,15 +94,16 @@ def test_per_part_copy_out_retention_and_fetch(tmp_path: Path, monkeypatch: pyte
     assert tier0.poll(n0) == 21
     rel = "rank_00001.pt"
     src = n1 / step_dir_name(21) / rel
-    tier1.parts.put_file(21, rel, src, hash_file(src), None)
+    with open(src, "rb") as f:
+        tier1.store.put_file(21, rel, f, hash_file(src))
     assert not tier0.verify(21)  # a partial part never looks valid
     assert tier0.part_listing()[21]["ranks"] == [0]  # and is not offered for a restore
     if kind == "fs":
         # Temp files of killed copies: this host's dead pid goes at once, another host's after STALE_AGE_S.
         step_dir = tier0.store.path(21)
-        dead = step_dir / f"{PART_TMP_PREFIX}{_host_tag()}-999999999-dead"
-        other_old = step_dir / f"{PART_TMP_PREFIX}otherhost-123-old"
-        other_new = step_dir / f"{PART_TMP_PREFIX}otherhost-123-new"
+        dead = step_dir / f".tmp-copy-{host_tag()}-999999999-dead"  # rlsup_format.names reserved names
+        other_old = step_dir / ".tmp-copy-otherhost-123-old"
+        other_new = step_dir / ".tmp-copy-otherhost-123-new"
         for p in (dead, other_old, other_new):
             p.write_bytes(b"partial")
         os.utime(other_old, (time.time() - 7200, time.time() - 7200))
@@ -124,10 +126,10 @@ def test_per_part_copy_out_retention_and_fetch(tmp_path: Path, monkeypatch: pyte
     assert not (bad_dir / manifest_name(1)).exists() and not any(bad_dir.iterdir())
     # Node 1 (a new process: nothing remembered) finds its own part invalid and rewrites it; node 0's
     # valid part is never touched.
-    rank0_manifest = tier0.parts.read(21, manifest_name(0))
+    rank0_manifest = tier0.store.reader(21).read(manifest_name(0))
     fresh1 = PersistentTier(url, keep_last=2, node=1)
     assert fresh1.poll(n1) == 21
-    assert tier0.verify(21, full=True) and tier0.parts.read(21, manifest_name(0)) == rank0_manifest
+    assert tier0.verify(21, full=True) and tier0.store.reader(21).read(manifest_name(0)) == rank0_manifest
 
 
 # ------------------------------------------------------------------------------------------ end to end

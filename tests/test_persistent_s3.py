@@ -207,8 +207,11 @@ def test_copy_interrupted_before_the_manifests_is_never_valid(bucket: str, tmp_p
     assert not tier.verify(20, full=False) and tier.latest_valid() is None
     shutil.rmtree(tmp_path / "back", ignore_errors=True)
     assert choose_across_tiers(tmp_path / "back", tier) is None
-    # A new copy over the partial one replaces it (deleted first, then uploaded manifests-last).
-    tier.store.put(30, src, None)
+    # A new copy over the partial one completes it (objects checked, the manifest last).
+    from supervisor.part_protocol import copy_part
+    from supervisor.part_stores.local import LocalStore
+
+    copy_part(LocalStore(local), tier.store, 30, 0)  # the one rank's part: data objects, then the manifest
     assert tier.latest_valid().step == 30
     assert keys(bucket, f"ckpt/{step_dir_name(30)}/") == {
         f"ckpt/{step_dir_name(30)}/{rel}" for rel in step_files(src)}
