@@ -10,13 +10,13 @@ from typing import Any, Mapping
 
 class Observer:
     def state(self, state: str) -> None:
-        """The job entered ``state`` (a JobStatus value)."""
+        """The job entered ``state`` (a :class:`supervisor.lifecycle.JobStatus`, a str); once per change."""
 
     def attempt_started(self, attempt: int, resume_step: int | None) -> None:
         """An attempt was launched, resuming from ``resume_step`` (None: fresh start)."""
 
     def attempt_failed(self, reason: str, last_step: int | None) -> None:
-        """An attempt ended in failure for ``reason`` (bounded set, see AttemptResult.reason)."""
+        """An attempt ended in failure for ``reason`` (one of :data:`supervisor.lifecycle.ATTEMPT_FAILURES`)."""
 
     def heartbeats(self, records: Mapping[int, Any], timeout_s: float) -> None:
         """Latest heartbeat records by rank, and the heartbeat timeout in force."""
