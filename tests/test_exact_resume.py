@@ -18,6 +18,7 @@ import torch
 from conftest import ROOT, clean_env, incidents, job_subdir, start_rlsup, wait_for
 from trainer_hooks.heartbeat import read_record
 from rlsup_format.manifest import list_step_dirs, verify_step_dir
+from rlsup_format.names import Kind, parse_reserved
 
 TRAIN = str(ROOT / "examples" / "train_tiny.py")
 PY = sys.executable
@@ -56,9 +57,10 @@ def staging_pid(ckpt: Path, live: set[int]) -> int | None:
     try:
         for step_dir in ckpt.iterdir():
             for entry in os.scandir(step_dir):
-                if entry.name.startswith(".staging-rank_") and int(entry.name.rsplit("-", 1)[1]) in live:
-                    return int(entry.name.rsplit("-", 1)[1])
-    except (FileNotFoundError, NotADirectoryError, ValueError):
+                res = parse_reserved(entry.name)
+                if res is not None and res.kind is Kind.STAGING and res.label.startswith("rank_") and res.pid in live:
+                    return res.pid
+    except (FileNotFoundError, NotADirectoryError):
         pass
     return None
 

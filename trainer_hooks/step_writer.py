@@ -27,7 +27,7 @@ import logging
 import os
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Union
 
@@ -84,7 +84,7 @@ class RankIdentity:
     world_size: int
     node_rank: int | None = None
     job: str | None = None
-    pid: int = 0
+    pid: int = field(default_factory=os.getpid)
 
     @classmethod
     def current(cls) -> RankIdentity:

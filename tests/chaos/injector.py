@@ -25,12 +25,20 @@ from pathlib import Path
 
 from trainer_hooks.heartbeat import read_record
 from rlsup_format.manifest import list_step_dirs, manifest_name
+from rlsup_format.names import Kind, parse_reserved
 
 from .common import Deadline, clean_env, pid_alive, rlsup_cmd, wait_for
 from .invariants import ProcessTracker, valid_steps
 
 KINDS = ("rank_kill", "rank_stop", "supervisor_kill", "node_kill", "supervisor_stop")
 MOMENTS = ("random", "mid_save", "mid_manifest", "mid_load")
+
+
+def written_by(name: str, kind: Kind, pid: int, label: str = "") -> bool:
+    """Whether ``name`` is a reserved entry (rlsup_format.names) of ``kind`` written by ``pid``
+    whose label starts with ``label`` (a staging dir ``rank_...``, a temp manifest ``manifest.rank_...``)."""
+    res = parse_reserved(name)
+    return res is not None and res.kind is kind and res.pid == pid and res.label.startswith(label)
 
 
 @dataclass
@@ -146,7 +154,7 @@ class FaultInjector:
         for _, d in list_step_dirs(self.run.sandbox.ckpt):
             try:
                 for e in os.scandir(d):
-                    if e.name.startswith(".staging-rank_") and e.name.endswith(f"-{pid}"):
+                    if written_by(e.name, Kind.STAGING, pid, "rank_"):
                         return True
             except OSError:
                 continue
@@ -160,11 +168,10 @@ class FaultInjector:
                 names = os.listdir(d)
             except OSError:
                 continue
-            if any(n.startswith(f".{mname}.tmp-{pid}-") for n in names):
+            if any(written_by(n, Kind.TMP, pid, mname) for n in names):
                 return True
             data = f"rank_{rank:05d}.pt"
-            if data in names and mname not in names and not any(n.endswith(f"-{pid}") for n in names
-                                                                 if n.startswith(".staging-")):
+            if data in names and mname not in names and not any(written_by(n, Kind.STAGING, pid) for n in names):
                 return True
         return False
 

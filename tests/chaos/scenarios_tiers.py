@@ -24,10 +24,11 @@ from pathlib import Path
 import psutil
 
 from rlsup_format.manifest import list_step_dirs, manifest_name, read_manifest, step_dir_name, verify_step_dir
+from rlsup_format.names import Kind
 
 from .common import (PY, Deadline, Sandbox, freeze, incidents, launcher, pid_alive, reference_checkpoints,
                      reference_weights, thaw, train_args, wait_for)
-from .injector import Fault, FaultInjector, SupervisedRun
+from .injector import Fault, FaultInjector, SupervisedRun, written_by
 from .invariants import (check_incidents, check_no_leftovers, check_no_stale_holds, check_no_survivors,
                          check_no_temp_copies, check_no_writes_outside, check_steps_match_reference,
                          check_valid_not_lost, check_weights, valid_steps)
@@ -77,7 +78,7 @@ class AsyncFaultInjector(FaultInjector):
         """The step dir in which the writer ``wpid`` has its staging dir (it is inside a write)."""
         for _, d in reversed(list_step_dirs(self.run.sandbox.ckpt)):
             try:
-                if any(n.startswith(".staging-") and n.endswith(f"-{wpid}") for n in os.listdir(d)):
+                if any(written_by(n, Kind.STAGING, wpid) for n in os.listdir(d)):
                     return d
             except OSError:
                 continue
@@ -91,9 +92,9 @@ class AsyncFaultInjector(FaultInjector):
             names = os.listdir(d)
         except OSError:
             return "gone"
-        if any(n.startswith(".staging-") and n.endswith(f"-{wpid}") for n in names):
+        if any(written_by(n, Kind.STAGING, wpid) for n in names):
             return "staging"
-        if any(n.startswith(f".{mname}.tmp-{wpid}-") for n in names):
+        if any(written_by(n, Kind.TMP, wpid, mname) for n in names):
             return "manifest"
         if f"rank_{rank:05d}.pt" in names and mname not in names:
             return "manifest"
