@@ -154,6 +154,7 @@ def failed_ranks(ok: bool, rank: int) -> list[int]:
 
 
 def barrier() -> None:
+    """Wait for every rank (nothing to wait for without a process group)."""
     dist = dist_group()
     if dist is not None:
         dist.barrier()
@@ -330,6 +331,8 @@ def own_part_valid(step_dir: Path, step: int, who: RankIdentity, backend_name: s
 
 
 def _refuse_foreign(manifest_path: Path, job: str | None) -> None:
+    """Raise when the valid step at hand belongs to another job: "already valid" must not hide that
+    this job's save went nowhere."""
     try:
         theirs = read_manifest(manifest_path).extra.get("job")
     except (ManifestError, OSError):
@@ -341,6 +344,7 @@ def _refuse_foreign(manifest_path: Path, job: str | None) -> None:
 
 def _write_part(step_dir: Path, step: int, payload: PayloadSource, who: RankIdentity, backend: Backend,
                 live: dict[str, Any]) -> None:
+    """Write this rank's files and then its manifest (see the module docstring for the order)."""
     stale = step_dir / manifest_name(who.rank)
     if stale.exists():
         stale.unlink()  # first, so the step can never look complete with a half-rewritten part

@@ -1,9 +1,9 @@
 """Checkpoint storage backends: how a rank's state becomes files under a step directory.
 
 A backend only writes files (into a private staging directory laid out like the final step
-directory) and reads them back; :class:`trainer_hooks.checkpoint.CheckpointManager` owns the atomic
-protocol around it (fsync, rename, manifests, retention). Backends are imported lazily so that an
-optional dependency (megatron-core) costs nothing unless it is used.
+directory) and reads them back; :mod:`trainer_hooks.step_writer` owns the atomic protocol around it
+(fsync, rename, manifests, retention) for synchronous and asynchronous saves alike. Backends are
+imported lazily so that an optional dependency (megatron-core) costs nothing unless it is used.
 """
 
 from __future__ import annotations
