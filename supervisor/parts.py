@@ -10,15 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from rlsup_format.manifest import (
-    MANIFEST_RE,
-    ManifestError,
-    RankManifest,
-    check_files,
-    list_step_dirs,
-    manifest_name,
-    read_manifest,
-)
+from rlsup_format.manifest import LocalStep, RankManifest, list_step_dirs, manifest_name
+from rlsup_format.manifest import verify_part as verify_part_in
+from rlsup_format.names import parse_manifest_rank, parse_step
 
 
 @dataclass(frozen=True)
@@ -45,13 +39,13 @@ def owner_of(manifest: RankManifest) -> int | None:
 
 
 def verify_part(step_dir: Path, rank: int, full: bool = True) -> Part | None:
-    """The valid part of ``rank`` in ``step_dir``, or None (missing, torn, or not matching its files)."""
-    try:
-        manifest = read_manifest(step_dir / manifest_name(rank))
-    except (OSError, ManifestError):
+    """The valid part of ``rank`` in ``step_dir``, or None (missing, torn, another step's, or not
+    matching its files): :func:`rlsup_format.manifest.verify_part`, the one rule."""
+    step = parse_step(step_dir.name)
+    if step is None:
         return None
-    problem, _ = check_files(step_dir, manifest.files, full=full)
-    if problem or manifest.rank != rank:
+    manifest, _ = verify_part_in(LocalStep(step_dir), step, rank, full)
+    if manifest is None:
         return None
     return Part(manifest.step, rank, manifest.world_size, owner_of(manifest), step_dir, manifest)
 
@@ -59,12 +53,10 @@ def verify_part(step_dir: Path, rank: int, full: bool = True) -> Part | None:
 def scan_parts(root: Path, full: bool = True) -> list[Part]:
     """Every valid part in every step directory under ``root`` (rlsup layout)."""
     parts = []
-    for step, step_dir in list_step_dirs(root):
+    for _, step_dir in list_step_dirs(root):
         for entry in sorted(step_dir.iterdir()):
-            m = MANIFEST_RE.match(entry.name)
-            if m is None:
-                continue
-            part = verify_part(step_dir, int(m.group(1)), full=full)
-            if part is not None and part.step == step:
+            rank = parse_manifest_rank(entry.name)
+            part = verify_part(step_dir, rank, full=full) if rank is not None else None
+            if part is not None:
                 parts.append(part)
     return parts

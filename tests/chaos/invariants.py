@@ -290,7 +290,8 @@ def check_no_stale_holds(ckpt_dir: Path) -> list[str]:
         for name in names:
             if not name.startswith(".hold-persistent"):
                 continue
-            pid = _pid_of_suffix(name)
+            res = parse_reserved(name)  # .hold-persistent-<host>-<pid>-<token> (rlsup_format.names)
+            pid = res.pid if res is not None else _pid_of_suffix(name)
             if pid is None or not psutil.pid_exists(pid):
                 problems.append(f"step {step}: stale retention hold {name} of a dead process (the step can never "
                                 f"be deleted by keep_last)")

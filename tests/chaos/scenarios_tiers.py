@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import random
-import re
 import shutil
 import signal
 import time
@@ -24,7 +23,7 @@ from pathlib import Path
 import psutil
 
 from rlsup_format.manifest import list_step_dirs, manifest_name, read_manifest, step_dir_name, verify_step_dir
-from rlsup_format.names import Kind
+from rlsup_format.names import Kind, parse_manifest_rank, parse_reserved
 
 from .common import (PY, Deadline, Sandbox, freeze, incidents, launcher, pid_alive, reference_checkpoints,
                      reference_weights, thaw, train_args, wait_for)
@@ -288,21 +287,26 @@ def async_write_scenario(parent: Path, ref_cache: Path, seed: int, world: int = 
 
 # ------------------------------------------------------------------ persistent tier
 
-_INCOMING_RE = re.compile(r"^\.incoming-step_(\d+)-(\d+)-[0-9a-f]+$")
-
-
 def _incoming(root: Path, pid: int | None = None) -> list[tuple[int, Path]]:
-    """(step, path) of the temp copies in ``root`` (of process ``pid`` when given)."""
+    """(step, path) of the temp files of part copies in ``root``'s step directories (of process ``pid``
+    when given): reserved TMP names (rlsup_format.names) beside the files they become."""
     out = []
-    try:
-        names = os.listdir(root)
-    except OSError:
-        return out
-    for n in names:
-        m = _INCOMING_RE.match(n)
-        if m and (pid is None or int(m.group(2)) == pid):
-            out.append((int(m.group(1)), root / n))
+    for step, step_dir in list_step_dirs(root):
+        for dirpath, _dirs, files in os.walk(step_dir):
+            for n in files:
+                res = parse_reserved(n)
+                if res is not None and res.kind is Kind.TMP and (pid is None or res.pid == pid):
+                    out.append((step, Path(dirpath) / n))
     return out
+
+
+def _lacks_a_manifest(step_dir: Path) -> bool:
+    """Whether some rank's manifest is missing in ``step_dir`` (a part cut off before its commit)."""
+    ranks = {r for n in os.listdir(step_dir) if (r := parse_manifest_rank(n)) is not None}
+    try:
+        return not ranks or ranks != set(range(read_manifest(step_dir / manifest_name(min(ranks))).world_size))
+    except (OSError, ValueError):
+        return False
 
 
 def persistent_copy_scenario(parent: Path, ref_cache: Path, seed: int,
@@ -419,8 +423,9 @@ def persistent_copy_scenario(parent: Path, ref_cache: Path, seed: int,
             # and a tier opened now (as a new rlsup opens it) offers only what was valid before.
             if moment == "mid_copy":
                 now_valid = valid_steps(dest)
-                problems.extend([f"{fault.note}: persistent step {s} has its final name but does not verify"
-                                 for s, _ in list_step_dirs(dest) if s not in now_valid])
+                # Copies are per part, manifest last: a killed one leaves a part without its manifest.
+                problems.extend([f"{fault.note}: persistent step {s} has every manifest but does not verify"
+                                 for s, p in list_step_dirs(dest) if s not in now_valid and not _lacks_a_manifest(p)])
                 if step_copied in now_valid - tier_before:
                     problems.append(f"{fault.note}: step {step_copied} became valid in the tier from a killed copy")
                 newest = PersistentTier(dest).latest_valid()
