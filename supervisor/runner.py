@@ -220,7 +220,8 @@ class Supervisor:
         if not prev or prev.get("state") in FINAL or self.processes.pid_exists(int(prev.get("pid", 0))):
             return 0
         attempt = int(prev.get("attempt", 0))
-        self._record(Incident(time=time.time(), attempt=attempt, reason=EndReason.SUPERVISOR_LOST, action=Action.RESTART,
+        self._record(Incident(time=time.time(), attempt=attempt, reason=EndReason.SUPERVISOR_LOST,
+                              action=Action.RESTART,
                               last_step=prev.get("last_step"),
                               detail=f"rlsup pid {prev.get('pid')} died while the job was {prev.get('state')}"))
         self._log(f"a previous rlsup died during attempt {attempt}; continuing with attempt {attempt + 1}")
@@ -480,7 +481,8 @@ class Supervisor:
             job.send(self.stop_signal)
         self._log(f"stopping: waiting up to {self.cfg.stop_grace:.0f}s for the job to save and exit")
         code = job.wait_exit(self.cfg.stop_grace)
-        return AttemptResult(attempt, self._stop_reason(), code, last_step=detector.last_step(), output_tail=job.output.tail(),
+        return AttemptResult(attempt, self._stop_reason(), code, last_step=detector.last_step(),
+                             output_tail=job.output.tail(),
                              detail=f"job exited with {code}" if code is not None else "killed after stop_grace")
 
     # ------------------------------------------------------------ helpers

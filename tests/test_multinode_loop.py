@@ -94,7 +94,8 @@ def make(tmp_path: Path, coordinator: FakeCoordinator, *attempts: Attempt, **cfg
     layer, recorder = FakeProcesses(*attempts), Recorder()
     membership = Membership(PEERS, 1)
     job = job_identity("loop-test", settings["checkpoint_dir"], True, peers=PEERS)
-    sup = MultiNodeSupervisor(SupervisorConfig(**settings), ["train"], membership, FakeEngine(),  # type: ignore[arg-type]
+    sup = MultiNodeSupervisor(SupervisorConfig(**settings), ["train"], membership,
+                              FakeEngine(),  # type: ignore[arg-type]
                               recorder, job=job, coordinator=coordinator, processes=layer)  # type: ignore[arg-type]
     return sup, layer, recorder
 
