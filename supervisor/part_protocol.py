@@ -9,8 +9,8 @@ a node persisting its parts, a restore from a peer or from the persistent tier),
 1. the source part is verified (manifest parses, names this rank and step, every file matches);
    a source that does not is :class:`PartInvalid` and nothing is written;
 2. a destination that already holds a valid part with the same files is left as it is;
-3. a file another rank's manifest in the destination lists with other contents is never
-   overwritten (:class:`PartConflict`): that would break the other rank's part;
+3. a file present in the destination that another rank's manifest there lists with other contents
+   is never overwritten (:class:`PartConflict`): that would break the other rank's part;
 4. an old part of this rank in the destination loses its manifest *first*, so it is invalid from
    the first byte written on;
 5. data files are written, each checked against its :class:`FileEntry` by the checksum computed
@@ -136,7 +136,9 @@ def _same(a: RankManifest, b: RankManifest) -> bool:
 
 def check_no_conflict(reader: StepReader, step: int, rank: int, files: dict[str, FileEntry]) -> None:
     """:class:`PartConflict` when another rank's manifest in ``reader`` lists one of ``files`` with
-    other contents (writing it would break that rank's part, and the step could never verify)."""
+    other contents (overwriting it would break that rank's part, and the step could never verify)."""
+    if not files:
+        return
     try:
         names = reader.names()
     except FileNotFoundError:
@@ -172,12 +174,14 @@ def copy_part(src: PartStore, dst: PartStore, step: int, rank: int, *, full: boo
         state, have = part_state(target, step, rank)
         if have is not None and _same(have, m):
             return Copied(m, False)
-        check_no_conflict(target, step, rank, m.files)
+        # Files already right (listed by several ranks, or left whole by an earlier try) stay as they are.
+        todo = {rel: why for rel, entry in sorted(m.files.items()) if (why := target.check(rel, entry, True))}
+        check_no_conflict(target, step, rank, {rel: m.files[rel] for rel, why in todo.items()
+                                               if why != f"{rel}: missing"})  # only files it would overwrite
         if state != "missing":
             dst.remove_manifest(step, rank)  # the old part is invalid before its first byte changes
-        for rel, entry in sorted(m.files.items()):
-            if target.check(rel, entry, True) == "":
-                continue  # a file several ranks list, or left whole by an earlier try
+        for rel in todo:
+            entry = m.files[rel]
             try:
                 f = src.open(step, rel)
             except (FileNotFoundError, UnsafeFileError) as e:

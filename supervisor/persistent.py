@@ -143,6 +143,8 @@ class PersistentTier:
         self._done: set[tuple[int, int, float]] = set()  # (step, rank, manifest created) known in the tier
         self._protected: set[int] = set()  # steps a restore is using: retention leaves them alone
         self._last_clean: float | None = None
+        self._retain_due = True  # retention runs after a write, a change of steps or of the protected step
+        self._retained: tuple[list[int], int | None] = ([], None)  # (steps, newest complete) it last saw
         self._final = False  # flush(): the last copy ignores the cadence
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -193,25 +195,28 @@ class PersistentTier:
                         copied = step
             if started is not None and all(self._is_done(p) for p in own[started]):
                 self._last_step, self._last_time = started, self._clock()
-            if self.node == 0:
+            if self.node == 0 and (copied is not None or self._retain_due or (steps, floor) != self._retained):
                 self._retain()
+                self._retained = (self.store.steps(), floor)
             return copied
 
     def _step_to_start(self, own: dict[int, list[Part]], steps: list[int]) -> int | None:
-        """Node 0: its newest step whose local parts all verify (sizes), if the tier lacks it and it is due."""
-        if self.node != 0 or not own:
+        """Node 0: its newest step whose local parts all verify (sizes) and that the tier lacks, newer
+        than the last step started, if the cadence says it is due."""
+        if self.node != 0:
             return None
-        newest = max(own)
-        if newest in steps or (self._last_step is not None and newest <= self._last_step):
-            return None
-        step_dir = own[newest][0].step_dir
-        try:
-            ranks = [r for n in os.listdir(step_dir) if (r := parse_manifest_rank(n)) is not None]
-        except OSError:
-            return None
-        if any(verify_part(step_dir, r, full=False) is None for r in ranks):
-            return None  # a torn part: the step is not complete here, and never will be as it is
-        return newest if self._due(newest) else None
+        for step in sorted(own, reverse=True):
+            if step in steps or (self._last_step is not None and step <= self._last_step):
+                return None
+            step_dir = own[step][0].step_dir
+            try:
+                ranks = [r for n in os.listdir(step_dir) if (r := parse_manifest_rank(n)) is not None]
+            except OSError:
+                continue
+            if all(verify_part(step_dir, r, full=False) is not None for r in ranks):
+                return step if self._due(step) else None
+            # a torn part: this step is not whole here (and never will be as it is); try an older one
+        return None
 
     def _copy_out(self, local: LocalStore, part: Part) -> bool:
         """Copy one own part into the tier; True when bytes were written."""
@@ -289,7 +294,10 @@ class PersistentTier:
         return out
 
     def _retain(self) -> None:
-        """Node 0: :func:`rlsup_format.retention.steps_to_delete` over the tier (sizes checked)."""
+        """Node 0: :func:`rlsup_format.retention.steps_to_delete` over the tier (sizes checked). Run
+        after a pass that wrote, when the tier's steps or its newest complete step changed, or when the
+        protected step changed: not on every quiet pass (an object store charges each listing)."""
+        self._retain_due = False
         if self.settings.keep_last is None:
             return
         states = [StepState(s, self.verify(s, full=False), s in self._protected) for s in self.store.steps()]
@@ -301,6 +309,7 @@ class PersistentTier:
     def protect(self, step: int | None) -> None:
         """Keep ``step`` from retention (the step a restore is using); replaces the previous one."""
         self._protected = set() if step is None else {step}
+        self._retain_due = True
 
     # ---------------------------------------------------------------- background thread
 

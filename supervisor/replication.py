@@ -33,7 +33,7 @@ from rlsup_format.names import Kind, placement_name, reserved_name
 from supervisor.job_identity import namespace_of, parse_namespace
 from supervisor.membership import Membership, replica_targets
 from supervisor.observer import Observer
-from supervisor.part_protocol import copy_part
+from supervisor.part_protocol import copy_part, fetch_part
 from supervisor.part_stores.local import LocalStore
 from supervisor.part_stores.peer import PeerStore
 from supervisor.parts import Part, scan_parts, verify_part
@@ -279,6 +279,13 @@ class ReplicationEngine:
                                              {"world_size": part.world_size, "local": {}, "replicas": {}})
                     entry["replicas"][str(part.rank)] = owner
         return {"node": self.me, "steps": steps}
+
+    def fetch(self, step: int, ranks: dict[int, list[int]]) -> None:
+        """Bring this node's missing parts of ``step`` back from the peers holding replicas, each rank
+        from its holders in order (:func:`supervisor.part_protocol.fetch_part`); FetchFailed if one fails."""
+        self.clean()
+        for rank, holders in sorted(ranks.items()):
+            fetch_part([self.peer_store(h) for h in holders], self.local_store(), step, rank, accept=self.accept)
 
     def clean(self) -> None:
         """Leftovers of killed fetches and copies: temp files in the checkpoint directory's steps, stale
