@@ -94,7 +94,7 @@ def check_no_leftovers(ckpt_dir: Path, allow_dead_staging: bool = False) -> list
             if name.startswith(".staging-") and not allow_dead_staging:
                 problems.append(f"leftover staging dir {os.path.join(root, name)}")
             res = parse_reserved(name)
-            temp_manifest = res is not None and res.kind is Kind.TMP and res.label.startswith("manifest.")
+            temp_manifest = res is not None and res.kind is Kind.TMP and res.label.startswith("manifest")
             if temp_manifest or (name.startswith(".manifest.") and ".tmp-" in name):
                 problems.append(f"leftover temp manifest {os.path.join(root, name)}")
             if name.startswith(".deleting-"):
