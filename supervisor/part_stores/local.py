@@ -84,7 +84,7 @@ class LocalStore:
 
     def put_manifest(self, step: int, rank: int, raw: bytes) -> None:
         step_dir = self._step_dir(step, manifest_name(rank))
-        write_durable(step_dir / manifest_name(rank), raw, step_dir / reserved_name(Kind.TMP, "manifest"))
+        write_durable(step_dir / manifest_name(rank), raw, step_dir / reserved_name(Kind.TMP, manifest_name(rank)))
 
     def remove_manifest(self, step: int, rank: int) -> None:
         try:
