@@ -66,6 +66,10 @@ log = logging.getLogger(__name__)
 ENV_DIR = "RLSUP_CHECKPOINT_DIR"
 ENV_RESUME_STEP = "RLSUP_RESUME_STEP"
 
+# What users import from here; the errors and two env names are defined with the write protocol.
+__all__ = ["CheckpointManager", "CheckpointConflictError", "CheckpointSpaceError", "ResumeError", "disk_full_error",
+           "ENV_DIR", "ENV_JOB", "ENV_RESUME", "ENV_RESUME_STEP"]
+
 
 class ResumeError(RuntimeError):
     """rlsup named a step to resume from (``RLSUP_RESUME_DIR``) and it cannot be loaded here. The
