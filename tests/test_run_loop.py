@@ -335,15 +335,17 @@ def test_stop_during_backoff(tmp_path: Path, preempted: bool) -> None:
 
 
 def test_real_sigterm_reaches_the_loop_and_handlers_are_restored(tmp_path: Path) -> None:
-    sentinel = signal.signal(signal.SIGTERM, lambda *_: pytest.fail("the supervisor's handler was not installed"))
+    def sentinel(*_: object) -> None:
+        pytest.fail("the supervisor's SIGTERM handler was not installed")
+
+    original = signal.signal(signal.SIGTERM, sentinel)
     try:
         sup, layer, _ = make(tmp_path, Attempt(exit_code=None))
         layer.script[0].on_tick = (2, lambda: os.kill(os.getpid(), signal.SIGTERM))
         assert sup.run().exit_code == 128 + signal.SIGTERM
-        assert signal.getsignal(signal.SIGTERM) is not sentinel  # ours, restored after run()
+        assert signal.getsignal(signal.SIGTERM) is sentinel  # the handler run() replaced is back
     finally:
-        signal.signal(signal.SIGTERM, sentinel)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGTERM, original)
 
 
 def test_supervisor_lost_is_recorded_and_the_next_attempt_runs(tmp_path: Path) -> None:
