@@ -59,21 +59,37 @@ class _Fetched:
     ranks: list[int] = field(default_factory=list)  # parts fetched (dropped again if the step is abandoned)
 
 
+@dataclass(frozen=True)
+class CoordinatorSettings:
+    """The coordination store's part of the config (``coordinator_*`` keys and ``rendezvous_timeout``)."""
+
+    backend: str = "embedded"
+    endpoints: tuple[str, ...] = ()
+    port: int = 9780
+    rendezvous_timeout: float = 600.0
+
+    @classmethod
+    def from_config(cls, cfg: SupervisorConfig) -> "CoordinatorSettings":
+        return cls(cfg.coordinator_backend, tuple(cfg.coordinator_endpoints), cfg.coordinator_port,
+                   cfg.rendezvous_timeout)
+
+
 def connect_coordinator(cfg: SupervisorConfig, membership: Membership, job: JobIdentity,
                         secret: bytes) -> RoundCoordinator:
     """This node's handle on the job's coordination store (``coordinator_backend``)."""
-    if cfg.coordinator_backend == "etcd":
+    s = CoordinatorSettings.from_config(cfg)
+    if s.backend == "etcd":
         from supervisor.kvstore import StoreUnavailable
         from supervisor.kvstore_etcd import EtcdKVStore
 
         try:
-            store = EtcdKVStore(list(cfg.coordinator_endpoints), timeout_s=min(30.0, cfg.rendezvous_timeout))
+            store = EtcdKVStore(list(s.endpoints), timeout_s=min(30.0, s.rendezvous_timeout))
         except StoreUnavailable as e:
             raise CoordinationError(str(e)) from e
-        return RoundCoordinator(store, job, secret, membership.node_rank, membership.size, cfg.rendezvous_timeout)
+        return RoundCoordinator(store, job, secret, membership.node_rank, membership.size, s.rendezvous_timeout)
     host = membership.peers[0].rpartition(":")[0]
-    return embedded_coordinator(host, cfg.coordinator_port, job, secret, membership.node_rank, membership.size,
-                                cfg.rendezvous_timeout)
+    return embedded_coordinator(host, s.port, job, secret, membership.node_rank, membership.size,
+                                s.rendezvous_timeout)
 
 
 class MultiNodeSupervisor(Supervisor):
