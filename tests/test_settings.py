@@ -51,3 +51,12 @@ def test_metrics_settings() -> None:
     assert MetricsSettings.from_config(SupervisorConfig(metrics_port=0, metrics_addr="::1", job_name="j")) == \
         MetricsSettings(0, "::1", "j")
     assert MetricsSettings() == MetricsSettings.from_config(SupervisorConfig())
+
+
+def test_coordinator_settings() -> None:
+    from supervisor.multinode import CoordinatorSettings
+
+    cfg = SupervisorConfig(coordinator_backend="etcd", coordinator_endpoints=["e1:2379", "e2:2379"],
+                           coordinator_port=1234, rendezvous_timeout=9.0)
+    assert CoordinatorSettings.from_config(cfg) == CoordinatorSettings("etcd", ("e1:2379", "e2:2379"), 1234, 9.0)
+    assert CoordinatorSettings() == CoordinatorSettings.from_config(SupervisorConfig())
