@@ -43,13 +43,15 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
-import sys
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 from supervisor.job_identity import JobIdentity
 from supervisor.kvstore import KVStore, StoreUnavailable, TCPKVStore
+
+log = logging.getLogger(__name__)
 
 
 WAIT_POLL_MIN_S = 0.002  # a wait polls fast at first (agreement is quick when every node is there) ...
@@ -158,8 +160,7 @@ class SignedKeys:
                 who = f" (it claims job {claim.get('job')!r}, node {claim.get('node')!r})"
             except (UnicodeDecodeError, ValueError, AttributeError):
                 who = ""
-            print(f"[rlsup] ignored {full_key}: not signed by this job's secret (a foreign or stale writer){who}",
-                  file=sys.stderr, flush=True)
+            log.warning("ignored %s: not signed by this job's secret (a foreign or stale writer)%s", full_key, who)
         return None
 
     def set(self, name: str, payload: str) -> None:
@@ -254,6 +255,7 @@ class RoundCoordinator:
         """The round this node takes part in next (see the module docstring); ``min_round`` is the round
         this node would run next by its own count (used only when the store has no round yet)."""
         deadline = time.monotonic() + self.timeout_s
+        told = False  # one line per outage, not one per reconnect try
         while True:
             try:
                 return self._join(min_round)
@@ -264,9 +266,10 @@ class RoundCoordinator:
                 if left <= 0:
                     raise CoordinationError(f"the coordination store {self.describe()} stayed unreachable for "
                                             f"{self.timeout_s:.0f}s (rendezvous_timeout): {e}") from e
-                print(f"[rlsup] node {self.node_rank}: the coordination store {self.describe()} is gone; waiting "
-                      f"up to {left:.0f}s for node 0 (or its replacement) to host it again", file=sys.stderr,
-                      flush=True)
+                if not told:
+                    told = True
+                    log.warning("node %d: the coordination store %s is gone; waiting up to %.0fs for node 0 (or its "
+                                "replacement) to host it again", self.node_rank, self.describe(), left)
                 try:
                     self.keys.store = self.reconnect(left)
                     self.check_host()

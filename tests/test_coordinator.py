@@ -226,7 +226,7 @@ def test_a_node_of_another_job_is_refused_naming_both_jobs() -> None:
     assert leader.join is not None
 
 
-def test_forged_values_are_ignored_and_named(capsys: pytest.CaptureFixture[str]) -> None:
+def test_forged_values_are_ignored_and_named(caplog: pytest.LogCaptureFixture) -> None:
     """A writer without the job's secret (another job, a stale or hostile client) cannot end a round or
     plant a plan: its values do not verify and are ignored, with the key named in the log."""
     from torch.distributed import TCPStore
@@ -239,7 +239,7 @@ def test_forged_values_are_ignored_and_named(capsys: pytest.CaptureFixture[str])
     intruder.set("rlsup/job-a/end/0", "node 9: forged")
     intruder.set("rlsup/job-a/plan/0", '{"round": 0, "step": 999, "world_size": 1, "fetch": {}}')
     assert follower.ended(0) is None
-    assert "ignored rlsup/job-a/end/0" in capsys.readouterr().err
+    assert "ignored rlsup/job-a/end/0" in caplog.text  # through the logging channel (supervisor.coordinator)
     assert leader.end(0, "node 0: real") == "node 0: real"  # the signed writer takes the key back
     assert follower.ended(0) == "node 0: real"
 
