@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+import logging
 import ssl
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,6 +26,8 @@ from supervisor.observer import Observer
 from supervisor.replication import ReplicationEngine, ReplicationSettings
 
 DAEMON_FILE = "daemon.json"
+
+log = logging.getLogger(__name__)
 
 
 def _server_ssl(cfg: SupervisorConfig) -> ssl.SSLContext | None:
@@ -96,8 +98,8 @@ class NodeService:
         self.server = ReplicationServer(store, secret, host=host, port=int(port), ssl_context=_server_ssl(self.cfg))
         self.port = self.server.start()
         self.engine.start()
-        print(f"[rlsup] node {self.membership.node_rank}: replication endpoint {host}:{self.port}, copies of "
-              f"this node's checkpoints go to nodes {self.engine.targets}", file=sys.stderr, flush=True)
+        log.info("node %d: replication endpoint %s:%d, copies of this node's checkpoints go to nodes %s",
+                 self.membership.node_rank, host, self.port, self.engine.targets)
         return self
 
     def write_daemon_file(self) -> None:
