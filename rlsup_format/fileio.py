@@ -70,14 +70,21 @@ def open_nofollow(base: str | os.PathLike, name: str) -> int:
                 raise
             os.close(dfd)
             dfd = nfd
-        try:
-            fd = os.open(parts[-1], _FILE_FLAGS, dir_fd=dfd)
-        except OSError as e:
-            if e.errno == errno.ELOOP:
-                raise UnsafeFileError(errno.ELOOP, "a symbolic link (not followed)") from None
-            raise
+        return open_regular_at(dfd, parts[-1])
     finally:
         os.close(dfd)
+
+
+def open_regular_at(dir_fd: int, name: str) -> int:
+    """A blocking read-only fd (caller closes) of the regular file ``name`` in the open directory
+    ``dir_fd``, never through a symlink: FileNotFoundError when absent, :class:`UnsafeFileError` for a
+    symlink or anything but a regular file (a FIFO planted there cannot block the open)."""
+    try:
+        fd = os.open(name, _FILE_FLAGS, dir_fd=dir_fd)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise UnsafeFileError(errno.ELOOP, "a symbolic link (not followed)") from None
+        raise
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise UnsafeFileError(errno.EINVAL, "not a regular file")

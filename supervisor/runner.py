@@ -140,7 +140,7 @@ class Supervisor:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
         if self.persistent is not None:
-            self.persistent.start(self.checkpoint_dir, interval=self.cfg.replication_scan_interval)
+            self.persistent.start(self.checkpoint_dir)
         attempt = self.first_attempt()
         pending: tuple[Incident, float] | None = None  # last failure, recorded once the next attempt starts
         while True:

@@ -136,10 +136,12 @@ class CheckpointManager:
         """Block until no save is in flight (True), or ``timeout`` seconds passed (False).
 
         Raises :class:`trainer_hooks.async_writer.AsyncSaveError` when a background save failed.
-        Synchronous saves are never in flight, so then it returns True at once."""
+        Synchronous saves are never in flight, so then it returns True at once. The wait counts as
+        saving for the hang detector (a ``save`` section): it is the end of a save, however long."""
         if self._async is None:
             return True
-        return self._async.wait(timeout)
+        with section("save"):
+            return self._async.wait(timeout)
 
     def close(self) -> None:
         """Flush in-flight saves and stop the writer process (also done at interpreter exit)."""

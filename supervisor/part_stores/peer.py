@@ -54,6 +54,40 @@ class PeerStep:
         return "" if held == entry else f"checksum mismatch in {name}"
 
 
+class PeerFile:
+    """A peer's file, fetched on first use. A local destination calls :meth:`fetch_into` and the bytes
+    land once, straight under their final name (checked against the entry as they arrive, renamed only
+    if they match); any other reader gets the file spooled locally first."""
+
+    def __init__(self, store: "PeerStore", relpath: str) -> None:
+        self.store, self.relpath = store, relpath
+        self._spooled: BinaryIO | None = None
+
+    def fetch_into(self, dest: Path, entry: FileEntry) -> None:
+        self.store.client.fetch_file(self.store.namespace, self.relpath, dest, entry)
+
+    def _file(self) -> BinaryIO:
+        if self._spooled is None:
+            self._spooled = self.store.download(self.relpath)
+        return self._spooled
+
+    def read(self, n: int = -1) -> bytes:
+        return self._file().read(n)
+
+    def readinto(self, buf: Any) -> int | None:
+        return self._file().readinto(buf)
+
+    def close(self) -> None:
+        if self._spooled is not None:
+            self._spooled.close()
+
+    def __enter__(self) -> "PeerFile":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 class PeerStore:
     """The replica namespace ``namespace`` on the peer ``client`` talks to; ``name`` for messages."""
 
@@ -81,7 +115,7 @@ class PeerStore:
             remove_path(spool)
 
     def open(self, step: int, name: str) -> BinaryIO:
-        return self.download(f"{step_dir_name(step)}/{name}")
+        return PeerFile(self, f"{step_dir_name(step)}/{name}")  # type: ignore[return-value]
 
     def put_file(self, step: int, name: str, src: BinaryIO, entry: FileEntry) -> None:
         path = getattr(src, "path", None)

@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Iterator
 
 from rlsup_format.digest import FileEntry, hash_fd, new_hasher
-from rlsup_format.fileio import UnsafeFileError, fsync_dir_fd, open_nofollow
+from rlsup_format.fileio import UnsafeFileError, fsync_dir_fd, open_nofollow, open_regular_at
 from rlsup_format.names import Kind, parse_reserved, reserved_name
 
 INCOMING = ".incoming"
@@ -53,8 +53,6 @@ _NS_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _SEG_RE = re.compile(r"^[A-Za-z0-9._+=@,~-]{1,255}$")
 _HEX128_RE = re.compile(r"^[0-9a-f]{32}$")
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
-# O_NONBLOCK: a FIFO planted in the store must not block the open (it is refused as not regular).
-_FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | getattr(os, "O_CLOEXEC", 0)
 _PERSIST_EVERY_S = 2.0
 
 
@@ -340,20 +338,17 @@ class ReplicaStore:
         dfd = self._open_dir(namespace, segs[:-1], create=False)
         try:
             try:
-                fd = os.open(segs[-1], _FILE_FLAGS, dir_fd=dfd)
+                fd = open_regular_at(dfd, segs[-1])
             except FileNotFoundError:
                 raise NotFound(f"{namespace}/{relpath}: not found") from None
-            except OSError as e:
+            except UnsafeFileError as e:
                 if e.errno == errno.ELOOP:
                     raise InvalidPath(f"{namespace}/{relpath}: is a symlink") from None
-                raise
+                raise NotFound(f"{namespace}/{relpath}: not a regular file") from None
         finally:
             os.close(dfd)
         try:
             st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise NotFound(f"{namespace}/{relpath}: not a regular file")
-            os.set_blocking(fd, True)
             entry = self._entry_for(namespace, "/".join(segs), st, fd)
             return fd, entry
         except BaseException:
@@ -381,15 +376,12 @@ class ReplicaStore:
                 except InvalidPath:
                     continue  # put there by hand; not addressable through the API
                 try:
-                    fd = os.open(name, _FILE_FLAGS, dir_fd=dfd)
+                    fd = open_regular_at(dfd, name)  # symlinks and non-regular files are not offered
                 except OSError:
                     continue
                 try:
-                    st = os.fstat(fd)
-                    if stat.S_ISREG(st.st_mode):
-                        os.set_blocking(fd, True)
-                        out[rel] = self._entry_for(namespace, rel, st, fd)
-                        seen.add(rel)
+                    out[rel] = self._entry_for(namespace, rel, os.fstat(fd), fd)
+                    seen.add(rel)
                 finally:
                     os.close(fd)
         finally:

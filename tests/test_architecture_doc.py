@@ -1,0 +1,24 @@
+"""docs/architecture.md matches the code: its module table is generated, and every file it names exists."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_module_table_is_current() -> None:
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "gen_architecture.py"), "--check"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
+def test_every_named_file_exists() -> None:
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    named = set(re.findall(r"`((?:rlsup_format|supervisor|trainer_hooks)/[\w/]+\.py)`", text))
+    assert named, "the rules table names no files"
+    missing = sorted(p for p in named if not (ROOT / p).exists())
+    assert not missing, f"docs/architecture.md names files that do not exist: {missing}"
