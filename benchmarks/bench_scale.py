@@ -19,8 +19,9 @@ Figures (``--only`` keys):
   shown in the note. Each later round follows the loss of one node: node 0 ends the previous round
   before the clock starts, and the lost node's replacement publishes an empty inventory. Every other
   node publishes 8 ranks x 5 steps of its own plus the replicas it holds (replication factor 1), as
-  ``ReplicationEngine.inventory()`` returns them; the fetch is a no-op here (``bytes`` does it for
-  real). The nodes are threads of ``--procs`` worker processes (default 4; round-robin, node 0 on
+  ``ReplicationEngine.inventory()`` returns them; the fetch runs the supervisor's own path
+  (``fetch_part``) over in-memory stores whose parts list no files, so it moves no data (``bytes`` does
+  it for real). The nodes are threads of ``--procs`` worker processes (default 4; round-robin, node 0 on
   worker 0): each process imports torch (~300 MB) for the TCPStore, and 2 cores gain nothing from more.
   So the embedded store, hosted by node 0 in worker 0, serves real cross-process TCP. Every node's
   connection to it is made once and reused by every size (each size is a job of its own): connecting
@@ -137,17 +138,111 @@ def expected_plan(nodes: int, lost: int, ranks: int = RANKS) -> dict[int, dict[i
 
 
 class StubEngine:
-    """A ReplicationEngine stand-in for the agreement figure: a fixed inventory, and a fetch that records."""
+    """A ReplicationEngine stand-in for the agreement figure: a fixed inventory, and parts with no data files.
 
-    def __init__(self, inventory: dict[str, Any]) -> None:
+    The supervisor's restore path runs as it is (``clean``, then ``fetch_part`` from ``peer_store(holder)``
+    into ``local_store()`` with ``accept``), over in-memory stores: a holder's part is a manifest listing
+    no files, so a fetch reads one manifest and writes one, and moves no data (``bytes`` does that for
+    real). ``fetched`` records the (step, rank) parts written."""
+
+    def __init__(self, inventory: dict[str, Any], world_size: int) -> None:
         self._inventory = inventory
-        self.fetched: list[tuple[int, dict[int, list[int]]]] = []
+        self.world_size = world_size
+        self.fetched: list[tuple[int, int]] = []
 
     def inventory(self) -> dict[str, Any]:
         return self._inventory
 
-    def fetch(self, step: int, ranks: dict[int, list[int]]) -> None:
-        self.fetched.append((step, ranks))
+    def peer_store(self, node: int) -> "MemPartStore":
+        return MemPartStore(f"node {node}", source_world_size=self.world_size)
+
+    def local_store(self) -> "MemPartStore":
+        return MemPartStore("local", on_put=lambda step, rank: self.fetched.append((step, rank)))
+
+    def accept(self, manifest: Any) -> str:
+        return ""
+
+    def clean(self) -> None:
+        pass
+
+
+class MemStep:
+    """A StepReader over one step of a :class:`MemPartStore`."""
+
+    def __init__(self, store: "MemPartStore", step: int) -> None:
+        self.store, self.step = store, step
+
+    def names(self) -> list[str]:
+        from rlsup_format.manifest import manifest_name
+
+        if self.store.source_world_size:
+            return [manifest_name(r) for r in range(self.store.source_world_size)]
+        names = [manifest_name(r) for s, r in self.store.manifests if s == self.step]
+        if not names:
+            raise FileNotFoundError(f"{self.store.location}: no step {self.step}")
+        return sorted(names)
+
+    def read(self, name: str) -> bytes:
+        from rlsup_format.manifest import SCHEMA_VERSION, RankManifest
+        from rlsup_format.names import parse_manifest_rank
+
+        rank = parse_manifest_rank(name)
+        if rank is None:
+            raise FileNotFoundError(name)
+        if self.store.source_world_size:  # a holder: every rank's part of every step, no data files
+            return RankManifest(SCHEMA_VERSION, self.step, self.store.source_world_size, rank, "torch", {},
+                                0.0).to_json().encode()
+        try:
+            return self.store.manifests[(self.step, rank)]
+        except KeyError:
+            raise FileNotFoundError(name) from None
+
+    def check(self, name: str, entry: Any, full: bool) -> str:
+        return f"{name}: missing"  # no data files anywhere
+
+
+class MemPartStore:
+    """An in-memory PartStore for :class:`StubEngine`: a holder (``source_world_size``: it has every part)
+    or an empty destination that keeps the manifests written to it."""
+
+    def __init__(self, location: str, source_world_size: int = 0,
+                 on_put: Callable[[int, int], None] | None = None) -> None:
+        self.location = location
+        self.source_world_size = source_world_size
+        self.on_put = on_put
+        self.manifests: dict[tuple[int, int], bytes] = {}
+
+    def steps(self) -> list[int]:
+        return sorted({s for s, _ in self.manifests})
+
+    def reader(self, step: int) -> MemStep:
+        return MemStep(self, step)
+
+    def open(self, step: int, name: str) -> Any:
+        raise FileNotFoundError(name)
+
+    def put_file(self, step: int, name: str, src: Any, entry: Any) -> None:
+        raise AssertionError("stub parts have no data files")
+
+    def put_manifest(self, step: int, rank: int, raw: bytes) -> None:
+        self.manifests[(step, rank)] = raw
+        if self.on_put is not None:
+            self.on_put(step, rank)
+
+    def remove_manifest(self, step: int, rank: int) -> None:
+        self.manifests.pop((step, rank), None)
+
+    def delete(self, step: int) -> None:
+        for key in [k for k in self.manifests if k[0] == step]:
+            del self.manifests[key]
+
+    def clean(self) -> None:
+        pass
+
+    def hold(self, step: int) -> Any:
+        import contextlib
+
+        return contextlib.nullcontext()
 
 
 class SimNode(MultiNodeSupervisor):
@@ -277,9 +372,10 @@ def _setup_nodes(work: Path, spec: dict[str, Any], pool: dict[int, Any]) -> dict
         inventory = synthetic_inventory(node, n, held, lost)
         if backend == "bare":
             return BareNode(node, n, pool[node]._store, spec["job"], inventory)
+        engine = StubEngine(inventory, n * RANKS)
         if backend == "embedded":
-            return make_node(work, node, n, backend, spec["job"], 0, [], StubEngine(inventory), store=pool[node])
-        sim = make_node(work, node, n, backend, spec["job"], 0, spec["endpoints"], StubEngine(inventory))
+            return make_node(work, node, n, backend, spec["job"], 0, [], engine, store=pool[node])
+        sim = make_node(work, node, n, backend, spec["job"], 0, spec["endpoints"], engine)
         REQUESTS.attach(sim.coordinator.store)
         return sim
 
@@ -670,7 +766,7 @@ def write_parts(ckpt: Path, node: int, nodes: int, job: str, steps: int, ranks: 
 def measure_bytes(nodes: int, scratch: str | None, steps: int = 2, ranks: int = RANKS,
                   part_bytes: int = 64 << 10) -> dict[str, Any]:
     """A restore after losing one node of ``nodes``; wire bytes per node (see the module docstring)."""
-    from supervisor.replication import ReplicationEngine
+    from supervisor.replication import ReplicationEngine, ReplicationSettings
     from supervisor.transport.server import ReplicationServer
     from supervisor.transport.store import ReplicaStore
 
@@ -695,8 +791,10 @@ def measure_bytes(nodes: int, scratch: str | None, steps: int = 2, ranks: int = 
         def engine(n: int) -> ReplicationEngine:
             base = work / f"node{n}"
             clients.append(PairClients(n, hub, server_ports))
-            return ReplicationEngine(Membership(tuple(peers), n), base / "ckpt", base / "replicas", clients[-1],
-                                     1, 1, base / "state" / "replication.json", job=job)
+            return ReplicationEngine(membership=Membership(tuple(peers), n), checkpoint_dir=base / "ckpt",
+                                     replica_root=base / "replicas", clients=clients[-1],
+                                     settings=ReplicationSettings(factor=1, jump=1),
+                                     state_path=base / "state" / "replication.json", job=job)
 
         engines = {n: engine(n) for n in range(nodes)}
         for n in range(nodes):

@@ -550,7 +550,8 @@ def bench_restore(ctx: Ctx) -> list[Row]:
     import torch
 
     from supervisor.membership import Membership
-    from supervisor.replication import ReplicationEngine
+    from supervisor.part_protocol import fetch_part
+    from supervisor.replication import ReplicationEngine, ReplicationSettings
     from supervisor.transport.client import PeerClient
     from supervisor.transport.server import ReplicationServer
     from supervisor.transport.store import ReplicaStore
@@ -574,7 +575,8 @@ def bench_restore(ctx: Ctx) -> list[Row]:
         del state
         total = sum(p.stat().st_size for p in step_dir.iterdir() if p.is_file())
         membership = Membership(("127.0.0.1:1", f"127.0.0.1:{port}"), 0)
-        engine = ReplicationEngine(membership, ckpt, d / "node0-replicas", {1: client}, factor=1, jump=1,
+        engine = ReplicationEngine(membership=membership, checkpoint_dir=ckpt, replica_root=d / "node0-replicas",
+                                   clients={1: client}, settings=ReplicationSettings(factor=1, jump=1),
                                    state_path=d / "replication.json", job="bench")
         engine.sync()  # node 1 now holds node 0's part of step 100
         local_copy = d / "local-copy"
@@ -584,8 +586,9 @@ def bench_restore(ctx: Ctx) -> list[Row]:
             shutil.rmtree(ckpt, ignore_errors=True)  # the wiped node
             ckpt.mkdir(parents=True)
             t0 = time.perf_counter()
-            if kind == "rlsup":
-                engine.fetch(100, {0: [1]})
+            if kind == "rlsup":  # as MultiNodeSupervisor._fetch does it: leftovers cleaned, then fetch_part
+                engine.clean()
+                fetch_part([engine.peer_store(1)], engine.local_store(), 100, 0, accept=engine.accept)
                 t_rl.append(time.perf_counter() - t0)
             else:
                 subprocess.run(["cp", "-r", str(local_copy / step_dir_name(100)), str(ckpt)], check=True)
@@ -593,7 +596,8 @@ def bench_restore(ctx: Ctx) -> list[Row]:
                 t_cp.append(time.perf_counter() - t0)
         return [Row(f"restore a wiped node ({total / 1e9:.1f} GB): fetch from replica vs cp -r local copy",
                     median(t_rl), median(t_cp), "s",
-                    "rlsup: HTTP on 127.0.0.1, xxh3 on receipt and full verify_part after; cp: + sync")]
+                    "rlsup: HTTP on 127.0.0.1, fetch_part: xxh3 on receipt, manifest last, sizes verified after "
+                    "(no re-hash since issue 15); cp: + sync")]
     finally:
         client.close()
         server.stop()
