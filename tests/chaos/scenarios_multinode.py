@@ -26,6 +26,7 @@ from pathlib import Path
 import psutil
 
 from supervisor.job_identity import job_identity, namespace_of
+from rlsup_format.names import Kind, parse_reserved
 from rlsup_format.manifest import hash_file, list_step_dirs, manifest_name, read_manifest, step_dir_name
 
 from .common import (PY, TRAIN, Deadline, Sandbox, clean_env, freeze, free_ports, incidents, reference_weights,
@@ -302,15 +303,16 @@ def fetch_kill_scenario(parent: Path, ref_cache: Path, seed: int, kills: int = 1
         return proc
 
     def fetching(d: Path) -> list[str]:
-        """A fetch in progress in node 1's checkpoint dir: its data file partially received (a temp file
-        beside the staged manifest; the manifest comes first, then the bandwidth-capped data)."""
+        """A fetch in progress in node 1's checkpoint dir: a data file partially received (a reserved TMP
+        name beside where the file goes, rlsup_format.names; the manifest comes only after every file)."""
         out = []
         for _, sd in list_step_dirs(d):
             try:
                 names = os.listdir(sd)
             except OSError:
                 continue
-            if any(n.startswith(".rank_") and ".rlsup-" in n for n in names):
+            if any((res := parse_reserved(n)) is not None and res.kind is Kind.TMP and res.label.startswith("rank_")
+                   for n in names):
                 out += [f"{sd.name}/{n}" for n in names if n.startswith(".")]
         return out
 
