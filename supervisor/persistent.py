@@ -22,8 +22,9 @@ where it lives is a :class:`~supervisor.part_protocol.PartStore`. This module on
   planner); :meth:`PersistentTier.fetch_part` raises :class:`PersistentPartInvalid` for a part that
   is missing, torn or corrupted in the tier, :class:`PersistentTierError` for I/O problems.
 
-The background thread (:meth:`PersistentTier.start`) wakes every ``PersistentSettings.wake_interval``
-seconds: 1 s by default (a pass over a quiet directory costs a listing and a few ``stat`` calls), a
+The background thread (:meth:`PersistentTier.start`) wakes when a manifest appears in the local
+checkpoint directory (:mod:`supervisor.manifest_watch`), and otherwise every
+``PersistentSettings.wake_interval`` seconds: 1 s by default (a pass over a quiet directory costs a listing and a few ``stat`` calls), a
 tenth of ``every_seconds`` (at most 1 s) when only a time cadence is set, so that a copy starts
 within a tenth of its period. A half-finished copy (rlsup killed mid-copy) is a step directory in the
 tier whose part lacks its manifest: never valid, never offered, completed by the next pass that
@@ -45,6 +46,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from rlsup_format.manifest import ManifestError, RankManifest, list_step_dirs, verify_step
 from rlsup_format.names import manifest_name, parse_manifest_rank
 from rlsup_format.retention import StepState, steps_to_delete
+from supervisor.manifest_watch import ManifestWatch
 from supervisor.part_protocol import PartError, PartInvalid, PartStore, copy_part
 from supervisor.part_stores import open_store
 from supervisor.part_stores.local import LocalStore
@@ -148,6 +150,8 @@ class PersistentTier:
         self._final = False  # flush(): the last copy ignores the cadence
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._wake: threading.Event | None = None
+        self._watch: ManifestWatch | None = None
         self._thread: threading.Thread | None = None
         self.copies = 0
         self.bytes_copied = 0
@@ -322,6 +326,10 @@ class PersistentTier:
             return
         self._stop.clear()
         wait = interval if interval is not None else self.settings.wake_interval
+        wake = threading.Event()
+        self._watch = ManifestWatch(self.source, wake) if self.source is not None else None
+        if self._watch is not None:
+            self._watch.start()  # a new part is persisted as soon as its manifest appears
 
         def loop() -> None:
             while not self._stop.is_set():
@@ -330,14 +338,21 @@ class PersistentTier:
                 except Exception as e:  # noqa: BLE001 - the tier must never kill the supervisor
                     self.last_error = str(e)
                     log.exception("persistent tier poll failed")
-                self._stop.wait(wait)
+                wake.wait(wait)
+                wake.clear()
 
+        self._wake = wake
         self._thread = threading.Thread(target=loop, name="rlsup-persistent-tier", daemon=True)
         self._thread.start()
 
     def stop(self, timeout: float | None = 60.0) -> None:
         """Stop the thread after its current copy (a copy in progress is finished, not torn)."""
         self._stop.set()
+        if self._wake is not None:
+            self._wake.set()
+        if self._watch is not None:
+            self._watch.stop()
+            self._watch = None
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None

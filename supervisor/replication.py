@@ -17,19 +17,17 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import logging
-import os
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
-from watchdog.events import FileSystemEvent, FileSystemEventHandler
-from watchdog.observers import Observer as FsObserver
 
 from rlsup_format.fileio import write_durable
 from rlsup_format.manifest import MANIFEST_RE, RankManifest, list_step_dirs, manifest_name, step_dir_name
 from rlsup_format.names import Kind, placement_name, reserved_name
+from supervisor.manifest_watch import ManifestWatch
 from supervisor.job_identity import namespace_of, parse_namespace
 from supervisor.membership import Membership, replica_targets
 from supervisor.observer import Observer
@@ -106,9 +104,7 @@ class ReplicationEngine:
     def start(self) -> None:
         self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
         self.clean()
-        handler = _ManifestHandler(self._wake.set)
-        self._fs = FsObserver()
-        self._fs.schedule(handler, str(self.checkpoint_dir), recursive=True)
+        self._fs = ManifestWatch(self.checkpoint_dir, self._wake)
         self._fs.start()
         t = threading.Thread(target=self._loop, name="rlsup-replicator", daemon=True)
         t.start()
@@ -119,7 +115,6 @@ class ReplicationEngine:
         self._wake.set()
         if self._fs is not None:
             self._fs.stop()
-            self._fs.join(timeout=5)
         for t in self._threads:
             t.join(timeout=30)
 
@@ -307,19 +302,6 @@ def _part_held(part: Part, index: dict[str, Any]) -> bool:
     if f"{base}/{manifest_name(part.rank)}" not in index:
         return False
     return all(index.get(f"{base}/{name}") == entry for name, entry in part.manifest.files.items())
-
-
-class _ManifestHandler(FileSystemEventHandler):
-    """Wake the replicator when a manifest appears (created, or renamed into place)."""
-
-    def __init__(self, wake: Callable[[], None]) -> None:
-        self.wake = wake
-
-    def on_any_event(self, event: FileSystemEvent) -> None:
-        path = getattr(event, "dest_path", "") or event.src_path
-        name = os.path.basename(str(path))
-        if MANIFEST_RE.match(name) or event.event_type == "deleted":
-            self.wake()
 
 
 def newest_own_step(checkpoint_dir: Path, node: int) -> int | None:

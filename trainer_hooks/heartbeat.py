@@ -26,11 +26,9 @@ import faulthandler
 import mmap
 import os
 import signal
-import struct
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 

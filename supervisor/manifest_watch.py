@@ -1,0 +1,52 @@
+"""Wake a background loop when a manifest appears in a checkpoint directory (watchdog, inotify on Linux).
+
+The replication engine and the persistent tier both act when a rank finishes its part of a step,
+which is exactly when its manifest appears (written last). Waking on that event instead of polling
+fast means a new step is pushed or persisted at once, while a quiet directory costs nothing; both
+loops still rescan on a timer for what an event can miss (a directory on a filesystem without
+inotify, events dropped under load).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+from watchdog.events import FileSystemEvent, FileSystemEventHandler
+from watchdog.observers import Observer
+
+from rlsup_format.names import MANIFEST_RE
+
+
+class _ManifestHandler(FileSystemEventHandler):
+    """Set ``wake`` when a manifest is created or renamed into place, or anything is deleted."""
+
+    def __init__(self, wake: threading.Event) -> None:
+        self.wake = wake
+
+    def on_any_event(self, event: FileSystemEvent) -> None:
+        path = getattr(event, "dest_path", "") or event.src_path
+        if MANIFEST_RE.match(os.path.basename(str(path))) or event.event_type == "deleted":
+            self.wake.set()
+
+
+class ManifestWatch:
+    """Watch ``directory`` (recursively) and set ``wake`` on manifest events, between start and stop."""
+
+    def __init__(self, directory: str | os.PathLike, wake: threading.Event) -> None:
+        self.directory = Path(directory)
+        self.wake = wake
+        self._observer: Observer | None = None
+
+    def start(self) -> None:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._observer = Observer()
+        self._observer.schedule(_ManifestHandler(self.wake), str(self.directory), recursive=True)
+        self._observer.start()
+
+    def stop(self) -> None:
+        if self._observer is not None:
+            self._observer.stop()
+            self._observer.join(timeout=5)
+            self._observer = None
