@@ -17,6 +17,7 @@ from pathlib import Path
 import psutil
 
 from rlsup_format.fileio import write_durable
+from rlsup_format.leftovers import clean_leftovers
 from rlsup_format.names import Kind, reserved_name
 from supervisor.config import SupervisorConfig
 from supervisor.dir_lock import DirLock
