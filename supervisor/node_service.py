@@ -106,6 +106,7 @@ class NodeService:
     def write_daemon_file(self) -> None:
         state_dir = Path(self.cfg.state_dir)
         state_dir.mkdir(parents=True, exist_ok=True)
+        clean_leftovers(state_dir, {Kind.TMP})  # a temp daemon file of a killed daemon
         data = json.dumps({"pid": os.getpid(), "port": self.port, "node_rank": self.membership.node_rank})
         write_durable(state_dir / DAEMON_FILE, data.encode(), state_dir / reserved_name(Kind.TMP, DAEMON_FILE))
 
