@@ -6,17 +6,7 @@ is a memory store, no system call; rlsup reads the page whenever it likes. Clock
 ``time.monotonic_ns`` (CLOCK_MONOTONIC is system-wide on Linux), so wall-clock jumps never look like
 hangs.
 
-Record layout (little endian, 10 x int64 in a 128-byte file, see :data:`RECORD`):
-  0 seq        seqlock counter: odd while the rank is writing
-  1 magic      :data:`MAGIC`
-  2 pid        writer's pid
-  3 step       last step passed to :func:`heartbeat`
-  4 beat_ns    monotonic time of the last heartbeat (0: none yet)
-  5 section    0 none, 1 save, 2 load, 3 user
-  6 section_ns monotonic time the current section began
-  7 stop       written by rlsup: non-zero asks the rank to save and exit (:func:`should_stop`)
-  8 saves      save sections completed (rlsup counts saves even when one ends between two polls)
-  9 save_ns    duration of the last completed save section
+The record layout, shared with the supervisor that reads it, is in :mod:`rlsup_format.heartbeat_record`.
 """
 
 from __future__ import annotations
