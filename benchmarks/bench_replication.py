@@ -99,6 +99,9 @@ class RsyncDaemon:
         self.proc.wait(10)
 
 
+RSYNC_MISSING = "rsync not installed (scripts/setup.sh installs it; or apt-get install -y rsync)"
+
+
 def fsync_tree(path: Path) -> None:
     # rlsup fsyncs every file it stores; make the baselines durable too so the comparison is fair.
     subprocess.run(["sync", "-f", str(path)], check=False)
@@ -108,7 +111,7 @@ def measure(size: int, runs: int = 3, concurrency: int = 4, scratch: str | None 
     """Push a ``size``-byte checkpoint to 1 and 2 peers, alternating rlsup, ``cp -r`` and the rsync daemon
     ``runs`` times each; returns (name, rlsup median MB/s, baseline median MB/s) rows."""
     if shutil.which("rsync") is None:
-        print("rsync not installed (apt-get install -y rsync); the rsync rows are skipped", file=sys.stderr)
+        print(f"{RSYNC_MISSING}; the rsync rows are n/a", file=sys.stderr)
     work = Path(tempfile.mkdtemp(prefix="rlsup-bench-", dir=scratch))
     servers: list[ReplicationServer] = []
     daemons: list[RsyncDaemon] = []
@@ -159,9 +162,9 @@ def measure(size: int, runs: int = 3, concurrency: int = 4, scratch: str | None 
                         drop(work / f"peer{i}" / f"rs-{tag}")
             med = statistics.median(rl)
             rows.append((f"push to {npeers} peer{'s' if npeers > 1 else ''} vs cp -r", med, statistics.median(cp)))
-            if rs:
-                rows.append((f"push to {npeers} peer{'s' if npeers > 1 else ''} vs rsync daemon", med,
-                             statistics.median(rs)))
+            # Without rsync the row stays, with no baseline (n/a): a missing baseline is said, never dropped.
+            rows.append((f"push to {npeers} peer{'s' if npeers > 1 else ''} vs rsync daemon", med,
+                         statistics.median(rs) if rs else None))
         for c in clients:
             c.close()
         pool.shutdown()

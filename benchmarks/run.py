@@ -18,6 +18,7 @@ share one clock). Method, machine and results: BENCHMARKS.md.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import contextlib
 import importlib.util
 import json
@@ -537,8 +538,9 @@ def bench_replication(ctx: Ctx) -> list[Row]:
     size = int((0.2 if ctx.quick else 2.0) * 1e9)
     rows = br.measure(size, runs=max(3, ctx.reps), scratch=str(ctx.work))
     label = f"{size / 1e9:.1f} GB"
-    return [Row(f"replicate {label}: {name}", a, b, "MB/s",
-                "127.0.0.1; rlsup: HMAC, xxh3 verify, fsync, rename; baselines synced") for name, a, b in rows]
+    note = "127.0.0.1; rlsup: HMAC, xxh3 verify, fsync, rename; baselines synced"
+    return [Row(f"replicate {label}: {name}", a, b, "MB/s", note if b is not None else f"{note}; baseline: {br.RSYNC_MISSING}")
+            for name, a, b in rows]
 
 
 SECRET = b"benchmark-secret-benchmark-secret"
@@ -741,6 +743,8 @@ def bench_footprint(ctx: Ctx) -> list[Row]:
             Row(f"replicating {size / 1e9:.1f} GB: receiver CPU vs rsync daemon", col("rlsup", rep, 3),
                 col("rsync", rep, 3), "s/GB", "rlsup: xxh3 of every byte received, fsync, rename"),
         ]
+        if rsyncd is None:  # the rows stay, baseline n/a, and say why
+            rows = [dataclasses.replace(r, note=f"{r.note}; baseline: {br.RSYNC_MISSING}") for r in rows]
         return rows
     finally:
         for p in daemons:
