@@ -207,12 +207,17 @@ class LocalStep:
         return check_file(self.path, name, entry, full)
 
 
+def missing_reason(name: str) -> str:
+    """What every :meth:`StepReader.check` answers for an absent file (callers tell "absent" from "differs")."""
+    return f"{name}: missing"
+
+
 def check_file(step_dir: str | os.PathLike, name: str, entry: FileEntry, full: bool = True) -> str:
     """"" when ``step_dir/name`` is a regular file (reached without a symlink) matching ``entry``."""
     try:
         fd = open_nofollow(step_dir, name)
     except FileNotFoundError:
-        return f"{name}: missing"
+        return missing_reason(name)
     except OSError as e:
         return f"{name}: {e.strerror or e}"
     try:

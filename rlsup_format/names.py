@@ -12,8 +12,9 @@ Reserved names all start with a dot and have one shape, ``.<kind>-[<label>-]<hos
   deleted, a hold marker);
 * ``label``: free text for people and for the owner's own rules (``rank_00001``, ``step_000000100``,
   ``persistent``); may contain ``-``;
-* ``host`` and ``pid``: the writer. A later process on the same host may remove the entry when that
-  pid is gone; on another host only age tells (:mod:`rlsup_format.leftovers`);
+* ``host`` and ``pid``: the writer (``host`` is the host name and PID namespace, :func:`host_tag`). A
+  later process with the same ``host`` may remove the entry when that pid is gone; elsewhere only
+  age tells (:mod:`rlsup_format.leftovers`);
 * ``token``: random hex, so two writers never collide.
 
 Names beginning with a dot are never steps, manifests or data files of a manifest's owner process.
@@ -83,8 +84,14 @@ class Reserved:
 
 @lru_cache(maxsize=1)
 def host_tag() -> str:
-    """This machine's name, safe as one field of a reserved name (no '-', which separates fields)."""
-    return "".join(c if c.isalnum() else "_" for c in os.uname().nodename)[:40] or "host"
+    """Where a pid means something: this machine's name and its PID namespace (containers that share a
+    host name, e.g. with host networking, do not share pids), safe as one field of a reserved name
+    (no '-', which separates fields)."""
+    name = "".join(c if c.isalnum() else "_" for c in os.uname().nodename)[:40] or "host"
+    try:
+        return f"{name}_ns{os.stat('/proc/self/ns/pid').st_ino:x}"
+    except OSError:  # no /proc: the host name alone
+        return name
 
 
 def reserved_name(kind: Kind, label: str = "") -> str:

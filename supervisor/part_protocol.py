@@ -31,7 +31,7 @@ from typing import BinaryIO, Callable, ContextManager, Protocol, Sequence
 
 from rlsup_format.digest import FileEntry
 from rlsup_format.fileio import UnsafeFileError
-from rlsup_format.manifest import ManifestError, RankManifest, StepReader, manifest_name, verify_part
+from rlsup_format.manifest import ManifestError, RankManifest, StepReader, manifest_name, missing_reason, verify_part
 from rlsup_format.names import parse_manifest_rank
 
 
@@ -127,6 +127,8 @@ def part_state(reader: StepReader, step: int, rank: int, full: bool = True) -> t
             reader.read(manifest_name(rank))
         except FileNotFoundError:
             return "missing", None
+        except UnsafeFileError:
+            pass  # a symlink or a non-regular file where the manifest goes: invalid, replaced
         return "invalid", None
 
 
@@ -158,13 +160,15 @@ def check_no_conflict(reader: StepReader, step: int, rank: int, files: dict[str,
 
 
 def copy_part(src: PartStore, dst: PartStore, step: int, rank: int, *, full: bool = True,
-              accept: Callable[[RankManifest], str] | None = None) -> Copied:
+              accept: Callable[[RankManifest], str] | None = None, keep_valid: bool = True) -> Copied:
     """Copy ``rank``'s part of ``step`` from ``src`` to ``dst`` (the module docstring's six rules).
 
     ``full``: the source's files are hashed before anything is written (else sizes only; each file is
     still checked by the checksum of the bytes copied). ``accept(manifest)``: "" to go on, else why the
-    part must not be copied (another job's part): :class:`PartInvalid`. Raises :class:`PartInvalid`
-    (the source), :class:`PartConflict`, :class:`PartError` or the stores' own I/O errors."""
+    part must not be copied (another job's part): :class:`PartInvalid`. ``keep_valid``: a valid part
+    already in ``dst`` is kept even when its files differ (a valid copy is never rewritten, so a failed
+    copy cannot turn it invalid); False mirrors the source (a replica follows its owner). Raises
+    :class:`PartInvalid` (the source), :class:`PartConflict`, :class:`PartError` or I/O errors."""
     with src.hold(step):
         m, raw = read_part(src.reader(step), step, rank, full)
         why = accept(m) if accept is not None else ""
@@ -172,12 +176,12 @@ def copy_part(src: PartStore, dst: PartStore, step: int, rank: int, *, full: boo
             raise PartInvalid(f"step {step} rank {rank}: {why}")
         target = dst.reader(step)
         state, have = part_state(target, step, rank)
-        if have is not None and _same(have, m):
-            return Copied(m, False)
+        if have is not None and (keep_valid or _same(have, m)):
+            return Copied(have, False)
         # Files already right (listed by several ranks, or left whole by an earlier try) stay as they are.
         todo = {rel: why for rel, entry in sorted(m.files.items()) if (why := target.check(rel, entry, True))}
         check_no_conflict(target, step, rank, {rel: m.files[rel] for rel, why in todo.items()
-                                               if why != f"{rel}: missing"})  # only files it would overwrite
+                                               if why != missing_reason(rel)})  # only files it would overwrite
         if state != "missing":
             dst.remove_manifest(step, rank)  # the old part is invalid before its first byte changes
         for rel in todo:

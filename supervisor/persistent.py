@@ -24,9 +24,9 @@ where it lives is a :class:`~supervisor.part_protocol.PartStore`. This module on
 
 The background thread (:meth:`PersistentTier.start`) wakes when a manifest appears in the local
 checkpoint directory (:mod:`supervisor.manifest_watch`), and otherwise every
-``PersistentSettings.wake_interval`` seconds: 1 s by default (a pass over a quiet directory costs a listing and a few ``stat`` calls), a
-tenth of ``every_seconds`` (at most 1 s) when only a time cadence is set, so that a copy starts
-within a tenth of its period. A half-finished copy (rlsup killed mid-copy) is a step directory in the
+``PersistentSettings.wake_interval`` seconds: ``IDLE_WAKE_S`` (5 s) by default, since a pass lists the
+tier (an object store bills listings) and new parts already wake it; a tenth of ``every_seconds``
+(at most 5 s) when only a time cadence is set, so that a copy starts within a tenth of its period. A half-finished copy (rlsup killed mid-copy) is a step directory in the
 tier whose part lacks its manifest: never valid, never offered, completed by the next pass that
 joins the step, or removed by retention once older than the newest valid step; its temp files go
 through :func:`rlsup_format.leftovers.clean_leftovers`. ``bandwidth`` (bytes/s, 0 = unlimited) caps
@@ -56,6 +56,8 @@ if TYPE_CHECKING:
     from supervisor.config import SupervisorConfig
 
 log = logging.getLogger(__name__)
+#: The background pass when nothing wakes it (see the module docstring).
+IDLE_WAKE_S = 5.0
 
 CLEAN_EVERY_S = 60.0  # leftovers of killed copies: a walk of every step directory, not every pass
 HOLD_LABEL = "persistent"  # hold markers in the checkpoint dir while a part is copied: .hold-persistent-...
@@ -119,8 +121,8 @@ class PersistentSettings:
     def wake_interval(self) -> float:
         """Seconds between the background thread's passes (see the module docstring)."""
         if self.every_seconds is not None and self.every_n is None:
-            return max(0.05, min(1.0, self.every_seconds / 10))
-        return 1.0
+            return max(0.05, min(IDLE_WAKE_S, self.every_seconds / 10))
+        return IDLE_WAKE_S
 
 
 class PersistentTier:
@@ -236,7 +238,7 @@ class PersistentTier:
             self.last_error = f"step {part.step} rank {part.rank}: {e}"
             log.warning("persistent copy of step %d rank %d to %s failed: %s", part.step, part.rank, self.location, e)
             return False
-        self._done.add((part.step, part.rank, done.manifest.created))
+        self._done.add((part.step, part.rank, part.manifest.created))  # this local part is in the tier (or a valid one is)
         self.last_error = None
         if not done.written:
             return False
@@ -429,7 +431,8 @@ class PersistentTier:
             raise PersistentPartInvalid(f"{self.location}: {e}") from e
         except (OSError, ManifestError, PartError) as e:
             raise PersistentTierError(f"fetching step {step} rank {rank} from {self.location} failed: {e}") from e
-        self._done.add((step, rank, done.manifest.created))  # just read in full: the tier's copy is good
+        if done.written:  # every byte of the tier's copy just passed its checksum: the local part is persisted
+            self._done.add((step, rank, done.manifest.created))
         return local.path(step)
 
     def part_listing(self, newer_than: int | None = None,

@@ -193,7 +193,7 @@ class ReplicationEngine:
         prog = self.progress.setdefault(target, PeerProgress())
         started = time.monotonic()
         try:
-            done = copy_part(self.local_store(), self.peer_store(target), part.step, part.rank)
+            done = copy_part(self.local_store(), self.peer_store(target), part.step, part.rank, keep_valid=False)
         except Exception as e:  # a dead or lying peer, or a part changed under us: only this copy fails
             self._failed(target, f"step {part.step} rank {part.rank}: {e}")
             return

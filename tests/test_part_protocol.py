@@ -148,6 +148,17 @@ def test_a_valid_identical_part_is_kept_as_is() -> None:
     assert not copy_part(src, dst, 10, 0).written and dst.log == []
 
 
+def test_a_valid_different_part_is_kept_unless_mirroring() -> None:
+    """A valid copy is never rewritten (a failed rewrite would turn it invalid); a replica mirrors its owner."""
+    src, dst = MemStore("src"), MemStore("dst")
+    src.add_part(10, 0, 1, {"rank_00000.pt": b"new" * 100})
+    dst.add_part(10, 0, 1, {"rank_00000.pt": b"old" * 100})
+    kept = dict(dst.data[10])
+    done = copy_part(src, dst, 10, 0)
+    assert not done.written and dst.data[10] == kept and done.manifest.files["rank_00000.pt"] == entry_of(b"old" * 100)
+    assert copy_part(src, dst, 10, 0, keep_valid=False).written and dst.data[10] == src.data[10]
+
+
 def test_a_corrupt_source_is_never_copied() -> None:
     src, dst = MemStore("src"), MemStore("dst")
     src.add_part(10, 0, 1, FILES0)

@@ -223,6 +223,17 @@ def test_valid_step_of_another_job_is_refused_not_overwritten(tmp_path: Path) ->
     assert (shard.stat().st_ino, shard.stat().st_mtime_ns) == before
 
 
+def test_own_part_of_another_job_in_an_incomplete_step_is_refused(tmp_path: Path) -> None:
+    """Rank 0's part of a 2-rank step written by job-a: job-b's rank 0 must neither take it as its own
+    save nor overwrite it."""
+    step_dir = write_step(StepTarget(tmp_path), 6, _payload(1.0), _who(job="job-a", world=2), TorchBackend())
+    shard = step_dir / shard_name(0)
+    before = (shard.stat().st_ino, shard.stat().st_mtime_ns)
+    with pytest.raises(CheckpointConflictError, match="job-a"):
+        write_step(StepTarget(tmp_path), 6, _payload(2.0), _who(job="job-b", world=2), TorchBackend())
+    assert (shard.stat().st_ino, shard.stat().st_mtime_ns) == before
+
+
 # ------------------------------------------------------------------------- killed saves' leftovers
 
 

@@ -327,7 +327,10 @@ def own_part_valid(step_dir: Path, step: int, who: RankIdentity, backend_name: s
         _refuse_foreign(path, who.job)
         return True  # a complete checkpoint (maybe from another world size): never touch it
     m, _ = verify_part(LocalStep(step_dir), step, who.rank, full=True)
-    return m is not None and (m.world_size, m.backend) == (who.world_size, backend_name)
+    if m is None or (m.world_size, m.backend) != (who.world_size, backend_name):
+        return False
+    _refuse_foreign(path, who.job)  # another job's part is neither kept as ours nor overwritten
+    return True
 
 
 def _refuse_foreign(manifest_path: Path, job: str | None) -> None:

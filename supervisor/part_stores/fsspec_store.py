@@ -14,6 +14,7 @@ import contextlib
 from typing import BinaryIO, Callable, Iterator
 
 from rlsup_format.digest import FileEntry, copy_hashing
+from rlsup_format.manifest import missing_reason
 from rlsup_format.names import manifest_name, parse_manifest_rank, parse_step, step_dir_name
 from supervisor.part_protocol import PartError, PartInvalid
 
@@ -40,7 +41,7 @@ class FsspecStep:
         try:
             size = int(self.store.fs.size(path))
         except FileNotFoundError:
-            return f"{name}: missing"
+            return missing_reason(name)
         if size != entry.size:
             return f"{name}: size {size} != {entry.size}"
         if full:

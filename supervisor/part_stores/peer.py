@@ -21,6 +21,7 @@ from typing import Any, BinaryIO, Iterator
 from rlsup_format.digest import FileEntry, copy_hashing
 from rlsup_format.fileio import remove_path
 from rlsup_format.leftovers import clean_leftovers
+from rlsup_format.manifest import missing_reason
 from rlsup_format.names import Kind, manifest_name, parse_step, reserved_name, step_dir_name
 
 
@@ -48,7 +49,7 @@ class PeerStep:
     def check(self, name: str, entry: FileEntry, full: bool) -> str:
         held = self.index.get(f"{self.base}/{name}")
         if held is None:
-            return f"{name}: missing"
+            return missing_reason(name)
         if held.size != entry.size:
             return f"{name}: size {held.size} != {entry.size}"
         return "" if held == entry else f"checksum mismatch in {name}"
