@@ -170,7 +170,15 @@ def launch(kind: str, d: Path, trainer_args: list[str], max_restarts: int, extra
 
 
 def stop(proc: subprocess.Popen, grace: float = 8.0) -> None:
-    """SIGTERM the job's process group (rlsup forwards to its own job session), SIGKILL after ``grace``."""
+    """SIGTERM the job's process group (rlsup forwards to its own job session), SIGKILL after ``grace``;
+    then SIGKILL whatever of its tree is left (torchrun's workers live in sessions of their own, and a
+    baseline torchrun killed mid-restart left them running, loading every later measurement)."""
+    import psutil
+
+    try:
+        tree = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.Error:
+        tree = []
     if proc.poll() is None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGTERM)
@@ -182,6 +190,9 @@ def stop(proc: subprocess.Popen, grace: float = 8.0) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
     with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(10)
+    for p in tree:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
 
 
 def events(d: Path) -> list[dict]:
