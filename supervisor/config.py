@@ -45,7 +45,7 @@ class SupervisorConfig:
     state_dir: str = _opt(".rlsup", "rlsup's own state: incidents.jsonl, state.json, attempt logs, heartbeat files.")
     max_restarts: int = _opt(3, "Restarts allowed within restart_window before rlsup gives up.")
     restart_window: float = _opt(3600.0, "Seconds after which an old failure stops counting against max_restarts (0: never).")
-    backoff_initial: float = _opt(1.0, "Delay before the first restart, seconds; doubles per consecutive failure.")
+    backoff_initial: float = _opt(1.0, "Delay before the second restart in a row without a newer valid checkpoint, seconds; doubles per further such failure. The first failure after a healthy run restarts at once.")
     backoff_max: float = _opt(60.0, "Upper bound of the restart delay, seconds.")
     backoff_jitter: float = _opt(0.2, "Random +/- fraction applied to each delay so nodes do not restart in lockstep.")
     fatal_exit_codes: tuple[int, ...] = _opt((), "Exit codes that are never retried; rlsup exits with that code.")

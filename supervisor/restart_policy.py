@@ -1,5 +1,10 @@
 """When to restart and how long to wait: retries within a window, exponential backoff with jitter,
-fatal exit codes, and the no-progress guard."""
+fatal exit codes, and the no-progress guard.
+
+The first failure after a healthy run (the job's first, or one after an attempt that made a newer
+valid checkpoint) restarts at once: most failures are one-off crashes that a restart fixes, and every
+second of delay is lost training. Backoff (``backoff_initial``, doubling) applies from the second
+failure in a row without progress, so a crash loop is still slowed."""
 
 from __future__ import annotations
 
@@ -75,7 +80,9 @@ class RestartPolicy:
         if len(self.failures) > s.max_restarts:
             return RestartDecision(False, 0.0, Action.GIVE_UP)
         self.consecutive = self.consecutive + 1 if progressed is False else 1
-        delay = min(s.backoff_max, s.backoff_initial * (2 ** (self.consecutive - 1)))
+        if self.consecutive == 1:  # the first failure after a healthy run: restart at once
+            return RestartDecision(True, 0.0, Action.RESTART)
+        delay = min(s.backoff_max, s.backoff_initial * (2 ** (self.consecutive - 2)))
         if s.backoff_jitter:
             delay *= 1 + self.rng.uniform(-s.backoff_jitter, s.backoff_jitter)
         return RestartDecision(True, max(0.0, delay), Action.RESTART)

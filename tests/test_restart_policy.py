@@ -17,27 +17,29 @@ P, N = True, False  # the failed attempt made progress (a newer valid checkpoint
 
 # (id, settings changes, earlier failures [(exit code, progressed, time)], this failure, (action, delay))
 CASES = [
-    ("first failure restarts after backoff_initial", {}, [], (1, P, 0), (Action.RESTART, 1.0)),
-    ("signal death (no exit code) restarts", {}, [], (None, P, 0), (Action.RESTART, 1.0)),
+    ("the first failure after a healthy run restarts at once", {}, [], (1, P, 0), (Action.RESTART, 0.0)),
+    ("signal death (no exit code) restarts", {}, [], (None, P, 0), (Action.RESTART, 0.0)),
     ("fatal code is never retried", {}, [], (42, P, 0), (Action.FATAL, None)),
     ("fatal wins over an unused budget", {"max_restarts": 100}, [(1, P, 0)], (42, N, 1), (Action.FATAL, None)),
-    ("max_restarts failures are restarted", {"max_restarts": 2}, [(1, P, 0)], (1, P, 1), (Action.RESTART, 1.0)),
+    ("max_restarts failures are restarted", {"max_restarts": 2}, [(1, P, 0)], (1, P, 1), (Action.RESTART, 0.0)),
+    ("the job's first failure without progress restarts at once", {}, [], (1, N, 0), (Action.RESTART, 0.0)),
+    ("backoff_initial from the second failure in a row", {}, [(1, N, 0)], (1, N, 1), (Action.RESTART, 1.0)),
     ("one more gives up", {"max_restarts": 2}, [(1, P, 0), (1, P, 1)], (1, P, 2), (Action.GIVE_UP, None)),
     ("max_restarts 0: the first failure gives up", {"max_restarts": 0}, [], (1, P, 0), (Action.GIVE_UP, None)),
     ("failures older than restart_window stop counting", {"max_restarts": 2, "restart_window": 10.0},
-     [(1, P, 0), (1, P, 1)], (1, P, 100), (Action.RESTART, 1.0)),
+     [(1, P, 0), (1, P, 1)], (1, P, 100), (Action.RESTART, 0.0)),
     ("failures inside restart_window count", {"max_restarts": 2, "restart_window": 10.0},
      [(1, P, 0), (1, P, 1)], (1, P, 5), (Action.GIVE_UP, None)),
     ("backoff doubles while no progress", {"max_restarts": 10}, [(1, N, 0), (1, N, 1)], (1, N, 2),
-     (Action.RESTART, 4.0)),
+     (Action.RESTART, 2.0)),
     ("backoff stops at backoff_max", {"max_restarts": 10}, [(1, N, t) for t in range(5)], (1, N, 5),
      (Action.RESTART, 8.0)),
     ("progress resets the backoff", {"max_restarts": 10}, [(1, N, 0), (1, N, 1), (1, N, 2)], (1, P, 3),
-     (Action.RESTART, 1.0)),
+     (Action.RESTART, 0.0)),
     ("no_progress after max_no_progress_attempts in a row", {"max_restarts": 10, "max_no_progress_attempts": 3},
      [(1, N, 0), (1, N, 1)], (1, N, 2), (Action.NO_PROGRESS, None)),
     ("progress breaks the no-progress streak", {"max_restarts": 10, "max_no_progress_attempts": 3},
-     [(1, N, 0), (1, P, 1), (1, N, 2)], (1, N, 3), (Action.RESTART, 4.0)),  # backoff: 1 at P, then 2, 4
+     [(1, N, 0), (1, P, 1), (1, N, 2)], (1, N, 3), (Action.RESTART, 2.0)),  # delays: 0, 0 (after P), 1, then 2
     ("max_no_progress_attempts 0 is off", {"max_restarts": 10}, [(1, N, t) for t in range(6)], (1, N, 6),
      (Action.RESTART, 8.0)),
 ]
@@ -59,7 +61,12 @@ def test_decision_table(changes: dict, history: list, failure: tuple, expected: 
 
 def test_jitter_stays_within_its_fraction() -> None:
     settings = dataclasses.replace(BASE, backoff_jitter=0.2)
-    delays = [RestartPolicy(settings, rng=random.Random(seed)).decide(1, P, now=0).delay_s for seed in range(200)]
+    def second_failure(seed: int) -> float:
+        policy = RestartPolicy(settings, rng=random.Random(seed))
+        policy.decide(1, N, now=0)
+        return policy.decide(1, N, now=1).delay_s
+
+    delays = [second_failure(seed) for seed in range(200)]
     assert all(0.8 <= d <= 1.2 for d in delays) and max(delays) - min(delays) > 0.2
 
 

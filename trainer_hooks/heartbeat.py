@@ -16,6 +16,7 @@ import faulthandler
 import mmap
 import os
 import signal
+import struct
 import sys
 import threading
 import time
@@ -38,6 +39,10 @@ from rlsup_format.heartbeat_record import (  # noqa: F401 - re-exported for rank
     request_stop,
     stacks_file_name,
 )
+
+
+_BEFORE_STOP = struct.Struct("<7q")  # fields 0-6, up to STOP_OFFSET
+_AFTER_STOP = struct.Struct("<2q")  # fields 8-9
 
 
 class _Writer:
@@ -67,12 +72,14 @@ class _Writer:
             faulthandler.register(STACKS_SIGNAL, file=self._stacks, all_threads=True, chain=False)
 
     def _publish(self) -> None:
+        """Write every field but the stop flag, which belongs to rlsup: re-writing a value read a moment
+        earlier would lose a stop request that landed in between."""
         m = self.map
         self.seq += 1
         _I64.pack_into(m, 0, self.seq)
-        stop = _I64.unpack_from(m, STOP_OFFSET)[0]
-        RECORD.pack_into(m, 0, self.seq, MAGIC, os.getpid(), self.step, self.beat_ns,
-                         self.section, self.section_ns, stop, self.saves, self.save_ns)
+        _BEFORE_STOP.pack_into(m, 0, self.seq, MAGIC, os.getpid(), self.step, self.beat_ns, self.section,
+                               self.section_ns)
+        _AFTER_STOP.pack_into(m, STOP_OFFSET + _I64.size, self.saves, self.save_ns)
         self.seq += 1
         _I64.pack_into(m, 0, self.seq)
 
@@ -158,10 +165,11 @@ def _get_writer() -> _Writer | None:
         return _writer
     with _lock:
         if not _initialised:
+            # Handlers first: once the heartbeat file is visible, rlsup may send SIGTERM at any moment.
+            _install_stop_handlers()
             directory = os.environ.get(ENV_DIR)
             if directory:
                 _writer = _Writer(Path(directory), _rank())
-            _install_stop_handlers()
             _initialised = True
     return _writer
 
