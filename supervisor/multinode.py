@@ -38,7 +38,8 @@ from supervisor.process_tree import ProcessLayer
 from supervisor.rank_pinning import pin_ranks
 from supervisor.replication import ReplicationEngine, newest_own_step
 from supervisor.resume import ResumePoint
-from supervisor.runner import AttemptAbandoned, AttemptResult, JobStatus, RunResult, Supervisor
+from supervisor.attempt_end import AttemptResult
+from supervisor.runner import AttemptAbandoned, JobStatus, RunResult, Supervisor
 from supervisor.tiers import TIER_LOCAL, TIER_PEER, TIER_PERSISTENT, TieredResumePoint
 from rlsup_format.manifest import manifest_name, step_dir_name
 

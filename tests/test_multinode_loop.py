@@ -118,7 +118,7 @@ def test_a_failure_on_another_node_ends_this_nodes_attempt(tmp_path: Path) -> No
     assert inc["reason"] == "peer_failure" and inc["detail"] == "node 0: exit_code exit code 1"
     assert coord.ends == []  # a peer failure is not echoed back to the store
     assert coord.joined == [0, 1]
-    assert layer.jobs[0].grace == 10.0  # this node's job was still running: stopped with kill_grace
+    assert layer.jobs[0].grace == 0.0  # this node's job was still running: killed at once, like a crash
     assert rec.states == [*ATTEMPT, "failed", "backoff", *ATTEMPT, "succeeded"]
 
 

@@ -224,7 +224,7 @@ def test_crash_then_resume_and_success(tmp_path: Path) -> None:
     assert inc["resumed_step"] == 2 and inc["downtime_s"] is not None and inc["output_tail"] == ["attempt 0 output"]
     second = layer.jobs[1].env
     assert second["RLSUP_RESTART_COUNT"] == "1" and second["RLSUP_RESUME_STEP"] == "2"
-    assert layer.jobs[0].grace == 3.0  # kill_grace for a crash
+    assert layer.jobs[0].grace == 0.0  # a crashed attempt is killed at once (SIGKILL, no kill_grace)
 
 
 def test_dead_rank_is_named(tmp_path: Path) -> None:

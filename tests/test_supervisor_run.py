@@ -118,6 +118,22 @@ def test_torchrun_rank_killed_restarts_whole_job(workdir: Path) -> None:
     assert (workdir / "result.rank0.attempt1").read_text() == "2046.0"
 
 
+def test_rank_death_seen_by_rlsup_without_waiting_for_torchrun(workdir: Path) -> None:
+    """torchrun's agent checks its workers every 5 s here: only rlsup's own watch on the ranks (pidfds,
+    the zombie's exit status) can end the attempt at once, kill it with SIGKILL and restart without delay."""
+    out = workdir / "result"
+    r = run_rlsup(["run", "--kill-grace", "30", "--heartbeat-timeout", "60", "--", PY, "-m", "torch.distributed.run",
+                   "--standalone", "--monitor-interval", "5", "--nproc-per-node", "2", str(JOBS / "ddp_kill_job.py"),
+                   str(out)], workdir, timeout=240)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    (inc,) = incidents(workdir / ".rlsup")
+    assert (inc["reason"], inc["signal"], inc["rank"]) == ("signal", "SIGKILL", 1), inc
+    assert "without waiting for the launcher" in inc["detail"], inc
+    assert inc["downtime_s"] < 20, inc  # no 30 s kill_grace, no backoff
+    assert "restarting in 0.0s" in r.stderr
+    assert sorted(p.name for p in workdir.glob("result.rank*")) == ["result.rank0.attempt1", "result.rank1.attempt1"]
+
+
 def test_no_progress_guard_stops_with_do_not_requeue_code(workdir: Path) -> None:
     # Every attempt saves nothing new (the same step 5 again), then fails: no progress.
     script = workdir / "stuck.py"
