@@ -36,7 +36,7 @@ def dump_stacks(hb_dir: Path, records: Mapping[int, HeartbeatRecord], wait_s: fl
     deadline = time.monotonic() + wait_s
     sizes: dict[str, int] = {}
     while pending and time.monotonic() < deadline:
-        time.sleep(0.1)
+        time.sleep(0.02)  # faulthandler writes from its C signal handler at once; a restart waits on this
         for key, path in list(pending.items()):
             size = path.stat().st_size if path.exists() else 0
             if size > 0 and sizes.get(key) == size:  # written and no longer growing
