@@ -53,6 +53,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--out", default=None, help="Rank 0 writes the final weights here.")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--ballast-mb", type=int, default=0, help="Extra MB saved with each checkpoint (slower saves).")
+    p.add_argument("--async-save", action="store_true", help="CheckpointManager(async_save=True).")
     p.add_argument("--ddp", action="store_true", help="Wrap the model in DistributedDataParallel when world > 1.")
     p.add_argument("--no-prime", action="store_true", help="With --ddp: skip trainer_hooks.prime_ddp (inexact resume).")
     return p.parse_args()
@@ -84,7 +85,8 @@ def main() -> None:
     net = nn.parallel.DistributedDataParallel(model) if use_ddp else model
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=10, gamma=0.5)
-    ckpt = CheckpointManager(args.checkpoint_dir, keep_last=args.keep_last, backend=args.backend)
+    ckpt = CheckpointManager(args.checkpoint_dir, keep_last=args.keep_last, backend=args.backend,
+                             async_save=args.async_save)
     state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "sampler": sampler}
     if args.ballast_mb:
         state["ballast"] = torch.zeros(args.ballast_mb * 2**18)  # float32: 4 bytes each

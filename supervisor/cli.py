@@ -43,6 +43,9 @@ def cmd_run(args: argparse.Namespace, command: list[str]) -> int:
     eff = load_config(args)
     cfg = eff.config.resolved()
     membership = membership_of(cfg)
+    if membership is not None and cfg.memory_dir:
+        raise ConfigError(f"{eff.origins['memory_dir']}: key 'memory_dir': the memory tier works on a single node "
+                          f"only for now, and this job runs on {len(membership.peers)} nodes; unset memory_dir")
     job = identity_of(eff.config, membership)
     try:
         lock = DirLock(cfg.state_dir, "run.lock", "state_dir", job.id).acquire()

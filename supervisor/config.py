@@ -91,6 +91,11 @@ class SupervisorConfig:
     persistent_every_seconds: float = _opt(0.0, "Copy to the persistent tier once this many seconds passed since the last copy (0: off); with persistent_every, either one triggers.")
     persistent_keep_last: int = _opt(0, "Valid copies kept in the persistent tier (0: all); the newest valid copy is never deleted.")
     persistent_bandwidth: float = _opt(0.0, "Cap on persistent-tier traffic in bytes/s, reads and writes together (0: unlimited).")
+    memory_dir: str = _opt("", "Memory checkpoint tier: a tmpfs directory (e.g. /dev/shm) the ranks save into, owned by rlsup (each job in its own subdirectory), drained to checkpoint_dir in the background; empty: off. Takes about (memory_keep_last + 1) x the node's checkpoint size in RAM.")
+    memory_keep_last: int = _opt(2, "Valid steps kept in the memory tier; the newest valid step and the step being resumed from are never deleted.")
+    memory_limit_bytes: int = _opt(0, "Most bytes the memory tier may use on memory_dir; a save that would go over goes to checkpoint_dir instead, with a warning (0: the free space of memory_dir decides).")
+    disk_every: int = _opt(0, "Drain a memory-tier step to checkpoint_dir once this many steps passed since the last drained one (0 with disk_every_seconds 0: every new valid step).")
+    disk_every_seconds: float = _opt(0.0, "Drain a memory-tier step to checkpoint_dir once this many seconds passed since the last drain (0: off); with disk_every, either one triggers.")
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):  # a list given in code becomes a tuple: no change after load
@@ -105,6 +110,7 @@ class SupervisorConfig:
             checkpoint_dir=str((base / self.checkpoint_dir).resolve()),
             state_dir=str((base / self.state_dir).resolve()),
             replica_dir=str((base / self.replica_dir).resolve()),
+            memory_dir=str((base / self.memory_dir).resolve()) if self.memory_dir else "",
             persistent_dir=self.persistent_dir if not self.persistent_dir or "://" in self.persistent_dir
             else str((base / self.persistent_dir).resolve()),
         )
@@ -305,7 +311,7 @@ def _validate(cfg: SupervisorConfig, origins: dict[str, str]) -> None:
         raise bad("metrics_port", "must be a port number 0..65535")
     for key in ("max_restarts", "max_no_progress_attempts", "output_tail_lines", "replication_factor",
                 "replication_bandwidth", "persistent_every", "persistent_every_seconds", "persistent_keep_last",
-                "persistent_bandwidth"):
+                "persistent_bandwidth", "memory_limit_bytes", "disk_every", "disk_every_seconds"):
         if getattr(cfg, key) < 0:
             raise bad(key, "must be >= 0")
     for key in ("backoff_initial", "backoff_max", "kill_grace", "stop_grace", "startup_timeout", "save_timeout",
@@ -319,6 +325,10 @@ def _validate(cfg: SupervisorConfig, origins: dict[str, str]) -> None:
         raise bad("replication_jump" if cfg.replication_jump < 1 else "replication_concurrency", "must be >= 1")
     if bool(cfg.tls_cert) != bool(cfg.tls_key):
         raise bad("tls_key" if cfg.tls_cert else "tls_cert", "tls_cert and tls_key go together")
+    if cfg.memory_keep_last < 1:
+        raise bad("memory_keep_last", "must be >= 1 (the newest valid step always stays)")
+    if cfg.memory_dir and "://" in cfg.memory_dir:
+        raise bad("memory_dir", f"must be a local directory (a tmpfs such as /dev/shm), not a URL: {cfg.memory_dir!r}")
     if cfg.poll_interval <= 0:
         raise bad("poll_interval", "must be > 0")
     if cfg.heartbeat_timeout is not None and cfg.heartbeat_timeout <= 0:

@@ -116,6 +116,9 @@ class Supervisor:
         from supervisor.persistent import PersistentTier
 
         self.persistent = PersistentTier.from_config(self.cfg, job=self.job.id)  # None when persistent_dir is empty
+        from supervisor.memory_tier import MemoryTier
+
+        self.memory = MemoryTier.from_config(self.cfg, self.checkpoint_dir, self.job.id)  # None: memory_dir empty
 
     # ------------------------------------------------------------ the loop
 
@@ -141,6 +144,8 @@ class Supervisor:
         self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
         if self.persistent is not None:
             self.persistent.start(self.checkpoint_dir)
+        if self.memory is not None:
+            self.memory.start()
         attempt = self.first_attempt()
         pending: tuple[Incident, float] | None = None  # last failure, recorded once the next attempt starts
         while True:
@@ -233,11 +238,13 @@ class Supervisor:
     def prepare(self, attempt: int) -> ResumePoint | None:
         """Everything before launch; returns the checkpoint to resume from (fetched from the
         persistent tier when that holds a newer valid step than the local directory)."""
-        if self.persistent is not None and self.cfg.resume:
+        if (self.persistent is not None or self.memory is not None) and self.cfg.resume:
             from supervisor.tiers import choose_across_tiers
 
             point = choose_across_tiers(self.checkpoint_dir, self.persistent, self.cfg.checkpoint_layout,
-                                        job=self.job.id)
+                                        job=self.job.id, memory=self.memory)
+            if self.memory is not None:
+                self.memory.protect(point.path if point is not None else None)
             if point is not None:
                 self.observer.checkpoint(point.step, point.path.stat().st_mtime)
         else:
@@ -273,6 +280,9 @@ class Supervisor:
     def progress_marker(self) -> int | None:
         """Newest valid checkpoint step, to tell whether a failed attempt made progress."""
         point = self.choose_resume()
+        in_memory = self.memory.newest_valid(full=False) if self.memory is not None and self.cfg.resume else None
+        if in_memory is not None and (point is None or in_memory[0] > point.step):
+            return in_memory[0]
         return point.step if point is not None else None
 
     def choose_resume(self) -> ResumePoint | None:
@@ -297,8 +307,12 @@ class Supervisor:
 
     def attempt_env(self, attempt: int, resume: ResumePoint | None, hb_dir: Path) -> dict[str, str]:
         env = dict(os.environ)
-        for key in ("RLSUP_RESUME_DIR", "RLSUP_RESUME_STEP"):
+        from supervisor.memory_tier import ENV_NAMES as MEMORY_ENV
+
+        for key in ("RLSUP_RESUME_DIR", "RLSUP_RESUME_STEP", *MEMORY_ENV):
             env.pop(key, None)
+        if self.memory is not None:
+            env.update(self.memory.env())  # the job's memory tier: ranks save there (trainer_hooks.memory_tier)
         env.update({
             "RLSUP_RESTART_COUNT": str(attempt),
             "RLSUP_CHECKPOINT_DIR": str(self.checkpoint_dir),
@@ -555,6 +569,8 @@ class Supervisor:
 
     def _finish(self, code: int, status: JobStatus, attempt: int) -> RunResult:
         self._discard_zygote()  # no next attempt: do not keep a launcher alive through the final copy
+        if self.memory is not None:  # the newest memory step to disk first (the persistent flush reads disk)
+            self.memory.finish(remove=status == JobStatus.SUCCEEDED, timeout=self.cfg.stop_grace)
         if self.persistent is not None:  # the last checkpoint, whatever the cadence; the tier logs the copy
             self.persistent.flush(self.cfg.stop_grace)
         self._log(f"{status.value} after {attempt + 1} attempt(s); exit {code}")

@@ -1,4 +1,9 @@
-"""Restart selection across checkpoint tiers: the local checkpoint directory and the persistent tier.
+"""Restart selection across checkpoint tiers: the memory tier, the local checkpoint directory and the
+persistent tier.
+
+A step in the memory tier (:mod:`supervisor.memory_tier`) is resumed from where it is, no copy: the
+trainer loads it from shared memory, and its retention there never deletes the step it resumed from.
+On a tie memory wins (the same step, read faster).
 
 :func:`choose_across_tiers` picks the newest step that is valid in some tier. When the persistent
 tier has a newer step than the local directory (a replaced node, a wiped local disk, a new
@@ -18,11 +23,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+from supervisor.memory_tier import MemoryTier
 from supervisor.persistent import PersistentTier, PersistentTierError
 from supervisor.resume import ResumePoint, choose_resume
 
 log = logging.getLogger(__name__)
 
+TIER_MEMORY = "memory"
 TIER_LOCAL = "local"
 TIER_PEER = "peer"
 TIER_PERSISTENT = "persistent"
@@ -44,15 +51,19 @@ def iter_candidates(tier: PersistentTier, newer_than: int | None) -> Iterator[in
 
 
 def choose_across_tiers(local_dir: str | Path, persistent: PersistentTier | None, layout: str = "auto",
-                        job: str | None = None) -> TieredResumePoint | None:
+                        job: str | None = None, memory: MemoryTier | None = None) -> TieredResumePoint | None:
     """The newest valid step across tiers, fetched into ``local_dir`` when it came from the persistent tier.
 
-    ``layout`` is the local directory's layout (``auto`` detects); the persistent tier holds rlsup
-    layout steps only. None when nothing valid exists anywhere (fresh start).
+    ``layout`` is the local directory's layout (``auto`` detects); the memory and persistent tiers hold
+    rlsup layout steps only. None when nothing valid exists anywhere (fresh start).
     """
     local_dir = Path(local_dir)
     local = choose_resume(local_dir, layout, job)
     best = TieredResumePoint(local.step, local.path, local.layout, TIER_LOCAL) if local else None
+    if memory is not None and layout in ("auto", "rlsup"):
+        in_memory = memory.newest_valid(full=True)
+        if in_memory is not None and (best is None or in_memory[0] >= best.step):
+            best = TieredResumePoint(in_memory[0], in_memory[1], "rlsup", TIER_MEMORY)
     if persistent is None or layout not in ("auto", "rlsup"):
         return best
     try:

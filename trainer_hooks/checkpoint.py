@@ -46,6 +46,7 @@ from rlsup_format.manifest import (
 from trainer_hooks.backends import get_backend
 from trainer_hooks.backends.base import RNG_KEY, LoadContext
 from trainer_hooks.heartbeat import section, should_stop
+from trainer_hooks.memory_tier import ENV_MEMORY_DIR, MemoryTarget
 from trainer_hooks.rng import restore_rng_state
 from trainer_hooks.step_writer import (  # noqa: F401 - the error classes and env names are imported from here
     ENV_JOB,
@@ -100,6 +101,7 @@ class CheckpointManager:
         who = RankIdentity.current()
         self.rank, self.world_size = who.rank, who.world_size
         self._async: Any = None
+        self._said_collective = False
         if async_save:
             if self.backend.collective:
                 raise NotImplementedError(
@@ -124,13 +126,33 @@ class CheckpointManager:
             who = RankIdentity.current()
             self.rank, self.world_size = who.rank, who.world_size
             target = StepTarget(self.directory, self.keep_last, os.environ.get(ENV_RESUME) or None)
+            memory = self._memory_tier()
+            built: dict[str, Any] | None = None
+            if memory is not None:  # node memory when the step fits there (all ranks agree), else disk
+                built = build_payload(state)
+                target = memory.choose(step, built, target)
 
             def make_payload() -> dict[str, Any]:
-                return build_payload(state)
+                return built if built is not None else build_payload(state)
 
             if self._async is not None:
                 return self._async.save(target, step, make_payload, who, preempted=should_stop())
             return write_step(target, step, make_payload, who, self.backend, live=state)
+
+    def _memory_tier(self) -> MemoryTarget | None:
+        """rlsup's memory tier for this manager's saves: only for the directory rlsup watches, and only
+        for per-rank backends (a collective backend's files are shared by all ranks: disk)."""
+        memory = MemoryTarget.from_env()
+        watched = os.environ.get(ENV_DIR)
+        if memory is None or not watched or os.path.realpath(watched) != os.path.realpath(self.directory):
+            return None
+        if self.backend.collective:
+            if not self._said_collective:
+                log.warning("memory tier %s not used: the %r backend saves collectively; saving to %s",
+                            memory.directory, self.backend_name, self.directory)
+                self._said_collective = True
+            return None
+        return memory
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until no save is in flight (True), or ``timeout`` seconds passed (False).
@@ -173,7 +195,11 @@ class CheckpointManager:
         watched = os.environ.get(ENV_DIR)
         mine = os.path.realpath(self.directory)
         if resume:
-            return resume if os.path.realpath(os.path.dirname(resume.rstrip("/"))) == mine else None
+            parent = os.path.realpath(os.path.dirname(resume.rstrip("/")))
+            memory = os.environ.get(ENV_MEMORY_DIR)
+            in_memory = bool(memory and watched and os.path.realpath(watched) == mine
+                             and parent == os.path.realpath(memory))  # rlsup's memory tier serves this dir
+            return resume if parent == mine or in_memory else None
         return "" if watched and os.path.realpath(watched) == mine else None
 
     def _own_part_problem(self, step_dir: Path) -> str:

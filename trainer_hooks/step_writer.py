@@ -113,11 +113,18 @@ class RankIdentity:
 @dataclass(frozen=True)
 class StepTarget:
     """Where steps go and which of them retention keeps (``resume_dir``: the step rlsup resumed
-    from, never deleted while this attempt runs)."""
+    from, never deleted while this attempt runs). ``disk_keep_last``: for a step written to rlsup's
+    memory tier, the trainer's own ``keep_last``, recorded in the manifest so rlsup applies it to
+    ``checkpoint_dir`` after draining the step there."""
 
     directory: Path
     keep_last: int | None = None
     resume_dir: str | None = None
+    disk_keep_last: int | None = None
+
+    def manifest_extra(self) -> dict[str, Any]:
+        """What the target adds to each manifest's ``extra``."""
+        return {} if self.disk_keep_last is None else {"disk_keep_last": self.disk_keep_last}
 
 
 def build_payload(state: dict[str, Any]) -> Payload:
@@ -309,7 +316,7 @@ def write_step(target: StepTarget, step: int, payload: PayloadSource, who: RankI
     if mine_ok:
         log.info("step %d: rank %d's part is already valid; not rewritten", step, who.rank)
     else:
-        _write_part(step_dir, step, payload, who, backend, live or {})
+        _write_part(step_dir, step, payload, who, backend, live or {}, target.manifest_extra())
     if backend.collective:
         barrier()  # every manifest is written: the step is complete on return, so retention can run
     if who.rank == 0 and target.keep_last is not None:
@@ -346,7 +353,7 @@ def _refuse_foreign(manifest_path: Path, job: str | None) -> None:
 
 
 def _write_part(step_dir: Path, step: int, payload: PayloadSource, who: RankIdentity, backend: Backend,
-                live: dict[str, Any]) -> None:
+                live: dict[str, Any], extra: dict[str, Any] | None = None) -> None:
     """Write this rank's files and then its manifest (see the module docstring for the order)."""
     stale = step_dir / manifest_name(who.rank)
     if stale.exists():
@@ -367,7 +374,8 @@ def _write_part(step_dir: Path, step: int, payload: PayloadSource, who: RankIden
     if backend.collective:
         barrier()  # every rank's files are in place before any manifest claims completeness
     manifest = RankManifest(schema=SCHEMA_VERSION, step=step, world_size=who.world_size, rank=who.rank,
-                            backend=backend.name, files=files, created=time.time(), extra=who.manifest_extra())
+                            backend=backend.name, files=files, created=time.time(),
+                            extra={**who.manifest_extra(), **(extra or {})})
     with explain_full_disk(step_dir, step, data):
         write_manifest(step_dir, manifest)  # last: its presence means this rank's files are all there
 

@@ -1,0 +1,336 @@
+"""The memory checkpoint tier: steps saved into node shared memory, drained to ``checkpoint_dir``.
+
+A save into a tmpfs (``/dev/shm``) costs a copy at memory bandwidth instead of a disk write, so a
+trainer can save every step or every few, and a crashed rank redoes at most those. rlsup owns the
+tier, not the ranks: the job's directory is ``<memory_dir>/rlsup-<job id>`` (:func:`job_memory_dir`;
+two jobs never share one, and a SIGKILLed rlsup's successor for the same job finds it again). The
+ranks learn it through ``RLSUP_MEMORY_DIR`` and write steps there with the disk protocol
+(:mod:`trainer_hooks.memory_tier`), so a step in memory is valid by the same rules.
+
+This module is the supervisor's side:
+
+* **Draining.** A background thread copies the newest valid memory step to ``checkpoint_dir`` once
+  ``disk_every`` steps or ``disk_every_seconds`` passed since the last drained one (either; every new
+  step when neither is set), part by part through :func:`supervisor.part_protocol.copy_part` (source
+  verified, data first, manifest last) while the step holds a ``.hold-drain-...`` marker, so the
+  trainer's retention leaves it alone. From ``checkpoint_dir`` replication and the persistent tier
+  take it as before. It wakes when a manifest appears (:mod:`supervisor.manifest_watch`).
+* **Retention on disk** after a drain: the trainer's ``keep_last``, which it records in each memory
+  manifest (``extra["disk_keep_last"]``); a trainer that keeps everything gets everything kept. The
+  newest valid step, held steps and the step being resumed from stay.
+* **Restart selection** reads the tier like any other (:meth:`MemoryTier.newest_valid`, used by
+  :func:`supervisor.tiers.choose_across_tiers`): a step resumed from memory is loaded in place.
+* **The end** (:meth:`MemoryTier.finish`): the newest valid memory step is drained if disk lacks it;
+  after a successful run the job's directory is then removed, after a stop, preemption or give-up it
+  is kept. A drain that failed never removes anything.
+
+Single node only for now: :mod:`supervisor.multinode` refuses ``memory_dir``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+from rlsup_format.fileio import remove_path
+from rlsup_format.manifest import (
+    ManifestError,
+    RankManifest,
+    is_held,
+    list_step_dirs,
+    manifest_name,
+    read_manifest,
+    verify_step_dir,
+)
+from rlsup_format.retention import StepState, steps_to_delete
+from supervisor.manifest_watch import ManifestWatch
+from supervisor.part_protocol import PartError, copy_part
+from supervisor.part_stores.local import LocalStore
+
+if TYPE_CHECKING:
+    from supervisor.config import SupervisorConfig
+
+log = logging.getLogger(__name__)
+
+ENV_MEMORY_DIR = "RLSUP_MEMORY_DIR"  # the names trainer_hooks.memory_tier reads
+ENV_MEMORY_KEEP_LAST = "RLSUP_MEMORY_KEEP_LAST"
+ENV_MEMORY_LIMIT = "RLSUP_MEMORY_LIMIT_BYTES"
+ENV_NAMES = (ENV_MEMORY_DIR, ENV_MEMORY_KEEP_LAST, ENV_MEMORY_LIMIT)
+HOLD_LABEL = "drain"  # .hold-drain-... in a memory step while it is copied to disk
+IDLE_WAKE_S = 5.0  # the drain pass when no manifest wakes it
+CLEAN_EVERY_S = 60.0
+RAM_FILESYSTEMS = ("tmpfs", "ramfs", "hugetlbfs")
+
+
+def job_memory_dir(memory_dir: str | os.PathLike, job: str) -> Path:
+    """The job's own directory in the tier (``job`` is a :class:`~supervisor.job_identity.JobIdentity` id:
+    safe as a path component, derived the same way by a successor rlsup of the same job)."""
+    return Path(memory_dir) / f"rlsup-{job}"
+
+
+def filesystem_type(path: Path) -> str:
+    """The type of the filesystem ``path`` is on (``/proc/self/mounts``, longest mount point), or ""."""
+    best, kind = "", ""
+    try:
+        lines = Path("/proc/self/mounts").read_text().splitlines()
+    except OSError:
+        return ""
+    target = os.path.realpath(path)
+    for line in lines:
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        mount = fields[1].replace("\\040", " ")
+        if (target == mount or target.startswith(mount.rstrip("/") + "/")) and len(mount) >= len(best):
+            best, kind = mount, fields[2]
+    return kind
+
+
+@dataclass(frozen=True)
+class MemorySettings:
+    """What the tier needs from the configuration (0 means "off" for the cadence numbers)."""
+
+    root: Path  # the job's directory: <memory_dir>/rlsup-<job>
+    keep_last: int = 2
+    limit_bytes: int = 0
+    disk_every: int = 0
+    disk_every_seconds: float = 0.0
+
+    @classmethod
+    def from_config(cls, cfg: "SupervisorConfig", job: str) -> "MemorySettings | None":
+        """None when ``memory_dir`` is empty (the tier is off)."""
+        if not cfg.memory_dir:
+            return None
+        return cls(job_memory_dir(cfg.memory_dir, job), cfg.memory_keep_last, cfg.memory_limit_bytes,
+                   cfg.disk_every, cfg.disk_every_seconds)
+
+    @property
+    def wake_interval(self) -> float:
+        """Seconds between passes when nothing wakes the thread: a tenth of a time cadence, at most 5 s."""
+        if self.disk_every_seconds:
+            return max(0.05, min(IDLE_WAKE_S, self.disk_every_seconds / 10))
+        return IDLE_WAKE_S
+
+
+@dataclass(frozen=True)
+class Drained:
+    """One step copied from memory to disk."""
+
+    step: int
+    parts: int
+    bytes_written: int
+    seconds: float
+
+
+class MemoryTier:
+    """The job's memory tier on this node; see the module docstring."""
+
+    def __init__(self, settings: MemorySettings, checkpoint_dir: str | os.PathLike, job: str | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.settings = settings
+        self.root = settings.root
+        self.checkpoint_dir = Path(checkpoint_dir)
+        self.job = job
+        self._clock = clock
+        self._last_step: int | None = None  # newest step on disk the cadence counts from
+        self._last_time: float | None = None
+        self._protected: Path | None = None  # the step on disk a restore uses
+        self._final = False
+        self._last_clean: float | None = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._watch: ManifestWatch | None = None
+        self._thread: threading.Thread | None = None
+        self.drains: list[Drained] = []
+        self.last_error: str | None = None
+
+    @classmethod
+    def from_config(cls, cfg: "SupervisorConfig", checkpoint_dir: str | os.PathLike, job: str) -> "MemoryTier | None":
+        settings = MemorySettings.from_config(cfg, job)
+        return cls(settings, checkpoint_dir, job) if settings is not None else None
+
+    def env(self) -> dict[str, str]:
+        """What every rank of an attempt is told (read by :mod:`trainer_hooks.memory_tier`)."""
+        return {ENV_MEMORY_DIR: str(self.root), ENV_MEMORY_KEEP_LAST: str(self.settings.keep_last),
+                ENV_MEMORY_LIMIT: str(self.settings.limit_bytes)}
+
+    # ---------------------------------------------------------------- reading
+
+    def _ours(self, step_dir: Path) -> bool:
+        try:
+            job = read_manifest(step_dir / manifest_name(0)).extra.get("job")
+        except (OSError, ManifestError):
+            return False
+        return self.job is None or not isinstance(job, str) or job == self.job
+
+    def newest_valid(self, full: bool = True, root: Path | None = None) -> tuple[int, Path] | None:
+        """(step, path) of the newest step of this job that verifies in the tier (or in ``root``)."""
+        for step, path in reversed(list_step_dirs(root or self.root)):
+            if verify_step_dir(path, full=full).valid and self._ours(path):
+                return step, path
+        return None
+
+    def protect(self, path: Path | None) -> None:
+        """Disk retention keeps ``path`` (the step the next attempt resumes from)."""
+        self._protected = path.resolve() if path is not None else None
+
+    # ---------------------------------------------------------------- draining
+
+    def _due(self, step: int) -> bool:
+        s = self.settings
+        if self._last_step is not None and step <= self._last_step:
+            return False
+        if self._final or self._last_step is None or not (s.disk_every or s.disk_every_seconds):
+            return True
+        by_steps = bool(s.disk_every) and step - self._last_step >= s.disk_every
+        by_time = bool(s.disk_every_seconds) and (
+            self._last_time is None or self._clock() - self._last_time >= s.disk_every_seconds)
+        return by_steps or by_time
+
+    def poll(self) -> Drained | None:
+        """One pass: drain the newest valid memory step if it is due; prune the disk after a drain."""
+        with self._lock:
+            self._maybe_clean()
+            newest = self.newest_valid(full=False)
+            if newest is None or not self._due(newest[0]):
+                return None
+            on_disk = self.newest_valid(full=False, root=self.checkpoint_dir)
+            if on_disk is not None and on_disk[0] >= newest[0]:  # the trainer saved it to disk itself
+                self._last_step, self._last_time = on_disk[0], self._clock()
+                return None
+            return self._drain(newest[0])
+
+    def _drain(self, step: int) -> Drained | None:
+        src = LocalStore(self.root, hold_label=HOLD_LABEL)
+        dst = LocalStore(self.checkpoint_dir, hold_label=HOLD_LABEL)
+        t0, written, parts = time.monotonic(), 0, 0
+        try:
+            with src.hold(step):  # the whole step, not part by part: the trainer's retention waits
+                first = read_manifest(src.path(step) / manifest_name(0))
+                for rank in range(first.world_size):
+                    done = copy_part(src, dst, step, rank, full=True, accept=self._accept)
+                    parts += 1
+                    written += done.size if done.written else 0
+        except (OSError, ManifestError, PartError) as e:
+            self.last_error = f"step {step}: {e}"
+            log.warning("memory tier: step %d not drained from %s to %s: %s", step, self.root,
+                        self.checkpoint_dir, e)
+            return None
+        self.last_error = None
+        self._last_step, self._last_time = step, self._clock()
+        drained = Drained(step, parts, written, time.monotonic() - t0)
+        self.drains.append(drained)
+        log.info("memory tier: step %d drained to %s (%d parts, %d bytes, %.2fs)", step, self.checkpoint_dir,
+                 parts, written, drained.seconds)
+        self._retain_disk(step, first.extra.get("disk_keep_last"))
+        return drained
+
+    def _accept(self, manifest: RankManifest) -> str:
+        job = manifest.extra.get("job")
+        if self.job and isinstance(job, str) and job != self.job:
+            return f"written by job {job!r}, this is job {self.job!r}"
+        return ""
+
+    def _retain_disk(self, drained: int, keep_last: object) -> list[int]:
+        """The trainer's ``keep_last`` on ``checkpoint_dir`` (:mod:`rlsup_format.retention`); none recorded:
+        keep everything. Protected: the drained step, held steps, the resume step, newer invalid steps."""
+        if not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 1:
+            return []
+        states = []
+        for step, path in list_step_dirs(self.checkpoint_dir):
+            valid = verify_step_dir(path, full=False).valid
+            protected = (step == drained or (step > drained and not valid) or is_held(path)
+                         or (self._protected is not None and path.resolve() == self._protected))
+            states.append(StepState(step, valid, protected))
+        doomed = steps_to_delete(states, keep_last)
+        store = LocalStore(self.checkpoint_dir, hold_label=HOLD_LABEL)
+        for step in doomed:
+            log.info("memory tier: disk retention (keep_last %d) removes step %d", keep_last, step)
+            store.delete(step)
+        return doomed
+
+    def _maybe_clean(self) -> None:
+        """Temp files and holds of killed copies, in both directories, at most every CLEAN_EVERY_S."""
+        now = time.monotonic()
+        if self._last_clean is None or now - self._last_clean >= CLEAN_EVERY_S:
+            self._last_clean = now
+            LocalStore(self.root).clean()
+            LocalStore(self.checkpoint_dir).clean()
+
+    # ---------------------------------------------------------------- background thread
+
+    def start(self) -> None:
+        """Create the job's directory and drain in a daemon thread until :meth:`stop`."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        kind = filesystem_type(self.root)
+        if kind not in RAM_FILESYSTEMS:
+            log.info("memory tier %s is on %s, not a tmpfs: saves there cost what a disk write costs",
+                     self.root, kind or "an unknown filesystem")
+        on_disk = self.newest_valid(full=False, root=self.checkpoint_dir)
+        self._last_step = on_disk[0] if on_disk is not None else None
+        self._last_time = self._clock()
+        if self._thread is not None and self._thread.is_alive():
+            return
+        self._stop.clear()
+        self._watch = ManifestWatch(self.root, self._wake)
+        self._watch.start()  # a new step is drained as soon as its last manifest appears (when due)
+
+        def loop() -> None:
+            while not self._stop.is_set():
+                try:
+                    self.poll()
+                except Exception as e:  # noqa: BLE001 - the tier must never kill the supervisor
+                    self.last_error = str(e)
+                    log.exception("memory tier drain pass failed")
+                self._wake.wait(self.settings.wake_interval)
+                self._wake.clear()
+
+        self._thread = threading.Thread(target=loop, name="rlsup-memory-tier", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float | None = 60.0) -> None:
+        """Stop the thread after its current drain (a drain in progress is finished, not torn)."""
+        self._stop.set()
+        self._wake.set()
+        if self._watch is not None:
+            self._watch.stop()
+            self._watch = None
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    def finish(self, remove: bool, timeout: float) -> int | None:
+        """The run ended: stop the thread, drain the newest valid memory step if disk lacks it (whatever
+        the cadence), and with ``remove`` (a successful run) remove the job's directory once disk holds
+        that step. Returns the newest valid step on disk. Waits at most ``timeout`` seconds for the
+        drain; a drain cut off or failed keeps the directory (its steps are still the newest)."""
+        self.stop(timeout)
+        self._final = True
+        done = threading.Event()
+
+        def final() -> None:
+            try:
+                self.poll()
+            except Exception as e:  # noqa: BLE001 - the tier must never kill the supervisor
+                self.last_error = str(e)
+                log.warning("memory tier: final drain failed: %s", e)
+            done.set()
+
+        threading.Thread(target=final, name="rlsup-memory-drain", daemon=True).start()
+        drained = done.wait(timeout)
+        newest = self.newest_valid(full=False)
+        on_disk = self.newest_valid(full=False, root=self.checkpoint_dir)
+        safe = drained and (newest is None or (on_disk is not None and on_disk[0] >= newest[0]))
+        if remove and safe:
+            remove_path(self.root)
+            log.info("memory tier: %s removed (the run succeeded; its last step is on disk)", self.root)
+        elif remove:
+            log.warning("memory tier: %s kept: its newest step %s is not on %s (%s)", self.root,
+                        newest[0] if newest else None, self.checkpoint_dir, self.last_error or "drain cut off")
+        return on_disk[0] if on_disk is not None else None
