@@ -304,3 +304,57 @@ def test_memory_too_small_saves_to_disk_with_a_clear_message_bit_identical(workd
     assert len(inc) == 1 and inc[0]["resumed_tier"] == "local" and inc[0]["resumed_step"] == 12, inc
     assert_identical(out, ref)
     assert valid_steps(workdir / "checkpoints")[-1] == 20
+
+
+def test_collective_backends_save_to_disk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                          caplog: pytest.LogCaptureFixture) -> None:
+    from trainer_hooks.checkpoint import CheckpointManager
+
+    monkeypatch.setenv("RLSUP_CHECKPOINT_DIR", str(tmp_path / "ckpt"))
+    monkeypatch.setenv("RLSUP_MEMORY_DIR", str(tmp_path / "shm"))
+    assert CheckpointManager(backend="torch")._memory_tier() is not None
+    assert CheckpointManager(tmp_path / "elsewhere")._memory_tier() is None  # a directory rlsup does not watch
+    with caplog.at_level(logging.WARNING):
+        assert CheckpointManager(backend="dcp")._memory_tier() is None
+    assert "saves collectively" in caplog.text
+
+
+def test_a_real_tmpfs_too_small_is_seen_by_its_free_space(tmp_path: Path) -> None:
+    """Where mounting is allowed (root, no container limits): an 8 MiB tmpfs, no memory_limit_bytes."""
+    mnt = tmp_path / "tmpfs"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        disk = StepTarget(tmp_path / "ckpt", 3)
+        target = MemoryTarget(mnt / "rlsup-job", 2)
+        assert target.choose(1, {"w": torch.zeros(2**20)}, disk).directory == mnt / "rlsup-job"  # 4 MiB fits
+        assert target.choose(2, {"w": torch.zeros(3 * 2**20)}, disk) == disk  # 12 MiB does not
+    finally:
+        subprocess.run(["umount", str(mnt)], capture_output=True)
+
+
+def test_multi_node_with_a_memory_dir_is_refused(workdir: Path) -> None:
+    from conftest import run_rlsup
+
+    result = run_rlsup(["run", "--memory-dir", str(workdir / "shm"), "--peers", "127.0.0.1:9001,127.0.0.1:9002",
+                        "--node-rank", "0", "--", PY, "-c", "pass"], workdir)
+    assert result.returncode == 2 and "key 'memory_dir'" in result.stderr and "single node" in result.stderr
+
+
+def test_stopped_run_drains_to_disk_and_keeps_the_memory_dir(workdir: Path) -> None:
+    train = ["--steps", "200", "--checkpoint-every", "1", "--step-time", "0.05", "--keep-last", "2"]
+    shm = workdir / "shm"
+    proc = start_rlsup([*run_args(shm, "--disk-every", "1000", "--stop-grace", "30"), "--", *launcher(1), *train],
+                       workdir)
+    try:
+        wait_for(lambda: max(valid_steps(memory_job_dir(shm)), default=0) >= 6, 120, "step 6 valid in memory")
+        proc.send_signal(signal.SIGTERM)
+        output, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 143, output[-3000:]
+    in_memory = valid_steps(memory_job_dir(shm))
+    assert in_memory, "a stopped run keeps its memory directory"
+    assert valid_steps(workdir / "checkpoints")[-1] == in_memory[-1], output[-3000:]
