@@ -182,9 +182,11 @@ class JobProcess:
                 pass
 
     def terminate_tree(self, grace: float) -> list[int]:
-        """SIGTERM everything, SIGKILL what is left after ``grace``; return pids that needed SIGKILL."""
+        """SIGTERM everything, SIGKILL what is left after ``grace``; return pids that needed SIGKILL.
+        ``grace`` 0: SIGKILL at once, no SIGTERM (a crashed attempt has nothing left to save)."""
         self.refresh()
-        self.send(signal.SIGTERM)
+        if grace > 0:
+            self.send(signal.SIGTERM)
         deadline = time.monotonic() + grace
         while time.monotonic() < deadline:
             self.refresh()
