@@ -380,7 +380,7 @@ class Supervisor:
         if spec is None:
             return
         try:
-            self._zygote = Zygote(spec, env)
+            self._zygote = Zygote(spec, env, warm_imports=self.cfg.warm_imports)
         except (OSError, subprocess.SubprocessError) as e:
             self._log(f"warm launcher not started ({e}); restarts launch cold")
             return

@@ -37,7 +37,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 if TYPE_CHECKING:
     from supervisor.process_tree import JobProcess
@@ -120,15 +120,18 @@ class Zygote:
     Spawned like a cold job root, with the running attempt's environment and the supervisor's working
     directory (relative PYTHONPATH entries, LOGLEVEL and the like act at start-up and import time)."""
 
-    def __init__(self, spec: WarmSpec, env: Mapping[str, str], cwd: str | None = None) -> None:
+    def __init__(self, spec: WarmSpec, env: Mapping[str, str], cwd: str | None = None,
+                 warm_imports: Sequence[str] = ()) -> None:
         from supervisor.process_tree import JobProcess, spawn_job_root
 
         self.spec = spec
         self.output_left = ""  # what a zygote that was discarded unused had printed (an import error)
+        self.warm_pids: list[int] = []  # its warm ranks (warm_pool.py), known once it is ready
         ready_r, ready_w = os.pipe()
+        argv = [spec.python, _FILE, "--ready-fd", str(ready_w), "--path0", spec.path0,
+                "--args-json", json.dumps(list(spec.args)), "--warm-imports", json.dumps(list(warm_imports))]
         try:
-            self.popen = spawn_job_root([spec.python, _FILE, "--ready-fd", str(ready_w), "--path0", spec.path0],
-                                        env, cwd=cwd, stdin=subprocess.PIPE, pass_fds=(ready_w,))
+            self.popen = spawn_job_root(argv, env, cwd=cwd, stdin=subprocess.PIPE, pass_fds=(ready_w,))
         except BaseException:
             os.close(ready_r)
             raise
@@ -152,11 +155,23 @@ class Zygote:
                 return False
             readable, _, _ = select.select([self._ready_r], [], [], min(left, 0.5))
             if readable:
-                data = os.read(self._ready_r, 16)
+                data = os.read(self._ready_r, 65536)
                 os.close(self._ready_r)
                 self._ready_r = None
                 self._ready = data.startswith(READY)
+                self._note_warm_ranks(data[len(READY):])
         return self._ready and self.alive()
+
+    def _note_warm_ranks(self, data: bytes) -> None:
+        """The zygote's warm ranks are rlsup's helpers until the attempt starts (if the zygote dies they
+        are re-parented to rlsup, and must not look like members of the running attempt)."""
+        from supervisor.process_tree import JobProcess
+
+        try:
+            self.warm_pids = [int(p) for p in json.loads(data or b"[]")]
+        except (ValueError, TypeError):
+            self.warm_pids = []
+        JobProcess.helpers.update(self.warm_pids)
 
     def start(self, args: Sequence[str] | None, env: Mapping[str, str], cwd: str, log_path: Path,
               tail_lines: int, ready_timeout: float = 30.0) -> "JobProcess | None":
@@ -176,6 +191,7 @@ class Zygote:
             self.discard()
             return None
         JobProcess.helpers.discard(self.pid)
+        JobProcess.helpers.difference_update(self.warm_pids)  # now workers of the attempt, or killed by it
         return JobProcess.from_popen(self.popen, log_path, tail_lines)
 
     def discard(self) -> None:
@@ -183,6 +199,7 @@ class Zygote:
         from supervisor.process_tree import JobProcess
 
         JobProcess.helpers.discard(self.pid)
+        _kill(self.warm_pids)  # first, while they are the zygote's (unreaped, so their pids are not reused)
         try:
             os.killpg(self.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
@@ -210,9 +227,52 @@ class Zygote:
         if self._ready_r is not None:
             os.close(self._ready_r)
             self._ready_r = None
+        _reap(self.warm_pids)
+        JobProcess.helpers.difference_update(self.warm_pids)
+
+
+def _kill(pids: Sequence[int]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def _reap(pids: Sequence[int], timeout: float = 5.0) -> None:
+    """A dead zygote's warm ranks are re-parented to rlsup (a subreaper): collect them."""
+    left = set(pids)
+    deadline = time.monotonic() + timeout
+    while left and time.monotonic() < deadline:
+        for pid in list(left):
+            try:
+                if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                    left.discard(pid)
+            except ChildProcessError:  # not (yet) re-parented to us, or reaped elsewhere
+                if not os.path.exists(f"/proc/{pid}"):
+                    left.discard(pid)
+        if left:
+            time.sleep(0.02)
 
 
 # ------------------------------------------------------------------------------ zygote side
+
+
+def _arg(argv: list[str], name: str, default: str) -> str:
+    return argv[argv.index(name) + 1] if name in argv else default
+
+
+def _load_warm_pool() -> Any:
+    """``warm_pool.py`` beside this file, by path: the zygote's sys.path is the job's, not rlsup's."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_rlsup_warm_pool", os.path.join(os.path.dirname(_FILE),
+                                                                                  "warm_pool.py"))
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def _zygote_main(argv: list[str]) -> None:
@@ -224,10 +284,14 @@ def _zygote_main(argv: list[str]) -> None:
         sys.path[0] = argv[argv.index("--path0") + 1]
     import torch.distributed.run as torchrun  # the slow part, done before the attempt starts
 
-    os.write(ready_fd, READY)
+    warm_pool = _load_warm_pool()
+    pool = warm_pool.WarmPool.spawn(json.loads(_arg(argv, "--args-json", "[]")),
+                                    json.loads(_arg(argv, "--warm-imports", "[]")))
+    os.write(ready_fd, READY + json.dumps(pool.pids()).encode())
     os.close(ready_fd)
     data = sys.stdin.buffer.read()
     if not data:  # the supervisor closed the pipe without a message: never used
+        pool.discard()
         sys.exit(0)
     message = json.loads(data)
     null = os.open(os.devnull, os.O_RDONLY)  # a cold job root has stdin on /dev/null; workers inherit it
@@ -243,6 +307,7 @@ def _zygote_main(argv: list[str]) -> None:
     else:  # the console script: sys.path[0] is already its directory
         argv0 = message["argv0"].removesuffix(".exe")
     sys.argv = [argv0, *message["argv"]]
+    warm_pool.install(pool, message["argv"])
     # Mirrors the torchrun console script: ``sys.exit(main())``; a ChildFailedError propagates (traceback
     # with torchrun's root-cause report, exit 1) exactly as there.
     sys.exit(torchrun.main())

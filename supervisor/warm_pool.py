@@ -1,0 +1,260 @@
+"""The zygote's warm ranks: pre-started workers that torchrun's worker spawn hands its ranks to.
+
+The warm launcher's zygote already knows the next attempt's torchrun arguments. It parses them with
+torchrun's own parser, and spawns ``nproc_per_node`` warm ranks (``warm_rank.py``) exactly as torch's
+``SubprocessHandler`` would spawn the workers (``python -u``, own session, stdout/stderr inherited, the
+attempt's environment with the ``OMP_NUM_THREADS=1`` torchrun adds, the working directory), plus a
+stdin pipe and a parent-death signal so an unused one dies with the zygote. Before ``torchrun.main()``
+runs, :func:`install` replaces torch's ``get_subprocess_handler`` with one whose ``_popen`` gives a
+ready warm rank the worker's ``{argv, env, cwd}`` and returns that rank's ``Popen``: torchrun's
+monitoring, ``close()`` (killpg), exit codes and error files work unchanged.
+
+Anything unusual launches that worker cold, as torch would, and says so once on stderr: torchrun
+options that change how workers start (``--no-python``, ``--run-path``, redirects or tee, NUMA
+binding, virtual local ranks), a worker command other than the one warmed, a variable read at
+interpreter start or import that differs between the warm rank's environment and the worker's, another
+working directory, a warm rank that is not ready in time or died.
+
+Loaded by path inside the zygote (which has the job's ``sys.path``, not rlsup's), so this file imports
+only the standard library at module level; torch is imported lazily.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import subprocess
+import sys
+import time
+import zipfile
+from typing import Any, Mapping, Sequence
+
+WARM_RANK_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "warm_rank.py")
+PREFIX = "[rlsup] warm ranks: "
+READY_TIMEOUT = 30.0
+# Read when an interpreter starts or torch (or a BLAS, or the allocator) is imported: a warm rank that
+# started under other values is not what a cold start would be.
+STARTUP_PREFIXES = ("PYTHON", "OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS_", "LD_", "MALLOC_", "LC_", "TORCH")
+STARTUP_NAMES = ("LANG", "TZ", "HOME", "TMPDIR")
+# What torchrun's agent sets per worker itself (never read at import).
+AGENT_SET_PREFIXES = ("TORCHELASTIC_",)
+AGENT_SET_NAMES = ("TORCH_NCCL_ASYNC_ERROR_HANDLING",)
+
+
+def startup_env(env: Mapping[str, str]) -> dict[str, str]:
+    """The part of an environment that acts at interpreter start or import."""
+    return {k: v for k, v in env.items()
+            if (k.startswith(STARTUP_PREFIXES) or k in STARTUP_NAMES)
+            and not k.startswith(AGENT_SET_PREFIXES) and k not in AGENT_SET_NAMES}
+
+
+def env_difference(spawned: Mapping[str, str], worker: Mapping[str, str]) -> list[str]:
+    """Start-up variables that differ between a warm rank's environment and the worker's."""
+    a, b = startup_env(spawned), startup_env(worker)
+    return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+
+
+def worker_command(args: Any, python: str) -> tuple[list[str] | None, str]:
+    """torchrun's worker command for parsed ``args`` (``python -u [-m] target``), or None and why not."""
+    if args.no_python:
+        return None, "--no-python"
+    if args.run_path:
+        return None, "--run-path"
+    if str(args.redirects) not in ("0", "") or str(args.tee) not in ("0", ""):
+        return None, "worker output redirected (--redirects/--tee)"
+    if getattr(args, "numa_binding", None) is not None:
+        return None, "--numa-binding"
+    if getattr(args, "virtual_local_rank", False):
+        return None, "--virtual-local-rank"
+    if args.module:
+        return [python, "-u", "-m", args.training_script], ""
+    script = args.training_script
+    if not os.path.isfile(script) or script.endswith((".pyc", ".pyo")) or zipfile.is_zipfile(script):
+        return None, f"training script {script!r} is not a plain source file"
+    return [python, "-u", script], ""
+
+
+class WarmRank:
+    """One pre-started worker: its Popen (what torchrun will hold) and its ready pipe."""
+
+    def __init__(self, command: Sequence[str], imports: Sequence[str], env: Mapping[str, str]) -> None:
+        ready_r, ready_w = os.pipe()
+        try:
+            self.popen = subprocess.Popen(
+                [command[0], "-u", WARM_RANK_FILE, "--ready-fd", str(ready_w), "--parent", str(os.getpid()),
+                 "--command", json.dumps(list(command)), "--imports", json.dumps(list(imports))],
+                env=dict(env), stdin=subprocess.PIPE, start_new_session=True, pass_fds=(ready_w,))
+        except BaseException:
+            os.close(ready_r)
+            raise
+        finally:
+            os.close(ready_w)
+        self.pid = self.popen.pid
+        self._ready_r: int | None = ready_r
+        self._state = ""  # "", "ready", or why not
+
+    def wait_ready(self, timeout: float) -> str:
+        """"" once the rank imported everything and waits; else why it cannot be used."""
+        deadline = time.monotonic() + timeout
+        while self._state == "" and self._ready_r is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return f"warm rank pid {self.pid} not ready after {timeout:.0f}s"
+            readable, _, _ = select.select([self._ready_r], [], [], min(left, 0.5))
+            if readable:
+                data = os.read(self._ready_r, 4096)
+                os.close(self._ready_r)
+                self._ready_r = None
+                self._state = "ready" if data == b"R" else (
+                    f"warm rank pid {self.pid} failed: {data[1:].decode('utf-8', 'replace')}" if data
+                    else f"warm rank pid {self.pid} died")
+        if self._state == "ready" and self.popen.poll() is not None:
+            self._state = f"warm rank pid {self.pid} died (exit {self.popen.returncode})"
+        return "" if self._state == "ready" else self._state
+
+    def hand_over(self, message: dict) -> str:
+        """Send the worker's spec; "" when the rank took it."""
+        assert self.popen.stdin is not None
+        try:
+            self.popen.stdin.write(json.dumps(message).encode())
+            self.popen.stdin.close()
+        except (BrokenPipeError, OSError, ValueError):
+            return f"warm rank pid {self.pid} died"
+        return ""
+
+    def kill(self) -> None:
+        try:
+            self.popen.kill()
+            self.popen.wait(timeout=5)
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+        for f in (self.popen.stdin,):
+            try:
+                if f is not None:
+                    f.close()
+            except OSError:
+                pass
+        if self._ready_r is not None:
+            os.close(self._ready_r)
+            self._ready_r = None
+
+
+class WarmPool:
+    """The warm ranks of one zygote, and the decision, per worker, whether one of them becomes it."""
+
+    def __init__(self, reason: str = "", command: Sequence[str] = (), env: Mapping[str, str] | None = None,
+                 nproc: int = 0) -> None:
+        self.reason, self.command, self.env, self.nproc = reason, list(command), dict(env or {}), nproc
+        self.cwd = os.getcwd()
+        self.ranks: list[WarmRank] = []
+        self.used: list[int] = []
+        self._said = False
+
+    @classmethod
+    def spawn(cls, torchrun_args: Sequence[str], imports: Sequence[str]) -> "WarmPool":
+        """Parse torchrun's arguments as it will, and start its workers' warm ranks (or say why not)."""
+        try:
+            from torch.distributed.run import determine_local_world_size, parse_args
+
+            args = parse_args(list(torchrun_args))
+            nproc = determine_local_world_size(args.nproc_per_node)
+        except (Exception, SystemExit) as e:
+            return cls(f"torchrun's arguments not understood ({e})")
+        command, why = worker_command(args, os.getenv("PYTHON_EXEC", sys.executable))
+        if command is None:
+            return cls(why)
+        env = dict(os.environ)
+        if nproc > 1 and "OMP_NUM_THREADS" not in env:  # what torchrun's config_from_args will add
+            env["OMP_NUM_THREADS"] = "1"
+        pool = cls("", command, env, nproc)
+        try:
+            for _ in range(nproc):
+                pool.ranks.append(WarmRank(command, imports, env))
+        except (OSError, subprocess.SubprocessError) as e:
+            pool.discard()
+            return cls(f"could not start a warm rank ({e})")
+        return pool
+
+    def pids(self) -> list[int]:
+        return [r.pid for r in self.ranks]
+
+    def take(self, args: Sequence[str], env: Mapping[str, str], output_files: bool) -> subprocess.Popen | None:
+        """The Popen of a warm rank that became this worker, or None: launch it cold (said once)."""
+        why = self._unfit(args, env, output_files)
+        if not why:
+            rank = self.ranks.pop(0)
+            why = rank.wait_ready(READY_TIMEOUT) or rank.hand_over(
+                {"argv": list(args), "env": dict(env), "cwd": os.getcwd(), "stdin": os.devnull})
+            if not why:
+                self.used.append(rank.pid)
+                return rank.popen
+            rank.kill()
+        self._say(why)
+        return None
+
+    def _unfit(self, args: Sequence[str], env: Mapping[str, str], output_files: bool) -> str:
+        if self.reason:
+            return self.reason
+        if output_files:
+            return "worker output goes to files (log redirects or tee)"
+        if list(args[:len(self.command)]) != self.command:
+            return f"worker command {list(args[:len(self.command)])} is not the warmed {self.command}"
+        differ = env_difference(self.env, env)
+        if differ:
+            return f"start-up environment differs ({', '.join(differ)})"
+        if os.getcwd() != self.cwd:
+            return f"working directory changed ({self.cwd} -> {os.getcwd()})"
+        try:
+            stdin = os.readlink("/proc/self/fd/0")
+        except OSError:
+            stdin = "?"
+        if stdin != os.devnull:
+            return f"the launcher's stdin is {stdin}, not {os.devnull}"
+        if not self.ranks:
+            return "no warm rank left (torchrun restarted its workers, or more workers than warmed)"
+        return ""
+
+    def _say(self, why: str) -> None:
+        if not self._said:
+            self._said = True
+            print(f"{PREFIX}{why}; launching cold", file=sys.stderr, flush=True)
+
+    def round_done(self) -> None:
+        """torchrun started its workers: say which came from warm ranks, kill the unused ones."""
+        if self.used and not self._said:
+            print(f"{PREFIX}{len(self.used)} local rank(s) started from warm ranks (pids "
+                  f"{', '.join(map(str, self.used))})", file=sys.stderr, flush=True)
+        self.used = []
+        self.discard()
+
+    def discard(self) -> None:
+        ranks, self.ranks = self.ranks, []
+        for rank in ranks:
+            rank.kill()
+
+
+def install(pool: WarmPool, torchrun_args: Sequence[str]) -> None:
+    """Make torchrun's worker spawn use ``pool`` (before ``torchrun.main()`` with ``torchrun_args``)."""
+    import torch.distributed.elastic.multiprocessing.api as mp_api
+    from torch.distributed.run import determine_local_world_size, parse_args
+    from torch.distributed.elastic.multiprocessing.subprocess_handler.subprocess_handler import SubprocessHandler
+
+    class WarmSubprocessHandler(SubprocessHandler):
+        """torch's handler; its process is a warm rank when one fits."""
+
+        def _popen(self, args: tuple, env: dict[str, str]) -> subprocess.Popen:
+            proc = pool.take(args, env, self._stdout is not None or self._stderr is not None)
+            return proc if proc is not None else super()._popen(args, env)
+
+    def get_subprocess_handler(*args: Any, **kwargs: Any) -> SubprocessHandler:
+        handler = WarmSubprocessHandler(*args, **kwargs)
+        if handler.local_rank_id >= workers - 1 or not pool.ranks:
+            pool.round_done()
+        return handler
+
+    try:  # how many workers torchrun starts now (the arguments may differ from those warmed)
+        workers = determine_local_world_size(parse_args(list(torchrun_args)).nproc_per_node)
+    except (Exception, SystemExit):
+        workers = 0
+    mp_api.get_subprocess_handler = get_subprocess_handler  # type: ignore[assignment]
