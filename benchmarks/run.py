@@ -41,7 +41,7 @@ sys.path[:0] = [str(ROOT), str(BENCH), str(ROOT / "tests")]
 PY = sys.executable
 BIN = Path(sys.executable).parent
 TRAINER = BENCH / "jobs" / "bench_trainer.py"
-FIGURES = ("restart", "hang", "save", "heartbeat", "selection", "replication", "restore", "footprint", "goodput")
+FIGURES = ("restart", "hang", "hang_restart", "save", "heartbeat", "selection", "replication", "restore", "footprint", "goodput")
 
 
 # ------------------------------------------------------------------------------------------ output
@@ -241,6 +241,22 @@ def pid_alive(pid: int) -> bool:
 
 # ------------------------------------------------------------------------------------------ 1. restart
 
+#: Where a recovery's time goes, from the fault to the next attempt's first step (rank 0's events):
+#: detect + teardown + launch (fault -> the next attempt's rank 0 runs its first line: an interpreter
+#: and ``import torch`` when cold, a hand-off when warm), rendezvous (``init_process_group``), restore,
+#: first step.
+PHASES = ("fault->rank start", "rendezvous", "restore", "first step")
+
+
+def recovery_phases(evs: list[dict], fault_t: float, attempt: int) -> tuple[float, ...]:
+    """The :data:`PHASES` of one recovery, in seconds (StopIteration when an event is missing)."""
+    def first(ev: str) -> float:
+        return next(e["t"] for e in evs if e["ev"] == ev and e["attempt"] == attempt and e["rank"] == 0)
+
+    marks = [fault_t, first("start"), first("rendezvous"), first("resumed"), first("step")]
+    return tuple(b - a for a, b in zip(marks, marks[1:]))
+
+
 
 def bench_restart(ctx: Ctx) -> list[Row]:
     """SIGKILL of rank 1 (its own event, just before) -> rank 0 of the next attempt completes a step."""
@@ -250,7 +266,7 @@ def bench_restart(ctx: Ctx) -> list[Row]:
         kinds.append("ft")
     targs = ["--steps", "40", "--checkpoint-every", "5", "--crash-at-step", "12", "--step-time", "0.02"]
     lat: dict[str, list[float]] = {k: [] for k in kinds}
-    to_start: dict[str, list[float]] = {k: [] for k in kinds}  # kill -> first process of the next attempt runs
+    breakdown: dict[str, list[tuple[float, ...]]] = {k: [] for k in kinds}  # PHASES per trial
     downtime: list[float] = []  # rlsup's own record: attempt ended -> next attempt launched
     fails: dict[str, list[str]] = {k: [] for k in kinds}
     for _, kind in alternate(ctx.reps, kinds):
@@ -272,7 +288,8 @@ def bench_restart(ctx: Ctx) -> list[Row]:
         stop(proc)
         if kill is not None and nxt is not None:
             lat[kind].append(nxt["t"] - kill["t"])
-            to_start[kind].append(min(e["t"] for e in evs if e["ev"] == "start" and e["attempt"] == 1) - kill["t"])
+            with contextlib.suppress(StopIteration, ValueError):
+                breakdown[kind].append(recovery_phases(evs, kill["t"], 1))
             with contextlib.suppress(OSError, ValueError, IndexError, KeyError, TypeError):
                 inc = (d / "state" / "incidents.jsonl").read_text().splitlines()
                 downtime.append(float(json.loads(inc[0])["downtime_s"]))
@@ -298,11 +315,13 @@ def bench_restart(ctx: Ctx) -> list[Row]:
         return "; ".join(parts)
 
     def phases(k: str) -> str:
-        a, b = median(to_start[k]), median([x - y for x, y in zip(lat[k], to_start[k])])
-        return f"{k}: kill->worker start {fmt(a)} s + start->step {fmt(b)} s" if a is not None else ""
+        if not breakdown[k]:
+            return ""
+        cols = list(zip(*breakdown[k]))
+        return f"{k}: " + " + ".join(f"{name} {fmt(median(list(col)))}" for name, col in zip(PHASES, cols)) + " s"
 
-    rl_phases = phases("rlsup") + (f" (rlsup downtime {fmt(median(downtime))} s incl. backoff_initial 1 s)"
-                                   if downtime else "")
+    rl_phases = phases("rlsup") + (f" (rlsup downtime, attempt end noticed -> next launched: "
+                                   f"{fmt(median(downtime))} s)" if downtime else "")
     rows = [Row("restart latency: SIGKILL -> next first step, vs torchrun --max-restarts 1", median(lat["rlsup"]),
                 median(lat["torchrun"]), "s",
                 "; ".join(x for x in [note("rlsup"), note("torchrun"), rl_phases, phases("torchrun")] if x))]
@@ -393,6 +412,54 @@ def bench_hang(ctx: Ctx) -> list[Row]:
                         median(data["ft"]) if "ft" in kinds else None, "s",
                         note if "ft" in kinds else f"n/a: {why_no_ft}"))
     return rows
+
+
+def bench_hang_restart(ctx: Ctx) -> list[Row]:
+    """Rank 1 hangs (stops heartbeating) at step 40; both launchers use a 3 s heartbeat timeout and one
+    restart: hang -> rank 0 of the next attempt completes a step."""
+    why_no_ft = nvrx_missing()
+    if why_no_ft is not None:
+        return [Row("hang -> next first step, 3 s heartbeat timeout, vs ft_launcher", None, None, "s",
+                    f"n/a: {why_no_ft}")]
+    targs = ["--hang-at-step", "40", "--checkpoint-every", "10", "--step-time", "0.02"]
+    extra = {"rlsup": ["--heartbeat-timeout", "3"],
+             "ft": ["--ft-workload-check-interval", "0.1", "--ft-initial-rank-heartbeat-timeout", "120",
+                    "--ft-rank-heartbeat-timeout", "3"]}
+    lat: dict[str, list[float]] = {k: [] for k in extra}
+    breakdown: dict[str, list[tuple[float, ...]]] = {k: [] for k in extra}
+    fails: dict[str, int] = {k: 0 for k in extra}
+    for _, kind in alternate(ctx.reps, list(extra)):
+        d = ctx.fresh(f"hangrestart-{kind}")
+        proc = launch(kind, d, targs, max_restarts=1, extra=extra[kind])
+
+        def first_step_of_next() -> dict | None:
+            return next((e for e in events(d) if e["ev"] == "step" and e["attempt"] == 1), None)
+
+        wait_until(lambda: first_step_of_next() or proc.poll() is not None, 120)
+        evs, nxt = events(d), first_step_of_next()
+        hang = next((e for e in evs if e["ev"] == "hang"), None)
+        stop(proc)
+        if hang is None or nxt is None:
+            fails[kind] += 1
+            failed(d, f"hang-restart {kind}: no next first step (hang event: {hang is not None})")
+            continue
+        lat[kind].append(nxt["t"] - hang["t"])
+        with contextlib.suppress(StopIteration, ValueError):
+            breakdown[kind].append(recovery_phases(evs, hang["t"], 1))
+        log(f"hang-restart {kind}: {lat[kind][-1]:.2f} s")
+        shutil.rmtree(d, ignore_errors=True)
+
+    def phases(k: str) -> str:
+        if not breakdown[k]:
+            return ""
+        cols = list(zip(*breakdown[k]))
+        names = ("hang->rank start (incl. the 3 s timeout)", *PHASES[1:])
+        return f"{k}: " + " + ".join(f"{n} {fmt(median(list(c)))}" for n, c in zip(names, cols)) + " s"
+
+    note = "; ".join(x for x in [phases("rlsup"), phases("ft")] +
+                     [f"{k}: {n} failed" for k, n in fails.items() if n] if x)
+    return [Row("hang -> next first step, 3 s heartbeat timeout, vs ft_launcher", median(lat["rlsup"]),
+                median(lat["ft"]), "s", note)]
 
 
 # ------------------------------------------------------------------------------------------ 3. save, heartbeat
@@ -799,55 +866,110 @@ def goodput_of(evs: list[dict], t0: float, t_end: float, killed: set[int]) -> tu
     return productive, (kept[-1][0] if kept else 0), len(started), never
 
 
+def redone_per_crash(evs: list[dict]) -> float | None:
+    """Steps trained again after each restart, averaged: rank 0's last step in an attempt minus the step
+    the next attempt resumed from."""
+    last: dict[int, int] = {}
+    resumed: dict[int, int] = {}
+    for e in evs:
+        if e["rank"] == 0 and e["ev"] == "step":
+            last[e["attempt"]] = max(last.get(e["attempt"], 0), e["step"])
+        elif e["rank"] == 0 and e["ev"] == "resumed":
+            resumed[e["attempt"]] = e["step"]
+    redone = [last[a - 1] - step for a, step in resumed.items() if a > 0 and a - 1 in last]
+    return sum(redone) / len(redone) if redone else None
+
+
+@dataclass(frozen=True)
+class GoodputSide:
+    """One side of a goodput comparison: the launcher, how often the trainer saves, rlsup's extra flags."""
+
+    launcher: str
+    checkpoint_every: int
+    extra: tuple[str, ...] = ()
+
+
+def goodput_sides() -> dict[str, GoodputSide]:
+    sides = {"rlsup": GoodputSide("rlsup", 10), "torchrun": GoodputSide("torchrun", 10)}
+    if nvrx_missing() is None:
+        shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+        sides["rlsup+memory"] = GoodputSide("rlsup", 1, ("--memory-dir", str(shm / f"rlsup-bench-{os.getpid()}"),
+                                                         "--disk-every", "20"))
+        sides["ft"] = GoodputSide("ft", 10)
+    return sides
+
+
+def goodput_trial(ctx: Ctx, name: str, side: GoodputSide, window: float, every: float) -> tuple:
+    """One run under SIGKILLs of rank 1 every ``every`` s: (goodput, last step, attempts, failed restarts,
+    kills, steps redone per crash)."""
+    d = ctx.fresh(f"goodput-{name.replace('+', '-')}")
+    t0 = time.monotonic()
+    proc = launch(side.launcher, d, ["--checkpoint-every", str(side.checkpoint_every), "--step-time", "0.02"],
+                  max_restarts=100, extra=list(side.extra))
+    kills = 0
+    killed: set[int] = set()
+    t_end, next_kill = t0 + window, t0 + every
+    while time.monotonic() < t_end:
+        time.sleep(0.05)
+        if time.monotonic() >= next_kill:
+            next_kill += every
+            starts = [e for e in events(d) if e["ev"] == "start" and e["rank"] == 1]
+            if starts:
+                victim = max(starts, key=lambda e: (e["attempt"], e["t"]))
+                if pid_alive(victim["pid"]):
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(victim["pid"], signal.SIGKILL)
+                        kills += 1
+                        killed.add(victim["attempt"])
+    evs = events(d)
+    stop(proc)
+    productive, last_step, attempts, never = goodput_of(evs, t0, t_end, killed)
+    redone = redone_per_crash(evs)
+    log(f"goodput {name}: {productive / window:.3f} (step {last_step}, {attempts} attempts, {never} failed "
+        f"restarts, {kills} kills, {fmt(redone)} steps redone per crash)")
+    for extra in side.extra:
+        if extra.startswith("/dev/shm/") or "rlsup-bench-" in extra:
+            shutil.rmtree(extra, ignore_errors=True)
+    shutil.rmtree(d, ignore_errors=True)
+    return productive / window, last_step, attempts, never, kills, redone
+
+
 def bench_goodput(ctx: Ctx) -> list[Row]:
     window = 25.0 if ctx.quick else 60.0
     every = 10.0 if ctx.quick else 15.0
     reps = 1 if ctx.quick else 2
-    targs = ["--checkpoint-every", "10", "--step-time", "0.02"]
-    res: dict[str, list[tuple[float, int, int, int, int]]] = {"rlsup": [], "torchrun": []}
-    for _, kind in alternate(reps, list(res)):
-        d = ctx.fresh(f"goodput-{kind}")
-        t0 = time.monotonic()
-        proc = launch(kind, d, targs, max_restarts=100)
-        kills = 0
-        killed: set[int] = set()
-        t_end = t0 + window
-        next_kill = t0 + every
-        while time.monotonic() < t_end:
-            time.sleep(0.05)
-            if time.monotonic() >= next_kill:
-                next_kill += every
-                starts = [e for e in events(d) if e["ev"] == "start" and e["rank"] == 1]
-                if starts:
-                    victim = max(starts, key=lambda e: (e["attempt"], e["t"]))
-                    if pid_alive(victim["pid"]):
-                        with contextlib.suppress(ProcessLookupError):
-                            os.kill(victim["pid"], signal.SIGKILL)
-                            kills += 1
-                            killed.add(victim["attempt"])
-        evs = events(d)
-        stop(proc)
-        productive, last_step, attempts, never = goodput_of(evs, t0, t_end, killed)
-        res[kind].append((productive / window, last_step, attempts, never, kills))
-        log(f"goodput {kind}: {productive / window:.3f} (step {last_step}, {attempts} attempts, {never} failed "
-            f"restarts, {kills} kills)")
-        shutil.rmtree(d, ignore_errors=True)
+    sides = goodput_sides()
+    res: dict[str, list[tuple]] = {k: [] for k in sides}
+    for _, name in alternate(reps, list(sides)):
+        res[name].append(goodput_trial(ctx, name, sides[name], window, every))
 
-    def summary(kind: str) -> str:
-        xs = res[kind]
-        return (f"{kind}: steps {'/'.join(str(x[1]) for x in xs)}, kills {sum(x[4] for x in xs)}, "
-                f"failed restarts {sum(x[3] for x in xs)}")
+    def summary(name: str) -> str:
+        xs = res[name]
+        redone = [x[5] for x in xs if x[5] is not None]
+        return (f"{name}: steps {'/'.join(str(x[1]) for x in xs)}, kills {sum(x[4] for x in xs)}, "
+                f"failed restarts {sum(x[3] for x in xs)}, redone per crash {fmt(median(redone))}")
 
-    return [Row(f"goodput, SIGKILL every {every:.0f} s over {window:.0f} s, vs torchrun --max-restarts 100",
-                median([x[0] for x in res["rlsup"]]), median([x[0] for x in res["torchrun"]]), "frac",
-                f"productive step time / wall; {summary('rlsup')}; {summary('torchrun')}")]
+    def good(name: str) -> float | None:
+        return median([x[0] for x in res[name]])
+
+    rows = [Row(f"goodput, SIGKILL every {every:.0f} s over {window:.0f} s, vs torchrun --max-restarts 100",
+                good("rlsup"), good("torchrun"), "frac",
+                f"productive step time / wall, both save to disk every 10 steps; {summary('rlsup')}; "
+                f"{summary('torchrun')}")]
+    if "ft" in sides:
+        rows.append(Row(f"goodput, SIGKILL every {every:.0f} s over {window:.0f} s: rlsup memory tier (save every "
+                        f"step, disk every 20) vs ft_launcher (disk every 10)", good("rlsup+memory"), good("ft"),
+                        "frac", f"{summary('rlsup+memory')}; {summary('ft')}"))
+    else:
+        rows.append(Row("goodput: rlsup memory tier vs ft_launcher", None, None, "frac", f"n/a: {nvrx_missing()}"))
+    return rows
 
 
 # ------------------------------------------------------------------------------------------ main
 
 
 BENCHES: dict[str, Callable[[Ctx], list[Row]]] = {
-    "restart": bench_restart, "hang": bench_hang, "save": bench_save, "heartbeat": bench_heartbeat,
+    "restart": bench_restart, "hang": bench_hang, "hang_restart": bench_hang_restart, "save": bench_save, "heartbeat": bench_heartbeat,
     "selection": bench_selection, "replication": bench_replication, "restore": bench_restore,
     "footprint": bench_footprint, "goodput": bench_goodput,
 }

@@ -11,24 +11,25 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import shutil
 import signal
 import subprocess
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
 from supervisor import exit_codes
+from supervisor.attempt_end import AttemptResult, classify_exit, from_rank_death
 from supervisor.config import SupervisorConfig
 from supervisor.hang_detector import AutoTimeout, HangDetector, HangSettings, HangVerdict
 from supervisor.incidents import Incident, JobState, append_incident, write_state
 from supervisor.job_identity import ENV_JOB_ID, JobIdentity, job_identity
-from supervisor.lifecycle import FINAL, HUNG, Action, EndReason, JobStatus, check_transition
+from supervisor.lifecycle import FINAL, Action, EndReason, JobStatus, check_transition
 from supervisor.observer import Observer
 from supervisor.process_tree import JobProcess, ProcessLayer
+from supervisor.rank_deaths import RankDeathWatch
 from supervisor.restart_policy import RestartPolicy
 from supervisor.resume import ResumePoint, choose_resume
 from supervisor.warm_launcher import Zygote, warm_spec
@@ -36,23 +37,6 @@ from rlsup_format.heartbeat_record import rank_file_name, request_stop
 
 KEEP_ATTEMPT_DIRS = 10
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class AttemptResult:
-    """How one attempt ended."""
-
-    attempt: int
-    reason: EndReason
-    exit_code: int | None = None
-    signal: str | None = None
-    rank: int | None = None
-    pid: int | None = None
-    detail: str = ""
-    stacks: dict[str, str] = field(default_factory=dict)
-    last_step: int | None = None
-    output_tail: list[str] = field(default_factory=list)
-    ended: float = field(default_factory=time.monotonic)
 
 
 class AttemptAbandoned(Exception):
@@ -68,28 +52,6 @@ class RunResult:
     status: JobStatus
     attempts: int
     incidents: list[Incident]
-
-
-_TORCHRUN_EXIT = re.compile(r"exitcode\s*:\s*(-?\d+)\s*\(pid:\s*(\d+)\)")
-_TORCHRUN_RANK = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank")
-
-
-_AGENT_FAILED = re.compile(r"failed \(exitcode:\s*(-?\d+)\)\s*local_rank:\s*(\d+)\s*\(pid:\s*(\d+)\)")
-
-
-def _torchrun_root_cause(lines: list[str]) -> tuple[int, int, int] | None:
-    """(rank, exit code, pid) of the first failed worker, from torchrun's "Root Cause" report or,
-    for launchers that print only the agent's line (NVRx ft_launcher), ``failed (exitcode: -9) local_rank: R``."""
-    rank = None
-    for line in lines[next((i for i, l in enumerate(lines) if "Root Cause" in l), len(lines)):]:
-        if (m := _TORCHRUN_RANK.search(line)) is not None:
-            rank = int(m.group(1))
-        elif (m := _TORCHRUN_EXIT.search(line)) is not None and rank is not None:
-            return rank, int(m.group(1)), int(m.group(2))
-    for line in lines:
-        if (m := _AGENT_FAILED.search(line)) is not None:
-            return int(m.group(2)), int(m.group(1)), int(m.group(3))
-    return None
 
 
 class Supervisor:
@@ -392,7 +354,14 @@ class Supervisor:
             zygote.discard()
 
     def watch(self, job: JobProcess, hb_dir: Path, attempt: int) -> AttemptResult:
-        """Poll until the job exits, hangs, or rlsup is asked to stop."""
+        """Poll until the job exits, a rank dies, it hangs, or rlsup is asked to stop."""
+        deaths = RankDeathWatch()
+        try:
+            return self._watch(job, hb_dir, attempt, deaths)
+        finally:
+            deaths.close()
+
+    def _watch(self, job: JobProcess, hb_dir: Path, attempt: int, deaths: RankDeathWatch) -> AttemptResult:
         detector = HangDetector.from_settings(hb_dir, self.hang_settings, self.auto_timeout)
         oom_before = self.processes.oom_kill_count()
         first_dead: tuple[int, int] | None = None
@@ -422,14 +391,22 @@ class Supervisor:
             if saves != saves_seen:
                 saves_seen = saves
                 self._refresh_checkpoint_metric()  # a save just ended
-            self._wake.wait(self.cfg.poll_interval)
+            deaths.track((rec.rank, rec.pid) for rec in detector.records.values() if rec.pid != job.pid)
+            death = None if self._wake.is_set() else deaths.wait(self.cfg.poll_interval)
+            if death is not None and job.poll() is None:
+                self._log(f"attempt {attempt}: {death.describe()}; ending the attempt")
+                return from_rank_death(attempt, death, tail=job.output.tail(), last_step=detector.last_step(),
+                                       oom_rose=self._oom_rose(oom_before))
 
     def cleanup(self, job: JobProcess, result: AttemptResult) -> None:
-        """Nothing of an attempt may survive it: SIGTERM the tree, SIGKILL after kill_grace.
+        """Nothing of an attempt may survive it.
 
-        A hung attempt gets no grace: its stacks are already saved, and a rank stuck in a collective
-        would only turn SIGTERM into should_stop() and never act on it."""
-        killed = job.terminate_tree(0.0 if result.reason in HUNG else self.cfg.kill_grace)
+        A failed attempt (crash, hang, another node's failure) is killed at once with SIGKILL: a
+        half-written step is harmless by design (manifest last), its stacks are already saved, and a
+        rank stuck in a collective would only turn SIGTERM into should_stop() and never act on it. What
+        is left of a successful, stopped or preempted job gets SIGTERM and ``kill_grace``."""
+        graceful = result.reason in (EndReason.SUCCESS, EndReason.STOPPED, EndReason.PREEMPTED)
+        killed = job.terminate_tree(self.cfg.kill_grace if graceful else 0.0)
         if killed:
             self._log(f"attempt {result.attempt}: killed leftover processes {killed}")
 
@@ -437,30 +414,13 @@ class Supervisor:
 
     def _classify_exit(self, attempt: int, code: int, job: JobProcess, detector: HangDetector,
                        first_dead: tuple[int, int] | None, oom_before: int | None) -> AttemptResult:
-        tail = job.output.tail()
-        last_step = detector.last_step()
-        if code == 0 and self.stop_signal is None:
-            return AttemptResult(attempt, EndReason.SUCCESS, 0, last_step=last_step, output_tail=tail)
-        if self.stop_signal is not None:
-            return AttemptResult(attempt, self._stop_reason(), code, last_step=last_step, output_tail=tail)
-        result = AttemptResult(attempt, EndReason.EXIT_CODE, code, last_step=last_step, output_tail=tail)
-        if first_dead is not None:
-            result.rank, result.pid = first_dead
-        root = _torchrun_root_cause(tail)
-        if root is not None:  # torchrun hides the worker's fate behind its own exit 1; its report has it
-            result.rank, worker_code, result.pid = root
-            if worker_code < 0:
-                result.signal, result.reason = _signame(-worker_code), EndReason.SIGNAL
-        if code < 0:
-            result.signal = _signame(-code)
-            result.reason = EndReason.SIGNAL
-            result.pid = result.pid or job.pid
-        oom_after = self.processes.oom_kill_count()
-        if result.signal == "SIGKILL" and oom_before is not None and oom_after is not None and oom_after > oom_before:
-            result.reason = EndReason.OOM
-        result.detail = f"exit code {code}" + (f", {result.signal}" if result.signal else "") + \
-            (f" (rank {result.rank}, pid {result.pid})" if result.rank is not None else "")
-        return result
+        return classify_exit(attempt, code, tail=job.output.tail(), last_step=detector.last_step(), job_pid=job.pid,
+                             first_dead=first_dead, oom_rose=self._oom_rose(oom_before),
+                             stop_reason=self._stop_reason() if self.stop_signal is not None else None)
+
+    def _oom_rose(self, oom_before: int | None) -> bool:
+        after = self.processes.oom_kill_count()
+        return oom_before is not None and after is not None and after > oom_before
 
     def _first_dead_rank(self, detector: HangDetector) -> tuple[int, int] | None:
         for rec in detector.records.values():
@@ -585,10 +545,3 @@ class Supervisor:
     def _log(message: str) -> None:
         """The run loop's own lines, on rlsup's one logging channel (:mod:`supervisor.log`)."""
         log.info(message)
-
-
-def _signame(num: int) -> str:
-    try:
-        return signal.Signals(num).name
-    except ValueError:
-        return f"signal {num}"

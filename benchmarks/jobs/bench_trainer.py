@@ -5,6 +5,7 @@ with ``time.monotonic()``: CLOCK_MONOTONIC is system-wide on Linux, so times wri
 processes (ranks, attempts, the benchmark itself) are on the same clock.
 
     start     a rank process began (pid, attempt)
+    rendezvous rank 0 finished init_process_group (the job's rendezvous and the collective's set-up)
     resumed   rank 0 restored its state: the step it resumes from
     step      rank 0 completed a step (step, dur = compute + all-reduce + sleep, saves excluded)
     save      rank 0 finished a checkpoint save (dur)
@@ -60,6 +61,8 @@ def main() -> None:
     torch.set_num_threads(1)
     if world > 1:
         dist.init_process_group("gloo")
+    if rank == 0:
+        emit("rendezvous")
     nvrx = None
     if os.environ.get("FT_RANK_MONITOR_IPC_SOCKET"):
         from nvidia_resiliency_ext.fault_tolerance import RankMonitorClient
