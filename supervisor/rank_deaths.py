@@ -93,14 +93,20 @@ class RankDeathWatch:
             select.select([], [], [], timeout)
             return None
         readable, _, _ = select.select(list(self._fds), [], [], timeout)
+        if not readable:
+            return None
+        # Every rank that is gone by now, not only the first fd: when one rank is SIGKILLed its peers
+        # fail their collective and exit 1 a moment later, and the one killed by a signal is the cause.
+        readable, _, _ = select.select(list(self._fds), [], [], 0)
+        deaths = []
         for fd in readable:
             rank, pid = self._fds.pop(fd)
             status = zombie_status(pid)
             os.close(fd)
             death = death_from_status(rank, pid, status) if status is not None else None
             if death is not None:
-                return death
-        return None
+                deaths.append(death)
+        return min(deaths, key=lambda d: (d.signal is None, d.rank)) if deaths else None
 
     def close(self) -> None:
         for fd in self._fds:

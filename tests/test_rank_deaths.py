@@ -1,0 +1,70 @@
+"""supervisor.rank_deaths with real processes: a rank's death is seen through its pidfd and classified
+from the zombie's exit status; a clean exit is not a death; the rank killed by a signal is named before
+peers that exited 1 after it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+from conftest import wait_for
+from supervisor.rank_deaths import RankDeath, RankDeathWatch, zombie_status
+
+PY = sys.executable
+
+
+def spawn(code: str) -> subprocess.Popen:
+    return subprocess.Popen([PY, "-c", code])
+
+
+def until_zombie(proc: subprocess.Popen) -> int:
+    """Not reaped on purpose (the watcher is not the rank's parent in real use): its status while a zombie."""
+    wait_for(lambda: zombie_status(proc.pid) is not None, 30, f"pid {proc.pid} to exit")
+    status = zombie_status(proc.pid)
+    assert status is not None
+    return status
+
+
+def test_signal_death_is_seen_at_once_with_rank_and_signal() -> None:
+    proc = spawn("import time; time.sleep(60)")
+    watch = RankDeathWatch()
+    watch.track([(3, proc.pid)])
+    assert watch.wait(0.01) is None  # alive
+    os.kill(proc.pid, signal.SIGKILL)
+    assert watch.wait(10) == RankDeath(3, proc.pid, None, "SIGKILL")
+    proc.wait()
+    watch.close()
+
+
+def test_clean_exit_is_not_a_death_and_an_exit_code_is() -> None:
+    ok, bad = spawn("pass"), spawn("import sys; sys.exit(7)")
+    until_zombie(ok), until_zombie(bad)
+    watch = RankDeathWatch()
+    watch.track([(0, ok.pid)])
+    assert watch.wait(1) is None
+    watch.track([(1, bad.pid)])
+    assert watch.wait(1) == RankDeath(1, bad.pid, 7, None)
+    ok.wait(), bad.wait()
+
+
+def test_the_rank_killed_by_a_signal_is_named_before_collateral_exits() -> None:
+    collateral = spawn("import sys; sys.exit(1)")
+    victim = spawn("import time; time.sleep(60)")
+    os.kill(victim.pid, signal.SIGKILL)
+    until_zombie(collateral), until_zombie(victim)
+    watch = RankDeathWatch()
+    watch.track([(0, collateral.pid), (1, victim.pid)])
+    death = watch.wait(1)
+    assert death is not None and (death.rank, death.signal) == (1, "SIGKILL")
+    collateral.wait(), victim.wait()
+    watch.close()
+
+
+def test_a_reaped_rank_claims_nothing() -> None:
+    proc = spawn("import sys; sys.exit(3)")
+    watch = RankDeathWatch()
+    watch.track([(0, proc.pid)])
+    proc.wait()  # its parent reaped it first: the status is gone, the launcher's report will classify it
+    assert watch.wait(1) is None
