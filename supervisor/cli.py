@@ -43,9 +43,10 @@ def cmd_run(args: argparse.Namespace, command: list[str]) -> int:
     eff = load_config(args)
     cfg = eff.config.resolved()
     membership = membership_of(cfg)
-    if membership is not None and cfg.memory_dir:
-        raise ConfigError(f"{eff.origins['memory_dir']}: key 'memory_dir': the memory tier works on a single node "
-                          f"only for now, and this job runs on {len(membership.peers)} nodes; unset memory_dir")
+    if membership is not None and cfg.memory_dir and cfg.disk_every_seconds:
+        raise ConfigError(f"{eff.origins['disk_every_seconds']}: key 'disk_every_seconds': on several nodes the "
+                          "memory tier drains the same steps on every node, which a time cadence cannot promise "
+                          "(clocks and speeds differ); use disk_every (steps) instead")
     job = identity_of(eff.config, membership)
     try:
         lock = DirLock(cfg.state_dir, "run.lock", "state_dir", job.id).acquire()

@@ -24,7 +24,17 @@ This module is the supervisor's side:
   after a successful run the job's directory is then removed, after a stop, preemption or give-up it
   is kept. A drain that failed never removes anything.
 
-Single node only for now: :mod:`supervisor.multinode` refuses ``memory_dir``.
+**On several nodes** (:mod:`supervisor.multinode`) each node's tier holds only its own ranks' parts
+(``<memory_dir>/rlsup-<job>-node<k>``), so "valid" above means "every part of this node's ranks is
+valid" (:class:`supervisor.node_parts.NodeParts`), per part: the drainer copies the node's own parts,
+retention and the end count such steps. Two things change with it. The drained steps must be the same
+steps on every node, or disk and replicas never hold a whole step: a node drains the first step at or
+past each multiple of ``disk_every`` (every step without it; ``disk_every_seconds`` is refused, as
+clocks differ). And the trainer's retention of the tier (rank 0, on a whole step) never runs there,
+so the drainer applies ``memory_keep_last`` itself. Every valid part in the tier is offered to the
+coordinator's plan (:meth:`MemoryTier.inventory`); a step resumed in place needs all the node's parts
+there (:meth:`MemoryTier.resume_dir`), else they are copied beside the rest in ``checkpoint_dir``
+(:meth:`MemoryTier.copy_to_disk`).
 """
 
 from __future__ import annotations
@@ -35,20 +45,14 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from rlsup_format.fileio import remove_path
-from rlsup_format.manifest import (
-    ManifestError,
-    RankManifest,
-    is_held,
-    list_step_dirs,
-    manifest_name,
-    read_manifest,
-    verify_step_dir,
-)
+from rlsup_format.manifest import ManifestError, is_held, list_step_dirs
+from rlsup_format.names import step_dir_name
 from rlsup_format.retention import StepState, steps_to_delete
 from supervisor.manifest_watch import ManifestWatch
+from supervisor.node_parts import NodeParts
 from supervisor.part_protocol import PartError, copy_part
 from supervisor.part_stores.local import LocalStore
 
@@ -67,10 +71,11 @@ CLEAN_EVERY_S = 60.0
 RAM_FILESYSTEMS = ("tmpfs", "ramfs", "hugetlbfs")
 
 
-def job_memory_dir(memory_dir: str | os.PathLike, job: str) -> Path:
+def job_memory_dir(memory_dir: str | os.PathLike, job: str, node: int | None = None) -> Path:
     """The job's own directory in the tier (``job`` is a :class:`~supervisor.job_identity.JobIdentity` id:
-    safe as a path component, derived the same way by a successor rlsup of the same job)."""
-    return Path(memory_dir) / f"rlsup-{job}"
+    safe as a path component, derived the same way by a successor rlsup of the same job). On several
+    nodes each node has its own (``node``), even where two nodes share one host's tmpfs."""
+    return Path(memory_dir) / (f"rlsup-{job}" if node is None else f"rlsup-{job}-node{node}")
 
 
 def filesystem_type(path: Path) -> str:
@@ -100,14 +105,21 @@ class MemorySettings:
     limit_bytes: int = 0
     disk_every: int = 0
     disk_every_seconds: float = 0.0
+    node: int = 0  # this node's rank, of ``nodes``
+    nodes: int = 1
 
     @classmethod
-    def from_config(cls, cfg: "SupervisorConfig", job: str) -> "MemorySettings | None":
+    def from_config(cls, cfg: "SupervisorConfig", job: str, node: int = 0,
+                    nodes: int = 1) -> "MemorySettings | None":
         """None when ``memory_dir`` is empty (the tier is off)."""
         if not cfg.memory_dir:
             return None
-        return cls(job_memory_dir(cfg.memory_dir, job), cfg.memory_keep_last, cfg.memory_limit_bytes,
-                   cfg.disk_every, cfg.disk_every_seconds)
+        return cls(job_memory_dir(cfg.memory_dir, job, node if nodes > 1 else None), cfg.memory_keep_last,
+                   cfg.memory_limit_bytes, cfg.disk_every, cfg.disk_every_seconds, node, nodes)
+
+    @property
+    def multi_node(self) -> bool:
+        return self.nodes > 1
 
     @property
     def wake_interval(self) -> float:
@@ -136,10 +148,12 @@ class MemoryTier:
         self.root = settings.root
         self.checkpoint_dir = Path(checkpoint_dir)
         self.job = job
+        self.parts = NodeParts(settings.node, settings.nodes, job)
         self._clock = clock
         self._last_step: int | None = None  # newest step on disk the cadence counts from
         self._last_time: float | None = None
-        self._protected: Path | None = None  # the step on disk a restore uses
+        self._protected: Path | None = None  # the step (in memory or on disk) a restore uses
+        self._retain_paused = False  # while the nodes agree on a resume step (several nodes)
         self._final = False
         self._last_clean: float | None = None
         self._lock = threading.Lock()
@@ -151,8 +165,9 @@ class MemoryTier:
         self.last_error: str | None = None
 
     @classmethod
-    def from_config(cls, cfg: "SupervisorConfig", checkpoint_dir: str | os.PathLike, job: str) -> "MemoryTier | None":
-        settings = MemorySettings.from_config(cfg, job)
+    def from_config(cls, cfg: "SupervisorConfig", checkpoint_dir: str | os.PathLike, job: str, node: int = 0,
+                    nodes: int = 1) -> "MemoryTier | None":
+        settings = MemorySettings.from_config(cfg, job, node, nodes)
         return cls(settings, checkpoint_dir, job) if settings is not None else None
 
     def env(self) -> dict[str, str]:
@@ -162,23 +177,56 @@ class MemoryTier:
 
     # ---------------------------------------------------------------- reading
 
-    def _ours(self, step_dir: Path) -> bool:
-        try:
-            job = read_manifest(step_dir / manifest_name(0)).extra.get("job")
-        except (OSError, ManifestError):
-            return False
-        return self.job is None or not isinstance(job, str) or job == self.job
+    def whole_steps(self, full: bool = True, root: Path | None = None) -> list[tuple[int, Path]]:
+        """(step, path) of the steps of this job whose parts of this node all verify in the tier (or in
+        ``root``), oldest first: whole steps on one node."""
+        return [(step, path) for step, path in list_step_dirs(root or self.root)
+                if self.parts.whole(path, full) is not None]
 
     def newest_valid(self, full: bool = True, root: Path | None = None) -> tuple[int, Path] | None:
-        """(step, path) of the newest step of this job that verifies in the tier (or in ``root``)."""
+        """(step, path) of the newest step of this job whose parts of this node all verify in the tier
+        (or in ``root``): the newest valid step on one node."""
         for step, path in reversed(list_step_dirs(root or self.root)):
-            if verify_step_dir(path, full=full).valid and self._ours(path):
+            if self.parts.whole(path, full) is not None:
                 return step, path
         return None
 
+    def inventory(self) -> dict[str, dict[str, Any]]:
+        """Every valid part of this job in the tier, fully verified, in the coordinator's inventory form
+        (``{step: {"world_size": W, "local": {rank: owner}, "replicas": {}}}``): parts in place here."""
+        steps: dict[str, dict[str, Any]] = {}
+        for step, path in list_step_dirs(self.root):
+            for rank, m in self.parts.valid_parts(path, full=True).items():
+                entry = steps.setdefault(str(step), {"world_size": m.world_size, "local": {}, "replicas": {}})
+                if entry["world_size"] == m.world_size:
+                    owner = m.extra.get("node_rank")
+                    entry["local"][str(rank)] = owner if isinstance(owner, int) else self.settings.node
+        return steps
+
+    def resume_dir(self, step: int) -> Path | None:
+        """The tier's directory of ``step`` when every part of this node's ranks verifies there (every
+        checksum), so each rank of the node loads it in place; else None."""
+        path = self.root / step_dir_name(step)
+        return path if self.parts.whole(path, full=True, strict=True) is not None else None
+
+    def copy_to_disk(self, step: int) -> int:
+        """Copy the tier's valid parts of ``step`` that ``checkpoint_dir`` lacks there (a resume that
+        reads the rest from disk); valid parts on disk are kept. Returns the parts written."""
+        src = LocalStore(self.root, hold_label=HOLD_LABEL)
+        dst = LocalStore(self.checkpoint_dir, hold_label=HOLD_LABEL)
+        written = 0
+        with self._lock:
+            for rank in sorted(self.parts.valid_parts(src.path(step), full=False)):
+                written += copy_part(src, dst, step, rank, full=True, accept=self.parts.accept).written
+        return written
+
     def protect(self, path: Path | None) -> None:
-        """Disk retention keeps ``path`` (the step the next attempt resumes from)."""
+        """Retention keeps ``path`` (the step the next attempt resumes from, in memory or on disk)."""
         self._protected = path.resolve() if path is not None else None
+
+    def pause_retention(self, paused: bool) -> None:
+        """Several nodes: no memory step is removed while the nodes agree on the step to resume from."""
+        self._retain_paused = paused
 
     # ---------------------------------------------------------------- draining
 
@@ -193,18 +241,37 @@ class MemoryTier:
             self._last_time is None or self._clock() - self._last_time >= s.disk_every_seconds)
         return by_steps or by_time
 
+    def _crosses(self, step: int) -> bool:
+        """Several nodes: ``step`` is at or past the next multiple of ``disk_every`` after the last drain."""
+        every = self.settings.disk_every or 1
+        return self._last_step is None or (step > self._last_step and step // every > self._last_step // every)
+
+    def _to_drain(self) -> int | None:
+        """The step to drain now, if any: the newest whole one when due (one node); on several nodes the
+        oldest one that crosses a multiple of ``disk_every`` (the same step on every node)."""
+        whole = [step for step, _ in self.whole_steps(full=False)]
+        if not whole:
+            return None
+        if self._final or not self.settings.multi_node:
+            return whole[-1] if self._due(whole[-1]) else None
+        return next((step for step in whole if self._crosses(step)), None)
+
     def poll(self) -> Drained | None:
-        """One pass: drain the newest valid memory step if it is due; prune the disk after a drain."""
+        """One pass: drain a memory step if one is due; prune the disk after a drain (and, on several
+        nodes, the tier itself)."""
         with self._lock:
             self._maybe_clean()
-            newest = self.newest_valid(full=False)
-            if newest is None or not self._due(newest[0]):
-                return None
-            on_disk = self.newest_valid(full=False, root=self.checkpoint_dir)
-            if on_disk is not None and on_disk[0] >= newest[0]:  # the trainer saved it to disk itself
-                self._last_step, self._last_time = on_disk[0], self._clock()
-                return None
-            return self._drain(newest[0])
+            step = self._to_drain()
+            drained = None
+            if step is not None:
+                on_disk = self.newest_valid(full=False, root=self.checkpoint_dir)
+                if on_disk is not None and on_disk[0] >= step:  # the trainer saved it to disk itself
+                    self._last_step, self._last_time = on_disk[0], self._clock()
+                else:
+                    drained = self._drain(step)
+            if self.settings.multi_node and not self._retain_paused:
+                self._retain(self.root, self.settings.keep_last, keep=None if drained else step)
+            return drained
 
     def _drain(self, step: int) -> Drained | None:
         src = LocalStore(self.root, hold_label=HOLD_LABEL)
@@ -212,9 +279,11 @@ class MemoryTier:
         t0, written, parts = time.monotonic(), 0, 0
         try:
             with src.hold(step):  # the whole step, not part by part: the trainer's retention waits
-                first = read_manifest(src.path(step) / manifest_name(0))
-                for rank in range(first.world_size):
-                    done = copy_part(src, dst, step, rank, full=True, accept=self._accept)
+                own = self.parts.whole(src.path(step), full=False)
+                if own is None:
+                    raise PartError(f"step {step}: this node's parts are no longer all valid in {self.root}")
+                for rank in sorted(own):
+                    done = copy_part(src, dst, step, rank, full=True, accept=self.parts.accept)
                     parts += 1
                     written += done.size if done.written else 0
         except (OSError, ManifestError, PartError) as e:
@@ -228,30 +297,29 @@ class MemoryTier:
         self.drains.append(drained)
         log.info("memory tier: step %d drained to %s (%d parts, %d bytes, %.2fs)", step, self.checkpoint_dir,
                  parts, written, drained.seconds)
-        self._retain_disk(step, first.extra.get("disk_keep_last"))
+        self._retain(self.checkpoint_dir, next(iter(own.values())).extra.get("disk_keep_last"), keep=step)
         return drained
 
-    def _accept(self, manifest: RankManifest) -> str:
-        job = manifest.extra.get("job")
-        if self.job and isinstance(job, str) and job != self.job:
-            return f"written by job {job!r}, this is job {self.job!r}"
-        return ""
-
-    def _retain_disk(self, drained: int, keep_last: object) -> list[int]:
-        """The trainer's ``keep_last`` on ``checkpoint_dir`` (:mod:`rlsup_format.retention`); none recorded:
-        keep everything. Protected: the drained step, held steps, the resume step, newer invalid steps."""
+    def _retain(self, root: Path, keep_last: object, keep: int | None = None) -> list[int]:
+        """``keep_last`` on ``root`` (:mod:`rlsup_format.retention`): the trainer's on ``checkpoint_dir``,
+        which it records in each memory manifest (none recorded: keep everything); ``memory_keep_last``
+        on the tier itself on several nodes. Valid = this node's parts all verify (sizes). Protected:
+        ``keep`` (the step just drained, or one due but not drained) and invalid steps newer than it,
+        held steps, the resume step; where this node's ranks are unknown nothing is removed."""
         if not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 1:
             return []
         states = []
-        for step, path in list_step_dirs(self.checkpoint_dir):
-            valid = verify_step_dir(path, full=False).valid
-            protected = (step == drained or (step > drained and not valid) or is_held(path)
+        for step, path in list_step_dirs(root):
+            parts = self.parts.whole(path, full=False, strict=True)
+            if parts is None and self.parts.whole(path, full=False) is not None:
+                return []  # an uneven world: which ranks are this node's is a guess; delete nothing
+            protected = (step == keep or (keep is not None and step > keep and parts is None) or is_held(path)
                          or (self._protected is not None and path.resolve() == self._protected))
-            states.append(StepState(step, valid, protected))
+            states.append(StepState(step, parts is not None, protected))
         doomed = steps_to_delete(states, keep_last)
-        store = LocalStore(self.checkpoint_dir, hold_label=HOLD_LABEL)
+        store = LocalStore(root, hold_label=HOLD_LABEL)
         for step in doomed:
-            log.info("memory tier: disk retention (keep_last %d) removes step %d", keep_last, step)
+            log.info("memory tier: retention (keep_last %d) removes step %d from %s", keep_last, step, root)
             store.delete(step)
         return doomed
 

@@ -8,6 +8,13 @@ The persistent tier (``persistent_dir``) works per part here: each node copies t
 wrote (:class:`supervisor.persistent.PersistentTier`, built with this node's rank), and node 0 offers
 the tier's parts to the plan as the last holder (in place > peer > persistent). A missing part is
 fetched from its holders in plan order by one call, :func:`supervisor.part_protocol.fetch_part`.
+
+The memory tier (``memory_dir``) is one more place a part can be: each node's tier holds its own
+ranks' parts (:class:`supervisor.memory_tier.MemoryTier`, built with this node's rank) and offers them
+in the node's inventory as parts in place, so the plan picks the newest step whose every part exists
+somewhere (memory, disk, a peer's replica, the persistent tier). A node whose parts of that step are
+all in its tier resumes its ranks from there, in place; otherwise its tier's parts are copied beside
+the others in ``checkpoint_dir``. Retention of the tier waits while the nodes agree.
 """
 
 from __future__ import annotations
@@ -32,7 +39,8 @@ from supervisor.job_identity import JobIdentity
 from supervisor.lifecycle import EndReason
 from supervisor.membership import Membership
 from supervisor.observer import Observer
-from supervisor.part_protocol import FetchFailed, PartStore, fetch_part
+from supervisor.memory_tier import MemoryTier
+from supervisor.part_protocol import FetchFailed, PartError, PartStore, fetch_part
 from supervisor.persistent import PersistentTier
 from supervisor.process_tree import ProcessLayer
 from supervisor.rank_pinning import pin_ranks
@@ -40,15 +48,15 @@ from supervisor.replication import ReplicationEngine, newest_own_step
 from supervisor.resume import ResumePoint
 from supervisor.attempt_end import AttemptResult
 from supervisor.runner import AttemptAbandoned, JobStatus, RunResult, Supervisor
-from supervisor.tiers import TIER_LOCAL, TIER_PEER, TIER_PERSISTENT, TieredResumePoint
-from rlsup_format.manifest import manifest_name, step_dir_name
+from supervisor.tiers import TIER_LOCAL, TIER_MEMORY, TIER_PEER, TIER_PERSISTENT, TieredResumePoint
+from rlsup_format.manifest import ManifestError, manifest_name, step_dir_name
 
 log = logging.getLogger(__name__)
 
 # Plans per round: each failed try excludes at least one more (step, rank) from the persistent tier,
 # so the round falls back to older steps; the bound only guards against a tier that fails everything.
 PLAN_TRIES = 8
-_TIER_ORDER = {TIER_LOCAL: 0, TIER_PEER: 1, TIER_PERSISTENT: 2}
+_TIER_ORDER = {TIER_MEMORY: -1, TIER_LOCAL: 0, TIER_PEER: 1, TIER_PERSISTENT: 2}
 
 
 @dataclass
@@ -58,6 +66,7 @@ class _Fetched:
     result: FetchResult = field(default_factory=FetchResult)
     tier: str = TIER_LOCAL  # where this node's missing parts came from (the farthest tier used)
     ranks: list[int] = field(default_factory=list)  # parts fetched (dropped again if the step is abandoned)
+    path: Path | None = None  # the step directory this node's ranks load (memory tier or checkpoint_dir)
 
 
 @dataclass(frozen=True)
@@ -112,6 +121,9 @@ class MultiNodeSupervisor(Supervisor):
             # The tier of this node (node 0 alone starts steps and prunes the tier); the single-node one
             # the base class made is not started yet and is replaced, never changed.
             self.persistent = PersistentTier.from_config(self.cfg, membership.node_rank, job.id)
+        if self.memory is not None:  # likewise: this node's own directory in the tier, its own parts
+            self.memory = MemoryTier.from_config(self.cfg, self.checkpoint_dir, job.id, membership.node_rank,
+                                                 membership.size)
         # Node 0, the planner: persistent parts that failed verification, never offered again.
         self._bad_persistent: set[tuple[int, int]] = set()
 
@@ -133,10 +145,18 @@ class MultiNodeSupervisor(Supervisor):
     def prepare(self, attempt: int) -> ResumePoint | None:
         """:meth:`_prepare_round`; a round that ends meanwhile (a node failed its fetch, or died and its
         replacement rejoined) is abandoned before launch, and every node goes to the next round."""
+        if self.memory is not None:
+            self.memory.pause_retention(True)  # the tier's steps stay as inventoried until the plan is made
         try:
-            return self._prepare_round(attempt)
+            resume = self._prepare_round(attempt)
         except RoundEnded as e:
             raise AttemptAbandoned(str(e)) from e
+        finally:
+            if self.memory is not None:
+                self.memory.pause_retention(False)
+        if self.memory is not None:
+            self.memory.protect(resume.path if resume is not None else None)
+        return resume
 
     def _prepare_round(self, attempt: int) -> ResumePoint | None:
         """Publish what we hold; node 0 plans; fetch what we lack; start together.
@@ -146,7 +166,7 @@ class MultiNodeSupervisor(Supervisor):
         corrupted copy costs a re-plan, not a restart. Any other fetch failure ends the round for
         everyone, as before: the next round plans from fresh, fully verified inventories."""
         me = self.membership.node_rank
-        self.coordinator.publish_inventory(attempt, self.engine.inventory())
+        self.coordinator.publish_inventory(attempt, self._inventory())
         excluded: set[tuple[int, int, int]] = set()
         fetched: dict[int, set[int]] = {}
         resume: TieredResumePoint | None = None
@@ -171,8 +191,8 @@ class MultiNodeSupervisor(Supervisor):
                 if plan.step is None:
                     self._log(f"round {attempt}: no step is complete across the nodes and tiers; starting fresh")
                 else:
-                    resume = TieredResumePoint(plan.step, self.checkpoint_dir / step_dir_name(plan.step), "rlsup",
-                                               mine.tier)
+                    resume = TieredResumePoint(plan.step, mine.path or self.checkpoint_dir / step_dir_name(plan.step),
+                                               "rlsup", mine.tier)
                 self._drop_abandoned(fetched, plan.step)
                 break
             self._log(f"round {attempt}: persistent parts (step, rank) {sorted(bad)} do not verify; "
@@ -187,6 +207,18 @@ class MultiNodeSupervisor(Supervisor):
             # tier's retention may treat it like any other step again (it used to pin it for the whole run).
             self.persistent.protect(None)
         return resume
+
+    def _inventory(self) -> dict:
+        """What this node holds: its checkpoint directory and replicas, plus the valid parts in its
+        memory tier as parts in place (a part in both is listed once)."""
+        inventory = self.engine.inventory()
+        if self.memory is None:
+            return inventory
+        for step, info in self.memory.inventory().items():
+            entry = inventory["steps"].setdefault(step, {"world_size": info["world_size"], "local": {}, "replicas": {}})
+            if entry["world_size"] == info["world_size"]:
+                entry["local"].update(info["local"])
+        return inventory
 
     def _make_plan(self, attempt: int, excluded: set[tuple[int, int, int]]) -> RoundPlan:
         """Node 0: plan from the inventories, then offer the persistent tier's parts of newer steps."""
@@ -223,7 +255,24 @@ class MultiNodeSupervisor(Supervisor):
                 break
             out.ranks.append(rank)
             out.tier = max(out.tier, tier, key=_TIER_ORDER.__getitem__)
+        if plan.step is not None and self.memory is not None and not (out.result.error or out.result.bad):
+            self._place(plan.step, out)
         return out
+
+    def _place(self, step: int, out: _Fetched) -> None:
+        """Where this node's ranks load ``step``: in place from the memory tier when all its parts are
+        there (and none was fetched), else from ``checkpoint_dir``, with the tier's parts copied there."""
+        in_memory = self.memory.resume_dir(step) if self.memory is not None and not out.ranks else None
+        if in_memory is not None:
+            out.path, out.tier = in_memory, TIER_MEMORY
+            return
+        try:
+            copied = self.memory.copy_to_disk(step) if self.memory is not None else 0
+        except (OSError, ManifestError, PartError) as e:
+            out.result.error = f"could not copy step {step} from the memory tier to {self.checkpoint_dir}: {e}"
+            return
+        if copied:
+            self._log(f"step {step}: {copied} part(s) copied from the memory tier to {self.checkpoint_dir}")
 
     def _fetch_part(self, step: int, rank: int, holders: list[int]) -> tuple[str | None, list[str], bool]:
         """(tier it came from or None, errors, whether the persistent copy failed verification)."""
@@ -293,7 +342,11 @@ class MultiNodeSupervisor(Supervisor):
             pass
 
     def progress_marker(self) -> int | None:
-        return newest_own_step(Path(self.cfg.checkpoint_dir), self.membership.node_rank)
+        on_disk = newest_own_step(Path(self.cfg.checkpoint_dir), self.membership.node_rank)
+        in_memory = self.memory.newest_valid(full=False) if self.memory is not None else None
+        if in_memory is not None and (on_disk is None or in_memory[0] > on_disk):
+            return in_memory[0]
+        return on_disk
 
 
 __all__ = ["MultiNodeSupervisor", "CoordinationError"]

@@ -334,12 +334,14 @@ def test_a_real_tmpfs_too_small_is_seen_by_its_free_space(tmp_path: Path) -> Non
         subprocess.run(["umount", str(mnt)], capture_output=True)
 
 
-def test_multi_node_with_a_memory_dir_is_refused(workdir: Path) -> None:
+def test_multi_node_memory_tier_refuses_a_time_cadence(workdir: Path) -> None:
+    """On several nodes the drained steps must be the same on every node: disk_every_seconds cannot say so."""
     from conftest import run_rlsup
 
-    result = run_rlsup(["run", "--memory-dir", str(workdir / "shm"), "--peers", "127.0.0.1:9001,127.0.0.1:9002",
-                        "--node-rank", "0", "--", PY, "-c", "pass"], workdir)
-    assert result.returncode == 2 and "key 'memory_dir'" in result.stderr and "single node" in result.stderr
+    result = run_rlsup(["run", "--memory-dir", str(workdir / "shm"), "--disk-every-seconds", "5", "--peers",
+                        "127.0.0.1:9001,127.0.0.1:9002", "--node-rank", "0", "--", PY, "-c", "pass"], workdir)
+    assert result.returncode == 2 and "key 'disk_every_seconds'" in result.stderr, result.stderr
+    assert "use disk_every" in result.stderr
 
 
 def test_stopped_run_drains_to_disk_and_keeps_the_memory_dir(workdir: Path) -> None:
