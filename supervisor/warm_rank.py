@@ -26,6 +26,10 @@ import sys
 from typing import Any
 
 READY = b"R"
+#: Parts of torch that torch imports lazily on first use and nearly every trainer reaches at once: the
+#: first optimizer built imports the compiler stack, ``torch._dynamo`` (1.5 s of a 2-core restart).
+#: Imported ahead like torch itself; a torch without them is simply not warmed further.
+TORCH_LAZY = ("torch._dynamo",)
 FAILED = b"E"
 _PR_SET_PDEATHSIG = 1
 _SIGKILL = 9
@@ -59,15 +63,20 @@ def _script_file(target: str) -> str:
 
 
 def _warm_up(layout: tuple[str, str, list[str]], imports: list[str]) -> Any:
-    """Import torch and the warm imports as the cold worker would find them; torch's fresh RNG state."""
+    """Import torch (with :data:`TORCH_LAZY`) and the warm imports as the cold worker would find them;
+    torch's fresh RNG state."""
     import importlib
 
     _set_path0(layout[0], layout[1])
     import torch
 
     state = torch.default_generator.get_state()
-    for name in imports:
-        importlib.import_module(name)
+    for name in (*TORCH_LAZY, *imports):
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            if name not in TORCH_LAZY:
+                raise
     if layout[0] == "module" and layout[1] in sys.modules:  # runpy would warn about it; a cold start never does
         raise RuntimeError(f"warm_imports imported the -m module {layout[1]!r} itself")
     return state
