@@ -258,6 +258,7 @@ def test_rank_sigkill_resumes_from_memory_bit_identical_and_success_removes_the_
     assert len(inc) == 1 and inc[0]["action"] == "restart", inc  # how the death is classified is not this test's
     assert inc[0]["resumed_tier"] == "memory" and inc[0]["resumed_step"] >= 12, inc[0]
     assert inc[0]["resumed_from"].startswith(str(shm)), inc[0]
+    assert "2 local rank(s) started from warm ranks" in output, output[-4000:]  # warm ranks on, as by default
     assert_identical(out, ref)
     assert not any(shm.iterdir()), "a successful run removes its memory directory"
     disk = valid_steps(workdir / "checkpoints")
