@@ -157,6 +157,7 @@ class MemoryTier:
         self._final = False
         self._last_clean: float | None = None
         self._lock = threading.Lock()
+        self._retain_lock = threading.Lock()  # a pause waits for a pruning pass, not for a drain
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._watch: ManifestWatch | None = None
@@ -225,8 +226,10 @@ class MemoryTier:
         self._protected = path.resolve() if path is not None else None
 
     def pause_retention(self, paused: bool) -> None:
-        """Several nodes: no memory step is removed while the nodes agree on the step to resume from."""
-        self._retain_paused = paused
+        """Several nodes: no memory step is removed while the nodes agree on the step to resume from
+        (returns once a pruning pass under way is over)."""
+        with self._retain_lock:
+            self._retain_paused = paused
 
     # ---------------------------------------------------------------- draining
 
@@ -269,8 +272,10 @@ class MemoryTier:
                     self._last_step, self._last_time = on_disk[0], self._clock()
                 else:
                     drained = self._drain(step)
-            if self.settings.multi_node and not self._retain_paused:
-                self._retain(self.root, self.settings.keep_last, keep=None if drained else step)
+            if self.settings.multi_node:
+                with self._retain_lock:
+                    if not self._retain_paused:
+                        self._retain(self.root, self.settings.keep_last, keep=None if drained else step)
             return drained
 
     def _drain(self, step: int) -> Drained | None:
@@ -319,7 +324,8 @@ class MemoryTier:
         doomed = steps_to_delete(states, keep_last)
         store = LocalStore(root, hold_label=HOLD_LABEL)
         for step in doomed:
-            log.info("memory tier: retention (keep_last %d) removes step %d from %s", keep_last, step, root)
+            log.log(logging.DEBUG if root == self.root else logging.INFO,
+                    "memory tier: retention (keep_last %d) removes step %d from %s", keep_last, step, root)
             store.delete(step)
         return doomed
 

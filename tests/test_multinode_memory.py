@@ -30,11 +30,11 @@ JOB = "mnmem"
 WORLD = 4  # two nodes of two ranks: node 1 runs ranks 2 and 3
 
 
-def save(directory: Path, step: int, rank: int, node: int, job: str = JOB) -> Path:
+def save(directory: Path, step: int, rank: int, node: int, job: str = JOB, world: int = WORLD) -> Path:
     """Rank ``rank``'s part of ``step`` as the trainer writes it into a memory tier (disk keep_last 2)."""
     target = StepTarget(directory, 2, None, disk_keep_last=2)
     payload = {"w": torch.full((4096,), float(step * 10 + rank)), "step": step}
-    return write_step(target, step, payload, RankIdentity(rank, WORLD, node, job), get_backend("torch"))
+    return write_step(target, step, payload, RankIdentity(rank, world, node, job), get_backend("torch"))
 
 
 def node_tier(tmp: Path, node: int, **kw: object) -> MemoryTier:
@@ -108,6 +108,17 @@ def test_memory_retention_waits_while_the_nodes_agree_and_keeps_the_resume_step(
     tier.pause_retention(False)
     tier.poll()
     assert own_steps(tier.root, (0, 1)) == [2, 3]  # keep_last 1, plus the step being resumed from
+
+
+def test_an_uneven_world_is_drained_but_never_pruned_nor_resumed_in_place(tmp_path: Path) -> None:
+    """3 ranks on 2 nodes: which ranks are node 1's is a guess (the manifests that name it)."""
+    tier = node_tier(tmp_path, 1, keep_last=1)
+    for step in (1, 2, 3):
+        save(tier.root, step, 2, 1, world=3)
+        tier.poll()
+    assert [d.step for d in tier.drains] == [1, 2, 3]
+    assert own_steps(tier.root, (2,)) == [1, 2, 3]  # keep_last 1 not applied: nothing deleted on a guess
+    assert tier.inventory()["3"]["local"] == {"2": 1} and tier.resume_dir(3) is None
 
 
 # ------------------------------------------------------------------------------ real runs
