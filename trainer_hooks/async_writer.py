@@ -535,6 +535,18 @@ def _die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
+def _skip_zip_crc32() -> None:
+    """This process only writes steps, and every byte of a step is checked by its manifest's xxh3: the
+    zip CRC32 that ``torch.save`` computes on top costs a third of a large save into memory (the files
+    load the same; torch >= 2.6 has the switch, older ones keep computing it)."""
+    try:
+        from torch.utils.serialization import config
+    except ImportError:
+        return
+    if hasattr(config, "save") and hasattr(config.save, "compute_crc32"):
+        config.save.compute_crc32 = False
+
+
 def writer_main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="rlsup asynchronous checkpoint writer (started by CheckpointManager)")
     ap.add_argument("--fd", type=int, required=True)
@@ -554,6 +566,7 @@ def writer_main(argv: list[str] | None = None) -> int:
         if signum is not None:
             signal.signal(signum, signal.SIG_IGN)
     os.environ.pop("RLSUP_HEARTBEAT_DIR", None)  # the rank's heartbeat file belongs to the trainer
+    _skip_zip_crc32()
     logging.basicConfig(level=logging.WARNING, format="rlsup-writer: %(message)s")
     sock = socket.socket(fileno=args.fd)
     while True:
