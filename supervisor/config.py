@@ -95,8 +95,8 @@ class SupervisorConfig:
     memory_dir: str = _opt("", "Memory checkpoint tier: a tmpfs directory (e.g. /dev/shm) the ranks save into, owned by rlsup (each job in its own subdirectory), drained to checkpoint_dir in the background; empty: off. Takes about (memory_keep_last + 1) x the node's checkpoint size in RAM.")
     memory_keep_last: int = _opt(2, "Valid steps kept in the memory tier; the newest valid step and the step being resumed from are never deleted.")
     memory_limit_bytes: int = _opt(0, "Most bytes the memory tier may use on memory_dir; a save that would go over goes to checkpoint_dir instead, with a warning (0: the free space of memory_dir decides).")
-    disk_every: int = _opt(0, "Drain a memory-tier step to checkpoint_dir once this many steps passed since the last drained one (0 with disk_every_seconds 0: every new valid step).")
-    disk_every_seconds: float = _opt(0.0, "Drain a memory-tier step to checkpoint_dir once this many seconds passed since the last drain (0: off); with disk_every, either one triggers.")
+    disk_every: int = _opt(0, "Drain a memory-tier step to checkpoint_dir once this many steps passed since the last drained one (0 with disk_every_seconds 0: every new valid step). On several nodes: the first step at or past each multiple, the same step on every node.")
+    disk_every_seconds: float = _opt(0.0, "Drain a memory-tier step to checkpoint_dir once this many seconds passed since the last drain (0: off); with disk_every, either one triggers. Single node only (nodes would drain different steps): refused with peers.")
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):  # a list given in code becomes a tuple: no change after load
