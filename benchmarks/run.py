@@ -887,15 +887,17 @@ class GoodputSide:
     launcher: str
     checkpoint_every: int
     extra: tuple[str, ...] = ()
+    trainer: tuple[str, ...] = ()
 
 
 def goodput_sides() -> dict[str, GoodputSide]:
     sides = {"rlsup": GoodputSide("rlsup", 10), "torchrun": GoodputSide("torchrun", 10)}
     if nvrx_missing() is None:
         shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+        # The same trainer on both sides, saving asynchronously (what a trainer that saves often does).
         sides["rlsup+memory"] = GoodputSide("rlsup", 1, ("--memory-dir", str(shm / f"rlsup-bench-{os.getpid()}"),
-                                                         "--disk-every", "20"))
-        sides["ft"] = GoodputSide("ft", 10)
+                                                         "--disk-every", "20"), ("--async-save",))
+        sides["ft"] = GoodputSide("ft", 10, (), ("--async-save",))
     return sides
 
 
@@ -904,7 +906,8 @@ def goodput_trial(ctx: Ctx, name: str, side: GoodputSide, window: float, every: 
     kills, steps redone per crash)."""
     d = ctx.fresh(f"goodput-{name.replace('+', '-')}")
     t0 = time.monotonic()
-    proc = launch(side.launcher, d, ["--checkpoint-every", str(side.checkpoint_every), "--step-time", "0.02"],
+    proc = launch(side.launcher, d, ["--checkpoint-every", str(side.checkpoint_every), "--step-time", "0.02",
+                                     *side.trainer],
                   max_restarts=100, extra=list(side.extra))
     kills = 0
     killed: set[int] = set()
@@ -958,7 +961,8 @@ def bench_goodput(ctx: Ctx) -> list[Row]:
                 f"{summary('torchrun')}")]
     if "ft" in sides:
         rows.append(Row(f"goodput, SIGKILL every {every:.0f} s over {window:.0f} s: rlsup memory tier (save every "
-                        f"step, disk every 20) vs ft_launcher (disk every 10)", good("rlsup+memory"), good("ft"),
+                        f"step, disk every 20) vs ft_launcher (disk every 10), async saves", good("rlsup+memory"),
+                        good("ft"),
                         "frac", f"{summary('rlsup+memory')}; {summary('ft')}"))
     else:
         rows.append(Row("goodput: rlsup memory tier vs ft_launcher", None, None, "frac", f"n/a: {nvrx_missing()}"))

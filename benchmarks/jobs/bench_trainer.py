@@ -42,6 +42,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=10**9)
     p.add_argument("--step-time", type=float, default=0.02)
     p.add_argument("--checkpoint-every", type=int, default=10)
+    p.add_argument("--async-save", action="store_true", help="CheckpointManager(async_save=True)")
     p.add_argument("--crash-at-step", type=int, default=None)
     p.add_argument("--hang-at-step", type=int, default=None)
     p.add_argument("--fault-rank", type=int, default=1)
@@ -73,7 +74,7 @@ def main() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-    ckpt = CheckpointManager(args.checkpoint_dir, keep_last=3)
+    ckpt = CheckpointManager(args.checkpoint_dir, keep_last=3, async_save=args.async_save)
     state = {"model": model, "optimizer": optimizer}
     step = ckpt.restore(state)
     if rank == 0:
