@@ -51,10 +51,10 @@ from rlsup_format.fileio import remove_path
 from rlsup_format.manifest import ManifestError, is_held, list_step_dirs
 from rlsup_format.names import step_dir_name
 from rlsup_format.retention import StepState, steps_to_delete
-from supervisor.manifest_watch import ManifestWatch
 from supervisor.node_parts import NodeParts
 from supervisor.part_protocol import PartError, copy_part
 from supervisor.part_stores.local import LocalStore
+from supervisor.poll_loop import PollLoop
 
 if TYPE_CHECKING:
     from supervisor.config import SupervisorConfig
@@ -158,10 +158,7 @@ class MemoryTier:
         self._last_clean: float | None = None
         self._lock = threading.Lock()
         self._retain_lock = threading.Lock()  # a pause waits for a pruning pass, not for a drain
-        self._stop = threading.Event()
-        self._wake = threading.Event()
-        self._watch: ManifestWatch | None = None
-        self._thread: threading.Thread | None = None
+        self._loop = PollLoop(self.poll, "rlsup-memory-tier", self._pass_failed)
         self.drains: list[Drained] = []
         self.last_error: str | None = None
 
@@ -349,35 +346,15 @@ class MemoryTier:
         on_disk = self.newest_valid(full=False, root=self.checkpoint_dir)
         self._last_step = on_disk[0] if on_disk is not None else None
         self._last_time = self._clock()
-        if self._thread is not None and self._thread.is_alive():
-            return
-        self._stop.clear()
-        self._watch = ManifestWatch(self.root, self._wake)
-        self._watch.start()  # a new step is drained as soon as its last manifest appears (when due)
+        # A new step is drained as soon as its last manifest appears (when due).
+        self._loop.start(self.settings.wake_interval, watch=self.root)
 
-        def loop() -> None:
-            while not self._stop.is_set():
-                try:
-                    self.poll()
-                except Exception as e:  # noqa: BLE001 - the tier must never kill the supervisor
-                    self.last_error = str(e)
-                    log.exception("memory tier drain pass failed")
-                self._wake.wait(self.settings.wake_interval)
-                self._wake.clear()
-
-        self._thread = threading.Thread(target=loop, name="rlsup-memory-tier", daemon=True)
-        self._thread.start()
+    def _pass_failed(self, e: Exception) -> None:
+        self.last_error = str(e)
 
     def stop(self, timeout: float | None = 60.0) -> None:
         """Stop the thread after its current drain (a drain in progress is finished, not torn)."""
-        self._stop.set()
-        self._wake.set()
-        if self._watch is not None:
-            self._watch.stop()
-            self._watch = None
-        if self._thread is not None:
-            self._thread.join(timeout)
-            self._thread = None
+        self._loop.stop(timeout)
 
     def finish(self, remove: bool, timeout: float) -> int | None:
         """The run ended: stop the thread, drain the newest valid memory step if disk lacks it (whatever

@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from rlsup_format.manifest import ManifestError, RankManifest, list_step_dirs, verify_step
 from rlsup_format.names import manifest_name, parse_manifest_rank
 from rlsup_format.retention import StepState, steps_to_delete
-from supervisor.manifest_watch import ManifestWatch
+from supervisor.poll_loop import PollLoop
 from supervisor.part_protocol import PartError, PartInvalid, PartStore, copy_part
 from supervisor.part_stores import open_store
 from supervisor.part_stores.local import LocalStore
@@ -151,10 +151,7 @@ class PersistentTier:
         self._retained: tuple[list[int], int | None] = ([], None)  # (steps, newest complete) it last saw
         self._final = False  # flush(): the last copy ignores the cadence
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._wake: threading.Event | None = None
-        self._watch: ManifestWatch | None = None
-        self._thread: threading.Thread | None = None
+        self._loop = PollLoop(self.poll, "rlsup-persistent-tier", self._pass_failed)
         self.copies = 0
         self.bytes_copied = 0
         self.last_error: str | None = None
@@ -324,40 +321,15 @@ class PersistentTier:
         ``settings.wake_interval``, see the module docstring)."""
         if source is not None:
             self.source = Path(source)
-        if self._thread is not None and self._thread.is_alive():
-            return
-        self._stop.clear()
-        wait = interval if interval is not None else self.settings.wake_interval
-        wake = threading.Event()
-        self._watch = ManifestWatch(self.source, wake) if self.source is not None else None
-        if self._watch is not None:
-            self._watch.start()  # a new part is persisted as soon as its manifest appears
+        # A new part is persisted as soon as its manifest appears.
+        self._loop.start(interval if interval is not None else self.settings.wake_interval, watch=self.source)
 
-        def loop() -> None:
-            while not self._stop.is_set():
-                try:
-                    self.poll()
-                except Exception as e:  # noqa: BLE001 - the tier must never kill the supervisor
-                    self.last_error = str(e)
-                    log.exception("persistent tier poll failed")
-                wake.wait(wait)
-                wake.clear()
-
-        self._wake = wake
-        self._thread = threading.Thread(target=loop, name="rlsup-persistent-tier", daemon=True)
-        self._thread.start()
+    def _pass_failed(self, e: Exception) -> None:
+        self.last_error = str(e)
 
     def stop(self, timeout: float | None = 60.0) -> None:
         """Stop the thread after its current copy (a copy in progress is finished, not torn)."""
-        self._stop.set()
-        if self._wake is not None:
-            self._wake.set()
-        if self._watch is not None:
-            self._watch.stop()
-            self._watch = None
-        if self._thread is not None:
-            self._thread.join(timeout)
-            self._thread = None
+        self._loop.stop(timeout)
 
     def flush(self, timeout: float) -> int | None:
         """The job ended (finished, stopped, preempted): stop the thread, then copy the newest valid step
