@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 import os
 from dataclasses import dataclass
 from typing import Any, BinaryIO, Callable
@@ -70,3 +71,23 @@ def hash_file(path: str | os.PathLike, throttle: Callable[[int], None] | None = 
     """Size and xxh3-128 of a file, streamed."""
     with open(path, "rb", buffering=0) as f:
         return copy_hashing(f, throttle=throttle)
+
+
+def hash_own_file(path: str | os.PathLike) -> FileEntry:
+    """Size and xxh3-128 of a file that only the caller writes (a save's own staging file), hashed
+    through a read-only mapping: no copy into a buffer, which on a tmpfs (the memory tier) is the whole
+    cost of reading. Only for files nobody can truncate meanwhile (that would raise SIGBUS); anything
+    shared is hashed with :func:`hash_file`."""
+    with open(path, "rb", buffering=0) as f:
+        size = os.fstat(f.fileno()).st_size
+        if size == 0:
+            return FileEntry(0, xxhash.xxh3_128().hexdigest())
+        h = xxhash.xxh3_128()
+        with mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ) as m:
+            view = memoryview(m)
+            try:
+                for start in range(0, size, CHUNK_SIZE):
+                    h.update(view[start:start + CHUNK_SIZE])
+            finally:
+                view.release()
+        return FileEntry(size, h.hexdigest())

@@ -105,3 +105,13 @@ def test_retention_rule(steps: list, keep: int | None, expected: list[int]) -> N
 def test_retention_refuses_zero() -> None:
     with pytest.raises(ValueError):
         steps_to_delete([StepState(1, True)], 0)
+
+
+def test_hash_own_file_equals_the_streamed_hash(tmp_path: Path) -> None:
+    """The writer hashes its own staging files through a mapping; every checker streams: same digest."""
+    from rlsup_format.digest import CHUNK_SIZE, hash_file, hash_own_file
+
+    for size in (0, 1, CHUNK_SIZE, CHUNK_SIZE + 7, 3 * CHUNK_SIZE - 1):
+        path = tmp_path / f"f{size}"
+        path.write_bytes(os.urandom(size))
+        assert hash_own_file(path) == hash_file(path), size

@@ -33,7 +33,7 @@ from typing import Any, Callable, Iterator, Union
 
 import torch
 
-from rlsup_format.digest import FileEntry, hash_file
+from rlsup_format.digest import FileEntry, hash_own_file
 from rlsup_format.fileio import fsync_dir, fsync_dirs, fsync_file, remove_path
 from rlsup_format.leftovers import STALE_AGE_S, clean_leftovers
 from rlsup_format.manifest import (
@@ -391,7 +391,7 @@ def publish(staging: Path, step_dir: Path) -> dict[str, FileEntry]:
     for src in sorted(p for p in staging.rglob("*") if p.is_file()):
         rel = src.relative_to(staging).as_posix()
         fsync_file(src)
-        files[rel] = hash_file(src)
+        files[rel] = hash_own_file(src)  # our own staging file: nobody else can change it
         dst = step_dir / rel
         dst.parent.mkdir(parents=True, exist_ok=True)
         os.replace(src, dst)
