@@ -1,4 +1,5 @@
-"""xxh3-128 of checkpoint bytes: the one read-and-hash loop every checker and copier uses."""
+"""xxh3-128 of checkpoint bytes: the one read-and-hash loop every checker and copier uses (and a mapped
+variant for the files a writer alone owns)."""
 
 from __future__ import annotations
 
