@@ -17,18 +17,8 @@ TRAIN = str(ROOT / "examples" / "train_tiny.py")
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-import trainer_hooks  # noqa: E402
-from trainer_hooks.checkpoint import CheckpointManager  # noqa: E402
-
-
-class AsyncCheckpointManager(CheckpointManager):
-    def __init__(self, *args, **kwargs) -> None:
-        kwargs.setdefault("async_save", True)
-        super().__init__(*args, **kwargs)
-
-
-trainer_hooks.CheckpointManager = AsyncCheckpointManager  # train_tiny does `from trainer_hooks import ...`
-
 if __name__ == "__main__":
     sys.argv[0] = TRAIN
+    if "--async-save" not in sys.argv:
+        sys.argv.append("--async-save")  # train_tiny.py's own flag: CheckpointManager(async_save=True)
     runpy.run_path(TRAIN, run_name="__main__")
