@@ -395,6 +395,7 @@ class Supervisor:
             death = None if self._wake.is_set() else deaths.wait(self.cfg.poll_interval)
             if death is not None and job.poll() is None:
                 self._log(f"attempt {attempt}: {death.describe()}; ending the attempt")
+                detector.scan()  # the steps the ranks reached since the last poll (the incident's last_step)
                 return from_rank_death(attempt, death, tail=job.output.tail(), last_step=detector.last_step(),
                                        oom_rose=self._oom_rose(oom_before))
 

@@ -80,10 +80,11 @@ def test_crash_restarted_by_rlsup_resumes_from_checkpoint(workdir: Path, clean_r
     inc = incidents(workdir / ".rlsup")
     assert len(inc) == 1, inc
     assert inc[0]["attempt"] == 0 and inc[0]["action"] == "restart"
-    assert inc[0]["exit_code"] == 1  # ft_launcher's own exit code when a rank failed
-    assert inc[0]["reason"] == "signal" and inc[0]["signal"] == "SIGKILL"  # read from its failure line
+    # rlsup saw rank 1 die itself and ended the attempt without waiting for ft_launcher to notice (its
+    # failure line is read when it does report first: tests/test_attempt_end.py)
+    assert inc[0]["reason"] == "signal" and inc[0]["signal"] == "SIGKILL", inc[0]
     assert inc[0]["rank"] == 1 and inc[0]["last_step"] == 13
+    assert "without waiting for the launcher" in inc[0]["detail"] or inc[0]["exit_code"] == 1, inc[0]
     assert inc[0]["resumed_step"] == 10 and inc[0]["resumed_from"].endswith("step_000000010")
-    assert any("exitcode: -9" in line for line in inc[0]["output_tail"])  # ft_launcher saw the SIGKILL
     # the resumed run ends with the same weights as the run that never failed
     assert _done(out) == _done(clean_run[1].stdout)
