@@ -18,7 +18,11 @@ more than ``max_file_bytes`` is answered 413 before its body is read (clients se
 ``request_timeout`` seconds is dropped; a connection that has not delivered a complete request head
 within ``header_timeout`` seconds is closed (slowloris); request lines and header fields longer than
 ``max_header_bytes`` are refused by aiohttp's parser (400/431); garbage on the socket gets a 400 and
-a closed connection; at most ``max_connections`` connections are held, extra ones are closed at once.
+a closed connection. At most ``max_connections`` connections are held: when the table is full, a new
+connection evicts the idle one that has gone longest without a complete request head (connections
+that never authenticated a request go first, a peer's idle keep-alive connection last; one serving a
+request is never evicted), so a flood of half-open connections cannot starve the peers; only when
+every held connection is serving a request is the new one closed at once.
 """
 
 from __future__ import annotations
@@ -73,6 +77,42 @@ class _Reject(asyncio.Protocol):
         transport.close()
 
 
+class _Conn:
+    """What eviction needs to know of one held connection (kept by the server, keyed by its handler)."""
+
+    __slots__ = ("transport", "since", "trusted", "busy")
+
+    def __init__(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
+        self.since = time.monotonic()  # accepted, or last complete request head / response end
+        self.trusted = False  # has sent an authenticated request: a peer, evicted after strangers
+        self.busy = 0  # requests being served: never evicted while > 0
+
+    def evict_key(self) -> tuple[bool, float]:
+        return self.trusted, self.since
+
+
+class _Tracked(asyncio.Protocol):
+    """Wraps aiohttp's handler to learn when a connection is made and lost (aiohttp exposes no hook).
+    The hot path (data_received and flow control) is bound straight to the handler: no extra call."""
+
+    def __init__(self, handler: asyncio.Protocol, conns: dict[Any, _Conn]) -> None:
+        self._handler = handler
+        self._conns = conns
+        self.data_received = handler.data_received  # type: ignore[method-assign]
+        self.eof_received = handler.eof_received  # type: ignore[method-assign]
+        self.pause_writing = handler.pause_writing  # type: ignore[method-assign]
+        self.resume_writing = handler.resume_writing  # type: ignore[method-assign]
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._conns[self._handler] = _Conn(transport)
+        self._handler.connection_made(transport)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._conns.pop(self._handler, None)
+        self._handler.connection_lost(exc)
+
+
 def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": message}, status=status)
 
@@ -108,6 +148,8 @@ class ReplicationServer:
         self._runner: web.AppRunner | None = None
         self._server: asyncio.base_events.Server | None = None
         self._stopped = threading.Event()
+        self._conns: dict[Any, _Conn] = {}  # held connections by aiohttp handler; event-loop thread only
+        self._fresh = 0  # accepted in this loop iteration, not yet in _conns (connection_made is call_soon)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -203,14 +245,41 @@ class ReplicationServer:
         assert server is not None
 
         def factory() -> asyncio.Protocol:
-            if len(server.connections) >= self.max_connections:
+            if not self._make_room():
                 return _Reject()
-            return server()
+            self._count_fresh()
+            return _Tracked(server(), self._conns)
 
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(factory, self.host, self.port, ssl=self.ssl_context,
                                                 reuse_address=True, backlog=128)
         self.port = self._server.sockets[0].getsockname()[1]
+
+    def _count_fresh(self) -> None:
+        """Count a connection accepted now until its connection_made has run, so that a burst of
+        accepts in one loop iteration cannot overshoot ``max_connections``."""
+        if self._fresh == 0:
+            asyncio.get_running_loop().call_soon(self._reset_fresh)
+        self._fresh += 1
+
+    def _reset_fresh(self) -> None:
+        self._fresh = 0
+
+    def _make_room(self) -> bool:
+        """Whether a new connection may be held: when the table is full, close the idle connection that
+        has gone longest without a complete request head (strangers before peers), so whoever holds the
+        slots cannot starve replication. False only when every held connection is serving a request."""
+        open_ = [c for c in self._conns.values() if not c.transport.is_closing()]
+        if len(open_) + self._fresh < self.max_connections:
+            return True
+        idle = [c for c in open_ if c.busy == 0]
+        if not idle:
+            return False
+        victim = min(idle, key=_Conn.evict_key)
+        log.debug("replication server: %d connections held, evicting one idle for %.1fs (peer: %s)",
+                  len(open_) + self._fresh, time.monotonic() - victim.since, victim.trusted)
+        victim.transport.close()
+        return True
 
     async def _shutdown(self) -> None:
         if self._server is not None:
@@ -230,10 +299,16 @@ class ReplicationServer:
         if not res.ok:
             return _error(res.status, res.reason)
         request[_AUTHED] = True
+        conn = self._conns.get(request.protocol)
+        if conn is not None:
+            conn.trusted = True
         return None
 
     async def _expect(self, request: web.Request) -> web.StreamResponse | None:
         """``Expect: 100-continue``: authenticate and pre-check a PUT before its body is sent."""
+        conn = self._conns.get(request.protocol)
+        if conn is not None:
+            conn.since = time.monotonic()  # a complete head: last in line for eviction
         resp = self._authenticate(request)
         if resp is not None:
             return resp
@@ -258,6 +333,19 @@ class ReplicationServer:
         return path, path[len("/v1/"):].split("/")
 
     async def _dispatch(self, request: web.Request) -> web.StreamResponse:
+        """Serve one request with its connection marked busy, so that eviction never cuts a transfer."""
+        conn = self._conns.get(request.protocol)
+        if conn is None:
+            return await self._route(request)
+        conn.busy += 1
+        conn.since = time.monotonic()
+        try:
+            return await self._route(request)
+        finally:
+            conn.busy -= 1
+            conn.since = time.monotonic()
+
+    async def _route(self, request: web.Request) -> web.StreamResponse:
         resp = self._authenticate(request)
         if resp is not None:
             return resp
