@@ -1,5 +1,6 @@
-"""xxh3-128 of checkpoint bytes: the one read-and-hash loop every checker and copier uses (and a mapped
-variant for the files a writer alone owns)."""
+"""xxh3-128 of checkpoint bytes: the one read-and-hash loop every checker and copier uses, a mapped
+variant for the files a writer alone owns, and a write-through file that hashes what a serializer
+writes as it passes (so a save never reads its own bytes back)."""
 
 from __future__ import annotations
 
@@ -92,3 +93,71 @@ def hash_own_file(path: str | os.PathLike) -> FileEntry:
             finally:
                 view.release()
         return FileEntry(size, h.hexdigest())
+
+
+class HashingWriter:
+    """A new file, written through: every byte passed to :meth:`write` is hashed and written at once,
+    so its :class:`FileEntry` is known when the writer finishes, without reading the file back.
+
+    Made for serializers that take a file object (``torch.save(obj, writer)`` hands each tensor's
+    storage over as one memoryview: hashed and written without a copy). ``close()`` fsyncs once, the
+    only fsync the file gets; after it :attr:`entry` holds its size and xxh3-128. Created with
+    ``O_EXCL``: it never writes into a file that already exists."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = path
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0),
+                           0o644)
+        self._hash = xxhash.xxh3_128()
+        self.size = 0
+        self.entry: FileEntry | None = None
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        n = len(view)
+        self._hash.update(view)
+        while view:
+            view = view[os.write(self._fd, view):]
+        self.size += n
+        return n
+
+    def tell(self) -> int:
+        return self.size
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return False  # serializers then write sequentially (the hash is of the bytes in order)
+
+    def flush(self) -> None:
+        """Nothing is buffered: every write went straight to the file."""
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def close(self) -> None:
+        """fsync (once) and close; :attr:`entry` is set from here on."""
+        if self._fd < 0:
+            return
+        try:
+            os.fsync(self._fd)
+        finally:
+            os.close(self._fd)
+            self._fd = -1
+        self.entry = FileEntry(self.size, self._hash.hexdigest())
+
+    def abort(self) -> None:
+        """Close without an entry (the file is left for the caller's cleanup)."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self) -> "HashingWriter":
+        return self
+
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()

@@ -24,6 +24,7 @@ from trainer_hooks.step_writer import (
     RankIdentity,
     StepTarget,
     build_payload,
+    wait_for_removals,
     write_step,
 )
 
@@ -162,6 +163,36 @@ def test_part_of_another_world_size_is_rewritten_when_the_step_is_not_complete(t
     assert read_manifest(step_dir / "manifest.rank_00000.json").world_size == 1
 
 
+def test_a_torch_save_is_hashed_as_written_and_never_read_back(tmp_path: Path, monkeypatch) -> None:
+    """The shard goes through a write-through hashing file: publishing it reads no byte back, and the
+    manifest's checksum is the one of the bytes on disk. A file a library writes by path (here
+    ``sub/extra.bin``, written beside the shard) is still hashed after the fact."""
+    import trainer_hooks.step_writer as sw
+    from rlsup_format.digest import hash_file
+
+    reread: list[str] = []
+    real = sw.hash_own_file
+    monkeypatch.setattr(sw, "hash_own_file", lambda p: reread.append(Path(p).name) or real(p))
+    step_dir = write_step(StepTarget(tmp_path), 1, _payload(2.0), _who(), SpyBackend())
+    assert reread == ["extra.bin"]  # the shard was never read back
+    m = read_manifest(step_dir / "manifest.rank_00000.json")
+    assert m.files[shard_name(0)] == hash_file(step_dir / shard_name(0))
+    assert verify_step_dir(step_dir, full=True).valid
+    assert safe_load(step_dir / shard_name(0))["model"]["w"][0].item() == 2.0
+
+
+def test_hashing_writer_refuses_an_existing_file_and_hashes_every_byte(tmp_path: Path) -> None:
+    from rlsup_format.digest import HashingWriter, hash_file
+
+    path = tmp_path / "f.bin"
+    with HashingWriter(path) as w:
+        w.write(b"abc")
+        w.write(memoryview(torch.arange(1000, dtype=torch.int64).numpy()))  # a multi-byte view
+    assert w.entry == hash_file(path) and w.entry.size == 3 + 8000
+    with pytest.raises(FileExistsError):
+        HashingWriter(path)
+
+
 # -------------------------------------------------------------------------------- retention
 
 
@@ -175,7 +206,8 @@ def test_retention_keeps_keep_last_valid_steps(tmp_path: Path) -> None:
         write_step(target, step, _payload(step), _who(), TorchBackend())
     assert _steps(tmp_path) == [4, 5]
     assert all(verify_step_dir(p).valid for _, p in list_step_dirs(tmp_path))
-    # nothing of the deletions is left (they go through a reserved 'deleting' name)
+    # nothing of the deletions is left once the background removals are done (a reserved 'deleting' name meanwhile)
+    wait_for_removals()
     assert [n for n in os.listdir(tmp_path) if n.startswith(".")] == []
 
 

@@ -59,6 +59,7 @@ from trainer_hooks.step_writer import (  # noqa: F401 - the error classes and en
     disk_full_error,
     dist_group,
     failed_ranks,
+    wait_for_removals,
     write_step,
 )
 
@@ -166,9 +167,11 @@ class CheckpointManager:
             return self._async.wait(timeout)
 
     def close(self) -> None:
-        """Flush in-flight saves and stop the writer process (also done at interpreter exit)."""
+        """Flush in-flight saves, finish retention's background removals and stop the writer process
+        (also done at interpreter exit)."""
         if self._async is not None:
             self._async.close()
+        wait_for_removals()
 
     # -------------------------------------------------------------------------------- restore
 

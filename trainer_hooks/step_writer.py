@@ -21,10 +21,12 @@ Every on-disk rule (names, leftovers, retention, digests) comes from :mod:`rlsup
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import errno
 import logging
 import os
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -368,7 +370,7 @@ def _write_part(step_dir: Path, step: int, payload: PayloadSource, who: RankIden
     with explain_full_disk(step_dir, step, data):  # checked after the staging dir is gone
         try:
             backend.save(ctx, data)
-            files = publish(staging, step_dir)
+            files = publish(staging, step_dir, ctx.written)
         finally:
             remove_path(staging)
     if backend.collective:
@@ -380,25 +382,37 @@ def _write_part(step_dir: Path, step: int, payload: PayloadSource, who: RankIden
         write_manifest(step_dir, manifest)  # last: its presence means this rank's files are all there
 
 
-def publish(staging: Path, step_dir: Path) -> dict[str, FileEntry]:
-    """fsync + hash each staged file, rename it to its final name, fsync the directories.
+def publish(staging: Path, step_dir: Path, written: dict[str, FileEntry] | None = None) -> dict[str, FileEntry]:
+    """Rename each staged file to its final name and return every file's entry.
 
-    The hash is taken after the fsync, from what the filesystem holds, and before the rename, so a
-    file under its final name is always whole; the directories are synced before the manifest (the
-    caller's next step) can name the files."""
+    A file in ``written`` was hashed and fsynced as its serializer wrote it (its size is checked, not
+    its bytes re-read); any other was written by a library on its own and is fsynced and hashed here,
+    from what the filesystem holds. Either way a file under its final name is whole. New
+    subdirectories are synced here; ``step_dir`` itself is synced once, by the manifest's write that
+    follows (a manifest whose files' renames were lost in a crash names missing files: an invalid
+    part, never a torn one), except when a rename replaced a file of an earlier, invalid part: then at
+    once, so such a manifest can never meet the old bytes."""
+    written = written or {}
     files: dict[str, FileEntry] = {}
-    dirs: set[Path] = {step_dir}
+    dirs: set[Path] = set()
+    replaced = False
     for src in sorted(p for p in staging.rglob("*") if p.is_file()):
         rel = src.relative_to(staging).as_posix()
-        fsync_file(src)
-        files[rel] = hash_own_file(src)  # our own staging file: nobody else can change it
+        entry = written.get(rel)
+        if entry is None or entry.size != src.stat().st_size:
+            fsync_file(src)
+            entry = hash_own_file(src)  # our own staging file: nobody else can change it
+        files[rel] = entry
         dst = step_dir / rel
         dst.parent.mkdir(parents=True, exist_ok=True)
+        replaced = replaced or dst.exists()
         os.replace(src, dst)
         parent = dst.parent
         while parent != step_dir and step_dir in parent.parents:
             dirs.add(parent)  # each new subdirectory, and (below) the directory that names it
             parent = parent.parent
+    if replaced:
+        dirs.add(step_dir)
     fsync_dirs(dirs)
     return files
 
@@ -426,7 +440,8 @@ def retain(target: StepTarget, new_step: int) -> list[int]:
     returns the steps deleted. Protected: the new step, the resume step, held steps, and invalid
     steps newer than the new one (another save may still be writing them)."""
     directory = Path(target.directory)
-    if not verify_step_dir(directory / step_dir_name(new_step), full=True).valid:
+    # Sizes and manifests: every byte of the step was hashed by the rank that wrote it, as it wrote it.
+    if not verify_step_dir(directory / step_dir_name(new_step), full=False).valid:
         log.info("%s not complete yet (other ranks still writing?); retention waits", step_dir_name(new_step))
         return []
     resume = Path(target.resume_dir).resolve() if target.resume_dir else None
@@ -454,4 +469,31 @@ def delete_step(directory: Path, step: int) -> None:
         return
     fsync_dir(directory)
     log.info("retention removed %s", path.name)
-    remove_path(doomed)
+    _remove_in_background(doomed)
+
+
+_remover: concurrent.futures.ThreadPoolExecutor | None = None
+_remover_pid = 0  # a forked child (a DataLoader worker) starts its own: the parent's thread is not in it
+_remover_lock = threading.Lock()
+
+
+def _remove_in_background(path: Path) -> None:
+    """Remove a step already renamed out of the step namespace, off the caller's thread: no reader can
+    see it any more, and unlinking a large file costs about a quarter second per GB on an ext4 mounted
+    with ``discard`` that a synchronous save need not wait for. One worker thread, not a daemon, so a
+    process that exits normally finishes its removals first; one killed meanwhile leaves a
+    ``.deleting-`` directory that rank 0's next save removes (:func:`clean_step_leftovers`)."""
+    global _remover, _remover_pid
+    with _remover_lock:
+        if _remover is None or _remover_pid != os.getpid():
+            _remover = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rlsup-retention")
+            _remover_pid = os.getpid()
+        _remover.submit(remove_path, path)
+
+
+def wait_for_removals() -> None:
+    """Block until every background removal submitted so far is done (a barrier for tests and close)."""
+    with _remover_lock:
+        remover = _remover if _remover_pid == os.getpid() else None
+    if remover is not None:
+        remover.submit(lambda: None).result()

@@ -10,13 +10,19 @@ from typing import Any, Callable, Iterator, Protocol
 
 import torch
 
+from rlsup_format.digest import FileEntry, HashingWriter
+
 RNG_KEY = "__rng__"
 _TENSOR_MARK = "__rlsup_tensor__"
 
 
 @dataclass
 class SaveContext:
-    """Where and as whom a rank saves. Files go under ``staging`` with their final relative paths."""
+    """Where and as whom a rank saves. Files go under ``staging`` with their final relative paths.
+
+    A backend whose serializer takes a file object writes through :meth:`new_file`: the bytes are
+    hashed as they pass and the file is fsynced once, so publishing it reads nothing back. Files a
+    library writes by path itself are hashed after the fact."""
 
     step: int
     step_dir: Path
@@ -25,6 +31,18 @@ class SaveContext:
     world_size: int
     distributed: bool  # a torch.distributed process group is initialised
     live: dict[str, Any] = field(default_factory=dict)  # the caller's objects (sharded_state_dict)
+    written: dict[str, FileEntry] = field(default_factory=dict)  # rel -> entry, for files hashed as written
+
+    @contextlib.contextmanager
+    def new_file(self, rel: str) -> Iterator[HashingWriter]:
+        """A new file ``rel`` (relative, '/'-separated) under ``staging``, hashed while written and
+        fsynced when the block ends; its entry lands in :attr:`written`."""
+        path = self.staging / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with HashingWriter(path) as writer:
+            yield writer
+        assert writer.entry is not None
+        self.written[rel] = writer.entry
 
 
 @dataclass

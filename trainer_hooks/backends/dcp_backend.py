@@ -78,10 +78,12 @@ class DcpBackend:
 
         rest = {k: v for k, v in payload.items() if k != RNG_KEY}
         skeleton, tensors = split_tensors(rest)
-        torch.save({"skeleton": skeleton, RNG_KEY: payload.get(RNG_KEY)}, ctx.staging / extra_name(ctx.rank))
+        with ctx.new_file(extra_name(ctx.rank)) as f:  # hashed as torch writes it
+            torch.save({"skeleton": skeleton, RNG_KEY: payload.get(RNG_KEY)}, f)
         # Each rank points DCP at its own staging dir: a rank only ever writes its own files there
         # (rank 0 adds .metadata), and the manager renames them into step_dir/dcp afterwards.
-        writer = dcp.FileSystemWriter(str(ctx.staging / DCP_DIR), sync_files=True)
+        # sync_files=False: publishing fsyncs each file once (DCP would sync them a second time).
+        writer = dcp.FileSystemWriter(str(ctx.staging / DCP_DIR), sync_files=False)
         with _quiet_single_process(ctx.distributed):
             dcp.save(tensors, storage_writer=writer, no_dist=not ctx.distributed)
 

@@ -100,8 +100,8 @@ class MegatronBackend:
         sharded_names = {n for n, obj in ctx.live.items() if _is_sharded(obj)}
         rest = {k: v for k, v in payload.items() if k != RNG_KEY and k not in sharded_names}
         skeleton, tensors = split_tensors(rest, keep=_keep_whole(ctx.live))
-        torch.save({"skeleton": skeleton, "sharded": sorted(sharded_names), RNG_KEY: payload.get(RNG_KEY)},
-                   ctx.staging / extra_name(ctx.rank))
+        with ctx.new_file(extra_name(ctx.rank)) as f:  # hashed as torch writes it
+            torch.save({"skeleton": skeleton, "sharded": sorted(sharded_names), RNG_KEY: payload.get(RNG_KEY)}, f)
         sd: dict[str, Any] = {n: ctx.live[n].sharded_state_dict() for n in sorted(sharded_names)}
         sd[_TENSORS] = {k: self._sharded(k, t.detach(), ctx.rank) for k, t in tensors.items()}
         out = ctx.staging / MEGATRON_DIR

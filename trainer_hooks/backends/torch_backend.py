@@ -22,7 +22,8 @@ class TorchBackend:
     collective = False
 
     def save(self, ctx: SaveContext, payload: dict[str, Any]) -> None:
-        torch.save(payload, ctx.staging / shard_name(ctx.rank))
+        with ctx.new_file(shard_name(ctx.rank)) as f:  # hashed as torch writes it
+            torch.save(payload, f)
 
     def load(self, ctx: LoadContext) -> dict[str, Any]:
         if ctx.saved_world_size != ctx.world_size:
