@@ -11,8 +11,12 @@ from typing import Any, BinaryIO, Callable
 
 import xxhash
 
+from rlsup_format.fileio import start_writeback
+
 #: Read size for hashing and copying: a 100 GB shard costs this much memory.
 CHUNK_SIZE = 8 * 1024 * 1024
+#: A :class:`HashingWriter` starts the disk writing its data every this many bytes.
+WRITEBACK_EVERY = 16 * 1024 * 1024
 
 
 @dataclass
@@ -110,6 +114,7 @@ class HashingWriter:
                            0o644)
         self._hash = xxhash.xxh3_128()
         self.size = 0
+        self._kicked = 0  # bytes whose writeback was started
         self.entry: FileEntry | None = None
 
     def write(self, data: Any) -> int:
@@ -117,8 +122,12 @@ class HashingWriter:
         n = len(view)
         self._hash.update(view)
         while view:
-            view = view[os.write(self._fd, view):]
-        self.size += n
+            done = os.write(self._fd, view[:WRITEBACK_EVERY])
+            view = view[done:]
+            self.size += done
+            if self.size - self._kicked >= WRITEBACK_EVERY:  # the disk starts on it while the rest is written
+                start_writeback(self._fd, self._kicked, self.size - self._kicked)
+                self._kicked = self.size
         return n
 
     def tell(self) -> int:
