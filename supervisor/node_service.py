@@ -96,7 +96,11 @@ class NodeService:
         self._lock = DirLock(self.cfg.replica_dir, ".serve.lock", "replica_dir", self.job.id).acquire()
         host, _, port = self.membership.me.rpartition(":")
         store = ReplicaStore(self.cfg.replica_dir)
-        self.server = ReplicationServer(store, secret, host=host, port=int(port), ssl_context=_server_ssl(self.cfg))
+        # A chain of copies is forwarded from node to node: only to this job's other nodes, as named here.
+        others = [ep for n, ep in enumerate(self.membership.peers) if n != self.membership.node_rank]
+        self.server = ReplicationServer(store, secret, host=host, port=int(port), ssl_context=_server_ssl(self.cfg),
+                                        forward_peers=others, own_endpoint=self.membership.me,
+                                        forward_ssl=client_ssl)
         self.port = self.server.start()
         self.engine.start()
         log.info("node %d: replication endpoint %s:%d, copies of this node's checkpoints go to nodes %s",

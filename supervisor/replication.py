@@ -6,7 +6,12 @@ exactly when its manifest appears, since trainer_hooks writes it last); a period
 by :func:`replica_targets`, through :func:`supervisor.part_protocol.copy_part` from the checkpoint
 directory (:class:`~supervisor.part_stores.local.LocalStore`) to the peer's replica namespace
 (:class:`~supervisor.part_stores.peer.PeerStore`): verified, files first, manifest last, so a replica
-becomes valid only when whole. While a part is copied its step carries a ``.hold-replication-node<N>-...``
+becomes valid only when whole. With several targets lacking a part, it travels as a pipeline
+(:class:`~supervisor.part_stores.peer.ChainStore`): sent once, to the first, which streams it on to
+the next as it receives it, and so on; a target the chain did not reach gets a direct copy in the
+same pass. The sender never hashes a part before sending it (every receiver checks every byte as it
+arrives); a part a receiver refuses as not matching its manifest is reported invalid and not offered
+again by this process. While a part is copied its step carries a ``.hold-replication-node<N>-...``
 marker, so retention does not delete it mid-copy; once the owner deletes a step (retention), its
 replicas are deleted too. Placement is recorded beside each step in
 :func:`rlsup_format.names.placement_name` (``.rlsup-placement.node<N>.json``).
@@ -31,15 +36,19 @@ from supervisor.manifest_watch import ManifestWatch
 from supervisor.job_identity import namespace_of, parse_namespace
 from supervisor.membership import Membership, replica_targets
 from supervisor.observer import Observer
-from supervisor.part_protocol import copy_part, fetch_part
+from supervisor.part_protocol import PartInvalid, copy_part, fetch_part
 from supervisor.part_stores.local import LocalStore
-from supervisor.part_stores.peer import PeerStore
+from supervisor.part_stores.peer import ChainStore, PeerStore
 from supervisor.parts import Part, scan_parts, verify_part
 
 if TYPE_CHECKING:
     from supervisor.config import SupervisorConfig
 
 log = logging.getLogger("rlsup.replication")
+
+#: How long a pass waits for the targets' indexes before it chains the targets that answered (the
+#: others are served in their own threads as their answers come: a dead peer delays no one).
+INDEX_WAIT_S = 5.0
 
 
 @dataclass
@@ -86,6 +95,7 @@ class ReplicationEngine:
     # Steps this process saw in the local directory. Only those are mirrored when they disappear: a
     # replacement node with an empty disk must never delete the replicas it is about to restore from.
     _seen_local: set[int] = field(default_factory=set)
+    _invalid: set[tuple[int, int, float]] = field(default_factory=set)  # (step, rank, created) refused
     progress: dict[int, PeerProgress] = field(default_factory=dict)
     _threads: list[threading.Thread] = field(default_factory=list)
     _fs: Any = None
@@ -144,26 +154,55 @@ class ReplicationEngine:
         node that joined with an empty disk is refilled, and a replica deleted behind our back is re-sent.
         """
         with self._lock:
-            parts = self.own_parts()
+            parts = [p for p in self.own_parts() if _key(p) not in self._invalid]
             self._seen_local |= {p.step for p in parts}
-            # One thread per target: a dead or slow peer delays only its own copies.
-            with concurrent.futures.ThreadPoolExecutor(max(1, len(self.targets)), "rlsup-push") as pool:
-                list(pool.map(lambda t: self._sync_target(t, parts), self.targets))
+            targets = self.targets
+            with concurrent.futures.ThreadPoolExecutor(max(1, 2 * len(targets)), "rlsup-push") as pool:
+                asked = {t: pool.submit(self._index, t) for t in targets}
+                concurrent.futures.wait(asked.values(), timeout=INDEX_WAIT_S)
+                ready = {t: f.result() for t, f in asked.items() if f.done() and f.result() is not None}
+                late = [pool.submit(self._sync_late, t, f, parts) for t, f in asked.items() if not f.done()]
+                self._sync_ready(ready, parts)
+                concurrent.futures.wait(late)
             self._update_lag(parts)
             self._save_state()
 
-    def _sync_target(self, target: int, parts: list[Part]) -> None:
+    def _index(self, target: int) -> dict[str, Any] | None:
         if self._stop.is_set():
-            return
+            return None
         try:
-            held = self.clients[target].index(namespace_of(self.job, self.me))
+            return self.clients[target].index(namespace_of(self.job, self.me))
         except Exception as e:  # a dead peer: try again next pass
             self._failed(target, f"index: {e}")
+            return None
+
+    def _sync_ready(self, indexes: dict[int, dict[str, Any]], parts: list[Part]) -> None:
+        """The targets whose index came in time: each part once down a chain of those that lack it."""
+        for target, held in indexes.items():
+            self._held[target] = {(p.step, p.rank) for p in parts if _part_held(p, held)}
+        for part in parts:
+            if self._stop.is_set():
+                break
+            lacking = [t for t in indexes if (part.step, part.rank) not in self._held[t]]
+            direct = self._push_chain(lacking, part) if len(lacking) > 1 else lacking
+            for target in direct:
+                if not self._stop.is_set() and _key(part) not in self._invalid:
+                    self._push(target, part)
+        for target, held in indexes.items():
+            self._mirror_deletes(target, held, parts)
+
+    def _sync_late(self, target: int, asked: concurrent.futures.Future, parts: list[Part]) -> None:
+        """A target whose index came late (or never): direct copies, as its own thread."""
+        held = asked.result()
+        if held is None or self._stop.is_set():
             return
         self._held[target] = {(p.step, p.rank) for p in parts if _part_held(p, held)}
         for part in parts:
             if (part.step, part.rank) not in self._held[target] and not self._stop.is_set():
                 self._push(target, part)
+        self._mirror_deletes(target, held, parts)
+
+    def _mirror_deletes(self, target: int, held: dict[str, Any], parts: list[Part]) -> None:
         local_steps = {p.step for p in parts}
         held_steps = {int(k.split("/", 1)[0][5:]) for k in held if k.startswith("step_") and "/" in k}
         for step in sorted((held_steps & self._seen_local) - local_steps):
@@ -190,22 +229,58 @@ class ReplicationEngine:
         return "" if job in (self.job, None) else f"belongs to job {job!r}, not {self.job!r}"
 
     def _push(self, target: int, part: Part) -> None:
-        prog = self.progress.setdefault(target, PeerProgress())
         started = time.monotonic()
         try:
-            done = copy_part(self.local_store(), self.peer_store(target), part.step, part.rank, keep_valid=False)
+            done = copy_part(self.local_store(), self.peer_store(target), part.step, part.rank, full=False,
+                             keep_valid=False)
+        except PartInvalid as e:
+            self._refused(part, [target], e)
+            return
         except Exception as e:  # a dead or lying peer, or a part changed under us: only this copy fails
             self._failed(target, f"step {part.step} rank {part.rank}: {e}")
             return
-        self._held.setdefault(target, set()).add((part.step, part.rank))
-        if done.written:
-            self.observer.replicated(str(target), done.size)
-            prog.bytes_sent += done.size
-            prog.parts_sent += 1
-            elapsed = time.monotonic() - started
-            prog.rate_bps = done.size / elapsed if elapsed > 0 else 0.0
-        prog.last_ok = time.time()
+        self._copied([target], part, done.written, done.size, time.monotonic() - started)
+
+    def _push_chain(self, targets: list[int], part: Part) -> list[int]:
+        """Copy ``part`` once down the chain ``targets`` (in order); returns the targets it did not
+        reach, for a direct copy."""
+        ends = {self.membership.peers[t]: t for t in targets}
+        chain = ChainStore([(self.peer_store(t), ep) for ep, t in ends.items()])
+        started = time.monotonic()
+        try:
+            done = copy_part(self.local_store(), chain, part.step, part.rank, full=False, keep_valid=False)
+        except PartInvalid as e:
+            self._refused(part, targets, e)
+            return []
+        except Exception as e:  # the first peer failed (or the copy did not verify): copy one by one
+            log.info("step %s rank %s: chain %s failed (%s); copying to each directly",
+                     part.step, part.rank, chain.location, e)
+            self._failed(targets[0], f"step {part.step} rank {part.rank}: {e}")
+            return targets[1:]
+        reached = [ends[ep] for ep in chain.reached]
+        self._copied(reached, part, done.written, done.size, time.monotonic() - started)
+        for ep, why in chain.failed.items():
+            log.info("step %s rank %s: chain did not reach node %s (%s); copying directly",
+                     part.step, part.rank, ends[ep], why)
+        return [t for t in targets if t not in reached]
+
+    def _copied(self, targets: list[int], part: Part, written: bool, size: int, elapsed: float) -> None:
+        for target in targets:
+            prog = self.progress.setdefault(target, PeerProgress())
+            self._held.setdefault(target, set()).add((part.step, part.rank))
+            if written:
+                self.observer.replicated(str(target), size)
+                prog.bytes_sent += size
+                prog.parts_sent += 1
+                prog.rate_bps = size / elapsed if elapsed > 0 else 0.0
+            prog.last_ok = time.time()
         self._record_placement(part)
+
+    def _refused(self, part: Part, targets: list[int], e: Exception) -> None:
+        """The part is not what its manifest says: reported to every target, not offered again."""
+        self._invalid.add(_key(part))
+        for target in targets:
+            self._failed(target, f"step {part.step} rank {part.rank} is invalid here, not replicated: {e}")
 
     def _failed(self, target: int, error: str) -> None:
         prog = self.progress.setdefault(target, PeerProgress())
@@ -288,6 +363,11 @@ class ReplicationEngine:
         self.local_store().clean()
         if self.clients:
             self.peer_store(next(iter(self.clients))).clean()
+
+
+def _key(part: Part) -> tuple[int, int, float]:
+    """A part as written once: a rewritten part (new manifest) is a new key."""
+    return part.step, part.rank, part.manifest.created
 
 
 def job_of(part: Part) -> str | None:

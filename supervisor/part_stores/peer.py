@@ -9,20 +9,33 @@ index (size and xxh3-128 per file), so checking a replica costs no transfer. Fil
 needs on local disk (a manifest to push, a file fetched to be copied on) are spooled in ``spool_dir``
 under reserved names and removed at once; :func:`rlsup_format.leftovers.clean_leftovers` removes what
 a killed process left there.
+
+A peer that refuses an upload because its bytes do not hash to the manifest's checksum is told
+:class:`~supervisor.part_protocol.PartInvalid` once the source file, hashed here only then, confirms
+it (the sender never hashes a part before sending: the receivers check every byte as it arrives).
+
+:class:`ChainStore` is one destination made of several peers: each file is pushed once, to the first,
+which streams it on to the others as it receives it (:mod:`supervisor.transport.forward`). A peer the
+chain did not reach is dropped from it (and named in :attr:`ChainStore.failed`) before the manifest
+goes out, so every peer that gets the manifest got every file first.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from pathlib import Path
-from typing import Any, BinaryIO, Iterator
+from typing import Any, BinaryIO, Iterator, Sequence
 
-from rlsup_format.digest import FileEntry, copy_hashing
+from rlsup_format.digest import FileEntry, copy_hashing, hash_file
 from rlsup_format.fileio import remove_path
 from rlsup_format.leftovers import clean_leftovers
 from rlsup_format.manifest import missing_reason
 from rlsup_format.names import Kind, manifest_name, parse_step, reserved_name, step_dir_name
+from supervisor.part_protocol import PartError, PartInvalid
+
+OK = "ok"
 
 
 class PeerStep:
@@ -118,20 +131,31 @@ class PeerStore:
     def open(self, step: int, name: str) -> BinaryIO:
         return PeerFile(self, f"{step_dir_name(step)}/{name}")  # type: ignore[return-value]
 
-    def put_file(self, step: int, name: str, src: BinaryIO, entry: FileEntry) -> None:
+    def put_file(self, step: int, name: str, src: BinaryIO, entry: FileEntry, *,
+                 forward: Sequence[str] = ()) -> dict[str, str]:
+        """Push ``src`` (and, with ``forward``, have the peer stream it on to those endpoints: their
+        report is returned). PartInvalid when the peer refused bytes that do not match ``entry``."""
         path = getattr(src, "path", None)
         if path is not None:  # a local file: sent as it is, checked by the peer against ``entry``
-            self.client.push_file(self.namespace, f"{step_dir_name(step)}/{name}", path, entry)
-            return
+            return self._push(f"{step_dir_name(step)}/{name}", Path(path), entry, forward)
         with self._spooled(lambda out: copy_hashing(src, out)) as spooled:
-            self.client.push_file(self.namespace, f"{step_dir_name(step)}/{name}", spooled, entry)
+            return self._push(f"{step_dir_name(step)}/{name}", spooled, entry, forward)
 
-    def put_manifest(self, step: int, rank: int, raw: bytes) -> None:
+    def put_manifest(self, step: int, rank: int, raw: bytes, *, forward: Sequence[str] = ()) -> dict[str, str]:
         with self._spooled(lambda out: out.write(raw)) as spooled:
-            from rlsup_format.digest import hash_file
+            return self._push(f"{step_dir_name(step)}/{manifest_name(rank)}", spooled, hash_file(spooled),
+                              forward)
 
-            self.client.push_file(self.namespace, f"{step_dir_name(step)}/{manifest_name(rank)}", spooled,
-                                  hash_file(spooled))
+    def _push(self, relpath: str, path: Path, entry: FileEntry, forward: Sequence[str]) -> dict[str, str]:
+        try:
+            if forward:
+                return self.client.push_file(self.namespace, relpath, path, entry, forward=forward)
+            self.client.push_file(self.namespace, relpath, path, entry)
+            return {}
+        except Exception as e:
+            if getattr(e, "status", None) == 400 and "xxh3-128 mismatch" in str(e):
+                raise _refused(relpath, path, entry, e) from None
+            raise
 
     @contextlib.contextmanager
     def _spooled(self, write: Any) -> Iterator[Path]:
@@ -156,3 +180,118 @@ class PeerStore:
     @contextlib.contextmanager
     def hold(self, step: int) -> Iterator[None]:
         yield  # a replica is deleted only when its owner deletes the step
+
+
+def _refused(relpath: str, path: Path, entry: FileEntry, e: Exception) -> PartError:
+    """What a peer's checksum refusal means: the source is not what its manifest says (PartInvalid),
+    or, when the source does hash right, the bytes were damaged on the way (retry later)."""
+    try:
+        got = hash_file(path)
+    except OSError as oe:
+        return PartInvalid(f"{relpath}: refused by the peer ({e}); reading the source: {oe}")
+    if got != entry:
+        return PartInvalid(f"{relpath}: the source reads as {got.size} bytes {got.xxh3_128}, its manifest "
+                           f"says {entry.size} bytes {entry.xxh3_128} (refused by the peer: {e})")
+    return PartError(f"{relpath}: the peer received bytes that do not match, the source does: {e}")
+
+
+class ChainStep:
+    """A :class:`rlsup_format.manifest.StepReader` over the same step on every peer of a chain: a file
+    is right only where it is right on all of them, a manifest present only where all hold it."""
+
+    def __init__(self, steps: Sequence[PeerStep]) -> None:
+        self.steps = list(steps)
+
+    def names(self) -> list[str]:
+        names: set[str] = set()
+        for s in self.steps:
+            try:
+                names.update(s.names())
+            except FileNotFoundError:
+                pass
+        if not names:
+            raise FileNotFoundError(f"{self.steps[0].base}: on none of the chain's peers")
+        return sorted(names)
+
+    def read(self, name: str) -> bytes:
+        return [s.read(name) for s in self.steps][0]  # FileNotFoundError where any lacks it
+
+    def check(self, name: str, entry: FileEntry, full: bool) -> str:
+        for s in self.steps:
+            reason = s.check(name, entry, full)
+            if reason:
+                return f"{s.store.location}: {reason}"
+        return ""
+
+
+class ChainStore:
+    """A :class:`~supervisor.part_protocol.PartStore` over several peers (``hops``: each peer's store
+    and its endpoint as the peers name it) written through the first, which forwards to the rest.
+    Safe for concurrent ``put_file`` calls."""
+
+    def __init__(self, hops: Sequence[tuple[PeerStore, str]]) -> None:
+        if not hops:
+            raise ValueError("a chain needs at least one peer")
+        self.hops = list(hops)
+        self._live = list(hops)
+        self.failed: dict[str, str] = {}  # endpoint -> why the chain lost it
+        self._lock = threading.Lock()
+        self.location = " -> ".join(store.location for store, _ in hops)
+
+    @property
+    def reached(self) -> list[str]:
+        """Endpoints that took everything written so far."""
+        with self._lock:
+            return [ep for _, ep in self._live]
+
+    def _first(self) -> tuple[PeerStore, list[str]]:
+        with self._lock:
+            return self._live[0][0], [ep for _, ep in self._live[1:]]
+
+    def _drop(self, report: dict[str, str]) -> None:
+        with self._lock:
+            for ep, what in report.items():
+                if what != OK:
+                    self.failed.setdefault(ep, what)
+            self._live = [h for h in self._live if h[1] not in self.failed]
+
+    def steps(self) -> list[int]:
+        return self.hops[0][0].steps()
+
+    def reader(self, step: int) -> ChainStep:
+        with self._lock:
+            live = [store for store, _ in self._live]
+        return ChainStep([PeerStep(store, step) for store in live])
+
+    def open(self, step: int, name: str) -> BinaryIO:
+        return self.hops[0][0].open(step, name)
+
+    def put_file(self, step: int, name: str, src: BinaryIO, entry: FileEntry) -> None:
+        first, rest = self._first()
+        self._drop(first.put_file(step, name, src, entry, forward=rest))
+
+    def put_manifest(self, step: int, rank: int, raw: bytes) -> None:
+        first, rest = self._first()
+        self._drop(first.put_manifest(step, rank, raw, forward=rest))
+
+    def remove_manifest(self, step: int, rank: int) -> None:
+        first, _ = self._first()
+        first.remove_manifest(step, rank)
+        with self._lock:
+            rest = list(self._live[1:])
+        for store, ep in rest:
+            try:
+                store.remove_manifest(step, rank)
+            except Exception as e:  # noqa: BLE001 - that peer leaves the chain; the others go on
+                self._drop({ep: f"removing the old manifest: {e}"})
+
+    def delete(self, step: int) -> None:
+        for store, _ in self.hops:
+            store.delete(step)
+
+    def clean(self) -> None:
+        self.hops[0][0].clean()
+
+    @contextlib.contextmanager
+    def hold(self, step: int) -> Iterator[None]:
+        yield

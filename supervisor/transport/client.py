@@ -38,7 +38,7 @@ import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import aiohttp
 
@@ -46,6 +46,7 @@ from rlsup_format.digest import FileEntry, new_hasher
 from rlsup_format.fileio import fsync_dir, open_nofollow
 from rlsup_format.names import Kind, reserved_name
 from supervisor.transport.auth import H_XXH3, auth_headers, body_digest
+from supervisor.transport.forward import forward_report
 from supervisor.transport.store import validate_namespace, validate_relpath
 
 CHUNK = 1 << 20
@@ -438,19 +439,28 @@ class PeerClient:
         data = self._run(self._request_json("DELETE", f"/v1/files/{_quote_path(namespace, prefix)}"))
         return int(data.get("removed", 0))
 
-    def push_file(self, namespace: str, relpath: str, local_path: str | os.PathLike, entry: FileEntry) -> None:
-        """Upload ``local_path`` as ``namespace/relpath``; the peer stores it only if it matches ``entry``."""
+    def push_file(self, namespace: str, relpath: str, local_path: str | os.PathLike, entry: FileEntry, *,
+                  forward: Sequence[str] = ()) -> dict[str, str]:
+        """Upload ``local_path`` as ``namespace/relpath``; the peer stores it only if it matches ``entry``.
+        ``forward``: further peers (host:port) the peer streams the file on to as it receives it, in
+        order (:mod:`supervisor.transport.forward`). Returns what each of them did: "ok" or why not."""
         validate_namespace(namespace)
         validate_relpath(relpath)
+        for ep in forward:
+            if not ep or any(c in ep for c in ",?&=%/ "):
+                raise ValueError(f"invalid forward endpoint {ep!r}: want host:port")
         with self._slot():
-            self._run(self._push(namespace, relpath, Path(local_path), entry))
+            return self._run(self._push(namespace, relpath, Path(local_path), entry, tuple(forward)))
 
-    async def _push(self, namespace: str, relpath: str, local_path: Path, entry: FileEntry) -> None:
+    async def _push(self, namespace: str, relpath: str, local_path: Path, entry: FileEntry,
+                    forward: tuple[str, ...] = ()) -> dict[str, str]:
         path = f"/v1/files/{_quote_path(namespace, relpath)}"
+        if forward:
+            path += "?forward=" + ",".join(forward)
         what = f"push {namespace}/{relpath}"
         loop = asyncio.get_running_loop()
 
-        async def attempt(dl: _Deadline) -> None:
+        async def attempt(dl: _Deadline) -> dict[str, str]:
             try:
                 # A checkpoint file is never a symlink (following one would send whatever it points at),
                 # nor a FIFO (it would block): refused, with the reason in strerror.
@@ -477,11 +487,12 @@ class PeerClient:
                 headers["Content-Type"] = "application/octet-stream"
                 async with sess.put(self._url(path), data=body(), headers=headers, expect100=True) as resp:
                     await self._check(resp, what)
-                    await resp.read()
+                    answer = await resp.read()
             finally:
                 f.close()
+            return forward_report(answer, forward)
 
-        await self._with_retries(what, lambda: self._within_deadline(what, entry.size, attempt))
+        return await self._with_retries(what, lambda: self._within_deadline(what, entry.size, attempt))
 
     def fetch_file(self, namespace: str, relpath: str, dest: str | os.PathLike,
                    entry: FileEntry | None = None) -> FileEntry:

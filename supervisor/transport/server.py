@@ -4,7 +4,9 @@ Runs aiohttp in a background thread with its own event loop (``start()`` returns
 ``stop()`` shuts it down). Routes, all authenticated (see :mod:`supervisor.transport.auth`)::
 
     GET    /v1/health                      {"ok": true, "time": ...}
-    PUT    /v1/files/<namespace>/<relpath> body = file; Content-Length and X-Rlsup-Xxh3 required
+    PUT    /v1/files/<namespace>/<relpath>[?forward=host:port,...]
+                                           body = file; Content-Length and X-Rlsup-Xxh3 required;
+                                           {"size": N, "xxh3_128": hex, "forwarded": {endpoint: "ok"|why}}
     GET    /v1/files/<namespace>/<relpath> the file, with Content-Length and X-Rlsup-Xxh3
     DELETE /v1/files/<namespace>/<prefix>  {"removed": N} (whole segments: step_1 never hits step_10)
     GET    /v1/index/<namespace>           {"files": {relpath: {"size": N, "xxh3_128": hex}}}
@@ -12,7 +14,8 @@ Runs aiohttp in a background thread with its own event loop (``start()`` returns
 
 Robustness: paths are taken from the raw request line (never a normalised or percent-decoded form;
 a ``%`` anywhere in the path is refused) and validated by the store; bodies are streamed to disk
-(about 1 MiB buffered per upload) and verified before they replace anything; a PUT that declares
+(at most about 8 MiB buffered per upload: socket reads are batched, ~4 MiB per ``writev`` and
+hash call, one batch written while the next is read) and verified before they replace anything; a PUT that declares
 more than ``max_file_bytes`` is answered 413 before its body is read (clients send
 ``Expect: 100-continue``, so a refused upload costs no bandwidth); a body that stalls for
 ``request_timeout`` seconds is dropped; a connection that has not delivered a complete request head
@@ -23,6 +26,10 @@ connection evicts the idle one that has gone longest without a complete request 
 that never authenticated a request go first, a peer's idle keep-alive connection last; one serving a
 request is never evicted), so a flood of half-open connections cannot starve the peers; only when
 every held connection is serving a request is the new one closed at once.
+
+Chains (:mod:`supervisor.transport.forward`): a PUT whose query names further hops is streamed on to
+the next one while it is stored here, to allow-listed peers only (``forward_peers``); the answer
+reports every hop downstream.
 """
 
 from __future__ import annotations
@@ -35,10 +42,11 @@ import os
 import ssl
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Collection
 
 from aiohttp import web
 
+from supervisor.transport.forward import ForwardRefused, Forwarder, client_session, parse_forward, scheme_of
 from supervisor.transport.auth import H_XXH3, Verifier, body_digest
 from supervisor.transport.store import (IntegrityError, ReplicaStore, StoreError, validate_namespace,
                                        validate_relpath)
@@ -46,6 +54,8 @@ from supervisor.transport.store import (IntegrityError, ReplicaStore, StoreError
 log = logging.getLogger("rlsup.transport.server")
 
 CHUNK = 1 << 20
+#: Received bytes handed to the disk thread per call (one writev + hash).
+BATCH = 4 << 20
 _AUTHED: Any = web.RequestKey("rlsup_authenticated", bool) if hasattr(web, "RequestKey") else "rlsup_authenticated"
 _RESERVED = ("/v1/health", "/v1/files/", "/v1/index/")
 
@@ -117,6 +127,17 @@ def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": message}, status=status)
 
 
+async def _read(content: Any) -> bytes:
+    """The next chunk of a request body (b"" at its end); 400 when the body is cut or malformed.
+    One received buffer as it is: ``readany`` would join all that are buffered (a copy)."""
+    try:
+        return (await content.readchunk())[0]  # chunked bodies are refused: no HTTP chunk splits here
+    except (asyncio.CancelledError, TimeoutError):
+        raise
+    except Exception as e:  # noqa: BLE001 - peer closed mid-body, payload error
+        raise _HTTPError(400, f"body incomplete: {type(e).__name__}: {e}") from None
+
+
 class _HTTPError(Exception):
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
@@ -129,9 +150,18 @@ class ReplicationServer:
                  max_file_bytes: int = 1 << 40, max_header_bytes: int = 8192,
                  ssl_context: ssl.SSLContext | None = None, request_timeout: float = 60.0,
                  header_timeout: float = 15.0, max_connections: int = 256, max_json_bytes: int = 1 << 20,
-                 io_threads: int = 8) -> None:
+                 io_threads: int = 8, forward_peers: Collection[str] = (), own_endpoint: str = "",
+                 forward_ssl: ssl.SSLContext | None = None) -> None:
+        """``forward_peers``: the endpoints (host:port) a PUT may be forwarded to (the job's other
+        nodes); ``own_endpoint``: this server as the peers name it (refused in a forward list: a
+        loop); ``forward_ssl``: the client TLS context for forwards (None: plain HTTP)."""
         self.store = store
         self.verifier = Verifier(secret)
+        self._secret = bytes(secret)
+        self.forward_peers = frozenset(forward_peers)
+        self.own_endpoint = own_endpoint
+        self.forward_ssl = forward_ssl
+        self._forward_session: Any = None  # aiohttp.ClientSession, made on the loop at the first forward
         self.host = host
         self.port = port
         self.max_file_bytes = max_file_bytes
@@ -284,6 +314,8 @@ class ReplicationServer:
     async def _shutdown(self) -> None:
         if self._server is not None:
             self._server.close()
+        if self._forward_session is not None:
+            await self._forward_session.close()
         if self._runner is not None:
             await self._runner.shutdown()
             await self._runner.cleanup()
@@ -317,6 +349,7 @@ class ReplicationServer:
         if request.method == "PUT":
             try:
                 self._put_precheck(request)
+                self._forward_list(request)
             except _HTTPError as e:
                 return _error(e.status, e.message)
         await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
@@ -412,36 +445,92 @@ class ReplicationServer:
         validate_relpath(rel)
         return ns, rel, size, xxh3
 
+    def _forward_list(self, request: web.Request) -> tuple[str, ...]:
+        """The hops this PUT asks to be forwarded to; 400 naming the endpoint when refused."""
+        query = request.raw_path.partition("?")[2]
+        if not query:
+            return ()
+        if "%" in query or "\\" in query or "\x00" in query:
+            raise _HTTPError(400, "percent-encoded, backslash or NUL characters are not accepted in the query")
+        own = {self.own_endpoint, f"{self.host}:{self.port}"}
+        try:
+            return parse_forward(query, self.forward_peers, own)
+        except ForwardRefused as e:
+            raise _HTTPError(400, str(e)) from None
+
     async def _put(self, request: web.Request, ns: str, rel: str) -> web.StreamResponse:
         ns, rel, size, xxh3 = self._put_precheck(request)
+        hops = self._forward_list(request)
         inc = await self._blocking(self.store.begin_write, ns, rel, size, xxh3)
+        tee = self._forwarder(request, hops, size, xxh3) if hops else None
+        commit: asyncio.Future | None = None
         try:
-            buf = bytearray()
-            content = request.content
-            while True:
-                try:
-                    chunk = await asyncio.wait_for(content.readany(), self.request_timeout)
-                except asyncio.TimeoutError:
-                    raise _HTTPError(408, f"body stalled for {self.request_timeout}s") from None
-                except asyncio.CancelledError:
-                    raise
-                except Exception as e:  # noqa: BLE001 - peer closed mid-body, payload error
-                    raise _HTTPError(400, f"body incomplete: {type(e).__name__}: {e}") from None
-                if not chunk:
-                    break
-                buf += chunk
-                if len(buf) >= CHUNK:
-                    data, buf = buf, bytearray()
-                    await self._blocking(inc.write, data)
-            if buf:
-                await self._blocking(inc.write, buf)
-            if inc.received != size:
-                raise IntegrityError(f"body has {inc.received} bytes, {size} declared")
-            entry = await self._blocking(inc.commit)
+            last = await self._receive(request, inc, tee)
+            if inc.received + sum(map(len, last)) != size:
+                raise IntegrityError(f"body has {inc.received + sum(map(len, last))} bytes, {size} declared")
+            # Our commit (fsync, rename) runs while the next hop finishes; we answer after both.
+            commit = asyncio.get_running_loop().run_in_executor(self._io, inc.finish, last)
+            forwarded = await tee.finish() if tee is not None else {}
+            entry = await asyncio.shield(commit)
         except BaseException:
+            if tee is not None:
+                tee.abort()
+            if commit is not None and not commit.done():
+                await asyncio.wait([commit])  # never abort (close the fd) under a running commit
             await asyncio.shield(self._blocking(inc.abort))
             raise
-        return web.json_response({"size": entry.size, "xxh3_128": entry.xxh3_128}, status=201)
+        return web.json_response({"size": entry.size, "xxh3_128": entry.xxh3_128, "forwarded": forwarded},
+                                 status=201)
+
+    def _forwarder(self, request: web.Request, hops: tuple[str, ...], size: int, xxh3: str) -> Forwarder:
+        if self._forward_session is None:
+            self._forward_session = client_session(self.forward_ssl, self.request_timeout)
+        path = request.raw_path.partition("?")[0]
+        return Forwarder(self._forward_session, scheme_of(self.forward_ssl), self._secret, path, hops, size, xxh3,
+                         self.request_timeout)
+
+    async def _receive(self, request: web.Request, inc: Any, tee: Forwarder | None) -> list[bytes]:
+        """Read the body: each chunk goes to ``tee`` at once, and to the disk in batches of about
+        :data:`BATCH` bytes (one write in flight while the next batch is read). Returns the last,
+        unwritten batch (written with the commit). 408 when the sender sent nothing for
+        ``request_timeout`` (time spent waiting for our disk or the next hop does not count)."""
+        content, loop = request.content, asyncio.get_running_loop()
+        batch: list[bytes] = []
+        batched = 0
+        writing: asyncio.Future | None = None
+        renew_every = min(1.0, self.request_timeout / 4)
+        try:
+            async with asyncio.timeout(self.request_timeout) as stall:
+                renewed = loop.time()
+                while chunk := await _read(content):
+                    if tee is not None and not tee.offer(chunk):
+                        await self._unstalled(stall, tee.feed(chunk))
+                    batch.append(chunk)
+                    batched += len(chunk)
+                    if batched >= BATCH:
+                        if writing is not None:
+                            await self._unstalled(stall, asyncio.shield(writing))
+                        writing = loop.run_in_executor(self._io, inc.write_many, batch)
+                        batch, batched = [], 0
+                    if (now := loop.time()) - renewed >= renew_every:
+                        stall.reschedule(now + self.request_timeout)
+                        renewed = now
+                if writing is not None:
+                    await self._unstalled(stall, asyncio.shield(writing))
+        except TimeoutError:
+            raise _HTTPError(408, f"body stalled for {self.request_timeout}s") from None
+        finally:
+            if writing is not None and not writing.done():
+                await asyncio.wait([writing])  # never abort (close the fd) under a running write
+        return batch
+
+    async def _unstalled(self, stall: Any, aw: Any) -> None:
+        """Await ``aw`` (our disk, the next hop) with the sender's stall clock stopped."""
+        stall.reschedule(None)
+        try:
+            await aw
+        finally:
+            stall.reschedule(asyncio.get_running_loop().time() + self.request_timeout)
 
     async def _get(self, request: web.Request, ns: str, rel: str) -> web.StreamResponse:
         fd, entry = await self._blocking(self.store.open_read, ns, rel)
