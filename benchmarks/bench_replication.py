@@ -6,6 +6,9 @@ copying checkpoints between nodes). Each configuration runs 3 times, alternating
 and the table shows medians in MB/s (10^6 bytes per second of checkpoint data moved; with 2 peers,
 bytes delivered to both peers count twice, and the baseline runs two rsyncs in parallel).
 
+Each peer's endpoint runs in its own process (as on another node). With 2 peers rlsup pushes each file
+once, to the first peer, which streams it on to the second while storing it (a chain,
+:mod:`supervisor.transport.forward`); the sender's time and bytes for 2 peers are compared with 1.
 rlsup includes everything a real push does: HMAC per request, streaming to the peer's
 ``.incoming``, xxh3-128 verification, fsync and rename. The checksums of the source files are
 computed once up front (as the replicator gets them from the manifest) and not timed.
@@ -26,13 +29,12 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from supervisor.transport.client import PeerClient, TransferPool  # noqa: E402
-from supervisor.transport.server import ReplicationServer  # noqa: E402
-from supervisor.transport.store import ReplicaStore  # noqa: E402
 from rlsup_format.manifest import hash_file  # noqa: E402
 
 SECRET = b"benchmark-secret-benchmark-secret"
@@ -65,16 +67,60 @@ def drop(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def push_rlsup(src: Path, entries: dict, clients: list[PeerClient], pool: TransferPool, tag: str) -> float:
+def push_rlsup(src: Path, entries: dict, client: PeerClient, pool: TransferPool, tag: str,
+               forward: tuple[str, ...] = ()) -> float:
+    """The sender's side of one replication: each file pushed once, data files first, in parallel
+    (as ``copy_part`` does); with ``forward`` the first peer streams every file on along the chain."""
     t0 = time.perf_counter()
-    jobs = [(c, rel, e) for c in clients for rel, e in entries.items()]
-    pool.map(lambda j: j[0].push_file(tag, j[1], src / j[1], j[2]), jobs)
+    reports = pool.map(lambda rel: client.push_file(tag, rel, src / rel, entries[rel], forward=forward), list(entries))
+    for report in reports:
+        bad = {ep: why for ep, why in (report or {}).items() if why != "ok"}
+        if bad:
+            raise RuntimeError(f"chain did not reach {bad}")
     return time.perf_counter() - t0
+
+
+_SERVE = """
+import sys
+sys.path.insert(0, {repo!r})
+from supervisor.transport.server import ReplicationServer
+from supervisor.transport.store import ReplicaStore
+srv = ReplicationServer(ReplicaStore({root!r}), {secret!r}, port={port}, forward_peers={peers!r}, own_endpoint={own!r})
+print(srv.start(), flush=True)
+sys.stdin.read()  # until the benchmark closes our stdin
+srv.stop()
+"""
+
+
+class PeerServer:
+    """A peer's replication endpoint in its own process (as on another node: no shared GIL)."""
+
+    def __init__(self, root: Path, port: int, peers: list[str]) -> None:
+        own = f"127.0.0.1:{port}"
+        code = _SERVE.format(repo=str(Path(__file__).resolve().parent.parent), root=str(root), secret=SECRET,
+                             port=port, peers=[p for p in peers if p != own], own=own)
+        self.root = root
+        self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True)
+        line = self.proc.stdout.readline()
+        if not line.strip().isdigit():
+            raise RuntimeError("peer server did not start")
+        self.endpoint = own
+
+    def stop(self) -> None:
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
 
 
 class RsyncDaemon:
     def __init__(self, workdir: Path, dest: Path) -> None:
         self.port = free_port()
+        self.dest = dest
+        dest.mkdir(parents=True, exist_ok=True)
         conf = workdir / f"rsyncd-{self.port}.conf"
         conf.write_text(f"use chroot = no\nport = {self.port}\naddress = 127.0.0.1\npid file = {workdir}/rsyncd-{self.port}.pid\n"
                         f"log file = {workdir}/rsyncd-{self.port}.log\n[ckpt]\npath = {dest}\nread only = no\n"
@@ -107,13 +153,52 @@ def fsync_tree(path: Path) -> None:
     subprocess.run(["sync", "-f", str(path)], check=False)
 
 
+@dataclass
+class Sides:
+    """Seconds per run of each side, for 1 and 2 peers."""
+
+    rlsup: dict[int, list[float]] = field(default_factory=lambda: {1: [], 2: []})
+    cp: dict[int, list[float]] = field(default_factory=lambda: {1: [], 2: []})
+    rsync: dict[int, list[float]] = field(default_factory=lambda: {1: [], 2: []})
+
+
+def _one_round(src: Path, work: Path, entries: dict, client: PeerClient, pool: TransferPool, peers: list[PeerServer],
+               daemons: list[RsyncDaemon], npeers: int, tag: str, sides: Sides) -> None:
+    forward = tuple(p.endpoint for p in peers[1:npeers])
+    sides.rlsup[npeers].append(push_rlsup(src, entries, client, pool, tag, forward))
+    for p in peers[:npeers]:
+        drop(p.root / tag)
+    t0 = time.perf_counter()  # cp -r (npeers copies in parallel)
+    procs = [subprocess.Popen(["cp", "-r", str(src), str(work / f"cp{i}-{tag}")]) for i in range(npeers)]
+    for proc in procs:
+        proc.wait()
+    for i in range(npeers):
+        fsync_tree(work / f"cp{i}-{tag}")
+    sides.cp[npeers].append(time.perf_counter() - t0)
+    for i in range(npeers):
+        drop(work / f"cp{i}-{tag}")
+    if daemons:  # rsync: one client per peer, in parallel (the sender sends every copy)
+        t0 = time.perf_counter()
+        ths = [threading.Thread(target=daemons[i].push, args=(src, f"rs-{tag}")) for i in range(npeers)]
+        for th in ths:
+            th.start()
+        for th in ths:
+            th.join()
+        for i in range(npeers):
+            fsync_tree(daemons[i].dest / f"rs-{tag}")
+        sides.rsync[npeers].append(time.perf_counter() - t0)
+        for i in range(npeers):
+            drop(daemons[i].dest / f"rs-{tag}")
+
+
 def measure(size: int, runs: int = 3, concurrency: int = 4, scratch: str | None = None) -> list[tuple[str, float, float]]:
     """Push a ``size``-byte checkpoint to 1 and 2 peers, alternating rlsup, ``cp -r`` and the rsync daemon
-    ``runs`` times each; returns (name, rlsup median MB/s, baseline median MB/s) rows."""
+    ``runs`` times each; returns (name, rlsup median, baseline median) rows: MB/s delivered, then the
+    sender's cost of 2 peers against 1 (seconds; bytes it sent)."""
     if shutil.which("rsync") is None:
         print(f"{RSYNC_MISSING}; the rsync rows are n/a", file=sys.stderr)
     work = Path(tempfile.mkdtemp(prefix="rlsup-bench-", dir=scratch))
-    servers: list[ReplicationServer] = []
+    peers: list[PeerServer] = []
     daemons: list[RsyncDaemon] = []
     try:
         src = work / "src"
@@ -121,57 +206,34 @@ def measure(size: int, runs: int = 3, concurrency: int = 4, scratch: str | None 
         total = sum(e.size for e in entries.values())
         print(f"checkpoint: {len(entries)} files, {total / 1e9:.2f} GB in {src}; {runs} runs, median",
               file=sys.stderr)
-        stores = [ReplicaStore(work / f"peer{i}") for i in range(2)]
-        servers = [ReplicationServer(s, SECRET) for s in stores]
-        clients = [PeerClient(f"127.0.0.1:{srv.start()}", SECRET, retries=0) for srv in servers]
+        ports = [free_port() for _ in range(2)]
+        endpoints = [f"127.0.0.1:{p}" for p in ports]
+        peers = [PeerServer(work / f"peer{i}", ports[i], endpoints) for i in range(2)]
+        client = PeerClient(peers[0].endpoint, SECRET, retries=0)
         pool = TransferPool(concurrency)
         if shutil.which("rsync"):
-            daemons = [RsyncDaemon(work, work / f"peer{i}") for i in range(2)]
-        rows = []
-        for npeers in (1, 2):
-            rl, cp, rs = [], [], []
-            for run in range(runs):
-                tag = f"run{run}"
-                # rlsup
-                t = push_rlsup(src, entries, clients[:npeers], pool, tag)
-                rl.append(total * npeers / t / 1e6)
-                for i in range(npeers):
-                    stores[i].delete(tag, "")
-                # cp -r (npeers copies in parallel)
-                t0 = time.perf_counter()
-                procs = [subprocess.Popen(["cp", "-r", str(src), str(work / f"cp{i}-{tag}")]) for i in range(npeers)]
-                for p in procs:
-                    p.wait()
-                for i in range(npeers):
-                    fsync_tree(work / f"cp{i}-{tag}")
-                cp.append(total * npeers / (time.perf_counter() - t0) / 1e6)
-                for i in range(npeers):
-                    drop(work / f"cp{i}-{tag}")
-                # rsync daemon
-                if daemons:
-                    t0 = time.perf_counter()
-                    ths = [threading.Thread(target=daemons[i].push, args=(src, f"rs-{tag}")) for i in range(npeers)]
-                    for th in ths:
-                        th.start()
-                    for th in ths:
-                        th.join()
-                    for i in range(npeers):
-                        fsync_tree(work / f"peer{i}" / f"rs-{tag}")
-                    rs.append(total * npeers / (time.perf_counter() - t0) / 1e6)
-                    for i in range(npeers):
-                        drop(work / f"peer{i}" / f"rs-{tag}")
-            med = statistics.median(rl)
-            rows.append((f"push to {npeers} peer{'s' if npeers > 1 else ''} vs cp -r", med, statistics.median(cp)))
-            # Without rsync the row stays, with no baseline (n/a): a missing baseline is said, never dropped.
-            rows.append((f"push to {npeers} peer{'s' if npeers > 1 else ''} vs rsync daemon", med,
-                         statistics.median(rs) if rs else None))
-        for c in clients:
-            c.close()
+            daemons = [RsyncDaemon(work, work / f"rsync{i}") for i in range(2)]
+        sides = Sides()
+        for run in range(runs):
+            for npeers in ((1, 2) if run % 2 == 0 else (2, 1)):
+                _one_round(src, work, entries, client, pool, peers, daemons, npeers, f"run{run}-{npeers}", sides)
+        client.close()
         pool.shutdown()
+        rows = []
+        for n in (1, 2):
+            label = f"push to {n} peer{'s' if n > 1 else ''}" + (" (chain)" if n > 1 else "")
+            rl = statistics.median(total * n / t / 1e6 for t in sides.rlsup[n])
+            rows.append((f"{label} vs cp -r", rl, statistics.median(total * n / t / 1e6 for t in sides.cp[n])))
+            # Without rsync the row stays, with no baseline (n/a): a missing baseline is said, never dropped.
+            rows.append((f"{label} vs rsync daemon", rl,
+                         statistics.median(total * n / t / 1e6 for t in sides.rsync[n]) if daemons else None))
+        rows.append(("sender time: push to 2 peers (chain) vs to 1", statistics.median(sides.rlsup[2]),
+                     statistics.median(sides.rlsup[1])))
+        rows.append(("sender bytes: push to 2 peers (chain) vs to 1", total / 1e6, total / 1e6))
         return rows
     finally:
-        for srv in servers:
-            srv.stop()
+        for p in peers:
+            p.stop()
         for d in daemons:
             d.stop()
         drop(work)
@@ -187,9 +249,10 @@ def main() -> int:
     args = ap.parse_args()
     size = int((0.2 if args.quick else args.size_gb) * 1e9)
     rows = measure(size, args.runs, args.concurrency, args.dir)
-    print(f"\n{'name':<34} {'rlsup median':>13} {'baseline median':>16} {'ratio':>7}  unit")
+    print(f"\n{'name':<48} {'rlsup median':>13} {'baseline median':>16} {'ratio':>7}")
     for name, a, b in rows:
-        print(f"{name:<34} {a:>13.0f} {b:>16.0f} {a / b:>7.2f}  MB/s")
+        print(f"{name:<48} {a:>13.3f} {b if b is not None else float('nan'):>16.3f} "
+              f"{a / b if b else float('nan'):>7.2f}")
     return 0
 
 

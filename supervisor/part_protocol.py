@@ -13,9 +13,9 @@ a node persisting its parts, a restore from a peer or from the persistent tier),
    is never overwritten (:class:`PartConflict`): that would break the other rank's part;
 4. an old part of this rank in the destination loses its manifest *first*, so it is invalid from
    the first byte written on;
-5. data files are written, each checked against its :class:`FileEntry` by the checksum computed
-   while the bytes pass (a store with renames writes a temp name and renames; an object store
-   writes the object and reads it back);
+5. data files are written, several at once, each checked against its :class:`FileEntry` by the
+   checksum computed while the bytes pass (a store with renames writes a temp name and renames; an
+   object store writes the object and reads it back); nothing is read again afterwards;
 6. the manifest is written last: it is the commit. A copy cut off anywhere before leaves a part
    without its manifest, which no reader counts (a step is valid only with all its manifests).
 
@@ -26,6 +26,7 @@ nothing about the holder's copy.
 
 from __future__ import annotations
 
+import concurrent.futures
 from dataclasses import dataclass
 from typing import BinaryIO, Callable, ContextManager, Protocol, Sequence
 
@@ -184,20 +185,41 @@ def copy_part(src: PartStore, dst: PartStore, step: int, rank: int, *, full: boo
                                                if why != missing_reason(rel)})  # only files it would overwrite
         if state != "missing":
             dst.remove_manifest(step, rank)  # the old part is invalid before its first byte changes
-        for rel in todo:
-            entry = m.files[rel]
-            try:
-                f = src.open(step, rel)
-            except (FileNotFoundError, UnsafeFileError) as e:
-                raise PartInvalid(f"step {step} rank {rank}: {rel}: {e}") from None
-            with f:
-                dst.put_file(step, rel, f, entry)
+        _copy_files(src, dst, step, rank, {rel: m.files[rel] for rel in todo})
         dst.put_manifest(step, rank, raw)  # last: the part counts from here on, and only whole
         _, reason = verify_part(dst.reader(step), step, rank, full=False)
         if reason:
             dst.remove_manifest(step, rank)
             raise PartError(f"step {step} rank {rank}: {dst.location}: does not verify after the copy: {reason}")
     return Copied(m, True)
+
+
+#: Files of one part copied at once: a part of a sharded save has several, and one stream rarely fills
+#: a link, a parallel filesystem or the cores that hash.
+PARALLEL_FILES = 4
+
+
+def _copy_files(src: PartStore, dst: PartStore, step: int, rank: int, files: dict[str, FileEntry]) -> None:
+    """Copy ``files`` (each checked by the checksum of its bytes as they pass), up to
+    :data:`PARALLEL_FILES` at once; the first failure is raised once every started copy ended."""
+
+    def one(rel: str) -> None:
+        try:
+            f = src.open(step, rel)
+        except (FileNotFoundError, UnsafeFileError) as e:
+            raise PartInvalid(f"step {step} rank {rank}: {rel}: {e}") from None
+        with f:
+            dst.put_file(step, rel, f, files[rel])
+
+    if len(files) <= 1:
+        for rel in files:
+            one(rel)
+        return
+    with concurrent.futures.ThreadPoolExecutor(min(PARALLEL_FILES, len(files)), "rlsup-part-copy") as pool:
+        futures = [pool.submit(one, rel) for rel in sorted(files)]
+    errors = [f.exception() for f in futures if f.exception() is not None]
+    if errors:
+        raise next((e for e in errors if isinstance(e, PartInvalid)), errors[0])
 
 
 class FetchFailed(PartError):

@@ -66,14 +66,20 @@ class LocalStore:
         return parent
 
     def put_file(self, step: int, name: str, src: BinaryIO, entry: FileEntry) -> None:
+        """Write ``name`` of ``step`` from ``src``, renamed into place only once it matched ``entry``.
+
+        The rename is made durable by the manifest's write (one fsync of the step directory for the
+        whole part: a manifest whose files' renames were lost names missing files, an invalid part),
+        at once only where it replaced a file (old bytes must never meet a new manifest) or sits in a
+        subdirectory."""
         parent = self._step_dir(step, name)
         final = self.path(step) / name
+        sync_now = parent != self.path(step) or final.exists()
         fetch_into = getattr(src, "fetch_into", None)
         if fetch_into is not None:  # a peer's file: received once, checked as it arrives, renamed if it matches
-            fetch_into(final, entry)
-            fsync_dir(parent)
+            fetch_into(final, entry, sync_now)
             return
-        tmp = parent / reserved_name(Kind.TMP, "copy")
+        tmp = parent / reserved_name(Kind.TMP, "copy")  # unique per call: copies may run at once
         try:
             with open(tmp, "xb") as out:
                 got = copy_hashing(src, out, self.throttle)
@@ -85,7 +91,8 @@ class LocalStore:
             os.replace(tmp, final)  # the final name only for bytes that matched as they passed
         finally:
             tmp.unlink(missing_ok=True)
-        fsync_dir(parent)  # the rename is durable before the manifest (written later) can name the file
+        if sync_now:
+            fsync_dir(parent)
 
     def put_manifest(self, step: int, rank: int, raw: bytes) -> None:
         step_dir = self._step_dir(step, manifest_name(rank))

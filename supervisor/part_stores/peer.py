@@ -77,8 +77,8 @@ class PeerFile:
         self.store, self.relpath = store, relpath
         self._spooled: BinaryIO | None = None
 
-    def fetch_into(self, dest: Path, entry: FileEntry) -> None:
-        self.store.client.fetch_file(self.store.namespace, self.relpath, dest, entry)
+    def fetch_into(self, dest: Path, entry: FileEntry, sync_dir: bool = True) -> None:
+        self.store.client.fetch_file(self.store.namespace, self.relpath, dest, entry, sync_dir=sync_dir)
 
     def _file(self) -> BinaryIO:
         if self._spooled is None:

@@ -29,7 +29,6 @@ many file transfers run at once across the clients that share it.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import json
 import os
 import random
@@ -42,9 +41,11 @@ from typing import Any, Callable, Iterator, Sequence
 
 import aiohttp
 
-from rlsup_format.digest import FileEntry, new_hasher
+from rlsup_format.digest import FileEntry
 from rlsup_format.fileio import fsync_dir, open_nofollow
 from rlsup_format.names import Kind, reserved_name
+from supervisor.transport import wire
+from supervisor.transport.limits import BandwidthLimiter, TransferPool  # noqa: F401 - the client's public API
 from supervisor.transport.auth import H_XXH3, auth_headers, body_digest
 from supervisor.transport.forward import forward_report
 from supervisor.transport.store import validate_namespace, validate_relpath
@@ -63,78 +64,6 @@ class TransportError(Exception):
         self.message = message
         self.status = status
         self.retryable = retryable
-
-
-class BandwidthLimiter:
-    """Token bucket of ``bytes_per_second`` (0/None: unlimited) with ``burst`` bytes of credit.
-
-    Thread-safe and loop-agnostic, so one instance can cap every client of a process. Implemented as
-    a virtual clock: each grant of n bytes pushes the earliest time of the next grant by n/rate;
-    a caller sleeps until its grant's time. Idle time accrues at most ``burst`` bytes of credit.
-    """
-
-    def __init__(self, bytes_per_second: float | None, burst: int | None = None) -> None:
-        self.rate = float(bytes_per_second or 0)
-        self.burst = float(burst if burst is not None else max(CHUNK, self.rate / 10))
-        self._next = 0.0
-        self._lock = threading.Lock()
-
-    @property
-    def unlimited(self) -> bool:
-        return self.rate <= 0
-
-    def _reserve(self, n: int) -> float:
-        """Seconds the caller must wait before ``n`` bytes pass (GCRA: rate plus ``burst`` of slack)."""
-        if self.unlimited or n <= 0:
-            return 0.0
-        with self._lock:
-            now = time.monotonic()
-            self._next = max(self._next, now) + n / self.rate
-            return max(0.0, self._next - self.burst / self.rate - now)
-
-    def consume(self, n: int) -> None:
-        """Block the calling thread until ``n`` bytes may pass (the loop's transfers use
-        :meth:`_Deadline.throttle`, which moves their deadline by the wait first)."""
-        wait = self._reserve(n)
-        if wait > 0:
-            time.sleep(wait)
-
-
-class TransferPool:
-    """Bounds concurrent transfers: give the same pool to several clients (``PeerClient(pool=...)``)
-    and at most ``max_concurrent`` of their file transfers run at once; ``submit``/``map`` also run
-    callables on ``max_concurrent`` worker threads (``pool.map(lambda f: client.push_file(...), files)``).
-    """
-
-    def __init__(self, max_concurrent: int) -> None:
-        if max_concurrent < 1:
-            raise ValueError("max_concurrent must be >= 1")
-        self.max_concurrent = max_concurrent
-        self._sem = threading.BoundedSemaphore(max_concurrent)
-        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
-        self._lock = threading.Lock()
-
-    @contextmanager
-    def slot(self) -> Iterator[None]:
-        with self._sem:
-            yield
-
-    def submit(self, fn: Callable, *args: Any, **kwargs: Any) -> concurrent.futures.Future:
-        with self._lock:
-            if self._executor is None:
-                self._executor = concurrent.futures.ThreadPoolExecutor(self.max_concurrent,
-                                                                       thread_name_prefix="rlsup-xfer")
-        return self._executor.submit(fn, *args, **kwargs)
-
-    def map(self, fn: Callable, items) -> list:
-        """Run ``fn`` on every item, at most ``max_concurrent`` at once; results in order, first error raised."""
-        return [f.result() for f in [self.submit(fn, x) for x in items]]
-
-    def shutdown(self) -> None:
-        with self._lock:
-            if self._executor is not None:
-                self._executor.shutdown(wait=True)
-                self._executor = None
 
 
 class _LoopThread:
@@ -232,17 +161,6 @@ class _Deadline:
             self.cm.reschedule(self._when())
         except RuntimeError:
             pass  # already expired or left (an upload body runs in aiohttp's writer task): nothing to move
-
-
-async def _in_thread(fn: Callable, *args: Any) -> Any:
-    """``fn(*args)`` in the loop's thread pool. When the caller is cancelled (a deadline), wait for the
-    thread to finish before re-raising: it may be writing to a descriptor the caller then closes."""
-    fut = asyncio.get_running_loop().run_in_executor(None, fn, *args)
-    try:
-        return await asyncio.shield(fut)
-    except asyncio.CancelledError:
-        await asyncio.wait([fut])
-        raise
 
 
 def _quote_path(*parts: str) -> str:
@@ -449,102 +367,150 @@ class PeerClient:
         for ep in forward:
             if not ep or any(c in ep for c in ",?&=%/ "):
                 raise ValueError(f"invalid forward endpoint {ep!r}: want host:port")
-        with self._slot():
-            return self._run(self._push(namespace, relpath, Path(local_path), entry, tuple(forward)))
-
-    async def _push(self, namespace: str, relpath: str, local_path: Path, entry: FileEntry,
-                    forward: tuple[str, ...] = ()) -> dict[str, str]:
         path = f"/v1/files/{_quote_path(namespace, relpath)}"
         if forward:
             path += "?forward=" + ",".join(forward)
         what = f"push {namespace}/{relpath}"
-        loop = asyncio.get_running_loop()
+        local_path = Path(local_path)
+        with self._slot():
+            return self._sync_retries(what, lambda: self._push_attempt(what, path, local_path, entry, tuple(forward)))
 
-        async def attempt(dl: _Deadline) -> dict[str, str]:
-            try:
-                # A checkpoint file is never a symlink (following one would send whatever it points at),
-                # nor a FIFO (it would block): refused, with the reason in strerror.
-                f = os.fdopen(open_nofollow(local_path.parent, local_path.name), "rb")
-            except OSError as e:
-                raise self._err(f"{what}: cannot read {local_path}: {e.strerror or e}") from None
-            try:
-                size = os.fstat(f.fileno()).st_size
-                if size != entry.size:
-                    raise self._err(f"{what}: {local_path} has {size} bytes, the entry says {entry.size}")
+    def _push_attempt(self, what: str, path: str, local_path: Path, entry: FileEntry,
+                      forward: tuple[str, ...]) -> dict[str, str]:
+        try:
+            # A checkpoint file is never a symlink (following one would send whatever it points at),
+            # nor a FIFO (it would block): refused, with the reason in strerror.
+            f = os.fdopen(open_nofollow(local_path.parent, local_path.name), "rb")
+        except OSError as e:
+            raise self._err(f"{what}: cannot read {local_path}: {e.strerror or e}") from None
+        with f:
+            size = os.fstat(f.fileno()).st_size
+            if size != entry.size:
+                raise self._err(f"{what}: {local_path} has {size} bytes, the entry says {entry.size}")
+            answer = self._exchange(what, entry.size, lambda sock, dl: self._push_once(sock, dl, path, f, entry, what))
+        return forward_report(answer, forward)
 
-                async def body():
-                    sent = 0
-                    while sent < entry.size:
-                        chunk = await loop.run_in_executor(None, f.read, min(CHUNK, entry.size - sent))
-                        if not chunk:
-                            raise self._err(f"{what}: {local_path} shrank while being sent")
-                        await dl.throttle(self.limiter, len(chunk))
-                        sent += len(chunk)
-                        yield chunk
-
-                sess = await self._sess()
-                headers = self._headers("PUT", path, entry.size, entry.xxh3_128)
-                headers["Content-Type"] = "application/octet-stream"
-                async with sess.put(self._url(path), data=body(), headers=headers, expect100=True) as resp:
-                    await self._check(resp, what)
-                    answer = await resp.read()
-            finally:
-                f.close()
-            return forward_report(answer, forward)
-
-        return await self._with_retries(what, lambda: self._within_deadline(what, entry.size, attempt))
+    def _push_once(self, sock: Any, dl: wire.Deadline, path: str, f: Any, entry: FileEntry, what: str) -> bytes:
+        """Head with ``Expect: 100-continue`` (a refused upload costs no bandwidth), the body by
+        ``sendfile`` once the peer said continue, then its answer."""
+        headers = self._headers("PUT", path, entry.size, entry.xxh3_128)
+        headers["Content-Type"] = "application/octet-stream"
+        headers["Expect"] = "100-continue"
+        wire.send_head(sock, "PUT", path, self.endpoint, headers)
+        answer = wire.read_head(sock, self.timeout, dl)
+        if answer.status == 100:
+            wire.send_file(sock, f, entry.size, self.timeout, dl, self.limiter)
+            answer = wire.read_head(sock, self.timeout, dl, answer.rest)
+        self._answer_status(sock, answer, what, dl)
+        return wire.read_small_body(sock, answer, 1 << 20, self.timeout, dl)
 
     def fetch_file(self, namespace: str, relpath: str, dest: str | os.PathLike,
-                   entry: FileEntry | None = None) -> FileEntry:
+                   entry: FileEntry | None = None, sync_dir: bool = True) -> FileEntry:
         """Download ``namespace/relpath`` to ``dest`` (temp file, verified, fsync'ed, renamed: ``dest``
-        is never partial). Verified against the peer's declared checksum, and ``entry`` when given."""
+        is never partial). Verified against the peer's declared checksum, and ``entry`` when given.
+        ``sync_dir=False``: the caller makes the rename durable (one directory fsync for many files).
+        The body moves over its own connection (:mod:`supervisor.transport.wire`), in this thread."""
         validate_namespace(namespace)
         validate_relpath(relpath)
-        with self._slot():
-            return self._run(self._fetch(namespace, relpath, Path(dest), entry))
-
-    async def _fetch(self, namespace: str, relpath: str, dest: Path, entry: FileEntry | None) -> FileEntry:
         path = f"/v1/files/{_quote_path(namespace, relpath)}"
         what = f"fetch {namespace}/{relpath}"
+        with self._slot():
+            return self._sync_retries(what, lambda: self._exchange(
+                what, entry.size if entry is not None else 0,
+                lambda sock, dl: self._fetch_once(sock, dl, path, Path(dest), entry, what, sync_dir)))
 
-        async def attempt(dl: _Deadline) -> FileEntry:
-            sess = await self._sess()
-            async with sess.get(self._url(path), headers=self._headers("GET", path)) as resp:
-                await self._check(resp, what)
-                declared = (resp.headers.get(H_XXH3) or "").lower()
-                length = resp.content_length
-                if not declared or length is None:
-                    raise self._err(f"{what}: answer lacks {H_XXH3} or Content-Length")
-                if entry is None:
-                    dl.sized(length)  # with an entry the deadline already fits its size (checked next)
-                if entry is not None and (entry.size != length or entry.xxh3_128 != declared):
-                    raise self._err(f"{what}: peer holds size {length} xxh3 {declared}, "
-                                    f"expected size {entry.size} xxh3 {entry.xxh3_128}")
-                await self._receive(resp, dl, dest, FileEntry(length, declared), what)
-                return FileEntry(length, declared)
+    # ------------------------------------------------------------ file bodies, blocking (wire)
 
-        size = entry.size if entry is not None else 0
-        return await self._with_retries(what, lambda: self._within_deadline(what, size, attempt))
+    def _sync_retries(self, what: str, attempt: Callable[[], Any]) -> Any:
+        """:meth:`_with_retries` for the blocking transfers: same policy, same messages."""
+        last: TransportError | None = None
+        for i in range(self.retries + 1):
+            if i:
+                time.sleep(self.backoff * (2 ** (i - 1)) * random.uniform(0.8, 1.2))
+            try:
+                return attempt()
+            except TransportError as e:
+                if not e.retryable:
+                    raise
+                last = e
+        assert last is not None
+        raise self._err(f"{last.message} (gave up after {self.retries + 1} attempts)", last.status)
 
-    async def _receive(self, resp: aiohttp.ClientResponse, dl: _Deadline, dest: Path, declared: FileEntry,
-                       what: str) -> None:
-        """The body of ``resp`` into a temp file beside ``dest`` (a reserved name: the format's leftover
-        cleaner knows it), hashed while it arrives, fsync'ed and renamed over ``dest`` only when its size
-        and xxh3 match ``declared``; removed otherwise. ``dest`` is never partial."""
+    def _exchange(self, what: str, size: int, body: Callable[[Any, wire.Deadline], Any]) -> Any:
+        """One attempt on a fresh connection under an overall deadline; socket trouble becomes a
+        retryable :class:`TransportError`, the deadline a final one (local file errors propagate)."""
+        dl = wire.Deadline(self.deadline_base, self.min_throughput, size)
+        try:
+            sock = wire.connect(self.endpoint, self.ssl_context, self.timeout)
+        except OSError as e:
+            raise self._err(f"{what}: {type(e).__name__}: {e or type(e).__name__}", retryable=True) from None
+        try:
+            return body(sock, dl)
+        except wire.DeadlineExpired:
+            moved = ""
+            if dl.done:
+                moved = f" with {dl.done} of {dl.size} bytes moved" if dl.size else f" with {dl.done} bytes moved"
+            raise self._err(f"{what}: overall deadline of {dl.seconds:.1f}s exceeded{moved} "
+                            f"(allowed: {dl.base:g}s + size at >= {dl.rate:g} B/s); the peer is too slow "
+                            "or trickling") from None
+        except wire.WireError as e:
+            raise self._err(f"{what}: {e}", retryable=e.retryable) from None
+        except (ConnectionError, TimeoutError, ssl.SSLError) as e:
+            raise self._err(f"{what}: {type(e).__name__}: {e or type(e).__name__}", retryable=True) from None
+        finally:
+            sock.close()
+
+    def _answer_status(self, sock: Any, answer: wire.Answer, what: str, dl: wire.Deadline) -> None:
+        """Raise the peer's error answer (4xx final, 5xx retryable) with its message."""
+        if answer.status < 400:
+            return
+        detail = ""
+        try:
+            body = wire.read_small_body(sock, answer, 64 * 1024, self.timeout, dl)
+            detail = json.loads(body).get("error", "") if body else ""
+        except Exception:  # noqa: BLE001 - the status says enough
+            pass
+        raise self._err(f"{what}: HTTP {answer.status}{': ' + detail if detail else ''}", answer.status,
+                        retryable=answer.status >= 500)
+
+    def _fetch_once(self, sock: Any, dl: wire.Deadline, path: str, dest: Path, entry: FileEntry | None,
+                    what: str, sync_dir: bool) -> FileEntry:
+        wire.send_head(sock, "GET", path, self.endpoint, self._headers("GET", path))
+        answer = wire.read_head(sock, self.timeout, dl)
+        self._answer_status(sock, answer, what, dl)
+        declared = answer.headers.get(H_XXH3.lower(), "").lower()
+        length = answer.headers.get("content-length", "")
+        if not declared or not length.isdigit():
+            raise self._err(f"{what}: answer lacks {H_XXH3} or Content-Length")
+        size = answer.length()
+        if entry is None:
+            dl.sized(size)  # with an entry the deadline already fits its size (checked next)
+        if entry is not None and (entry.size != size or entry.xxh3_128 != declared):
+            raise self._err(f"{what}: peer holds size {size} xxh3 {declared}, "
+                            f"expected size {entry.size} xxh3 {entry.xxh3_128}")
+        self._receive(sock, answer.rest, dl, dest, FileEntry(size, declared), what, sync_dir)
+        return FileEntry(size, declared)
+
+    def _receive(self, sock: Any, first: bytes, dl: wire.Deadline, dest: Path, declared: FileEntry, what: str,
+                 sync_dir: bool) -> None:
+        """The body into a temp file beside ``dest`` (a reserved name: the format's leftover cleaner
+        knows it), hashed while it arrives, fsync'ed and renamed over ``dest`` only when its size and
+        xxh3 match ``declared``; removed otherwise. ``dest`` is never partial."""
         dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = dest.with_name(reserved_name(Kind.TMP, dest.name[:_LABEL_MAX]))
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
         ok = False
         try:
-            digest = await self._write_body(resp, dl, fd, declared.size, what)
+            digest = wire.receive_to_fd(sock, first, fd, declared.size, self.timeout, dl, self.limiter)
             if digest != declared.xxh3_128:
                 raise self._err(f"{what}: received bytes do not match xxh3 {declared.xxh3_128}", retryable=True)
-            await _in_thread(os.fsync, fd)
+            os.fsync(fd)
             os.close(fd)
             fd = -1
             os.replace(tmp, dest)
             ok = True  # dest is complete and verified from here on
-            await _in_thread(fsync_dir, dest.parent)
+            if sync_dir:
+                fsync_dir(dest.parent)
         finally:
             if fd >= 0:
                 os.close(fd)
@@ -553,32 +519,3 @@ class PeerClient:
                     os.unlink(tmp)
                 except FileNotFoundError:
                     pass
-
-    async def _write_body(self, resp: aiohttp.ClientResponse, dl: _Deadline, fd: int, length: int,
-                          what: str) -> str:
-        """Write exactly ``length`` body bytes to ``fd`` (in CHUNK-sized writes off the loop), hashing
-        them as they pass; returns their xxh3-128. A longer or shorter body is a retryable error."""
-        h = new_hasher()
-        got = 0
-        buf = bytearray()
-
-        def flush(data: bytes | bytearray) -> None:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-            h.update(data)
-
-        async for chunk in resp.content.iter_any():
-            await dl.throttle(self.limiter, len(chunk))
-            got += len(chunk)
-            if got > length:
-                raise self._err(f"{what}: body longer than Content-Length", retryable=True)
-            buf += chunk
-            if len(buf) >= CHUNK:
-                data, buf = buf, bytearray()
-                await _in_thread(flush, data)
-        if buf:
-            await _in_thread(flush, buf)
-        if got != length:
-            raise self._err(f"{what}: body truncated at {got} of {length} bytes", retryable=True)
-        return h.hexdigest()

@@ -54,6 +54,7 @@ from supervisor.transport.store import (IntegrityError, ReplicaStore, StoreError
 log = logging.getLogger("rlsup.transport.server")
 
 CHUNK = 1 << 20
+_SEND_SEGMENT = 32 << 20  # bytes per sendfile call of a GET (each within request_timeout)
 #: Received bytes handed to the disk thread per call (one writev + hash).
 BATCH = 4 << 20
 _AUTHED: Any = web.RequestKey("rlsup_authenticated", bool) if hasattr(web, "RequestKey") else "rlsup_authenticated"
@@ -538,23 +539,35 @@ class ReplicationServer:
             resp = web.StreamResponse(status=200, headers={H_XXH3: entry.xxh3_128,
                                                            "Content-Type": "application/octet-stream"})
             resp.content_length = entry.size
-            await resp.prepare(request)
-            offset = 0
-            while offset < entry.size:
-                chunk = await self._blocking(os.pread, fd, min(CHUNK, entry.size - offset), offset)
-                if not chunk:  # the file shrank under us: drop the connection, the client sees a short body
-                    request.transport and request.transport.abort()
-                    raise ConnectionError(f"{ns}/{rel} changed while being sent")
-                try:
-                    await asyncio.wait_for(resp.write(chunk), self.request_timeout)
-                except asyncio.TimeoutError:
-                    request.transport and request.transport.abort()
-                    raise ConnectionError("client stopped reading") from None
-                offset += len(chunk)
+            await resp.prepare(request)  # a StreamResponse sends its head here, before the body
+            await self._send_body(request, fd, entry.size, f"{ns}/{rel}")
             await resp.write_eof()
             return resp
         finally:
             os.close(fd)
+
+    async def _send_body(self, request: web.Request, fd: int, size: int, name: str) -> None:
+        """``size`` bytes of ``fd`` by ``loop.sendfile`` (the kernel copies page cache to socket; a TLS
+        transport falls back to reads and writes), in segments that must each finish within
+        ``request_timeout`` (a client that stopped reading). A file that shrank drops the connection:
+        the client sees a short body."""
+        transport = request.transport
+        if transport is None:
+            raise ConnectionError("connection lost")
+        loop = asyncio.get_running_loop()
+        with open(fd, "rb", closefd=False) as f:
+            offset = 0
+            while offset < size:
+                n = min(_SEND_SEGMENT, size - offset)
+                try:
+                    sent = await asyncio.wait_for(loop.sendfile(transport, f, offset, n), self.request_timeout)
+                except asyncio.TimeoutError:
+                    transport.abort()
+                    raise ConnectionError("client stopped reading") from None
+                if sent < n:
+                    transport.abort()
+                    raise ConnectionError(f"{name} changed while being sent")
+                offset += sent
 
     async def _json_route(self, request: web.Request, handler: Callable[[dict], dict]) -> web.Response:
         if request.method in ("GET", "DELETE", "HEAD"):

@@ -1,0 +1,278 @@
+"""File bodies over HTTP/1.1 with no HTTP stack in the way: one request per connection, the body sent
+by the kernel (``socket.sendfile``: zero-copy on a plain socket) and received with ``recv_into`` into
+large buffers that a second thread hashes and writes while the next one fills.
+
+Why not aiohttp for these two requests: at loopback and LAN speeds its client spends more CPU per GB
+passing 64-256 KiB chunks through its parser, queues and executor hops than the kernel spends moving
+the bytes (BENCHMARKS.md, issue 17). JSON requests stay on aiohttp (:mod:`supervisor.transport.client`).
+
+Everything here blocks the calling thread. Two clocks bound an exchange: ``stall`` (each socket
+operation's timeout: the longest it may make no progress) and the overall :class:`Deadline` (base
+seconds plus size at a minimum throughput, not counting waits for our own bandwidth limiter), which a
+peer trickling a byte now and then cannot escape.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import ssl
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, BinaryIO
+
+from rlsup_format.digest import new_hasher
+
+#: Largest response head accepted (status line and headers).
+MAX_HEAD = 64 * 1024
+#: Receive buffer: two of them per transfer (one filling, one being hashed and written).
+RECV_BUFFER = 8 << 20
+#: Bytes handed to one ``sendfile`` call when no bandwidth limit applies.
+SEND_SEGMENT = 64 << 20
+
+
+class WireError(Exception):
+    """The exchange broke (closed connection, truncated or malformed answer): ``retryable`` by default."""
+
+    def __init__(self, message: str, retryable: bool = True) -> None:
+        super().__init__(message)
+        self.retryable = retryable
+
+
+class DeadlineExpired(Exception):
+    """The overall deadline passed (never retried: a peer this slow is better replaced)."""
+
+
+@dataclass
+class Deadline:
+    """The overall deadline of one attempt: ``base`` + ``size / rate`` seconds (``rate <= 0``: none),
+    moved by the time spent waiting for our own bandwidth limiter."""
+
+    base: float
+    rate: float
+    size: int = 0
+    start: float = field(default_factory=time.monotonic)
+    waited: float = 0.0
+    done: int = 0  # bytes moved so far, for the error message
+
+    def when(self) -> float | None:
+        return None if self.rate <= 0 else self.start + self.base + self.waited + self.size / self.rate
+
+    @property
+    def seconds(self) -> float:
+        when = self.when()
+        return float("inf") if when is None else when - self.start
+
+    def sized(self, size: int) -> None:
+        self.size = max(self.size, size)
+
+    def left(self) -> float | None:
+        when = self.when()
+        return None if when is None else when - time.monotonic()
+
+    def throttle(self, limiter: Any, n: int) -> None:
+        """Count ``n`` bytes and wait for the limiter's grant (the wait moves the deadline)."""
+        self.done += n
+        if limiter is None:
+            return
+        wait = limiter._reserve(n)
+        if wait > 0:
+            self.waited += wait
+            time.sleep(wait)
+
+
+def settle(sock: socket.socket, stall: float, deadline: Deadline) -> None:
+    """Set the socket's timeout for its next operation: ``stall``, or less when the deadline is closer."""
+    left = deadline.left()
+    if left is not None and left <= 0:
+        raise DeadlineExpired()
+    sock.settimeout(stall if left is None else max(0.001, min(stall, left)))
+
+
+def on_timeout(deadline: Deadline) -> BaseException:
+    """What a socket timeout means: the deadline, when it has passed, else a (retryable) stall."""
+    left = deadline.left()
+    return DeadlineExpired() if left is not None and left <= 0 else TimeoutError("no progress (stalled)")
+
+
+def connect(endpoint: str, ssl_context: ssl.SSLContext | None, timeout: float) -> socket.socket:
+    host, _, port = endpoint.rpartition(":")
+    sock = socket.create_connection((host, int(port)), timeout=timeout)
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if ssl_context is not None:
+            sock = ssl_context.wrap_socket(sock, server_hostname=host)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def send_head(sock: socket.socket, method: str, path: str, endpoint: str, headers: dict[str, str]) -> None:
+    lines = [f"{method} {path} HTTP/1.1", f"Host: {endpoint}", "Connection: close",
+             *(f"{k}: {v}" for k, v in headers.items()), "", ""]
+    sock.sendall("\r\n".join(lines).encode("latin-1"))
+
+
+@dataclass
+class Answer:
+    """A response head; ``rest``: body bytes that arrived with it."""
+
+    status: int
+    headers: dict[str, str]  # names lower-cased
+    rest: bytes
+
+    def length(self) -> int:
+        if "chunked" in self.headers.get("transfer-encoding", "").lower():
+            raise WireError("chunked answer (a Content-Length is required)", retryable=False)
+        cl = self.headers.get("content-length", "")
+        if not cl.isdigit():
+            raise WireError("answer lacks a valid Content-Length", retryable=False)
+        return int(cl)
+
+
+def read_head(sock: socket.socket, stall: float, deadline: Deadline, pending: bytes = b"") -> Answer:
+    """Read one response head (``pending``: bytes already read after the previous one)."""
+    buf = bytearray(pending)
+    while (end := buf.find(b"\r\n\r\n")) < 0:
+        if len(buf) > MAX_HEAD:
+            raise WireError(f"answer head longer than {MAX_HEAD} bytes", retryable=False)
+        settle(sock, stall, deadline)
+        try:
+            chunk = sock.recv(65536)
+        except TimeoutError:
+            raise on_timeout(deadline) from None
+        if not chunk:
+            raise WireError("connection closed before a complete answer")
+        buf += chunk
+    status_line, *lines = bytes(buf[:end]).decode("latin-1").split("\r\n")
+    version, _, rest = status_line.partition(" ")
+    code = rest[:3]
+    if not version.startswith("HTTP/1.") or not code.isdigit():
+        raise WireError(f"malformed status line {status_line[:80]!r}")
+    headers: dict[str, str] = {}
+    for line in lines:
+        name, sep, value = line.partition(":")
+        if not sep:
+            raise WireError(f"malformed header line {line[:80]!r}")
+        headers[name.strip().lower()] = value.strip()
+    return Answer(int(code), headers, bytes(buf[end + 4:]))
+
+
+def read_small_body(sock: socket.socket, answer: Answer, cap: int, stall: float, deadline: Deadline) -> bytes:
+    """The whole (small: at most ``cap`` bytes) body of ``answer``."""
+    n = answer.length()
+    if n > cap:
+        raise WireError(f"answer body of {n} bytes exceeds {cap}", retryable=False)
+    data = bytearray(answer.rest[:n])
+    while len(data) < n:
+        settle(sock, stall, deadline)
+        try:
+            chunk = sock.recv(n - len(data))
+        except TimeoutError:
+            raise on_timeout(deadline) from None
+        if not chunk:
+            raise WireError(f"answer truncated at {len(data)} of {n} bytes")
+        data += chunk
+    return bytes(data)
+
+
+class _HashingFileWriter(threading.Thread):
+    """Hashes and writes the buffers the receiving thread hands over, in order, while it fills the next."""
+
+    def __init__(self, fd: int) -> None:
+        super().__init__(name="rlsup-wire-writer", daemon=True)
+        self.fd = fd
+        self.hash = new_hasher()
+        self.full: queue.Queue[tuple[bytearray, int] | None] = queue.Queue()
+        self.free: queue.Queue[bytearray] = queue.Queue()
+        for _ in range(2):
+            self.free.put(bytearray(RECV_BUFFER))
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        while (item := self.full.get()) is not None:
+            buf, n = item
+            try:
+                if self.error is None:
+                    view = memoryview(buf)[:n]
+                    self.hash.update(view)
+                    while view:
+                        view = view[os.write(self.fd, view):]
+            except BaseException as e:  # noqa: BLE001 - handed to the receiving thread
+                self.error = e
+            finally:
+                self.free.put(buf)
+
+    def finish(self) -> str:
+        self.full.put(None)
+        self.join()
+        if self.error is not None:
+            raise self.error
+        return self.hash.hexdigest()
+
+
+def receive_to_fd(sock: socket.socket, first: bytes, fd: int, length: int, stall: float, deadline: Deadline,
+                  limiter: Any = None) -> str:
+    """Receive exactly ``length`` body bytes (``first``: those that came with the head) into ``fd``,
+    hashed as they pass; returns their xxh3-128. A shorter or longer body is a :class:`WireError`."""
+    if len(first) > length:
+        raise WireError("body longer than Content-Length")
+    writer = _HashingFileWriter(fd)
+    writer.start()
+    try:
+        got = 0
+        while got < length:
+            buf = writer.free.get()
+            if writer.error is not None:
+                break
+            view = memoryview(buf)
+            filled = 0
+            if got == 0 and first:
+                view[:len(first)] = first
+                filled = len(first)
+                deadline.throttle(limiter, filled)
+            want = min(len(buf), length - got)
+            while filled < want:
+                filled += _recv_some(sock, view[filled:want], stall, deadline, limiter, got + filled, length)
+            got += filled
+            writer.full.put((buf, filled))
+    finally:
+        digest = writer.finish()
+    return digest
+
+
+def _recv_some(sock: socket.socket, view: memoryview, stall: float, deadline: Deadline, limiter: Any,
+               got: int, length: int) -> int:
+    settle(sock, stall, deadline)
+    try:
+        n = sock.recv_into(view)
+    except TimeoutError:
+        raise on_timeout(deadline) from None
+    if not n:
+        raise WireError(f"body truncated at {got} of {length} bytes")
+    deadline.throttle(limiter, n)
+    return n
+
+
+def send_file(sock: socket.socket, f: BinaryIO, size: int, stall: float, deadline: Deadline,
+              limiter: Any = None, segment: int = 1 << 20) -> None:
+    """Send exactly ``size`` bytes of ``f`` from its start (``sendfile``: the kernel copies page cache to
+    socket). Segments of ``segment`` bytes under a bandwidth limit, else large ones; a file that ends
+    early is a non-retryable :class:`WireError`."""
+    step = segment if limiter is not None and not getattr(limiter, "unlimited", False) else SEND_SEGMENT
+    offset = 0
+    while offset < size:
+        n = min(step, size - offset)
+        deadline.throttle(limiter, n)
+        settle(sock, stall, deadline)
+        try:
+            sent = sock.sendfile(f, offset, n)
+        except TimeoutError:
+            raise on_timeout(deadline) from None
+        if sent < n:
+            raise WireError(f"file shrank while being sent (ended at {offset + sent} of {size} bytes)",
+                            retryable=False)
+        offset += sent
