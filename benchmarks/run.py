@@ -744,6 +744,9 @@ def _sample(pids: list[int], until: Callable[[], bool], timeout: float) -> tuple
         time.sleep(0.02)
         peak = [max(a, _rss_mb(p)) for a, p in zip(peak, pids)]
     elapsed = time.monotonic() - t0
+    # A forked worker (the rsync daemon's receiver) counts in its parent's children times only once
+    # reaped: wait for that (bounded) before the last reading, or its CPU is lost.
+    wait_until(lambda: all(len(_tree(p)) <= 1 for p in pids), 10)
     return peak, [_cpu_s(p) - c for p, c in zip(pids, cpu0)], elapsed
 
 

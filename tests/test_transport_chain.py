@@ -140,6 +140,15 @@ def head_answer(port: int, request_path: str, signed_path: str, size: int, diges
         return s.recv(4096).split(b"\r\n", 1)[0]
 
 
+def settled(peer_client, relpath: str) -> dict[str, str]:
+    """The peer's report of its forward of ``ns/relpath``, once its next hop is no longer queued."""
+    def done():
+        got = peer_client.forward_status("ns", relpath)
+        return got if got and next(iter(got.values())) != "queued" else None
+
+    return wait_for(done, 15, f"the forward of {relpath} to settle")
+
+
 # ------------------------------------------------------------ transport
 
 def test_chain_sends_once_and_every_hop_stores(nodes, tmp_path: Path) -> None:
@@ -152,7 +161,14 @@ def test_chain_sends_once_and_every_hop_stores(nodes, tmp_path: Path) -> None:
     a = client(proxy.endpoint)
     try:
         report = a.push_file("ns", REL, src, entry, forward=[c.endpoint, d.endpoint])
-        assert report == {c.endpoint: "ok", d.endpoint: "ok"}
+        assert report == {c.endpoint: "queued", d.endpoint: "queued"}  # answered once b stored it
+        # b sent it on to c, c to d: each hop says how its own forward went.
+        assert settled(a, REL) == {c.endpoint: "ok", d.endpoint: "queued"}
+        cc = client(c.endpoint)
+        try:
+            assert settled(cc, REL) == {d.endpoint: "ok"}
+        finally:
+            cc.close()
         for n in (b, c, d):
             assert n.files() == {REL: entry}
             assert n.store.path_of("ns", REL).read_bytes() == src.read_bytes()
@@ -213,14 +229,15 @@ def test_downstream_down_keeps_the_local_copy(nodes, tmp_path: Path) -> None:
     entry = make_file(src, 2 * 1024 * 1024 + 5, seed=5)
     a = client(b.endpoint)
     try:
-        report = a.push_file("ns", REL, src, entry, forward=[c.endpoint])
+        assert a.push_file("ns", REL, src, entry, forward=[c.endpoint]) == {c.endpoint: "queued"}
+        report = settled(a, REL)
         assert set(report) == {c.endpoint} and report[c.endpoint] != "ok"
         assert "Connect" in report[c.endpoint] or "refused" in report[c.endpoint].lower()
         assert b.files() == {REL: entry}
         assert c.files() == {} and c.incoming_empty()
         # A hop that refuses the file (too big for it): named with its answer; b keeps its copy.
-        report = a.push_file("ns", "step_000000005/two.bin", src, entry, forward=[small.endpoint])
-        assert report[small.endpoint].startswith("HTTP 413")
+        a.push_file("ns", "step_000000005/two.bin", src, entry, forward=[small.endpoint])
+        assert settled(a, "step_000000005/two.bin")[small.endpoint].startswith("HTTP 413")
         assert b.files() == {REL: entry, "step_000000005/two.bin": entry}
         assert small.files() == {} and small.incoming_empty()
     finally:
@@ -237,8 +254,8 @@ def test_cut_upload_leaves_nothing_on_any_hop(nodes) -> None:
     head = f"PUT {path} HTTP/1.1\r\nHost: x\r\n" + "".join(f"{k}: {v}\r\n" for k, v in headers.items())
     with socket.create_connection(("127.0.0.1", b.port), timeout=10) as s:
         s.sendall(head.encode() + b"\r\n" + data[: len(data) // 2])
-        wait_for(lambda: os.listdir(c.root / ".incoming"), 10, "the forward to reach c")
-    # The sender is gone mid-body: b discards its part, cuts the forward, c discards its part.
+        wait_for(lambda: os.listdir(b.root / ".incoming"), 10, "the upload to reach b")
+    # The sender is gone mid-body: b discards its part; a file is sent on only once stored whole.
     wait_for(lambda: b.incoming_empty() and c.incoming_empty(), 15, "both hops to drop the partial upload")
     assert b.files() == {} and c.files() == {}
     # A body that does not match its declared checksum is stored nowhere either.

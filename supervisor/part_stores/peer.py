@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Any, BinaryIO, Iterator, Sequence
 
@@ -36,6 +37,10 @@ from rlsup_format.names import Kind, manifest_name, parse_step, reserved_name, s
 from supervisor.part_protocol import PartError, PartInvalid
 
 OK = "ok"
+QUEUED = "queued"  # a hop answered after storing the file; it sends it on in the background
+#: How long a chain's far hops get to show a part they were sent: this, plus the part at 20 MB/s.
+ARRIVAL_BASE_S = 30.0
+ARRIVAL_MIN_RATE = 20e6
 
 
 class PeerStep:
@@ -235,6 +240,7 @@ class ChainStore:
         self.hops = list(hops)
         self._live = list(hops)
         self.failed: dict[str, str] = {}  # endpoint -> why the chain lost it
+        self._bytes = 0  # data bytes written through the chain (the far hops' arrival deadline)
         self._lock = threading.Lock()
         self.location = " -> ".join(store.location for store, _ in hops)
 
@@ -251,7 +257,7 @@ class ChainStore:
     def _drop(self, report: dict[str, str]) -> None:
         with self._lock:
             for ep, what in report.items():
-                if what != OK:
+                if what not in (OK, QUEUED):
                     self.failed.setdefault(ep, what)
             self._live = [h for h in self._live if h[1] not in self.failed]
 
@@ -269,10 +275,39 @@ class ChainStore:
     def put_file(self, step: int, name: str, src: BinaryIO, entry: FileEntry) -> None:
         first, rest = self._first()
         self._drop(first.put_file(step, name, src, entry, forward=rest))
+        with self._lock:
+            self._bytes += entry.size
 
     def put_manifest(self, step: int, rank: int, raw: bytes) -> None:
+        """The manifest, last, through the chain; then follow it down (idle, bounded): each hop sends
+        files on in the order it stored them and a manifest only after its files, and says how its
+        forward went; a hop it did not reach leaves the chain (the engine copies there directly)."""
         first, rest = self._first()
         self._drop(first.put_manifest(step, rank, raw, forward=rest))
+        with self._lock:
+            live = list(self._live)
+            deadline = time.monotonic() + ARRIVAL_BASE_S + self._bytes / ARRIVAL_MIN_RATE
+        relpath = f"{step_dir_name(step)}/{manifest_name(rank)}"
+        for i in range(1, len(live)):
+            asker, (_, ep) = live[i - 1][0], live[i]
+            why = self._forward_outcome(asker, relpath, ep, deadline)
+            if why != OK:
+                self._drop({ep: why, **{e: f"not reached: {ep} failed" for _, e in live[i + 1:]}})
+                return
+
+    @staticmethod
+    def _forward_outcome(asker: PeerStore, relpath: str, ep: str, deadline: float) -> str:
+        """What ``asker`` says of its forward of ``relpath`` to ``ep``, once it is no longer queued."""
+        while True:
+            try:
+                why = asker.client.forward_status(asker.namespace, relpath).get(ep, "not reported by the peer")
+            except Exception as e:  # noqa: BLE001 - asked again until the deadline
+                why = f"{QUEUED} ({e})"
+            if not why.startswith(QUEUED):
+                return why
+            if time.monotonic() > deadline:
+                return "the forwarded copy did not arrive in time"
+            time.sleep(0.05)
 
     def remove_manifest(self, step: int, rank: int) -> None:
         first, _ = self._first()

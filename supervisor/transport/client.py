@@ -351,6 +351,15 @@ class PeerClient:
                 raise self._err(f"index: malformed entry for {rel!r}") from None
         return out
 
+    def forward_status(self, namespace: str, relpath: str) -> dict[str, str]:
+        """What the peer's forwarder says of the last chain of ``namespace/relpath`` through it: per
+        endpoint after it, "queued", "ok" (the next hop stored it) or why not; {} when it knows none."""
+        validate_namespace(namespace)
+        validate_relpath(relpath)
+        data = self._run(self._request_json("GET", f"/v1/forwards/{_quote_path(namespace, relpath)}"))
+        got = data.get("forwarded")
+        return {str(k): str(v) for k, v in got.items()} if isinstance(got, dict) else {}
+
     def delete(self, namespace: str, prefix: str) -> int:
         validate_namespace(namespace)
         validate_relpath(prefix)

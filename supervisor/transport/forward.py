@@ -1,35 +1,35 @@
-"""Chain replication: a hop that receives a file streams it on to the next hop while it stores it.
+"""Chain replication: a hop that stored a file sends it on to the next hop.
 
 A sender that wants a file on several peers pushes it once, to the first of them, naming the others
 in the request's query: ``PUT /v1/files/<ns>/<rel>?forward=host:port,host:port``. The query is part
 of the signed path (:mod:`supervisor.transport.auth`), so nobody on the wire can redirect a chain.
 Each hop checks the list before the body is read (:func:`parse_forward`: only its allow-listed peers,
-never itself, no endpoint twice, at most :data:`MAX_HOPS`), then tees every received chunk: to its own
-store and to a :class:`Forwarder`, which re-signs the same PUT (same ``Content-Length`` and declared
-``X-Rlsup-Xxh3``) with the rest of the list for the next hop. The next hop verifies the bytes
+never itself, no endpoint twice, at most :data:`MAX_HOPS`), stores and verifies the file, answers
+(``forwarded``: every endpoint downstream ``"queued"``), and its :class:`Forwarder` then pushes the
+stored file to the next hop in the background (``sendfile`` from the page cache; same size and
+declared xxh3, re-signed, the rest of the list in the query). The next hop verifies the bytes
 itself, so a hop never vouches for another's copy.
 
-A hop answers after its own commit and after the next hop answered; its answer's ``forwarded``
-object reports every endpoint downstream, ``"ok"`` or why not (merged from the next hop's answer).
-A downstream failure never fails the local copy; a local failure aborts the forward (the next hop
-sees a short body and discards it).
+Why store, answer, then forward (and not a tee, or an answer after the whole chain): the sender's
+cost is one push whatever the chain's length, in bytes and in time, even where the hops share a
+disk or cores; forwarding from the page cache costs a hop no copy through Python. Whether the copy
+arrived is read from the far hop's index, as for any replica (the sender copies directly where it
+did not). A downstream failure never fails the local copy.
 """
 
 from __future__ import annotations
 
-import asyncio
+import collections
 import json
+import logging
 import re
-import ssl
-from typing import Any, AsyncIterator, Collection
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Collection
 
-import aiohttp
-
-from supervisor.transport.auth import auth_headers
+log = logging.getLogger("rlsup.transport.forward")
 
 MAX_HOPS = 8
-#: Chunks queued for the next hop before the receiver waits for it (about 16 MiB at 256 KiB reads).
-QUEUE_CHUNKS = 64
 OK = "ok"
 _ENDPOINT_RE = re.compile(r"^(\[[0-9A-Fa-f:.]{2,45}\]|[A-Za-z0-9][A-Za-z0-9.-]{0,252}):[0-9]{1,5}$")
 
@@ -82,122 +82,112 @@ def forward_report(answer: bytes, forward: Collection[str]) -> dict[str, str]:
     return {ep: v if isinstance(v := got.get(ep), str) else "not reported by the peer" for ep in forward}
 
 
-def merge_answer(nxt: str, rest: tuple[str, ...], status: int, body: bytes) -> dict[str, str]:
-    """The downstream report from the next hop's answer: ``nxt`` itself, then what it reported."""
-    try:
-        data = json.loads(body) if body else {}
-    except ValueError:
-        data = {}
-    data = data if isinstance(data, dict) else {}
-    if status != 201:
-        error = data.get("error") if isinstance(data.get("error"), str) else ""
-        return {nxt: f"HTTP {status}{': ' + error if error else ''}",
-                **not_reached(rest, f"not reached: {nxt} failed")}
-    sub = data.get("forwarded")
-    sub = sub if isinstance(sub, dict) else {}
-    out = {nxt: OK}
-    for ep in rest:
-        v = sub.get(ep)
-        out[ep] = v if isinstance(v, str) else f"not reported by {nxt}"
-    return out
+#: What a hop answers for the endpoints after it: the file is on its way (see :class:`Forwarder`).
+QUEUED = "queued"
+#: Reports of recent forwards kept for :meth:`Forwarder.status`.
+RESULTS_KEPT = 10000
+
+
+@dataclass
+class _Pending:
+    relpath: str
+    entry: Any
+    hops: tuple[str, ...]
 
 
 class Forwarder:
-    """One file on its way to the next hop: :meth:`feed` every chunk, then :meth:`finish` (the report)
-    or :meth:`abort`. Runs on the server's event loop; the chunks are shared, never copied."""
+    """Sends the files this hop stored on to the next hop of their chain, in the background.
 
-    def __init__(self, session: aiohttp.ClientSession, scheme: str, secret: bytes, path: str,
-                 hops: tuple[str, ...], size: int, xxh3: str, timeout: float) -> None:
-        self.next, self.rest = hops[0], hops[1:]
-        self.timeout = timeout
-        self._queue: asyncio.Queue[bytes | None] = asyncio.Queue(QUEUE_CHUNKS)
-        self._report: dict[str, str] | None = None
-        sub = forward_path(path, self.rest)
-        headers = auth_headers(secret, "PUT", sub, size, xxh3)
-        headers["Content-Type"] = "application/octet-stream"
-        url = f"{scheme}://{self.next}{sub}"
-        self._task = asyncio.ensure_future(self._send(session, url, headers))
+    Per namespace, files go on one at a time in the order they were stored here, so the next hop gets
+    a part's manifest after its data files (the sender pushes the manifest last). When a file does not
+    get through, the later files of its directory are not sent on (a manifest never reaches a hop
+    that lacks a file it lists); the sender sees the gap in that hop's index and copies directly.
+    The file goes from the page cache by ``sendfile``, as a sender's push does, and the next hop
+    verifies it itself. One client per next hop, made by ``make_client(endpoint)`` (the job's secret,
+    the forward TLS context)."""
 
-    async def _send(self, session: aiohttp.ClientSession, url: str, headers: dict[str, str]) -> dict[str, str]:
-        from yarl import URL
+    def __init__(self, store: Any, make_client: Callable[[str], Any], pool: Any) -> None:
+        self.store = store
+        self.make_client = make_client
+        self.pool = pool
+        self._clients: dict[str, Any] = {}
+        self._queues: dict[str, collections.deque[_Pending]] = {}
+        self._broken: dict[str, set[str]] = {}  # namespace -> directories with a file that did not get through
+        self._results: collections.OrderedDict[tuple[str, str], dict[str, str]] = collections.OrderedDict()
+        self._lock = threading.Lock()
 
+    def enqueue(self, namespace: str, relpath: str, entry: Any, hops: tuple[str, ...]) -> dict[str, str]:
+        """Queue a stored file for the next hop; returns the sender's report (every hop "queued")."""
+        with self._lock:
+            queue = self._queues.get(namespace)
+            start = queue is None
+            if start:
+                queue = self._queues[namespace] = collections.deque()
+            queue.append(_Pending(relpath, entry, hops))
+            self._record(namespace, relpath, {ep: QUEUED for ep in hops})
+        if start:
+            self.pool.submit(self._drain, namespace)
+        return {ep: QUEUED for ep in hops}
+
+    def _drain(self, namespace: str) -> None:
+        while True:
+            with self._lock:
+                queue = self._queues[namespace]
+                if not queue:
+                    del self._queues[namespace]
+                    self._broken.pop(namespace, None)
+                    return
+                item = queue.popleft()
+                broken = self._broken.setdefault(namespace, set())
+                directory = item.relpath.rpartition("/")[0]
+                skip = directory in broken
+            if skip:
+                report = not_reached(item.hops, "not sent on: an earlier file of its directory did not get through")
+            else:
+                report = self.push_on(namespace, item.relpath, item.entry, item.hops)
+            failed = {ep: why for ep, why in report.items() if why not in (OK, QUEUED)}
+            with self._lock:
+                self._record(namespace, item.relpath, report)
+                if failed:
+                    broken.add(directory)
+            if failed and not skip:
+                log.warning("forwarding %s/%s: %s", namespace, item.relpath, failed)
+
+    def _record(self, namespace: str, relpath: str, report: dict[str, str]) -> None:
+        """Remember the latest report of a file (bounded: the oldest are forgotten). Lock held."""
+        key = (namespace, relpath)
+        self._results.pop(key, None)
+        self._results[key] = report
+        while len(self._results) > RESULTS_KEPT:
+            self._results.popitem(last=False)
+
+    def status(self, namespace: str, relpath: str) -> dict[str, str]:
+        """Where the last chain of ``namespace/relpath`` through this hop stands ({}: none known).
+        The next hop's own queue is asked by whoever needs the far end (each hop reports its own)."""
+        with self._lock:
+            return dict(self._results.get((namespace, relpath), {}))
+
+    def _client(self, endpoint: str) -> Any:
+        with self._lock:
+            if endpoint not in self._clients:
+                self._clients[endpoint] = self.make_client(endpoint)
+            return self._clients[endpoint]
+
+    def push_on(self, namespace: str, relpath: str, entry: Any, hops: tuple[str, ...]) -> dict[str, str]:
+        """Push the stored ``namespace/relpath`` to ``hops[0]`` naming the rest; the report of every
+        hop downstream: "ok", "queued", or why not. Never raises."""
+        nxt, rest = hops[0], hops[1:]
         try:
-            async with session.put(URL(url, encoded=True), data=self._body(), headers=headers,
-                                   expect100=True) as resp:
-                body = await resp.read()
-                return merge_answer(self.next, self.rest, resp.status, body)
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # noqa: BLE001 - any failure of the next hop is reported, never raised
-            return self._failed(f"{type(e).__name__}: {e or 'connection failed'}")
+            path = self.store.path_of(namespace, relpath)
+            sub = self._client(nxt).push_file(namespace, relpath, path, entry, forward=rest)
+        except Exception as e:  # noqa: BLE001 - reported; the sender copies directly where needed
+            why = getattr(e, "message", None) or f"{type(e).__name__}: {e}"
+            why = why.removeprefix(f"push {namespace}/{relpath}: ")  # the sender knows which file
+            return {nxt: why, **not_reached(rest, f"not reached: {nxt} failed")}
+        return {nxt: OK, **sub}
 
-    async def _body(self) -> AsyncIterator[bytes]:
-        while (chunk := await self._queue.get()) is not None:
-            yield chunk
-
-    def _failed(self, why: str) -> dict[str, str]:
-        return {self.next: why, **not_reached(self.rest, f"not reached: {self.next} failed")}
-
-    def offer(self, chunk: bytes) -> bool:
-        """Queue ``chunk`` without waiting; False when the queue is full (then :meth:`feed` it)."""
-        if self._task.done():
-            return True
-        try:
-            self._queue.put_nowait(chunk)
-            return True
-        except asyncio.QueueFull:
-            return False
-
-    async def feed(self, chunk: bytes | None) -> None:
-        """Queue ``chunk`` (None: the end) for the next hop. A next hop that takes nothing for
-        ``timeout`` seconds is dropped; one that failed is skipped."""
-        if self._task.done():
-            return
-        try:
-            self._queue.put_nowait(chunk)
-            return
-        except asyncio.QueueFull:
-            pass
-        put = asyncio.ensure_future(self._queue.put(chunk))
-        done, _ = await asyncio.wait({put, self._task}, timeout=self.timeout,
-                                     return_when=asyncio.FIRST_COMPLETED)
-        if put not in done:
-            put.cancel()
-            if not self._task.done():
-                self.abort(f"stopped taking data for {self.timeout:g}s")
-
-    async def finish(self) -> dict[str, str]:
-        """After the last chunk: wait for the next hop's answer (it commits, and waits for its own
-        next hop, so each hop further down gets ``timeout`` more)."""
-        await self.feed(None)
-        if self._report is not None:
-            return self._report
-        limit = self.timeout * (1 + len(self.rest))
-        try:
-            return await asyncio.wait_for(asyncio.shield(self._task), limit)
-        except asyncio.TimeoutError:
-            self.abort(f"no answer {limit:g}s after the body was sent")
-        except asyncio.CancelledError:
-            self.abort("cancelled")
-            raise
-        assert self._report is not None
-        return self._report
-
-    def abort(self, why: str = "aborted: the upload to this hop failed") -> None:
-        """Cut the connection to the next hop (it discards the short body)."""
-        if self._report is None:
-            self._report = self._failed(why)
-        if not self._task.done():
-            self._task.cancel()
-
-
-def client_session(ssl_context: ssl.SSLContext | None, connect_timeout: float) -> aiohttp.ClientSession:
-    """The session a server forwards with (created on the server's loop; closed with the server)."""
-    return aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(limit=64, ssl=ssl_context if ssl_context else False),
-        timeout=aiohttp.ClientTimeout(total=None, connect=connect_timeout, sock_connect=connect_timeout),
-        auto_decompress=False, skip_auto_headers=("User-Agent", "Content-Type"))
-
-
-def scheme_of(ssl_context: Any) -> str:
-    return "https" if ssl_context else "http"
+    def close(self) -> None:
+        with self._lock:
+            clients, self._clients = list(self._clients.values()), {}
+        for c in clients:
+            c.close()

@@ -6,10 +6,11 @@ Runs aiohttp in a background thread with its own event loop (``start()`` returns
     GET    /v1/health                      {"ok": true, "time": ...}
     PUT    /v1/files/<namespace>/<relpath>[?forward=host:port,...]
                                            body = file; Content-Length and X-Rlsup-Xxh3 required;
-                                           {"size": N, "xxh3_128": hex, "forwarded": {endpoint: "ok"|why}}
+                                           {"size": N, "xxh3_128": hex, "forwarded": {endpoint: "queued"}}
     GET    /v1/files/<namespace>/<relpath> the file, with Content-Length and X-Rlsup-Xxh3
     DELETE /v1/files/<namespace>/<prefix>  {"removed": N} (whole segments: step_1 never hits step_10)
     GET    /v1/index/<namespace>           {"files": {relpath: {"size": N, "xxh3_128": hex}}}
+    GET    /v1/forwards/<namespace>/<relpath> {"forwarded": {endpoint: "queued"|"ok"|why}} (recent chains)
     <extra JSON routes mounted with add_json_route>
 
 Robustness: paths are taken from the raw request line (never a normalised or percent-decoded form;
@@ -27,9 +28,9 @@ that never authenticated a request go first, a peer's idle keep-alive connection
 request is never evicted), so a flood of half-open connections cannot starve the peers; only when
 every held connection is serving a request is the new one closed at once.
 
-Chains (:mod:`supervisor.transport.forward`): a PUT whose query names further hops is streamed on to
-the next one while it is stored here, to allow-listed peers only (``forward_peers``); the answer
-reports every hop downstream.
+Chains (:mod:`supervisor.transport.forward`): a PUT whose query names further hops is answered once
+stored here and then sent on to the next one in the background, to allow-listed peers only
+(``forward_peers``).
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ from typing import Any, Callable, Collection
 
 from aiohttp import web
 
-from supervisor.transport.forward import ForwardRefused, Forwarder, client_session, parse_forward, scheme_of
+from supervisor.transport.client import PeerClient
+from supervisor.transport.forward import ForwardRefused, Forwarder, parse_forward
 from supervisor.transport.auth import H_XXH3, Verifier, body_digest
 from supervisor.transport.store import (IntegrityError, ReplicaStore, StoreError, validate_namespace,
                                        validate_relpath)
@@ -58,7 +60,7 @@ _SEND_SEGMENT = 32 << 20  # bytes per sendfile call of a GET (each within reques
 #: Received bytes handed to the disk thread per call (one writev + hash).
 BATCH = 4 << 20
 _AUTHED: Any = web.RequestKey("rlsup_authenticated", bool) if hasattr(web, "RequestKey") else "rlsup_authenticated"
-_RESERVED = ("/v1/health", "/v1/files/", "/v1/index/")
+_RESERVED = ("/v1/health", "/v1/files/", "/v1/index/", "/v1/forwards/")
 
 
 class _QuietBadRequests(logging.Filter):
@@ -162,7 +164,9 @@ class ReplicationServer:
         self.forward_peers = frozenset(forward_peers)
         self.own_endpoint = own_endpoint
         self.forward_ssl = forward_ssl
-        self._forward_session: Any = None  # aiohttp.ClientSession, made on the loop at the first forward
+        self._forward_pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="rlsup-forward")
+        self._forwarder = Forwarder(store, lambda ep: PeerClient(ep, self._secret, timeout=request_timeout, retries=1,
+                                                                 ssl_context=forward_ssl), self._forward_pool)
         self.host = host
         self.port = port
         self.max_file_bytes = max_file_bytes
@@ -229,6 +233,8 @@ class ReplicationServer:
         thread.join(timeout=timeout)
         self._thread = None
         self._io.shutdown(wait=False, cancel_futures=True)
+        self._forward_pool.shutdown(wait=False, cancel_futures=True)
+        self._forwarder.close()
         self.store.flush()
 
     def __enter__(self) -> "ReplicationServer":
@@ -315,8 +321,6 @@ class ReplicationServer:
     async def _shutdown(self) -> None:
         if self._server is not None:
             self._server.close()
-        if self._forward_session is not None:
-            await self._forward_session.close()
         if self._runner is not None:
             await self._runner.shutdown()
             await self._runner.cleanup()
@@ -404,6 +408,13 @@ class ReplicationServer:
                     removed = await self._blocking(self.store.delete, ns, rel)
                     return web.json_response({"removed": removed})
                 raise _HTTPError(405, "use PUT, GET or DELETE")
+            if head == "forwards" and len(parts) >= 3:
+                if method != "GET":
+                    raise _HTTPError(405, "use GET")
+                ns, rel = parts[1], "/".join(parts[2:])
+                validate_namespace(ns)
+                validate_relpath(rel)
+                return web.json_response({"forwarded": self._forwarder.status(ns, rel)})
             if head == "index" and len(parts) == 2:
                 if method != "GET":
                     raise _HTTPError(405, "use GET")
@@ -463,35 +474,21 @@ class ReplicationServer:
         ns, rel, size, xxh3 = self._put_precheck(request)
         hops = self._forward_list(request)
         inc = await self._blocking(self.store.begin_write, ns, rel, size, xxh3)
-        tee = self._forwarder(request, hops, size, xxh3) if hops else None
-        commit: asyncio.Future | None = None
         try:
-            last = await self._receive(request, inc, tee)
+            last = await self._receive(request, inc)
             if inc.received + sum(map(len, last)) != size:
                 raise IntegrityError(f"body has {inc.received + sum(map(len, last))} bytes, {size} declared")
-            # Our commit (fsync, rename) runs while the next hop finishes; we answer after both.
-            commit = asyncio.get_running_loop().run_in_executor(self._io, inc.finish, last)
-            forwarded = await tee.finish() if tee is not None else {}
-            entry = await asyncio.shield(commit)
+            entry = await self._blocking(inc.finish, last)
         except BaseException:
-            if tee is not None:
-                tee.abort()
-            if commit is not None and not commit.done():
-                await asyncio.wait([commit])  # never abort (close the fd) under a running commit
             await asyncio.shield(self._blocking(inc.abort))
             raise
+        # Stored and verified here: sent on in the background, from the page cache, by sendfile.
+        forwarded = self._forwarder.enqueue(ns, rel, entry, hops) if hops else {}
         return web.json_response({"size": entry.size, "xxh3_128": entry.xxh3_128, "forwarded": forwarded},
                                  status=201)
 
-    def _forwarder(self, request: web.Request, hops: tuple[str, ...], size: int, xxh3: str) -> Forwarder:
-        if self._forward_session is None:
-            self._forward_session = client_session(self.forward_ssl, self.request_timeout)
-        path = request.raw_path.partition("?")[0]
-        return Forwarder(self._forward_session, scheme_of(self.forward_ssl), self._secret, path, hops, size, xxh3,
-                         self.request_timeout)
-
-    async def _receive(self, request: web.Request, inc: Any, tee: Forwarder | None) -> list[bytes]:
-        """Read the body: each chunk goes to ``tee`` at once, and to the disk in batches of about
+    async def _receive(self, request: web.Request, inc: Any) -> list[bytes]:
+        """Read the body to the disk in batches of about
         :data:`BATCH` bytes (one write in flight while the next batch is read). Returns the last,
         unwritten batch (written with the commit). 408 when the sender sent nothing for
         ``request_timeout`` (time spent waiting for our disk or the next hop does not count)."""
@@ -504,8 +501,6 @@ class ReplicationServer:
             async with asyncio.timeout(self.request_timeout) as stall:
                 renewed = loop.time()
                 while chunk := await _read(content):
-                    if tee is not None and not tee.offer(chunk):
-                        await self._unstalled(stall, tee.feed(chunk))
                     batch.append(chunk)
                     batched += len(chunk)
                     if batched >= BATCH:
