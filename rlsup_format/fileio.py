@@ -11,7 +11,7 @@ import os
 import shutil
 import stat
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 # O_NONBLOCK: opening a FIFO planted where a file should be must not block; O_NOCTTY: nor grab a tty.
@@ -153,6 +153,24 @@ def start_writeback(fd: int, offset: int, nbytes: int) -> None:
             _sync_file_range = False
     if _sync_file_range:
         _sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
+
+
+_IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
+
+
+def writev_all(fd: int, chunks: Sequence[bytes | bytearray | memoryview]) -> None:
+    """Write every byte of ``chunks`` in order (``writev`` may write less than asked, or be capped)."""
+    views = [memoryview(c) for c in chunks if len(c)]
+    while views:
+        batch = views[:_IOV_MAX]
+        w = os.writev(fd, batch)
+        for i, v in enumerate(batch):
+            if w < len(v):
+                views = [v[w:], *views[i + 1:]]
+                break
+            w -= len(v)
+        else:
+            views = views[len(batch):]
 
 
 def remove_path(path: str | os.PathLike) -> None:

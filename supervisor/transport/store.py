@@ -39,10 +39,10 @@ import stat
 import threading
 import time
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from rlsup_format.digest import FileEntry, hash_fd, new_hasher
-from rlsup_format.fileio import UnsafeFileError, fsync_dir_fd, open_nofollow, open_regular_at
+from rlsup_format.fileio import UnsafeFileError, fsync_dir_fd, open_nofollow, open_regular_at, writev_all
 from rlsup_format.names import Kind, parse_reserved, reserved_name
 
 INCOMING = ".incoming"
@@ -136,8 +136,15 @@ class IncomingFile:
             raise IntegrityError(f"body longer than the declared {self.size} bytes")
         for c in chunks:
             self._hash.update(c)
-        _writev_all(self._fd, chunks)
+        writev_all(self._fd, chunks)
         self.received += n
+
+    def receive_with(self, fill: Callable[[int, Any, int], object]) -> None:
+        """``fill(fd, hasher, n)`` writes and hashes the other ``n`` bytes itself (or raises)."""
+        if self._fd is None:
+            raise StoreError("write after commit/abort")
+        fill(self._fd, self._hash, self.size - self.received)
+        self.received = self.size
 
     def finish(self, chunks: Sequence[bytes | bytearray | memoryview] = ()) -> FileEntry:
         """The last ``chunks`` and :meth:`commit` in one call (aborted on any failure)."""
@@ -569,22 +576,6 @@ class ReplicaStore:
 
 
 
-_IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
-
-
-def _writev_all(fd: int, chunks: Sequence[bytes | bytearray | memoryview]) -> None:
-    """Write every byte of ``chunks`` in order (``writev`` may write less than asked, or be capped)."""
-    views = [memoryview(c) for c in chunks if len(c)]
-    while views:
-        batch = views[:_IOV_MAX]
-        w = os.writev(fd, batch)
-        for i, v in enumerate(batch):
-            if w < len(v):
-                views = [v[w:], *views[i + 1:]]
-                break
-            w -= len(v)
-        else:
-            views = views[len(batch):]
 
 
 def _unlink_quietly(name: str, dir_fd: int) -> None:

@@ -182,10 +182,10 @@ def read_small_body(sock: socket.socket, answer: Answer, cap: int, stall: float,
 class _HashingFileWriter(threading.Thread):
     """Hashes and writes the buffers the receiving thread hands over, in order, while it fills the next."""
 
-    def __init__(self, fd: int) -> None:
+    def __init__(self, fd: int, hasher: Any = None) -> None:
         super().__init__(name="rlsup-wire-writer", daemon=True)
         self.fd = fd
-        self.hash = new_hasher()
+        self.hash = hasher if hasher is not None else new_hasher()
         self.full: queue.Queue[tuple[bytearray, int] | None] = queue.Queue()
         self.free: queue.Queue[bytearray] = queue.Queue()
         for _ in range(2):
@@ -215,12 +215,13 @@ class _HashingFileWriter(threading.Thread):
 
 
 def receive_to_fd(sock: socket.socket, first: bytes, fd: int, length: int, stall: float, deadline: Deadline,
-                  limiter: Any = None) -> str:
+                  limiter: Any = None, hasher: Any = None) -> str:
     """Receive exactly ``length`` body bytes (``first``: those that came with the head) into ``fd``,
-    hashed as they pass; returns their xxh3-128. A shorter or longer body is a :class:`WireError`."""
+    hashed as they pass (into ``hasher`` when given, else a new one); returns the hex digest. A
+    shorter or longer body is a :class:`WireError`."""
     if len(first) > length:
         raise WireError("body longer than Content-Length")
-    writer = _HashingFileWriter(fd)
+    writer = _HashingFileWriter(fd, hasher)
     writer.start()
     try:
         got = 0
