@@ -272,3 +272,22 @@ def test_local_directory_both_ways(tmp_path: Path) -> None:
         copy_part(bad, local, 20, 0, full=False)
     assert not (tmp_path / "ckpt" / step_dir_name(20) / "rank_00000.pt").exists()
     assert json.loads(mem.data[10][manifest_name(0)])["rank"] == 0
+
+
+def test_a_parts_files_are_copied_concurrently(tmp_path: Path) -> None:
+    """Four files of one part: copies run side by side (a fetch from a peer, a drain to disk, a copy
+    to the persistent tier), each still checked as its bytes pass, the manifest still last."""
+    import threading
+
+    files = {f"__{i}_0.distcp": bytes([i]) * 50_000 for i in range(4)}
+    src = MemStore("src")
+    src.add_part(3, 0, 1, files)
+    meet = threading.Barrier(2, timeout=10)  # one copy after another would never meet here
+
+    class Meeting(LocalStore):
+        def put_file(self, step: int, name: str, f: BinaryIO, entry: FileEntry) -> None:
+            meet.wait()
+            super().put_file(step, name, f, entry)
+
+    assert copy_part(src, Meeting(tmp_path / "ckpt"), 3, 0).written
+    assert verify_step_dir(tmp_path / "ckpt" / step_dir_name(3), full=True).valid
