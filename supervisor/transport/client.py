@@ -243,12 +243,15 @@ class PeerClient:
         except TimeoutError:
             if not dl.expired():
                 raise  # aiohttp's own connect/stall timeout: retryable as before
-            moved = ""
-            if dl.done:
-                moved = f" with {dl.done} of {dl.size} bytes moved" if dl.size else f" with {dl.done} bytes moved"
-            raise self._err(f"{what}: overall deadline of {dl.seconds:.1f}s exceeded{moved} "
-                            f"(allowed: {dl.base:g}s + size at >= {dl.rate:g} B/s); the peer is too slow "
-                            "or trickling") from None
+            raise self._deadline_error(what, dl) from None
+
+    def _deadline_error(self, what: str, dl: Any) -> TransportError:
+        """The final error of a request that missed its overall deadline (``_Deadline`` or ``wire.Deadline``)."""
+        moved = ""
+        if dl.done:
+            moved = f" with {dl.done} of {dl.size} bytes moved" if dl.size else f" with {dl.done} bytes moved"
+        return self._err(f"{what}: overall deadline of {dl.seconds:.1f}s exceeded{moved} "
+                         f"(allowed: {dl.base:g}s + size at >= {dl.rate:g} B/s); the peer is too slow or trickling")
 
     async def _with_retries(self, what: str, attempt: Callable[[], Any]) -> Any:
         last: TransportError | None = None
@@ -456,12 +459,7 @@ class PeerClient:
         try:
             return body(sock, dl)
         except wire.DeadlineExpired:
-            moved = ""
-            if dl.done:
-                moved = f" with {dl.done} of {dl.size} bytes moved" if dl.size else f" with {dl.done} bytes moved"
-            raise self._err(f"{what}: overall deadline of {dl.seconds:.1f}s exceeded{moved} "
-                            f"(allowed: {dl.base:g}s + size at >= {dl.rate:g} B/s); the peer is too slow "
-                            "or trickling") from None
+            raise self._deadline_error(what, dl) from None
         except wire.WireError as e:
             raise self._err(f"{what}: {e}", retryable=e.retryable) from None
         except (ConnectionError, TimeoutError, ssl.SSLError) as e:
