@@ -318,7 +318,15 @@ def write_step(target: StepTarget, step: int, payload: PayloadSource, who: RankI
     if mine_ok:
         log.info("step %d: rank %d's part is already valid; not rewritten", step, who.rank)
     else:
-        _write_part(step_dir, step, payload, who, backend, live or {}, target.manifest_extra())
+        try:
+            _write_part(step_dir, step, payload, who, backend, live or {}, target.manifest_extra())
+        except CheckpointSpaceError:
+            if backend.collective or not removals_pending():
+                raise
+            log.warning("step %d: disk full while retention still removes old steps; waiting for it, then "
+                        "writing once more", step)
+            wait_for_removals()
+            _write_part(step_dir, step, payload, who, backend, live or {}, target.manifest_extra())
     if backend.collective:
         barrier()  # every manifest is written: the step is complete on return, so retention can run
     if who.rank == 0 and target.keep_last is not None:
@@ -475,6 +483,15 @@ def delete_step(directory: Path, step: int) -> None:
 _remover: concurrent.futures.ThreadPoolExecutor | None = None
 _remover_pid = 0  # a forked child (a DataLoader worker) starts its own: the parent's thread is not in it
 _remover_lock = threading.Lock()
+_removing = [0]  # removals submitted and not finished
+
+
+def _remove_counted(path: Path) -> None:
+    try:
+        remove_path(path)
+    finally:
+        with _remover_lock:
+            _removing[0] -= 1
 
 
 def _remove_in_background(path: Path) -> None:
@@ -488,7 +505,16 @@ def _remove_in_background(path: Path) -> None:
         if _remover is None or _remover_pid != os.getpid():
             _remover = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rlsup-retention")
             _remover_pid = os.getpid()
-        _remover.submit(remove_path, path)
+            _removing[0] = 0
+        _removing[0] += 1
+        _remover.submit(_remove_counted, path)
+
+
+def removals_pending() -> bool:
+    """Whether a background removal of this process may still be running (its space not yet free)."""
+    with _remover_lock:
+        remover = _remover if _remover_pid == os.getpid() else None
+    return remover is not None and _removing[0] > 0
 
 
 def wait_for_removals() -> None:

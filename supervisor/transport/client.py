@@ -29,6 +29,7 @@ many file transfers run at once across the clients that share it.
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import os
 import random
@@ -51,6 +52,9 @@ from supervisor.transport.forward import forward_report
 from supervisor.transport.store import validate_namespace, validate_relpath
 
 CHUNK = 1 << 20
+#: Socket errors that are not ConnectionError but still say "the network or the peer", so retryable.
+_NETWORK_ERRNOS = frozenset({errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ENETDOWN, errno.EHOSTDOWN,
+                             errno.ETIMEDOUT, errno.ECONNABORTED, errno.EPIPE})
 #: The destination's name in a fetch's temp name is cut to this (a file name has at most 255 bytes).
 _LABEL_MAX = 100
 
@@ -464,6 +468,10 @@ class PeerClient:
             raise self._err(f"{what}: {e}", retryable=e.retryable) from None
         except (ConnectionError, TimeoutError, ssl.SSLError) as e:
             raise self._err(f"{what}: {type(e).__name__}: {e or type(e).__name__}", retryable=True) from None
+        except OSError as e:
+            if e.errno not in _NETWORK_ERRNOS:
+                raise  # a local file's trouble (the destination's disk): not the peer's
+            raise self._err(f"{what}: {type(e).__name__}: {e}", retryable=True) from None
         finally:
             sock.close()
 

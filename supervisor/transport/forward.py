@@ -24,6 +24,7 @@ import json
 import logging
 import re
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Collection
 
@@ -84,6 +85,8 @@ def forward_report(answer: bytes, forward: Collection[str]) -> dict[str, str]:
 
 #: What a hop answers for the endpoints after it: the file is on its way (see :class:`Forwarder`).
 QUEUED = "queued"
+#: After a file of a step did not get through, the rest of that step is not sent on for this long.
+BROKEN_FOR_S = 600.0
 #: Reports of recent forwards kept for :meth:`Forwarder.status`.
 RESULTS_KEPT = 10000
 
@@ -100,8 +103,9 @@ class Forwarder:
 
     Per namespace, files go on one at a time in the order they were stored here, so the next hop gets
     a part's manifest after its data files (the sender pushes the manifest last). When a file does not
-    get through, the later files of its directory are not sent on (a manifest never reaches a hop
-    that lacks a file it lists); the sender sees the gap in that hop's index and copies directly.
+    get through, the later files of its step (its top directory) are not sent to that hop for
+    ``BROKEN_FOR_S`` (a manifest never reaches a hop that lacks a file it lists); the sender sees the
+    gap in that hop's forward status and copies directly.
     The file goes from the page cache by ``sendfile``, as a sender's push does, and the next hop
     verifies it itself. One client per next hop, made by ``make_client(endpoint)`` (the job's secret,
     the forward TLS context)."""
@@ -112,7 +116,8 @@ class Forwarder:
         self.pool = pool
         self._clients: dict[str, Any] = {}
         self._queues: dict[str, collections.deque[_Pending]] = {}
-        self._broken: dict[str, set[str]] = {}  # namespace -> directories with a file that did not get through
+        # (namespace, top directory: a step, next hop) -> when a file under it did not get through
+        self._broken: dict[tuple[str, str, str], float] = {}
         self._results: collections.OrderedDict[tuple[str, str], dict[str, str]] = collections.OrderedDict()
         self._lock = threading.Lock()
 
@@ -135,21 +140,21 @@ class Forwarder:
                 queue = self._queues[namespace]
                 if not queue:
                     del self._queues[namespace]
-                    self._broken.pop(namespace, None)
+                    now = time.monotonic()
+                    self._broken = {k: t for k, t in self._broken.items() if now - t < BROKEN_FOR_S}
                     return
                 item = queue.popleft()
-                broken = self._broken.setdefault(namespace, set())
-                directory = item.relpath.rpartition("/")[0]
-                skip = directory in broken
+                top = (namespace, item.relpath.split("/", 1)[0], item.hops[0])
+                skip = top in self._broken
             if skip:
-                report = not_reached(item.hops, "not sent on: an earlier file of its directory did not get through")
+                report = not_reached(item.hops, "not sent on: an earlier file of its step did not get through")
             else:
                 report = self.push_on(namespace, item.relpath, item.entry, item.hops)
             failed = {ep: why for ep, why in report.items() if why not in (OK, QUEUED)}
             with self._lock:
                 self._record(namespace, item.relpath, report)
                 if failed:
-                    broken.add(directory)
+                    self._broken[top] = time.monotonic()
             if failed and not skip:
                 log.warning("forwarding %s/%s: %s", namespace, item.relpath, failed)
 

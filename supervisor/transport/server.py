@@ -40,7 +40,6 @@ import concurrent.futures
 import json
 import logging
 import os
-import socket
 import ssl
 import threading
 import time
@@ -48,10 +47,9 @@ from typing import Any, Callable, Collection
 
 from aiohttp import web
 
-from rlsup_format.digest import FileEntry
-from supervisor.transport import wire
 from supervisor.transport.client import PeerClient
 from supervisor.transport.conns import HeldConn, Reject, Tracked
+from supervisor.transport.raw_upload import HTTPError as _HTTPError, receive_raw, take_socket
 from supervisor.transport.forward import ForwardRefused, Forwarder, parse_forward
 from supervisor.transport.auth import H_XXH3, Verifier, body_digest
 from supervisor.transport.store import (IntegrityError, ReplicaStore, StoreError, validate_namespace,
@@ -102,13 +100,6 @@ async def _read(content: Any) -> bytes:
         raise _HTTPError(400, f"body incomplete: {type(e).__name__}: {e}") from None
 
 
-class _HTTPError(Exception):
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-
-
 class ReplicationServer:
     def __init__(self, store: ReplicaStore, secret: bytes, host: str = "127.0.0.1", port: int = 0,
                  max_file_bytes: int = 1 << 40, max_header_bytes: int = 8192,
@@ -126,6 +117,9 @@ class ReplicationServer:
         self.own_endpoint = own_endpoint
         self.forward_ssl = forward_ssl
         self._forward_pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="rlsup-forward")
+        # Raw uploads hold a thread for their whole body: their own pool, as large as the connection table.
+        self._uploads = concurrent.futures.ThreadPoolExecutor(max_workers=max_connections,
+                                                              thread_name_prefix="rlsup-upload")
         self._forwarder = Forwarder(store, lambda ep: PeerClient(ep, self._secret, timeout=request_timeout, retries=1,
                                                                  ssl_context=forward_ssl), self._forward_pool)
         self.host = host
@@ -195,6 +189,7 @@ class ReplicationServer:
         self._thread = None
         self._io.shutdown(wait=False, cancel_futures=True)
         self._forward_pool.shutdown(wait=False, cancel_futures=True)
+        self._uploads.shutdown(wait=False, cancel_futures=True)
         self._forwarder.close()
         self.store.flush()
 
@@ -435,10 +430,11 @@ class ReplicationServer:
         ns, rel, size, xxh3 = self._put_precheck(request)
         hops = self._forward_list(request)
         inc = await self._blocking(self.store.begin_write, ns, rel, size, xxh3)
-        taken = self._take_socket(request)
+        taken = None
         try:
+            taken = take_socket(request) if self.ssl_context is None else None
             if taken is not None:  # the body straight from the socket: recv_into 8 MiB buffers, 2 threads
-                entry = await self._blocking(self._receive_raw, inc, *taken)
+                entry = await receive_raw(request, inc, *taken, self._uploads, self.request_timeout)
             else:
                 last = await self._receive(request, inc)
                 if inc.received + sum(map(len, last)) != size:
@@ -457,32 +453,6 @@ class ReplicationServer:
         if taken is not None:
             resp.force_close()  # aiohttp's parser never saw the body: this connection ends here
         return resp
-
-    def _take_socket(self, request: web.Request) -> tuple[socket.socket, bytes] | None:
-        """Take the body's socket over from aiohttp (not under TLS): reading paused, what aiohttp
-        already buffered handed over, and a duplicate of the socket (still non-blocking: its timeout
-        waits with poll) for a worker thread. Why: aiohttp hands a body over in 64-256 KiB pieces
-        through its parser and queues, which costs more CPU per GB than the kernel's copies."""
-        transport = request.transport
-        raw = transport.get_extra_info("socket") if transport is not None and self.ssl_context is None else None
-        if raw is None:
-            return None
-        transport.pause_reading()
-        first = request.content.read_nowait(-1)
-        transport.pause_reading()  # reading what was buffered may have resumed it (flow control)
-        return socket.socket(fileno=os.dup(raw.fileno())), first
-
-    def _receive_raw(self, inc: Any, sock: socket.socket, first: bytes) -> FileEntry:
-        """In a worker thread: the rest of the body into ``inc``, then its commit."""
-        no_deadline = wire.Deadline(0.0, 0.0)
-        try:
-            inc.receive_with(lambda fd, hasher, n: wire.receive_to_fd(sock, first, fd, n, self.request_timeout,
-                                                                      no_deadline, hasher=hasher))
-        except (TimeoutError, wire.DeadlineExpired):
-            raise _HTTPError(408, f"body stalled for {self.request_timeout}s") from None
-        except (wire.WireError, ConnectionError) as e:
-            raise _HTTPError(400, f"body incomplete: {e}") from None
-        return inc.commit()
 
     async def _receive(self, request: web.Request, inc: Any) -> list[bytes]:
         """Read the body to the disk in batches of about

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import queue
+import select
 import socket
 import ssl
 import threading
@@ -99,6 +100,7 @@ def on_timeout(deadline: Deadline) -> BaseException:
 
 def connect(endpoint: str, ssl_context: ssl.SSLContext | None, timeout: float) -> socket.socket:
     host, _, port = endpoint.rpartition(":")
+    host = host.strip("[]")  # an IPv6 literal as endpoints write it
     sock = socket.create_connection((host, int(port)), timeout=timeout)
     try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -264,16 +266,41 @@ def send_file(sock: socket.socket, f: BinaryIO, size: int, stall: float, deadlin
     socket). Segments of ``segment`` bytes under a bandwidth limit, else large ones; a file that ends
     early is a non-retryable :class:`WireError`."""
     step = segment if limiter is not None and not getattr(limiter, "unlimited", False) else SEND_SEGMENT
+    plain = not isinstance(sock, ssl.SSLSocket)
     offset = 0
     while offset < size:
         n = min(step, size - offset)
         deadline.throttle(limiter, n)
         settle(sock, stall, deadline)
         try:
-            sent = sock.sendfile(f, offset, n)
+            sent = _sendfile_plain(sock, f, offset, n, stall, deadline) if plain else sock.sendfile(f, offset, n)
         except TimeoutError:
             raise on_timeout(deadline) from None
         if sent < n:
             raise WireError(f"file shrank while being sent (ended at {offset + sent} of {size} bytes)",
                             retryable=False)
         offset += sent
+
+
+def _sendfile_plain(sock: socket.socket, f: BinaryIO, offset: int, n: int, stall: float, deadline: Deadline) -> int:
+    """``os.sendfile`` until ``n`` bytes are sent or the file ends; each wait for room in the socket is
+    bounded by the stall timeout and the overall deadline (a receiver that takes a few bytes now and
+    then cannot hold a segment open past the deadline). Returns the bytes sent."""
+    poller = select.poll()
+    poller.register(sock.fileno(), select.POLLOUT)
+    sent = 0
+    while sent < n:
+        left = deadline.left()
+        if left is not None and left <= 0:
+            raise DeadlineExpired()
+        wait = stall if left is None else min(stall, left)
+        if not poller.poll(max(1, int(wait * 1000))):
+            raise on_timeout(deadline)
+        try:
+            k = os.sendfile(sock.fileno(), f.fileno(), offset + sent, n - sent)
+        except BlockingIOError:
+            continue
+        if k == 0:
+            break  # the file ended
+        sent += k
+    return sent
