@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
 from rlsup_format.digest import new_hasher
+from rlsup_format.fileio import start_writeback
 
 #: Largest response head accepted (status line and headers).
 MAX_HEAD = 64 * 1024
@@ -193,6 +194,7 @@ class _HashingFileWriter(threading.Thread):
         for _ in range(2):
             self.free.put(bytearray(RECV_BUFFER))
         self.error: BaseException | None = None
+        self.written = 0
 
     def run(self) -> None:
         while (item := self.full.get()) is not None:
@@ -203,6 +205,8 @@ class _HashingFileWriter(threading.Thread):
                     self.hash.update(view)
                     while view:
                         view = view[os.write(self.fd, view):]
+                    start_writeback(self.fd, self.written, n)  # the disk works while the next buffer fills
+                    self.written += n
             except BaseException as e:  # noqa: BLE001 - handed to the receiving thread
                 self.error = e
             finally:
