@@ -626,7 +626,7 @@ def bench_replication(ctx: Ctx) -> list[Row]:
     rows = br.measure(size, runs=max(3, ctx.reps), scratch=str(ctx.work))
     label = f"{size / 1e9:.1f} GB"
     note = ("127.0.0.1, each peer's endpoint its own process; rlsup: HMAC, sendfile, xxh3 verify on receipt, "
-            "fsync, rename; 2 peers: a chain (the first peer streams on); baselines synced")
+            "fsync, rename; 2 peers: a chain (the first peer stores, answers, sends on); baselines synced")
     out = []
     for name, a, b in rows:
         unit = "s" if name.startswith("sender time") else "MB" if name.startswith("sender bytes") else "MB/s"
@@ -692,8 +692,8 @@ def bench_restore(ctx: Ctx) -> list[Row]:
                 t_cp.append(time.perf_counter() - t0)
         return [Row(f"restore a wiped node ({total / 1e9:.1f} GB): fetch from replica vs cp -r local copy",
                     median(t_rl), median(t_cp), "s",
-                    "rlsup: HTTP on 127.0.0.1, fetch_part: xxh3 on receipt, manifest last, sizes verified after "
-                    "(no re-hash since issue 15); cp: + sync")]
+                    "rlsup: HTTP on 127.0.0.1 (sendfile out, recv_into in), fetch_part: files side by side, xxh3 "
+                    "on receipt, manifest last, sizes verified after (nothing read again); cp: + sync")]
     finally:
         client.close()
         server.stop()
