@@ -516,7 +516,7 @@ class PeerClient:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
         ok = False
         try:
-            digest = wire.receive_to_fd(sock, first, fd, declared.size, self.timeout, dl, self.limiter)
+            digest = wire.receive_to_fd(sock, first, fd, declared.size, self.timeout, dl, self.limiter, start_disk=True)
             if digest != declared.xxh3_128:
                 raise self._err(f"{what}: received bytes do not match xxh3 {declared.xxh3_128}", retryable=True)
             os.fsync(fd)

@@ -185,9 +185,10 @@ def read_small_body(sock: socket.socket, answer: Answer, cap: int, stall: float,
 class _HashingFileWriter(threading.Thread):
     """Hashes and writes the buffers the receiving thread hands over, in order, while it fills the next."""
 
-    def __init__(self, fd: int, hasher: Any = None) -> None:
+    def __init__(self, fd: int, hasher: Any = None, start_disk: bool = False) -> None:
         super().__init__(name="rlsup-wire-writer", daemon=True)
         self.fd = fd
+        self.start_disk = start_disk
         self.hash = hasher if hasher is not None else new_hasher()
         self.full: queue.Queue[tuple[bytearray, int] | None] = queue.Queue()
         self.free: queue.Queue[bytearray] = queue.Queue()
@@ -205,7 +206,8 @@ class _HashingFileWriter(threading.Thread):
                     self.hash.update(view)
                     while view:
                         view = view[os.write(self.fd, view):]
-                    start_writeback(self.fd, self.written, n)  # the disk works while the next buffer fills
+                    if self.start_disk:  # the disk works while the next buffer fills
+                        start_writeback(self.fd, self.written, n)
                     self.written += n
             except BaseException as e:  # noqa: BLE001 - handed to the receiving thread
                 self.error = e
@@ -221,13 +223,15 @@ class _HashingFileWriter(threading.Thread):
 
 
 def receive_to_fd(sock: socket.socket, first: bytes, fd: int, length: int, stall: float, deadline: Deadline,
-                  limiter: Any = None, hasher: Any = None) -> str:
+                  limiter: Any = None, hasher: Any = None, start_disk: bool = False) -> str:
     """Receive exactly ``length`` body bytes (``first``: those that came with the head) into ``fd``,
     hashed as they pass (into ``hasher`` when given, else a new one); returns the hex digest. A
-    shorter or longer body is a :class:`WireError`."""
+    shorter or longer body is a :class:`WireError`. ``start_disk``: start writing each buffer to disk
+    at once (a restore, whose fsync then waits for the tail only; that writeback is then done, and
+    its CPU counted, in this process instead of the kernel's flusher threads)."""
     if len(first) > length:
         raise WireError("body longer than Content-Length")
-    writer = _HashingFileWriter(fd, hasher)
+    writer = _HashingFileWriter(fd, hasher, start_disk)
     writer.start()
     try:
         got = 0
