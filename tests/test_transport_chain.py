@@ -14,7 +14,7 @@ import pytest
 import xxhash
 
 from conftest import free_ports, wait_for
-from rlsup_format.digest import FileEntry, hash_file
+from rlsup_format.digest import FileEntry
 from rlsup_format.manifest import SCHEMA_VERSION, RankManifest, manifest_name
 from rlsup_format.names import step_dir_name
 from supervisor.job_identity import namespace_of
@@ -25,20 +25,10 @@ from supervisor.transport.auth import auth_headers
 from supervisor.transport.client import PeerClient, TransportError
 from supervisor.transport.server import ReplicationServer
 from supervisor.transport.store import ReplicaStore
+from test_transport_http import make_file  # the same test files as the transport tests
 
 SECRET = b"chain-secret-chain-secret-chain!"
 REL = "step_000000005/shard.bin"
-
-
-def make_file(path: Path, size: int, seed: int = 0) -> FileEntry:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    block = xxhash.xxh3_128_digest(str(seed).encode()) * 4096
-    with open(path, "wb") as f:
-        left = size
-        while left:
-            f.write(block[:min(left, len(block))])
-            left -= min(left, len(block))
-    return hash_file(path)
 
 
 class Node:
