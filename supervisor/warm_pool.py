@@ -185,7 +185,8 @@ class WarmPool:
         if not why:
             rank = self.ranks.pop(0)
             why = rank.wait_ready(READY_TIMEOUT) or rank.hand_over(
-                {"argv": list(args), "env": dict(env), "cwd": os.getcwd(), "stdin": os.devnull})
+                {"argv": list(args), "env": dict(env), "cwd": os.getcwd(), "stdin": os.devnull,
+                 "caught": _caught_signals()})
             if not why:
                 self.used.append(rank.pid)
                 return rank.popen
@@ -258,3 +259,20 @@ def install(pool: WarmPool, torchrun_args: Sequence[str]) -> None:
     except (Exception, SystemExit):
         workers = 0
     mp_api.get_subprocess_handler = get_subprocess_handler  # type: ignore[assignment]
+
+
+def _caught_signals() -> list[int]:
+    """Signals this launcher handles now (torchrun's agent catches SIGTERM, SIGINT, SIGHUP, SIGQUIT
+    before it starts workers): a worker it executes starts with them at their default, while a warm
+    rank, spawned earlier, inherited whatever this process had then (SIG_IGN under ``nohup``)."""
+    import signal
+
+    out = []
+    for s in signal.valid_signals():
+        try:
+            handler = signal.getsignal(s)
+        except (ValueError, OSError):
+            continue
+        if callable(handler):
+            out.append(int(s))
+    return out

@@ -117,6 +117,7 @@ def _reseed(torch_state: Any) -> None:
 def _become(message: dict, torch_state: Any, layout: tuple[str, str, list[str]]) -> None:
     """Everything a cold ``python -u`` start would have set up differently from this process."""
     _prctl_pdeathsig(0)
+    _default_signals(message.get("caught", []))
     _point_stdin(message.get("stdin", os.devnull))
     os.environ.clear()
     os.environ.update(message["env"])
@@ -127,6 +128,18 @@ def _become(message: dict, torch_state: Any, layout: tuple[str, str, list[str]])
     sys.argv = ["-m" if mode == "module" else target, *rest]
     _reseed(torch_state)
     _rearm_imports()
+
+
+def _default_signals(caught: list[int]) -> None:
+    """The signals the launcher catches start at their default in a worker it executes (SIGINT:
+    Python's KeyboardInterrupt handler, as a fresh interpreter installs it)."""
+    import signal
+
+    for num in caught:
+        try:
+            signal.signal(num, signal.default_int_handler if num == signal.SIGINT else signal.SIG_DFL)
+        except (ValueError, OSError):
+            pass
 
 
 def _rearm_imports() -> None:
