@@ -63,11 +63,6 @@ def parse_forward(query: str, allowed: Collection[str], own: Collection[str]) ->
     return hops
 
 
-def forward_path(path: str, hops: Collection[str]) -> str:
-    """``path`` (no query) with the forward list appended, as it is signed and sent."""
-    return f"{path}?forward={','.join(hops)}" if hops else path
-
-
 def not_reached(hops: Collection[str], why: str) -> dict[str, str]:
     return {ep: why for ep in hops}
 
