@@ -456,8 +456,14 @@ class Supervisor:
             job.send(self.stop_signal)
         self._log(f"stopping: waiting up to {self.cfg.stop_grace:.0f}s for the job to save and exit")
         code = job.wait_exit(self.cfg.stop_grace)
+        stacks: dict[str, str] = {}
+        if code is None:  # where the ranks are stuck is what the operator needs to know next
+            self._log(f"the job did not exit within stop_grace {self.cfg.stop_grace:.0f}s; dumping stacks, then "
+                      "killing it")
+            detector.scan()
+            stacks = self.processes.dump_stacks(detector.directory, detector.records)
         return AttemptResult(attempt, self._stop_reason(), code, last_step=detector.last_step(),
-                             output_tail=job.output.tail(),
+                             output_tail=job.output.tail(), stacks=stacks,
                              detail=f"job exited with {code}" if code is not None else "killed after stop_grace")
 
     # ------------------------------------------------------------ helpers

@@ -310,7 +310,9 @@ def test_stop_ignored_is_killed_after_stop_grace(tmp_path: Path) -> None:
     sup, layer, _ = make(tmp_path, Attempt(exit_code=None, stop_exit=None))
     layer.script[0].on_tick = (2, lambda: sup.request_stop(signal.SIGINT))
     assert sup.run().exit_code == 128 + signal.SIGINT
-    assert incidents(tmp_path)[0]["detail"] == "killed after stop_grace" and layer.jobs[0].grace == 3.0
+    incident = incidents(tmp_path)[0]
+    assert incident["detail"] == "killed after stop_grace" and layer.jobs[0].grace == 3.0
+    assert set(incident["stacks"].values()) == {"fake stack"} and incident["stacks"]  # where the ranks were stuck
 
 
 def test_job_exits_on_its_own_after_the_stop_signal(tmp_path: Path) -> None:
