@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up rlsup in ./.venv on a fresh machine: CPU torch first (so no multi-GB CUDA build is
-# downloaded), then the package in editable mode with the test, megatron and nvrx extras.
+# downloaded), then the package in editable mode with the test, megatron, nvrx and trainers extras.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -25,5 +25,5 @@ pip_install() {
 }
 pip_install --upgrade pip
 pip_install torch==2.13.0
-pip_install -e ".[test,megatron,nvrx]"
+pip_install -e ".[test,megatron,nvrx,trainers]"
 .venv/bin/python -c "import torch, rlsup_format, supervisor, trainer_hooks; print('rlsup ready: torch', torch.__version__)"

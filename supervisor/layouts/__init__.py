@@ -3,7 +3,9 @@
 Reads files only (no processes, no network); tensor bytes are read only for rlsup's own format,
 whose manifests carry checksums. One module per on-disk layout, each exposing ``looks_like(root)``,
 ``list_steps(root)`` (cheap listing), ``make_context(root)`` (run-wide hints) and
-``verify_step(path, step, ctx)``; this module picks the layout and walks the steps.
+``verify_step(path, step, ctx)``; this module picks the layout and walks the steps. The trainer layouts
+of issue 18 (:data:`TRAINER_LAYOUTS`) also expose ``owns(path)``, so :func:`verify_path` can ask them
+whether one directory (or file) is a step of theirs.
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ from pathlib import Path
 from typing import Callable
 from types import ModuleType
 
-from supervisor.layouts import areal, dcp, megatron, rlsup, tracker, verl
+from supervisor.layouts import (areal, dcp, deepspeed, hf, lightning, megatron, nemo, nemo_rl, rlsup, torchtitan,
+                                tracker, verl)
 from supervisor.layouts.files import tree_size
 from supervisor.layouts.record import Check, CheckpointRecord, TrackerStatus
 
@@ -35,14 +38,22 @@ LAYOUTS: dict[str, ModuleType] = {
     "verl-legacy": verl,
     "megatron": megatron,
     "areal": areal,
+    "nemo-rl": nemo_rl,
+    "nemo": nemo,
+    "hf": hf,
+    "deepspeed": deepspeed,
+    "lightning": lightning,
+    "torchtitan": torchtitan,
     "dcp": dcp,
 }
-LAYOUT_NAMES = ("rlsup", "verl", "megatron", "areal", "dcp")
+# Detection order after rlsup, verl, megatron and areal; before plain DCP (torchtitan's steps are DCP).
+TRAINER_LAYOUTS: tuple[ModuleType, ...] = (nemo_rl, nemo, hf, deepspeed, lightning, torchtitan)
+LAYOUT_NAMES = ("rlsup", "verl", "megatron", "areal", *(m.NAME for m in TRAINER_LAYOUTS), "dcp")
 TRACKED_LAYOUTS = ("verl", "verl-legacy", "megatron")
 
 
 def detect_layout(directory: str | Path) -> str:
-    """Which trainer wrote this checkpoint root: rlsup, verl, verl-legacy, megatron, areal, dcp or unknown."""
+    """Which trainer wrote this checkpoint root: one of :data:`LAYOUTS`' names, or unknown."""
     root = Path(directory)
     if not root.is_dir():
         return "unknown"
@@ -54,6 +65,9 @@ def detect_layout(directory: str | Path) -> str:
         return "megatron"
     if areal.looks_like(root):
         return "areal"
+    for mod in TRAINER_LAYOUTS:
+        if mod.looks_like(root):
+            return mod.NAME
     if dcp.looks_like(root):
         return "dcp"
     return "unknown"
@@ -105,7 +119,7 @@ def verify_path(path: str | Path) -> CheckpointRecord:
     p = Path(path)
     if not p.exists():
         return _unknown(p, "does not exist")
-    if not p.is_dir():
+    if not p.is_dir() and not lightning.owns(p):  # a Lightning checkpoint is one .ckpt file
         return _unknown(p, "not a directory")
     if verl.step_of(p) is not None:
         return verl.verify_step(p)
@@ -113,6 +127,9 @@ def verify_path(path: str | Path) -> CheckpointRecord:
         return verl.verify_role(p)
     if megatron.step_of(p) is not None or megatron.is_mcore_dist_dir(p):
         return megatron.verify_step(p)
+    for mod in TRAINER_LAYOUTS:
+        if mod.owns(p):
+            return mod.verify_step(p, None, mod.make_context(p.parent))
     if rlsup.step_of(p) is not None:
         return rlsup.verify_step(p)
     if areal.looks_like(p) and (p / areal.INFO_DIR).is_dir():
