@@ -84,6 +84,18 @@ def build_rlsup(root: Path, steps: int) -> None:
     shard.write_bytes(data[: len(data) // 2])
 
 
+def trainer_tree(module: str, function: str) -> Callable[[Path, int], None]:
+    """A trainer layout's ``bench_tree`` from its test builders (tests/*_builders.py), imported when used."""
+    def build(root: Path, steps: int) -> None:
+        import importlib
+
+        fn = getattr(importlib.import_module(module), function, None)
+        if fn is None:
+            raise ImportError(f"{module}.{function} not found")
+        fn(root, steps)
+    return build
+
+
 BUILDERS: dict[str, tuple[str, Callable[[Path, int], None]]] = {
     "verl (FSDP)": ("verl", build_verl_fsdp),
     "verl (Megatron v2)": ("verl", build_verl_megatron),
@@ -92,6 +104,12 @@ BUILDERS: dict[str, tuple[str, Callable[[Path, int], None]]] = {
     "torch DCP": ("dcp", build_dcp),
     "AReaL": ("areal", build_areal),
     "rlsup": ("rlsup", build_rlsup),
+    "HF Trainer": ("hf", trainer_tree("hf_builders", "bench_tree")),
+    "DeepSpeed": ("deepspeed", trainer_tree("deepspeed_builders", "bench_tree")),
+    "Lightning": ("lightning", trainer_tree("lightning_builders", "bench_tree")),
+    "NeMo 2": ("nemo", trainer_tree("source_builders", "nemo_bench_tree")),
+    "NeMo-RL": ("nemo-rl", trainer_tree("source_builders", "nemo_rl_bench_tree")),
+    "torchtitan": ("torchtitan", trainer_tree("source_builders", "torchtitan_bench_tree")),
 }
 
 

@@ -557,7 +557,9 @@ def bench_heartbeat(ctx: Ctx) -> list[Row]:
 
 
 LAYOUT_KEYS = {"verl-fsdp": "verl (FSDP)", "verl-megatron": "verl (Megatron v2)", "megatron-core": "Megatron-Core",
-               "megatron-bridge": "Megatron-Bridge", "dcp": "torch DCP", "areal": "AReaL", "rlsup": "rlsup"}
+               "megatron-bridge": "Megatron-Bridge", "dcp": "torch DCP", "areal": "AReaL", "rlsup": "rlsup",
+               "hf": "HF Trainer", "deepspeed": "DeepSpeed", "lightning": "Lightning", "nemo": "NeMo 2",
+               "nemo-rl": "NeMo-RL", "torchtitan": "torchtitan"}
 
 
 def tracker_baseline(root: Path, layout: str) -> int | None:
@@ -569,6 +571,17 @@ def tracker_baseline(root: Path, layout: str) -> int | None:
         return int(text) if text.isdigit() else None
     if layout == "areal":
         return int(json.loads((root / "recover_info" / "step_info.json").read_text())["global_step"])
+    if layout == "deepspeed":  # engine.load_checkpoint(dir) reads the tag in `latest` (per role for OpenRLHF)
+        tracker = next(iter(sorted(root.glob("**/latest"))), None)
+        m = re.search(r"(\d+)$", tracker.read_text().strip()) if tracker else None
+        return int(m.group(1)) if m else None
+    if layout == "nemo":  # AutoResume takes the `-last` checkpoint
+        last = [n for n in os.listdir(root) if n.endswith("-last") and "step=" in n]
+        return max(int(re.search(r"step=(\d+)", n).group(1)) for n in last) if last else None
+    if layout == "lightning":  # ckpt_path="last": last.ckpt, the newest save
+        names = os.listdir(root)
+        steps = [int(m.group(1)) for n in names if (m := re.search(r"step=(\d+)", n))]
+        return max(steps) if steps else None
     steps = [int(m.group(1)) for n in os.listdir(root) if (m := re.search(r"(\d+)$", n))]
     return max(steps) if steps else None
 
@@ -607,7 +620,8 @@ def bench_selection(ctx: Ctx) -> list[Row]:
                 base_pick = tracker_baseline(root, layout)
                 t_base.append((time.perf_counter() - t0) * 1e3)
         newest = max(s for s, _ in layouts.LAYOUTS[layout].list_steps(root)) if n else None
-        how = "tracker file" if layout in ("verl", "megatron", "areal") else "highest step number"
+        how = ("tracker file" if layout in ("verl", "megatron", "areal", "deepspeed") else "last checkpoint"
+               if layout in ("nemo", "lightning") else "highest step number")
         broken = picked != newest
         note = (f"{n} step{'s' if n != 1 else ''}{f', newest ({newest}) broken' if broken else ''}; rlsup picks "
                 f"{picked}, baseline ({how}) picks {base_pick}" + (" (the broken one)" if broken and base_pick == newest else ""))
