@@ -1,7 +1,8 @@
-"""The 'latest step' tracker files verl and Megatron keep at the checkpoint root: read and repair.
+"""The 'latest step' tracker files verl, Megatron and DeepSpeed keep at the checkpoint root: read and repair.
 
 Both trainers write ``latest_checkpointed_iteration.txt`` with a plain ``open("w")`` (no temp file,
 no fsync), so it can be empty or torn after a crash; retention can leave it naming a deleted step.
+DeepSpeed's rank 0 overwrites ``latest`` (the tag name) in place the same way, before the final barrier.
 Reading never raises. Repair writes a temp file (a reserved name, :mod:`rlsup_format.names`), fsyncs
 it, renames it over the tracker and fsyncs the directory, keeping the previous content beside it as
 ``<name>.rlsup-prev``.
@@ -67,6 +68,18 @@ def write_tracker(path: Path, step: int) -> Path | None:
     prev = keep_previous(path)
     atomic_write(path, str(int(step)).encode())
     return prev
+
+
+def write_deepspeed_latest(paths: list[Path], tag: str) -> list[Path | None]:
+    """Point DeepSpeed's ``latest`` file(s) (one per OpenRLHF role) at ``tag``: the bare tag, as
+    ``save_checkpoint`` writes it, but atomically; returns the ``.rlsup-prev`` backups."""
+    if not tag or "/" in tag or tag.strip() != tag:
+        raise ValueError(f"not a DeepSpeed tag: {tag!r}")
+    prevs = []
+    for path in paths:
+        prevs.append(keep_previous(path))
+        atomic_write(path, tag.encode())
+    return prevs
 
 
 def copy_atomically(src: Path, dst: Path) -> Path | None:

@@ -1,0 +1,71 @@
+"""A real DeepSpeed writer on CPU: a tiny model under ZeRO, ``engine.save_checkpoint(dir)`` after each step.
+
+Used by tests/test_layouts_deepspeed.py as the writer of the mid-save kill matrix. One process (or
+each torchrun rank) joins a gloo group; the tag is DeepSpeed's default ``global_step{N}``.
+
+    python tests/jobs/deepspeed_save_job.py SAVE_DIR STEPS [ZERO_STAGE] [ROLE...]
+
+With ROLE arguments (e.g. ``_actor _critic``) it saves one engine per role into ``SAVE_DIR/ROLE``
+as OpenRLHF does.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+
+def _env_defaults() -> None:
+    """Single-process defaults; torchrun sets these itself."""
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", os.environ.get("RLSUP_TEST_PORT", "29533"))
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
+def _engine(stage: int):
+    """A 2-layer model under DeepSpeed with a plain torch optimizer (ZeRO on CPU)."""
+    import deepspeed
+    import torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": stage},
+        "zero_allow_untested_optimizer": True,
+        "zero_force_ds_cpu_optimizer": False,
+        "steps_per_print": 1000000,
+    }
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
+    return engine
+
+
+def main() -> int:
+    _env_defaults()
+    import deepspeed
+    import torch
+
+    save_dir, steps = sys.argv[1], int(sys.argv[2])
+    stage = int(sys.argv[3]) if len(sys.argv) > 3 else 1
+    roles = sys.argv[4:] or [""]
+    deepspeed.init_distributed(dist_backend="gloo")
+    engines = {role: _engine(stage) for role in roles}
+    for _ in range(steps):
+        for role, engine in engines.items():
+            x = torch.randn(2, 8)
+            loss = engine(x).pow(2).mean()
+            engine.backward(loss)
+            engine.step()
+        for role, engine in engines.items():
+            engine.save_checkpoint(os.path.join(save_dir, role) if role else save_dir)
+    print("saved", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
