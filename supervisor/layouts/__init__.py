@@ -49,7 +49,7 @@ LAYOUTS: dict[str, ModuleType] = {
 # Detection order after rlsup, verl, megatron and areal; before plain DCP (torchtitan's steps are DCP).
 TRAINER_LAYOUTS: tuple[ModuleType, ...] = (nemo_rl, nemo, hf, deepspeed, lightning, torchtitan)
 LAYOUT_NAMES = ("rlsup", "verl", "megatron", "areal", *(m.NAME for m in TRAINER_LAYOUTS), "dcp")
-TRACKED_LAYOUTS = ("verl", "verl-legacy", "megatron")
+TRACKED_LAYOUTS = ("verl", "verl-legacy", "megatron", "deepspeed")
 
 
 def detect_layout(directory: str | Path) -> str:
@@ -154,16 +154,22 @@ def tracker_status(directory: str | Path) -> TrackerStatus:
     layout = detect_layout(root)
     mod = LAYOUTS.get(layout)
     newest = latest_valid(root, layout) if mod is not None else None
-    path = root / tracker.TRACKER
+    path = root / (deepspeed.LATEST if layout == deepspeed.NAME else tracker.TRACKER)
     status = TrackerStatus(
         directory=root, tracker=None, kind=layout if layout in TRACKED_LAYOUTS else None, step=None, raw=None,
         error=None, step_valid=None, step_reason="", newest_valid_step=newest.step if newest else None,
         newest_valid_path=newest.path if newest else None,
     )
-    if not path.exists():
+    if layout == deepspeed.NAME:  # one `latest` per role (OpenRLHF); the claim names the tag's step
+        claim = deepspeed.tracker_claim(root)
+        if claim is None:
+            return status
+        status.tracker, status.step, status.raw, status.error = claim
+    elif not path.exists():
         return status
-    status.tracker = path
-    status.step, status.raw, status.error = tracker.read_tracker(path)
+    else:
+        status.tracker = path
+        status.step, status.raw, status.error = tracker.read_tracker(path)
     if status.error is not None or mod is None:
         if mod is None and status.error is None:
             status.step_valid, status.step_reason = False, f"layout {layout}: no steps recognised"
@@ -178,7 +184,8 @@ def tracker_status(directory: str | Path) -> TrackerStatus:
 
 
 def repair_tracker(directory: str | Path, step: int) -> Path:
-    """Point verl's/Megatron's ``latest_checkpointed_iteration.txt`` at ``step`` atomically.
+    """Point verl's/Megatron's ``latest_checkpointed_iteration.txt`` (DeepSpeed's ``latest``, per OpenRLHF
+    role) at ``step`` atomically.
 
     Refuses (ValueError) unless ``step`` is a valid checkpoint here. The old content is kept as
     ``latest_checkpointed_iteration.txt.rlsup-prev``. For Megatron-Bridge runs the root
@@ -195,6 +202,10 @@ def repair_tracker(directory: str | Path, step: int) -> Path:
     record = mod.verify_step(step_dir, step, mod.make_context(root))
     if not record.valid:
         raise ValueError(f"{root}: step {step} is not valid ({record.reason}); refusing to point the tracker at it")
+    if layout == deepspeed.NAME:  # DeepSpeed's load_checkpoint(dir) reads the tag from each save dir's `latest`
+        paths = [role / deepspeed.LATEST for role in deepspeed.role_dirs(deepspeed.run_root(root))]
+        tracker.write_deepspeed_latest(paths, step_dir.name)
+        return paths[0]
     path = root / tracker.TRACKER
     tracker.write_tracker(path, step)
     bridge_state = step_dir / megatron.BRIDGE_TRAIN_STATE
