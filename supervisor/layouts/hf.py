@@ -178,6 +178,8 @@ def check_deepspeed(path: Path, names: set[str]) -> Check:
     """``latest`` names a tag directory holding intact model-state and ZeRO optimizer files, ranks 0..n-1."""
     try:
         tag = (path / DS_LATEST).read_text(encoding="utf-8").strip()
+    except FileNotFoundError:
+        return Check.bad(f"DeepSpeed {DS_LATEST} missing (rank 0 writes it at the end of save_checkpoint)")
     except (OSError, UnicodeDecodeError) as exc:
         return Check.bad(f"DeepSpeed {DS_LATEST} unreadable: {exc}")
     if not tag or "/" in tag or tag not in names or not (path / tag).is_dir():

@@ -1,0 +1,215 @@
+"""HF Trainer / TRL ``checkpoint-N`` layout: a real Trainer killed before each file kind of its second save,
+and source-derived FSDP and DeepSpeed steps (tests/hf_builders.py), complete, torn and missing files."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import JOBS, ROOT
+from hf_builders import bench_tree, hf_step, truncate
+
+import kill_matrix
+from supervisor import layouts
+
+trainer_utils = pytest.importorskip("transformers.trainer_utils")
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RLSUP_")}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def _writer(root: Path) -> list[str]:
+    return [sys.executable, str(JOBS / "hf_train_job.py"), str(root), "--max-steps", "2", "--save-steps", "1"]
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[kill_matrix.FileEvent]]:
+    root = tmp_path_factory.mktemp("hf-record") / "out"
+    root.mkdir()
+    events, _ = kill_matrix.record_events(_writer(root), root, env=_env(), timeout=300)
+    return root, events
+
+
+def _save_b_kill_points(events: list[kill_matrix.FileEvent]) -> list[kill_matrix.FileEvent]:
+    """The first event of each distinct file kind of step 2's save (torch.save files, JSON, safetensors, mkdir).
+    generation_config.json is the same kind as config.json (a plain JSON write) and is left out for time."""
+    seen: set[str] = set()
+    out = []
+    for e in events:
+        if "checkpoint-2" not in e.path:
+            continue
+        kind = "mkdir" if e.event == "os.mkdir" else Path(e.path).name
+        if kind in seen or kind == "generation_config.json":
+            continue
+        seen.add(kind)
+        out.append(e)
+    return out
+
+
+def test_recorded_save_order_matches_the_source(recorded) -> None:
+    """Trainer._save_checkpoint (transformers 5.23): weights, training_args, optimizer, scheduler, rng, and
+    trainer_state.json last; the layout's commit point."""
+    root, events = recorded
+    names = [Path(e.path).name for e in events if "checkpoint-2" in e.path and e.event == "open"]
+    assert names[-1] == "trainer_state.json", names
+    assert names.index("model.safetensors") < names.index("optimizer.pt") < names.index("rng_state.pth")
+    assert [r.step for r in layouts.scan(root) if r.valid] == [1, 2]
+    assert layouts.latest_valid(root).step == 2
+
+
+def test_kill_before_each_file_of_the_second_save(recorded, tmp_path: Path) -> None:
+    _, events = recorded
+    points = _save_b_kill_points(events)
+    assert len(points) >= 7, [p.describe() for p in points]
+    hf_picks_broken = []
+    for point in points:
+        root = tmp_path / f"k{point.index}"
+        root.mkdir()
+        kill_matrix.run_killed_at(_writer(root), root, point.index, env=_env(), timeout=300)
+        best = layouts.latest_valid(root)
+        assert best is not None and best.step == 1, (point.describe(), best)
+        rec2 = layouts.verify_path(root / "checkpoint-2") if (root / "checkpoint-2").exists() else None
+        assert rec2 is None or not rec2.valid, point.describe()
+        if trainer_utils.get_last_checkpoint(str(root)) == str(root / "checkpoint-2"):
+            hf_picks_broken.append(point.describe())
+        _half_written_variant(root, events, point)
+    # transformers' resume_from_checkpoint=True takes the highest checkpoint-N, torn or not (#35782, #35525)
+    assert hf_picks_broken, "get_last_checkpoint never picked the broken step"
+
+
+def _half_written_variant(root: Path, events: list[kill_matrix.FileEvent], point: kill_matrix.FileEvent) -> None:
+    """A kill inside a write: the file event k-1 created, cut to half; still never the chosen step."""
+    prev = next((e for e in events if e.index == point.index - 1), None)
+    if prev is None or prev.event != "open" or "checkpoint-2" not in prev.path:
+        return
+    target = root / "checkpoint-2" / Path(prev.path).name
+    if not target.exists() or target.stat().st_size < 2:
+        return
+    truncate(target, 0.5)
+    rec = layouts.verify_path(root / "checkpoint-2")
+    assert not rec.valid, (point.describe(), rec)
+    assert layouts.latest_valid(root).step == 1
+
+
+def test_half_written_trainer_state_and_torn_files(recorded, tmp_path: Path) -> None:
+    src, _ = recorded
+    for name, expect in (("trainer_state.json", "trainer_state.json"), ("optimizer.pt", "optimizer.pt"),
+                         ("model.safetensors", "model.safetensors"), ("rng_state.pth", "rng_state.pth")):
+        root = tmp_path / name
+        shutil.copytree(src, root)
+        truncate(root / "checkpoint-2" / name, 0.5)
+        rec = layouts.verify_path(root / "checkpoint-2")
+        assert not rec.valid and expect in rec.reason, rec
+        assert layouts.latest_valid(root).step == 1
+        assert trainer_utils.get_last_checkpoint(str(root)).endswith("checkpoint-2")
+
+
+def test_missing_optimizer_is_invalid_when_the_run_saves_it(recorded, tmp_path: Path) -> None:
+    """Trainer's resume silently skips a missing optimizer.pt/scheduler.pt/rng_state.pth; rlsup does not."""
+    root = tmp_path / "r"
+    shutil.copytree(recorded[0], root)
+    for name in ("optimizer.pt", "scheduler.pt", "rng_state.pth"):
+        (root / "checkpoint-2" / name).rename(root / name)
+        rec = layouts.verify_path(root / "checkpoint-2")
+        assert not rec.valid and name in rec.reason, rec
+        (root / name).rename(root / "checkpoint-2" / name)
+    assert layouts.verify_path(root / "checkpoint-2").valid
+
+
+def test_trainer_state_step_mismatch(recorded, tmp_path: Path) -> None:
+    root = tmp_path / "r"
+    shutil.copytree(recorded[0], root)
+    shutil.copytree(root / "checkpoint-1", root / "checkpoint-3")  # a copy under the wrong name
+    rec = layouts.verify_path(root / "checkpoint-3")
+    assert not rec.valid and "global_step 1" in rec.reason
+    assert layouts.latest_valid(root).step == 2
+
+
+# ------------------------------------------------------------------ source-derived builders
+
+
+def test_builder_plain_sharded_and_peft(tmp_path: Path) -> None:
+    hf_step(tmp_path / "a", 5, sharded=True)
+    hf_step(tmp_path / "a", 10, sharded=True)
+    assert layouts.detect_layout(tmp_path / "a") == "hf"
+    assert layouts.latest_valid(tmp_path / "a").step == 10
+    (tmp_path / "a" / "checkpoint-10" / "model-00002-of-00002.safetensors").unlink()
+    rec = layouts.verify_path(tmp_path / "a" / "checkpoint-10")
+    assert not rec.valid and "model-00002-of-00002.safetensors missing" in rec.reason
+    hf_step(tmp_path / "p", 5, peft=True)
+    p10 = hf_step(tmp_path / "p", 10, peft=True)
+    assert layouts.verify_path(p10).valid
+    truncate(p10 / "adapter_model.safetensors", 0.5)
+    assert "adapter_model.safetensors" in layouts.verify_path(p10).reason
+    assert layouts.latest_valid(tmp_path / "p").step == 5
+
+
+def test_builder_multi_rank_rng(tmp_path: Path) -> None:
+    hf_step(tmp_path, 5, ranks=4)
+    s10 = hf_step(tmp_path, 10, ranks=4)
+    (s10 / "rng_state_3.pth").unlink()  # no barrier before rank 0's trainer_state.json: rank 3 was late
+    rec = layouts.verify_path(s10)
+    assert not rec.valid and "rng_state" in rec.reason
+    (s10 / "rng_state_1.pth").unlink()
+    assert "ranks [1]" in layouts.verify_path(s10).reason
+    assert layouts.latest_valid(tmp_path).step == 5
+
+
+def test_builder_fsdp_sharded(tmp_path: Path) -> None:
+    hf_step(tmp_path, 5, fsdp=True)
+    s10 = hf_step(tmp_path, 10, fsdp=True)
+    assert layouts.verify_path(s10).valid
+    (s10 / "optimizer_0" / ".metadata").unlink()  # DCP writes .metadata last
+    rec = layouts.verify_path(s10)
+    assert not rec.valid and "optimizer_0" in rec.reason and ".metadata" in rec.reason
+    s15 = hf_step(tmp_path, 15, fsdp=True)
+    shard = next((s15 / "pytorch_model_fsdp_0").glob("*.distcp"))
+    truncate(shard, 0.5)
+    assert "pytorch_model_fsdp_0" in layouts.verify_path(s15).reason
+    s20 = hf_step(tmp_path, 20, fsdp=True)
+    shutil.rmtree(s20 / "optimizer_0")
+    assert "optimizer_0/ missing" in layouts.verify_path(s20).reason
+    assert layouts.latest_valid(tmp_path).step == 5
+
+
+def test_builder_deepspeed(tmp_path: Path) -> None:
+    hf_step(tmp_path, 5, deepspeed=2)
+    s10 = hf_step(tmp_path, 10, deepspeed=2)
+    assert layouts.verify_path(s10).valid
+    (s10 / "latest").write_text("global_step9")
+    assert "global_step9" in layouts.verify_path(s10).reason
+    (s10 / "latest").write_text("global_step10")
+    (s10 / "global_step10" / "zero_pp_rank_0_mp_rank_00_optim_states.pt").unlink()
+    assert "ranks [0]" in layouts.verify_path(s10).reason
+    s15 = hf_step(tmp_path, 15, deepspeed=2)
+    (s15 / "latest").unlink()  # killed inside save_checkpoint, before rank 0 wrote latest
+    assert "latest missing" in layouts.verify_path(s15).reason
+    s20 = hf_step(tmp_path, 20, deepspeed=2)
+    truncate(s20 / "global_step20" / "mp_rank_00_model_states.pt", 0.5)
+    assert "mp_rank_00_model_states.pt" in layouts.verify_path(s20).reason
+    assert layouts.latest_valid(tmp_path).step == 5
+
+
+@pytest.mark.parametrize("content", ["", "{", "[]", '{"global_step": "x"}', "\x00\x00"])
+def test_torn_trainer_state_never_raises(tmp_path: Path, content: str) -> None:
+    hf_step(tmp_path, 5)
+    s10 = hf_step(tmp_path, 10)
+    (s10 / "trainer_state.json").write_text(content)
+    assert not layouts.verify_path(s10).valid
+    assert layouts.latest_valid(tmp_path).step == 5
+
+
+def test_bench_tree(tmp_path: Path) -> None:
+    bench_tree(tmp_path, 6)
+    recs = layouts.scan(tmp_path)
+    assert len(recs) == 6 and [r.valid for r in recs] == [True] * 5 + [False]
+    assert layouts.latest_valid(tmp_path).step == recs[-2].step
+    state = json.loads((recs[-2].path / "trainer_state.json").read_text())
+    assert state["global_step"] == recs[-2].step
