@@ -1,34 +1,149 @@
-"""NeMo 2 (<name>--step=N-consumed_samples=...[-last]/ with weights/ and context/).
+"""NeMo 2 checkpoints: ``<name>--...-step=N-consumed_samples=...[-last]/`` with ``weights/`` and ``context/``.
 
-Stub: not yet implemented (issue 18); never detected.
+What one save does (NeMo ``nemo/lightning/pytorch/callbacks/model_checkpoint.py``, ``io/pl.py``,
+``io/mixin.py`` at 8cfedd7, NeMo 2.5 era), per checkpoint directory:
+
+1. ``ModelCheckpoint._save_checkpoint`` touches the sibling marker ``<ckpt>-unfinished``;
+2. ``MegatronCheckpointIO.save_checkpoint`` writes ``<ckpt>/weights/`` with megatron-core
+   ``dist_checkpointing.save`` (``common.pt``, shards, ``.metadata``, ``metadata.json`` last);
+3. ``TrainerContext.io_dump`` writes ``<ckpt>/context/`` (``io.json``, artifacts, ``model.yaml``);
+4. the finalize callback removes the marker (for async saves, when the async write is done).
+
+Lightning saves each step twice with ``save_last=True`` (the top-k name, then ``...-last``) and then
+removes the previous ``-last``; a removal also sets the marker first and clears it after. So a
+directory whose marker exists is being written or deleted, or was when the job died: never valid, and
+rlsup never deletes or touches it (NeMo's own ``ModelCheckpoint.setup`` deletes it on the next start).
+The marker is the commit point; the file checks below catch trees copied without their markers.
 """
 
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-from supervisor.layouts.record import CheckpointRecord
+from supervisor.layouts import megatron
+from supervisor.layouts.files import read_json, tree_size
+from supervisor.layouts.record import Check, CheckpointRecord
 
 NAME = "nemo"
+MARKER_SUFFIX = "-unfinished"
+STEP_RE = re.compile(r"(?:^|-)step=(\d+)(?=-|$)")
+WEIGHTS = "weights"
+CONTEXT = "context"
+IO_JSON = "io.json"
 
 
-def looks_like(root: Path) -> bool:
-    return False
+@dataclass
+class NemoContext:
+    """Run-wide facts: whether this run writes ``context/`` (``enable_nemo_ckpt_io``, on by default)."""
+
+    expects_context: bool
+
+
+def step_of(path: Path) -> int | None:
+    """The N of ``step=N`` in a NeMo checkpoint directory name (None for markers and other names)."""
+    if path.name.endswith(MARKER_SUFFIX):
+        return None
+    m = STEP_RE.search(path.name)
+    return int(m.group(1)) if m else None
+
+
+def marker_of(path: Path) -> Path:
+    """``format_checkpoint_unfinished_marker_path``: the path minus ``.ckpt`` and ``-EMA``, plus ``-unfinished``."""
+    return Path(str(path).removesuffix(".ckpt").removesuffix("-EMA") + MARKER_SUFFIX)
+
+
+def _is_dir(path: Path) -> bool:
+    try:
+        return path.is_dir()
+    except OSError:
+        return False
 
 
 def owns(path: Path) -> bool:
-    """Whether ``path`` is one step of this layout (for :func:`supervisor.layouts.verify_path`)."""
-    return False
+    """A directory named ``...step=N...`` holding ``weights/`` or ``context/``, or with its marker beside it."""
+    if step_of(path) is None or not _is_dir(path):
+        return False
+    return _is_dir(path / WEIGHTS) or _is_dir(path / CONTEXT) or marker_of(path).exists()
 
 
 def list_steps(root: Path) -> list[tuple[int, Path]]:
-    return []
+    """Every ``step=N`` directory (top-k and ``-last`` both); ``-last`` sorts after its twin, so it is tried first."""
+    out = []
+    try:
+        children = list(root.iterdir())
+    except OSError:
+        return []
+    for child in children:
+        step = step_of(child)
+        if step is not None and _is_dir(child):
+            out.append((step, child))
+    return sorted(out, key=lambda t: (t[0], t[1].name))
 
 
-def make_context(root: Path) -> Any:
-    return None
+def looks_like(root: Path) -> bool:
+    return any(owns(p) for _, p in list_steps(root)[-4:])
 
 
-def verify_step(path: Path, step: int | None = None, ctx: Any = None) -> CheckpointRecord:
-    raise NotImplementedError
+def make_context(root: Path) -> NemoContext:
+    """A run writes ``context/`` when any finished step of it has one."""
+    for _, path in reversed(list_steps(root)):
+        if not marker_of(path).exists() and _is_dir(path / CONTEXT):
+            return NemoContext(expects_context=True)
+    return NemoContext(expects_context=False)
+
+
+def check_context(directory: Path) -> Check:
+    """``context/io.json`` parses (it is opened first and written last in ``io_dump``); yaml files non-empty."""
+    if not _is_dir(directory):
+        return Check.bad(f"{CONTEXT}/ missing (io_dump writes it after weights/)")
+    data, err = read_json(directory / IO_JSON)
+    if err:
+        return Check.bad(f"{CONTEXT}/{err}")
+    if not isinstance(data, dict):
+        return Check.bad(f"{CONTEXT}/{IO_JSON} is not an object")
+    for y in directory.glob("*.yaml"):
+        try:
+            if y.stat().st_size == 0:
+                return Check.bad(f"{CONTEXT}/{y.name} is empty (torn write)")
+        except OSError as exc:
+            return Check.bad(f"{CONTEXT}/{y.name} unreadable: {exc}")
+    return Check.good()
+
+
+def check_step(path: Path, ctx: NemoContext) -> Check:
+    marker = marker_of(path)
+    if marker.exists():
+        return Check.bad(f"{marker.name} present: NeMo was saving or deleting this checkpoint (killed mid-way, "
+                         "or still running); left alone, NeMo removes it on its next start")
+    if not _is_dir(path / WEIGHTS):
+        return Check.bad(f"{WEIGHTS}/ missing (killed before MegatronCheckpointIO wrote it)")
+    weights = megatron.check_mcore_dist(path / WEIGHTS)
+    if not weights.ok:
+        return weights
+    notes = list(weights.notes)
+    if ctx.expects_context or _is_dir(path / CONTEXT):
+        context = check_context(path / CONTEXT)
+        if not context.ok:
+            return Check.bad(context.reason, notes)
+    else:
+        notes.append("no context/ in this run (enable_nemo_ckpt_io off?): weights only")
+    return Check.good(notes)
+
+
+def verify_step(path: Path, step: int | None = None, ctx: NemoContext | None = None) -> CheckpointRecord:
+    """A step is valid when it has no ``-unfinished`` marker, ``weights/`` passes the MCore dist checks
+    and ``context/`` (when the run writes one) has a parsing ``io.json``."""
+    check = check_step(path, ctx or make_context(path.parent))
+    s = step if step is not None else step_of(path)
+    return CheckpointRecord(
+        step=-1 if s is None else s,
+        layout=NAME,
+        path=path,
+        valid=check.ok,
+        reason=check.reason or "complete",
+        size_bytes=tree_size(path),
+        role="last" if path.name.endswith("-last") else None,
+        notes=check.notes,
+    )

@@ -1,34 +1,181 @@
-"""NeMo-RL (step_N/ committed by renaming tmp_step_N).
+"""NeMo-RL checkpoints: ``step_N/`` committed by renaming ``tmp_step_N`` (NVIDIA-NeMo/RL).
 
-Stub: not yet implemented (issue 18); never detected.
+What one save does (``nemo_rl/utils/checkpoint.py`` CheckpointManager and the algorithm loops, e.g.
+``nemo_rl/algorithms/grpo.py``, at 01e9028): ``init_tmp_checkpoint`` makes ``tmp_step_N/`` with
+``training_info.json`` and ``config.yaml``; the policy writes ``policy/weights`` and
+``policy/optimizer`` (DTensor: two ``torch.distributed.checkpoint`` saves, plus ``policy/tokenizer``;
+Megatron: ``policy/weights/iter_0000000/`` MCore dist checkpoint with the optimizer inside); the loop
+``torch.save``\\ s ``train_dataloader.pt``; ``finalize_checkpoint`` renames ``tmp_step_N`` to
+``step_N`` (an existing ``step_N`` is first renamed to ``old_step_N``) and prunes old steps.
+
+The rename is the commit point: ``tmp_step_N`` and ``old_step_N`` are never valid steps. A committed
+``step_N`` is still checked file by file (trees copied or synced non-atomically, or torn by storage).
+rlsup's own layout (``step_NNNNNNNNN/manifest.rank_*.json``) is detected first; a directory holding
+rlsup manifests is never claimed here.
 """
 
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-from supervisor.layouts.record import CheckpointRecord
+from supervisor.layouts import dcp, megatron
+from supervisor.layouts.files import check_hf_dir, check_zip, read_json, tree_size
+from supervisor.layouts.record import Check, CheckpointRecord
 
 NAME = "nemo-rl"
+STEP_RE = re.compile(r"^step_(\d+)$")
+UNCOMMITTED_RE = re.compile(r"^(tmp|old)_step_(\d+)$")
+TRAINING_INFO = "training_info.json"
+CONFIG = "config.yaml"
+COMPONENTS = ("policy", "value", "teacher")
+DATALOADER_GLOB = "train_dataloader*.pt"
+RLSUP_MANIFEST_GLOB = "manifest.rank_*.json"
 
 
-def looks_like(root: Path) -> bool:
-    return False
+@dataclass
+class NemoRLContext:
+    """Run-wide facts: whether committed steps of this run carry dataloader state."""
+
+    expects_dataloader: bool
+
+
+def _is_dir(path: Path) -> bool:
+    try:
+        return path.is_dir()
+    except OSError:
+        return False
+
+
+def _is_rlsup(path: Path) -> bool:
+    try:
+        return any(path.glob(RLSUP_MANIFEST_GLOB))
+    except OSError:
+        return False
+
+
+def step_of(path: Path) -> int | None:
+    """N of ``step_N``, ``tmp_step_N`` or ``old_step_N``."""
+    m = STEP_RE.match(path.name) or UNCOMMITTED_RE.match(path.name)
+    return int(m.groups()[-1]) if m else None
 
 
 def owns(path: Path) -> bool:
-    """Whether ``path`` is one step of this layout (for :func:`supervisor.layouts.verify_path`)."""
-    return False
+    """A NeMo-RL step directory (committed or not), never one holding rlsup manifests."""
+    if step_of(path) is None or not _is_dir(path) or _is_rlsup(path):
+        return False
+    if UNCOMMITTED_RE.match(path.name):
+        return True
+    return (path / TRAINING_INFO).exists() or any(_is_dir(path / c) for c in COMPONENTS)
 
 
 def list_steps(root: Path) -> list[tuple[int, Path]]:
-    return []
+    """``step_N``, ``tmp_step_N`` and ``old_step_N`` directories; the committed one sorts last per step."""
+    out = []
+    try:
+        children = list(root.iterdir())
+    except OSError:
+        return []
+    for child in children:
+        step = step_of(child)
+        if step is not None and _is_dir(child) and not _is_rlsup(child):
+            out.append((step, child))
+    return sorted(out, key=lambda t: (t[0], STEP_RE.match(t[1].name) is not None, t[1].name))
 
 
-def make_context(root: Path) -> Any:
-    return None
+def looks_like(root: Path) -> bool:
+    """Some step directory has NeMo-RL's files (or is a ``tmp_step_N``); rlsup trees never qualify."""
+    return any(owns(p) for _, p in list_steps(root)[-4:])
 
 
-def verify_step(path: Path, step: int | None = None, ctx: Any = None) -> CheckpointRecord:
-    raise NotImplementedError
+def make_context(root: Path) -> NemoRLContext:
+    for _, path in list_steps(root):
+        if STEP_RE.match(path.name) and any(path.glob(DATALOADER_GLOB)):
+            return NemoRLContext(expects_dataloader=True)
+    return NemoRLContext(expects_dataloader=False)
+
+
+def check_weights(weights: Path) -> Check:
+    """``weights/`` is a DCP (DTensor), an MCore ``iter_*`` directory (Megatron) or safetensors (Automodel)."""
+    if not _is_dir(weights):
+        return Check.bad(f"{weights.parent.name}/{weights.name}/ missing")
+    label = f"{weights.parent.name}/{weights.name}"
+    if dcp.looks_like_dcp(weights):
+        c = dcp.check_dcp(weights)
+        return c if c.ok else Check.bad(f"{label}: {c.reason}")
+    iters = sorted(p for p in weights.glob("iter_*") if p.is_dir())
+    if iters:
+        for it in iters:
+            c = megatron.check_mcore_dist(it)
+            if not c.ok:
+                return Check.bad(f"{label}/{c.reason}")
+        return Check.good()
+    hf_dir = weights / "model" if _is_dir(weights / "model") else weights
+    if any(hf_dir.glob("*.safetensors")) or any(hf_dir.glob("*.index.json")):
+        c = check_hf_dir(hf_dir, need_weights=True)
+        return c if c.ok else Check.bad(f"{label}: {c.reason}")
+    return Check.bad(f"{label}/ holds no DCP, MCore or safetensors checkpoint")
+
+
+def check_component(comp: Path) -> Check:
+    weights = check_weights(comp / "weights")
+    if not weights.ok:
+        return weights
+    optimizer = comp / "optimizer"
+    if _is_dir(optimizer) and dcp.looks_like_dcp(optimizer):
+        c = dcp.check_dcp(optimizer)
+        if not c.ok:
+            return Check.bad(f"{comp.name}/optimizer: {c.reason}")
+    elif _is_dir(optimizer) and not any(optimizer.iterdir()):
+        return Check.bad(f"{comp.name}/optimizer/ is empty")
+    return Check.good(weights.notes)
+
+
+def check_step(path: Path, ctx: NemoRLContext) -> Check:
+    if UNCOMMITTED_RE.match(path.name):
+        return Check.bad(f"{path.name} is uncommitted (NeMo-RL renames tmp_step_N to step_N when the save "
+                         "is complete; old_step_N is a step being replaced)")
+    info, err = read_json(path / TRAINING_INFO)
+    if err:
+        return Check.bad(err)
+    if not isinstance(info, dict):
+        return Check.bad(f"{TRAINING_INFO} is not an object")
+    try:
+        if (path / CONFIG).exists() and (path / CONFIG).stat().st_size == 0:
+            return Check.bad(f"{CONFIG} is empty (torn write)")
+    except OSError as exc:
+        return Check.bad(f"{CONFIG} unreadable: {exc}")
+    comps = [path / c for c in COMPONENTS if _is_dir(path / c)]
+    if not comps:
+        return Check.bad(f"no model component ({', '.join(COMPONENTS)}) in the step")
+    notes: list[str] = []
+    for comp in comps:
+        c = check_component(comp)
+        if not c.ok:
+            return c
+        notes.extend(c.notes)
+    loaders = sorted(path.glob(DATALOADER_GLOB))
+    if ctx.expects_dataloader and not loaders:
+        return Check.bad("train_dataloader.pt missing (other steps of this run have it)", notes)
+    for f in loaders:
+        c = check_zip(f)
+        if not c.ok:
+            return Check.bad(c.reason, notes)
+    return Check.good(notes)
+
+
+def verify_step(path: Path, step: int | None = None, ctx: NemoRLContext | None = None) -> CheckpointRecord:
+    """Valid: a committed ``step_N`` whose training_info.json parses, every model component's weights
+    (and optimizer, when saved) are complete, and the dataloader state is intact."""
+    check = check_step(path, ctx or make_context(path.parent))
+    s = step if step is not None else step_of(path)
+    return CheckpointRecord(
+        step=-1 if s is None else s,
+        layout=NAME,
+        path=path,
+        valid=check.ok,
+        reason=check.reason or "complete",
+        size_bytes=tree_size(path),
+        notes=check.notes,
+    )
