@@ -32,6 +32,9 @@ class AttemptResult:
     last_step: int | None = None
     output_tail: list[str] = field(default_factory=list)
     ended: float = field(default_factory=time.monotonic)
+    verdict: str = ""  # the stacks grouped (supervisor.stack_groups), when stacks were taken
+    suspect_ranks: list[int] = field(default_factory=list)
+    suspect_nodes: list[str] = field(default_factory=list)
 
 
 _TORCHRUN_EXIT = re.compile(r"exitcode\s*:\s*(-?\d+)\s*\(pid:\s*(\d+)\)")

@@ -213,6 +213,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         extra = f" downtime {inc['downtime_s']:.1f}s" if inc.get("downtime_s") is not None else ""
         resumed = f" resumed step {inc['resumed_step']}" if inc.get("resumed_step") is not None else ""
         print(f"  {when} attempt {inc['attempt']}: {inc['reason']} {inc.get('detail', '')} -> {inc['action']}{extra}{resumed}")
+        if inc.get("verdict"):
+            print(f"      {inc['verdict']}")
     return 0
 
 
@@ -318,6 +320,9 @@ def build_parser() -> argparse.ArgumentParser:
         pass
     else:
         checkpoints_cli.register(sub)
+    from supervisor import incidents_cli
+
+    incidents_cli.register(sub)
     return parser
 
 

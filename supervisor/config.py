@@ -66,6 +66,8 @@ class SupervisorConfig:
     warm_imports: tuple[str, ...] = _opt((), "With warm_launcher: modules each warm rank imports (after torch) before it becomes a worker, e.g. your model library. They are imported under the attempt's environment before the rank's RANK, LOCAL_RANK and the next attempt's RLSUP_* variables are set: list only modules whose import does not read those.")
     resume: bool = _opt(True, "Pick the newest valid checkpoint before each attempt and pass it as RLSUP_RESUME_DIR (empty: start fresh), which every rank must load; false: the trainer chooses.")
     checkpoint_layout: str = _opt("auto", "Checkpoint layout to read: auto, rlsup, verl, megatron, areal, dcp.")
+    pre_launch_check: str = _opt("", "Shell command run on this node before every attempt (e.g. 'nvidia-smi', 'dcgmi diag -r 1', a filesystem probe); a non-zero exit or a timeout marks the node unhealthy: rlsup stops with exit 77 and appends the node's name to <state_dir>/unhealthy_nodes. Empty: no check.")
+    pre_launch_timeout: float = _opt(300.0, "Seconds pre_launch_check may take before it counts as failed.")
     repair_tracker: bool = _opt(False, "Rewrite a trainer's tracker file (verl/Megatron) to the chosen step before a restart.")
     metrics_port: int = _opt(9778, "Port of the Prometheus /metrics endpoint (0: off). 9778 avoids node_exporter, DCGM and Prometheus' own ports.")
     metrics_addr: str = _opt("0.0.0.0", "Address the /metrics endpoint binds to.")
@@ -315,7 +317,7 @@ def _validate(cfg: SupervisorConfig, origins: dict[str, str]) -> None:
                 "persistent_bandwidth", "memory_limit_bytes", "disk_every", "disk_every_seconds"):
         if getattr(cfg, key) < 0:
             raise bad(key, "must be >= 0")
-    for key in ("backoff_initial", "backoff_max", "kill_grace", "stop_grace", "startup_timeout", "save_timeout",
+    for key in ("backoff_initial", "backoff_max", "kill_grace", "stop_grace", "pre_launch_timeout", "startup_timeout", "save_timeout",
                 "restart_window", "auto_timeout_floor", "heartbeat_timeout_initial"):
         if getattr(cfg, key) < 0:
             raise bad(key, "must be >= 0 seconds")

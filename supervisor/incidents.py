@@ -39,6 +39,9 @@ class Incident:
     resumed_from: str | None = None
     resumed_step: int | None = None
     resumed_tier: str | None = None  # local | peer | persistent
+    verdict: str = ""  # who to blame, from the grouped stacks (supervisor.stack_groups) or a health check
+    suspect_ranks: list[int] = field(default_factory=list)
+    suspect_nodes: list[str] = field(default_factory=list)
 
 
 @dataclass

@@ -40,9 +40,11 @@ class JobStatus(_Value):
         STOPPED   (final)
         PREEMPTED (final)
 
-    STARTING -> FAILED: the attempt was abandoned before launch (another node ended the round).
+    STARTING -> FAILED: the attempt was abandoned before launch (another node ended the round, or this
+    node failed its pre_launch_check).
     RUNNING -> FAILED: the job exited non-zero, died by a signal, hung, or another node failed.
-    FAILED -> GAVE_UP: retries exhausted, a fatal exit code, or too many attempts without progress.
+    FAILED -> GAVE_UP: retries exhausted, a fatal exit code, too many attempts without progress, or an
+    unhealthy node.
     RUNNING -> STOPPING: rlsup got SIGTERM/SIGINT or the preemption signal while the job ran; the job
     gets ``stop_grace`` to save and exit. BACKOFF -> STOPPED | PREEMPTED: the same, between attempts.
     """
@@ -118,6 +120,7 @@ class EndReason(_Value):
     STOPPED = "stopped"  # rlsup got SIGTERM/SIGINT
     PREEMPTED = "preempted"  # rlsup got the preemption signal
     SUPERVISOR_LOST = "supervisor_lost"  # a previous rlsup died while the job ran; found at start
+    UNHEALTHY = "unhealthy"  # this node failed pre_launch_check; nothing was launched
 
 
 # Reasons a launched (or abandoned) attempt fails with: each one is a restart candidate and a
@@ -137,6 +140,7 @@ class Action(_Value):
     FATAL = "fatal"  # the exit code is one of fatal_exit_codes
     NO_PROGRESS = "no_progress"  # max_no_progress_attempts in a row without a newer valid checkpoint
     STOP = "stop"  # rlsup was stopped or preempted
+    EXCLUDE_NODE = "exclude_node"  # the node failed its health check: stop, requeue without it
 
 
 __all__ = ["JobStatus", "TRANSITIONS", "FINAL", "IllegalTransition", "check_transition", "diagram", "EndReason",

@@ -84,6 +84,8 @@ class SupervisorMetrics(Observer):
                               registry=r)
         self.resume_tier = Counter("rlsup_resumes_total", "Resumes by where the checkpoint came from.", ["tier"],
                                    registry=r)
+        self.suspects = Counter("rlsup_suspect_total", "Times a node was named the likely culprit of a failure.",
+                                ["node", "why"], registry=r)
         self._started = time.monotonic()
         self._ckpt_written = 0.0
         self._productive = 0.0
@@ -178,6 +180,9 @@ class SupervisorMetrics(Observer):
 
     def resumed_from(self, tier: str) -> None:
         self.resume_tier.labels(tier).inc()
+
+    def suspect(self, node: str, why: str) -> None:
+        self.suspects.labels(node, why).inc()  # node names, not pids: the label set stays bounded
 
     def _goodput(self) -> float:
         wall = time.monotonic() - self._started

@@ -38,3 +38,6 @@ class Observer:
 
     def replication_lag(self, peer: str, seconds: float) -> None:
         """Age of the oldest local part not yet on ``peer`` (0: caught up)."""
+
+    def suspect(self, node: str, why: str) -> None:
+        """``node`` was named as the likely culprit of a failure (``why``: stacks, health, repeated)."""

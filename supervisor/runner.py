@@ -24,6 +24,7 @@ from supervisor import exit_codes
 from supervisor.attempt_end import AttemptResult, classify_exit, from_rank_death
 from supervisor.config import SupervisorConfig
 from supervisor.hang_detector import AutoTimeout, HangDetector, HangSettings, HangVerdict
+from supervisor.health import node_name
 from supervisor.incidents import Incident, JobState, append_incident, write_state
 from supervisor.job_identity import ENV_JOB_ID, JobIdentity, job_identity
 from supervisor.lifecycle import FINAL, Action, EndReason, JobStatus, check_transition
@@ -75,6 +76,7 @@ class Supervisor:
         self.incidents: list[Incident] = []
         self.state = JobState(JobStatus.INIT, 0, os.getpid(), self.command, time.time())
         self._zygote: Zygote | None = None  # the next attempt's pre-spawned torchrun (warm_launcher)
+        self.node_name = node_name()  # what incidents, metrics and the SLURM exclude list call this machine
         from supervisor.persistent import PersistentTier
 
         self.persistent = PersistentTier.from_config(self.cfg, job=self.job.id)  # None when persistent_dir is empty
@@ -112,6 +114,9 @@ class Supervisor:
         pending: tuple[Incident, float] | None = None  # last failure, recorded once the next attempt starts
         while True:
             self._set_state(JobStatus.STARTING, attempt=attempt)
+            sick = self.check_health(attempt)
+            if sick is not None:
+                return self._unhealthy(attempt, sick, pending)
             try:
                 resume = self.prepare(attempt)
             except AttemptAbandoned as e:
@@ -178,6 +183,29 @@ class Supervisor:
         return self._finish(code, status, attempt)
 
     # ------------------------------------------------------------ steps (overridable)
+
+    def check_health(self, attempt: int) -> AttemptResult | None:
+        """Run ``pre_launch_check`` (if set); the failed attempt it makes, or None when healthy."""
+        from supervisor.health import check_node
+
+        sick = check_node(self.cfg.pre_launch_check, self.cfg.pre_launch_timeout, attempt, self.node_name)
+        if sick is not None:
+            self._log(f"attempt {attempt}: {sick.verdict}")
+        return sick
+
+    def _unhealthy(self, attempt: int, result: AttemptResult, pending: "tuple[Incident, float] | None") -> RunResult:
+        """Stop without launching: record the node for the requeue's ``--exclude`` and exit UNHEALTHY."""
+        from supervisor.health import record_unhealthy
+
+        if pending is not None:
+            self._record(pending[0])
+        self._record(self._incident(result, Action.EXCLUDE_NODE))
+        path = record_unhealthy(self.state_dir, self.node_name)
+        self._log(f"node {self.node_name} recorded in {path}; requeue the job without it")
+        self.observer.suspect(self.node_name, "health")
+        self._set_state(JobStatus.FAILED)
+        self._set_state(JobStatus.GAVE_UP, exit_code=exit_codes.UNHEALTHY)
+        return self._finish(exit_codes.UNHEALTHY, JobStatus.GAVE_UP, attempt)
 
     def first_attempt(self) -> int:
         """0, or the attempt after the one a previous rlsup was running when it died (SIGKILL, OOM)."""
@@ -435,8 +463,20 @@ class Supervisor:
         detail = f"{who} silent for {verdict.silent_s:.2f}s > {verdict.reason} {verdict.timeout_s:.2f}s"
         self._log(f"attempt {attempt}: hang detected: {detail}; dumping stacks")
         stacks = self.processes.dump_stacks(detector.directory, detector.records)
-        return AttemptResult(attempt, reason, None, rank=verdict.rank, pid=verdict.pid, detail=detail, stacks=stacks,
-                             last_step=detector.last_step(), output_tail=job.output.tail())
+        return self._with_verdict(attempt, AttemptResult(
+            attempt, reason, None, rank=verdict.rank, pid=verdict.pid, detail=detail, stacks=stacks,
+            last_step=detector.last_step(), output_tail=job.output.tail()))
+
+    def _with_verdict(self, attempt: int, result: AttemptResult) -> AttemptResult:
+        """Group the stacks taken and lead the log with who to blame (the ranks outside the majority)."""
+        from supervisor.stack_groups import add_verdict
+
+        add_verdict(result, self.node_name)
+        if result.verdict:
+            self._log(f"attempt {attempt}: {result.verdict}")
+        for node in result.suspect_nodes:
+            self.observer.suspect(node, "stacks")
+        return result
 
     def _stop_job(self, attempt: int, job: JobProcess, detector: HangDetector) -> AttemptResult:
         """Ask the job to save and exit (stop flags + signal), wait stop_grace, then end it."""
@@ -462,9 +502,10 @@ class Supervisor:
                       "killing it")
             detector.scan()
             stacks = self.processes.dump_stacks(detector.directory, detector.records)
-        return AttemptResult(attempt, self._stop_reason(), code, last_step=detector.last_step(),
-                             output_tail=job.output.tail(), stacks=stacks,
-                             detail=f"job exited with {code}" if code is not None else "killed after stop_grace")
+        result = AttemptResult(attempt, self._stop_reason(), code, last_step=detector.last_step(),
+                               output_tail=job.output.tail(), stacks=stacks,
+                               detail=f"job exited with {code}" if code is not None else "killed after stop_grace")
+        return self._with_verdict(attempt, result) if stacks else result
 
     # ------------------------------------------------------------ helpers
 
@@ -488,7 +529,8 @@ class Supervisor:
         return Incident(time=time.time(), attempt=result.attempt, reason=result.reason, exit_code=result.exit_code,
                         signal=result.signal, rank=result.rank, pid=result.pid, detail=result.detail,
                         output_tail=result.output_tail, stacks=result.stacks, last_step=result.last_step,
-                        action=action)
+                        action=action, verdict=result.verdict, suspect_ranks=result.suspect_ranks,
+                        suspect_nodes=result.suspect_nodes)
 
     def _record(self, incident: Incident, downtime: float | None = None, resume: ResumePoint | None = None) -> None:
         incident.downtime_s = None if downtime is None else round(downtime, 3)

@@ -213,6 +213,10 @@ def main(argv: list[str]) -> None:
     except BaseException as e:  # a cold start would have failed or behaved differently: tell the zygote
         os.write(ready_fd, FAILED + f"{type(e).__name__}: {e}".encode("utf-8", "replace")[:2000])
         os._exit(1)
+    import gc
+
+    gc.collect()
+    gc.freeze()  # the warmed-up heap (torch, its compiler stack) lives to the end: no GC pass need scan it
     os.write(ready_fd, READY)
     os.close(ready_fd)
     data = _read_message()

@@ -1,0 +1,92 @@
+"""Node health before launch: the site's own check (``pre_launch_check``), run before every attempt.
+
+A restart that lands on a broken node fails again and costs the whole job each round (NVRx runs
+health checks before its rendezvous for the same reason). rlsup does not guess what "healthy" means
+on a site: it runs the command the site names (``nvidia-smi``, ``dcgmi diag -r 1``, a filesystem
+probe), with a timeout, and a non-zero exit or a timeout marks this node unhealthy: the run stops
+with :data:`supervisor.exit_codes.UNHEALTHY` and the node's name is recorded in
+``<state_dir>/unhealthy_nodes`` so the batch script can requeue with ``--exclude``.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from supervisor.attempt_end import AttemptResult
+from supervisor.lifecycle import EndReason
+
+UNHEALTHY_NODES = "unhealthy_nodes"  # one node name per line, appended; read by deploy/slurm/rlsup.sbatch
+OUTPUT_TAIL = 4000
+
+
+def node_name() -> str:
+    """This machine as the scheduler names it (SLURM's node name), else its host name."""
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
+@dataclass
+class HealthResult:
+    """One run of the check: whether it passed, and what it said."""
+
+    ok: bool
+    detail: str
+    seconds: float
+    output: str = ""
+
+
+def run_check(command: str, timeout: float, env: dict[str, str] | None = None) -> HealthResult:
+    """Run ``command`` through the shell (sites write pipelines); pass = exit 0 within ``timeout``."""
+    start = time.monotonic()
+    try:
+        proc = subprocess.run(command, shell=True, capture_output=True, text=True, timeout=timeout, env=env,
+                              stdin=subprocess.DEVNULL, start_new_session=True)
+    except subprocess.TimeoutExpired as e:
+        out = (e.stdout or b"") if isinstance(e.stdout, bytes) else (e.stdout or "")
+        text = out.decode(errors="replace") if isinstance(out, bytes) else out
+        return HealthResult(False, f"pre_launch_check timed out after {timeout:.0f}s: {command}",
+                            time.monotonic() - start, text[-OUTPUT_TAIL:])
+    except OSError as e:
+        return HealthResult(False, f"pre_launch_check could not run ({e}): {command}", time.monotonic() - start)
+    output = (proc.stdout + proc.stderr)[-OUTPUT_TAIL:]
+    if proc.returncode != 0:
+        last = output.strip().splitlines()[-1] if output.strip() else "no output"
+        return HealthResult(False, f"pre_launch_check exited {proc.returncode} ({last}): {command}",
+                            time.monotonic() - start, output)
+    return HealthResult(True, "passed", time.monotonic() - start, output)
+
+
+def check_node(command: str, timeout: float, attempt: int, node: str) -> AttemptResult | None:
+    """The failed attempt an unhealthy node makes (nothing launched), or None (healthy, or no check set)."""
+    if not command:
+        return None
+    result = run_check(command, timeout)
+    if result.ok:
+        return None
+    return AttemptResult(attempt, EndReason.UNHEALTHY, None, detail=result.detail,
+                         verdict=f"node {node} is unhealthy: {result.detail}",
+                         output_tail=result.output.splitlines()[-20:], suspect_nodes=[node])
+
+
+def record_unhealthy(state_dir: Path, node: str) -> Path:
+    """Append ``node`` to the state directory's unhealthy list (once), for the requeue's ``--exclude``."""
+    state_dir.mkdir(parents=True, exist_ok=True)
+    path = state_dir / UNHEALTHY_NODES
+    known = read_unhealthy(state_dir)
+    if node not in known:
+        with open(path, "a") as f:
+            f.write(node + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+    return path
+
+
+def read_unhealthy(state_dir: Path) -> list[str]:
+    try:
+        return [line.strip() for line in (state_dir / UNHEALTHY_NODES).read_text().splitlines() if line.strip()]
+    except OSError:
+        return []

@@ -1,0 +1,117 @@
+"""``rlsup incidents``: what happened in a run, from ``incidents.jsonl`` alone (offline triage).
+
+Works after the fact, on a copied state directory, with no live rlsup: each incident with its
+verdict (who to blame), the steps it cost, the downtime until the next attempt, and the nodes
+named as suspects across the run (a node named again and again is the one to drain).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from supervisor.incidents import INCIDENTS, read_incidents
+
+
+@dataclass
+class RunSummary:
+    """Totals over a run's incidents."""
+
+    incidents: int = 0
+    restarts: int = 0
+    downtime_s: float = 0.0
+    steps_lost: int = 0
+    reasons: dict[str, int] = field(default_factory=dict)
+    suspect_nodes: dict[str, int] = field(default_factory=dict)
+    first: float | None = None
+    last: float | None = None
+
+
+def steps_lost(incident: dict[str, Any]) -> int | None:
+    """Steps redone after this failure: the last step a rank reported minus the step resumed from."""
+    last, resumed = incident.get("last_step"), incident.get("resumed_step")
+    if last is None:
+        return None
+    return max(0, last - (resumed if resumed is not None else 0))
+
+
+def summarize(incidents: list[dict[str, Any]]) -> RunSummary:
+    s = RunSummary(incidents=len(incidents))
+    reasons: collections.Counter[str] = collections.Counter()
+    suspects: collections.Counter[str] = collections.Counter()
+    for inc in incidents:
+        reasons[str(inc.get("reason"))] += 1
+        suspects.update(inc.get("suspect_nodes") or [])
+        s.restarts += inc.get("action") == "restart"
+        s.downtime_s += inc.get("downtime_s") or 0.0
+        s.steps_lost += steps_lost(inc) or 0
+        t = inc.get("time")
+        if isinstance(t, (int, float)):
+            s.first = t if s.first is None else min(s.first, t)
+            s.last = t if s.last is None else max(s.last, t)
+    s.reasons, s.suspect_nodes = dict(reasons.most_common()), dict(suspects.most_common())
+    return s
+
+
+def incident_line(inc: dict[str, Any]) -> str:
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(inc.get("time", 0)))
+    parts = [f"{when} attempt {inc.get('attempt')}: {inc.get('reason')} -> {inc.get('action')}"]
+    lost = steps_lost(inc)
+    if lost is not None:
+        resumed = inc.get("resumed_step")
+        parts.append(f"{lost} steps lost (step {inc['last_step']} -> resumed "
+                     f"{'from scratch' if resumed is None else resumed})")
+    if inc.get("downtime_s") is not None:
+        parts.append(f"downtime {inc['downtime_s']:.1f}s")
+    line = "; ".join(parts)
+    detail = inc.get("verdict") or inc.get("detail") or ""
+    return line + (f"\n      {detail}" if detail else "")
+
+
+def report(state_dir: Path, incidents: list[dict[str, Any]]) -> str:
+    s = summarize(incidents)
+    span = f" over {_duration(s.last - s.first)}" if s.first is not None and s.last is not None else ""
+    lines = [f"{state_dir / INCIDENTS}: {s.incidents} incident(s){span}, {s.restarts} restart(s), "
+             f"downtime {s.downtime_s:.1f}s, {s.steps_lost} steps lost"]
+    if s.reasons:
+        lines.append("reasons: " + ", ".join(f"{r} {n}" for r, n in s.reasons.items()))
+    if s.suspect_nodes:
+        lines.append("suspect nodes: " + ", ".join(f"{node} ({n}x)" for node, n in s.suspect_nodes.items()))
+    lines += ["  " + incident_line(inc) for inc in incidents]
+    return "\n".join(lines)
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(seconds)
+    h, rem = divmod(seconds, 3600)
+    m, sec = divmod(rem, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{sec:02d}s"
+
+
+def cmd_incidents(args: argparse.Namespace) -> int:
+    state_dir = Path(args.state_dir)
+    if state_dir.name == INCIDENTS:
+        state_dir = state_dir.parent
+    if not (state_dir / INCIDENTS).is_file():
+        print(f"rlsup incidents: no {INCIDENTS} in {state_dir}", file=sys.stderr)
+        return 1
+    incidents = read_incidents(state_dir)
+    if args.json:
+        print(json.dumps({"summary": asdict(summarize(incidents)), "incidents": incidents}, indent=1))
+    else:
+        print(report(state_dir, incidents))
+    return 0
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("incidents", help="Summarize a run's incidents (offline, from incidents.jsonl alone).")
+    p.add_argument("state_dir", nargs="?", default=".rlsup",
+                   help="rlsup's state directory (or its incidents.jsonl); default .rlsup")
+    p.add_argument("--json", action="store_true", help="Machine-readable summary and incidents.")
+    p.set_defaults(func=cmd_incidents)
