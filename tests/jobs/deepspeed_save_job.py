@@ -6,7 +6,9 @@ each torchrun rank) joins a gloo group; the tag is DeepSpeed's default ``global_
     python tests/jobs/deepspeed_save_job.py SAVE_DIR STEPS [ZERO_STAGE] [ROLE...]
 
 With ROLE arguments (e.g. ``_actor _critic``) it saves one engine per role into ``SAVE_DIR/ROLE``
-as OpenRLHF does.
+as OpenRLHF does. With ``RLSUP_TEST_DS_RANK_DIES=R`` rank R (R > 0) waits, before writing its optimizer
+shard of the last save, until rank 0 has rewritten ``latest`` to that tag, then SIGKILLs itself: the
+order DeepSpeed allows (rank 0 writes ``latest`` before the final barrier), made deterministic.
 """
 
 from __future__ import annotations
@@ -45,6 +47,27 @@ def _engine(stage: int):
     return engine
 
 
+def _die_after_latest(engine, save_dir: str, tag: str) -> None:
+    """Wrap this rank's checkpoint engine: its optimizer shard of ``tag`` is never written."""
+    import signal
+    import time
+
+    save = engine.checkpoint_engine.save
+
+    def save_or_die(state_dict, path):
+        if path.endswith("optim_states.pt") and os.path.basename(os.path.dirname(path)) == tag:
+            latest = os.path.join(save_dir, "latest")
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                if os.path.exists(latest) and open(latest).read().strip() == tag:
+                    break
+                time.sleep(0.05)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return save(state_dict, path)
+
+    engine.checkpoint_engine.save = save_or_die
+
+
 def main() -> int:
     _env_defaults()
     import deepspeed
@@ -53,8 +76,19 @@ def main() -> int:
     save_dir, steps = sys.argv[1], int(sys.argv[2])
     stage = int(sys.argv[3]) if len(sys.argv) > 3 else 1
     roles = sys.argv[4:] or [""]
+    import deepspeed.comm.ccl  # noqa: F401  (loads deepspeed.comm.torch too)
+
+    # The CPU accelerator JIT-compiles a shared-memory/CCL allreduce op (minutes on a fresh machine, needs a
+    # compiler); it only speeds up collectives and plays no part in checkpointing, so it is skipped.
+    # (sys.modules: the attribute deepspeed.comm.torch is the torch package itself)
+    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
+    sys.modules["deepspeed.comm.ccl"].build_ccl_op = lambda: None
     deepspeed.init_distributed(dist_backend="gloo")
     engines = {role: _engine(stage) for role in roles}
+    dies = os.environ.get("RLSUP_TEST_DS_RANK_DIES")
+    if dies and dies == os.environ["RANK"]:
+        for role, engine in engines.items():
+            _die_after_latest(engine, os.path.join(save_dir, role) if role else save_dir, f"global_step{steps}")
     for _ in range(steps):
         for role, engine in engines.items():
             x = torch.randn(2, 8)
