@@ -131,12 +131,43 @@ def run_ops(root: Path, action: Callable[[], Any], stop_at: int | None = None) -
         with _announce_torch_save(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             action()
-    except (KillPoint, Exception):
+    except BaseException:  # DCP wraps the KillPoint in CheckpointException, itself a BaseException
         if not ops.killed:
             raise
     finally:
         _ACTIVE.remove(ops)
     return ops
+
+
+def rel_events(ops: FileOps) -> list[tuple[str, tuple[str, ...]]]:
+    """Events with paths relative to the tree root (comparable across copies of a tree)."""
+    root = str(ops.root)
+    return [(e, tuple(os.path.relpath(p, root) for p in paths)) for e, paths in ops.events]
+
+
+def index_of(events: list[tuple[str, tuple[str, ...]]], event: str, suffix: str) -> int:
+    """1-based index of the first ``event`` whose first path ends with ``suffix``."""
+    for i, (e, paths) in enumerate(events, 1):
+        if e == event and paths[0].endswith(suffix):
+            return i
+    raise LookupError(f"no {event} on *{suffix}")
+
+
+def prefix_trees(base: Path, work: Path, action: Callable[[Path], Any],
+                 ks: list[int] | None = None) -> Iterator[tuple[int, Path, list[tuple[str, tuple[str, ...]]]]]:
+    """The kill matrix: ``action`` run once on a copy of ``base`` to count its file operations, then, for
+    every k (or those in ``ks``), on a fresh copy stopped before its k-th: yields (k, tree, all events)."""
+    probe = lb.copy_tree(base, work / "full")
+    events = rel_events(run_ops(probe, lambda: action(probe)))
+    for k in ks or range(1, len(events) + 1):
+        root = lb.copy_tree(base, work / f"k{k:03d}")
+        run_ops(root, lambda: action(root), stop_at=k)
+        yield k, root, events
+
+
+def tree_names(root: Path) -> list[str]:
+    """Every path under ``root``, relative, sorted (to compare what two kills left)."""
+    return sorted(os.path.relpath(os.path.join(d, n), root) for d, ds, fs in os.walk(root) for n in ds + fs)
 
 
 # ---------------------------------------------------------------- NeMo 2
@@ -186,6 +217,7 @@ def nemo_save_one(root: Path, step: int, last: bool) -> Path:
     return ckpt
 
 
+MCORE_TEMPLATE_ENV = "RLSUP_TEST_MCORE_TEMPLATE"  # a subprocess builder reuses the session's real MCore save
 MCORE_ORDER = ("mkdir", "common.pt", "mkdir", "__0_0.distcp", "__0_1.distcp", ".metadata.tmp", "rename", "metadata.json")
 
 
@@ -200,7 +232,8 @@ def mcore_replay(weights: Path, template: Path | None = None) -> None:
     real save makes its file operations (:data:`MCORE_ORDER`; checked by the NeMo test): a real save
     spawns a multiprocessing manager and forks its shard writers (about 20 s here), too slow to repeat
     for every kill point."""
-    src = template or lb.mcore_dist_template()
+    env = os.environ.get(MCORE_TEMPLATE_ENV)
+    src = template or (Path(env) if env else lb.mcore_dist_template())
     for op in MCORE_ORDER:
         if op == "mkdir":
             weights.mkdir(parents=True, exist_ok=True)
