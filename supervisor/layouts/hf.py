@@ -208,8 +208,9 @@ def check_rng(path: Path, names: set[str], want: int | None) -> Check:
         missing = sorted(set(range(indices[-1] + 1)) - set(indices))
         return Check.bad(f"rng_state files missing for ranks {missing[:8]}")
     if want is not None and len(indices) < want:
-        return Check.bad(f"{len(indices)} rng_state file(s), the run's previous step has {want} (a rank was "
-                         "killed before saving its RNG state)")
+        first = "rng_state.pth" if want == 1 else f"rng_state_{len(indices)}.pth"
+        return Check.bad(f"{first} missing: {len(indices)} rng_state file(s), the run's previous step has {want} "
+                         "(a rank was killed before saving its RNG state)")
     for n in sorted(n for n in names if RNG_RE.match(n)):
         c = check_zip(path / n)
         if not c.ok:
