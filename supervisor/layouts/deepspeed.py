@@ -174,14 +174,16 @@ def looks_like(root: Path) -> bool:
 
 
 def owns(path: Path) -> bool:
-    """A tag directory: ``global_stepN`` (or named by its parent's ``latest``) holding model states,
-    or one its parent's ``latest`` names."""
+    """A tag directory: the one its parent's ``latest`` names, or a ``global_stepN`` beside a ``latest``
+    or holding model states (a tag killed right after its mkdir is still one, and invalid)."""
     if not path.is_dir() or tag_step(path.name) is None:
         return False
     tag, _, err = read_latest(path.parent / LATEST)
     if err is None and tag == path.name:
         return True
-    return STEP_RE.match(path.name) is not None and any(MODEL_RE.match(n) for n in _names(path))
+    if STEP_RE.match(path.name) is None:
+        return False
+    return (path.parent / LATEST).is_file() or any(MODEL_RE.match(n) for n in _names(path))
 
 
 def list_steps(root: Path) -> list[tuple[int, Path]]:
