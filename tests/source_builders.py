@@ -286,11 +286,14 @@ def nemo_autoresume_pick(checkpoint_dir: Path) -> Path | None:
 
 
 def _tiny_model(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """A tiny model and an AdamW holding the state one step leaves (filled directly: a real first
+    step imports torch._dynamo, seconds on this machine)."""
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model(torch.randn(2, 8)).sum().backward()
-    opt.step()
+    for p in model.parameters():
+        opt.state[p] = {"step": torch.tensor(float(seed)), "exp_avg": torch.randn_like(p),
+                        "exp_avg_sq": torch.rand_like(p)}
     return model, opt
 
 
