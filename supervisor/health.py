@@ -18,8 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from supervisor.attempt_end import AttemptResult
-from supervisor.lifecycle import EndReason
+from supervisor.incidents import Incident
+from supervisor.lifecycle import ATTEMPT_FAILURES, EndReason
 
+REPEATS_MAKE_SUSPECT = 2  # a node whose own attempts failed this often in one run is named
 UNHEALTHY_NODES = "unhealthy_nodes"  # one node name per line, appended; read by deploy/slurm/rlsup.sbatch
 OUTPUT_TAIL = 4000
 
@@ -90,3 +92,15 @@ def read_unhealthy(state_dir: Path) -> list[str]:
         return [line.strip() for line in (state_dir / UNHEALTHY_NODES).read_text().splitlines() if line.strip()]
     except OSError:
         return []
+
+
+def mark_repeat_offender(incident: Incident, earlier: list[Incident], node: str) -> bool:
+    """Name ``node`` a suspect when this failure is its REPEATS_MAKE_SUSPECT-th own failure in the run
+    (a failure another node caused, ``peer_failure``, does not count): the same bad node comes back."""
+    own = [i for i in [*earlier, incident] if i.reason in ATTEMPT_FAILURES and i.reason != EndReason.PEER_FAILURE]
+    if incident not in own or len(own) < REPEATS_MAKE_SUSPECT or node in incident.suspect_nodes:
+        return False
+    incident.suspect_nodes.append(node)
+    note = f"node {node} failed {len(own)} attempts of this run"
+    incident.verdict = f"{incident.verdict}; {note}" if incident.verdict else note
+    return True

@@ -24,7 +24,7 @@ from supervisor import exit_codes
 from supervisor.attempt_end import AttemptResult, classify_exit, from_rank_death
 from supervisor.config import SupervisorConfig
 from supervisor.hang_detector import AutoTimeout, HangDetector, HangSettings, HangVerdict
-from supervisor.health import node_name
+from supervisor.health import mark_repeat_offender, node_name
 from supervisor.incidents import Incident, JobState, append_incident, write_state
 from supervisor.job_identity import ENV_JOB_ID, JobIdentity, job_identity
 from supervisor.lifecycle import FINAL, Action, EndReason, JobStatus, check_transition
@@ -537,6 +537,8 @@ class Supervisor:
         if resume is not None:
             incident.resumed_from, incident.resumed_step = str(resume.path), resume.step
             incident.resumed_tier = getattr(resume, "tier", "local")
+        if incident not in self.incidents and mark_repeat_offender(incident, self.incidents, self.node_name):
+            self.observer.suspect(self.node_name, "repeated")
         append_incident(self.state_dir, incident)
         self.incidents.append(incident)
         if downtime is not None:

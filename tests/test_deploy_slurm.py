@@ -164,11 +164,11 @@ def cluster() -> Iterator[Cluster]:
         shutil.rmtree(root, ignore_errors=True)
 
 
-def submit(cluster: Cluster, job_dir: Path, master_port: int) -> str:
+def submit(cluster: Cluster, job_dir: Path, master_port: int, **extra_env: str) -> str:
     job_dir.mkdir(parents=True)
     env = clean_env(SLURM_CONF=str(cluster.conf), SUPERVISOR=str(Path(sys.executable).parent / "rlsup"),
                     TORCHRUN=f"{sys.executable} -m torch.distributed.run", MASTER_PORT=str(master_port),
-                    JOB_DIR=str(job_dir))
+                    JOB_DIR=str(job_dir), **extra_env)
     r = subprocess.run(["sbatch", "--parsable", f"--chdir={job_dir}", str(SBATCH), str(TRAIN), *TRAIN_ARGS,
                         "--out", str(job_dir / "final.pt")], capture_output=True, text=True, env=env, timeout=60)
     assert r.returncode == 0, r.stderr
@@ -221,7 +221,9 @@ def test_requeue_and_preemption_resume_from_checkpoint(cluster: Cluster, tmp_pat
         assert re.search(r"Restarts=1\b", cluster.run("scontrol", "show", "job", job).stdout)
         # --open-mode=append: both runs of the batch script in one file
         assert f"job {job} restart 0:" in out and f"job {job} restart 1:" in out, out
-        resumed = re.findall(r"\[rlsup\] attempt 0: launching .* from step (\d+)", out)
+        # attempt 0 of the new rlsup, or attempt 1 when SLURM's KillWait ended the old rlsup before it
+        # recorded its stop (it then continues the numbering: "a previous rlsup died during attempt 0")
+        resumed = re.findall(r"\[rlsup\] attempt \d+: launching .* from step (\d+)", out)
         assert len(resumed) == 1 and int(resumed[0]) >= 10, out
         assert "[train_tiny] done at step 40" in out and "[rlsup] succeeded" in out, out
         assert re.findall(r"weights sha256 (\w+)", out)[-1] == ref, "resumed run's weights differ from an uninterrupted run"
@@ -230,3 +232,29 @@ def test_requeue_and_preemption_resume_from_checkpoint(cluster: Cluster, tmp_pat
     assert int(re.search(r"from step (\d+)", out_a).group(1)) >= saved_a
     assert "relaying SIGUSR1 to rlsup" in out_b and "[rlsup] preempted" in out_b, out_b
     assert "rlsup exited 75" in out_b and f"requeueing job {job_b}" in out_b, out_b
+
+
+def test_unhealthy_node_is_excluded_from_the_requeue(cluster: Cluster, tmp_path: Path) -> None:
+    """pre_launch_check fails: rlsup exits 77 naming the node, the script requeues the job with that node
+    in ExcNodeList. With one node the requeued job can only wait (as far as one node allows)."""
+    job_dir = tmp_path / "sick"
+    tmp_path.chmod(0o755)
+    job = submit(cluster, job_dir, free_ports(1)[0], RLSUP_PRE_LAUNCH_CHECK="echo 'ECC errors on GPU 0' >&2; exit 1")
+    try:
+        wait_for(lambda: "requeueing job" in output(job_dir, job), 180, "the script to requeue after exit 77",
+                 interval=0.3)
+        def excluded_and_released() -> str | None:
+            shown = cluster.run("scontrol", "show", "job", job).stdout
+            held = re.search(r"Priority=0\b|JobHeld", shown)
+            return shown if re.search(r"ExcNodeList=(?!\(null\))\S+", shown) and not held else None
+
+        shown = wait_for(excluded_and_released, 120, "the requeued job to carry ExcNodeList, released", interval=0.5)
+        assert cluster.state(job)[0] == "PENDING", shown  # its only node is excluded: it can only wait
+        out = output(job_dir, job)
+    finally:
+        cluster.run("scancel", job)
+    node = re.search(r"\[rlsup\] .*node (\S+) is unhealthy: pre_launch_check exited 1 \(ECC errors on GPU 0\)", out)
+    assert node, out
+    assert "rlsup exited 77" in out and f"unhealthy node(s) {node.group(1)}: requeueing job {job}" in out, out
+    assert re.search(r"ExcNodeList=(\S+)", shown).group(1) == node.group(1), shown
+    assert (job_dir / "rlsup-state" / node.group(1) / "unhealthy_nodes").read_text() == node.group(1) + "\n"
