@@ -458,8 +458,7 @@ def _bench(root: Path, steps: int, make: Callable[[Path, int], Path], name: Call
 
 def nemo_bench_tree(root: Path, steps: int) -> None:
     """``steps`` NeMo 2 ``-last`` steps; the newest one killed in its save (``-unfinished`` marker left)."""
-    with lb.mcore_cpu_env():
-        _bench(root, steps, lambda r, s: nemo_save_one(r, s, last=True), lambda s: nemo_name(s, last=True))
+    _bench(root, steps, lambda r, s: nemo_save_one(r, s, last=True), lambda s: nemo_name(s, last=True))
 
 
 def nemo_rl_bench_tree(root: Path, steps: int) -> None:
@@ -482,8 +481,7 @@ BUILDERS: dict[str, Callable[[Path, int], Any]] = {
 def main(argv: list[str]) -> int:
     """``source_builders.py LAYOUT ROOT STEP...``: run the builder for each step (for kill_matrix)."""
     layout, root, steps = argv[0], Path(argv[1]), [int(s) for s in argv[2:]]
-    ctx = lb.mcore_cpu_env() if layout == "nemo" else contextlib.nullcontext()
-    with ctx, warnings.catch_warnings():  # kill_matrix's hook announces torch.save itself
+    with warnings.catch_warnings():  # kill_matrix's hook announces torch.save itself
         warnings.simplefilter("ignore")
         for step in steps:
             BUILDERS[layout](root, step)

@@ -32,6 +32,7 @@ STEP_RE = re.compile(r"(?:^|-)step=(\d+)(?=-|$)")
 WEIGHTS = "weights"
 CONTEXT = "context"
 IO_JSON = "io.json"
+MODEL_YAML = "model.yaml"
 
 
 @dataclass
@@ -39,6 +40,7 @@ class NemoContext:
     """Run-wide facts: whether this run writes ``context/`` (``enable_nemo_ckpt_io``, on by default)."""
 
     expects_context: bool
+    expects_model_yaml: bool = False
 
 
 def step_of(path: Path) -> int | None:
@@ -90,12 +92,14 @@ def make_context(root: Path) -> NemoContext:
     """A run writes ``context/`` when any finished step of it has one."""
     for _, path in reversed(list_steps(root)):
         if not marker_of(path).exists() and _is_dir(path / CONTEXT):
-            return NemoContext(expects_context=True)
+            return NemoContext(expects_context=True, expects_model_yaml=(path / CONTEXT / MODEL_YAML).exists())
     return NemoContext(expects_context=False)
 
 
-def check_context(directory: Path) -> Check:
-    """``context/io.json`` parses (it is opened first and written last in ``io_dump``); yaml files non-empty."""
+def check_context(directory: Path, expects_model_yaml: bool = False) -> Check:
+    """``context/io.json`` parses (opened first, written after the artifacts are copied, in ``io_dump``);
+    every JSON artifact (tokenizer files) parses; ``model.yaml`` (written last) is there when the run
+    writes it, and no yaml file is empty."""
     if not _is_dir(directory):
         return Check.bad(f"{CONTEXT}/ missing (io_dump writes it after weights/)")
     data, err = read_json(directory / IO_JSON)
@@ -103,6 +107,12 @@ def check_context(directory: Path) -> Check:
         return Check.bad(f"{CONTEXT}/{err}")
     if not isinstance(data, dict):
         return Check.bad(f"{CONTEXT}/{IO_JSON} is not an object")
+    for artifact in sorted(directory.rglob("*.json")):
+        _, err = read_json(artifact)
+        if err:
+            return Check.bad(f"{CONTEXT}/{artifact.relative_to(directory).parent}/{err}".replace("/./", "/"))
+    if expects_model_yaml and not (directory / MODEL_YAML).exists():
+        return Check.bad(f"{CONTEXT}/{MODEL_YAML} missing (io_dump writes it last)")
     for y in directory.glob("*.yaml"):
         try:
             if y.stat().st_size == 0:
@@ -124,7 +134,7 @@ def check_step(path: Path, ctx: NemoContext) -> Check:
         return weights
     notes = list(weights.notes)
     if ctx.expects_context or _is_dir(path / CONTEXT):
-        context = check_context(path / CONTEXT)
+        context = check_context(path / CONTEXT, ctx.expects_model_yaml)
         if not context.ok:
             return Check.bad(context.reason, notes)
     else:
