@@ -25,8 +25,7 @@ from supervisor.layouts.files import check_hf_dir, check_zip, read_json, tree_si
 from supervisor.layouts.record import Check, CheckpointRecord
 
 NAME = "nemo-rl"
-STEP_RE = re.compile(r"^step_(\d+)$")
-UNCOMMITTED_RE = re.compile(r"^(tmp|old)_step_(\d+)$")
+NAME_RE = re.compile(r"^(tmp_|old_)?step_(\d+)$")  # NeMo-RL's names (unpadded), not rlsup's
 TRAINING_INFO = "training_info.json"
 CONFIG = "config.yaml"
 COMPONENTS = ("policy", "value", "teacher")
@@ -57,15 +56,21 @@ def _is_rlsup(path: Path) -> bool:
 
 def step_of(path: Path) -> int | None:
     """N of ``step_N``, ``tmp_step_N`` or ``old_step_N``."""
-    m = STEP_RE.match(path.name) or UNCOMMITTED_RE.match(path.name)
-    return int(m.groups()[-1]) if m else None
+    m = NAME_RE.match(path.name)
+    return int(m.group(2)) if m else None
+
+
+def is_committed(path: Path) -> bool:
+    """``step_N`` (renamed in), as opposed to ``tmp_step_N`` / ``old_step_N``."""
+    m = NAME_RE.match(path.name)
+    return bool(m) and m.group(1) is None
 
 
 def owns(path: Path) -> bool:
     """A NeMo-RL step directory (committed or not), never one holding rlsup manifests."""
     if step_of(path) is None or not _is_dir(path) or _is_rlsup(path):
         return False
-    if UNCOMMITTED_RE.match(path.name):
+    if not is_committed(path):
         return True
     return (path / TRAINING_INFO).exists() or any(_is_dir(path / c) for c in COMPONENTS)
 
@@ -81,7 +86,7 @@ def list_steps(root: Path) -> list[tuple[int, Path]]:
         step = step_of(child)
         if step is not None and _is_dir(child) and not _is_rlsup(child):
             out.append((step, child))
-    return sorted(out, key=lambda t: (t[0], STEP_RE.match(t[1].name) is not None, t[1].name))
+    return sorted(out, key=lambda t: (t[0], is_committed(t[1]), t[1].name))
 
 
 def looks_like(root: Path) -> bool:
@@ -91,7 +96,7 @@ def looks_like(root: Path) -> bool:
 
 def make_context(root: Path) -> NemoRLContext:
     for _, path in list_steps(root):
-        if STEP_RE.match(path.name) and any(path.glob(DATALOADER_GLOB)):
+        if is_committed(path) and any(path.glob(DATALOADER_GLOB)):
             return NemoRLContext(expects_dataloader=True)
     return NemoRLContext(expects_dataloader=False)
 
@@ -133,7 +138,7 @@ def check_component(comp: Path) -> Check:
 
 
 def check_step(path: Path, ctx: NemoRLContext) -> Check:
-    if UNCOMMITTED_RE.match(path.name):
+    if not is_committed(path):
         return Check.bad(f"{path.name} is uncommitted (NeMo-RL renames tmp_step_N to step_N when the save "
                          "is complete; old_step_N is a step being replaced)")
     info, err = read_json(path / TRAINING_INFO)
