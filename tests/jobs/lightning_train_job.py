@@ -2,7 +2,7 @@
 
 Resumes through Lightning's own mechanism from the checkpoint rlsup chose (``RLSUP_RESUME_DIR``, a
 ``.ckpt`` path; empty on a fresh start). Appends one line per attempt to ``--log``
-(``start <resume step or -1>`` and ``done <global_step>``) and saves the final weights to ``--out``.
+(``start <pid> <resume step or -1> [<resume path>]`` and ``done <global_step>``) and saves the final weights to ``--out``.
 ``--slow S`` sleeps S seconds per training step so a test can kill it at chosen moments.
 """
 
@@ -60,7 +60,8 @@ def main() -> None:
     resume = a.resume if a.resume is not None else os.environ.get("RLSUP_RESUME_DIR", "")
     if a.log:
         with open(a.log, "a") as fh:
-            fh.write(f"start {os.environ.get('RLSUP_RESUME_STEP', '-1') if resume else -1} {resume}\n")
+            step = os.environ.get("RLSUP_RESUME_STEP", "-1") if resume else "-1"
+            fh.write(f"start {os.getpid()} {step} {resume}".rstrip() + "\n")
     trainer.fit(Tiny(a.slow), loader, ckpt_path=resume or None)
     if a.out:
         torch.save({k: v.clone() for k, v in trainer.lightning_module.state_dict().items()}, a.out)
