@@ -347,3 +347,20 @@ def test_layout_code_imports_no_trainer_library(real: RealRuns) -> None:
     code = ("import sys; from supervisor import layouts; layouts.scan(sys.argv[1]); layouts.tracker_status(sys.argv[1]);"
             "bad = [m for m in sys.modules if m.split('.')[0] in ('deepspeed', 'torch')]; assert not bad, bad[:5]")
     subprocess.run([sys.executable, "-c", code, str(real.race)], env=clean_env(), check=True, timeout=60)
+
+
+def test_rlsup_run_repairs_latest_so_deepspeed_resumes_the_chosen_tag(real: RealRuns, tmp_path: Path) -> None:
+    """End to end: `latest` names a tag with a torn optimizer shard; `rlsup run --repair-tracker true`
+    points it at global_step1 and the job's plain ``engine.load_checkpoint(dir)`` loads that."""
+    from conftest import run_rlsup
+
+    ckpt = copy_tree(real.template, tmp_path / "ckpt")
+    truncate_half(ckpt / "global_step2" / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    assert deepspeed_would_load(ckpt) == "global_step2"
+    r = run_rlsup(["run", "--backoff-initial", "0.05", "--kill-grace", "2", "--checkpoint-dir", str(ckpt),
+                   "--repair-tracker", "true", "--", sys.executable, str(JOB), str(ckpt), "0", "1"],
+                  tmp_path, timeout=300, RLSUP_TEST_DS_LOAD="1", RLSUP_TEST_PORT=str(free_ports(1)[0]))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    loaded = ckpt / "global_step1" / "mp_rank_00_model_states.pt"
+    assert f"loaded {loaded} global_steps=1 resume_step=1" in r.stdout, r.stdout[-3000:]
+    assert (ckpt / "latest.rlsup-prev").read_text() == "global_step2"

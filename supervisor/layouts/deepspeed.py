@@ -20,12 +20,13 @@ restricted unpickler that stubs torch/DeepSpeed classes and never touches tensor
 from __future__ import annotations
 
 import io
+import os
 import pickle
 import re
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from supervisor.layouts.files import check_zip, tree_size
 from supervisor.layouts.record import Check, CheckpointRecord
@@ -92,11 +93,21 @@ class RankMeta:
 
 @dataclass
 class DsContext:
-    """Run-wide facts: the run root, its roles (OpenRLHF) and the pipeline layer files seen per role."""
+    """Run-wide facts: the run root, its roles (OpenRLHF) and, once a pipeline tag asks, the layer files
+    seen per role (listing every tag is left until then: most runs have no pipeline)."""
 
     root: Path
     roles: list[Path]
     layer_names: dict[str, set[str]] = field(default_factory=dict)
+
+    def layers(self, role: Path) -> set[str]:
+        """Every pipeline ``layer_*`` file name any tag of ``role`` holds."""
+        if role.name not in self.layer_names:
+            names: set[str] = set()
+            for tag in _tags(role).values():
+                names.update(n for n in _names(role / tag) if LAYER_RE.match(n))
+            self.layer_names[role.name] = names
+        return self.layer_names[role.name]
 
 
 def role_dirs(root: Path) -> list[Path]:
@@ -114,14 +125,16 @@ def run_root(path: Path) -> Path:
 
 def _dirs(directory: Path) -> list[Path]:
     try:
-        return [p for p in directory.iterdir() if p.is_dir()]
+        with os.scandir(directory) as it:
+            return [Path(e.path) for e in it if e.is_dir()]
     except OSError:
         return []
 
 
 def _names(directory: Path) -> list[str]:
     try:
-        return sorted(p.name for p in directory.iterdir())
+        with os.scandir(directory) as it:
+            return sorted(e.name for e in it)
     except OSError:
         return []
 
@@ -197,15 +210,9 @@ def list_steps(root: Path) -> list[tuple[int, Path]]:
 
 
 def make_context(root: Path) -> DsContext:
-    """Roles of the run and, per role, every pipeline ``layer_*`` file name any of its tags holds."""
+    """Roles of the run (OpenRLHF's ``_actor``/``_critic``, else the save dir itself)."""
     top = run_root(root)
-    ctx = DsContext(root=top, roles=role_dirs(top))
-    for role in ctx.roles:
-        names: set[str] = set()
-        for tag in _tags(role).values():
-            names.update(n for n in _names(role / tag) if LAYER_RE.match(n))
-        ctx.layer_names[role.name] = names
-    return ctx
+    return DsContext(root=top, roles=role_dirs(top))
 
 
 def _read_pickle(path: Path) -> tuple[Any, str | None]:
@@ -287,8 +294,9 @@ def _missing(kind: str, need: list[str], have: set[str], meta: RankMeta, source:
                      f"ZeRO stage {meta.zero_stage}, from {source}); a rank died before its torch.save")
 
 
-def check_tag(tag_dir: Path, layer_names: set[str] | None = None) -> Check:
-    """Every file the save of this tag writes is present and an intact torch zip."""
+def check_tag(tag_dir: Path, known_layers: Callable[[], set[str]] | None = None) -> Check:
+    """Every file the save of this tag writes is present and an intact torch zip. ``known_layers``
+    gives the pipeline layer files other tags of the run hold (asked only for pipeline tags)."""
     if not tag_dir.is_dir():
         return Check.bad(f"{tag_dir.name}/ missing")
     names = _names(tag_dir)
@@ -312,7 +320,8 @@ def check_tag(tag_dir: Path, layer_names: set[str] | None = None) -> Check:
         bad = _missing(kind, need, have, meta, source)
         if bad is not None:
             return Check.bad(bad.reason, notes)
-    lost = sorted((layer_names or set()) - have)
+    pipeline = meta.pipeline or any(LAYER_RE.match(n) for n in names)
+    lost = sorted(known_layers() - have) if pipeline and known_layers is not None else []
     if lost:
         return Check.bad(f"pipeline layer file {lost[0]} missing ({len(lost)} of the layer files other tags hold)",
                          notes)
@@ -342,21 +351,13 @@ def verify_step(path: Path, step: int | None = None, ctx: DsContext | None = Non
     notes: list[str] = []
     for d in dirs:
         role = d.parent.name if d.parent.name in ROLE_DIRS else None
-        c = check_tag(d, ctx.layer_names.get(d.parent.name))
+        c = check_tag(d, lambda role_dir=d.parent: ctx.layers(role_dir))
         notes.extend(f"{role}: {n}" if role else n for n in c.notes)
         if not c.ok:
             where = f"{role}/{tag}" if role else tag
             return CheckpointRecord(step=step, layout=NAME, path=path, valid=False, reason=f"{where}: {c.reason}",
                                     size_bytes=size, role=role, notes=notes)
     return CheckpointRecord(step=step, layout=NAME, path=path, valid=True, reason="", size_bytes=size, notes=notes)
-
-
-def find_tag(root: Path, step: int) -> str | None:
-    """The tag directory name of ``step`` in this run (first role that has it)."""
-    for s, path in list_steps(root):
-        if s == step:
-            return path.name
-    return None
 
 
 def latest_claims(root: Path) -> list[tuple[Path, str | None, str | None, str | None]]:

@@ -6,7 +6,8 @@ each torchrun rank) joins a gloo group; the tag is DeepSpeed's default ``global_
     python tests/jobs/deepspeed_save_job.py SAVE_DIR STEPS [ZERO_STAGE] [ROLE...]
 
 With ROLE arguments (e.g. ``_actor _critic``) it saves one engine per role into ``SAVE_DIR/ROLE``
-as OpenRLHF does. With ``RLSUP_TEST_DS_RANK_DIES=R`` rank R (R > 0) waits, before writing its optimizer
+as OpenRLHF does. With ``RLSUP_TEST_DS_LOAD=1`` it only calls ``engine.load_checkpoint(SAVE_DIR)`` and
+prints what DeepSpeed loaded. With ``RLSUP_TEST_DS_RANK_DIES=R`` rank R (R > 0) waits, before writing its optimizer
 shard of the last save, until rank 0 has rewritten ``latest`` to that tag, then SIGKILLs itself: the
 order DeepSpeed allows (rank 0 writes ``latest`` before the final barrier), made deterministic.
 """
@@ -85,6 +86,12 @@ def main() -> int:
     sys.modules["deepspeed.comm.ccl"].build_ccl_op = lambda: None
     deepspeed.init_distributed(dist_backend="gloo")
     engines = {role: _engine(stage) for role in roles}
+    if os.environ.get("RLSUP_TEST_DS_LOAD"):  # resume through DeepSpeed's own mechanism: tag=None reads `latest`
+        for role, engine in engines.items():
+            path, _ = engine.load_checkpoint(os.path.join(save_dir, role) if role else save_dir)
+            print(f"loaded {path} global_steps={engine.global_steps} "
+                  f"resume_step={os.environ.get('RLSUP_RESUME_STEP')}", flush=True)
+        return 0
     dies = os.environ.get("RLSUP_TEST_DS_RANK_DIES")
     if dies and dies == os.environ["RANK"]:
         for role, engine in engines.items():
