@@ -478,6 +478,43 @@ BUILDERS: dict[str, Callable[[Path, int], Any]] = {
 }
 
 
+def killed_job(layout: str, root: Path) -> int:
+    """First attempt of an ``rlsup run`` job: save step 1, then die by SIGKILL inside step 2's save:
+    NeMo-RL/torchtitan just before the commit rename, NeMo 2 inside the ``-last`` copy (its top-k copy
+    of step 2 already finished)."""
+    import signal
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        BUILDERS[layout](root, 1)
+        probe = root.parent / (root.name + ".probe")
+        lb.copy_tree(root, probe)
+        events = rel_events(run_ops(probe, lambda: BUILDERS[layout](probe, 2)))
+        shutil.rmtree(probe, ignore_errors=True)
+        k = (index_of(events, "open", nemo_name(2, last=True) + "/weights/metadata.json") if layout == "nemo"
+             else index_of(events, "os.rename", "2"))
+        run_ops(root, lambda: BUILDERS[layout](root, 2), stop_at=k)
+    os.kill(os.getpid(), signal.SIGKILL)
+    return 1
+
+
+JOB_SCRIPT = """import os, sys
+if os.environ.get("RLSUP_RESUME_DIR"):
+    print("RESUME", os.environ["RLSUP_RESUME_STEP"], os.path.basename(os.environ["RLSUP_RESUME_DIR"]), flush=True)
+    sys.exit(0)
+sys.path.insert(0, {tests!r})
+import source_builders
+source_builders.killed_job({layout!r}, source_builders.Path(os.environ["RLSUP_CHECKPOINT_DIR"]))
+"""
+
+
+def job_script(path: Path, layout: str) -> Path:
+    """A job for ``rlsup run --checkpoint-dir``: attempt 0 runs :func:`killed_job`; a resumed attempt prints
+    ``RESUME <RLSUP_RESUME_STEP> <basename of RLSUP_RESUME_DIR>`` (without importing torch) and exits 0."""
+    path.write_text(JOB_SCRIPT.format(tests=str(Path(__file__).resolve().parent), layout=layout))
+    return path
+
+
 def main(argv: list[str]) -> int:
     """``source_builders.py LAYOUT ROOT STEP...``: run the builder for each step (for kill_matrix)."""
     layout, root, steps = argv[0], Path(argv[1]), [int(s) for s in argv[2:]]

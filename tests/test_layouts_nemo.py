@@ -189,3 +189,17 @@ def test_bench_tree_newest_is_broken(tmp_path: Path) -> None:
     newest = tmp_path / sb.nemo_name(5, last=True)
     assert nemo.marker_of(newest).exists() and not layouts.verify_path(newest).valid
     assert layouts.latest_valid(tmp_path).step == 4
+
+
+def test_rlsup_run_resumes_from_the_newest_complete_step(tmp_path: Path) -> None:
+    """Under ``rlsup run --checkpoint-dir``: attempt 0 saves step 1 and is SIGKILLed inside step 2's save;
+    attempt 1 gets RLSUP_RESUME_DIR/RLSUP_RESUME_STEP of the newest complete step."""
+    from conftest import run_rlsup
+
+    ckpt = tmp_path / "ckpt"
+    job = sb.job_script(tmp_path / "job.py", "nemo")
+    r = run_rlsup(["run", "--backoff-initial", "0.05", "--backoff-max", "0.2", "--kill-grace", "2", "--max-restarts", "3",
+                   "--checkpoint-dir", str(ckpt), "--", km.python(), str(job)], tmp_path, timeout=180, **{sb.MCORE_TEMPLATE_ENV: os.environ[sb.MCORE_TEMPLATE_ENV]})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert f"RESUME 2 {B_TOPK}" in r.stdout, r.stdout[-3000:]
+    assert sb.nemo_autoresume_pick(ckpt) == ckpt / sb.nemo_name(1, last=True)  # AutoResume: step 1

@@ -141,3 +141,17 @@ def test_bench_tree_newest_is_broken(tmp_path: Path, steps: int) -> None:
     assert layouts.detect_layout(tmp_path) == "torchtitan"
     assert not layouts.verify_path(tmp_path / f"step-{steps}").valid
     assert layouts.latest_valid(tmp_path).step == steps - 1
+
+
+def test_rlsup_run_resumes_from_the_newest_complete_step(tmp_path: Path) -> None:
+    """Under ``rlsup run --checkpoint-dir``: attempt 0 saves step 1 and is SIGKILLed inside step 2's save;
+    attempt 1 gets RLSUP_RESUME_DIR/RLSUP_RESUME_STEP of the newest complete step."""
+    from conftest import run_rlsup
+
+    ckpt = tmp_path / "ckpt"
+    job = sb.job_script(tmp_path / "job.py", "torchtitan")
+    r = run_rlsup(["run", "--backoff-initial", "0.05", "--backoff-max", "0.2", "--kill-grace", "2", "--max-restarts", "3",
+                   "--checkpoint-dir", str(ckpt), "--", km.python(), str(job)], tmp_path, timeout=180)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "RESUME 1 step-1" in r.stdout, r.stdout[-3000:]
+    assert sb.torchtitan_find_load_step(ckpt) == 1
