@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import shutil
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -35,17 +36,59 @@ def _save_events(events: list[km.FileEvent]) -> list[km.FileEvent]:
     return events[start:end]
 
 
-def _kill_runs(cmd: list[str], root: Path, ks: list[int], env: dict[str, str]) -> dict[int, Path]:
-    """One fresh directory per kill point, run three at a time; ``{k: checkpoint dir}``."""
-    def one(k: int) -> tuple[int, Path]:
-        d = root / f"k{k}" / "ckpts"
-        d.parent.mkdir(parents=True)
-        run_cmd = [c if c != "@DIR@" else str(d) for c in cmd]
-        km.run_killed_at(run_cmd, d, k, env=env, timeout=240)
-        return k, d
+LINK = ("--max-steps", "4", "--every", "2", "--save-last", "link")
+COPY = ("--max-steps", "6", "--every", "2", "--save-last", "copy")
+SHM = Path("/dev/shm")
 
+
+@dataclass
+class Matrix:
+    """One writer mode: its recorded events, step B's save, and ``{k: dir killed before event k}``."""
+
+    events: list[km.FileEvent]
+    save_b: list[km.FileEvent]
+    runs: dict[int, Path]
+
+
+def _kill_points(mode: str, save_b: list[km.FileEvent]) -> list[int]:
+    """link: every event but the makedirs of the existing dirpath (a no-op: same files as the next kill
+    point). copy (cross-filesystem): before each copy starts, and after the last one; the mkdir and the
+    failing rename before an open leave the same files as the kill at that open."""
+    if mode == "link":
+        return [e.index for e in save_b if e.event != "os.mkdir"]
+    opens = [e.index for e in save_b if e.event == "open"]
+    return sorted({*opens, opens[-1] + 1}) if opens else []
+
+
+@pytest.fixture(scope="module")
+def matrix(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Matrix]:
+    """Both writer modes recorded side by side, then every kill run, three at a time (the runs are
+    dominated by importing Lightning, so they share the two cores)."""
+    base = tmp_path_factory.mktemp("lightning-matrix")
+    cross = SHM.is_dir() and SHM.stat().st_dev != base.stat().st_dev
+    modes = {"link": (LINK, dict(os.environ))}
+    if cross:  # $TMPDIR on another filesystem: fsspec's commit copies into the final name
+        modes["copy"] = (COPY, dict(os.environ, TMPDIR=str(SHM)))
+
+    def record(mode: str) -> tuple[str, list[km.FileEvent]]:
+        d = base / mode / "record"
+        return mode, km.record_events(lb.job_cmd(d, *modes[mode][0]), d, env=modes[mode][1], timeout=240)[0]
+
+    with ThreadPoolExecutor(2) as pool:
+        events = dict(pool.map(record, modes))
+
+    def one(job: tuple[str, int]) -> tuple[tuple[str, int], Path]:
+        mode, k = job
+        d = base / mode / f"k{k}" / "ckpts"
+        d.parent.mkdir(parents=True)
+        km.run_killed_at(lb.job_cmd(d, *modes[mode][0]), d, k, env=modes[mode][1], timeout=240)
+        return job, d
+
+    save_b = {m: _save_events(ev) for m, ev in events.items()}
+    jobs = [(m, k) for m in modes for k in _kill_points(m, save_b[m])]
     with ThreadPoolExecutor(3) as pool:
-        return dict(pool.map(one, ks))
+        dirs = dict(pool.map(one, jobs))
+    return {m: Matrix(events[m], save_b[m], {k: d for (mm, k), d in dirs.items() if mm == m}) for m in modes}
 
 
 def _expect(root: Path) -> int:
@@ -75,60 +118,46 @@ def _lightning_breaks(root: Path, chosen: int) -> str | None:
     return None if step == chosen else f"last.ckpt is step {step}, older than complete step {chosen}"
 
 
-@pytest.mark.timeout(300)
-def test_kill_matrix_save_last_link(tmp_path: Path) -> None:
+@pytest.mark.timeout(600)
+def test_kill_matrix_save_last_link(matrix: dict[str, Matrix], tmp_path: Path) -> None:
     """save_last="link", one filesystem: the step file lands by rename; last.ckpt is removed, then
     re-linked. A kill between the two leaves no last.ckpt at all."""
-    cmd = lb.job_cmd(Path("@DIR@"), "--max-steps", "4", "--every", "2", "--save-last", "link")
-    rec_dir = tmp_path / "record"
-    events, _ = km.record_events([c if c != "@DIR@" else str(rec_dir) for c in cmd], rec_dir, timeout=240)
-    save_b = _save_events(events)
-    kinds = {e.event for e in save_b}
-    assert {"os.rename", "os.remove", "os.symlink"} <= kinds, [e.describe() for e in events]
-    # every event but the makedirs of the existing dirpath (a no-op: same files as the next kill point)
-    runs = _kill_runs(cmd, tmp_path, [e.index for e in save_b if e.event != "os.mkdir"], env=dict(os.environ))
+    m = matrix["link"]
+    assert {"os.rename", "os.remove", "os.symlink"} <= {e.event for e in m.save_b}, [e.describe() for e in m.events]
     broken = {}
-    for k, d in runs.items():
-        record = _check_choice(d, f"killed before {events[k - 1].describe()}")
+    for k, d in m.runs.items():
+        record = _check_choice(d, f"killed before {m.events[k - 1].describe()}")
         why = _lightning_breaks(d, record.step)
         if why:
             broken[k] = why
     assert any("from scratch" in w for w in broken.values()), broken  # killed between remove and symlink
     # half-written: a writer that writes in place (Lightning before its fsspec transaction) killed
     # inside the step-B file: rlsup falls back to A
-    rename_k = next(e.index for e in save_b if e.event == "os.rename")
+    rename_k = next(e.index for e in m.save_b if e.event == "os.rename")
     half = tmp_path / "half" / "ckpts"
-    shutil.copytree(runs[rename_k + 1], half, symlinks=True)
+    shutil.copytree(m.runs[rename_k + 1], half, symlinks=True)
     lb.truncate_half(half / f"epoch=0-step={STEP_B}.ckpt")
     assert _check_choice(half, "step B half-written").step == STEP_A
     bad = [r for r in layouts.scan(half) if not r.valid]
     assert bad and bad[0].reason.startswith(f"epoch=0-step={STEP_B}.ckpt"), bad
 
 
-@pytest.mark.timeout(300)
-def test_kill_matrix_save_last_copy_cross_filesystem(tmp_path: Path) -> None:
+@pytest.mark.timeout(600)
+def test_kill_matrix_save_last_copy_cross_filesystem(matrix: dict[str, Matrix], tmp_path: Path) -> None:
     """save_last=True with $TMPDIR on another filesystem: fsspec's commit falls back to copying into
     the final name, so a kill inside the copy leaves a torn last.ckpt that Lightning resumes from."""
-    shm = Path("/dev/shm")
-    if not shm.is_dir() or shm.stat().st_dev == tmp_path.stat().st_dev:
-        pytest.skip("needs a second filesystem for $TMPDIR")
-    env = dict(os.environ, TMPDIR=str(shm))
-    cmd = lb.job_cmd(Path("@DIR@"), "--max-steps", "6", "--every", "2", "--save-last", "copy")
-    rec_dir = tmp_path / "record"
-    events, _ = km.record_events([c if c != "@DIR@" else str(rec_dir) for c in cmd], rec_dir, env=env, timeout=240)
-    save_b = _save_events(events)
-    opens = [e for e in save_b if e.event == "open"]
-    assert len(opens) == 2 and opens[-1].path.endswith("last.ckpt"), [e.describe() for e in events]
-    # kill points: before each copy starts, and after the last one (the next event); the mkdir and the
-    # failing rename before an open leave the same files as the kill at that open
-    ks = sorted({e.index for e in opens} | {opens[-1].index + 1})
-    runs = _kill_runs(cmd, tmp_path, ks, env=env)
-    for k, d in runs.items():
-        _check_choice(d, f"killed before {events[k - 1].describe()}")
+    if "copy" not in matrix:
+        pytest.skip("needs a second filesystem (/dev/shm) for $TMPDIR")
+    m = matrix["copy"]
+    opens = [e for e in m.save_b if e.event == "open"]
+    assert len(opens) == 2 and opens[-1].path.endswith("last.ckpt"), [e.describe() for e in m.events]
+    for k, d in m.runs.items():
+        _check_choice(d, f"killed before {m.events[k - 1].describe()}")
+    ks = sorted(m.runs)
     broken = {}
-    for e, after in zip(opens, [*ks[1:]]):  # half-written variants: killed inside each copy
+    for e, after in zip(opens, ks[1:]):  # half-written variants: killed inside each copy
         d = tmp_path / f"half{e.index}" / "ckpts"
-        shutil.copytree(runs[after], d, symlinks=True)
+        shutil.copytree(m.runs[after], d, symlinks=True)
         lb.truncate_half(d / Path(e.path).name)
         record = _check_choice(d, f"half-written {Path(e.path).name}")
         why = _lightning_breaks(d, record.step)

@@ -45,11 +45,11 @@ def _ckpt_names(d: Path) -> set[str]:
 def _kill_attempt(log: Path, ckpt: Path, n: int, mode: str, rng: random.Random) -> str:
     """Wait for attempt ``n`` to start, then SIGKILL its training process: at a random moment, or the
     instant a new checkpoint file appears. Returns what was done (for the failure message)."""
-    start = wait_for(lambda: _starts(log)[n] if len(_starts(log)) > n else None, 120, f"attempt {n} to start")
+    start = wait_for(lambda: _starts(log)[n] if len(_starts(log)) > n else None, 240, f"attempt {n} to start")
     pid = int(start[1])
     if mode == "new-file":
         before = _ckpt_names(ckpt)
-        new = wait_for(lambda: _ckpt_names(ckpt) - before or None, 120, "a new checkpoint file")
+        new = wait_for(lambda: _ckpt_names(ckpt) - before or None, 240, "a new checkpoint file")
         os.kill(pid, signal.SIGKILL)
         return f"attempt {n}: killed as {sorted(new)} appeared"
     delay = rng.uniform(0.5, 4.0)
@@ -59,7 +59,7 @@ def _kill_attempt(log: Path, ckpt: Path, n: int, mode: str, rng: random.Random) 
     return f"attempt {n}: killed {delay:.2f}s after start"
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 def test_lightning_under_rlsup_survives_kills_with_exact_weights(tmp_path: Path) -> None:
     ckpt, log = tmp_path / "ckpts", tmp_path / "attempts.log"
     ref_dir = tmp_path / "reference"
@@ -73,18 +73,18 @@ def test_lightning_under_rlsup_survives_kills_with_exact_weights(tmp_path: Path)
     rng = random.Random(18)
     done = []
     try:
-        for n, mode in enumerate(["new-file", "random", "new-file", "random"]):
+        for n, mode in enumerate(["new-file", "random", "new-file"]):
             done.append(_kill_attempt(log, ckpt, n, mode, rng))
-        out, _ = proc.communicate(timeout=240)
+        out, _ = proc.communicate(timeout=400)
     finally:
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, (done, out[-4000:])
-    assert reference.wait(timeout=240) == 0
+    assert reference.wait(timeout=400) == 0
     lines = log.read_text().splitlines()
     assert lines[-1] == "done 32", (done, lines)
     starts = _starts(log)
-    assert len(starts) == 5, (done, lines)
+    assert len(starts) == 4, (done, lines)
     resumed = [(int(s[2]), Path(s[3])) for s in starts if len(s) > 3]
     assert resumed, (done, lines)
     for step, path in resumed:  # every resume: a complete named checkpoint at an epoch boundary
@@ -95,6 +95,7 @@ def test_lightning_under_rlsup_survives_kills_with_exact_weights(tmp_path: Path)
     final, expected = torch.load(tmp_path / "final.pt"), torch.load(ref_dir / "final.pt")
     assert final.keys() == expected.keys()
     assert all(torch.equal(final[k], expected[k]) for k in expected), (done, lines)
+    print("\n".join(done + lines))
 
 
 if __name__ == "__main__":  # pragma: no cover
