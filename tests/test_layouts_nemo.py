@@ -63,7 +63,8 @@ def test_complete_tree(tmp_path: Path) -> None:
     best = layouts.latest_valid(base)
     assert best is not None and best.step == 2 and best.path.name == B_LAST and best.role == "last"
     assert sb.nemo_autoresume_pick(base) == base / B_LAST
-    assert layouts.verify_path(base / B_TOPK).valid
+    rec = layouts.verify_path(base / B_TOPK)
+    assert rec.valid and rec.layout == "nemo" and rec.step == 2 and rec.role is None
     assert not (base / sb.nemo_name(1, last=True)).exists()  # the previous -last was removed
 
 

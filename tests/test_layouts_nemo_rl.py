@@ -27,7 +27,8 @@ def test_complete_steps_and_detection(tmp_path: Path) -> None:
     assert layouts.detect_layout(base) == "nemo-rl"
     best = layouts.latest_valid(base)
     assert best is not None and best.step == 2 and best.path.name == "step_2" and best.layout == "nemo-rl"
-    assert layouts.verify_path(base / "step_1").valid
+    rec = layouts.verify_path(base / "step_1")
+    assert rec.valid and rec.layout == "nemo-rl" and rec.step == 1
 
 
 def test_kill_matrix_every_prefix_of_a_save(tmp_path: Path) -> None:

@@ -27,7 +27,8 @@ def test_complete_tree_is_torchtitan_and_plain_dcp_roots_stay_dcp(tmp_path: Path
     assert layouts.detect_layout(base) == "torchtitan"
     best = layouts.latest_valid(base)
     assert best is not None and best.step == 20 and best.layout == "torchtitan"
-    assert layouts.verify_path(base / "step-20").valid
+    rec = layouts.verify_path(base / "step-20")
+    assert rec.valid and rec.layout == "torchtitan" and rec.step == 20
     plain = tmp_path / "plain"
     lb.dcp_save(plain / "step-100")  # tiny_state keys: no torchtitan training state
     assert layouts.detect_layout(plain) == "dcp"
