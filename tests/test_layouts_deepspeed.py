@@ -41,6 +41,7 @@ class RealRuns:
     b_events: list[km.FileEvent]
     killed: dict[int, Path]
     race: Path
+    resumed: tuple[Path, subprocess.CompletedProcess]
 
 
 def _cmd(root: Path) -> list[str]:
@@ -73,6 +74,20 @@ def _race(root: Path, port: int) -> Path:
     return root
 
 
+def _resume_under_rlsup(template: Path, work: Path, port: int) -> tuple[Path, subprocess.CompletedProcess]:
+    """`latest` names a tag with a torn optimizer shard; the job only calls ``engine.load_checkpoint(dir)``
+    under ``rlsup run --repair-tracker true``."""
+    from conftest import run_rlsup
+
+    ckpt = copy_tree(template, work / "ckpt")
+    truncate_half(ckpt / "global_step2" / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    assert deepspeed_would_load(ckpt) == "global_step2"
+    r = run_rlsup(["run", "--backoff-initial", "0.05", "--kill-grace", "2", "--checkpoint-dir", str(ckpt),
+                   "--repair-tracker", "true", "--", km.python(), str(JOB), str(ckpt), "0", "1"],
+                  work, timeout=300, RLSUP_TEST_DS_LOAD="1", RLSUP_TEST_PORT=str(port))
+    return ckpt, r
+
+
 @pytest.fixture(scope="module")
 def real(tmp_path_factory: pytest.TempPathFactory) -> RealRuns:
     pytest.importorskip("deepspeed")
@@ -86,8 +101,9 @@ def real(tmp_path_factory: pytest.TempPathFactory) -> RealRuns:
         b_events = [e for e in events if e.index > first_latest]
         points = _kill_points(b_events, base / "record")
         runs = {k: pool.submit(_killed, base / f"kill_{k}", k, ports.pop()) for k in points}
+        resumed = pool.submit(_resume_under_rlsup, base / "record", base / "resume", ports.pop())
         killed = {k: f.result() for k, f in runs.items()}
-        return RealRuns(base / "record", b_events, killed, race.result())
+        return RealRuns(base / "record", b_events, killed, race.result(), resumed.result())
 
 
 def _b_tag_files(real: RealRuns) -> dict[int, str]:
@@ -349,18 +365,12 @@ def test_layout_code_imports_no_trainer_library(real: RealRuns) -> None:
     subprocess.run([sys.executable, "-c", code, str(real.race)], env=clean_env(), check=True, timeout=60)
 
 
-def test_rlsup_run_repairs_latest_so_deepspeed_resumes_the_chosen_tag(real: RealRuns, tmp_path: Path) -> None:
-    """End to end: `latest` names a tag with a torn optimizer shard; `rlsup run --repair-tracker true`
-    points it at global_step1 and the job's plain ``engine.load_checkpoint(dir)`` loads that."""
-    from conftest import run_rlsup
-
-    ckpt = copy_tree(real.template, tmp_path / "ckpt")
-    truncate_half(ckpt / "global_step2" / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
-    assert deepspeed_would_load(ckpt) == "global_step2"
-    r = run_rlsup(["run", "--backoff-initial", "0.05", "--kill-grace", "2", "--checkpoint-dir", str(ckpt),
-                   "--repair-tracker", "true", "--", sys.executable, str(JOB), str(ckpt), "0", "1"],
-                  tmp_path, timeout=300, RLSUP_TEST_DS_LOAD="1", RLSUP_TEST_PORT=str(free_ports(1)[0]))
+def test_rlsup_run_repairs_latest_so_deepspeed_resumes_the_chosen_tag(real: RealRuns) -> None:
+    """End to end: before the attempt rlsup points `latest` at global_step1, and the job's plain
+    ``engine.load_checkpoint(dir)`` (tag=None) loads that instead of the broken global_step2."""
+    ckpt, r = real.resumed
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     loaded = ckpt / "global_step1" / "mp_rank_00_model_states.pt"
     assert f"loaded {loaded} global_steps=1 resume_step=1" in r.stdout, r.stdout[-3000:]
     assert (ckpt / "latest.rlsup-prev").read_text() == "global_step2"
+    assert deepspeed_would_load(ckpt) == "global_step1"
