@@ -42,21 +42,24 @@ def _ckpt_names(d: Path) -> set[str]:
         return set()
 
 
-def _kill_attempt(log: Path, ckpt: Path, n: int, mode: str, rng: random.Random) -> str:
+def _kill_attempt(log: Path, ckpt: Path, n: int, mode: str, rng: random.Random) -> tuple[str, int]:
     """Wait for attempt ``n`` to start, then SIGKILL its training process: at a random moment, or the
-    instant a new checkpoint file appears. Returns what was done (for the failure message)."""
+    instant a new checkpoint file appears (before last.ckpt is re-linked). Returns what was done and
+    the step the next attempt must resume from at least (-1: any)."""
     start = wait_for(lambda: _starts(log)[n] if len(_starts(log)) > n else None, 240, f"attempt {n} to start")
     pid = int(start[1])
     if mode == "new-file":
         before = _ckpt_names(ckpt)
         new = wait_for(lambda: _ckpt_names(ckpt) - before or None, 240, "a new checkpoint file")
         os.kill(pid, signal.SIGKILL)
-        return f"attempt {n}: killed as {sorted(new)} appeared"
+        last = lb.lightning_last_pick(ckpt)
+        step = max(lt.step_from_name(Path(p)) or -1 for p in new)
+        return f"attempt {n}: killed as {sorted(new)} appeared (last.ckpt -> {last and last.resolve().name})", step
     delay = rng.uniform(0.5, 4.0)
     deadline = time.monotonic() + delay
     wait_for(lambda: time.monotonic() >= deadline, delay + 5, "the random kill moment", interval=0.02)
     os.kill(pid, signal.SIGKILL)
-    return f"attempt {n}: killed {delay:.2f}s after start"
+    return f"attempt {n}: killed {delay:.2f}s after start", -1
 
 
 @pytest.mark.timeout(600)
@@ -71,10 +74,13 @@ def test_lightning_under_rlsup_survives_kills_with_exact_weights(tmp_path: Path)
                                       "--max-no-progress-attempts", "10", "--", *job),
                             cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     rng = random.Random(18)
-    done = []
+    done: list[str] = []
+    floors: list[int] = []
     try:
         for n, mode in enumerate(["new-file", "random", "new-file"]):
-            done.append(_kill_attempt(log, ckpt, n, mode, rng))
+            what, floor = _kill_attempt(log, ckpt, n, mode, rng)
+            done.append(what)
+            floors.append(floor)
         out, _ = proc.communicate(timeout=400)
     finally:
         if proc.poll() is None:
@@ -90,6 +96,8 @@ def test_lightning_under_rlsup_survives_kills_with_exact_weights(tmp_path: Path)
     for step, path in resumed:  # every resume: a complete named checkpoint at an epoch boundary
         assert step % 8 == 0 and lt.step_from_name(path) == step and not lt.is_last(path), (done, lines)
         assert lb.lightning_can_load(path), path
+    for n, floor in enumerate(floors):  # a step file that appeared is complete (renamed into place): used
+        assert int(starts[n + 1][2]) >= floor, (done, lines)
     steps = [s for s, _ in resumed]
     assert steps == sorted(steps), (done, lines)
     final, expected = torch.load(tmp_path / "final.pt"), torch.load(ref_dir / "final.pt")
