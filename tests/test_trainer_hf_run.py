@@ -34,7 +34,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 FAST = ["--backoff-initial", "0.05", "--backoff-max", "0.2", "--kill-grace", "2", "--max-restarts", "20",
         "--max-no-progress-attempts", "0", "--poll-interval", "0.1"]
-MAX_STEPS, SAVE_STEPS = 24, 4
+MAX_STEPS, SAVE_STEPS = 16, 4
 
 
 @dataclass
@@ -112,25 +112,22 @@ def _scan(ckpt: Path) -> list[tuple[int, bool]]:
     return [(r.step, r.valid) for r in layouts.scan(ckpt)]
 
 
-def _reference(job: str, tmp: Path) -> Path:
-    final = tmp / "ref.safetensors"
-    env = clean_env()
-    subprocess.run([sys.executable, str(JOBS / job), str(tmp / "ref-out"), "--max-steps", str(MAX_STEPS),
-                    "--save-steps", str(SAVE_STEPS), "--final", str(final)], env=env, check=True, timeout=300,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    return final
+def _start_reference(job: str, tmp: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(JOBS / job), str(tmp / "ref-out"), "--max-steps", str(MAX_STEPS),
+                             "--save-steps", str(SAVE_STEPS), "--final", str(tmp / "ref.safetensors")],
+                            env=clean_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def _check(job: str, tmp: Path, seed: int) -> None:
     rng = random.Random(seed)
-    plan = Plan({0: ("hook", rng.randint(16, 26)), 1: ("new_dir", 0), 2: ("random", rng.uniform(100, 1500)),
-                 3: ("hook", rng.randint(3, 12))})
+    plan = Plan({0: ("hook", rng.randint(16, 26)), 1: ("new_dir", 0), 2: ("random", rng.uniform(100, 1500))})
+    reference = _start_reference(job, tmp)  # alongside: the uninterrupted run the final weights must equal
     events, final = _run(job, tmp / "rlsup", plan)
     done = [e for e in events if e["event"] == "done"]
     assert len(done) == 1 and done[0]["step"] == MAX_STEPS, events
     resumes = [e for e in events if e["event"] == "resume"]
     attempts = {e["attempt"] for e in events if e["event"] == "start"}
-    assert len(attempts) >= 4, (attempts, plan.done)
+    assert len(attempts) >= 3, (attempts, plan.done)
     assert len(resumes) >= 2, events  # a kill before the first save restarts fresh (RLSUP_RESUME_DIR="")
     for r in resumes:  # verified by the job the moment it loaded it, before any file of this attempt was written
         assert r["valid"], r
@@ -141,16 +138,19 @@ def _check(job: str, tmp: Path, seed: int) -> None:
     assert torn, plan.done
     from safetensors.torch import load_file
 
-    ref, got = load_file(str(_reference(job, tmp))), load_file(str(final))
+    assert reference.wait(timeout=300) == 0
+    ref, got = load_file(str(tmp / "ref.safetensors")), load_file(str(final))
     assert ref.keys() == got.keys()
     unequal = [k for k in ref if not torch.equal(ref[k], got[k])]
     assert not unequal, unequal
 
 
+@pytest.mark.timeout(900)  # ~1 min on an idle 2-core machine; far more when it is shared
 def test_hf_trainer_under_rlsup_killed_at_random_moments(tmp_path: Path) -> None:
     _check("hf_train_job.py", tmp_path, seed=18)
 
 
+@pytest.mark.timeout(900)
 def test_trl_sft_trainer_under_rlsup_killed_at_random_moments(tmp_path: Path) -> None:
     pytest.importorskip("trl")
     _check("trl_train_job.py", tmp_path, seed=1818)
