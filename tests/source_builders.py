@@ -218,7 +218,8 @@ def nemo_save_one(root: Path, step: int, last: bool) -> Path:
 
 
 MCORE_TEMPLATE_ENV = "RLSUP_TEST_MCORE_TEMPLATE"  # a subprocess builder reuses the session's real MCore save
-MCORE_ORDER = ("mkdir", "common.pt", "mkdir", "__0_0.distcp", "__0_1.distcp", ".metadata.tmp", "rename", "metadata.json")
+MCORE_ORDER = ("mkdir", "common.pt", "mkdir", "__0_0.distcp", "__0_1.distcp", ".metadata.tmp", "rename",
+               "metadata.json")
 
 
 def _write_copy(src: Path, dst: Path) -> None:
@@ -432,7 +433,8 @@ def torchtitan_find_load_step(folder: Path) -> int:
     steps = []
     for name in os.listdir(folder):
         m = re.search(r"step-(\d+)", name)
-        if m and ((folder / name / ".metadata").is_file() or (folder / name / "model.safetensors.index.json").is_file()):
+        step_dir = folder / name
+        if m and ((step_dir / ".metadata").is_file() or (step_dir / "model.safetensors.index.json").is_file()):
             steps.append(int(m.group(1)))
     return max(steps) if steps else -1
 

@@ -199,8 +199,10 @@ def test_rlsup_run_resumes_from_the_newest_complete_step(tmp_path: Path) -> None
 
     ckpt = tmp_path / "ckpt"
     job = sb.job_script(tmp_path / "job.py", "nemo")
-    r = run_rlsup(["run", "--backoff-initial", "0.05", "--backoff-max", "0.2", "--kill-grace", "2", "--max-restarts", "3",
-                   "--checkpoint-dir", str(ckpt), "--", km.python(), str(job)], tmp_path, timeout=180, **{sb.MCORE_TEMPLATE_ENV: os.environ[sb.MCORE_TEMPLATE_ENV]})
+    fast = ["--backoff-initial", "0.05", "--backoff-max", "0.2", "--kill-grace", "2", "--max-restarts", "3"]
+    template = {sb.MCORE_TEMPLATE_ENV: os.environ[sb.MCORE_TEMPLATE_ENV]}
+    r = run_rlsup(["run", *fast, "--checkpoint-dir", str(ckpt), "--", km.python(), str(job)], tmp_path, timeout=180,
+                  **template)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert f"RESUME 2 {B_TOPK}" in r.stdout, r.stdout[-3000:]
-    assert sb.nemo_autoresume_pick(ckpt) == ckpt / sb.nemo_name(1, last=True)  # AutoResume: step 1
+    assert sb.nemo_autoresume_pick(ckpt) == ckpt / sb.nemo_name(1, last=True)  # AutoResume would take step 1

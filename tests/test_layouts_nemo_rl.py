@@ -145,8 +145,8 @@ def test_rlsup_run_resumes_from_the_newest_complete_step(tmp_path: Path) -> None
 
     ckpt = tmp_path / "ckpt"
     job = sb.job_script(tmp_path / "job.py", "nemo-rl")
-    r = run_rlsup(["run", "--backoff-initial", "0.05", "--backoff-max", "0.2", "--kill-grace", "2", "--max-restarts", "3",
-                   "--checkpoint-dir", str(ckpt), "--", km.python(), str(job)], tmp_path, timeout=180)
+    fast = ["--backoff-initial", "0.05", "--backoff-max", "0.2", "--kill-grace", "2", "--max-restarts", "3"]
+    r = run_rlsup(["run", *fast, "--checkpoint-dir", str(ckpt), "--", km.python(), str(job)], tmp_path, timeout=180)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "RESUME 1 step_1" in r.stdout, r.stdout[-3000:]
     assert sb.nemo_rl_latest(ckpt) == ckpt / "step_1"
