@@ -206,3 +206,5 @@ def test_rlsup_run_resumes_from_the_newest_complete_step(tmp_path: Path) -> None
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert f"RESUME 2 {B_TOPK}" in r.stdout, r.stdout[-3000:]
     assert sb.nemo_autoresume_pick(ckpt) == ckpt / sb.nemo_name(1, last=True)  # AutoResume would take step 1
+    # the killed -last copy and its marker are left exactly where NeMo's next setup() expects them
+    assert (ckpt / B_LAST).is_dir() and nemo.marker_of(ckpt / B_LAST).exists()
