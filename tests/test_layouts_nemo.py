@@ -155,6 +155,15 @@ def test_unfinished_marker_is_reported_and_left_alone(tmp_path: Path) -> None:
     assert not nemo.owns(marker) and nemo.step_of(marker) is None
 
 
+def test_ema_copy_is_not_a_resume_point_and_shares_the_marker(tmp_path: Path) -> None:
+    base = _base(tmp_path)
+    ema = lb.copy_tree(base / sb.nemo_name(1, last=True), base / (sb.nemo_name(1, last=True) + "-EMA"))
+    rec = layouts.verify_path(ema)
+    assert not rec.valid and "EMA copy" in rec.reason
+    assert nemo.marker_of(ema) == nemo.marker_of(base / sb.nemo_name(1, last=True))
+    assert layouts.latest_valid(base).path.name == sb.nemo_name(1, last=True)
+
+
 def test_torn_context_and_weights_without_markers(tmp_path: Path) -> None:
     base = _base(tmp_path)
     d = base / sb.nemo_name(1, last=True)

@@ -28,6 +28,7 @@ from supervisor.layouts.record import Check, CheckpointRecord
 
 NAME = "nemo"
 MARKER_SUFFIX = "-unfinished"
+EMA_SUFFIX = "-EMA"
 STEP_RE = re.compile(r"(?:^|-)step=(\d+)(?=-|$)")
 WEIGHTS = "weights"
 CONTEXT = "context"
@@ -53,7 +54,7 @@ def step_of(path: Path) -> int | None:
 
 def marker_of(path: Path) -> Path:
     """``format_checkpoint_unfinished_marker_path``: the path minus ``.ckpt`` and ``-EMA``, plus ``-unfinished``."""
-    return Path(str(path).removesuffix(".ckpt").removesuffix("-EMA") + MARKER_SUFFIX)
+    return Path(str(path).removesuffix(".ckpt").removesuffix(EMA_SUFFIX) + MARKER_SUFFIX)
 
 
 def _is_dir(path: Path) -> bool:
@@ -127,6 +128,9 @@ def check_step(path: Path, ctx: NemoContext) -> Check:
     if marker.exists():
         return Check.bad(f"{marker.name} present: NeMo was saving or deleting this checkpoint (killed mid-way, "
                          "or still running); left alone, NeMo removes it on its next start")
+    if path.name.endswith(EMA_SUFFIX):
+        return Check.bad("EMA copy (the EMA callback's weights swapped in): not a training state to resume; "
+                         "NeMo resumes from the copy without -EMA")
     if not _is_dir(path / WEIGHTS):
         return Check.bad(f"{WEIGHTS}/ missing (killed before MegatronCheckpointIO wrote it)")
     weights = megatron.check_mcore_dist(path / WEIGHTS)
