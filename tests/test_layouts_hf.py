@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -189,6 +190,21 @@ def test_builder_deepspeed(tmp_path: Path) -> None:
     truncate(s20 / "global_step20" / "mp_rank_00_model_states.pt", 0.5)
     assert "mp_rank_00_model_states.pt" in layouts.verify_path(s20).reason
     assert layouts.latest_valid(tmp_path).step == 5
+
+
+def test_rewrite_of_an_existing_step_is_noted(tmp_path: Path) -> None:
+    """A run resumed from step 5 saves step 10 again into the old checkpoint-10 and is killed before its
+    trainer_state.json: the old one still parses over a new model and an old optimizer. Indistinguishable from
+    a copy that lost its mtimes, so it is a note on a valid step, not a rejection (docs/layouts.md, traps)."""
+    hf_step(tmp_path, 5)
+    s10 = hf_step(tmp_path, 10)
+    old = time.time() - 60
+    for p in s10.iterdir():
+        os.utime(p, (old, old))
+    assert not layouts.verify_path(s10).notes
+    (s10 / "model.safetensors").write_bytes((s10 / "model.safetensors").read_bytes())  # rewritten just now
+    rec = layouts.verify_path(s10)
+    assert rec.valid and any("model.safetensors is newer than trainer_state.json" in n for n in rec.notes)
 
 
 @pytest.mark.parametrize("content", ["", "{", "[]", '{"global_step": "x"}', "\x00\x00"])

@@ -243,6 +243,31 @@ def check_files(path: Path, names: set[str], expect: set[str] | None) -> Check:
     return Check.good()
 
 
+# Files only rank 0's _save_checkpoint writes, all before trainer_state.json (other ranks' rng files may come later).
+REWRITTEN = ("model.safetensors", "pytorch_model.bin", "adapter_model.safetensors", "training_args.bin",
+             "optimizer.pt", "scheduler.pt", "scaler.pt", "rng_state.pth", "rng_state_0.pth")
+MTIME_SLACK_S = 1.0
+
+
+def rewrite_notes(path: Path, names: set[str]) -> list[str]:
+    """A resumed run that reaches N again saves into the existing checkpoint-N (``os.makedirs(exist_ok=True)``);
+    killed before its new trainer_state.json, the old one still parses over a mix of two saves' files. Only a
+    note: a copy that did not keep mtimes (``cp -r``) looks the same, and rejecting every copied step would
+    restart the run from scratch."""
+    try:
+        committed = (path / TRAINER_STATE).stat().st_mtime
+    except OSError:
+        return []
+    for n in sorted(x for x in names if x in REWRITTEN or x.startswith("model-0")):
+        try:
+            if (path / n).stat().st_mtime > committed + MTIME_SLACK_S:
+                return [f"{n} is newer than {TRAINER_STATE}: a later save rewrote this directory and may not have "
+                        "finished, or the step was copied without its mtimes"]
+        except OSError:
+            continue
+    return []
+
+
 def verify_step(path: Path, step: int | None = None, ctx: HFContext | None = None) -> CheckpointRecord:
     step = step if step is not None else step_of(path)
     ctx = ctx if ctx is not None else make_context(path.parent)
@@ -254,7 +279,7 @@ def verify_step(path: Path, step: int | None = None, ctx: HFContext | None = Non
               ("", lambda: check_files(path, names, expect)), ("", lambda: check_rng(path, names, want_rng))]
     if DS_LATEST in names or any(n.startswith("global_step") for n in names):
         checks.append(("", lambda: check_deepspeed(path, names)))
-    notes: list[str] = []
+    notes: list[str] = rewrite_notes(path, names)
     valid, reason = True, "complete"
     for prefix, run in checks:
         c = run()
