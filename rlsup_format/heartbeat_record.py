@@ -14,6 +14,11 @@ Record layout (little endian, 10 x int64 in a 128-byte file, see :data:`RECORD`)
   7 stop       written by rlsup: non-zero asks the rank to save and exit (:func:`should_stop`)
   8 saves      save sections completed (rlsup counts saves even when one ends between two polls)
   9 save_ns    duration of the last completed save section
+ 10 prev_step  the step of the heartbeat before the last (-1: none), and
+ 11 prev_beat_ns  its time: two arrivals per poll, so rlsup sees every rank at the same step
+ 12 works      ``work`` sections completed (the rank's own forward/backward, timed apart from the rest)
+ 13 work_ns    duration of the last completed work section
+Fields 10-13 (:data:`EXTRA`, at :data:`EXTRA_OFFSET`) are zero in files of older writers.
 """
 
 from __future__ import annotations
@@ -28,7 +33,9 @@ RECORD = struct.Struct("<10q")
 RECORD_SIZE = 128
 #: Byte offset of the stop flag (field 7).
 STOP_OFFSET = 56
-SECTIONS = {"none": 0, "save": 1, "load": 2, "user": 3}
+EXTRA = struct.Struct("<4q")
+EXTRA_OFFSET = RECORD.size
+SECTIONS = {"none": 0, "save": 1, "load": 2, "user": 3, "work": 4}
 SECTION_NAMES = {v: k for k, v in SECTIONS.items()}
 ENV_DIR = "RLSUP_HEARTBEAT_DIR"
 STACKS_SIGNAL = signal.SIGUSR2
@@ -56,6 +63,10 @@ class HeartbeatRecord:
     stop: bool
     saves: int = 0
     save_ns: int = 0
+    prev_step: int = -1
+    prev_beat_ns: int = 0
+    works: int = 0
+    work_ns: int = 0
 
 
 def read_record(path: Path) -> HeartbeatRecord | None:
@@ -69,13 +80,14 @@ def read_record(path: Path) -> HeartbeatRecord | None:
                 if len(data) < RECORD_SIZE:
                     return None
                 seq, magic, pid, step, beat_ns, sec, sec_ns, stop, saves, save_ns = RECORD.unpack_from(data)
+                prev_step, prev_beat_ns, works, work_ns = EXTRA.unpack_from(data, EXTRA_OFFSET)
                 f.seek(0)
                 if seq % 2 == 1 or I64.unpack(f.read(8))[0] != seq:
                     continue  # the rank is mid-write: read again
                 if magic != MAGIC:
                     return None
-                return HeartbeatRecord(rank, pid, step, beat_ns, SECTION_NAMES.get(sec, "user"),
-                                       sec_ns, bool(stop), saves, save_ns)
+                return HeartbeatRecord(rank, pid, step, beat_ns, SECTION_NAMES.get(sec, "user"), sec_ns, bool(stop),
+                                       saves, save_ns, prev_step if prev_beat_ns else -1, prev_beat_ns, works, work_ns)
     except (FileNotFoundError, ValueError, struct.error):
         return None
     return None

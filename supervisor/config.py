@@ -66,6 +66,9 @@ class SupervisorConfig:
     warm_imports: tuple[str, ...] = _opt((), "With warm_launcher: modules each warm rank imports (after torch) before it becomes a worker, e.g. your model library. They are imported under the attempt's environment before the rank's RANK, LOCAL_RANK and the next attempt's RLSUP_* variables are set: list only modules whose import does not read those.")
     resume: bool = _opt(True, "Pick the newest valid checkpoint before each attempt and pass it as RLSUP_RESUME_DIR (empty: start fresh), which every rank must load; false: the trainer chooses.")
     checkpoint_layout: str = _opt("auto", "Checkpoint layout to read: auto, rlsup, verl, megatron, areal, dcp.")
+    straggler_factor: float = _opt(1.5, "A rank whose own work per step stays this many times its peers' median (heartbeat arrivals before the step's collective, or trainer_hooks.section('work')) over straggler_window steps is reported as a straggler; 0: off.")
+    straggler_window: int = _opt(10, "Consecutive steps a rank must be that slow to be reported (and fast again to be cleared).")
+    straggler_action: str = _opt("report", "report: log, stragglers.jsonl, rlsup_stragglers metric, no restart; restart: a straggler also ends the attempt, like a hang.")
     pre_launch_check: str = _opt("", "Shell command run on this node before every attempt (e.g. 'nvidia-smi', 'dcgmi diag -r 1', a filesystem probe); a non-zero exit or a timeout marks the node unhealthy: rlsup stops with exit 77 and appends the node's name to <state_dir>/unhealthy_nodes. Empty: no check.")
     pre_launch_timeout: float = _opt(300.0, "Seconds pre_launch_check may take before it counts as failed.")
     repair_tracker: bool = _opt(False, "Rewrite a trainer's tracker file (verl/Megatron) to the chosen step before a restart.")
@@ -345,6 +348,11 @@ def _validate(cfg: SupervisorConfig, origins: dict[str, str]) -> None:
         raise bad("preempt_signal", f"unknown signal {cfg.preempt_signal!r}")
     if cfg.checkpoint_layout not in ("auto", "rlsup", "verl", "megatron", "areal", "dcp"):
         raise bad("checkpoint_layout", f"unknown layout {cfg.checkpoint_layout!r}")
+    if cfg.straggler_action not in ("report", "restart"):
+        raise bad("straggler_action", f"unknown action {cfg.straggler_action!r} (report or restart)")
+    if cfg.straggler_factor < 0 or cfg.straggler_window < 1:
+        raise bad("straggler_factor" if cfg.straggler_factor < 0 else "straggler_window",
+                  "must be >= 0 (factor) and >= 1 (window)")
     if cfg.coordinator_backend not in ("embedded", "etcd"):
         raise bad("coordinator_backend", f"unknown backend {cfg.coordinator_backend!r} (embedded or etcd)")
     if cfg.coordinator_backend == "etcd" and not cfg.coordinator_endpoints:

@@ -14,8 +14,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
+from rlsup_format.fileio import pid_alive
 from rlsup_format.heartbeat_record import HeartbeatRecord, read_record
 
 if TYPE_CHECKING:
@@ -90,11 +91,15 @@ class HangDetector:
     auto: AutoTimeout
     started_ns: int = field(default_factory=time.monotonic_ns)
     records: dict[int, HeartbeatRecord] = field(default_factory=dict)
+    alive: Callable[[int], bool] = field(default=lambda pid: pid_alive(pid))
 
     @classmethod
-    def from_settings(cls, directory: Path, s: HangSettings, auto: AutoTimeout) -> "HangDetector":
+    def from_settings(cls, directory: Path, s: HangSettings, auto: AutoTimeout,
+                      alive: Callable[[int], bool] | None = None) -> "HangDetector":
         """One attempt's detector; ``auto`` is shared by the attempts of a run (what it learned carries over)."""
-        return cls(directory, s.startup_timeout, s.save_timeout, s.heartbeat_timeout, auto)
+        det = cls(directory, s.startup_timeout, s.save_timeout, s.heartbeat_timeout, auto)
+        det.alive = alive or det.alive
+        return det
 
     def timeout(self) -> float:
         return self.explicit_timeout if self.explicit_timeout is not None else self.auto.current()
@@ -133,7 +138,7 @@ class HangDetector:
                 continue
             last = max(rec.beat_ns, rec.section_ns)  # a section that just ended counts as a sign of life
             silent = (now_ns - last) / 1e9
-            if silent > timeout:
+            if silent > timeout and self.alive(rec.pid):  # an exited rank is not silent: the job is ending
                 return HangVerdict("heartbeat_timeout", rec.rank, rec.pid, silent, timeout, rec.step)
         return None
 
@@ -156,3 +161,4 @@ class HangDetector:
     def last_step(self) -> int | None:
         steps = [r.step for r in self.records.values() if r.beat_ns > 0]
         return max(steps) if steps else None
+

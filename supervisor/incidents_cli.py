@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from supervisor.incidents import INCIDENTS, read_incidents
+from supervisor.stragglers import STRAGGLERS, read_reports
 
 
 @dataclass
@@ -74,6 +75,14 @@ def incident_line(inc: dict[str, Any]) -> str:
     return line + (f"\n      {detail}" if detail else "")
 
 
+def straggler_line(r: dict[str, Any]) -> str:
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r.get("time", 0)))
+    if r.get("cleared"):
+        return f"{when} attempt {r.get('attempt')}: rank {r.get('rank')} on node {r.get('node')} no longer straggles"
+    return (f"{when} attempt {r.get('attempt')}: straggler: rank {r.get('rank')} (pid {r.get('pid')}) on node "
+            f"{r.get('node')} works {r.get('ratio')}x its peers' median ({r.get('method')}, step {r.get('step')})")
+
+
 def report(state_dir: Path, incidents: list[dict[str, Any]]) -> str:
     s = summarize(incidents)
     span = f" over {_duration(s.last - s.first)}" if s.first is not None and s.last is not None else ""
@@ -84,6 +93,10 @@ def report(state_dir: Path, incidents: list[dict[str, Any]]) -> str:
     if s.suspect_nodes:
         lines.append("suspect nodes: " + ", ".join(f"{node} ({n}x)" for node, n in s.suspect_nodes.items()))
     lines += ["  " + incident_line(inc) for inc in incidents]
+    stragglers = read_reports(state_dir)
+    if stragglers:
+        lines.append(f"stragglers ({STRAGGLERS}): {sum(not r.get('cleared') for r in stragglers)} flagged")
+        lines += ["  " + straggler_line(r) for r in stragglers]
     return "\n".join(lines)
 
 
@@ -98,12 +111,13 @@ def cmd_incidents(args: argparse.Namespace) -> int:
     state_dir = Path(args.state_dir)
     if state_dir.name == INCIDENTS:
         state_dir = state_dir.parent
-    if not (state_dir / INCIDENTS).is_file():
-        print(f"rlsup incidents: no {INCIDENTS} in {state_dir}", file=sys.stderr)
+    if not (state_dir / INCIDENTS).is_file() and not (state_dir / STRAGGLERS).is_file():
+        print(f"rlsup incidents: no {INCIDENTS} (nor {STRAGGLERS}) in {state_dir}", file=sys.stderr)
         return 1
     incidents = read_incidents(state_dir)
     if args.json:
-        print(json.dumps({"summary": asdict(summarize(incidents)), "incidents": incidents}, indent=1))
+        print(json.dumps({"summary": asdict(summarize(incidents)), "incidents": incidents,
+                          "stragglers": read_reports(state_dir)}, indent=1))
     else:
         print(report(state_dir, incidents))
     return 0

@@ -116,6 +116,7 @@ class EndReason(_Value):
     HANG = "hang"  # a rank silent past the heartbeat timeout; stacks dumped
     STARTUP_TIMEOUT = "startup_timeout"  # no rank heartbeated within startup_timeout
     SAVE_TIMEOUT = "save_timeout"  # a rank in a save/load section past save_timeout
+    STRAGGLER = "straggler"  # a rank stayed straggler_factor slower than its peers (straggler_action: restart)
     PEER_FAILURE = "peer_failure"  # another node ended the attempt (multi-node)
     STOPPED = "stopped"  # rlsup got SIGTERM/SIGINT
     PREEMPTED = "preempted"  # rlsup got the preemption signal
@@ -127,7 +128,7 @@ class EndReason(_Value):
 # pre-created ``rlsup_restarts_total{reason}`` series.
 ATTEMPT_FAILURES: tuple[EndReason, ...] = (
     EndReason.EXIT_CODE, EndReason.SIGNAL, EndReason.OOM, EndReason.HANG, EndReason.STARTUP_TIMEOUT,
-    EndReason.SAVE_TIMEOUT, EndReason.PEER_FAILURE)
+    EndReason.SAVE_TIMEOUT, EndReason.STRAGGLER, EndReason.PEER_FAILURE)
 # Reasons whose attempt is killed without kill_grace (stacks already saved; a stuck rank would not act).
 HUNG = frozenset({EndReason.HANG, EndReason.STARTUP_TIMEOUT, EndReason.SAVE_TIMEOUT})
 

@@ -38,6 +38,9 @@ class MetricsSettings:
         return cls(cfg.metrics_port, cfg.metrics_addr, cfg.job_name)
 
 
+SUSPECT_WHY = ("stacks", "health", "repeated", "straggler")  # the `why` of rlsup_suspect_total
+
+
 class SupervisorMetrics(Observer):
     """All series rlsup exports; one instance per supervisor process, on its own registry."""
 
@@ -84,8 +87,13 @@ class SupervisorMetrics(Observer):
                               registry=r)
         self.resume_tier = Counter("rlsup_resumes_total", "Resumes by where the checkpoint came from.", ["tier"],
                                    registry=r)
+        self.stragglers_now = Gauge("rlsup_stragglers", "Ranks of this node now flagged as stragglers.", registry=r)
+        self.straggler_ratio = Gauge("rlsup_straggler_ratio", "Each rank's own work per step over its peers' median.",
+                                     ["local_rank"], registry=r)
         self.suspects = Counter("rlsup_suspect_total", "Times a node was named the likely culprit of a failure.",
                                 ["node", "why"], registry=r)
+        for why in SUSPECT_WHY:  # pre-created at 0 for this node, so increase() sees the first one
+            self.suspects.labels(self.node, why)
         self._started = time.monotonic()
         self._ckpt_written = 0.0
         self._productive = 0.0
@@ -180,6 +188,11 @@ class SupervisorMetrics(Observer):
 
     def resumed_from(self, tier: str) -> None:
         self.resume_tier.labels(tier).inc()
+
+    def stragglers(self, flagged: int, ratios: Mapping[int, float]) -> None:
+        self.stragglers_now.set(flagged)
+        for rank, ratio in ratios.items():
+            self.straggler_ratio.labels(str(rank)).set(ratio)
 
     def suspect(self, node: str, why: str) -> None:
         self.suspects.labels(node, why).inc()  # node names, not pids: the label set stays bounded

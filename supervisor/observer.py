@@ -41,3 +41,6 @@ class Observer:
 
     def suspect(self, node: str, why: str) -> None:
         """``node`` was named as the likely culprit of a failure (``why``: stacks, health, repeated)."""
+
+    def stragglers(self, flagged: int, ratios: Mapping[int, float]) -> None:
+        """Ranks now flagged as stragglers on this node, and each rank's latest work ratio to its peers."""

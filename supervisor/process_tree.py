@@ -257,6 +257,12 @@ class ProcessLayer:
     def pid_exists(self, pid: int) -> bool:
         return psutil.pid_exists(pid)
 
+    def alive(self, pid: int) -> bool:
+        """Whether a registered rank's process still exists (an exited rank is never 'silent')."""
+        from rlsup_format.fileio import pid_alive
+
+        return pid_alive(pid)
+
     def kill(self, pid: int, sig: int) -> None:
         """Signal one registered rank; a rank already gone is not an error."""
         try:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from supervisor.lifecycle import Action
 
 if TYPE_CHECKING:
+    from supervisor.attempt_end import AttemptResult
     from supervisor.config import SupervisorConfig
 
 
@@ -86,3 +87,16 @@ class RestartPolicy:
         if s.backoff_jitter:
             delay *= 1 + self.rng.uniform(-s.backoff_jitter, s.backoff_jitter)
         return RestartDecision(True, max(0.0, delay), Action.RESTART)
+
+
+def give_up_code(action: Action, result: "AttemptResult", max_no_progress: int) -> tuple[int, str]:
+    """rlsup's exit code when it gives up after ``result``, and the line that says why."""
+    from supervisor import exit_codes
+
+    if action == Action.NO_PROGRESS:
+        return exit_codes.NO_PROGRESS, f"giving up: {max_no_progress} attempts in a row made no new valid checkpoint"
+    if action == Action.FATAL:
+        return int(result.exit_code or exit_codes.FAILED), f"exit code {result.exit_code} is fatal: not retrying"
+    code = result.exit_code
+    return (code if code is not None and 0 < code < 126 else exit_codes.FAILED,
+            f"giving up after {result.attempt + 1} attempts")

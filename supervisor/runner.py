@@ -31,7 +31,8 @@ from supervisor.lifecycle import FINAL, Action, EndReason, JobStatus, check_tran
 from supervisor.observer import Observer
 from supervisor.process_tree import JobProcess, ProcessLayer
 from supervisor.rank_deaths import RankDeathWatch
-from supervisor.restart_policy import RestartPolicy
+from supervisor.restart_policy import RestartPolicy, give_up_code
+from supervisor.stragglers import StragglerDetector, StragglerWatch
 from supervisor.resume import ResumePoint, choose_resume
 from supervisor.warm_launcher import Zygote, warm_spec
 from rlsup_format.heartbeat_record import rank_file_name, request_stop
@@ -134,7 +135,8 @@ class Supervisor:
                 return self._stopped(attempt)
             incident, delay = self.decide(attempt, result, resume)
             if delay is None:
-                code = self._give_up_code(incident.action, result)
+                code, why = give_up_code(incident.action, result, self.policy.settings.max_no_progress_attempts)
+                self._log(why)
                 self._set_state(JobStatus.GAVE_UP, exit_code=code)
                 return self._finish(code, JobStatus.GAVE_UP, attempt)
             pending = (incident, result.ended)
@@ -390,7 +392,8 @@ class Supervisor:
             deaths.close()
 
     def _watch(self, job: JobProcess, hb_dir: Path, attempt: int, deaths: RankDeathWatch) -> AttemptResult:
-        detector = HangDetector.from_settings(hb_dir, self.hang_settings, self.auto_timeout)
+        detector = HangDetector.from_settings(hb_dir, self.hang_settings, self.auto_timeout, self.processes.alive)
+        stragglers = self._straggler_watch(attempt)
         oom_before = self.processes.oom_kill_count()
         first_dead: tuple[int, int] | None = None
         saves_seen = 0
@@ -413,6 +416,9 @@ class Supervisor:
             self.state.heartbeat_timeout_s = detector.timeout()
             if verdict is not None:
                 return self._hang(attempt, job, detector, verdict)
+            slow = stragglers.poll(detector.records)
+            if slow is not None:  # straggler_action: restart
+                return slow.attempt_result(detector.last_step(), job.output.tail())
             if first_dead is None:
                 first_dead = self._first_dead_rank(detector)
             saves = sum(rec.saves for rec in detector.records.values())
@@ -456,6 +462,11 @@ class Supervisor:
             if rec.pid and not self.processes.pid_exists(rec.pid):
                 return rec.rank, rec.pid
         return None
+
+    def _straggler_watch(self, attempt: int) -> StragglerWatch:
+        c = self.cfg
+        return StragglerWatch(StragglerDetector(c.straggler_factor, c.straggler_window, self.node_name, attempt),
+                              self.state_dir, c.straggler_action == "restart", self._log, self.observer)
 
     def _hang(self, attempt: int, job: JobProcess, detector: HangDetector, verdict: HangVerdict) -> AttemptResult:
         reason = EndReason.HANG if verdict.reason == "heartbeat_timeout" else EndReason(verdict.reason)
@@ -543,18 +554,6 @@ class Supervisor:
         self.incidents.append(incident)
         if downtime is not None:
             self.observer.downtime(downtime)
-
-    def _give_up_code(self, action: Action, result: AttemptResult) -> int:
-        if action == Action.NO_PROGRESS:
-            self._log(f"giving up: {self.policy.settings.max_no_progress_attempts} attempts in a row made no new "
-                      "valid checkpoint")
-            return exit_codes.NO_PROGRESS
-        if action == Action.FATAL:
-            self._log(f"exit code {result.exit_code} is fatal: not retrying")
-            return int(result.exit_code or exit_codes.FAILED)
-        self._log(f"giving up after {result.attempt + 1} attempts")
-        code = result.exit_code
-        return code if code is not None and 0 < code < 126 else exit_codes.FAILED
 
     def _set_state(self, status: JobStatus, *, attempt: int | None = None, resume: ResumePoint | None = None,
                    job_pid: int | None = None, exit_code: int | None = None) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from supervisor.hang_detector import AutoTimeout, HangDetector
@@ -12,7 +13,7 @@ S = 1_000_000_000
 
 def write_record(directory: Path, rank: int, beat_ns: int = 0, section: str = "none", section_ns: int = 0) -> None:
     data = bytearray(RECORD_SIZE)
-    RECORD.pack_into(data, 0, 2, MAGIC, 4242, 0, beat_ns, SECTIONS[section], section_ns, 0, 0, 0)
+    RECORD.pack_into(data, 0, 2, MAGIC, os.getpid(), 0, beat_ns, SECTIONS[section], section_ns, 0, 0, 0)
     (directory / rank_file_name(rank)).write_bytes(bytes(data))
 
 

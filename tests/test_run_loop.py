@@ -159,6 +159,9 @@ class FakeProcesses(ProcessLayer):
     def kill(self, pid: int, sig: int) -> None:
         self.rank_signals.append((pid, sig))
 
+    def alive(self, pid: int) -> bool:  # scripted ranks live as long as their attempt
+        return True
+
     def dump_stacks(self, hb_dir: Path, records) -> dict[str, str]:  # type: ignore[override]
         return {f"rank {r} pid {rec.pid}": "fake stack" for r, rec in sorted(records.items())}
 

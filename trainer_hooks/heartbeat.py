@@ -42,7 +42,8 @@ from rlsup_format.heartbeat_record import (  # noqa: F401 - re-exported for rank
 
 
 _BEFORE_STOP = struct.Struct("<7q")  # fields 0-6, up to STOP_OFFSET
-_AFTER_STOP = struct.Struct("<2q")  # fields 8-9
+_AFTER_STOP = struct.Struct("<6q")  # fields 8-13 (RECORD's 8-9, then EXTRA's 10-13)
+_WORK = SECTIONS["work"]
 
 
 class _Writer:
@@ -64,6 +65,11 @@ class _Writer:
         self.saves = 0
         self.save_ns = 0
         self._save_started = 0
+        self.prev_step = -1
+        self.prev_beat_ns = 0
+        self.works = 0
+        self.work_ns = 0
+        self._work_started = 0
         self._publish()
         _die_with_parent()
         # Stack dumps on demand: rlsup sends STACKS_SIGNAL before killing a hung rank.
@@ -79,13 +85,25 @@ class _Writer:
         _I64.pack_into(m, 0, self.seq)
         _BEFORE_STOP.pack_into(m, 0, self.seq, MAGIC, os.getpid(), self.step, self.beat_ns, self.section,
                                self.section_ns)
-        _AFTER_STOP.pack_into(m, STOP_OFFSET + _I64.size, self.saves, self.save_ns)
+        _AFTER_STOP.pack_into(m, STOP_OFFSET + _I64.size, self.saves, self.save_ns, self.prev_step,
+                              self.prev_beat_ns, self.works, self.work_ns)
         self.seq += 1
         _I64.pack_into(m, 0, self.seq)
 
     def beat(self, step: int) -> None:
+        self.prev_step, self.prev_beat_ns = self.step, self.beat_ns
         self.step = step
         self.beat_ns = time.monotonic_ns()
+        self._publish()
+
+    def work(self, starting: bool) -> None:
+        """A ``work`` section: timed on its own, never the current section (timeouts stay the step's)."""
+        now = time.monotonic_ns()
+        if starting:
+            self._work_started = now
+            return
+        self.works += 1
+        self.work_ns = now - self._work_started
         self._publish()
 
     def set_section(self, code: int) -> None:
@@ -205,11 +223,20 @@ def should_stop() -> bool:
 
 @contextlib.contextmanager
 def section(name: str) -> Iterator[None]:
-    """Mark a long phase (``save``, ``load``) so rlsup applies that phase's timeout, not the step timeout."""
+    """Mark a long phase (``save``, ``load``) so rlsup applies that phase's timeout, not the step timeout;
+    or ``work``: the rank's own compute of a step (forward/backward, before its collectives), so rlsup
+    can tell a straggler from its peers when the heartbeat comes after the step's all-reduce."""
     code = SECTIONS[name]
     w = _get_writer()
     if w is None:
         yield
+        return
+    if code == _WORK:  # the rank's own forward/backward, for straggler detection (a few microseconds)
+        w.work(True)
+        try:
+            yield
+        finally:
+            w.work(False)
         return
     previous = w.section
     w.set_section(code)

@@ -182,6 +182,16 @@ def build() -> dict[str, Any]:
             [(f"sum by (node, tier) ({over('increase', 'rlsup_resumes_total', '$__rate_interval')}) > 0", "{{node}} {{tier}}")],
             w=6, options=ts, custom={"drawStyle": "bars", "fillOpacity": 60})
 
+    b.panel("timeseries", "Stragglers", "Ranks flagged as stragglers per node (rlsup_stragglers), and each rank's "
+            "own work per step over its peers' median (rlsup_straggler_ratio; 1 is in step).",
+            [(f"max by (node) ({by_node(m('rlsup_stragglers'))})", "{{node}} flagged"),
+             (f"max by (node, local_rank) ({by_node(m('rlsup_straggler_ratio'))})", "{{node}} rank {{local_rank}}")],
+            w=12, options=ts)
+    b.panel("timeseries", "Suspect nodes", "Times each node was named the likely culprit: stacks, health check, "
+            "repeated failures, straggler (rlsup_suspect_total).",
+            [(f"sum by (node, why) ({over('increase', 'rlsup_suspect_total', '$__rate_interval')}) > 0", "{{node}} {{why}}")],
+            w=12, options=ts, custom={"drawStyle": "bars", "fillOpacity": 60})
+
     b.row("Replication")
     b.panel("timeseries", "Replication throughput", "Checkpoint bytes sent to each peer (rlsup_replication_bytes_total).",
             [(f"sum by (node, peer) ({over('rate', 'rlsup_replication_bytes_total', '$__rate_interval')})", "{{node}} -> peer {{peer}}")],

@@ -1,0 +1,154 @@
+"""Stragglers (issue 19): a rank whose own work stays slower than its peers' is reported, with the
+metric and the alert. In-process through synthetic records first, then real: torchrun with four gloo
+ranks, one of them working 3x longer per step, scraped by rlsup's metrics and a real Prometheus."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import JOBS, clean_env, free_ports, rlsup_cmd, wait_for
+from rlsup_format.heartbeat_record import HeartbeatRecord
+from supervisor.health import node_name
+from supervisor.stragglers import STRAGGLERS, StragglerDetector
+from test_metrics_scrape import PROM_DIR, _ready, http_get, kill, log_of, parse, try_scrape, value
+
+PY = sys.executable
+MS = 1_000_000
+
+
+def rec(rank: int, step: int, beat: int, prev: int, works: int = 0, work_ns: int = 0) -> HeartbeatRecord:
+    return HeartbeatRecord(rank, 100 + rank, step, beat, "none", 0, False, prev_step=step - 1, prev_beat_ns=prev,
+                           works=works, work_ns=work_ns)
+
+
+def arrivals(step: int, slow: set[int], period: int = 120 * MS) -> dict[int, HeartbeatRecord]:
+    """Four ranks at ``step``: fast ranks work 40 ms after the previous collective, slow ones 120 ms."""
+    def at(s: int, r: int) -> int:
+        return s * period + (120 if r in slow else 40) * MS
+    return {r: rec(r, step, at(step, r), at(step - 1, r)) for r in range(4)}
+
+
+def test_arrivals_flag_the_slow_rank_after_a_window_and_clear_it() -> None:
+    d = StragglerDetector(factor=1.5, window=5, node="n1")
+    reports = [r for step in range(1, 5) for r in d.feed(arrivals(step, {2}))]
+    assert reports == [] and d.flagged == set()  # 4 slow steps of a window of 5
+    (flag,) = d.feed(arrivals(5, {2}))
+    assert (flag.rank, flag.cleared, flag.method, flag.node) == (2, False, "arrival", "n1")
+    assert flag.ratio == pytest.approx(3.0) and flag.describe().startswith("straggler: rank 2 (pid 102) on node n1")
+    for step in range(6, 10):
+        assert d.feed(arrivals(step, set())) == []  # still slow in some of the last 5
+    (clear,) = d.feed(arrivals(10, set()))
+    assert clear.cleared and d.flagged == set()
+
+
+def test_one_slow_step_is_not_a_straggler() -> None:
+    d = StragglerDetector(factor=1.5, window=5)
+    for step in range(1, 30):
+        assert d.feed(arrivals(step, {0} if step == 10 else set())) == []  # rank 0 saving once
+
+
+def test_work_sections_name_the_slow_rank_when_arrivals_are_equal() -> None:
+    d = StragglerDetector(factor=1.5, window=3)
+    out = []
+    for n in range(1, 5):  # heartbeats after the collective: every arrival equal, work timed apart
+        records = {r: rec(r, n, n * 100 * MS, (n - 1) * 100 * MS, works=n, work_ns=(90 if r == 1 else 30) * MS)
+                   for r in range(4)}
+        out += d.feed(records)
+    assert [(r.rank, r.method) for r in out] == [(1, "work_section")]
+
+
+def test_off_and_single_rank() -> None:
+    assert StragglerDetector(factor=0, window=3).feed(arrivals(5, {2})) == []
+    assert StragglerDetector(factor=1.5, window=1).feed({0: arrivals(5, {0})[0]}) == []
+
+
+def start(workdir: Path, metrics_port: int, mode: str, steps: int) -> subprocess.Popen:
+    workdir.mkdir(parents=True, exist_ok=True)
+    out = open(workdir / "rlsup.log", "ab")
+    cmd = rlsup_cmd("run", "--metrics-addr", "127.0.0.1", "--straggler-window", "8", "--", PY, "-m",
+                    "torch.distributed.run", "--standalone", "--nproc-per-node", "4", str(JOBS / "straggler_job.py"),
+                    str(steps), mode)
+    return subprocess.Popen(cmd, cwd=workdir, env=clean_env(RLSUP_METRICS_PORT=str(metrics_port)), stdout=out,
+                            stderr=subprocess.STDOUT)
+
+
+@pytest.mark.parametrize("mode", ["arrival", "work"])
+def test_four_rank_job_with_a_3x_slow_rank_is_reported(tmp_path: Path, mode: str) -> None:
+    port, = free_ports(1)
+    proc = start(tmp_path, port, mode, 60)
+    try:
+        def flagged() -> dict | None:
+            text = try_scrape(port)
+            s = parse(text) if text else None
+            return s if s and value(s, "rlsup_stragglers") == 1 else None
+        s = wait_for(flagged, 120, "rlsup_stragglers to show the slow rank", interval=0.2)
+        assert value(s, "rlsup_straggler_ratio", local_rank="2") > 2.0
+        assert value(s, "rlsup_suspect_total", node=node_name(), why="straggler") == 1
+        assert proc.wait(timeout=120) == 0, log_of(tmp_path)
+    finally:
+        kill(proc)
+    reports = [json.loads(line) for line in (tmp_path / ".rlsup" / STRAGGLERS).read_text().splitlines()]
+    first = reports[0]
+    assert (first["rank"], first["cleared"], first["node"]) == (2, False, node_name()), reports
+    assert first["method"] == ("work_section" if mode == "work" else "arrival")
+    assert first["step"] <= 36 and first["ratio"] > 2.0, first  # within a few dozen steps
+    assert not any(r["rank"] != 2 for r in reports), reports  # nobody else is named
+    assert f"straggler: rank 2 (pid {first['pid']}) on node {node_name()}" in log_of(tmp_path)
+    triage = subprocess.run(rlsup_cmd("incidents", str(tmp_path / ".rlsup")), capture_output=True, text=True,
+                            timeout=60, env=clean_env())
+    assert f"straggler: rank 2 (pid {first['pid']})" in triage.stdout, triage.stdout + triage.stderr
+
+
+def test_straggler_alert_fires_in_a_real_prometheus(tmp_path: Path) -> None:
+    if shutil.which("prometheus") is None:
+        pytest.skip("prometheus server not installed (scripts/install_system_deps.sh)")
+    metrics_port, prom_port = free_ports(2)
+    rules = yaml.safe_load((PROM_DIR / "rlsup_alerts.yml").read_text())
+    for group in rules["groups"]:
+        for rule in group["rules"]:
+            if rule.get("alert") == "RlsupStraggler":
+                rule.pop("for")  # the 2 minutes pending are promtool-tested; here: the expression on real data
+    (tmp_path / "rules.yml").write_text(yaml.safe_dump(rules))
+    cfg = yaml.safe_load((PROM_DIR / "prometheus.yml").read_text())
+    cfg["global"].update(scrape_interval="1s", evaluation_interval="1s")
+    cfg["rule_files"] = [str(tmp_path / "rules.yml")]
+    (job,) = [j for j in cfg["scrape_configs"] if j["job_name"] == "rlsup"]
+    job["scrape_interval"] = "1s"
+    job["static_configs"] = [{"targets": [f"127.0.0.1:{metrics_port}"]}]
+    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(cfg))
+    prom = subprocess.Popen(["prometheus", f"--config.file={tmp_path / 'prometheus.yml'}",
+                             f"--storage.tsdb.path={tmp_path / 'data'}", f"--web.listen-address=127.0.0.1:{prom_port}"],
+                            stdout=open(tmp_path / "prometheus.log", "ab"), stderr=subprocess.STDOUT, cwd=tmp_path)
+    rlsup = start(tmp_path / "job", metrics_port, "arrival", 400)
+    base = f"http://127.0.0.1:{prom_port}"
+    try:
+        wait_for(lambda: _ready(base), 60, "Prometheus ready")
+
+        def firing() -> list | None:
+            alerts = json.loads(http_get(f"{base}/api/v1/alerts"))["data"]["alerts"]
+            hits = [a for a in alerts if a["labels"]["alertname"] == "RlsupStraggler" and a["state"] == "firing"]
+            return hits or None
+        (alert,) = wait_for(firing, 150, "RlsupStraggler to fire", interval=0.5)
+        assert alert["labels"]["instance"] == f"127.0.0.1:{metrics_port}"
+    except BaseException:
+        print(log_of(tmp_path / "job"), (tmp_path / "prometheus.log").read_text()[-3000:])
+        raise
+    finally:
+        rlsup.send_signal(signal.SIGTERM)
+        try:
+            rlsup.wait(timeout=60)
+        finally:
+            kill(rlsup)
+            prom.terminate()
+            try:
+                prom.wait(timeout=30)
+            finally:
+                kill(prom)
