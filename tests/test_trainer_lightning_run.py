@@ -50,7 +50,7 @@ def _kill_attempt(log: Path, ckpt: Path, n: int, mode: str, rng: random.Random) 
     pid = int(start[1])
     if mode == "new-file":
         before = _ckpt_names(ckpt)
-        new = wait_for(lambda: _ckpt_names(ckpt) - before or None, 240, "a new checkpoint file")
+        new = wait_for(lambda: _ckpt_names(ckpt) - before or None, 240, "a new checkpoint file", interval=0.002)
         os.kill(pid, signal.SIGKILL)
         last = lb.lightning_last_pick(ckpt)
         step = max(lt.step_from_name(Path(p)) or -1 for p in new)
@@ -65,6 +65,7 @@ def _kill_attempt(log: Path, ckpt: Path, n: int, mode: str, rng: random.Random) 
 @pytest.mark.timeout(600)
 def test_lightning_under_rlsup_survives_kills_with_exact_weights(tmp_path: Path) -> None:
     ckpt, log = tmp_path / "ckpts", tmp_path / "attempts.log"
+    assert lb.lightning_last_pick(tmp_path) is None  # imports Lightning here now, not between two kills
     ref_dir = tmp_path / "reference"
     env = clean_env()
     reference = subprocess.Popen([*lb.job_cmd(ref_dir / "ckpts", *TRAIN), "--out", str(ref_dir / "final.pt")],

@@ -316,7 +316,7 @@ def verify_step(path: Path, step: int | None = None, ctx: Any = None) -> Checkpo
 
 
 def _record(path: Path, step: int | None, found: int | None, check: Check, notes: list[str]) -> CheckpointRecord:
-    if step is None:
+    if step is None or step < 0:  # listed without a step (a link or copy without step=S in its name)
         step = found if found is not None else (step_from_name(path) if step_from_name(path) is not None else -1)
     return CheckpointRecord(step=step, layout=NAME, path=path, valid=check.ok, reason=check.reason or "complete",
                             size_bytes=tree_size(path), notes=notes + check.notes)
