@@ -240,7 +240,27 @@ def check_incidents(state_dir: Path, faults: list) -> list[str]:
         if i.get("resumed_step") is not None and newest is not None and i["resumed_step"] < newest:
             problems.append(f"after {f.kind} the next attempt resumed from step {i['resumed_step']}, "
                             f"but step {newest} was valid")
-    return problems
+    return problems + check_triage(state_dir, incidents(state_dir))
+
+
+def check_triage(state_dir: Path, recorded: list[dict]) -> list[str]:
+    """`rlsup incidents` on the run's state dir (offline, from incidents.jsonl alone) agrees with it."""
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "supervisor.cli", "incidents", "--json", str(state_dir)],
+                         capture_output=True, text=True, timeout=60)
+    if not recorded:
+        return [] if out.returncode in (0, 1) else [f"rlsup incidents failed: {out.stderr[-500:]}"]
+    if out.returncode != 0:
+        return [f"rlsup incidents exited {out.returncode}: {out.stderr[-500:]}"]
+    summary = json.loads(out.stdout)["summary"]
+    restarts = sum(i.get("action") == "restart" for i in recorded)
+    if (summary["incidents"], summary["restarts"]) != (len(recorded), restarts):
+        return [f"rlsup incidents summarized {summary['incidents']} incidents / {summary['restarts']} restarts; "
+                f"incidents.jsonl has {len(recorded)} / {restarts}"]
+    return []
 
 
 # ------------------------------------------------------------------ tiers: content, holds, temp copies
