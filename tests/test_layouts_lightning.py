@@ -202,6 +202,12 @@ def test_step_from_pickle_and_torn_files(tmp_path: Path) -> None:
     weights_only = {"global_step": 30, "epoch": 0}  # no state_dict: not resumable by Lightning
     torch.save(weights_only, tmp_path / "x-step=30.ckpt")
     assert "no state_dict" in layouts.verify_path(tmp_path / "x-step=30.ckpt").reason
+    state = torch.load(lb.ckpt_template(), map_location="cpu", weights_only=False)
+    for key in ("optimizer_states", "lr_schedulers"):  # what save_weights_only=True leaves out
+        state.pop(key, None)
+    torch.save(state, tmp_path / "w-step=31.ckpt")
+    assert "weights-only" in layouts.verify_path(tmp_path / "w-step=31.ckpt").reason
+    assert layouts.latest_valid(tmp_path).step == 11
 
 
 def test_pickle_globals_are_never_imported(tmp_path: Path) -> None:

@@ -146,7 +146,8 @@ def kind_of(path: Path) -> str:
 
 
 def check_file(path: Path, need_state_dict: bool = True) -> tuple[Check, int | None]:
-    """A ``.ckpt`` file: intact zip whose pickle is a dict with ``global_step`` (and ``state_dict``)."""
+    """A ``.ckpt`` file: intact zip whose pickle is a dict with ``global_step`` (and, for a file fit can
+    resume from, ``state_dict`` and ``optimizer_states``)."""
     zcheck = check_zip(path)
     if not zcheck.ok:
         return zcheck, None
@@ -160,6 +161,9 @@ def check_file(path: Path, need_state_dict: bool = True) -> tuple[Check, int | N
         return Check.bad(err), None
     if need_state_dict and "state_dict" not in state:
         return Check.bad(f"{path.name}: checkpoint dict has no state_dict"), step
+    if need_state_dict and "optimizer_states" not in state:  # checkpoint_connector.py raises KeyError on it
+        return Check.bad(f"{path.name}: weights-only checkpoint (save_weights_only=True); "
+                         "trainer.fit(ckpt_path=...) cannot resume from it"), step
     return Check.good(), step
 
 
