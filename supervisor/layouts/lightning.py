@@ -244,9 +244,11 @@ def _checkpoint_dirs(root: Path) -> list[Path]:
     return dirs
 
 
-def _entries(directory: Path) -> list[Path]:
+def _entries(directory: Path) -> list[tuple[Path, bool]]:
+    """``(path, is_symlink)`` of every ``*.ckpt`` entry, from one directory scan (no per-file stat)."""
     try:
-        return sorted(p for p in directory.iterdir() if p.name.endswith(SUFFIX))
+        with os.scandir(directory) as it:
+            return [(Path(e.path), e.is_symlink()) for e in it if e.name.endswith(SUFFIX)]
     except OSError:
         return []
 
@@ -279,14 +281,20 @@ def list_steps(root: Path) -> list[tuple[int, Path]]:
     """Every ``.ckpt`` entry, ascending by step; at one step ``last*`` sorts first so that the named
     file (checked first by newest-first selection) is preferred. A ``last.ckpt`` symlink to a listed
     file is dropped (same checkpoint)."""
-    entries = [p for d in _checkpoint_dirs(root) for p in _entries(d)]
-    real = {os.path.realpath(p) for p in entries if not p.is_symlink()}
+    entries: list[tuple[Path, bool]] = []
+    real: set[str] = set()
+    for d in _checkpoint_dirs(root):
+        found = _entries(d)
+        entries.extend(found)
+        base = os.path.realpath(d)
+        real.update(os.path.join(base, p.name) for p, link in found if not link)
     keyed = []
-    for p in entries:
-        if p.is_symlink() and os.path.realpath(p) in real:
+    for p, link in entries:
+        if link and os.path.realpath(p) in real:
             continue
         keyed.append((_listed_step(p), 0 if is_last(p) else 1, str(p), p))
-    return [(step, p) for step, _, _, p in sorted(keyed)]
+    keyed.sort(key=lambda t: t[:3])
+    return [(step, p) for step, _, _, p in keyed]
 
 
 def make_context(root: Path) -> None:
