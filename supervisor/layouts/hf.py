@@ -43,10 +43,19 @@ DS_OPTIM_RE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_sta
 
 @dataclass
 class HFContext:
-    """Run-wide facts learnt from the committed steps (those whose trainer_state.json parses)."""
+    """The run's steps, and (lazily, cached) which are committed and what files they hold. Lazy because
+    trainer_state.json carries the whole log_history: parsing every step's on each selection would cost
+    O(steps x history) where one neighbour's parse answers the question."""
 
-    committed: dict[int, set[str]] = field(default_factory=dict)  # step -> top-level file and dir names
-    rng_counts: dict[int, int] = field(default_factory=dict)  # step -> rng_state files
+    steps: list[tuple[int, Path]] = field(default_factory=list)
+    _committed: dict[int, set[str] | None] = field(default_factory=dict)  # step -> names, None: not committed
+
+    def names_if_committed(self, step: int, path: Path) -> set[str] | None:
+        if step not in self._committed:
+            state, err = read_json(path / TRAINER_STATE)
+            ok = err is None and isinstance(state, dict) and state.get("global_step") == step
+            self._committed[step] = _names(path) if ok else None
+        return self._committed[step]
 
 
 def step_of(path: Path) -> int | None:
@@ -87,23 +96,19 @@ def _rng_count(names: set[str]) -> int:
 
 
 def make_context(root: Path) -> HFContext:
-    ctx = HFContext()
-    for step, path in list_steps(root):
-        state, err = read_json(path / TRAINER_STATE)
-        if err is None and isinstance(state, dict) and state.get("global_step") == step:
-            names = _names(path)
-            ctx.committed[step] = names
-            ctx.rng_counts[step] = _rng_count(names)
-    return ctx
+    return HFContext(steps=list_steps(root))
 
 
-def _neighbour(ctx: HFContext, step: int) -> int | None:
-    """The nearest older committed step (else the nearest newer one): what a complete step of this run has."""
-    older = [s for s in ctx.committed if s < step]
-    if older:
-        return max(older)
-    newer = [s for s in ctx.committed if s > step]
-    return min(newer) if newer else None
+def reference_names(ctx: HFContext, step: int) -> set[str] | None:
+    """Files of the nearest older committed step (else the nearest newer one): what a complete step of this
+    run holds. Usually one trainer_state.json parse."""
+    older = [(s, p) for s, p in ctx.steps if s < step]
+    newer = [(s, p) for s, p in ctx.steps if s > step]
+    for s, p in [*reversed(older), *newer]:
+        names = ctx.names_if_committed(s, p)
+        if names is not None:
+            return names
+    return None
 
 
 def check_trainer_state(path: Path, step: int | None) -> Check:
@@ -272,9 +277,8 @@ def verify_step(path: Path, step: int | None = None, ctx: HFContext | None = Non
     step = step if step is not None else step_of(path)
     ctx = ctx if ctx is not None else make_context(path.parent)
     names = _names(path)
-    ref = _neighbour(ctx, step) if step is not None else None
-    expect = ctx.committed.get(ref) if ref is not None else None
-    want_rng = ctx.rng_counts.get(ref) if ref is not None else None
+    expect = reference_names(ctx, step) if step is not None else None
+    want_rng = _rng_count(expect) if expect is not None else None
     checks = [("", lambda: check_trainer_state(path, step)), ("weights: ", lambda: check_weights(path, names)),
               ("", lambda: check_files(path, names, expect)), ("", lambda: check_rng(path, names, want_rng))]
     if DS_LATEST in names or any(n.startswith("global_step") for n in names):
