@@ -189,6 +189,9 @@ def test_builder_deepspeed(tmp_path: Path) -> None:
     s20 = hf_step(tmp_path, 20, deepspeed=2)
     truncate(s20 / "global_step20" / "mp_rank_00_model_states.pt", 0.5)
     assert "mp_rank_00_model_states.pt" in layouts.verify_path(s20).reason
+    s25 = hf_step(tmp_path, 25, deepspeed=2)
+    (s25 / "global_step25" / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()  # the last rank was late
+    assert "1 optim_states file(s), the run's previous step has 2" in layouts.verify_path(s25).reason
     assert layouts.latest_valid(tmp_path).step == 5
 
 

@@ -54,7 +54,10 @@ class HFContext:
         if step not in self._committed:
             state, err = read_json(path / TRAINER_STATE)
             ok = err is None and isinstance(state, dict) and state.get("global_step") == step
-            self._committed[step] = _names(path) if ok else None
+            names = _names(path)
+            counts = _ds_counts(path) if ok and DS_LATEST in names else None
+            # a pseudo-entry: how many DeepSpeed model/optimizer rank files a complete step of this run has
+            self._committed[step] = (names | ({f"ds:{counts[0]}:{counts[1]}"} if counts else set())) if ok else None
         return self._committed[step]
 
 
@@ -179,7 +182,24 @@ def _check_dcp_dir(sub: Path) -> Check:
     return c if c.ok else Check.bad(f"{sub.name}/: {c.reason}", c.notes)
 
 
-def check_deepspeed(path: Path, names: set[str]) -> Check:
+def _ds_counts(path: Path) -> tuple[int, int] | None:
+    try:
+        tag = (path / DS_LATEST).read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    files = _names(path / tag) if tag and "/" not in tag else set()
+    return sum(1 for f in files if DS_MODEL_RE.match(f)), sum(1 for f in files if DS_OPTIM_RE.match(f))
+
+
+def _ds_want(expect: set[str] | None) -> tuple[int, int] | None:
+    for n in expect or ():
+        if n.startswith("ds:"):
+            _, m, o = n.split(":")
+            return int(m), int(o)
+    return None
+
+
+def check_deepspeed(path: Path, names: set[str], want: tuple[int, int] | None = None) -> Check:
     """``latest`` names a tag directory holding intact model-state and ZeRO optimizer files, ranks 0..n-1."""
     try:
         tag = (path / DS_LATEST).read_text(encoding="utf-8").strip()
@@ -194,11 +214,15 @@ def check_deepspeed(path: Path, names: set[str]) -> Check:
     optim = [m for m in map(DS_OPTIM_RE.match, files) if m]
     if not model:
         return Check.bad(f"{tag}/ has no *_model_states.pt (killed before DeepSpeed saved the model)")
-    for kind, found in (("model_states", model), ("optim_states", optim)):
+    for kind, found, need in (("model_states", model, want[0] if want else 0),
+                              ("optim_states", optim, want[1] if want else 0)):
         ranks = sorted({int(m.group(1) or 0) for m in found})
         if ranks and ranks != list(range(ranks[-1] + 1)):
             missing = sorted(set(range(ranks[-1] + 1)) - set(ranks))
             return Check.bad(f"{tag}/: {kind} files missing for ranks {missing[:8]}")
+        if len(found) < need:
+            return Check.bad(f"{tag}/: {len(found)} {kind} file(s), the run's previous step has {need} (a rank was "
+                             "killed before DeepSpeed saved its part; rank 0 writes latest without waiting)")
         for m in found:
             c = check_zip(path / tag / m.group(0))
             if not c.ok:
@@ -282,7 +306,7 @@ def verify_step(path: Path, step: int | None = None, ctx: HFContext | None = Non
     checks = [("", lambda: check_trainer_state(path, step)), ("weights: ", lambda: check_weights(path, names)),
               ("", lambda: check_files(path, names, expect)), ("", lambda: check_rng(path, names, want_rng))]
     if DS_LATEST in names or any(n.startswith("global_step") for n in names):
-        checks.append(("", lambda: check_deepspeed(path, names)))
+        checks.append(("", lambda: check_deepspeed(path, names, _ds_want(expect))))
     notes: list[str] = rewrite_notes(path, names)
     valid, reason = True, "complete"
     for prefix, run in checks:
