@@ -124,11 +124,13 @@ def _global_step(state: dict, path: Path) -> tuple[int | None, str | None]:
 
 
 def step_from_name(path: Path) -> int | None:
+    """``S`` of ``step=S`` in the name (ModelCheckpoint's default ``epoch=E-step=S``): no file read."""
     m = STEP_RE.search(path.name[: -len(SUFFIX)] if path.name.endswith(SUFFIX) else path.name)
     return int(m.group(1)) if m else None
 
 
 def is_last(path: Path) -> bool:
+    """A ``last*.ckpt`` name, as ModelCheckpoint's own ``ckpt_path="last"`` lookup matches it."""
     return bool(LAST_RE.match(path.name))
 
 
@@ -298,6 +300,7 @@ def list_steps(root: Path) -> list[tuple[int, Path]]:
 
 
 def make_context(root: Path) -> None:
+    """No run-wide hints: every Lightning checkpoint carries its own step and strategy files."""
     return None
 
 
