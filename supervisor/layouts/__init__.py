@@ -117,7 +117,7 @@ def _unknown(path: Path, reason: str) -> CheckpointRecord:
 def verify_path(path: str | Path) -> CheckpointRecord:
     """Verify one step directory of any layout (or a bare DCP directory, or an AReaL run root)."""
     p = Path(path)
-    if not p.exists():
+    if not p.exists() and not p.is_symlink():  # a dangling last.ckpt link is Lightning's to judge
         return _unknown(p, "does not exist")
     if not p.is_dir() and not lightning.owns(p):  # a Lightning checkpoint is one .ckpt file
         return _unknown(p, "not a directory")
