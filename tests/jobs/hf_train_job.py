@@ -5,7 +5,7 @@ usage: hf_train_job.py OUT_DIR [--max-steps N] [--save-steps S] [--final FILE]
 
 Test hooks (all optional, environment):
   HF_JOB_LOG            a JSON line per event: start (pid, attempt), resume (the directory, rlsup's verdict on
-                        it at load time), train (training began), done (final step).
+                        it at load time), train (training began), step (one ended), done (final step).
   HF_JOB_KILL_AT        "ATTEMPT:K,...": in attempt ATTEMPT re-exec (same pid) with tests/kill_matrix.py's
                         RLSUP_TEST_KILL_AT=K, so the process SIGKILLs itself before its K-th file event under
                         RLSUP_TEST_EVENTS_UNDER (a kill inside a save).
@@ -101,7 +101,7 @@ def resume_dir() -> str | None:
 
 
 class _TrainStarted:
-    """Logs once when the first step begins (the test's random kills count time from here)."""
+    """Logs when training begins and after each step (the test's random kills are timed from these)."""
 
     def __new__(cls):
         from transformers import TrainerCallback
@@ -109,6 +109,9 @@ class _TrainStarted:
         class Cb(TrainerCallback):
             def on_train_begin(self, args, state, control, **kwargs):
                 log_event("train", step=state.global_step)
+
+            def on_step_end(self, args, state, control, **kwargs):
+                log_event("step", step=state.global_step)
 
         return Cb()
 
