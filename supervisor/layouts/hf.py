@@ -6,8 +6,10 @@ sharded, or ``adapter_model.safetensors`` for PEFT, tokenizer files, ``training_
 ``_save_optimizer_and_scheduler`` (``optimizer.pt``; FSDP: accelerate's ``pytorch_model_fsdp_0/`` and
 ``optimizer_0/`` DCP directories; DeepSpeed: ``global_stepN/`` + ``latest``), ``scheduler.pt``, ``scaler.pt``,
 ``rng_state.pth`` (``rng_state_R.pth`` per rank when distributed), and last, on rank 0 only,
-``trainer_state.json``. Nothing is atomic (plain ``open("w")`` / ``torch.save``) and there is no barrier
-between rank 0's ``trainer_state.json`` and the other ranks' ``rng_state_R.pth``.
+``trainer_state.json``; then ``rotate_checkpoints`` may delete older steps (``save_total_limit``). Nothing is
+atomic (plain ``open("w")`` / ``torch.save``) and there is no barrier between rank 0's ``trainer_state.json``
+and the other ranks' ``rng_state_R.pth`` (nor, in DeepSpeed 0.19.8, between rank 0's ``latest`` and the other
+ranks' ZeRO files: the barrier comes after it).
 
 So a step is usable when ``trainer_state.json`` parses and says ``global_step == N`` (rank 0's commit
 point), the weights are intact, every torch.save file is an intact zip, and the files this run's other
