@@ -71,7 +71,7 @@ class SupervisorConfig:
     straggler_action: str = _opt("report", "report: log, stragglers.jsonl, rlsup_stragglers metric, no restart; restart: a straggler also ends the attempt, like a hang.")
     pre_launch_check: str = _opt("", "Shell command run on this node before every attempt (e.g. 'nvidia-smi', 'dcgmi diag -r 1', a filesystem probe); a non-zero exit or a timeout marks the node unhealthy: rlsup stops with exit 77 and appends the node's name to <state_dir>/unhealthy_nodes. Empty: no check.")
     pre_launch_timeout: float = _opt(300.0, "Seconds pre_launch_check may take before it counts as failed.")
-    repair_tracker: bool = _opt(False, "Rewrite a trainer's tracker file (verl/Megatron) to the chosen step before a restart.")
+    repair_tracker: bool = _opt(False, "Rewrite a trainer's tracker (verl/Megatron latest_checkpointed_iteration.txt, DeepSpeed latest) to the chosen step before a restart, so its own resume loads that step.")
     metrics_port: int = _opt(9778, "Port of the Prometheus /metrics endpoint (0: off). 9778 avoids node_exporter, DCGM and Prometheus' own ports.")
     metrics_addr: str = _opt("0.0.0.0", "Address the /metrics endpoint binds to.")
     job_name: str = _opt("", "The job's identity: every checkpoint part, replica, coordination key and persistent copy carries it, and no job is offered another's (empty: SLURM_JOB_ID, else the checkpoint_dir). Also shown in the rlsup_info metric.")

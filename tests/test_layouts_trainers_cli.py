@@ -68,3 +68,15 @@ def test_cli_and_restart_selection_agree_on_the_newest_complete_step(tree: tuple
 
     point = choose_resume(root)
     assert point is not None and (point.step, point.path, point.layout) == (best.step, best.path, layout)
+
+
+def test_readme_layout_table_lists_every_layout() -> None:
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Trainer layouts rlsup understands"):]
+    section = section[:section.index("\n## ")]
+    rows = {line.split("|")[1].strip().split()[0].strip("`,") for line in section.splitlines()
+            if line.startswith("| `")}
+    assert set(layouts.LAYOUT_NAMES) <= rows, set(layouts.LAYOUT_NAMES) - rows
+    docs = (ROOT / "docs" / "layouts.md").read_text()
+    for name in TREES:
+        assert f"(`{name}`)" in docs, f"docs/layouts.md has no section for {name}"
