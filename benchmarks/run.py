@@ -562,6 +562,55 @@ LAYOUT_KEYS = {"verl-fsdp": "verl (FSDP)", "verl-megatron": "verl (Megatron v2)"
                "nemo-rl": "NeMo-RL", "torchtitan": "torchtitan"}
 
 
+def _step_in(name: str | None) -> int | None:
+    import re
+
+    m = re.search(r"step[=_-]?(\d+)", name or "") or re.search(r"(\d+)$", name or "")
+    return int(m.group(1)) if m else None
+
+
+def _nemo_pick(root: Path) -> int | None:
+    from source_builders import nemo_autoresume_pick
+
+    try:
+        picked = nemo_autoresume_pick(root)
+    except Exception:  # AutoResume raises when the only -last checkpoint is unfinished
+        return None
+    return _step_in(picked.name) if picked else None
+
+
+def _hf_pick(root: Path) -> int | None:
+    from transformers.trainer_utils import get_last_checkpoint
+
+    return _step_in(get_last_checkpoint(str(root)))
+
+
+def _lightning_pick(root: Path) -> int | None:
+    from lightning_builders import lightning_last_pick
+
+    picked = lightning_last_pick(root)
+    return _step_in(os.path.realpath(picked) if picked else None)
+
+
+def _pick_of(module: str, function: str) -> Callable[[Path], int | None]:
+    def pick(root: Path) -> int | None:
+        import importlib
+
+        out = getattr(importlib.import_module(module), function)(root)
+        return out if isinstance(out, int) else _step_in(getattr(out, "name", out))
+    return pick
+
+
+# What each trainer's own resume picks (its source's logic, reimplemented in the tests' builders, or
+# the trainer's own function where it is importable): the baseline of the selection rows.
+TRAINER_PICKS: dict[str, Callable[[Path], int | None]] = {
+    "hf": _hf_pick, "lightning": _lightning_pick, "nemo": _nemo_pick,
+    "deepspeed": _pick_of("deepspeed_builders", "deepspeed_would_load"),
+    "nemo-rl": _pick_of("source_builders", "nemo_rl_latest"),
+    "torchtitan": _pick_of("source_builders", "torchtitan_find_load_step"),
+}
+
+
 def tracker_baseline(root: Path, layout: str) -> int | None:
     """What a trainer does to find its checkpoint: read the tracker file, or take the highest step number."""
     import re
@@ -571,17 +620,8 @@ def tracker_baseline(root: Path, layout: str) -> int | None:
         return int(text) if text.isdigit() else None
     if layout == "areal":
         return int(json.loads((root / "recover_info" / "step_info.json").read_text())["global_step"])
-    if layout == "deepspeed":  # engine.load_checkpoint(dir) reads the tag in `latest` (per role for OpenRLHF)
-        tracker = next(iter(sorted(root.glob("**/latest"))), None)
-        m = re.search(r"(\d+)$", tracker.read_text().strip()) if tracker else None
-        return int(m.group(1)) if m else None
-    if layout == "nemo":  # AutoResume takes the `-last` checkpoint
-        last = [n for n in os.listdir(root) if n.endswith("-last") and "step=" in n]
-        return max(int(re.search(r"step=(\d+)", n).group(1)) for n in last) if last else None
-    if layout == "lightning":  # ckpt_path="last": last.ckpt, the newest save
-        names = os.listdir(root)
-        steps = [int(m.group(1)) for n in names if (m := re.search(r"step=(\d+)", n))]
-        return max(steps) if steps else None
+    if layout in TRAINER_PICKS:
+        return TRAINER_PICKS[layout](root)
     steps = [int(m.group(1)) for n in os.listdir(root) if (m := re.search(r"(\d+)$", n))]
     return max(steps) if steps else None
 
@@ -620,8 +660,8 @@ def bench_selection(ctx: Ctx) -> list[Row]:
                 base_pick = tracker_baseline(root, layout)
                 t_base.append((time.perf_counter() - t0) * 1e3)
         newest = max(s for s, _ in layouts.LAYOUTS[layout].list_steps(root)) if n else None
-        how = ("tracker file" if layout in ("verl", "megatron", "areal", "deepspeed") else "last checkpoint"
-               if layout in ("nemo", "lightning") else "highest step number")
+        how = ("tracker file" if layout in ("verl", "megatron", "areal") else "the trainer's own pick"
+               if layout in TRAINER_PICKS else "highest step number")
         broken = picked != newest
         note = (f"{n} step{'s' if n != 1 else ''}{f', newest ({newest}) broken' if broken else ''}; rlsup picks "
                 f"{picked}, baseline ({how}) picks {base_pick}" + (" (the broken one)" if broken and base_pick == newest else ""))
