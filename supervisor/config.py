@@ -66,6 +66,8 @@ class SupervisorConfig:
     warm_imports: tuple[str, ...] = _opt((), "With warm_launcher: modules each warm rank imports (after torch) before it becomes a worker, e.g. your model library. They are imported under the attempt's environment before the rank's RANK, LOCAL_RANK and the next attempt's RLSUP_* variables are set: list only modules whose import does not read those.")
     resume: bool = _opt(True, "Pick the newest valid checkpoint before each attempt and pass it as RLSUP_RESUME_DIR (empty: start fresh), which every rank must load; false: the trainer chooses.")
     checkpoint_layout: str = _opt("auto", "Checkpoint layout to read: auto, rlsup, verl, megatron, areal, dcp.")
+    progress: str = _opt("", "Read progress from the job's output in a trainer's own format: verl, areal, megatron-bridge or hf (docs/progress.md); for trainers that do not call trainer_hooks.")
+    progress_regex: str = _opt("", "A regular expression; each output line it matches counts as a heartbeat of the whole job, the step from its first group (overrides progress). Rank heartbeats from trainer_hooks take precedence.")
     straggler_factor: float = _opt(1.5, "A rank whose own work per step stays this many times its peers' median (heartbeat arrivals before the step's collective, or trainer_hooks.section('work')) over straggler_window steps is reported as a straggler; 0: off.")
     straggler_window: int = _opt(10, "Consecutive steps a rank must be that slow to be reported (and fast again to be cleared).")
     straggler_action: str = _opt("report", "report: log, stragglers.jsonl, rlsup_stragglers metric, no restart; restart: a straggler also ends the attempt, like a hang.")
@@ -348,6 +350,12 @@ def _validate(cfg: SupervisorConfig, origins: dict[str, str]) -> None:
         raise bad("preempt_signal", f"unknown signal {cfg.preempt_signal!r}")
     if cfg.checkpoint_layout not in ("auto", "rlsup", "verl", "megatron", "areal", "dcp"):
         raise bad("checkpoint_layout", f"unknown layout {cfg.checkpoint_layout!r}")
+    from supervisor.progress import progress_pattern
+
+    try:
+        progress_pattern(cfg.progress, cfg.progress_regex)
+    except ValueError as e:
+        raise bad("progress_regex" if cfg.progress_regex else "progress", str(e)) from None
     if cfg.straggler_action not in ("report", "restart"):
         raise bad("straggler_action", f"unknown action {cfg.straggler_action!r} (report or restart)")
     if cfg.straggler_factor < 0 or cfg.straggler_window < 1:

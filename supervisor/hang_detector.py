@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Callable
 
 from rlsup_format.fileio import pid_alive
 from rlsup_format.heartbeat_record import HeartbeatRecord, read_record
+from supervisor.progress import JOB_RANK, job_level_only
 
 if TYPE_CHECKING:
     from supervisor.config import SupervisorConfig
@@ -111,7 +112,9 @@ class HangDetector:
             if rec is None:
                 continue
             old = self.records.get(rec.rank)
-            if old is not None and old.pid == rec.pid and rec.beat_ns > old.beat_ns > 0 and rec.section == "none" \
+            if rec.rank == JOB_RANK and not job_level_only(self.records.values()):
+                pass  # ranks heartbeat themselves: their intervals, not the output's, teach the timeout
+            elif old is not None and old.pid == rec.pid and rec.beat_ns > old.beat_ns > 0 and rec.section == "none" \
                     and old.section == "none" and rec.section_ns <= old.beat_ns:
                 self.auto.observe((rec.beat_ns - old.beat_ns) / 1e9)
             self.records[rec.rank] = rec
@@ -120,6 +123,8 @@ class HangDetector:
     def check(self, now_ns: int | None = None) -> HangVerdict | None:
         now_ns = time.monotonic_ns() if now_ns is None else now_ns
         records = self.scan()
+        if not job_level_only(records.values()):  # trainer_hooks' heartbeats take precedence
+            records = {r: rec for r, rec in records.items() if r != JOB_RANK}
         beating = [r for r in records.values() if r.beat_ns > 0]
         if not beating:
             return self._check_startup(now_ns, records)

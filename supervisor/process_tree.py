@@ -8,6 +8,7 @@ remembered (pid + create time, to be safe against pid reuse) and killed at the e
 
 from __future__ import annotations
 
+import codecs
 import collections
 import ctypes
 import os
@@ -18,7 +19,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Mapping, Sequence
+from typing import IO, Callable, Mapping, Sequence
 
 import psutil
 
@@ -44,6 +45,7 @@ class OutputTail:
     lines: int
     log_path: Path
     echo: IO[str] | None = None
+    on_segment: Callable[[str], None] | None = None  # progress_regex matching (supervisor.progress)
     _tail: collections.deque = field(init=False)
     _thread: threading.Thread | None = field(init=False, default=None)
 
@@ -55,19 +57,52 @@ class OutputTail:
         self._thread.start()
 
     def _pump(self, stream: IO[bytes]) -> None:
+        """Tee chunks as they arrive; complete lines go to the tail, and every segment ended by ``\n``
+        or ``\r`` (a progress bar's redraw) to :attr:`on_segment` at once."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        decode = codecs.getincrementaldecoder("utf-8")(errors="replace").decode
+        read = getattr(stream, "read1", None) or stream.read  # whatever the pipe holds, not a whole line
+        pending, fed = "", 0
         with open(self.log_path, "ab") as log:
-            for raw in iter(stream.readline, b""):
+            for raw in iter(lambda: read(65536), b""):
                 log.write(raw)
                 log.flush()
-                text = raw.decode("utf-8", "replace")
-                self._tail.append(text.rstrip("\n"))
-                echo = self.echo or sys.stdout
+                text = decode(raw)
+                self._echo(text)
+                pending += text
+                fed = self._segments(pending, fed)
+                if fed < len(pending) and self.on_segment is not None:
+                    self._segments(pending[fed:] + "\n", 0)  # a redraw not yet ended (tqdm ends it with the next)
+                *lines, pending = pending.split("\n")
+                fed = max(0, fed - sum(len(line) + 1 for line in lines))
+                for line in lines:
+                    self._tail.append(line.rstrip("\r").rsplit("\r", 1)[-1])
+            if pending:  # the last line, without a newline
+                self._segments(pending + "\n", fed)
+                self._tail.append(pending.rstrip("\r").rsplit("\r", 1)[-1])
+
+    def _segments(self, text: str, fed: int) -> int:
+        """Hand ``text[fed:]``'s complete segments to on_segment; the new offset."""
+        callback = self.on_segment
+        while True:
+            ends = [i for i in (text.find("\n", fed), text.find("\r", fed)) if i >= 0]
+            if not ends:
+                return fed
+            end = min(ends)
+            if callback is not None and end > fed:
                 try:
-                    echo.write(text)
-                    echo.flush()
-                except (OSError, ValueError):
+                    callback(text[fed:end])
+                except Exception:  # noqa: BLE001 - a bad pattern never stops the output
                     pass
+            fed = end + 1
+
+    def _echo(self, text: str) -> None:
+        echo = self.echo or sys.stdout
+        try:
+            echo.write(text)
+            echo.flush()
+        except (OSError, ValueError):
+            pass
 
     def join(self, timeout: float) -> None:
         if self._thread is not None:

@@ -30,6 +30,7 @@ from supervisor.job_identity import ENV_JOB_ID, JobIdentity, job_identity
 from supervisor.lifecycle import FINAL, Action, EndReason, JobStatus, check_transition
 from supervisor.observer import Observer
 from supervisor.process_tree import JobProcess, ProcessLayer
+from supervisor.progress import attach as attach_progress
 from supervisor.rank_deaths import RankDeathWatch
 from supervisor.restart_policy import RestartPolicy, give_up_code
 from supervisor.stragglers import StragglerDetector, StragglerWatch
@@ -335,6 +336,7 @@ class Supervisor:
         job = self._start_warm(attempt, env, attempt_dir / "output.log")
         if job is None:
             job = self.processes.start(self.command, env, attempt_dir / "output.log", self.cfg.output_tail_lines)
+        attach_progress(self.cfg.progress, self.cfg.progress_regex, job, hb_dir)
         self.observer.attempt_started(attempt, resume.step if resume else None)
         if resume is not None:
             self.observer.resumed_from(getattr(resume, "tier", "local"))

@@ -11,18 +11,24 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Mapping
 
 from rlsup_format.heartbeat_record import STACKS_SIGNAL, HeartbeatRecord, stacks_file_name
+from supervisor.progress import JOB_RANK, job_level_only
 
 
 def dump_stacks(hb_dir: Path, records: Mapping[int, HeartbeatRecord], wait_s: float = 5.0) -> dict[str, str]:
     """``{"rank R pid P": stack text}`` for every rank with a heartbeat record."""
     stacks: dict[str, str] = {}
-    pyspy = shutil.which("py-spy")
+    pyspy = find_pyspy()
     pending: dict[str, Path] = {}
+    records = dict(records)
+    job = records.pop(JOB_RANK, None)  # the output's record: its pid never registered a stack handler
+    if job is not None and job_level_only(records.values()):
+        return job_tree_stacks(pyspy, job.pid)
     for rank, rec in sorted(records.items()):
         key = f"rank {rank} pid {rec.pid}"
         if pyspy and (text := _pyspy(pyspy, rec.pid)):
@@ -54,3 +60,34 @@ def _pyspy(pyspy: str, pid: int) -> str | None:
     except (subprocess.TimeoutExpired, OSError):
         return None
     return out.stdout if out.returncode == 0 and out.stdout.strip() else None
+
+
+def find_pyspy() -> str | None:
+    """py-spy on PATH, or installed beside this interpreter (a venv whose bin is not on PATH)."""
+    beside = Path(sys.executable).parent / "py-spy"
+    return shutil.which("py-spy") or (str(beside) if beside.exists() else None)
+
+
+def job_tree_stacks(pyspy: str | None, root_pid: int) -> dict[str, str]:
+    """py-spy stacks of every Python process of a job that does not heartbeat itself (an unmodified
+    trainer read through ``progress``): keyed by its ``RANK`` when its environment has one."""
+    import psutil
+
+    try:
+        root = psutil.Process(root_pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return {f"job pid {root_pid}": "(process gone)"}
+    out: dict[str, str] = {}
+    for proc in procs:
+        try:
+            cmd = proc.cmdline()
+            rank = proc.environ().get("RANK")
+        except psutil.Error:
+            continue
+        if not any("python" in os.path.basename(part) for part in cmd[:1]):
+            continue  # py-spy reads Python processes
+        key = f"rank {rank} pid {proc.pid}" if rank is not None else f"pid {proc.pid} ({' '.join(cmd[:3])})"
+        text = _pyspy(pyspy, proc.pid) if pyspy else None
+        out[key] = text or ("(no stack: py-spy is not installed)" if pyspy is None else "(py-spy could not read it)")
+    return out or {f"job pid {root_pid}": "(no Python process in the job)"}

@@ -82,6 +82,7 @@ class StragglerDetector:
     ratios: dict[int, float] = field(default_factory=dict)  # latest sample per rank (metrics)
 
     def feed(self, records: Mapping[int, HeartbeatRecord]) -> list[StragglerReport]:
+        records = {r: rec for r, rec in records.items() if r >= 0}  # ranks only, not the job's output
         if self.factor <= 0 or len(records) < 2:
             return []
         if any(r.works for r in records.values()):

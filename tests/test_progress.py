@@ -1,0 +1,108 @@
+"""Progress read from an unmodified trainer's output (issue 20): the presets read each trainer's real
+line, and a job that only prints verl-format progress and then freezes is caught as hung within the
+learned timeout, with py-spy stacks in the incident, and restarted. Real processes throughout."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import JOBS, incidents, run_rlsup
+from rlsup_format.heartbeat_record import read_record
+from supervisor.process_tree import OutputTail
+from supervisor.progress import JOB_RANK, PRESETS, ProgressRecorder, progress_pattern
+
+PY = sys.executable
+FAST = ["--backoff-initial", "0.05", "--backoff-max", "0.2", "--kill-grace", "2"]
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_each_preset_reads_its_trainers_line(name: str, tmp_path: Path) -> None:
+    rec = ProgressRecorder(progress_pattern(name, ""), tmp_path, pid=4242)
+    rec.feed(PRESETS[name].example)
+    (path,) = tmp_path.glob("rank_*.hb")
+    record = read_record(path)
+    assert record is not None and (record.rank, record.step, record.pid) == (JOB_RANK, 12, 4242)
+    assert record.beat_ns > 0
+    for other in set(PRESETS) - {name}:  # no preset reads another trainer's line as progress
+        assert not progress_pattern(other, "").search(PRESETS[name].example), (other, name)
+
+
+def test_a_tqdm_bar_is_read_as_it_redraws(tmp_path: Path) -> None:
+    """The HF preset sees each ``\\r`` redraw at once, not only when the bar's line ends."""
+    import os
+    import threading
+
+    read_fd, write_fd = os.pipe()
+    steps: list[int] = []
+    seen = threading.Event()
+
+    class Spy(ProgressRecorder):
+        def beat(self, step: int) -> None:
+            steps.append(step)
+            if step == 3:
+                seen.set()
+
+    tail = OutputTail(5, tmp_path / "out.log", echo=open(os.devnull, "w"))
+    tail.on_segment = Spy(progress_pattern("hf", ""), tmp_path, pid=1).feed
+    tail.start(os.fdopen(read_fd, "rb", buffering=0))
+    for step in (1, 2, 3):
+        os.write(write_fd, f"\r {step * 10}%|█         | {step}/10 [00:0{step}<00:09,  1.00it/s]".encode())
+    assert seen.wait(10), steps  # no newline written yet
+    os.write(write_fd, b"\n{'loss': 1.5, 'epoch': 0.3}\n")
+    os.close(write_fd)
+    tail.join(10)
+    assert sorted(set(steps)) == [1, 2, 3] and steps == sorted(steps)  # a redraw may be read twice, never lost
+    assert tail.tail()[-1] == "{'loss': 1.5, 'epoch': 0.3}"
+
+
+def test_frozen_unmodified_trainer_is_a_hang_with_stacks(workdir: Path) -> None:
+    r = run_rlsup(["run", *FAST, "--progress", "verl", "--auto-timeout-floor", "2", "--auto-timeout-min-intervals",
+                   "5", "--", PY, str(JOBS / "verl_format_job.py"), "30", "12"], workdir, timeout=180)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "training done" in r.stdout
+    (inc,) = incidents(workdir / ".rlsup")
+    assert inc["reason"] == "hang" and inc["rank"] == JOB_RANK and inc["last_step"] == 11, inc
+    silent, timeout = _silence(inc["detail"])
+    assert timeout == 2.0 and timeout <= silent < timeout + 1.5, inc["detail"]  # the learned timeout (floor)
+    (stack,) = inc["stacks"].values()
+    assert "wait_for_rollout" in stack and "verl_format_job.py" in stack, inc["stacks"]
+    assert inc["resumed_step"] is None  # nothing saved: a fresh start, which the job then finishes
+
+
+def _silence(detail: str) -> tuple[float, float]:
+    """(silent, timeout) from 'rank -1 (pid P) silent for 2.10s > heartbeat_timeout 2.00s'."""
+    silent = float(detail.split("silent for ")[1].split("s")[0])
+    timeout = float(detail.split("heartbeat_timeout ")[1].split("s")[0])
+    return silent, timeout
+
+
+def test_rank_heartbeats_take_precedence_over_output(workdir: Path) -> None:
+    """A job that heartbeats through trainer_hooks and prints matching lines rarely is judged by its ranks."""
+    script = workdir / "both.py"
+    script.write_text("import time, trainer_hooks\n"
+                      "for step in range(1, 31):\n"
+                      "    trainer_hooks.heartbeat(step)\n"
+                      "    time.sleep(0.1)\n"
+                      "    if step == 2:\n"
+                      "        print('step:2 - loss:1.0', flush=True)\n")
+    r = run_rlsup(["run", *FAST, "--progress", "verl", "--heartbeat-timeout", "1.5", "--", PY, str(script)], workdir)
+    assert r.returncode == 0 and incidents(workdir / ".rlsup") == [], r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("flags, key", [(["--progress", "ray"], "progress"),
+                                        (["--progress-regex", "step (\\d+"], "progress_regex"),
+                                        (["--progress-regex", "step \\d+"], "progress_regex")])
+def test_bad_progress_config_is_refused(workdir: Path, flags: list[str], key: str) -> None:
+    r = run_rlsup(["run", *flags, "--", PY, "-c", "0"], workdir)
+    assert r.returncode == 2 and f"key '{key}'" in r.stderr, r.stderr
+    assert not (workdir / ".rlsup" / "incidents.jsonl").exists()
+
+
+def test_presets_are_documented_with_their_source() -> None:
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "progress.md").read_text()
+    for name, preset in PRESETS.items():
+        assert f"`{name}`" in doc and preset.source in doc and json.dumps(preset.regex)[1:-1] in doc
