@@ -65,7 +65,7 @@ class SupervisorConfig:
     warm_launcher: bool = _opt(True, "For `torchrun ...` and `python -m torch.distributed.run ...` jobs: while an attempt runs, pre-spawn the next attempt's launcher (the job's interpreter with torchrun already imported), so a restart skips interpreter start and import.")
     warm_imports: tuple[str, ...] = _opt((), "With warm_launcher: modules each warm rank imports (after torch) before it becomes a worker, e.g. your model library. They are imported under the attempt's environment before the rank's RANK, LOCAL_RANK and the next attempt's RLSUP_* variables are set: list only modules whose import does not read those.")
     resume: bool = _opt(True, "Pick the newest valid checkpoint before each attempt and pass it as RLSUP_RESUME_DIR (empty: start fresh), which every rank must load; false: the trainer chooses.")
-    checkpoint_layout: str = _opt("auto", "Checkpoint layout to read: auto, rlsup, verl, megatron, areal, dcp.")
+    checkpoint_layout: str = _opt("auto", "Checkpoint layout to read: auto, or one of rlsup, verl, megatron, areal, nemo-rl, nemo, hf, deepspeed, lightning, torchtitan, dcp (docs/layouts.md).")
     progress: str = _opt("", "Read progress from the job's output in a trainer's own format: verl, areal, megatron-bridge or hf (docs/progress.md); for trainers that do not call trainer_hooks.")
     progress_regex: str = _opt("", "A regular expression; each output line it matches counts as a heartbeat of the whole job, the step from its first group (overrides progress). Rank heartbeats from trainer_hooks take precedence.")
     straggler_factor: float = _opt(1.5, "A rank whose own work per step stays this many times its peers' median (heartbeat arrivals before the step's collective, or trainer_hooks.section('work')) over straggler_window steps is reported as a straggler; 0: off.")
@@ -244,9 +244,11 @@ def load_env(environ: typing.Mapping[str, str]) -> tuple[dict[str, Any], dict[st
 def add_flags(parser: argparse.ArgumentParser) -> None:
     """One ``--kebab-case`` flag per config key; unset flags stay absent so lower sources show through."""
     parser.add_argument("--config", "-c", type=Path, default=argparse.SUPPRESS, help="YAML config file.")
+    types_ = _field_types()
     for f in dataclasses.fields(SupervisorConfig):
+        switch = {"nargs": "?", "const": "true"} if types_[f.name] is bool else {}  # --repair-tracker alone: true
         parser.add_argument("--" + f.name.replace("_", "-"), dest=f"cfg_{f.name}", default=argparse.SUPPRESS,
-                            metavar=f.name.upper(), help=f.metadata["help"])
+                            metavar=f.name.upper(), help=f.metadata["help"], **switch)
 
 
 def load_flags(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, str]]:

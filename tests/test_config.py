@@ -82,3 +82,12 @@ def test_replication_settings_errors_exit_2(workdir: Path) -> None:
     assert r.returncode == 2 and "single node" in r.stderr
     r = run_rlsup(["run", *peers, "--replication-factor", "2", "--", "true"], workdir)
     assert r.returncode == 2 and "replication_factor 2 needs more than 2 nodes" in r.stderr
+
+
+def test_a_boolean_flag_alone_means_true(workdir: Path) -> None:
+    """`--repair-tracker` as the recipes type it (no value), and `--repair-tracker false`."""
+    r = run_rlsup(["config", "show", "--repair-tracker", "--resume", "false"], workdir)
+    assert r.returncode == 0, r.stderr
+    lines = {line.split(":")[0]: line for line in r.stdout.splitlines()}
+    assert "repair_tracker: true  # flag --repair-tracker" in lines["repair_tracker"]
+    assert "resume: false  # flag --resume" in lines["resume"]
