@@ -26,4 +26,7 @@ pip_install() {
 pip_install --upgrade pip
 pip_install torch==2.13.0
 pip_install -e ".[test,megatron,nvrx,trainers]"
+# verl 0.9.1 for tests/test_recipe_verl.py: --no-deps (its own deps pull vLLM/CUDA builds); only what
+# importing verl.utils.checkpoint.fsdp_checkpoint_manager needs (verl/__init__ imports ray and tensordict).
+pip_install --no-deps verl==0.9.1 tensordict==0.15.3 peft==0.21.2 && pip_install ray==2.60.0 omegaconf==2.4.0 codetiming==1.4.0 orjson==3.13.0 pillow==13.0.0 pyvers==0.2.3 cloudpickle==3.1.2
 .venv/bin/python -c "import torch, rlsup_format, supervisor, trainer_hooks; print('rlsup ready: torch', torch.__version__)"
