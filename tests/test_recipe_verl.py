@@ -111,7 +111,7 @@ def test_sigkill_before_the_tracker_write_resumes_from_the_complete_step(workdir
     log = r.stderr
     assert "attempt 1" in log and "from step 4 (" in log, log[-4000:]
     # verl's tracker still said 2 when attempt 0 died after finishing step 4: rlsup rewrote it before launch.
-    assert f"said '2'" in log and "now points at step 4" in log, log[-4000:]
+    assert "said '2'" in log and "now points at step 4" in log, log[-4000:]
     assert (ckpt / f"{TRACKER}.rlsup-prev").read_text() == "2"
     # verl's own resume (find_latest_ckpt_path, the repaired tracker) loaded step 4, not 2.
     assert f"Resuming from {ckpt}/global_step_4" in r.stdout and "step:5 - " in r.stdout
