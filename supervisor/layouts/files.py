@@ -12,7 +12,7 @@ import os
 import struct
 import zipfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from supervisor.layouts.record import Check
 
@@ -42,6 +42,28 @@ def tree_size(path: Path) -> int:
         except OSError:
             continue
     return total
+
+
+def is_dir(path: Path) -> bool:
+    """``path.is_dir()`` that answers False instead of raising (a directory removed while listed)."""
+    try:
+        return path.is_dir()
+    except OSError:
+        return False
+
+
+def step_dirs(root: Path, step_of: Callable[[Path], int | None],
+              keep: Callable[[Path], bool] = lambda path: True) -> list[tuple[int, Path]]:
+    """``(step, directory)`` of every child of ``root`` whose name ``step_of`` reads (and ``keep``
+    accepts), ascending by step, then name; empty when ``root`` cannot be listed. One listing rule
+    for every layout that names its steps in directory names."""
+    try:
+        children = list(root.iterdir())
+    except OSError:
+        return []
+    out = [(step, child) for child in children
+           if (step := step_of(child)) is not None and is_dir(child) and keep(child)]
+    return sorted(out, key=lambda t: (t[0], t[1].name))
 
 
 def read_json(path: Path) -> tuple[Any, str | None]:

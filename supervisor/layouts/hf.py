@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from supervisor.layouts import dcp
-from supervisor.layouts.files import check_safetensors, check_zip, read_json, tree_size
+from supervisor.layouts.files import check_safetensors, check_zip, read_json, step_dirs, tree_size
 from supervisor.layouts.record import Check, CheckpointRecord
 
 NAME = "hf"
@@ -69,15 +69,7 @@ def step_of(path: Path) -> int | None:
 
 
 def list_steps(root: Path) -> list[tuple[int, Path]]:
-    out = []
-    try:
-        for child in root.iterdir():
-            m = STEP_RE.match(child.name)
-            if m and child.is_dir():
-                out.append((int(m.group(1)), child))
-    except OSError:
-        return []
-    return sorted(out, key=lambda t: (t[0], t[1].name))
+    return step_dirs(root, step_of)
 
 
 def looks_like(root: Path) -> bool:

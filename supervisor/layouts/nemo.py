@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from supervisor.layouts import megatron
-from supervisor.layouts.files import read_json, tree_size
+from supervisor.layouts.files import is_dir, read_json, step_dirs, tree_size
 from supervisor.layouts.record import Check, CheckpointRecord
 
 NAME = "nemo"
@@ -57,32 +57,16 @@ def marker_of(path: Path) -> Path:
     return Path(str(path).removesuffix(".ckpt").removesuffix(EMA_SUFFIX) + MARKER_SUFFIX)
 
 
-def _is_dir(path: Path) -> bool:
-    try:
-        return path.is_dir()
-    except OSError:
-        return False
-
-
 def owns(path: Path) -> bool:
     """A directory named ``...step=N...`` holding ``weights/`` or ``context/``, or with its marker beside it."""
-    if step_of(path) is None or not _is_dir(path):
+    if step_of(path) is None or not is_dir(path):
         return False
-    return _is_dir(path / WEIGHTS) or _is_dir(path / CONTEXT) or marker_of(path).exists()
+    return is_dir(path / WEIGHTS) or is_dir(path / CONTEXT) or marker_of(path).exists()
 
 
 def list_steps(root: Path) -> list[tuple[int, Path]]:
     """Every ``step=N`` directory (top-k and ``-last`` both); ``-last`` sorts after its twin, so it is tried first."""
-    out = []
-    try:
-        children = list(root.iterdir())
-    except OSError:
-        return []
-    for child in children:
-        step = step_of(child)
-        if step is not None and _is_dir(child):
-            out.append((step, child))
-    return sorted(out, key=lambda t: (t[0], t[1].name))
+    return step_dirs(root, step_of)
 
 
 def looks_like(root: Path) -> bool:
@@ -92,7 +76,7 @@ def looks_like(root: Path) -> bool:
 def make_context(root: Path) -> NemoContext:
     """A run writes ``context/`` when any finished step of it has one."""
     for _, path in reversed(list_steps(root)):
-        if not marker_of(path).exists() and _is_dir(path / CONTEXT):
+        if not marker_of(path).exists() and is_dir(path / CONTEXT):
             return NemoContext(expects_context=True, expects_model_yaml=(path / CONTEXT / MODEL_YAML).exists())
     return NemoContext(expects_context=False)
 
@@ -101,7 +85,7 @@ def check_context(directory: Path, expects_model_yaml: bool = False) -> Check:
     """``context/io.json`` parses (opened first, written after the artifacts are copied, in ``io_dump``);
     every JSON artifact (tokenizer files) parses; ``model.yaml`` (written last) is there when the run
     writes it, and no yaml file is empty."""
-    if not _is_dir(directory):
+    if not is_dir(directory):
         return Check.bad(f"{CONTEXT}/ missing (io_dump writes it after weights/)")
     data, err = read_json(directory / IO_JSON)
     if err:
@@ -131,13 +115,13 @@ def check_step(path: Path, ctx: NemoContext) -> Check:
     if path.name.endswith(EMA_SUFFIX):
         return Check.bad("EMA copy (the EMA callback's weights swapped in): not a training state to resume; "
                          "NeMo resumes from the copy without -EMA")
-    if not _is_dir(path / WEIGHTS):
+    if not is_dir(path / WEIGHTS):
         return Check.bad(f"{WEIGHTS}/ missing (killed before MegatronCheckpointIO wrote it)")
     weights = megatron.check_mcore_dist(path / WEIGHTS)
     if not weights.ok:
         return weights
     notes = list(weights.notes)
-    if ctx.expects_context or _is_dir(path / CONTEXT):
+    if ctx.expects_context or is_dir(path / CONTEXT):
         context = check_context(path / CONTEXT, ctx.expects_model_yaml)
         if not context.ok:
             return Check.bad(context.reason, notes)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from supervisor.layouts import dcp, megatron
-from supervisor.layouts.files import check_hf_dir, check_zip, read_json, tree_size
+from supervisor.layouts.files import check_hf_dir, check_zip, is_dir, read_json, step_dirs, tree_size
 from supervisor.layouts.record import Check, CheckpointRecord
 
 NAME = "nemo-rl"
@@ -38,13 +38,6 @@ class NemoRLContext:
     """Run-wide facts: whether committed steps of this run carry dataloader state."""
 
     expects_dataloader: bool
-
-
-def _is_dir(path: Path) -> bool:
-    try:
-        return path.is_dir()
-    except OSError:
-        return False
 
 
 def _is_rlsup(path: Path) -> bool:
@@ -68,25 +61,17 @@ def is_committed(path: Path) -> bool:
 
 def owns(path: Path) -> bool:
     """A NeMo-RL step directory (committed or not), never one holding rlsup manifests."""
-    if step_of(path) is None or not _is_dir(path) or _is_rlsup(path):
+    if step_of(path) is None or not is_dir(path) or _is_rlsup(path):
         return False
     if not is_committed(path):
         return True
-    return (path / TRAINING_INFO).exists() or any(_is_dir(path / c) for c in COMPONENTS)
+    return (path / TRAINING_INFO).exists() or any(is_dir(path / c) for c in COMPONENTS)
 
 
 def list_steps(root: Path) -> list[tuple[int, Path]]:
     """``step_N``, ``tmp_step_N`` and ``old_step_N`` directories; the committed one sorts last per step."""
-    out = []
-    try:
-        children = list(root.iterdir())
-    except OSError:
-        return []
-    for child in children:
-        step = step_of(child)
-        if step is not None and _is_dir(child) and not _is_rlsup(child):
-            out.append((step, child))
-    return sorted(out, key=lambda t: (t[0], is_committed(t[1]), t[1].name))
+    found = step_dirs(root, step_of, keep=lambda path: not _is_rlsup(path))
+    return sorted(found, key=lambda t: (t[0], is_committed(t[1]), t[1].name))
 
 
 def looks_like(root: Path) -> bool:
@@ -103,7 +88,7 @@ def make_context(root: Path) -> NemoRLContext:
 
 def check_weights(weights: Path) -> Check:
     """``weights/`` is a DCP (DTensor), an MCore ``iter_*`` directory (Megatron) or safetensors (Automodel)."""
-    if not _is_dir(weights):
+    if not is_dir(weights):
         return Check.bad(f"{weights.parent.name}/{weights.name}/ missing")
     label = f"{weights.parent.name}/{weights.name}"
     if dcp.looks_like_dcp(weights):
@@ -116,7 +101,7 @@ def check_weights(weights: Path) -> Check:
             if not c.ok:
                 return Check.bad(f"{label}/{c.reason}")
         return Check.good()
-    hf_dir = weights / "model" if _is_dir(weights / "model") else weights
+    hf_dir = weights / "model" if is_dir(weights / "model") else weights
     if any(hf_dir.glob("*.safetensors")) or any(hf_dir.glob("*.index.json")):
         c = check_hf_dir(hf_dir, need_weights=True)
         return c if c.ok else Check.bad(f"{label}: {c.reason}")
@@ -128,11 +113,11 @@ def check_component(comp: Path) -> Check:
     if not weights.ok:
         return weights
     optimizer = comp / "optimizer"
-    if _is_dir(optimizer) and dcp.looks_like_dcp(optimizer):
+    if is_dir(optimizer) and dcp.looks_like_dcp(optimizer):
         c = dcp.check_dcp(optimizer)
         if not c.ok:
             return Check.bad(f"{comp.name}/optimizer: {c.reason}")
-    elif _is_dir(optimizer) and not any(optimizer.iterdir()):
+    elif is_dir(optimizer) and not any(optimizer.iterdir()):
         return Check.bad(f"{comp.name}/optimizer/ is empty")
     return Check.good(weights.notes)
 
@@ -151,7 +136,7 @@ def check_step(path: Path, ctx: NemoRLContext) -> Check:
             return Check.bad(f"{CONFIG} is empty (torn write)")
     except OSError as exc:
         return Check.bad(f"{CONFIG} unreadable: {exc}")
-    comps = [path / c for c in COMPONENTS if _is_dir(path / c)]
+    comps = [path / c for c in COMPONENTS if is_dir(path / c)]
     if not comps:
         return Check.bad(f"no model component ({', '.join(COMPONENTS)}) in the step")
     notes: list[str] = []

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from supervisor.layouts import dcp
-from supervisor.layouts.files import check_hf_dir, tree_size
+from supervisor.layouts.files import check_hf_dir, is_dir, step_dirs, tree_size
 from supervisor.layouts.record import Check, CheckpointRecord
 
 NAME = "torchtitan"
@@ -36,13 +36,6 @@ def step_of(path: Path) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def _is_dir(path: Path) -> bool:
-    try:
-        return path.is_dir()
-    except OSError:
-        return False
-
-
 def _top_keys(metadata: Any) -> set[str]:
     """First components of the FQNs in a DCP ``.metadata`` (DCP flattens nested dicts with dots)."""
     keys = getattr(metadata, "state_dict_metadata", None)
@@ -50,12 +43,12 @@ def _top_keys(metadata: Any) -> set[str]:
 
 
 def is_hf_export(path: Path) -> bool:
-    return (path / HF_INDEX).exists() or _is_dir(path / "sharded") or any(path.glob("*.safetensors"))
+    return (path / HF_INDEX).exists() or is_dir(path / "sharded") or any(path.glob("*.safetensors"))
 
 
 def is_torchtitan_step(path: Path) -> bool:
     """``step-N`` that is an HF export, or whose ``.metadata`` has torchtitan's training state keys."""
-    if step_of(path) is None or not _is_dir(path):
+    if step_of(path) is None or not is_dir(path):
         return False
     if is_hf_export(path):
         return True
@@ -65,23 +58,14 @@ def is_torchtitan_step(path: Path) -> bool:
 
 def owns(path: Path) -> bool:
     """A ``step-N`` directory that is torchtitan's, or a DCP one beside torchtitan steps (killed saves)."""
-    if step_of(path) is None or not _is_dir(path):
+    if step_of(path) is None or not is_dir(path):
         return False
     return is_torchtitan_step(path) or looks_like(path.parent)
 
 
 def list_steps(root: Path) -> list[tuple[int, Path]]:
     """Every ``step-N`` directory, empty ones included (a save killed right after its mkdir)."""
-    out = []
-    try:
-        children = list(root.iterdir())
-    except OSError:
-        return []
-    for child in children:
-        step = step_of(child)
-        if step is not None and _is_dir(child):
-            out.append((step, child))
-    return sorted(out, key=lambda t: t[0])
+    return step_dirs(root, step_of)
 
 
 def looks_like(root: Path) -> bool:
