@@ -9,7 +9,7 @@ Record layout (little endian, 10 x int64 in a 128-byte file, see :data:`RECORD`)
   2 pid        writer's pid
   3 step       last step passed to :func:`heartbeat`
   4 beat_ns    monotonic time of the last heartbeat (0: none yet)
-  5 section    0 none, 1 save, 2 load, 3 user
+  5 section    0 none, 1 save, 2 load, 3 user, 5 exit (the interpreter is exiting)
   6 section_ns monotonic time the current section began
   7 stop       written by rlsup: non-zero asks the rank to save and exit (:func:`should_stop`)
   8 saves      save sections completed (rlsup counts saves even when one ends between two polls)
@@ -35,7 +35,7 @@ RECORD_SIZE = 128
 STOP_OFFSET = 56
 EXTRA = struct.Struct("<4q")
 EXTRA_OFFSET = RECORD.size
-SECTIONS = {"none": 0, "save": 1, "load": 2, "user": 3, "work": 4}
+SECTIONS = {"none": 0, "save": 1, "load": 2, "user": 3, "work": 4, "exit": 5}
 SECTION_NAMES = {v: k for k, v in SECTIONS.items()}
 ENV_DIR = "RLSUP_HEARTBEAT_DIR"
 STACKS_SIGNAL = signal.SIGUSR2

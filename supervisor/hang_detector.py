@@ -2,7 +2,8 @@
 
 Rules (all on CLOCK_MONOTONIC, so wall-clock jumps never look like hangs):
 - no rank heartbeats within ``startup_timeout`` of launch: hung at startup;
-- a rank inside a ``save``/``load`` section longer than ``save_timeout``: hung in that section;
+- a rank inside a ``save``/``load`` section, or exiting after its last step (``exit``, marked by
+  trainer_hooks at interpreter exit), longer than ``save_timeout``: hung there;
 - otherwise a rank silent for longer than the heartbeat timeout: hung.
 The heartbeat timeout is explicit, or learned ("auto") as nvidia-resiliency-ext does: a safety factor
 times the longest interval seen between heartbeats, with a floor, and a generous initial value until
@@ -19,6 +20,10 @@ from typing import TYPE_CHECKING, Callable
 from rlsup_format.fileio import pid_alive
 from rlsup_format.heartbeat_record import HeartbeatRecord, read_record
 from supervisor.progress import JOB_RANK, job_level_only
+
+# Sections whose silence is measured against save_timeout: a save, a restore, and the interpreter's
+# exit after the last step (trainer_hooks marks it at exit).
+HELD_TO_SAVE_TIMEOUT = ("save", "load", "exit")
 
 if TYPE_CHECKING:
     from supervisor.config import SupervisorConfig
@@ -130,7 +135,7 @@ class HangDetector:
             return self._check_startup(now_ns, records)
         timeout = self.timeout()
         for rec in sorted(records.values(), key=lambda r: r.rank):
-            if rec.section in ("save", "load"):
+            if rec.section in HELD_TO_SAVE_TIMEOUT:
                 silent = (now_ns - rec.section_ns) / 1e9
                 if silent > self.save_timeout:
                     return HangVerdict("save_timeout", rec.rank, rec.pid, silent, self.save_timeout, rec.step)
@@ -150,7 +155,7 @@ class HangDetector:
     def _check_startup(self, now_ns: int, records: dict[int, HeartbeatRecord]) -> HangVerdict | None:
         """Before any rank heartbeated. A rank inside a save/load section (the first restore of a large
         checkpoint) is held to save_timeout, not startup_timeout; startup restarts when a section ends."""
-        in_section = [r for r in records.values() if r.section in ("save", "load")]
+        in_section = [r for r in records.values() if r.section in HELD_TO_SAVE_TIMEOUT]
         for rec in sorted(in_section, key=lambda r: r.rank):
             silent = (now_ns - rec.section_ns) / 1e9
             if silent > self.save_timeout:

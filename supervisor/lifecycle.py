@@ -115,7 +115,7 @@ class EndReason(_Value):
     OOM = "oom"  # SIGKILL while the kernel's OOM-kill count rose
     HANG = "hang"  # a rank silent past the heartbeat timeout; stacks dumped
     STARTUP_TIMEOUT = "startup_timeout"  # no rank heartbeated within startup_timeout
-    SAVE_TIMEOUT = "save_timeout"  # a rank in a save/load section past save_timeout
+    SAVE_TIMEOUT = "save_timeout"  # a rank in a save/load section (or its exit) past save_timeout
     STRAGGLER = "straggler"  # a rank stayed straggler_factor slower than its peers (straggler_action: restart)
     PEER_FAILURE = "peer_failure"  # another node ended the attempt (multi-node)
     STOPPED = "stopped"  # rlsup got SIGTERM/SIGINT

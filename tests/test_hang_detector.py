@@ -52,3 +52,12 @@ def test_silence_after_heartbeats_is_a_hang(tmp_path: Path) -> None:
     assert d.check(now_ns=1_006 * S) is None
     verdict = d.check(now_ns=1_008 * S)
     assert verdict is not None and verdict.reason == "heartbeat_timeout" and verdict.rank == 0
+
+
+def test_an_exiting_rank_is_held_to_save_timeout(tmp_path: Path) -> None:
+    """After its last step a rank's interpreter teardown is not a hang (trainer_hooks marks 'exit')."""
+    d = detector(tmp_path)
+    write_record(tmp_path, 0, beat_ns=1_001 * S, section="exit", section_ns=1_002 * S)
+    assert d.check(now_ns=1_050 * S) is None  # 48 s in the exit > heartbeat timeout 5 s: exiting, not hung
+    verdict = d.check(now_ns=1_103 * S)
+    assert verdict is not None and verdict.reason == "save_timeout" and verdict.rank == 0

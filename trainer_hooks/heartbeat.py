@@ -11,6 +11,7 @@ The record layout, shared with the supervisor that reads it, is in :mod:`rlsup_f
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import faulthandler
 import mmap
@@ -71,6 +72,7 @@ class _Writer:
         self.work_ns = 0
         self._work_started = 0
         self._publish()
+        atexit.register(self.exiting)
         _die_with_parent()
         # Stack dumps on demand: rlsup sends STACKS_SIGNAL before killing a hung rank.
         self._stacks = open(directory / stacks_file_name(rank), "w")  # noqa: SIM115 - lives with the process
@@ -117,6 +119,11 @@ class _Writer:
         self.section = code
         self.section_ns = now
         self._publish()
+
+    def exiting(self) -> None:
+        """At interpreter exit, after the last step: the teardown that follows (module and GC teardown
+        of a large heap can take seconds on a loaded node) is held to save_timeout, not taken for a hang."""
+        self.set_section(SECTIONS["exit"])
 
     def stop_requested(self) -> bool:
         return _I64.unpack_from(self.map, STOP_OFFSET)[0] != 0
