@@ -39,7 +39,7 @@ class Preset:
 
 PRESETS: dict[str, Preset] = {
     "verl": Preset(
-        r"(?:^|[\s)\]])step:(\d+) - ",
+        r"step:(\d+) - ",  # anywhere in the line: ranks sharing a pipe interleave their writes
         "volcengine/verl 0.9.1, verl/utils/logger/aggregate_logger.py: concat_dict_to_str / LocalLogger.log "
         "(Tracking's console backend); under Ray the driver prefixes actor lines with '(TaskRunner pid=N)'",
         "(TaskRunner pid=4242) step:12 - actor/entropy:0.61 - actor/pg_loss:-0.003 - timing_s/step:41.2"),

@@ -106,3 +106,11 @@ def test_presets_are_documented_with_their_source() -> None:
     doc = (Path(__file__).resolve().parents[1] / "docs" / "progress.md").read_text()
     for name, preset in PRESETS.items():
         assert f"`{name}`" in doc and preset.source in doc and json.dumps(preset.regex)[1:-1] in doc
+
+
+def test_verl_line_interleaved_with_another_ranks_write_still_counts(tmp_path: Path) -> None:
+    """torchrun's ranks share one pipe: another rank's text can land right before verl's 'step:N'."""
+    rec = ProgressRecorder(progress_pattern("verl", ""), tmp_path, pid=1)
+    rec.feed("freezing before step 4step:3 - actor/pg_loss:4.1483 - training/global_step:3 - timing_s/step:0.2")
+    record = read_record(next(tmp_path.glob("rank_*.hb")))
+    assert record is not None and record.step == 3
