@@ -680,13 +680,17 @@ def bench_replication(ctx: Ctx) -> list[Row]:
     rows = br.measure(size, runs=max(3, ctx.reps), scratch=str(ctx.work))
     label = f"{size / 1e9:.1f} GB"
     note = ("127.0.0.1, each peer's endpoint its own process; rlsup: HMAC, sendfile, xxh3 verify on receipt, "
-            "fsync, rename; 2 peers: a chain (the first peer stores, answers, sends on); baselines synced")
+            "fsync, rename; 2 peers: a chain (the first peer stores, answers, sends on); baselines synced; "
+            "every side's second destination stands for another machine (nice 19, /dev/shm)")
     out = []
     for name, a, b in rows:
-        unit = "s" if name.startswith("sender time") else "MB" if name.startswith("sender bytes") else "MB/s"
+        unit = ("x" if "same run" in name else "s" if name.startswith(("sender time", "sender CPU"))
+                else "MB" if name.startswith("sender bytes") else "MB/s")
         why = note if b is not None else f"{note}; baseline: {br.RSYNC_MISSING}"
         if unit == "MB":
             why = "data bytes the sender's pushes carry: each file once, whatever the number of peers"
+        elif unit == "x":
+            why = "per run, the 2-peer push's time over the 1-peer push's beside it, then the median: drift cancels"
         out.append(Row(f"replicate {label}: {name}", a, b, unit, why))
     return out
 

@@ -23,6 +23,7 @@ from supervisor.parts import scan_parts
 from supervisor.replication import ReplicationEngine, ReplicationSettings
 from supervisor.transport.auth import auth_headers
 from supervisor.transport.client import PeerClient, TransportError
+from supervisor.transport.forward import FORWARD_NICENESS
 from supervisor.transport.server import ReplicationServer
 from supervisor.transport.store import ReplicaStore
 from test_transport_http import make_file  # the same test files as the transport tests
@@ -170,6 +171,26 @@ def test_chain_sends_once_and_every_hop_stores(nodes, tmp_path: Path) -> None:
     finally:
         a.close()
         proxy.close()
+
+
+@pytest.mark.skipif(not hasattr(threading, "get_native_id") or os.uname().sysname != "Linux", reason="per-thread nice")
+def test_forward_threads_run_nicer_than_the_receive(nodes, tmp_path: Path) -> None:
+    """A hop's forward is background work: its threads yield the CPU to the hop's own receives."""
+    c = nodes("c")
+    b = nodes("b", forward_peers={c.endpoint})
+    src = tmp_path / "src.bin"
+    entry = make_file(src, 1024 * 1024, seed=5)
+    a = client(b.endpoint)
+    try:
+        a.push_file("ns", REL, src, entry, forward=[c.endpoint])
+        assert settled(a, REL) == {c.endpoint: "ok"}
+    finally:
+        a.close()
+    forwarders = [t for t in threading.enumerate() if t.name.startswith("rlsup-forward")]
+    assert forwarders
+    base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    for t in forwarders:
+        assert os.getpriority(os.PRIO_PROCESS, t.native_id) == min(19, base + FORWARD_NICENESS), t.name
 
 
 def test_forward_outside_the_allow_list_is_refused_before_the_body(nodes, tmp_path: Path) -> None:

@@ -22,7 +22,9 @@ from __future__ import annotations
 import collections
 import json
 import logging
+import os
 import re
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -33,6 +35,23 @@ log = logging.getLogger("rlsup.transport.forward")
 MAX_HOPS = 8
 OK = "ok"
 _ENDPOINT_RE = re.compile(r"^(\[[0-9A-Fa-f:.]{2,45}\]|[A-Za-z0-9][A-Za-z0-9.-]{0,252}):[0-9]{1,5}$")
+
+
+#: How much lower than the hop's own work its forwarding threads run (Linux nice is per thread).
+FORWARD_NICENESS = 10
+
+
+def lower_thread_priority(niceness: int = FORWARD_NICENESS) -> None:
+    """Run the calling thread ``niceness`` steps nicer: a hop's forward is background work and must
+    not slow its own receives (a sender waits on those) or the training ranks beside it. Linux only
+    (elsewhere ``setpriority`` on a thread id would name a process); a refusal leaves it as it was."""
+    if sys.platform != "linux":
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + niceness)
+    except OSError:  # pragma: no cover - a sandbox without setpriority: forward at the same priority
+        pass
 
 
 class ForwardRefused(ValueError):

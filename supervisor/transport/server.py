@@ -50,7 +50,7 @@ from aiohttp import web
 from supervisor.transport.client import PeerClient
 from supervisor.transport.conns import HeldConn, Reject, Tracked
 from supervisor.transport.raw_upload import HTTPError as _HTTPError, receive_raw, take_socket
-from supervisor.transport.forward import ForwardRefused, Forwarder, parse_forward
+from supervisor.transport.forward import ForwardRefused, Forwarder, lower_thread_priority, parse_forward
 from supervisor.transport.auth import H_XXH3, Verifier, body_digest
 from supervisor.transport.store import (IntegrityError, ReplicaStore, StoreError, validate_namespace,
                                        validate_relpath)
@@ -116,7 +116,8 @@ class ReplicationServer:
         self.forward_peers = frozenset(forward_peers)
         self.own_endpoint = own_endpoint
         self.forward_ssl = forward_ssl
-        self._forward_pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="rlsup-forward")
+        self._forward_pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="rlsup-forward",
+                                                                   initializer=lower_thread_priority)
         # Raw uploads hold a thread for their whole body: their own pool, as large as the connection table.
         self._uploads = concurrent.futures.ThreadPoolExecutor(max_workers=max_connections,
                                                               thread_name_prefix="rlsup-upload")
