@@ -76,18 +76,61 @@ def job_tree_stacks(pyspy: str | None, root_pid: int) -> dict[str, str]:
     try:
         root = psutil.Process(root_pid)
         procs = [root, *root.children(recursive=True)]
+        if any(map(_is_ray_driver, procs)):
+            procs += node_ray_workers(skip={p.pid for p in procs})
     except psutil.Error:
         return {f"job pid {root_pid}": "(process gone)"}
     out: dict[str, str] = {}
     for proc in procs:
         try:
             cmd = proc.cmdline()
-            rank = proc.environ().get("RANK")
+            env = proc.environ()
         except psutil.Error:
             continue
-        if not any("python" in os.path.basename(part) for part in cmd[:1]):
-            continue  # py-spy reads Python processes
-        key = f"rank {rank} pid {proc.pid}" if rank is not None else f"pid {proc.pid} ({' '.join(cmd[:3])})"
+        if not cmd or not ("python" in os.path.basename(cmd[0]) or is_ray_worker(cmd[0])):
+            continue  # py-spy reads Python processes (a Ray worker is one under its own title)
+        if (rank := env.get("RANK")) is not None:
+            key = f"rank {rank} pid {proc.pid}"
+        elif is_ray_worker(cmd[0]):
+            key = f"pid {proc.pid} ({cmd[0].split()[0]})"
+        else:
+            key = f"pid {proc.pid} ({' '.join(cmd[:3])})"
         text = _pyspy(pyspy, proc.pid) if pyspy else None
         out[key] = text or ("(no stack: py-spy is not installed)" if pyspy is None else "(py-spy could not read it)")
     return out or {f"job pid {root_pid}": "(no Python process in the job)"}
+
+
+#: How Ray titles its worker processes: ``ray::<Actor>.<method>`` or ``ray::<task>`` while busy.
+RAY_WORKER = "ray::"
+#: Ray's own processes under that title: a pooled worker and the node's agents, nobody's job.
+RAY_NOT_A_JOB = ("ray::IDLE", "ray::DashboardAgent", "ray::RuntimeEnvAgent")
+
+
+def is_ray_worker(title: str) -> bool:
+    return title.startswith(RAY_WORKER) and not title.startswith(RAY_NOT_A_JOB)
+
+
+def _is_ray_driver(proc) -> bool:
+    """Whether a process has Ray's core library loaded (a driver, or a worker of an embedded cluster)."""
+    import psutil
+
+    try:
+        return any("_raylet" in m.path for m in proc.memory_maps())
+    except (psutil.Error, OSError):
+        return False
+
+
+def node_ray_workers(skip: set[int]) -> list:
+    """This node's busy Ray workers outside the job's process tree, as ``ray stack`` lists them. Where
+    ``ray start`` runs the cluster, a driver's actors run under the raylet, not under the driver rlsup
+    launched, and their stacks are where a hang is. Neither start time nor environment ties a worker
+    to its job (Ray reuses idle workers for a later job, and an actor's ``RAY_JOB_ID`` is the nil
+    id), so busy workers of other Ray jobs on this node are listed too, each keyed by its title."""
+    import psutil
+
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        cmd = proc.info["cmdline"] or [""]
+        if proc.pid not in skip and is_ray_worker(cmd[0]):
+            found.append(proc)
+    return found

@@ -29,7 +29,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
-from torchdata.stateful_dataloader import StatefulDataLoader  # noqa: E402,F401  (verl's dataloader)
+from torchdata.stateful_dataloader import StatefulDataLoader  # noqa: E402  (verl's dataloader)
 
 
 def parse() -> argparse.Namespace:
@@ -55,49 +55,84 @@ def build(rank: int):
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + s))
     manager = FSDPCheckpointManager(model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                     checkpoint_config=None)
+    return model, optimizer, scheduler, manager, make_loader(rank)
+
+
+def make_loader(rank: int) -> StatefulDataLoader:
+    """verl's stateful dataloader over a fixed random token set (its state goes into data.pt)."""
     data = torch.randint(0, 64, (64, 16), generator=torch.Generator().manual_seed(rank))
-    loader = StatefulDataLoader(data, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(1))
-    return model, optimizer, scheduler, manager, loader
+    return StatefulDataLoader(data, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(1))
 
 
 def save_checkpoint(local_dir: str, step: int, manager, loader: DataLoader, rank: int) -> None:
     """ray_trainer.py ``_save_checkpoint``: actor via the manager, then data.pt, then the tracker."""
-    from verl.utils.fs import local_mkdir_safe
-
     folder = os.path.join(local_dir, f"global_step_{step}")
     if rank == 0:
         print(f"local_global_step_folder: {folder}", flush=True)
     manager.save_checkpoint(os.path.join(folder, "actor"), None, step, max_ckpt_to_keep=None)
     if rank == 0:  # the single controller does the rest
-        local_mkdir_safe(folder)
-        torch.save(loader.state_dict(), os.path.join(folder, "data.pt"))
-        with open(os.path.join(local_dir, "latest_checkpointed_iteration.txt"), "w") as f:
-            f.write(str(step))
+        controller_save(local_dir, step, loader)
     dist.barrier()
+
+
+def controller_save(local_dir: str, step: int, loader: DataLoader) -> None:
+    """The driver's part of ``_save_checkpoint`` once the workers saved: data.pt, then the tracker."""
+    from verl.utils.fs import local_mkdir_safe
+
+    folder = os.path.join(local_dir, f"global_step_{step}")
+    local_mkdir_safe(folder)
+    torch.save(loader.state_dict(), os.path.join(folder, "data.pt"))
+    with open(os.path.join(local_dir, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write(str(step))
 
 
 def load_checkpoint(local_dir: str, mode: str, manager, loader: DataLoader) -> int:
     """ray_trainer.py ``_load_checkpoint`` for resume_mode auto: the tracker decides the step."""
+    step, global_step_folder = resume_point(local_dir, mode)
+    if global_step_folder is None:
+        return 0
+    manager.load_checkpoint(os.path.join(global_step_folder, "actor"))
+    load_data(global_step_folder, loader)
+    return step
+
+
+def resume_point(local_dir: str, mode: str) -> tuple[int, str | None]:
+    """The step and folder verl resumes from: its own ``find_latest_ckpt_path`` reads the tracker."""
     from verl.utils.checkpoint.checkpoint_manager import find_latest_ckpt_path
 
     if mode == "disable":
-        return 0
-    folder = os.path.abspath(local_dir)
-    global_step_folder = find_latest_ckpt_path(folder)
+        return 0, None
+    global_step_folder = find_latest_ckpt_path(os.path.abspath(local_dir))
     if global_step_folder is None:
         print("Training from scratch", flush=True)
-        return 0
+        return 0, None
     print(f"Load from checkpoint folder: {global_step_folder}", flush=True)
     step = int(global_step_folder.split("global_step_")[-1])
     print(f"Setting global step to {step}", flush=True)
     print(f"Resuming from {global_step_folder}", flush=True)
-    manager.load_checkpoint(os.path.join(global_step_folder, "actor"))
+    return step, global_step_folder
+
+
+def load_data(global_step_folder: str, loader: DataLoader) -> None:
     data_path = os.path.join(global_step_folder, "data.pt")
     if os.path.exists(data_path):
         loader.load_state_dict(torch.load(data_path, weights_only=False))
     else:
         print(f"Warning: No dataloader state found at {data_path}, will start from scratch", flush=True)
-    return step
+
+
+def train_step(model, optimizer, scheduler, batch: torch.Tensor, step_seconds: float) -> dict:
+    """One update (``update_actor`` in verl's worker); the metrics verl logs for it."""
+    start = time.monotonic()
+    loss = model(input_ids=batch, labels=batch).loss
+    loss.backward()
+    grad_norm = model.clip_grad_norm_(1.0).item()
+    optimizer.step()
+    optimizer.zero_grad()
+    scheduler.step()
+    time.sleep(step_seconds)
+    return {"actor/pg_loss": round(loss.item(), 4), "actor/grad_norm": round(grad_norm, 4),
+            "actor/lr": scheduler.get_last_lr()[0], "timing_s/step": round(time.monotonic() - start, 3)}
 
 
 def freeze_here(step: int) -> None:
@@ -123,21 +158,12 @@ def main() -> None:
         global_steps += 1
         if freeze_at and first_attempt and global_steps == freeze_at:
             freeze_here(global_steps)
-        start = time.monotonic()
         try:
             batch = next(batches)
         except StopIteration:
             batches = iter(loader)
             batch = next(batches)
-        loss = model(input_ids=batch, labels=batch).loss
-        loss.backward()
-        grad_norm = model.clip_grad_norm_(1.0).item()
-        optimizer.step()
-        optimizer.zero_grad()
-        scheduler.step()
-        time.sleep(args.step_seconds)
-        metrics = {"actor/pg_loss": round(loss.item(), 4), "actor/grad_norm": round(grad_norm, 4),
-                   "actor/lr": scheduler.get_last_lr()[0], "timing_s/step": round(time.monotonic() - start, 3)}
+        metrics = train_step(model, optimizer, scheduler, batch, args.step_seconds)
         if args.save_freq > 0 and (global_steps == args.total_steps or global_steps % args.save_freq == 0):
             save_checkpoint(args.default_local_dir, global_steps, manager, loader, rank)
         logger.log(data=metrics, step=global_steps)

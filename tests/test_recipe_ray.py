@@ -1,0 +1,119 @@
+"""The verl recipe on a real local Ray cluster (issue 20): ``ray start --head``, then on the head node
+``rlsup run --checkpoint-layout verl --repair-tracker --progress verl -- python <driver>``, where the
+driver has verl's process structure (``tests/jobs/verl_ray_driver.py``: the driver blocks in
+``ray.get`` on a ``TaskRunner`` actor, which drives an FSDP worker actor and saves through verl 0.9.1's
+own ``FSDPCheckpointManager``, ``data.pt`` and tracker code). The actors run under the raylet, not
+under the process rlsup launched; their output reaches rlsup only through Ray's log forwarding
+(``(TaskRunner pid=N) step:N - ...``).
+
+* The controller actor is SIGKILLed just before it writes the tracker for step 4: the driver's
+  ``ray.get`` raises, the attempt fails, rlsup repairs the tracker (2 -> 4) and verl's own resume in
+  the next attempt loads step 4.
+* The worker actor freezes in step 4's update: no more ``step:N`` lines; rlsup calls it a hang within
+  the timeout, with the py-spy stack of the frozen actor (found outside the job's process tree),
+  kills the driver (Ray then ends its actors) and the next attempt resumes from step 2.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+import kill_matrix
+from conftest import JOBS, ROOT, clean_env, free_ports, incidents, rlsup_cmd
+
+pytest.importorskip("ray", reason="ray is not installed")
+pytest.importorskip("verl.utils.checkpoint.fsdp_checkpoint_manager", reason="verl is not installed")
+
+TRACKER = "latest_checkpointed_iteration.txt"
+DRIVER = JOBS / "verl_ray_driver.py"
+FAST = ["--backoff-initial", "0.05", "--backoff-max", "0.2", "--kill-grace", "5"]
+RAY = Path(sys.executable).parent / "ray"
+
+
+@pytest.fixture(scope="module")
+def ray_head():
+    """A one-node Ray cluster started as a user starts the head node (CPU only, no dashboard)."""
+    temp = Path(tempfile.mkdtemp(prefix="ray", dir="/tmp"))  # Ray's socket paths must stay short
+    gcs, agent = free_ports(2)
+    env = clean_env()
+    start = [str(RAY), "start", "--head", f"--port={gcs}", f"--dashboard-agent-listen-port={agent}", "--num-cpus=2", "--include-dashboard=false",
+             "--disable-usage-stats", f"--temp-dir={temp}", "--object-store-memory=100000000"]
+    r = subprocess.run(start, env=env, capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
+    try:
+        yield f"127.0.0.1:{gcs}"
+    finally:
+        subprocess.run([str(RAY), "stop", "--force"], env=env, capture_output=True, timeout=120)
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+def driver_cmd(ckpt: Path, total: int, *extra: str) -> list[str]:
+    """``python -m verl.trainer.main_ppo trainer.*=...`` as the stand-in driver's flags."""
+    return [sys.executable, str(DRIVER), "--default-local-dir", str(ckpt), "--total-steps", str(total),
+            "--save-freq", "2", *extra]
+
+
+def recipe(ckpt: Path, job: list[str], heartbeat_timeout: str = "60") -> list[str]:
+    return rlsup_cmd("run", *FAST, "--checkpoint-dir", str(ckpt), "--checkpoint-layout", "verl",
+                     "--repair-tracker", "--progress", "verl", "--startup-timeout", "300",
+                     "--heartbeat-timeout", heartbeat_timeout, "--", *job)
+
+
+def ray_env(address: str, **extra: str) -> dict[str, str]:
+    return clean_env(RAY_ADDRESS=address, **extra)
+
+
+def test_controller_killed_before_the_tracker_write_resumes_from_the_complete_step(workdir: Path, ray_head) -> None:
+    ckpt = workdir / "ckpt"
+    record = workdir / "record"
+    # One clean run to step 4 records the controller's file events: the second tracker open is the kill point.
+    env = ray_env(ray_head)
+    env.update({"PYTHONPATH": os.pathsep.join([str(kill_matrix._hook_dir()), env["PYTHONPATH"]]),
+                kill_matrix.EVENTS_UNDER: str(record.resolve()), kill_matrix.ONLY_WHERE: "VERL_RAY_WORKER",
+                kill_matrix.EVENTS_LOG: str(workdir / "record.tsv")})
+    r = subprocess.run(driver_cmd(record, 4), cwd=workdir, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "step:4 - " in r.stdout, (r.stdout[-3000:], r.stderr[-3000:])
+    opens = [e for e in kill_matrix.read_events(workdir / "record.tsv")
+             if e.event == "open" and e.path.endswith(TRACKER)]
+    assert len(opens) == 2, opens
+    # The recipe, with attempt 0's controller killed just before that event (only attempt 0: a wrapper).
+    env[kill_matrix.EVENTS_UNDER] = str(ckpt.resolve())
+    env[kill_matrix.EVENTS_LOG] = str(workdir / "events.tsv")
+    k = opens[1].index
+    wrapper = ["bash", "-c", f'[ "$RLSUP_RESTART_COUNT" = 0 ] && export {kill_matrix.KILL_AT}={k}; exec "$@"', "_"]
+    r = subprocess.run(recipe(ckpt, [*wrapper, *driver_cmd(ckpt, 6)]), cwd=workdir, env=env, capture_output=True,
+                       text=True, timeout=500)
+    assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-4000:])
+    assert f"{k}\topen\t{ckpt / TRACKER}" in (workdir / "events.tsv").read_text()  # the controller died there
+    assert "ActorDiedError" in r.stdout + r.stderr  # what the driver saw: its TaskRunner actor was killed
+    assert "said '2'" in r.stderr and "now points at step 4" in r.stderr, r.stderr[-4000:]
+    assert (ckpt / f"{TRACKER}.rlsup-prev").read_text() == "2"
+    assert f"Resuming from {ckpt}/global_step_4" in r.stdout and "step:5 - " in r.stdout
+    assert "driver: TaskRunner finished at step 6" in r.stdout and (ckpt / TRACKER).read_text() == "6"
+    (inc,) = incidents(workdir / ".rlsup")
+    # step 4 was saved but never logged (verl logs after the save): progress said 3, the checkpoint says 4.
+    assert inc["resumed_step"] == 4 and inc["last_step"] == 3, inc
+
+
+def test_frozen_worker_actor_is_a_hang_with_its_stack(workdir: Path, ray_head) -> None:
+    ckpt = workdir / "ckpt"
+    job = driver_cmd(ckpt, 6, "--freeze-at", "4", "--step-seconds", "0.2")
+    r = subprocess.run(recipe(ckpt, job, heartbeat_timeout="20"), cwd=workdir, env=ray_env(ray_head),
+                       capture_output=True, text=True, timeout=500)
+    assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-4000:])
+    assert "freezing before step 4" in r.stdout  # printed by the worker actor, forwarded by Ray
+    assert "driver: TaskRunner finished at step 6" in r.stdout
+    (inc,) = incidents(workdir / ".rlsup")
+    assert inc["reason"] == "hang" and inc["last_step"] == 3 and inc["resumed_step"] == 2, inc
+    stacks = inc["stacks"]
+    frozen = [key for key, text in stacks.items() if "ray::ActorRolloutWorker" in key and "freeze_here" in text]
+    assert frozen, {k: v[:300] for k, v in stacks.items()}  # the culprit actor, found outside the driver's tree
+    assert any("TaskRunner" in key for key in stacks), list(stacks)
+    assert f"Resuming from {ckpt}/global_step_2" in r.stdout
