@@ -414,8 +414,10 @@ class Supervisor:
             job.refresh()
             verdict = detector.check()
             self.observer.heartbeats(detector.records, detector.timeout())
-            self.state.last_step = detector.last_step()
             self.state.heartbeat_timeout_s = detector.timeout()
+            if self.state.last_step != (step := detector.last_step()):  # rlsup status follows the steps
+                self.state.last_step = step
+                write_state(self.state_dir, self.state)
             if verdict is not None:
                 return self._hang(attempt, job, detector, verdict)
             slow = stragglers.poll(detector.records)
@@ -589,8 +591,7 @@ class Supervisor:
         return RunResult(code, status, attempt + 1, self.incidents)
 
     def _prune_attempt_dirs(self) -> None:
-        dirs = sorted((self.state_dir / "attempts").glob("attempt_*"))
-        for old in dirs[:-KEEP_ATTEMPT_DIRS]:
+        for old in sorted((self.state_dir / "attempts").glob("attempt_*"))[:-KEEP_ATTEMPT_DIRS]:
             shutil.rmtree(old, ignore_errors=True)
 
     @staticmethod

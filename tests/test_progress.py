@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import json
 import sys
+import urllib.request
 from pathlib import Path
 
 import pytest
 
-from conftest import JOBS, incidents, run_rlsup
+from conftest import JOBS, free_ports, incidents, run_rlsup, start_rlsup, wait_for
 from rlsup_format.heartbeat_record import read_record
 from supervisor.process_tree import OutputTail
 from supervisor.progress import JOB_RANK, PRESETS, ProgressRecorder, progress_pattern
@@ -114,3 +115,44 @@ def test_verl_line_interleaved_with_another_ranks_write_still_counts(tmp_path: P
     rec.feed("freezing before step 4step:3 - actor/pg_loss:4.1483 - training/global_step:3 - timing_s/step:0.2")
     record = read_record(next(tmp_path.glob("rank_*.hb")))
     assert record is not None and record.step == 3
+
+
+def test_unmodified_trainers_step_reaches_metrics_and_status(workdir: Path) -> None:
+    """``rlsup_last_step`` and ``rlsup status`` follow the output's steps while the job runs."""
+    (port,) = free_ports(1)
+    proc = start_rlsup(["run", *FAST, "--progress", "verl", "--", PY, str(JOBS / "verl_format_job.py"), "600", "0"],
+                       workdir, RLSUP_METRICS_PORT=str(port))
+    try:
+        def metric_step() -> float | None:
+            try:
+                text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
+            except OSError:
+                return None
+            got = [float(ln.split()[-1]) for ln in text.splitlines() if ln.startswith("rlsup_last_step")]
+            return got[0] if got and got[0] >= 5 else None
+
+        seen = wait_for(metric_step, 90, "rlsup_last_step >= 5 from the job's output")
+        status = json.loads(run_rlsup(["status", "--json"], workdir).stdout)
+        assert status["job"]["state"] == "running" and status["job"]["last_step"] >= seen, status["job"]
+        text = run_rlsup(["status"], workdir).stdout  # the job keeps stepping: a step at least as new
+        assert int(text.split("last step: ")[1].split()[0]) >= status["job"]["last_step"], text
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
+def test_no_progress_guard_stops_an_unmodified_trainer_that_hangs_at_the_same_point(workdir: Path) -> None:
+    """Every attempt prints verl's steps, then freezes before saving anything: hangs, then the guard."""
+    script = workdir / "stuck_verl.py"
+    script.write_text("import time\n"
+                      "for step in range(1, 4):\n"
+                      "    print(f'step:{step} - actor/pg_loss:0.1', flush=True)\n"
+                      "    time.sleep(0.1)\n"
+                      "while True:\n"
+                      "    time.sleep(1)\n")
+    r = run_rlsup(["run", *FAST, "--progress", "verl", "--heartbeat-timeout", "2", "--max-restarts", "10",
+                   "--max-no-progress-attempts", "2", "--", PY, str(script)], workdir, timeout=180)
+    assert r.returncode == 76, r.stderr[-3000:]
+    inc = incidents(workdir / ".rlsup")
+    assert [i["reason"] for i in inc] == ["hang"] * len(inc) and inc[-1]["action"] == "no_progress", inc
+    assert all(i["last_step"] == 3 and i["rank"] == JOB_RANK for i in inc), inc
