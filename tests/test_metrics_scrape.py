@@ -15,6 +15,7 @@ import sys
 import urllib.parse
 import urllib.request
 import warnings
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
@@ -252,29 +253,46 @@ def test_promtool_check_metrics_can_fail() -> None:
     assert r.returncode != 0
 
 
-@pytest.fixture
-def prometheus_server(tmp_path: Path) -> Iterator[tuple[str, int, subprocess.Popen]]:
-    """A live `rlsup run` (crash, then running) scraped every second by a real Prometheus server that
-    loads deploy/prometheus/prometheus.yml (targets rewritten) and rlsup_alerts.yml."""
+@contextmanager
+def live_prometheus(tmp_path: Path, metrics_port: int, rule_files: list[str] | None = None) -> Iterator[str]:
+    """A real Prometheus server (its base URL) loading deploy/prometheus/prometheus.yml with the rlsup
+    target rewritten to ``metrics_port``, scraping and evaluating every second; ``rule_files``: instead of
+    the deployed rlsup_alerts.yml. Skips the test where prometheus is not installed."""
     if shutil.which("prometheus") is None:
         pytest.skip("prometheus server not installed (scripts/install_system_deps.sh)")
-    metrics_port, prom_port = free_ports(2)
+    (prom_port,) = free_ports(1)
     cfg = yaml.safe_load((PROM_DIR / "prometheus.yml").read_text())
     cfg["global"].update(scrape_interval="1s", evaluation_interval="1s")
-    cfg["rule_files"] = [str(PROM_DIR / f) for f in cfg["rule_files"]]
+    cfg["rule_files"] = rule_files or [str(PROM_DIR / f) for f in cfg["rule_files"]]
     (job,) = [j for j in cfg["scrape_configs"] if j["job_name"] == "rlsup"]
     job["scrape_interval"] = "1s"
     job["static_configs"] = [{"targets": [f"127.0.0.1:{metrics_port}"]}]
     (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(cfg))
-    prom_log = open(tmp_path / "prometheus.log", "ab")
-    prom = subprocess.Popen(["prometheus", f"--config.file={tmp_path / 'prometheus.yml'}",
-                             f"--storage.tsdb.path={tmp_path / 'data'}", f"--web.listen-address=127.0.0.1:{prom_port}"],
-                            stdout=prom_log, stderr=subprocess.STDOUT, cwd=tmp_path)
-    rlsup = start_node(tmp_path / "job", metrics_port, [], [])
+    with open(tmp_path / "prometheus.log", "ab") as prom_log:
+        prom = subprocess.Popen(["prometheus", f"--config.file={tmp_path / 'prometheus.yml'}",
+                                 f"--storage.tsdb.path={tmp_path / 'data'}",
+                                 f"--web.listen-address=127.0.0.1:{prom_port}"],
+                                stdout=prom_log, stderr=subprocess.STDOUT, cwd=tmp_path)
     try:
-        yield f"http://127.0.0.1:{prom_port}", metrics_port, rlsup
+        yield f"http://127.0.0.1:{prom_port}"
     except BaseException:
-        print((tmp_path / "prometheus.log").read_text()[-3000:], log_of(tmp_path / "job"))
+        print((tmp_path / "prometheus.log").read_text()[-3000:])
+        raise
+    finally:
+        prom.terminate()
+        try:
+            prom.wait(timeout=30)
+        finally:
+            kill(prom)
+
+
+@contextmanager
+def stopped_at_exit(rlsup: subprocess.Popen, workdir: Path) -> Iterator[subprocess.Popen]:
+    """SIGTERM ``rlsup`` when the block ends (killed if it outlives 60 s); its log printed on failure."""
+    try:
+        yield rlsup
+    except BaseException:
+        print(log_of(workdir))
         raise
     finally:
         rlsup.send_signal(signal.SIGTERM)
@@ -282,11 +300,16 @@ def prometheus_server(tmp_path: Path) -> Iterator[tuple[str, int, subprocess.Pop
             rlsup.wait(timeout=60)
         finally:
             kill(rlsup)
-            prom.terminate()
-            try:
-                prom.wait(timeout=30)
-            finally:
-                kill(prom)
+
+
+@pytest.fixture
+def prometheus_server(tmp_path: Path) -> Iterator[tuple[str, int, subprocess.Popen]]:
+    """A live `rlsup run` (crash, then running) scraped every second by a real Prometheus server that
+    loads deploy/prometheus/prometheus.yml (targets rewritten) and rlsup_alerts.yml."""
+    (metrics_port,) = free_ports(1)
+    with live_prometheus(tmp_path, metrics_port) as base:
+        with stopped_at_exit(start_node(tmp_path / "job", metrics_port, [], []), tmp_path / "job") as rlsup:
+            yield base, metrics_port, rlsup
 
 
 def prom_query(base: str, expr: str) -> dict:

@@ -5,8 +5,6 @@ ranks, one of them working 3x longer per step, scraped by rlsup's metrics and a 
 from __future__ import annotations
 
 import json
-import shutil
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +16,8 @@ from conftest import JOBS, clean_env, free_ports, rlsup_cmd, wait_for
 from rlsup_format.heartbeat_record import HeartbeatRecord
 from supervisor.health import node_name
 from supervisor.stragglers import STRAGGLERS, StragglerDetector
-from test_metrics_scrape import PROM_DIR, _ready, http_get, kill, log_of, parse, try_scrape, value
+from test_metrics_scrape import (PROM_DIR, _ready, http_get, kill, live_prometheus, log_of, parse, stopped_at_exit,
+                                 try_scrape, value)
 
 PY = sys.executable
 MS = 1_000_000
@@ -108,47 +107,20 @@ def test_four_rank_job_with_a_3x_slow_rank_is_reported(tmp_path: Path, mode: str
 
 
 def test_straggler_alert_fires_in_a_real_prometheus(tmp_path: Path) -> None:
-    if shutil.which("prometheus") is None:
-        pytest.skip("prometheus server not installed (scripts/install_system_deps.sh)")
-    metrics_port, prom_port = free_ports(2)
+    (metrics_port,) = free_ports(1)
     rules = yaml.safe_load((PROM_DIR / "rlsup_alerts.yml").read_text())
     for group in rules["groups"]:
         for rule in group["rules"]:
             if rule.get("alert") == "RlsupStraggler":
                 rule.pop("for")  # the 2 minutes pending are promtool-tested; here: the expression on real data
     (tmp_path / "rules.yml").write_text(yaml.safe_dump(rules))
-    cfg = yaml.safe_load((PROM_DIR / "prometheus.yml").read_text())
-    cfg["global"].update(scrape_interval="1s", evaluation_interval="1s")
-    cfg["rule_files"] = [str(tmp_path / "rules.yml")]
-    (job,) = [j for j in cfg["scrape_configs"] if j["job_name"] == "rlsup"]
-    job["scrape_interval"] = "1s"
-    job["static_configs"] = [{"targets": [f"127.0.0.1:{metrics_port}"]}]
-    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(cfg))
-    prom = subprocess.Popen(["prometheus", f"--config.file={tmp_path / 'prometheus.yml'}",
-                             f"--storage.tsdb.path={tmp_path / 'data'}", f"--web.listen-address=127.0.0.1:{prom_port}"],
-                            stdout=open(tmp_path / "prometheus.log", "ab"), stderr=subprocess.STDOUT, cwd=tmp_path)
-    rlsup = start(tmp_path / "job", metrics_port, "arrival", 400)
-    base = f"http://127.0.0.1:{prom_port}"
-    try:
-        wait_for(lambda: _ready(base), 60, "Prometheus ready")
+    with live_prometheus(tmp_path, metrics_port, [str(tmp_path / "rules.yml")]) as base:
+        with stopped_at_exit(start(tmp_path / "job", metrics_port, "arrival", 400), tmp_path / "job"):
+            wait_for(lambda: _ready(base), 60, "Prometheus ready")
 
-        def firing() -> list | None:
-            alerts = json.loads(http_get(f"{base}/api/v1/alerts"))["data"]["alerts"]
-            hits = [a for a in alerts if a["labels"]["alertname"] == "RlsupStraggler" and a["state"] == "firing"]
-            return hits or None
-        (alert,) = wait_for(firing, 150, "RlsupStraggler to fire", interval=0.5)
-        assert alert["labels"]["instance"] == f"127.0.0.1:{metrics_port}"
-    except BaseException:
-        print(log_of(tmp_path / "job"), (tmp_path / "prometheus.log").read_text()[-3000:])
-        raise
-    finally:
-        rlsup.send_signal(signal.SIGTERM)
-        try:
-            rlsup.wait(timeout=60)
-        finally:
-            kill(rlsup)
-            prom.terminate()
-            try:
-                prom.wait(timeout=30)
-            finally:
-                kill(prom)
+            def firing() -> list | None:
+                alerts = json.loads(http_get(f"{base}/api/v1/alerts"))["data"]["alerts"]
+                hits = [a for a in alerts if a["labels"]["alertname"] == "RlsupStraggler" and a["state"] == "firing"]
+                return hits or None
+            (alert,) = wait_for(firing, 150, "RlsupStraggler to fire", interval=0.5)
+            assert alert["labels"]["instance"] == f"127.0.0.1:{metrics_port}"
