@@ -30,6 +30,7 @@ from typing import Any, Callable
 
 from supervisor.layouts.files import check_zip, tree_size
 from supervisor.layouts.record import Check, CheckpointRecord
+from supervisor.layouts.tracker import read_stripped
 
 NAME = "deepspeed"
 LATEST = "latest"
@@ -141,15 +142,9 @@ def _names(directory: Path) -> list[str]:
 
 def read_latest(path: Path) -> tuple[str | None, str | None, str | None]:
     """(tag, raw, error) of a ``latest`` file, read as DeepSpeed does (``read().strip()``); never raises."""
-    try:
-        raw = path.read_bytes().decode("utf-8", errors="replace")
-    except FileNotFoundError:
-        return None, None, "missing"
-    except OSError as exc:
-        return None, None, f"unreadable: {exc}"
-    tag = raw.strip()
-    if not tag:
-        return None, raw, "empty (rank 0 was killed inside its in-place open('w'))"
+    tag, raw, error = read_stripped(path, "empty (rank 0 was killed inside its in-place open('w'))")
+    if tag is None:
+        return None, raw, error
     if "/" in tag or "\n" in tag or tag in (".", ".."):
         return None, raw, f"not a tag name: {tag[:40]!r}"
     return tag, raw, None

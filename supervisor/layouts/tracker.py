@@ -22,8 +22,9 @@ BRIDGE_TRACKER = "latest_train_state.pt"
 PREV_SUFFIX = ".rlsup-prev"
 
 
-def read_tracker(path: Path) -> tuple[int | None, str | None, str | None]:
-    """(step, raw text, error). ``error`` is set for missing, empty, torn or non-integer content."""
+def read_stripped(path: Path, empty: str = "empty (torn write)") -> tuple[str | None, str | None, str | None]:
+    """(stripped text, raw text, error) of a one-line tracker file, read as the trainers do
+    (``read().strip()``); ``error`` for a missing, unreadable or empty file (``empty`` says why). Never raises."""
     try:
         raw = path.read_bytes().decode("utf-8", errors="replace")
     except FileNotFoundError:
@@ -31,8 +32,14 @@ def read_tracker(path: Path) -> tuple[int | None, str | None, str | None]:
     except OSError as exc:
         return None, None, f"unreadable: {exc}"
     text = raw.strip()
-    if not text:
-        return None, raw, "empty (torn write)"
+    return (text, raw, None) if text else (None, raw, empty)
+
+
+def read_tracker(path: Path) -> tuple[int | None, str | None, str | None]:
+    """(step, raw text, error). ``error`` is set for missing, empty, torn or non-integer content."""
+    text, raw, error = read_stripped(path)
+    if text is None:
+        return None, raw, error
     if text == "release":
         return None, raw, "names 'release', not a step"
     try:
