@@ -75,6 +75,35 @@ def test_tracker_names_deleted_iteration(tmp_path: Path) -> None:
     assert layouts.latest_valid(tmp_path).step == 5
 
 
+def test_bridge_tracker_cut_between_its_two_files_is_repaired(tmp_path: Path) -> None:
+    """Bridge copies train_state.pt to latest_train_state.pt, then writes the text tracker: killed between
+    them, the text tracker still names the valid step 20 but Bridge (which reads latest_train_state.pt
+    first) would load step 30, whose finalize never finished."""
+    megatron_iter(tmp_path, 10, bridge=True)
+    i20 = megatron_iter(tmp_path, 20, bridge=True)
+    i30 = megatron_iter(tmp_path, 30, bridge=True, tracker=False)
+    (i30 / "run_config.yaml").unlink()
+    status = layouts.tracker_status(tmp_path)
+    assert status.step == 20 and status.step_valid and not status.ok
+    assert "latest_train_state.pt is not iter_0000020's train_state.pt" in status.describe()
+    layouts.repair_tracker(tmp_path, 20)
+    assert (tmp_path / "latest_train_state.pt").read_bytes() == (i20 / "train_state.pt").read_bytes()
+    assert layouts.tracker_status(tmp_path).ok
+    truncate(tmp_path / "latest_train_state.pt")  # a torn copy: Bridge's torch.load would fail on it
+    assert "torn, or another step's" in layouts.tracker_status(tmp_path).describe()
+
+
+def test_no_megatron_tracker_is_created_from_nothing(tmp_path: Path) -> None:
+    """Killed in its first save after MCore finished but before any Bridge file: the step looks like a
+    complete plain MCore step, which Bridge cannot load. rlsup leaves the directory without a tracker
+    (the trainer starts fresh, as it would alone)."""
+    megatron_iter(tmp_path, 10, tracker=False)
+    assert layouts.latest_valid(tmp_path).step == 10
+    with pytest.raises(ValueError, match="keeps no tracker yet"):
+        layouts.repair_tracker(tmp_path, 10)
+    assert not (tmp_path / "latest_checkpointed_iteration.txt").exists()
+
+
 def test_repair_tracker_keeps_previous_and_updates_bridge_state(tmp_path: Path) -> None:
     megatron_iter(tmp_path, 10, bridge=True)
     i20 = megatron_iter(tmp_path, 20, bridge=True)

@@ -180,6 +180,8 @@ def tracker_status(directory: str | Path) -> TrackerStatus:
         return status
     record = mod.verify_step(step_dir, status.step, mod.make_context(root))
     status.step_valid, status.step_reason = record.valid, record.reason
+    if layout == megatron.NAME and record.valid:
+        status.error = megatron.bridge_tracker_mismatch(root, step_dir)
     return status
 
 
@@ -207,6 +209,9 @@ def repair_tracker(directory: str | Path, step: int) -> Path:
         tracker.write_deepspeed_latest(paths, step_dir.name)
         return paths[0]
     path = root / tracker.TRACKER
+    if layout == megatron.NAME and not path.exists() and not (root / tracker.BRIDGE_TRACKER).exists():
+        raise ValueError(f"{root}: Megatron keeps no tracker yet; rlsup does not create one (a Megatron-Bridge "
+                         "run cut in its first save has no Bridge files yet, and Bridge cannot load that step)")
     tracker.write_tracker(path, step)
     bridge_state = step_dir / megatron.BRIDGE_TRAIN_STATE
     if layout == "megatron" and (root / tracker.BRIDGE_TRACKER).exists() and bridge_state.exists():

@@ -123,6 +123,21 @@ def check_iter_dir(path: Path, ctx: MegatronContext | None = None) -> Check:
     return Check.good(notes)
 
 
+def bridge_tracker_mismatch(root: Path, step_dir: Path) -> str | None:
+    """Why Bridge's own tracker does not agree with the step the text tracker names (None: it agrees,
+    or this is no Bridge run). Bridge reads ``latest_train_state.pt`` before the text tracker and
+    writes it first (a copy of the step's ``train_state.pt``), so a kill between the two leaves it
+    torn or naming a step the text tracker does not."""
+    latest = root / BRIDGE_TRACKER
+    if not latest.exists():
+        return None
+    try:
+        same = latest.read_bytes() == (step_dir / BRIDGE_TRAIN_STATE).read_bytes()
+    except OSError as e:
+        return f"{BRIDGE_TRACKER} unreadable against {step_dir.name}/{BRIDGE_TRAIN_STATE}: {e}"
+    return None if same else f"{BRIDGE_TRACKER} is not {step_dir.name}'s {BRIDGE_TRAIN_STATE} (torn, or another step's)"
+
+
 def looks_like(root: Path) -> bool:
     return bool(list_steps(root)) or (root / BRIDGE_TRACKER).exists()
 
