@@ -69,3 +69,30 @@ def test_shards_rewritten_after_metadata(tmp_path: Path) -> None:
     shard.write_bytes(shard.read_bytes())  # same size, new mtime
     (rec,) = layouts.scan(tmp_path)
     assert not rec.valid and "newer than .metadata" in rec.reason
+
+
+def test_the_launchers_empty_recover_dir_under_recover_info_is_no_model(tmp_path: Path) -> None:
+    """AReaL's check_if_auto_recover makes recover_info/recover_checkpoint/ (empty) at every launch with
+    recover.mode=auto; it is not a model whose checkpoint is missing."""
+    areal_recover(tmp_path, 40)
+    (tmp_path / "recover_info" / "recover_checkpoint").mkdir()
+    rec = layouts.latest_valid(tmp_path)
+    assert rec is not None and rec.step == 40, layouts.scan(tmp_path)[0].reason
+    assert "roles: default" in rec.notes
+
+
+def test_dump_killed_after_step_info_is_detected(tmp_path: Path) -> None:
+    """RecoverInfo.dump writes step_info.json first, then the other states: killed right after it, the
+    new step sits beside the previous save's dataloader and saver states."""
+    areal_recover(tmp_path, 40)
+    info = tmp_path / "recover_info"
+    past = info.joinpath("step_info.json").stat().st_mtime_ns - 5_000_000_000
+    for f in info.iterdir():
+        os.utime(f, ns=(past, past))  # the save before, seconds ago
+    dcp_save(tmp_path / "default" / "recover_checkpoint", seed=50)
+    (info / "step_info.json").write_text('{"epoch": 0, "epoch_step": 50, "global_step": 50, "steps_per_epoch": 1000}')
+    (rec,) = layouts.scan(tmp_path)
+    assert not rec.valid and rec.step == 50, rec
+    assert "dataloader_info.pkl older than step_info.json" in rec.reason
+    areal_info(tmp_path, 50)  # the dump completes
+    assert layouts.latest_valid(tmp_path).step == 50

@@ -4,7 +4,8 @@ AReaL keeps exactly one recover checkpoint and overwrites it in place: the engin
 first, then ``recover_info/`` (``step_info.json`` and the saver/evaluator/stats/dataloader states).
 So a torn DCP means there is nothing valid at all, and the step is whatever ``step_info.json`` says.
 
-Detectable here: a missing/torn ``step_info.json``; a DCP whose ``.metadata`` is missing, torn, or
+Detectable here: a missing/torn ``step_info.json``; state files older than it (a dump killed after
+``step_info.json``); a DCP whose ``.metadata`` is missing, torn, or
 lists shards that are missing or too short; shards newer than their ``.metadata`` (an overwrite in
 progress or killed); a ``.metadata`` newer than ``step_info.json`` (weights of a newer save under
 the old step's metadata: killed between the DCP save and the recover_info dump).
@@ -32,8 +33,11 @@ DATALOADER_INFO = "dataloader_info.pkl"
 
 
 def role_dirs(root: Path) -> list[Path]:
+    """Each model's directory (``default``, ``actor``, ...). Not ``recover_info``: AReaL's launcher, in
+    ``check_if_auto_recover``, asks every directory of the save root for its recover path, which creates
+    an empty ``recover_info/recover_checkpoint/`` at each start with ``recover.mode=auto``."""
     try:
-        return sorted(p for p in root.iterdir() if p.is_dir() and (p / RECOVER_DIR).is_dir())
+        return sorted(p for p in root.iterdir() if p.is_dir() and p.name != INFO_DIR and (p / RECOVER_DIR).is_dir())
     except OSError:
         return []
 
@@ -77,6 +81,23 @@ def _check_pickle_header(path: Path) -> Check:
     return Check.good()
 
 
+def _older_than_step_info(info_dir: Path) -> list[str]:
+    """The state files an interrupted dump left from the save before: ``RecoverInfo.dump`` writes
+    ``step_info.json`` first, then every other file, each time (areal/utils/recover.py)."""
+    try:
+        step_ns = (info_dir / STEP_INFO).stat().st_mtime_ns
+    except OSError:
+        return []
+    stale = []
+    for name in (*JSON_INFOS, DATALOADER_INFO):
+        try:
+            if (info_dir / name).stat().st_mtime_ns < step_ns:
+                stale.append(name)
+        except FileNotFoundError:
+            continue
+    return stale
+
+
 def check_recover(root: Path) -> tuple[int | None, Check]:
     info_dir = root / INFO_DIR
     info, err = read_json(info_dir / STEP_INFO)
@@ -95,6 +116,10 @@ def check_recover(root: Path) -> tuple[int | None, Check]:
     if not c.ok:
         return step, Check.bad(f"{INFO_DIR}/{c.reason}")
     notes.extend(c.notes)
+    stale = _older_than_step_info(info_dir)
+    if stale:
+        return step, Check.bad(f"{INFO_DIR}/{', '.join(stale)} older than {STEP_INFO} (killed while dumping "
+                               f"recover_info: step {step} with an earlier save's states)")
     roles = role_dirs(root)
     if not roles:
         return step, Check.bad(f"no <role>/{RECOVER_DIR}/ next to {INFO_DIR}/")
