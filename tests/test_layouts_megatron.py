@@ -120,3 +120,20 @@ def test_repair_tracker_keeps_previous_and_updates_bridge_state(tmp_path: Path) 
     with pytest.raises(ValueError, match="no step"):
         layouts.repair_tracker(tmp_path, 99)
     assert not list(tmp_path.glob(".latest*tmp"))
+
+
+def test_bridge_energon_loader_state_must_be_intact(tmp_path: Path) -> None:
+    """Bridge saves Energon's per-DP-rank loader state to <save>/energon/iter_N/; a torn one fails its load."""
+    megatron_iter(tmp_path, 10, bridge=True)
+    megatron_iter(tmp_path, 20, bridge=True)
+    import torch
+
+    for step in (10, 20):
+        d = tmp_path / "energon" / f"iter_{step:07d}"
+        d.mkdir(parents=True)
+        torch.save({"step": step}, d / "train_dataloader_dprank000.pt")
+    assert layouts.latest_valid(tmp_path).step == 20
+    truncate(tmp_path / "energon" / "iter_0000020" / "train_dataloader_dprank000.pt")
+    assert layouts.latest_valid(tmp_path).step == 10
+    bad = [r for r in layouts.scan(tmp_path) if r.step == 20][0]
+    assert "energon/iter_0000020/train_dataloader_dprank000.pt" in bad.reason

@@ -32,6 +32,7 @@ MCORE_CONFIG = "metadata.json"
 COMMON = "common.pt"
 BRIDGE_TRAIN_STATE = "train_state.pt"
 BRIDGE_RUN_CONFIG = "run_config.yaml"
+BRIDGE_ENERGON = "energon"
 
 
 @dataclass
@@ -114,12 +115,13 @@ def check_iter_dir(path: Path, ctx: MegatronContext | None = None) -> Check:
     except FileNotFoundError:
         return Check.bad(f"Bridge {BRIDGE_RUN_CONFIG} missing (written last; killed in finalize)", check.notes)
     notes = check.notes
-    loader = path / "dataloader_state"
+    # Energon's per-DP-rank loader states: <save>/energon/iter_N/ (maybe_save_dataloader_state).
+    loader = path.parent / BRIDGE_ENERGON / path.name
     if loader.is_dir():
         for f in sorted(loader.glob("*.pt")):
             c = check_zip(f)
             if not c.ok:
-                return Check.bad(f"dataloader_state/{c.reason}", notes)
+                return Check.bad(f"{BRIDGE_ENERGON}/{path.name}/{c.reason}", notes)
     return Check.good(notes)
 
 
