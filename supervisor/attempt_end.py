@@ -61,11 +61,15 @@ def torchrun_root_cause(lines: list[str]) -> tuple[int, int, int] | None:
 
 def classify_exit(attempt: int, code: int, *, tail: list[str], last_step: int | None, job_pid: int,
                   first_dead: tuple[int, int] | None, oom_rose: bool,
-                  stop_reason: EndReason | None) -> AttemptResult:
+                  stop_reason: EndReason | None, finished: str | None = None) -> AttemptResult:
     """The job root exited with ``code`` (negative: a signal). ``stop_reason``: rlsup had asked it to
-    stop (STOPPED or PREEMPTED); ``first_dead``: (rank, pid) of a rank seen gone before the exit."""
+    stop (STOPPED or PREEMPTED); ``first_dead``: (rank, pid) of a rank seen gone before the exit;
+    ``finished``: the line in which the trainer said its run is done (a progress preset's ``done``)."""
     if code == 0 and stop_reason is None:
         return AttemptResult(attempt, EndReason.SUCCESS, 0, last_step=last_step, output_tail=tail)
+    if finished is not None and stop_reason is None and code > 0:
+        return AttemptResult(attempt, EndReason.SUCCESS, code, last_step=last_step, output_tail=tail,
+                             detail=f"exit code {code} after the trainer said it finished: {finished[:200]!r}")
     if stop_reason is not None:
         return AttemptResult(attempt, stop_reason, code, last_step=last_step, output_tail=tail)
     result = AttemptResult(attempt, EndReason.EXIT_CODE, code, last_step=last_step, output_tail=tail)

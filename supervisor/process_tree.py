@@ -46,6 +46,7 @@ class OutputTail:
     log_path: Path
     echo: IO[str] | None = None
     on_segment: Callable[[str], None] | None = None  # progress_regex matching (supervisor.progress)
+    finished: str | None = None  # the line in which the trainer said its run is done (supervisor.progress)
     _tail: collections.deque = field(init=False)
     _thread: threading.Thread | None = field(init=False, default=None)
 

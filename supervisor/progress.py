@@ -35,6 +35,9 @@ class Preset:
     regex: str
     source: str  # repository, file and function it comes from
     example: str  # a line as the trainer prints it (tests feed it)
+    #: A line meaning the run is done, for trainers whose launcher exits non-zero even then: an exit
+    #: after it ends the job as succeeded (not restarted). "": the exit code alone decides.
+    done: str = ""
 
 
 PRESETS: dict[str, Preset] = {
@@ -47,7 +50,10 @@ PRESETS: dict[str, Preset] = {
         r"Train step (\d+)/\d+ done\.",
         "inclusionAI/AReaL @7ab3d64, areal/utils/stats_logger.py: StatsLogger.commit (logger 'StatsLogger'; "
         "the step printed is global_step + 1)",
-        "20251124-08:41:03.123 StatsLogger INFO: Epoch 1/3 Step 12/200 Train step 12/600 done."),
+        "20251124-08:41:03.123 StatsLogger INFO: Epoch 1/3 Step 12/200 Train step 12/600 done.",
+        # the last step (N of N): AReaL's launchers then raise JobException(COMPLETED) and exit 1
+        # (areal/infra/launcher/local.py, v1.0.4: a completed job cannot be told from a failed one)
+        done=r"Train step (\d+)/\1 done\."),
     "megatron-bridge": Preset(
         r"\biteration\s+(\d+)/\s*\d+ \|",
         "NVIDIA-NeMo/Megatron-Bridge, src/megatron/bridge/training/utils/train_utils.py: training_log "
@@ -82,8 +88,11 @@ def progress_pattern(preset: str, regex: str) -> re.Pattern[str] | None:
 class ProgressRecorder:
     """Matches output segments and writes the job-level heartbeat record on each match."""
 
-    def __init__(self, pattern: re.Pattern[str], hb_dir: Path, pid: int) -> None:
+    def __init__(self, pattern: re.Pattern[str], hb_dir: Path, pid: int, done: re.Pattern[str] | None = None,
+                 output: Any = None) -> None:
         self.pattern = pattern
+        self.done = done
+        self.output = output  # its ``finished`` is set to the line that says the run is done
         self.path = hb_dir / rank_file_name(JOB_RANK)
         self.pid = pid
         self.seq = 0
@@ -101,6 +110,8 @@ class ProgressRecorder:
                 continue
         if step is not None:
             self.beat(step)
+        if self.done is not None and self.output is not None and self.done.search(segment):
+            self.output.finished = segment.strip()[:500]
 
     def beat(self, step: int) -> None:
         self.prev, self.last = self.last, (step, time.monotonic_ns())
@@ -128,6 +139,7 @@ def attach(preset: str, regex: str, job: Any, hb_dir: Path) -> ProgressRecorder 
     pattern = progress_pattern(preset, regex)
     if pattern is None:
         return None
-    recorder = ProgressRecorder(pattern, hb_dir, job.pid)
+    done = re.compile(PRESETS[preset].done) if not regex and PRESETS[preset].done else None
+    recorder = ProgressRecorder(pattern, hb_dir, job.pid, done, job.output)
     job.output.on_segment = recorder.feed
     return recorder

@@ -130,7 +130,7 @@ class Supervisor:
                 result = self._launch_and_watch(attempt, resume, pending)
             if result.reason == EndReason.SUCCESS:
                 self._set_state(JobStatus.SUCCEEDED, exit_code=0)
-                return self._finish(exit_codes.OK, JobStatus.SUCCEEDED, attempt)
+                return self._finish(exit_codes.OK, JobStatus.SUCCEEDED, attempt, result.detail)
             if result.reason in (EndReason.STOPPED, EndReason.PREEMPTED):
                 self._record(self._incident(result, Action.STOP))
                 return self._stopped(attempt)
@@ -453,13 +453,13 @@ class Supervisor:
 
     def _classify_exit(self, attempt: int, code: int, job: JobProcess, detector: HangDetector,
                        first_dead: tuple[int, int] | None, oom_before: int | None) -> AttemptResult:
+        detector.scan()  # the steps its output said in its last moments (job.output was joined)
         return classify_exit(attempt, code, tail=job.output.tail(), last_step=detector.last_step(), job_pid=job.pid,
-                             first_dead=first_dead, oom_rose=self._oom_rose(oom_before),
+                             first_dead=first_dead, oom_rose=self._oom_rose(oom_before), finished=job.output.finished,
                              stop_reason=self._stop_reason() if self.stop_signal is not None else None)
 
     def _oom_rose(self, oom_before: int | None) -> bool:
-        after = self.processes.oom_kill_count()
-        return oom_before is not None and after is not None and after > oom_before
+        return oom_before is not None and (self.processes.oom_kill_count() or 0) > oom_before
 
     def _first_dead_rank(self, detector: HangDetector) -> tuple[int, int] | None:
         for rec in detector.records.values():
@@ -468,9 +468,9 @@ class Supervisor:
         return None
 
     def _straggler_watch(self, attempt: int) -> StragglerWatch:
-        c = self.cfg
-        return StragglerWatch(StragglerDetector(c.straggler_factor, c.straggler_window, self.node_name, attempt),
-                              self.state_dir, c.straggler_action == "restart", self._log, self.observer)
+        return StragglerWatch(StragglerDetector(self.cfg.straggler_factor, self.cfg.straggler_window, self.node_name,
+                                                attempt), self.state_dir, self.cfg.straggler_action == "restart",
+                              self._log, self.observer)
 
     def _hang(self, attempt: int, job: JobProcess, detector: HangDetector, verdict: HangVerdict) -> AttemptResult:
         reason = EndReason.HANG if verdict.reason == "heartbeat_timeout" else EndReason(verdict.reason)
@@ -581,13 +581,13 @@ class Supervisor:
         if changed:
             self.observer.state(self.state.state.value)
 
-    def _finish(self, code: int, status: JobStatus, attempt: int) -> RunResult:
+    def _finish(self, code: int, status: JobStatus, attempt: int, why: str = "") -> RunResult:
         self._discard_zygote()  # no next attempt: do not keep a launcher alive through the final copy
         if self.memory is not None:  # the newest memory step to disk first (the persistent flush reads disk)
             self.memory.finish(remove=status == JobStatus.SUCCEEDED, timeout=self.cfg.stop_grace)
         if self.persistent is not None:  # the last checkpoint, whatever the cadence; the tier logs the copy
             self.persistent.flush(self.cfg.stop_grace)
-        self._log(f"{status.value} after {attempt + 1} attempt(s); exit {code}")
+        self._log(f"{status.value} after {attempt + 1} attempt(s); exit {code}" + (f" ({why})" if why else ""))
         return RunResult(code, status, attempt + 1, self.incidents)
 
     def _prune_attempt_dirs(self) -> None:

@@ -5,6 +5,7 @@ learned timeout, with py-spy stacks in the incident, and restarted. Real process
 from __future__ import annotations
 
 import json
+import re
 import sys
 import urllib.request
 from pathlib import Path
@@ -156,3 +157,31 @@ def test_no_progress_guard_stops_an_unmodified_trainer_that_hangs_at_the_same_po
     inc = incidents(workdir / ".rlsup")
     assert [i["reason"] for i in inc] == ["hang"] * len(inc) and inc[-1]["action"] == "no_progress", inc
     assert all(i["last_step"] == 3 and i["rank"] == JOB_RANK for i in inc), inc
+
+
+def test_areal_done_line_is_its_last_step_only() -> None:
+    done = re.compile(PRESETS["areal"].done)
+    line = "20251124-08:41:03.123 StatsLogger INFO: Epoch 3/3 Step 200/200 Train step {}/600 done."
+    assert done.search(line.format(600)) and not done.search(line.format(60))
+    assert not done.search(line.format(599)) and not done.search(line.format(6))
+    assert all(not p.done for name, p in PRESETS.items() if name != "areal")  # they exit 0 when done
+
+
+def test_a_launcher_that_exits_1_after_the_last_step_is_not_restarted(workdir: Path) -> None:
+    """AReaL's launchers exit 1 even when training completed: under the areal preset an exit after the
+    last step's line ends the job as succeeded; an exit after any other step is a failure, restarted."""
+    script = workdir / "areal_like.py"
+    script.write_text("import os, sys, time\n"
+                      "attempt = int(os.environ['RLSUP_RESTART_COUNT'])\n"
+                      "last = 3 if attempt == 0 else 6  # attempt 0 fails half-way\n"
+                      "for step in range(1, last + 1):\n"
+                      "    print(f'(AReaL) 20251124-08:41:03.123 StatsLogger INFO: Epoch 1/1 Step {step}/6 '\n"
+                      "          f'Train step {step}/6 done.', flush=True)\n"
+                      "    time.sleep(0.05)\n"
+                      "sys.exit(1)  # JobException(COMPLETED) or a real failure: the same exit code\n")
+    r = run_rlsup(["run", *FAST, "--progress", "areal", "--", PY, str(script)], workdir)
+    assert r.returncode == 0, r.stderr[-3000:]
+    (inc,) = incidents(workdir / ".rlsup")  # attempt 0 only
+    assert inc["reason"] == "exit_code" and inc["last_step"] == 3 and inc["action"] == "restart", inc
+    assert "succeeded after 2 attempt(s); exit 0 (exit code 1 after the trainer said it finished" in r.stderr
+    assert "Train step 6/6 done." in r.stderr
