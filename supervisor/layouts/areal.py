@@ -156,12 +156,5 @@ def make_context(root: Path) -> None:
 
 def verify_step(path: Path, step: int | None = None, ctx: Any = None) -> CheckpointRecord:
     s, check = check_recover(path)
-    return CheckpointRecord(
-        step=-1 if s is None else s,
-        layout=NAME,
-        path=path,
-        valid=check.ok,
-        reason=check.reason or "complete",
-        size_bytes=sum(tree_size(p) for p in [path / INFO_DIR, *(r / RECOVER_DIR for r in role_dirs(path))]),
-        notes=check.notes,
-    )
+    size = sum(tree_size(p) for p in [path / INFO_DIR, *(r / RECOVER_DIR for r in role_dirs(path))])
+    return CheckpointRecord.of_check(check, step=s, layout=NAME, path=path, size_bytes=size)

@@ -157,16 +157,8 @@ def _step_from_name(path: Path) -> int:
 def verify_dir(path: Path, step: int | None = None, layout: str = NAME, role: str | None = None) -> CheckpointRecord:
     """Record for one DCP directory; its step comes from the last number in its name (0 if none)."""
     check = check_dcp(path)
-    return CheckpointRecord(
-        step=_step_from_name(path) if step is None else step,
-        layout=layout,
-        path=path,
-        valid=check.ok,
-        reason=check.reason or "complete",
-        size_bytes=tree_size(path),
-        role=role,
-        notes=check.notes,
-    )
+    return CheckpointRecord.of_check(check, step=_step_from_name(path) if step is None else step, layout=layout,
+                                     path=path, size_bytes=tree_size(path), role=role)
 
 
 def looks_like(root: Path) -> bool:

@@ -164,12 +164,4 @@ def step_of(path: Path) -> int | None:
 def verify_step(path: Path, step: int | None = None, ctx: MegatronContext | None = None) -> CheckpointRecord:
     check = check_iter_dir(path, ctx)
     s = step if step is not None else step_of(path)
-    return CheckpointRecord(
-        step=-1 if s is None else s,
-        layout=NAME,
-        path=path,
-        valid=check.ok,
-        reason=check.reason or "complete",
-        size_bytes=tree_size(path),
-        notes=check.notes,
-    )
+    return CheckpointRecord.of_check(check, step=s, layout=NAME, path=path, size_bytes=tree_size(path))

@@ -135,13 +135,5 @@ def verify_step(path: Path, step: int | None = None, ctx: NemoContext | None = N
     and ``context/`` (when the run writes one) has a parsing ``io.json``."""
     check = check_step(path, ctx or make_context(path.parent))
     s = step if step is not None else step_of(path)
-    return CheckpointRecord(
-        step=-1 if s is None else s,
-        layout=NAME,
-        path=path,
-        valid=check.ok,
-        reason=check.reason or "complete",
-        size_bytes=tree_size(path),
-        role="last" if path.name.endswith("-last") else None,
-        notes=check.notes,
-    )
+    return CheckpointRecord.of_check(check, step=s, layout=NAME, path=path, size_bytes=tree_size(path),
+                                     role="last" if path.name.endswith("-last") else None)

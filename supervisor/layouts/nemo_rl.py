@@ -160,12 +160,4 @@ def verify_step(path: Path, step: int | None = None, ctx: NemoRLContext | None =
     (and optimizer, when saved) are complete, and the dataloader state is intact."""
     check = check_step(path, ctx or make_context(path.parent))
     s = step if step is not None else step_of(path)
-    return CheckpointRecord(
-        step=-1 if s is None else s,
-        layout=NAME,
-        path=path,
-        valid=check.ok,
-        reason=check.reason or "complete",
-        size_bytes=tree_size(path),
-        notes=check.notes,
-    )
+    return CheckpointRecord.of_check(check, step=s, layout=NAME, path=path, size_bytes=tree_size(path))

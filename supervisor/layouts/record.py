@@ -20,6 +20,13 @@ class CheckpointRecord:
     role: str | None = None
     notes: list[str] = field(default_factory=list)
 
+    @classmethod
+    def of_check(cls, check: "Check", *, step: int | None, layout: str, path: Path, size_bytes: int,
+                 role: str | None = None) -> "CheckpointRecord":
+        """The record of a step from its integrity check (an unrecognised step number is -1)."""
+        return cls(step=-1 if step is None else step, layout=layout, path=path, valid=check.ok,
+                   reason=check.reason or "complete", size_bytes=size_bytes, role=role, notes=check.notes)
+
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         d["path"] = str(self.path)

@@ -114,12 +114,4 @@ def verify_step(path: Path, step: int | None = None, ctx: Any = None) -> Checkpo
     s = step if step is not None else step_of(path)
     s = -1 if s is None else s
     check = check_step(path, s)
-    return CheckpointRecord(
-        step=s,
-        layout=NAME,
-        path=path,
-        valid=check.ok,
-        reason=check.reason or "complete",
-        size_bytes=tree_size(path),
-        notes=check.notes,
-    )
+    return CheckpointRecord.of_check(check, step=s, layout=NAME, path=path, size_bytes=tree_size(path))
