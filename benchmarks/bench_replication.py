@@ -231,8 +231,9 @@ def measure(size: int, runs: int = 3, concurrency: int = 4, scratch: str | None 
         ports = [free_port() for _ in range(2)]
         endpoints = [f"127.0.0.1:{p}" for p in ports]
         # The second destination of every side (rlsup's second hop, the second rsync daemon, the second
-        # cp) stands for another machine: it runs nicer than the sender and the first, so its receive
-        # does not take their cores, and it writes to memory where /dev/shm exists, not to their disk.
+        # cp) stands for another machine: it writes to memory where /dev/shm exists, not to their disk,
+        # and the second hop and rsync daemon run nicer than the sender and the first, so their receive
+        # does not take those cores (a cp is one process: sender and receiver at once, not niced).
         own_disk = Path(tempfile.mkdtemp(prefix="rlsup-bench-hop2-", dir="/dev/shm" if Path("/dev/shm").is_dir() else work))
         dests = [work, own_disk]
         peers = [PeerServer(dests[i] / f"peer{i}", ports[i], endpoints, niceness=SECOND_HOP_NICENESS * i)

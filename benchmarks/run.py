@@ -681,7 +681,8 @@ def bench_replication(ctx: Ctx) -> list[Row]:
     label = f"{size / 1e9:.1f} GB"
     note = ("127.0.0.1, each peer's endpoint its own process; rlsup: HMAC, sendfile, xxh3 verify on receipt, "
             "fsync, rename; 2 peers: a chain (the first peer stores, answers, sends on); baselines synced; "
-            "every side's second destination stands for another machine (nice 19, /dev/shm)")
+            "every side's second destination writes to /dev/shm; rlsup's second hop and the second rsync daemon "
+            "run at nice 19 (another machine)")
     out = []
     for name, a, b in rows:
         unit = ("x" if "same run" in name else "s" if name.startswith(("sender time", "sender CPU"))

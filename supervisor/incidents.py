@@ -7,6 +7,7 @@ operator can reconstruct every restart after the fact.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from dataclasses import asdict, dataclass, field
@@ -92,6 +93,15 @@ def write_state(state_dir: Path, state: JobState) -> None:
     tmp = state_dir / f".{STATE}.{os.getpid()}.tmp"
     tmp.write_text(json.dumps(asdict(state), indent=1, sort_keys=True))
     os.replace(tmp, state_dir / STATE)
+
+
+def publish_state(state_dir: Path, state: JobState) -> None:
+    """``write_state`` for updates while the job runs (its step): a full disk is logged, not raised,
+    so it never ends the supervision of a running job."""
+    try:
+        write_state(state_dir, state)
+    except OSError as e:
+        logging.getLogger("rlsup").warning("state.json not updated: %s", e)
 
 
 def read_state(state_dir: Path) -> dict[str, Any] | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 
 @dataclass(frozen=True)
@@ -38,3 +39,24 @@ def step_job(step_dir: Path) -> str | None:
     except (OSError, ManifestError):
         return None
     return job if isinstance(job, str) else None
+
+
+def repair_tracker(checkpoint_dir: Path, point: ResumePoint, log: Callable[[str], None]) -> ResumePoint | None:
+    """Point an unmodified trainer's tracker (verl, Megatron, DeepSpeed) at the step rlsup chose; returns
+    where the trainer will really resume: None when it will start fresh (a Megatron run with no tracker
+    yet, for which rlsup creates none), so the log, state and metrics do not claim a resume."""
+    from supervisor import layouts
+
+    status = layouts.tracker_status(checkpoint_dir)
+    if status.kind is None or status.ok:
+        return point
+    try:
+        path = layouts.repair_tracker(checkpoint_dir, point.step)
+    except layouts.NoTrackerYet as e:
+        log(f"tracker not created: {e}; the trainer starts fresh")
+        return None
+    except (ValueError, OSError) as e:
+        log(f"tracker not repaired: {e}")
+        return point
+    log(f"tracker {path} said {status.raw!r} ({status.describe()}); now points at step {point.step}")
+    return point

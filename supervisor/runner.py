@@ -25,7 +25,7 @@ from supervisor.attempt_end import AttemptResult, classify_exit, from_rank_death
 from supervisor.config import SupervisorConfig
 from supervisor.hang_detector import AutoTimeout, HangDetector, HangSettings, HangVerdict
 from supervisor.health import mark_repeat_offender, node_name
-from supervisor.incidents import Incident, JobState, append_incident, write_state
+from supervisor.incidents import Incident, JobState, append_incident, publish_state, write_state
 from supervisor.job_identity import ENV_JOB_ID, JobIdentity, job_identity
 from supervisor.lifecycle import FINAL, Action, EndReason, JobStatus, check_transition
 from supervisor.observer import Observer
@@ -34,7 +34,7 @@ from supervisor.progress import attach as attach_progress
 from supervisor.rank_deaths import RankDeathWatch
 from supervisor.restart_policy import RestartPolicy, give_up_code
 from supervisor.stragglers import StragglerDetector, StragglerWatch
-from supervisor.resume import ResumePoint, choose_resume
+from supervisor.resume import ResumePoint, choose_resume, repair_tracker
 from supervisor.warm_launcher import Zygote, warm_spec
 from rlsup_format.heartbeat_record import rank_file_name, request_stop
 
@@ -128,8 +128,8 @@ class Supervisor:
                 resume, result = None, AttemptResult(attempt, EndReason.PEER_FAILURE, None, detail=str(e))
             else:
                 result = self._launch_and_watch(attempt, resume, pending)
-            if result.reason == EndReason.SUCCESS:
-                self._set_state(JobStatus.SUCCEEDED, exit_code=0)
+            if result.reason == EndReason.SUCCESS:  # the real exit code (non-zero after a trainer's done line)
+                self._set_state(JobStatus.SUCCEEDED, exit_code=result.exit_code or 0)
                 return self._finish(exit_codes.OK, JobStatus.SUCCEEDED, attempt, result.detail)
             if result.reason in (EndReason.STOPPED, EndReason.PREEMPTED):
                 self._record(self._incident(result, Action.STOP))
@@ -243,22 +243,8 @@ class Supervisor:
         else:
             point = self.choose_resume()
         if point is not None and self.cfg.repair_tracker:
-            self.repair_tracker(point)
+            point = repair_tracker(self.checkpoint_dir, point, self._log)
         return point
-
-    def repair_tracker(self, point: ResumePoint) -> None:
-        """Point an unmodified trainer's tracker (verl, Megatron) at the step rlsup chose."""
-        from supervisor import layouts
-
-        status = layouts.tracker_status(self.checkpoint_dir)
-        if status.kind is None or status.ok:
-            return
-        try:
-            path = layouts.repair_tracker(self.checkpoint_dir, point.step)
-        except (ValueError, OSError) as e:
-            self._log(f"tracker not repaired: {e}")
-            return
-        self._log(f"tracker {path} said {status.raw!r} ({status.describe()}); now points at step {point.step}")
 
     def peer_ended(self, attempt: int) -> str | None:
         """Polled while the job runs: a reason when another node ended this attempt (single node: never)."""
@@ -417,7 +403,7 @@ class Supervisor:
             self.state.heartbeat_timeout_s = detector.timeout()
             if self.state.last_step != (step := detector.last_step()):  # rlsup status follows the steps
                 self.state.last_step = step
-                write_state(self.state_dir, self.state)
+                publish_state(self.state_dir, self.state)
             if verdict is not None:
                 return self._hang(attempt, job, detector, verdict)
             slow = stragglers.poll(detector.records)

@@ -8,6 +8,7 @@ since the signal's default action would kill a process that did not.
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import shutil
 import subprocess
@@ -70,67 +71,88 @@ def find_pyspy() -> str | None:
 
 def job_tree_stacks(pyspy: str | None, root_pid: int) -> dict[str, str]:
     """py-spy stacks of every Python process of a job that does not heartbeat itself (an unmodified
-    trainer read through ``progress``): keyed by its ``RANK`` when its environment has one."""
+    trainer read through ``progress``): keyed by its ``RANK`` when its environment has one. A Ray
+    driver's actors on this node are added (:func:`outside_ray_workers`). Dumps run side by side."""
     import psutil
 
     try:
         root = psutil.Process(root_pid)
-        procs = [root, *root.children(recursive=True)]
-        if any(map(_is_ray_driver, procs)):
-            procs += node_ray_workers(skip={p.pid for p in procs})
+        tree = [root, *root.children(recursive=True)]
+        outside = outside_ray_workers(tree, root.uids().real)
     except psutil.Error:
         return {f"job pid {root_pid}": "(process gone)"}
-    out: dict[str, str] = {}
-    for proc in procs:
-        try:
-            cmd = proc.cmdline()
-            env = proc.environ()
-        except psutil.Error:
-            continue
-        if not cmd or not ("python" in os.path.basename(cmd[0]) or is_ray_worker(cmd[0])):
-            continue  # py-spy reads Python processes (a Ray worker is one under its own title)
-        if (rank := env.get("RANK")) is not None:
-            key = f"rank {rank} pid {proc.pid}"
-        elif is_ray_worker(cmd[0]):
-            key = f"pid {proc.pid} ({cmd[0].split()[0]})"
-        else:
-            key = f"pid {proc.pid} ({' '.join(cmd[:3])})"
-        text = _pyspy(pyspy, proc.pid) if pyspy else None
-        out[key] = text or ("(no stack: py-spy is not installed)" if pyspy is None else "(py-spy could not read it)")
+    keyed = [k for k in map(_key_in_tree, tree) if k is not None]
+    keyed += [(p.pid, f"pid {p.pid} ({title})") for p, title in outside]  # never a rank of this job
+    with concurrent.futures.ThreadPoolExecutor(max_workers=8) as pool:
+        texts = list(pool.map(lambda k: _pyspy(pyspy, k[0]) if pyspy else None, keyed))
+    out = {key: text or ("(no stack: py-spy is not installed)" if pyspy is None else "(py-spy could not read it)")
+           for (_, key), text in zip(keyed, texts)}
     return out or {f"job pid {root_pid}": "(no Python process in the job)"}
 
 
-#: How Ray titles its worker processes: ``ray::<Actor>.<method>`` or ``ray::<task>`` while busy.
+def _key_in_tree(proc) -> tuple[int, str] | None:
+    """(pid, key) of a Python process of the job's own tree; None for anything py-spy cannot read."""
+    import psutil
+
+    try:
+        cmd = proc.cmdline()
+        rank = proc.environ().get("RANK")
+    except psutil.Error:
+        return None
+    if not cmd or not ("python" in os.path.basename(cmd[0]) or is_ray_worker(cmd[0])):
+        return None  # py-spy reads Python processes (a Ray worker is one under its own title)
+    if rank is not None:
+        return proc.pid, f"rank {rank} pid {proc.pid}"
+    if is_ray_worker(cmd[0]):
+        return proc.pid, f"pid {proc.pid} ({cmd[0].split()[0]})"
+    return proc.pid, f"pid {proc.pid} ({' '.join(cmd[:3])})"
+
+
+#: How Ray titles its worker processes: ``ray::<Actor>.<method>``, ``ray::<Actor>`` or ``ray::<task>``.
 RAY_WORKER = "ray::"
-#: Ray's own processes under that title: a pooled worker and the node's agents, nobody's job.
-RAY_NOT_A_JOB = ("ray::IDLE", "ray::DashboardAgent", "ray::RuntimeEnvAgent")
+#: Ray's own processes under that title: a pooled worker, the node's agents, object spilling.
+RAY_NOT_A_JOB = ("ray::IDLE", "ray::DashboardAgent", "ray::RuntimeEnvAgent", "ray::SPILL_", "ray::RESTORE_",
+                 "ray::DELETE_")
 
 
 def is_ray_worker(title: str) -> bool:
     return title.startswith(RAY_WORKER) and not title.startswith(RAY_NOT_A_JOB)
 
 
-def _is_ray_driver(proc) -> bool:
-    """Whether a process has Ray's core library loaded (a driver, or a worker of an embedded cluster)."""
-    import psutil
-
+def _maps_have(pid: int, needle: str) -> bool:
+    """Whether a process has a library mapped (``/proc/PID/maps``: cheap, unlike smaps)."""
     try:
-        return any("_raylet" in m.path for m in proc.memory_maps())
-    except (psutil.Error, OSError):
+        with open(f"/proc/{pid}/maps", encoding="ascii", errors="replace") as fh:
+            return any(needle in line for line in fh)
+    except OSError:
         return False
 
 
-def node_ray_workers(skip: set[int]) -> list:
-    """This node's busy Ray workers outside the job's process tree, as ``ray stack`` lists them. Where
-    ``ray start`` runs the cluster, a driver's actors run under the raylet, not under the driver rlsup
-    launched, and their stacks are where a hang is. Neither start time nor environment ties a worker
-    to its job (Ray reuses idle workers for a later job, and an actor's ``RAY_JOB_ID`` is the nil
-    id), so busy workers of other Ray jobs on this node are listed too, each keyed by its title."""
+def outside_ray_workers(tree: list, uid: int) -> list:
+    """(process, title) of this node's Ray workers that run a driver's actors outside the job's tree.
+
+    Only where the tree holds a Ray driver (Ray's ``_raylet`` library loaded) but no raylet of its own:
+    with ``ray start`` on the node, actors run under that cluster's raylet, not under the driver rlsup
+    launched, and a hung actor is where the hang is (as ``ray stack`` lists them). A cluster the driver
+    started itself (``ray.init()`` with no address) has its workers in the tree already. Only this
+    user's processes. Neither start time nor environment ties a worker to its job (Ray reuses an idle
+    worker for a later job; an actor's ``RAY_JOB_ID`` is the nil id), so workers of another Ray job of
+    this user on this node are listed too, keyed by their titles, never as ranks of this job."""
     import psutil
 
+    names = []
+    for p in tree:
+        try:
+            names.append(p.name())
+        except psutil.Error:
+            continue
+    if "raylet" in names or not any(_maps_have(p.pid, "_raylet") for p in tree):
+        return []
+    mine = {p.pid for p in tree}
     found = []
-    for proc in psutil.process_iter(["cmdline"]):
+    for proc in psutil.process_iter(["cmdline", "uids"]):
         cmd = proc.info["cmdline"] or [""]
-        if proc.pid not in skip and is_ray_worker(cmd[0]):
-            found.append(proc)
+        uids = proc.info["uids"]
+        if proc.pid not in mine and is_ray_worker(cmd[0]) and uids is not None and uids.real == uid:
+            found.append((proc, cmd[0].split()[0]))
     return found

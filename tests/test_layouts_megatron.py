@@ -137,3 +137,21 @@ def test_bridge_energon_loader_state_must_be_intact(tmp_path: Path) -> None:
     assert layouts.latest_valid(tmp_path).step == 10
     bad = [r for r in layouts.scan(tmp_path) if r.step == 20][0]
     assert "energon/iter_0000020/train_dataloader_dprank000.pt" in bad.reason
+
+
+def test_run_with_no_megatron_tracker_claims_no_resume(tmp_path: Path) -> None:
+    """rlsup run around such a directory: no tracker written, and no resume claimed (the trainer will
+    start fresh), so the job is told to start fresh too."""
+    import sys
+
+    from conftest import run_rlsup
+
+    ckpt = tmp_path / "ckpt"
+    megatron_iter(ckpt, 10, tracker=False)
+    r = run_rlsup(["run", "--checkpoint-dir", str(ckpt), "--checkpoint-layout", "megatron", "--repair-tracker",
+                   "--", sys.executable, "-c", "import os; print('RESUME=' + os.environ['RLSUP_RESUME_DIR'])"],
+                  tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "tracker not created" in r.stderr and "starts fresh" in r.stderr, r.stderr
+    assert "RESUME=\n" in r.stdout and "from step 10" not in r.stderr
+    assert not (ckpt / "latest_checkpointed_iteration.txt").exists()

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 import kill_matrix
-from conftest import JOBS, ROOT, clean_env, free_ports, incidents, rlsup_cmd
+from conftest import JOBS, clean_env, free_ports, incidents, rlsup_cmd
 
 pytest.importorskip("ray", reason="ray is not installed")
 pytest.importorskip("verl.utils.checkpoint.fsdp_checkpoint_manager", reason="verl is not installed")
@@ -39,19 +39,46 @@ RAY = Path(sys.executable).parent / "ray"
 
 @pytest.fixture(scope="module")
 def ray_head():
-    """A one-node Ray cluster started as a user starts the head node (CPU only, no dashboard)."""
+    """A one-node Ray cluster started as a user starts the head node (CPU only, no dashboard), on free
+    ports and its own temp dir; stopped by killing exactly its processes (``ray stop`` would stop every
+    Ray cluster of the host)."""
     temp = Path(tempfile.mkdtemp(prefix="ray", dir="/tmp"))  # Ray's socket paths must stay short
-    gcs, agent = free_ports(2)
-    env = clean_env()
-    start = [str(RAY), "start", "--head", f"--port={gcs}", f"--dashboard-agent-listen-port={agent}", "--num-cpus=2", "--include-dashboard=false",
+    gcs, agent, agent_grpc, node_manager, object_manager, runtime_env, metrics = free_ports(7)
+    start = [str(RAY), "start", "--head", f"--port={gcs}", f"--dashboard-agent-listen-port={agent}",
+             f"--dashboard-agent-grpc-port={agent_grpc}", f"--node-manager-port={node_manager}",
+             f"--object-manager-port={object_manager}", f"--runtime-env-agent-port={runtime_env}",
+             f"--metrics-export-port={metrics}", "--num-cpus=2", "--include-dashboard=false",
              "--disable-usage-stats", f"--temp-dir={temp}", "--object-store-memory=100000000"]
-    r = subprocess.run(start, env=env, capture_output=True, text=True, timeout=180)
-    assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
     try:
+        r = subprocess.run(start, env=clean_env(), capture_output=True, text=True, timeout=180)
+        assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
         yield f"127.0.0.1:{gcs}"
     finally:
-        subprocess.run([str(RAY), "stop", "--force"], env=env, capture_output=True, timeout=120)
+        stop_cluster(temp)
         shutil.rmtree(temp, ignore_errors=True)
+
+
+def stop_cluster(temp: Path) -> None:
+    """Terminate the processes of the cluster whose session lives under ``temp`` (and their workers)."""
+    import psutil
+
+    procs = [p for p in psutil.process_iter(["cmdline"]) if str(temp) in " ".join(p.info["cmdline"] or [])]
+    for p in list(procs):
+        try:
+            procs += p.children(recursive=True)
+        except psutil.Error:
+            pass
+    for p in procs:
+        try:
+            p.terminate()
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=20)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
 
 
 def driver_cmd(ckpt: Path, total: int, *extra: str) -> list[str]:
@@ -79,7 +106,7 @@ def test_controller_killed_before_the_tracker_write_resumes_from_the_complete_st
                 kill_matrix.EVENTS_UNDER: str(record.resolve()), kill_matrix.ONLY_WHERE: "VERL_RAY_WORKER",
                 kill_matrix.EVENTS_LOG: str(workdir / "record.tsv")})
     r = subprocess.run(driver_cmd(record, 4), cwd=workdir, env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0 and "step:4 - " in r.stdout, (r.stdout[-3000:], r.stderr[-3000:])
+    assert r.returncode == 0 and "TaskRunner finished at step 4" in r.stdout, (r.stdout[-3000:], r.stderr[-3000:])
     opens = [e for e in kill_matrix.read_events(workdir / "record.tsv")
              if e.event == "open" and e.path.endswith(TRACKER)]
     assert len(opens) == 2, opens
@@ -105,7 +132,7 @@ def test_controller_killed_before_the_tracker_write_resumes_from_the_complete_st
 def test_frozen_worker_actor_is_a_hang_with_its_stack(workdir: Path, ray_head) -> None:
     ckpt = workdir / "ckpt"
     job = driver_cmd(ckpt, 6, "--freeze-at", "4", "--step-seconds", "0.2")
-    r = subprocess.run(recipe(ckpt, job, heartbeat_timeout="20"), cwd=workdir, env=ray_env(ray_head),
+    r = subprocess.run(recipe(ckpt, job, heartbeat_timeout="40"), cwd=workdir, env=ray_env(ray_head),
                        capture_output=True, text=True, timeout=500)
     assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-4000:])
     assert "freezing before step 4" in r.stdout  # printed by the worker actor, forwarded by Ray

@@ -185,6 +185,10 @@ def tracker_status(directory: str | Path) -> TrackerStatus:
     return status
 
 
+class NoTrackerYet(ValueError):
+    """A Megatron directory without a tracker: rlsup does not create one (the trainer starts fresh)."""
+
+
 def repair_tracker(directory: str | Path, step: int) -> Path:
     """Point verl's/Megatron's ``latest_checkpointed_iteration.txt`` (DeepSpeed's ``latest``, per OpenRLHF
     role) at ``step`` atomically.
@@ -210,7 +214,7 @@ def repair_tracker(directory: str | Path, step: int) -> Path:
         return paths[0]
     path = root / tracker.TRACKER
     if layout == megatron.NAME and not path.exists() and not (root / tracker.BRIDGE_TRACKER).exists():
-        raise ValueError(f"{root}: Megatron keeps no tracker yet; rlsup does not create one (a Megatron-Bridge "
+        raise NoTrackerYet(f"{root}: Megatron keeps no tracker yet; rlsup does not create one (a Megatron-Bridge "
                          "run cut in its first save has no Bridge files yet, and Bridge cannot load that step)")
     tracker.write_tracker(path, step)
     bridge_state = step_dir / megatron.BRIDGE_TRAIN_STATE

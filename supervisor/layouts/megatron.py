@@ -33,6 +33,7 @@ COMMON = "common.pt"
 BRIDGE_TRAIN_STATE = "train_state.pt"
 BRIDGE_RUN_CONFIG = "run_config.yaml"
 BRIDGE_ENERGON = "energon"
+ENERGON_STATES = "train_dataloader_dprank*.pt"
 
 
 @dataclass
@@ -115,13 +116,13 @@ def check_iter_dir(path: Path, ctx: MegatronContext | None = None) -> Check:
     except FileNotFoundError:
         return Check.bad(f"Bridge {BRIDGE_RUN_CONFIG} missing (written last; killed in finalize)", check.notes)
     notes = check.notes
-    # Energon's per-DP-rank loader states: <save>/energon/iter_N/ (maybe_save_dataloader_state).
-    loader = path.parent / BRIDGE_ENERGON / path.name
-    if loader.is_dir():
-        for f in sorted(loader.glob("*.pt")):
+    # Energon's per-DP-rank loader states (maybe_save_dataloader_state): <save>/energon/iter_N/ by default,
+    # in iter_N/ itself where dataset.dataloader_save is the save dir. Elsewhere: not checked (docs say so).
+    for loader, shown in ((path.parent / BRIDGE_ENERGON / path.name, f"{BRIDGE_ENERGON}/{path.name}/"), (path, "")):
+        for f in sorted(loader.glob(ENERGON_STATES)) if loader.is_dir() else ():
             c = check_zip(f)
             if not c.ok:
-                return Check.bad(f"{BRIDGE_ENERGON}/{path.name}/{c.reason}", notes)
+                return Check.bad(f"{shown}{c.reason}", notes)
     return Check.good(notes)
 
 

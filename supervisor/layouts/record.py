@@ -83,7 +83,7 @@ class TrackerStatus:
             return f"no tracker file in {self.directory}"
         name = self.tracker.name
         if self.error is not None:
-            claim = f"{name} is unreadable ({self.error})"
+            claim = f"{name} does not hold: {self.error}"
         elif not self.step_valid:
             claim = f"{name} names step {self.step}, which is not usable ({self.step_reason})"
         elif self.step != self.newest_valid_step:

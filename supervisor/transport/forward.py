@@ -187,10 +187,15 @@ class Forwarder:
             return dict(self._results.get((namespace, relpath), {}))
 
     def _client(self, endpoint: str) -> Any:
-        with self._lock:
-            if endpoint not in self._clients:
-                self._clients[endpoint] = self.make_client(endpoint)
-            return self._clients[endpoint]
+        with self._lock:  # made outside the lock: a nicer forward thread never holds up a receive's enqueue
+            client = self._clients.get(endpoint)
+        if client is None:
+            made = self.make_client(endpoint)
+            with self._lock:
+                client = self._clients.setdefault(endpoint, made)
+            if client is not made:
+                made.close()
+        return client
 
     def push_on(self, namespace: str, relpath: str, entry: Any, hops: tuple[str, ...]) -> dict[str, str]:
         """Push the stored ``namespace/relpath`` to ``hops[0]`` naming the rest; the report of every
