@@ -185,3 +185,5 @@ def test_a_launcher_that_exits_1_after_the_last_step_is_not_restarted(workdir: P
     assert inc["reason"] == "exit_code" and inc["last_step"] == 3 and inc["action"] == "restart", inc
     assert "succeeded after 2 attempt(s); exit 0 (exit code 1 after the trainer said it finished" in r.stderr
     assert "Train step 6/6 done." in r.stderr
+    state = json.loads(run_rlsup(["status", "--json"], workdir).stdout)["job"]
+    assert state["state"] == "succeeded" and state["exit_code"] == 1  # the real exit code is kept
