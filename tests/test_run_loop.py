@@ -49,6 +49,7 @@ class Attempt:
 class FakeOutput:
     def __init__(self, lines: list[str]) -> None:
         self.lines = lines
+        self.finished: str | None = None  # a progress preset's done line (none in these jobs)
 
     def join(self, timeout: float) -> None:
         pass
@@ -223,7 +224,8 @@ def test_crash_then_resume_and_success(tmp_path: Path) -> None:
     assert result.exit_code == 0 and result.attempts == 2
     assert rec.states == [*ATTEMPT, "failed", "backoff", *ATTEMPT, "succeeded"]
     (inc,) = incidents(tmp_path)
-    assert (inc["reason"], inc["exit_code"], inc["action"], inc["last_step"]) == ("exit_code", 3, "restart", 3)
+    # the job beat step 4 and exited in the same tick: the exit path reads that last beat too
+    assert (inc["reason"], inc["exit_code"], inc["action"], inc["last_step"]) == ("exit_code", 3, "restart", 4)
     assert inc["resumed_step"] == 2 and inc["downtime_s"] is not None and inc["output_tail"] == ["attempt 0 output"]
     second = layer.jobs[1].env
     assert second["RLSUP_RESTART_COUNT"] == "1" and second["RLSUP_RESUME_STEP"] == "2"
