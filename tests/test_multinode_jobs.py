@@ -16,7 +16,8 @@ from conftest import free_ports, run_rlsup, wait_for
 from test_multinode import Cluster, assert_same_weights, reference_weights, rlsup_resumes, trainer_starts
 
 SHORT = ["--steps", "9", "--checkpoint-every", "3", "--step-time", "0.05", "--keep-last", "100"]
-LONG = ["--steps", "40", "--checkpoint-every", "5", "--step-time", "0.2", "--keep-last", "100"]
+# Job A must outlive every other job's refusal (CI once saw a loaded machine finish A's 40 steps first).
+LONG = ["--steps", "100", "--checkpoint-every", "5", "--step-time", "0.2", "--keep-last", "100"]
 
 
 def like(cluster: Cluster, other: Cluster) -> Cluster:
@@ -68,6 +69,16 @@ def test_a_second_job_on_the_same_hosts_refuses_and_the_first_is_untouched(tmp_p
             a.start(node)
         wait_for(lambda: all("launching" in a.log(n) for n in range(2)), 120, "job A running on both nodes")
 
+        # D: a single-node job started in A's node-0 directory: the state directory is A's.
+        d = run_rlsup(["run", "--checkpoint-dir", "ckpt-d", "--metrics-port", "0", "--", "true"], a.node_dir(0))
+        assert d.returncode == 2 and "state_dir" in d.stderr and "is in use by rlsup job" in d.stderr, d.stderr
+
+        # E: a node of another job (its own ports and state_dir) in A's node-1 directory: the replica_dir is A's.
+        e_ports = ",".join(f"127.0.0.1:{p}" for p in free_ports(2))
+        e = run_rlsup(["run", "--peers", e_ports, "--node-rank", "1", "--token-file", str(a.token), "--state-dir",
+                       "state-e", "--metrics-port", "0", "--", "true"], a.node_dir(1))
+        assert e.returncode == 2 and "replica_dir" in e.stderr and "is in use by rlsup job" in e.stderr, e.stderr
+
         # B: launched the same way from other directories, same peers: its replication ports are A's.
         b = like(Cluster(tmp_path / "b", 2, train_args=LONG), a)
         for node in range(2):
@@ -84,16 +95,6 @@ def test_a_second_job_on_the_same_hosts_refuses_and_the_first_is_untouched(tmp_p
         assert c.wait_all(timeout=120) == {0: 2, 1: 2}, c.logs()
         assert "coordinator port 9780 on 127.0.0.1 is taken by rlsup job" in c.log(0), c.log(0)
         assert "is hosted for rlsup job" in c.log(1) and "this node is job" in c.log(1), c.log(1)
-
-        # D: a single-node job started in A's node-0 directory: the state directory is A's.
-        d = run_rlsup(["run", "--checkpoint-dir", "ckpt-d", "--metrics-port", "0", "--", "true"], a.node_dir(0))
-        assert d.returncode == 2 and "state_dir" in d.stderr and "is in use by rlsup job" in d.stderr, d.stderr
-
-        # E: a node of another job (its own ports and state_dir) in A's node-1 directory: the replica_dir is A's.
-        e_ports = ",".join(f"127.0.0.1:{p}" for p in free_ports(2))
-        e = run_rlsup(["run", "--peers", e_ports, "--node-rank", "1", "--token-file", str(a.token), "--state-dir",
-                       "state-e", "--metrics-port", "0", "--", "true"], a.node_dir(1))
-        assert e.returncode == 2 and "replica_dir" in e.stderr and "is in use by rlsup job" in e.stderr, e.stderr
 
         assert a.wait_all(timeout=300) == {0: 0, 1: 0}, a.logs()
     finally:
