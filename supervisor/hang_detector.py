@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Callable
 
 from rlsup_format.fileio import pid_alive
 from rlsup_format.heartbeat_record import HeartbeatRecord, read_record
-from supervisor.progress import JOB_RANK, job_level_only
+from supervisor.progress import JOB_RANK, job_level_only, speaking_records
 
 # Sections whose silence is measured against save_timeout: a save, a restore, and the interpreter's
 # exit after the last step (trainer_hooks marks it at exit).
@@ -128,8 +128,7 @@ class HangDetector:
     def check(self, now_ns: int | None = None) -> HangVerdict | None:
         now_ns = time.monotonic_ns() if now_ns is None else now_ns
         records = self.scan()
-        if not job_level_only(records.values()):  # trainer_hooks' heartbeats take precedence
-            records = {r: rec for r, rec in records.items() if r != JOB_RANK}
+        records = speaking_records(records)  # trainer_hooks' heartbeats take precedence
         beating = [r for r in records.values() if r.beat_ns > 0]
         if not beating:
             return self._check_startup(now_ns, records)
@@ -169,6 +168,6 @@ class HangDetector:
         return None
 
     def last_step(self) -> int | None:
-        steps = [r.step for r in self.records.values() if r.beat_ns > 0]
+        steps = [r.step for r in speaking_records(self.records).values() if r.beat_ns > 0]
         return max(steps) if steps else None
 

@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Enum, Gauge, Histogram
 from supervisor import __version__
 from supervisor.lifecycle import ATTEMPT_FAILURES, EndReason, JobStatus
 from supervisor.observer import Observer
+from supervisor.progress import rank_label, speaking_records
 
 if TYPE_CHECKING:
     from supervisor.config import SupervisorConfig
@@ -133,7 +134,7 @@ class SupervisorMetrics(Observer):
             self._productive -= lost * self._step_time  # work that has to be done again was not productive
         self._prev_step = None
         for rank in self._ranks_seen:
-            self.hb_age.remove(str(rank))
+            self.hb_age.remove(rank_label(rank))
         self._ranks_seen.clear()
 
     def attempt_failed(self, reason: str, last_step: int | None) -> None:
@@ -145,9 +146,13 @@ class SupervisorMetrics(Observer):
         now_ns = time.monotonic_ns()
         self.hb_timeout.set(timeout_s)
         steps = []
+        records = speaking_records(records)  # not the output's record beside the ranks' (it never saves)
+        for gone in self._ranks_seen - records.keys():  # the output's record, once ranks beat themselves
+            self.hb_age.remove(rank_label(gone))
+            self._ranks_seen.discard(gone)
         for rank, rec in records.items():
             if rec.beat_ns:
-                self.hb_age.labels(str(rank)).set(max(0.0, (now_ns - rec.beat_ns) / 1e9))
+                self.hb_age.labels(rank_label(rank)).set(max(0.0, (now_ns - rec.beat_ns) / 1e9))
                 self._ranks_seen.add(rank)
                 steps.append(rec.step)
             if rank == min(records):  # count each save once (every rank saves), by the lowest rank

@@ -7,7 +7,7 @@ heartbeat is written as a job-level record (rank :data:`JOB_RANK`, the job's roo
 attempt's heartbeat directory, in the same format the ranks use, so everything that reads heartbeats
 works unchanged: the learned timeout, hang detection with stacks (py-spy: nothing is needed in the
 trainer), the no-progress guard, ``rlsup_last_step``, incidents and ``rlsup status``. Where ranks
-heartbeat through ``trainer_hooks`` too, theirs take precedence (:func:`job_level_only`).
+heartbeat through ``trainer_hooks`` too, theirs take precedence (:func:`speaking_records`).
 
 Lines are matched as the output arrives, split at ``\\n`` and at ``\\r`` (a tqdm bar redraws itself
 with ``\\r`` and ends its line only when done).
@@ -21,7 +21,7 @@ import struct
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 from rlsup_format.heartbeat_record import MAGIC, RECORD, RECORD_SIZE, SECTIONS, HeartbeatRecord, rank_file_name
 
@@ -131,6 +131,24 @@ class ProgressRecorder:
 def job_level_only(records: Iterable[HeartbeatRecord]) -> bool:
     """Whether the job-level record is the only source of heartbeats (no rank has beaten itself)."""
     return not any(r.rank != JOB_RANK and r.beat_ns > 0 for r in records)
+
+
+def speaking_records(records: Mapping[int, HeartbeatRecord]) -> dict[int, HeartbeatRecord]:
+    """The records that speak for the job: the ranks' own once any rank beats, else all (the output's)."""
+    if job_level_only(records.values()):
+        return dict(records)
+    return {r: rec for r, rec in records.items() if r != JOB_RANK}
+
+
+def registered_ranks(records: Mapping[int, HeartbeatRecord]) -> dict[int, HeartbeatRecord]:
+    """The ranks that registered (a record, beaten or not: trainer_hooks installed its handlers before
+    creating it), else the output's record alone: who a preemption signal goes to."""
+    return {r: rec for r, rec in records.items() if r != JOB_RANK} or dict(records)
+
+
+def rank_label(rank: int) -> str:
+    """A metric's ``local_rank`` value: the job-level record is ``job``, not a rank number."""
+    return "job" if rank == JOB_RANK else str(rank)
 
 
 def attach(preset: str, regex: str, job: Any, hb_dir: Path) -> ProgressRecorder | None:

@@ -30,7 +30,7 @@ from supervisor.job_identity import ENV_JOB_ID, JobIdentity, job_identity
 from supervisor.lifecycle import FINAL, Action, EndReason, JobStatus, check_transition
 from supervisor.observer import Observer
 from supervisor.process_tree import JobProcess, ProcessLayer
-from supervisor.progress import attach as attach_progress
+from supervisor.progress import attach as attach_progress, registered_ranks
 from supervisor.rank_deaths import RankDeathWatch
 from supervisor.restart_policy import RestartPolicy, give_up_code
 from supervisor.stragglers import StragglerDetector, StragglerWatch
@@ -490,8 +490,9 @@ class Supervisor:
             except OSError:
                 pass
         if self.preempted:
-            # Only ranks that registered (trainer_hooks installed the handler) get the preemption signal.
-            for rec in detector.records.values():
+            # Only ranks that registered (trainer_hooks installed the handler) get the preemption signal;
+            # the job's root only where no rank did (its record is the output's: ``progress``).
+            for rec in registered_ranks(detector.records).values():
                 self.processes.kill(rec.pid, self.stop_signal)
         else:
             job.send(self.stop_signal)

@@ -18,6 +18,7 @@ import pickle
 import shutil
 import tempfile
 import warnings
+from datetime import timedelta
 from pathlib import Path
 from typing import Iterator
 
@@ -52,26 +53,34 @@ def dcp_template() -> Path:
     return _DCP_TEMPLATE
 
 
+def init_one_rank_gloo() -> None:
+    """An in-process one-rank gloo group on an in-memory store, 60 s timeouts: a file store's C++ wait is
+    out of pytest-timeout's reach (SIGALRM), and a store passed in keeps its own 300 s otherwise."""
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    store.set_timeout(timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=timedelta(seconds=60))
+
+
 @contextlib.contextmanager
 def mcore_cpu_env() -> Iterator[None]:
     """One-rank gloo group plus CUDA shims, undone on exit."""
     import torch.distributed as dist
 
     saved = (torch.cuda.synchronize, torch.cuda.current_device)
-    store_dir = tempfile.mkdtemp(prefix="rlsup-pg-")
     torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
     torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
     created = False
     try:
         if not dist.is_initialized():
-            dist.init_process_group("gloo", init_method=f"file://{store_dir}/store", rank=0, world_size=1)
+            init_one_rank_gloo()
             created = True
         yield
     finally:
         if created:
             dist.destroy_process_group()
         torch.cuda.synchronize, torch.cuda.current_device = saved  # type: ignore[assignment]
-        shutil.rmtree(store_dir, ignore_errors=True)
 
 
 def mcore_save(directory: Path, seed: int = 0) -> Path:

@@ -73,32 +73,10 @@ def test_ddp_resume_without_prime_differs(workdir: Path) -> None:
     assert differing(final, ref), "expected the unprimed resume to differ from the unprimed uninterrupted run"
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(150)
 def test_prime_ddp_leaves_no_trace(workdir: Path) -> None:
-    """In-process, one rank: buckets rebuilt once; RNG, buffers and existing grads untouched; non-DDP ignored."""
-    import random
-
-    import numpy as np
-    import torch.distributed as dist
-    from torch import nn
-
-    from trainer_hooks import prime_ddp
-
-    assert prime_ddp(nn.Linear(4, 1), torch.zeros(2, 4)) is False
-    dist.init_process_group("gloo", store=dist.FileStore(str(workdir / "store"), 1), rank=0, world_size=1)
-    try:
-        net = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Dropout(0.5), nn.Linear(8, 1))
-        model = nn.parallel.DistributedDataParallel(net)
-        net[0].weight.grad = torch.full_like(net[0].weight, 3.0)  # e.g. accumulated before the call
-        buffers = [b.clone() for b in net.buffers()]
-        rng = (torch.get_rng_state(), random.getstate(), np.random.get_state()[1].copy())
-        assert prime_ddp(model, torch.zeros(5, 4)) is True
-        assert torch.equal(rng[0], torch.get_rng_state()) and rng[1] == random.getstate()
-        assert (rng[2] == np.random.get_state()[1]).all()
-        assert all(torch.equal(a, b) for a, b in zip(buffers, net.buffers()))
-        assert torch.equal(net[0].weight.grad, torch.full_like(net[0].weight, 3.0))
-        assert all(p.grad is None for p in list(net.parameters())[1:])
-        assert prime_ddp(model, torch.zeros(5, 4)) is False  # already rebuilt
-        model(torch.ones(5, 4)).sum().backward()  # and real steps still work
-    finally:
-        dist.destroy_process_group()
+    """One rank, its own process (tests/jobs/prime_ddp_probe.py): buckets rebuilt once; RNG, buffers and
+    existing grads untouched; non-DDP ignored."""
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "jobs" / "prime_ddp_probe.py")], cwd=workdir,
+                          env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "PRIMED" in proc.stdout, (proc.stdout + proc.stderr)[-4000:]

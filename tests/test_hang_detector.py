@@ -11,9 +11,10 @@ from trainer_hooks.heartbeat import MAGIC, RECORD, RECORD_SIZE, SECTIONS, rank_f
 S = 1_000_000_000
 
 
-def write_record(directory: Path, rank: int, beat_ns: int = 0, section: str = "none", section_ns: int = 0) -> None:
+def write_record(directory: Path, rank: int, beat_ns: int = 0, section: str = "none", section_ns: int = 0,
+                 step: int = 0) -> None:
     data = bytearray(RECORD_SIZE)
-    RECORD.pack_into(data, 0, 2, MAGIC, os.getpid(), 0, beat_ns, SECTIONS[section], section_ns, 0, 0, 0)
+    RECORD.pack_into(data, 0, 2, MAGIC, os.getpid(), step, beat_ns, SECTIONS[section], section_ns, 0, 0, 0)
     (directory / rank_file_name(rank)).write_bytes(bytes(data))
 
 
@@ -61,3 +62,15 @@ def test_an_exiting_rank_is_held_to_save_timeout(tmp_path: Path) -> None:
     assert d.check(now_ns=1_050 * S) is None  # 48 s in the exit > heartbeat timeout 5 s: exiting, not hung
     verdict = d.check(now_ns=1_103 * S)
     assert verdict is not None and verdict.reason == "save_timeout" and verdict.rank == 0
+
+
+def test_last_step_is_the_ranks_once_they_beat_beside_the_output(tmp_path: Path) -> None:
+    """The output's record (``progress``; HF prints global_step + 1) does not set the last step once the
+    ranks heartbeat themselves; alone, it does."""
+    d = detector(tmp_path)
+    write_record(tmp_path, -1, beat_ns=1_001 * S, step=10)
+    d.scan()
+    assert d.last_step() == 10
+    write_record(tmp_path, 0, beat_ns=1_002 * S, step=4)
+    d.scan()
+    assert d.last_step() == 4

@@ -187,3 +187,25 @@ def test_a_launcher_that_exits_1_after_the_last_step_is_not_restarted(workdir: P
     assert "Train step 6/6 done." in r.stderr
     state = json.loads(run_rlsup(["status", "--json"], workdir).stdout)["job"]
     assert state["state"] == "succeeded" and state["exit_code"] == 1  # the real exit code is kept
+
+
+def test_metrics_follow_the_ranks_once_they_beat_beside_the_output() -> None:
+    """The output's record is ``local_rank="job"`` while it alone beats; once ranks beat, their records
+    count: the saves of rank 0 are counted (the output's record never saves) and the "job" series goes."""
+    import time
+
+    from rlsup_format.heartbeat_record import HeartbeatRecord
+    from supervisor.metrics import SupervisorMetrics
+
+    m = SupervisorMetrics("job")
+    now = time.monotonic_ns()
+    job = HeartbeatRecord(JOB_RANK, 10, 3, now, "none", 0, False)
+    m.heartbeats({JOB_RANK: job}, 30.0)
+    assert m.registry.get_sample_value("rlsup_heartbeat_age_seconds", {"local_rank": "job"}) is not None
+    assert m.registry.get_sample_value("rlsup_heartbeat_age_seconds", {"local_rank": "-1"}) is None
+    ranks = {r: HeartbeatRecord(r, 20 + r, 4, now, "none", 0, False, saves=2, save_ns=10**8) for r in (0, 1)}
+    m.heartbeats({JOB_RANK: job, **ranks}, 30.0)
+    assert m.registry.get_sample_value("rlsup_checkpoint_saves_total") == 2
+    assert m.registry.get_sample_value("rlsup_heartbeat_age_seconds", {"local_rank": "job"}) is None
+    assert m.registry.get_sample_value("rlsup_heartbeat_age_seconds", {"local_rank": "0"}) is not None
+    assert m.registry.get_sample_value("rlsup_last_step") == 4

@@ -24,6 +24,7 @@ from supervisor.incidents import read_incidents, read_state
 from supervisor.lifecycle import IllegalTransition, JobStatus
 from supervisor.observer import Observer
 from supervisor.process_tree import ProcessLayer
+from supervisor.progress import JOB_RANK
 from supervisor.resume import ResumePoint
 from supervisor.runner import Supervisor
 
@@ -74,11 +75,11 @@ class FakeJob:
     def rank_pid(self, rank: int) -> int:
         return self.pid + 1 + rank
 
-    def _beat(self, rank: int, step: int) -> None:
+    def _beat(self, rank: int, step: int, registered_only: bool = False) -> None:
         path = self.hb_dir / rank_file_name(rank)
         stop = I64.unpack_from(path.read_bytes(), STOP_OFFSET)[0] if path.exists() else 0  # rlsup's flag stays
         data = bytearray(RECORD_SIZE)
-        now = time.monotonic_ns()
+        now = 0 if registered_only else time.monotonic_ns()
         RECORD.pack_into(data, 0, 2, MAGIC, self.rank_pid(rank), step, now, 0, 0, stop, 0, 0)
         path.write_bytes(bytes(data))
 
@@ -309,6 +310,26 @@ def test_preemption_relays_to_ranks_and_exits_for_requeue(tmp_path: Path) -> Non
                                                                  (job.rank_pid(1), signal.SIGUSR1)]
     assert job.stop_requested()  # the stop flag in every rank's heartbeat file
     assert incidents(tmp_path)[0]["reason"] == "preempted"
+
+
+@pytest.mark.parametrize("ranks_beat", [True, False])
+def test_preemption_beside_the_outputs_progress_record_reaches_only_the_ranks(tmp_path: Path, ranks_beat: bool) -> None:
+    """With ``progress`` and trainer_hooks both, the job's root (the output's record: torchrun) is not
+    signalled: it would end its ranks while they save; nor while the ranks have registered but not yet
+    beaten (restoring: their handlers are installed)."""
+    sup, layer, _ = make(tmp_path, Attempt(exit_code=None, beats=ranks_beat))
+
+    def progress_line_then_preempt() -> None:
+        if not ranks_beat:
+            for rank in range(2):
+                layer.jobs[0]._beat(rank, 0, registered_only=True)
+        layer.jobs[0]._beat(JOB_RANK, 2)  # the output's record: the job root's pid
+        sup.request_stop(signal.SIGUSR1, preempted=True)
+
+    layer.script[0].on_tick = (2, progress_line_then_preempt)
+    assert sup.run().exit_code == exit_codes.REQUEUE
+    job = layer.jobs[0]
+    assert sorted(layer.rank_signals) == [(job.rank_pid(0), signal.SIGUSR1), (job.rank_pid(1), signal.SIGUSR1)]
 
 
 def test_stop_ignored_is_killed_after_stop_grace(tmp_path: Path) -> None:
