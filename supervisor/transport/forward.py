@@ -37,8 +37,11 @@ OK = "ok"
 _ENDPOINT_RE = re.compile(r"^(\[[0-9A-Fa-f:.]{2,45}\]|[A-Za-z0-9][A-Za-z0-9.-]{0,252}):[0-9]{1,5}$")
 
 
-#: How much lower than the hop's own work its forwarding threads run (Linux nice is per thread).
-FORWARD_NICENESS = 10
+#: How much lower than the hop's own work its forwarding threads run (Linux nice is per thread): as low
+#: as Linux goes (19 above a daemon at 0), since every other thread beside it, a receive a sender waits
+#: on or a training rank's loader, is more urgent. On idle cores it still forwards at full speed; at 10
+#: (a tenth of a nice-0 thread's CPU weight) a two-peer push cost the sender 1.2-1.4x one push (BENCHMARKS.md).
+FORWARD_NICENESS = 19
 
 
 def lower_thread_priority(niceness: int = FORWARD_NICENESS) -> None:
