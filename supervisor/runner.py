@@ -439,7 +439,7 @@ class Supervisor:
 
     def _classify_exit(self, attempt: int, code: int, job: JobProcess, detector: HangDetector,
                        first_dead: tuple[int, int] | None, oom_before: int | None) -> AttemptResult:
-        detector.scan()  # the steps its output said in its last moments (job.output was joined)
+        detector.scan()  # the last beats (the output's, where it speaks: job.output was joined)
         return classify_exit(attempt, code, tail=job.output.tail(), last_step=detector.last_step(), job_pid=job.pid,
                              first_dead=first_dead, oom_rose=self._oom_rose(oom_before), finished=job.output.finished,
                              stop_reason=self._stop_reason() if self.stop_signal is not None else None)

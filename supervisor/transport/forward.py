@@ -38,15 +38,18 @@ _ENDPOINT_RE = re.compile(r"^(\[[0-9A-Fa-f:.]{2,45}\]|[A-Za-z0-9][A-Za-z0-9.-]{0
 
 
 #: How much lower than the hop's own work its forwarding threads run (Linux nice is per thread): as low
-#: as Linux goes (19 above a daemon at 0), since every other thread beside it, a receive a sender waits
-#: on or a training rank's loader, is more urgent. On idle cores it still forwards at full speed; at 10
-#: (a tenth of a nice-0 thread's CPU weight) a two-peer push cost the sender 1.2-1.4x one push (BENCHMARKS.md).
+#: as Linux goes (19 above a daemon at 0). Nice ranks threads against others of the same cgroup (the
+#: daemon's own unit under systemd), so what the forward yields to is the hop's receives, which a sender
+#: waits on, and its own pushes; on idle cores it runs at full speed. The price: where cores are short,
+#: the far copy lands later (on one 2-core VM: a 2-peer push cost the sender 1.03x one push at 19, 1.2-2.1x
+#: at 10; both copies were in place at 0.79x two rsync daemons' rate at 19, 1.08x at 10: BENCHMARKS.md). A
+#: chain too slow for its arrival deadline falls back to a direct copy (supervisor/part_stores/peer.py).
 FORWARD_NICENESS = 19
 
 
 def lower_thread_priority(niceness: int = FORWARD_NICENESS) -> None:
     """Run the calling thread ``niceness`` steps nicer: a hop's forward is background work and must
-    not slow its own receives (a sender waits on those) or the training ranks beside it. Linux only
+    not slow the hop's receives (a sender waits on those) or its own pushes. Linux only
     (elsewhere ``setpriority`` on a thread id would name a process); a refusal leaves it as it was."""
     if sys.platform != "linux":
         return

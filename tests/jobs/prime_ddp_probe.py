@@ -19,6 +19,8 @@ from torch import nn
 
 from trainer_hooks import prime_ddp
 
+if not __debug__:
+    sys.exit("prime_ddp_probe: its checks are asserts; run it without -O / PYTHONOPTIMIZE")
 faulthandler.dump_traceback_later(90, exit=True)
 assert prime_ddp(nn.Linear(4, 1), torch.zeros(2, 4)) is False
 store = dist.HashStore()
