@@ -10,7 +10,7 @@ import faulthandler
 import gc
 import random
 import sys
-from datetime import timedelta
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -19,13 +19,14 @@ from torch import nn
 
 from trainer_hooks import prime_ddp
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/: the shared one-rank group
+from layout_builders import init_one_rank_gloo  # noqa: E402
+
 if not __debug__:
     sys.exit("prime_ddp_probe: its checks are asserts; run it without -O / PYTHONOPTIMIZE")
 faulthandler.dump_traceback_later(90, exit=True)
 assert prime_ddp(nn.Linear(4, 1), torch.zeros(2, 4)) is False
-store = dist.HashStore()
-store.set_timeout(timedelta(seconds=60))
-dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=timedelta(seconds=60))
+init_one_rank_gloo()
 
 net = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Dropout(0.5), nn.Linear(8, 1))
 model = nn.parallel.DistributedDataParallel(net)
