@@ -40,11 +40,17 @@ def cmd_list(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps([r.to_json() for r in records], indent=2))
         return 0
-    if not records:
+    from supervisor.quarantine import quarantined
+
+    moved = quarantined(root)
+    if not records and not moved:
         print(f"no checkpoints recognised in {root} (layout: {layouts.detect_layout(root)})", file=sys.stderr)
         return 0
     for r in records:
         print(_line(r))
+    for path in moved:
+        print(f"{'-':>10}  {'quarantined':<12} {_human(layouts.files.tree_size(path)):>10}  {path}  "
+              "INVALID, moved aside by quarantine_invalid (mv it back only if you know it is good)")
     return 0
 
 

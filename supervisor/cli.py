@@ -40,6 +40,12 @@ def cmd_run(args: argparse.Namespace, command: list[str]) -> int:
     if not command:
         log.error("no command given; usage: rlsup run [options] -- COMMAND [ARGS...]")
         return exit_codes.CONFIG_ERROR
+    from supervisor.launch_args import LaunchArgError, check as check_placeholders
+
+    try:
+        check_placeholders(command)
+    except LaunchArgError as e:
+        raise ConfigError(f"launch command: {e}") from e
     eff = load_config(args)
     cfg = eff.config.resolved()
     membership = membership_of(cfg)
@@ -203,6 +209,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"heartbeat timeout: {state['heartbeat_timeout_s']:.1f}s")
     if state.get("resume_step") is not None:
         print(f"resumed from step {state['resume_step']} ({state['resume_dir']})")
+    elif state.get("resume_dir"):
+        print(f"resumed from {state['resume_dir']} (step unknown: the checkpoint does not name one)")
     if state.get("exit_code") is not None:
         print(f"exit code: {state['exit_code']}")
     if replication:

@@ -20,7 +20,12 @@ from typing import Any
 
 import yaml
 
+from supervisor.layouts import LAYOUT_NAMES
+from supervisor.layouts.single_file import NAME as SINGLE_FILE
+
 ENV_PREFIX = "RLSUP_"
+#: checkpoint_layout's choices: the layout catalogue's own names (one list, never written twice).
+LAYOUT_CHOICES = ("auto", *LAYOUT_NAMES, SINGLE_FILE)
 
 
 class ConfigError(Exception):
@@ -65,7 +70,11 @@ class SupervisorConfig:
     warm_launcher: bool = _opt(True, "For `torchrun ...` and `python -m torch.distributed.run ...` jobs: while an attempt runs, pre-spawn the next attempt's launcher (the job's interpreter with torchrun already imported), so a restart skips interpreter start and import.")
     warm_imports: tuple[str, ...] = _opt((), "With warm_launcher: modules each warm rank imports (after torch) before it becomes a worker, e.g. your model library. They are imported under the attempt's environment before the rank's RANK, LOCAL_RANK and the next attempt's RLSUP_* variables are set: list only modules whose import does not read those.")
     resume: bool = _opt(True, "Pick the newest valid checkpoint before each attempt and pass it as RLSUP_RESUME_DIR (empty: start fresh), which every rank must load; false: the trainer chooses.")
-    checkpoint_layout: str = _opt("auto", "Checkpoint layout to read: auto, or one of rlsup, verl, megatron, areal, nemo-rl, nemo, hf, deepspeed, lightning, torchtitan, dcp (docs/layouts.md).")
+    checkpoint_layout: str = _opt("auto", f"Checkpoint layout to read: auto, or one of {', '.join(LAYOUT_CHOICES[1:])} (docs/layouts.md). auto takes single-file only when no other layout recognises checkpoint_dir.")
+    checkpoint_file: str = _opt("", "single-file checkpoints: the file (or glob) the trainer saves whole, relative to checkpoint_dir, e.g. ckpt.pt, *.ckpt, model.safetensors; empty: every top-level .pt/.pth/.ckpt/.bin/.safetensors/.pkl file.")
+    file_versions_keep: int = _opt(2, "single-file checkpoints: complete versions kept aside in <checkpoint_dir>/.rlsup-versions/ (a hard link when the trainer writes a new file per save, else a copy: up to this many times the file's size on disk); before a restart the newest is put back where the file is torn or missing. 0: off.")
+    file_versions_max_bytes: int = _opt(0, "single-file checkpoints: most bytes the kept versions may take together (0: no cap beyond file_versions_keep); each file's newest kept version always stays.")
+    quarantine_invalid: bool = _opt(False, "Before each attempt, rename a torn checkpoint newer than the newest valid one to <name>.rlsup-invalid-<unix time> (never deleted; `rlsup checkpoints list` shows it; only you put it back, with mv), so a trainer that picks 'latest' itself skips it.")
     progress: str = _opt("", "Read progress from the job's output in a trainer's own format: verl, areal, megatron-bridge or hf (docs/progress.md); for trainers that do not call trainer_hooks.")
     progress_regex: str = _opt("", "A regular expression; each output line it matches counts as a heartbeat of the whole job, the step from its first group (overrides progress). Rank heartbeats from trainer_hooks take precedence.")
     straggler_factor: float = _opt(1.5, "A rank whose own work per step stays this many times its peers' median (heartbeat arrivals before the step's collective, or trainer_hooks.section('work')) over straggler_window steps is reported as a straggler; 0: off.")
@@ -350,8 +359,14 @@ def _validate(cfg: SupervisorConfig, origins: dict[str, str]) -> None:
     name = cfg.preempt_signal if cfg.preempt_signal.startswith("SIG") else "SIG" + cfg.preempt_signal
     if not isinstance(getattr(_signal, name, None), _signal.Signals):
         raise bad("preempt_signal", f"unknown signal {cfg.preempt_signal!r}")
-    if cfg.checkpoint_layout not in ("auto", "rlsup", "verl", "megatron", "areal", "dcp"):
-        raise bad("checkpoint_layout", f"unknown layout {cfg.checkpoint_layout!r}")
+    if cfg.checkpoint_layout not in LAYOUT_CHOICES:
+        raise bad("checkpoint_layout", f"unknown layout {cfg.checkpoint_layout!r} (one of {', '.join(LAYOUT_CHOICES)})")
+    if cfg.checkpoint_file and cfg.checkpoint_layout not in ("auto", "single-file"):
+        raise bad("checkpoint_file", f"names a single-file checkpoint, but checkpoint_layout is {cfg.checkpoint_layout!r}")
+    if cfg.checkpoint_file and (Path(cfg.checkpoint_file).is_absolute() or ".." in Path(cfg.checkpoint_file).parts):
+        raise bad("checkpoint_file", f"must be relative to checkpoint_dir, without '..': {cfg.checkpoint_file!r}")
+    if cfg.file_versions_keep < 0 or cfg.file_versions_max_bytes < 0:
+        raise bad("file_versions_keep" if cfg.file_versions_keep < 0 else "file_versions_max_bytes", "must be >= 0")
     from supervisor.progress import progress_pattern
 
     try:

@@ -28,6 +28,7 @@ class RunSummary:
     restarts: int = 0
     downtime_s: float = 0.0
     steps_lost: int = 0
+    unknown_lost: int = 0  # incidents whose steps lost rlsup cannot know
     reasons: dict[str, int] = field(default_factory=dict)
     suspect_nodes: dict[str, int] = field(default_factory=dict)
     first: float | None = None
@@ -35,9 +36,10 @@ class RunSummary:
 
 
 def steps_lost(incident: dict[str, Any]) -> int | None:
-    """Steps redone after this failure: the last step a rank reported minus the step resumed from."""
+    """Steps redone after this failure: the last step a rank reported minus the step resumed from; None
+    when either is unknown (no step reported, or a checkpoint rlsup cannot read the step of)."""
     last, resumed = incident.get("last_step"), incident.get("resumed_step")
-    if last is None:
+    if last is None or incident.get("resume_known") is False:
         return None
     return max(0, last - (resumed if resumed is not None else 0))
 
@@ -51,7 +53,9 @@ def summarize(incidents: list[dict[str, Any]]) -> RunSummary:
         suspects.update(inc.get("suspect_nodes") or [])
         s.restarts += inc.get("action") == "restart"
         s.downtime_s += inc.get("downtime_s") or 0.0
-        s.steps_lost += steps_lost(inc) or 0
+        lost = steps_lost(inc)
+        s.steps_lost += lost or 0
+        s.unknown_lost += lost is None and inc.get("resume_known") is False
         t = inc.get("time")
         if isinstance(t, (int, float)):
             s.first = t if s.first is None else min(s.first, t)
@@ -68,6 +72,10 @@ def incident_line(inc: dict[str, Any]) -> str:
         resumed = inc.get("resumed_step")
         parts.append(f"{lost} steps lost (step {inc['last_step']} -> resumed "
                      f"{'from scratch' if resumed is None else resumed})")
+    elif inc.get("resume_known") is False and inc.get("downtime_s") is not None:
+        last = "?" if inc.get("last_step") is None else inc["last_step"]
+        parts.append(f"steps lost unknown (step {last} -> resumed from "
+                     f"{inc.get('resumed_from') or 'a checkpoint rlsup cannot read'}, step unknown)")
     if inc.get("downtime_s") is not None:
         parts.append(f"downtime {inc['downtime_s']:.1f}s")
     line = "; ".join(parts)
@@ -87,7 +95,8 @@ def report(state_dir: Path, incidents: list[dict[str, Any]]) -> str:
     s = summarize(incidents)
     span = f" over {_duration(s.last - s.first)}" if s.first is not None and s.last is not None else ""
     lines = [f"{state_dir / INCIDENTS}: {s.incidents} incident(s){span}, {s.restarts} restart(s), "
-             f"downtime {s.downtime_s:.1f}s, {s.steps_lost} steps lost"]
+             f"downtime {s.downtime_s:.1f}s, {s.steps_lost} steps lost"
+             + (f" ({s.unknown_lost} more incident(s): unknown)" if s.unknown_lost else "")]
     if s.reasons:
         lines.append("reasons: " + ", ".join(f"{r} {n}" for r, n in s.reasons.items()))
     if s.suspect_nodes:

@@ -125,10 +125,10 @@ class SupervisorMetrics(Observer):
             self._productive += now - self._running_since
             self._running_since = None
 
-    def attempt_started(self, attempt: int, resume_step: int | None) -> None:
+    def attempt_started(self, attempt: int, resume_step: int | None, known: bool = True) -> None:
         self.attempts.inc()
         self._awaiting_first_beat = self._failed_at is not None
-        if self._failed_step is not None:
+        if self._failed_step is not None and known:
             lost = max(0, self._failed_step - (resume_step or 0))
             self.steps_lost.observe(lost)
             self._productive -= lost * self._step_time  # work that has to be done again was not productive

@@ -12,8 +12,9 @@ class Observer:
     def state(self, state: str) -> None:
         """The job entered ``state`` (a :class:`supervisor.lifecycle.JobStatus`, a str); once per change."""
 
-    def attempt_started(self, attempt: int, resume_step: int | None) -> None:
-        """An attempt was launched, resuming from ``resume_step`` (None: fresh start)."""
+    def attempt_started(self, attempt: int, resume_step: int | None, known: bool = True) -> None:
+        """An attempt was launched, resuming from ``resume_step`` (None: fresh start); ``known`` False:
+        rlsup cannot know the step the trainer resumes from (steps lost are not counted)."""
 
     def attempt_failed(self, reason: str, last_step: int | None) -> None:
         """An attempt ended in failure for ``reason`` (one of :data:`supervisor.lifecycle.ATTEMPT_FAILURES`)."""

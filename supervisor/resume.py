@@ -9,7 +9,7 @@ from typing import Callable
 
 @dataclass(frozen=True)
 class ResumePoint:
-    step: int
+    step: int | None  # None: the checkpoint names no step (a single-file checkpoint)
     path: Path
     layout: str
 
@@ -60,3 +60,30 @@ def repair_tracker(checkpoint_dir: Path, point: ResumePoint, log: Callable[[str]
         return point
     log(f"tracker {path} said {status.raw!r} ({status.describe()}); now points at step {point.step}")
     return point
+
+
+def describe_unreadable(checkpoint_dir: Path, layout: str, single_file_tracked: bool) -> str:
+    """A line for the log when ``checkpoint_dir`` holds entries that no layout recognises (empty when it
+    is empty, recognised, or read as single-file checkpoints): what was found, what was tried, how to
+    tell rlsup. Decisions then rest on the trainer's own steps (:mod:`supervisor.attempt_progress`)."""
+    from supervisor import layouts
+    from supervisor.layouts import single_file
+
+    if single_file_tracked or layout not in ("auto", single_file.NAME):
+        return ""  # read as single-file, or the user named a layout (its own errors say what is wrong)
+    try:
+        entries = sorted(p.name for p in checkpoint_dir.iterdir() if not p.name.startswith("."))
+    except OSError:
+        return ""
+    if not entries or (layout == "auto" and layouts.detect_layout(checkpoint_dir) != "unknown"):
+        return ""
+    shown = ", ".join(entries[:5]) + (f", ... ({len(entries)} in all)" if len(entries) > 5 else "")
+    if layout == single_file.NAME:
+        return (f"checkpoint_dir {checkpoint_dir} holds {shown}, but no complete single-file checkpoint matches "
+                "checkpoint_file; set --checkpoint-file to the file the trainer saves (a name or glob)")
+    tried = ", ".join((*layouts.LAYOUT_NAMES, single_file.NAME))
+    return (f"checkpoint_dir {checkpoint_dir} holds {shown}, which no layout recognises (tried: {tried}); rlsup "
+            "cannot choose the resume point, so the trainer resumes on its own, and whether an attempt made "
+            "progress is judged from the trainer's own steps (trainer_hooks heartbeats or --progress); steps lost "
+            "are reported as unknown. Tell rlsup with --checkpoint-layout NAME, or --checkpoint-file GLOB for a "
+            "checkpoint saved as one file (docs/layouts.md)")

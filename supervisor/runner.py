@@ -22,6 +22,7 @@ from typing import Any, Sequence
 
 from supervisor import exit_codes
 from supervisor.attempt_end import AttemptResult, classify_exit, from_rank_death
+from supervisor.attempt_progress import AttemptProgress
 from supervisor.config import SupervisorConfig
 from supervisor.hang_detector import AutoTimeout, HangDetector, HangSettings, HangVerdict
 from supervisor.health import mark_repeat_offender, node_name
@@ -85,6 +86,13 @@ class Supervisor:
         from supervisor.memory_tier import MemoryTier
 
         self.memory = MemoryTier.from_config(self.cfg, self.checkpoint_dir, self.job.id)  # None: memory_dir empty
+        from supervisor.file_versions import FileVersions
+
+        self.file_versions = FileVersions.from_config(self.cfg, self.checkpoint_dir)  # None: single-file off
+        self._versions_at_launch = 0  # file_versions.kept when the attempt launched (the progress rule)
+        self._first_step: int | None = None  # the first step the trainer reported in this attempt
+        self._unreadable = False  # checkpoint_dir holds files no layout reads (found before each attempt)
+        self._unreadable_said = False  # ... which is said once per run
 
     # ------------------------------------------------------------ the loop
 
@@ -94,6 +102,7 @@ class Supervisor:
             return self._run()
         finally:
             self._discard_zygote()  # every way out, exceptions included: no unused launcher outlives rlsup
+            self.processes.release_attempts()  # nothing recorded outlives the run; the guardian goes
             for signum, handler in previous.items():  # a second Supervisor in this process starts clean
                 signal.signal(signum, handler)
 
@@ -107,11 +116,14 @@ class Supervisor:
     def _run(self) -> RunResult:
         self.processes.become_subreaper()
         self.state_dir.mkdir(parents=True, exist_ok=True)
-        self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        if self.persistent is not None or self.memory is not None:  # the tiers watch it; else the trainer makes it
+            self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
         if self.persistent is not None:
             self.persistent.start(self.checkpoint_dir)
         if self.memory is not None:
             self.memory.start()
+        if self.file_versions is not None:
+            self.file_versions.start()
         attempt = self.first_attempt()
         pending: tuple[Incident, float] | None = None  # last failure, recorded once the next attempt starts
         while True:
@@ -162,9 +174,8 @@ class Supervisor:
         """A failed attempt: its incident, and the delay before the next one (None: give up, recorded now)."""
         self._set_state(JobStatus.FAILED)
         self.attempt_failed(attempt, result)
-        after = self.progress_marker()
-        progressed = after is not None and (resume is None or after > resume.step)
-        decision = self.policy.decide(result.exit_code, progressed)
+        progress = self.attempt_progress(result, resume)
+        decision = self.policy.decide(result.exit_code, progress.progressed)
         self.observer.attempt_failed(result.reason, result.last_step)
         incident = self._incident(result, decision.action)
         if not decision.restart:
@@ -211,17 +222,25 @@ class Supervisor:
         return self._finish(exit_codes.UNHEALTHY, JobStatus.GAVE_UP, attempt)
 
     def first_attempt(self) -> int:
-        """0, or the attempt after the one a previous rlsup was running when it died (SIGKILL, OOM)."""
+        """0, or the attempt after the one a previous rlsup was running when it died (SIGKILL, OOM).
+        What a dead predecessor's attempt left running (its cgroup, or its recorded sessions and pids
+        whose start times still match) is ended first; then this run's attempts are guarded."""
         from supervisor.incidents import read_state
 
         prev = read_state(self.state_dir)
+        leftovers = self.processes.end_predecessor(self.state_dir)
+        ended = "" if leftovers is None else "; nothing of its attempt was left running" if not leftovers[1] \
+            else f"; ended what its attempt left: {', '.join(map(str, leftovers[1]))}"
+        if leftovers and leftovers[1]:
+            self._log(f"a previous rlsup (pid {leftovers[0]}) died{ended}")
+        self.processes.guard_attempts(self.state_dir)
         if not prev or prev.get("state") in FINAL or self.processes.pid_exists(int(prev.get("pid", 0))):
             return 0
         attempt = int(prev.get("attempt", 0))
         self._record(Incident(time=time.time(), attempt=attempt, reason=EndReason.SUPERVISOR_LOST,
                               action=Action.RESTART,
                               last_step=prev.get("last_step"),
-                              detail=f"rlsup pid {prev.get('pid')} died while the job was {prev.get('state')}"))
+                              detail=f"rlsup pid {prev.get('pid')} died while the job was {prev.get('state')}{ended}"))
         self._log(f"a previous rlsup died during attempt {attempt}; continuing with attempt {attempt + 1}")
         return attempt + 1
 
@@ -241,6 +260,7 @@ class Supervisor:
             if point is not None:
                 self.observer.checkpoint(point.step, point.path.stat().st_mtime)
         else:
+            self._before_choosing()
             point = self.choose_resume()
         if point is not None and self.cfg.repair_tracker:
             point = repair_tracker(self.checkpoint_dir, point, self._log)
@@ -256,6 +276,53 @@ class Supervisor:
     def give_up(self, reason: str) -> None:
         """This node stops restarting (tell the other nodes)."""
 
+    def attempt_progress(self, result: AttemptResult, resume: ResumePoint | None) -> "AttemptProgress":
+        """Whether this failed attempt made progress: the one rule of :mod:`supervisor.attempt_progress`."""
+        from supervisor.attempt_progress import AttemptEvidence, judge
+
+        versions = None
+        if self.file_versions is not None and (self.file_versions.kept or self.file_versions.tracked()):
+            self.file_versions.observe()  # a version completed just before the end
+            versions = self.file_versions.kept - self._versions_at_launch
+        return judge(AttemptEvidence(newest_step=self.progress_marker(), resumed_step=resume.step if resume else None,
+                                     new_file_versions=versions, unreadable=self._checkpoints_unreadable(),
+                                     first_step=self._first_step, last_step=result.last_step))
+
+    def _before_choosing(self) -> None:
+        """Single node, before the resume point is chosen: put back a torn single-file checkpoint's newest
+        complete version, move torn checkpoints aside (``quarantine_invalid``), and say once when the
+        directory holds files no layout reads (decisions then rest on the trainer's own steps)."""
+        if self.file_versions is not None:
+            for done in self.file_versions.restore():
+                self._log(f"single-file checkpoint {done.live} was {done.why}; put back its newest complete "
+                          f"version ({done.version.size} bytes, saved {time.ctime(done.version.mtime_ns / 1e9)})")
+        if self.cfg.quarantine_invalid and self.cfg.resume:
+            from supervisor.quarantine import quarantine_torn
+
+            for moved in quarantine_torn(self.checkpoint_dir, self.cfg.checkpoint_layout, self.cfg.checkpoint_file):
+                self._log(f"quarantined {moved.source.name} ({moved.reason}) as {moved.target.name}; "
+                          f"put it back with mv only if you know it is good")
+        self._checkpoints_unreadable()
+
+    def _checkpoints_unreadable(self) -> bool:
+        """Whether checkpoint_dir holds entries no layout reads (said once per run, with how to fix it)."""
+        from supervisor.resume import describe_unreadable
+
+        said = describe_unreadable(self.checkpoint_dir, self.cfg.checkpoint_layout,
+                                   self.file_versions is not None and bool(self.file_versions.tracked()))
+        self._unreadable = bool(said) and self.cfg.resume
+        if self._unreadable and not self._unreadable_said:
+            self._unreadable_said = True
+            self._log(said)
+        return self._unreadable
+
+    def resume_known(self, resume: ResumePoint | None) -> bool:
+        """Whether rlsup knows the step the attempt resumes from: not for a single-file checkpoint (no
+        step in it), nor for a fresh start beside files no layout reads (the trainer may resume itself)."""
+        if resume is not None:
+            return resume.step is not None
+        return not self._unreadable
+
     def progress_marker(self) -> int | None:
         """Newest valid checkpoint step, to tell whether a failed attempt made progress."""
         point = self.choose_resume()
@@ -268,6 +335,8 @@ class Supervisor:
         if not self.cfg.resume:
             return None
         point = choose_resume(self.checkpoint_dir, self.cfg.checkpoint_layout, self.job.id)
+        if point is None and self.file_versions is not None and (live := self.file_versions.newest_valid()):
+            return ResumePoint(None, live, "single-file")  # no step: the trainer's file does not name one
         if point is not None:
             self.observer.checkpoint(point.step, point.path.stat().st_mtime)
         return point
@@ -305,7 +374,7 @@ class Supervisor:
             # step on its own under rlsup (a rank quietly starting over loses the run). Not set with
             # resume: false, where the trainer chooses.
             env["RLSUP_RESUME_DIR"] = str(resume.path) if resume is not None else ""
-        if resume is not None:
+        if resume is not None and resume.step is not None:
             env["RLSUP_RESUME_STEP"] = str(resume.step)
         return env
 
@@ -316,27 +385,39 @@ class Supervisor:
         hb_dir = attempt_dir / "heartbeats"
         hb_dir.mkdir(parents=True)
         self._prune_attempt_dirs()
-        where = f" from step {resume.step} ({resume.path})" if resume else ""
-        self._log(f"attempt {attempt}: launching {' '.join(self.command)}{where}")
+        where = "" if resume is None else f" from {resume.path}" if resume.step is None else \
+            f" from step {resume.step} ({resume.path})"
+        argv = self.attempt_command(resume)
+        self._log(f"attempt {attempt}: launching {' '.join(argv)}{where}")
         env = self.attempt_env(attempt, resume, hb_dir)
-        job = self._start_warm(attempt, env, attempt_dir / "output.log")
+        job = self._start_warm(attempt, env, argv, attempt_dir / "output.log")
         if job is None:
-            job = self.processes.start(self.command, env, attempt_dir / "output.log", self.cfg.output_tail_lines)
+            job = self.processes.start(argv, env, attempt_dir / "output.log", self.cfg.output_tail_lines)
         attach_progress(self.cfg.progress, self.cfg.progress_regex, job, hb_dir)
-        self.observer.attempt_started(attempt, resume.step if resume else None)
+        self.observer.attempt_started(attempt, resume.step if resume else None, known=self.resume_known(resume))
+        self._versions_at_launch = self.file_versions.kept if self.file_versions is not None else 0
+        self._first_step = None
         if resume is not None:
             self.observer.resumed_from(getattr(resume, "tier", "local"))
         self._arm_zygote(env)
         return job, hb_dir
 
-    def _start_warm(self, attempt: int, env: dict[str, str], log_path: Path) -> JobProcess | None:
+    def attempt_command(self, resume: ResumePoint | None) -> list[str]:
+        """The launch command with its resume placeholders filled (:mod:`supervisor.launch_args`)."""
+        from supervisor.launch_args import ResumeFill, expand
+
+        return expand(self.command, None if resume is None else ResumeFill(str(resume.path), resume.step))
+
+    def _start_warm(self, attempt: int, env: dict[str, str], argv: list[str], log_path: Path) -> JobProcess | None:
         """This attempt's job root from the pre-spawned warm launcher; None: launch cold."""
         zygote, self._zygote = self._zygote, None
         if zygote is None:
             return None
         age = time.monotonic() - zygote.spawned
+        spec = warm_spec(argv, env) if argv != self.command else None  # the filled placeholders' torchrun args
         try:
-            job = zygote.start(None, env, os.getcwd(), log_path, self.cfg.output_tail_lines)
+            job = zygote.start(spec.args if spec is not None else None, env, os.getcwd(), log_path,
+                               self.cfg.output_tail_lines)
         except Exception as e:  # whatever went wrong, the cold launch still can
             zygote.discard()
             self._log(f"attempt {attempt}: warm launcher pid {zygote.pid} failed to start ({e}); launching cold")
@@ -388,6 +469,12 @@ class Supervisor:
         while True:
             code = job.poll()
             if code is not None:
+                if code != 0 and self.stop_signal is None and job.output.finished is None:
+                    # A failed root: its children must not train on while the output drains (a failed
+                    # attempt is SIGKILLed anyway); a success or a stop keeps cleanup's SIGTERM and grace.
+                    killed = job.terminate_tree(0.0)
+                    if killed:
+                        self._log(f"attempt {attempt}: job root exited with {code}; killed what it left: {killed}")
                 job.output.join(timeout=2)
                 return self._classify_exit(attempt, code, job, detector, first_dead, oom_before)
             if self.stop_signal is not None:
@@ -403,6 +490,8 @@ class Supervisor:
             self.state.heartbeat_timeout_s = detector.timeout()
             if self.state.last_step != (step := detector.last_step()):  # rlsup status follows the steps
                 self.state.last_step = step
+                if self._first_step is None:
+                    self._first_step = step
                 publish_state(self.state_dir, self.state)
             if verdict is not None:
                 return self._hang(attempt, job, detector, verdict)
@@ -539,6 +628,8 @@ class Supervisor:
         if resume is not None:
             incident.resumed_from, incident.resumed_step = str(resume.path), resume.step
             incident.resumed_tier = getattr(resume, "tier", "local")
+        if downtime is not None:
+            incident.resume_known = self.resume_known(resume)
         if incident not in self.incidents and mark_repeat_offender(incident, self.incidents, self.node_name):
             self.observer.suspect(self.node_name, "repeated")
         append_incident(self.state_dir, incident)
@@ -574,6 +665,8 @@ class Supervisor:
             self.memory.finish(remove=status == JobStatus.SUCCEEDED, timeout=self.cfg.stop_grace)
         if self.persistent is not None:  # the last checkpoint, whatever the cadence; the tier logs the copy
             self.persistent.flush(self.cfg.stop_grace)
+        if self.file_versions is not None:
+            self.file_versions.stop()
         self._log(f"{status.value} after {attempt + 1} attempt(s); exit {code}" + (f" ({why})" if why else ""))
         return RunResult(code, status, attempt + 1, self.incidents)
 

@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Callable
 from types import ModuleType
 
-from supervisor.layouts import (areal, dcp, deepspeed, hf, lightning, megatron, nemo, nemo_rl, rlsup, torchtitan,
-                                tracker, verl)
+from supervisor.layouts import (areal, dcp, deepspeed, hf, lightning, megatron, nemo, nemo_rl, rlsup, single_file,
+                                torchtitan, tracker, verl)
 from supervisor.layouts.files import tree_size
 from supervisor.layouts.record import Check, CheckpointRecord, TrackerStatus
 
@@ -27,6 +27,7 @@ __all__ = [
     "detect_layout",
     "scan",
     "latest_valid",
+    "torn_newest",
     "verify_path",
     "tracker_status",
     "repair_tracker",
@@ -75,7 +76,7 @@ def detect_layout(directory: str | Path) -> str:
 
 def _resolve(root: Path, layout: str) -> ModuleType | None:
     name = detect_layout(root) if layout == "auto" else layout
-    if name == "unknown":
+    if name in ("unknown", single_file.NAME):  # single-file checkpoints have no steps (supervisor.file_versions)
         return None
     try:
         return LAYOUTS[name]
@@ -108,6 +109,23 @@ def latest_valid(directory: str | Path, layout: str = "auto",
         if record.valid and (accept is None or accept(record)):
             return record
     return None
+
+
+def torn_newest(directory: str | Path, layout: str = "auto") -> list[CheckpointRecord]:
+    """The invalid steps newer than the newest valid one, newest first (what a trainer that picks its
+    "latest" itself would wrongly load). Verifies newest-first and stops at the first valid step."""
+    root = Path(directory)
+    mod = _resolve(root, layout)
+    if mod is None:
+        return []
+    ctx = mod.make_context(root)
+    torn = []
+    for step, path in reversed(mod.list_steps(root)):
+        record = mod.verify_step(path, step, ctx)
+        if record.valid:
+            break
+        torn.append(record)
+    return torn
 
 
 def _unknown(path: Path, reason: str) -> CheckpointRecord:

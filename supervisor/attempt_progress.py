@@ -1,0 +1,67 @@
+"""Did a failed attempt make progress? One rule, for the restart policy, incidents and metrics.
+
+rlsup prefers what it can verify: a newer valid checkpoint than the one the attempt resumed from.
+Where it cannot read the trainer's checkpoints, judging by them would punish a healthy job (every
+attempt "made no new valid checkpoint", backoff grows, exit 76 while the trainer saved fine), so it
+falls back to what it can still see, in this order:
+
+1. a checkpoint layout recognises the directory: a valid step newer than the resumed one;
+2. single-file checkpoints: a new complete version of the file was kept during the attempt;
+3. the directory holds files no layout reads: the trainer's own step (heartbeats or output progress)
+   moved past the step it started the attempt from.
+
+Otherwise (no checkpoint yet, or no step reported beside unreadable files) nothing shows progress: a
+job that crashes before its first save, every time, is a crash loop.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class ProgressBasis(enum.Enum):
+    """What the verdict rests on."""
+
+    CHECKPOINT = "checkpoint"  # a layout's valid steps
+    FILE_VERSION = "file_version"  # complete versions of a single-file checkpoint
+    TRAINER_STEP = "trainer_step"  # the trainer's own reported step
+    NOTHING = "nothing"  # files no layout reads, and no step reported
+
+
+@dataclass(frozen=True)
+class AttemptProgress:
+    """The verdict on one attempt, and what it rests on."""
+
+    progressed: bool
+    basis: ProgressBasis
+
+
+@dataclass(frozen=True)
+class AttemptEvidence:
+    """What rlsup saw of one attempt. ``newest_step``: the newest valid step after it (None: no layout
+    recognises the directory); ``resumed_step``: the step it resumed from (None: fresh, or unknown);
+    ``new_file_versions``: complete single-file versions kept during it (None: no such files);
+    ``unreadable``: the checkpoint directory holds entries no layout reads; ``first_step``/``last_step``:
+    the first and last step the trainer reported in it."""
+
+    newest_step: int | None = None
+    resumed_step: int | None = None
+    new_file_versions: int | None = None
+    unreadable: bool = False
+    first_step: int | None = None
+    last_step: int | None = None
+
+
+def judge(evidence: AttemptEvidence) -> AttemptProgress:
+    """The rule of the module docstring."""
+    if evidence.newest_step is not None:
+        progressed = evidence.resumed_step is None or evidence.newest_step > evidence.resumed_step
+        return AttemptProgress(progressed, ProgressBasis.CHECKPOINT)
+    if evidence.new_file_versions is not None:
+        return AttemptProgress(evidence.new_file_versions > 0, ProgressBasis.FILE_VERSION)
+    if not evidence.unreadable:
+        return AttemptProgress(False, ProgressBasis.CHECKPOINT)  # no checkpoint yet
+    if evidence.first_step is not None and evidence.last_step is not None:
+        return AttemptProgress(evidence.last_step > evidence.first_step, ProgressBasis.TRAINER_STEP)
+    return AttemptProgress(False, ProgressBasis.NOTHING)

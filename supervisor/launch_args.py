@@ -1,0 +1,113 @@
+"""The resume point on the command line: placeholders in the launch command, filled per attempt.
+
+A trainer that takes its resume point as a flag needed a shell wrapper
+(``bash -c '... ${RLSUP_RESUME_DIR:+--resume_from_checkpoint "$RLSUP_RESUME_DIR"}'``), which hides
+``torchrun`` from rlsup and so loses warm ranks and the warm launcher. Instead::
+
+    {resume:TEXT}   a whole argument: on a resume, TEXT with {dir} and {step} filled, split at spaces
+                    into arguments ('{resume:--resume_from_checkpoint {dir}}' gives two); on a fresh
+                    start the argument disappears.
+    {resume?A:B}    anywhere inside an argument: A on a resume, B on a fresh start
+                    (--init_from={resume?resume:scratch}); A and B may use {dir} and {step}.
+
+``{dir}`` is the checkpoint rlsup chose (``RLSUP_RESUME_DIR``: a step directory, or the file of a
+single-file checkpoint), ``{step}`` its step (empty where the checkpoint names none). Only text
+beginning with the literal ``{resume:`` or ``{resume?`` is a placeholder, and never right after a
+``$``: Hydra's and OmegaConf's ``${...}`` interpolations, Python format fields and everything else
+pass through untouched. Bash leaves these words alone too (brace expansion needs a comma or ``..``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+_OPEN = ("{resume:", "{resume?")
+
+
+class LaunchArgError(ValueError):
+    """A malformed placeholder; the message names the argument."""
+
+
+@dataclass(frozen=True)
+class ResumeFill:
+    """What the placeholders are filled with for one attempt (None: a fresh start)."""
+
+    path: str
+    step: int | None
+
+
+def has_placeholders(command: Sequence[str]) -> bool:
+    return any(_find(arg, 0) >= 0 for arg in command)
+
+
+def check(command: Sequence[str]) -> None:
+    """Raise :class:`LaunchArgError` for the first malformed placeholder (before anything launches)."""
+    expand(command, None)
+    expand(command, ResumeFill("/x", 1))
+
+
+def expand(command: Sequence[str], resume: ResumeFill | None) -> list[str]:
+    """``command`` with its placeholders filled for ``resume`` (None: a fresh start)."""
+    out: list[str] = []
+    for index, arg in enumerate(command):
+        if arg.startswith("{resume:") and _close(arg, 0, index) == len(arg) - 1:
+            if resume is not None:  # split first, so a path with spaces stays one argument
+                out.extend(_fill(word, resume) for word in arg[len("{resume:"):-1].split())
+            continue
+        out.append(_inline(arg, resume, index))
+    return out
+
+
+def _inline(arg: str, resume: ResumeFill | None, index: int) -> str:
+    text, pos = [], 0
+    while (start := _find(arg, pos)) >= 0:
+        end = _close(arg, start, index)
+        if arg.startswith("{resume:", start):
+            raise LaunchArgError(f"argument {index} ({arg!r}): '{{resume:...}}' must be a whole argument "
+                                 "(quote it when its text has spaces); inside an argument use '{resume?A:B}'")
+        body = arg[start + len("{resume?"):end]
+        split = _top_level_colon(body)
+        if split < 0:
+            raise LaunchArgError(f"argument {index} ({arg!r}): '{{resume?A:B}}' needs a ':' between the text "
+                                 "for a resume and the text for a fresh start")
+        chosen = body[:split] if resume is not None else body[split + 1:]
+        text += [arg[pos:start], _fill(chosen, resume) if resume is not None else chosen]
+        pos = end + 1
+    return "".join(text) + arg[pos:]
+
+
+def _find(arg: str, pos: int) -> int:
+    """Index of the next placeholder at or after ``pos`` (never one right after a ``$``), or -1."""
+    while True:
+        hits = [i for i in (arg.find(o, pos) for o in _OPEN) if i >= 0]
+        if not hits:
+            return -1
+        i = min(hits)
+        if i == 0 or arg[i - 1] != "$":
+            return i
+        pos = i + 1
+
+
+def _close(arg: str, start: int, index: int) -> int:
+    """Index of the brace closing the one at ``start``."""
+    depth = 0
+    for i in range(start, len(arg)):
+        depth += {"{": 1, "}": -1}.get(arg[i], 0)
+        if depth == 0:
+            return i
+    raise LaunchArgError(f"argument {index} ({arg!r}): placeholder at character {start} has no closing '}}' "
+                         "(a shell splits unquoted spaces: quote the placeholder, or write --flag={dir})")
+
+
+def _top_level_colon(body: str) -> int:
+    depth = 0
+    for i, ch in enumerate(body):
+        depth += {"{": 1, "}": -1}.get(ch, 0)
+        if ch == ":" and depth == 0:
+            return i
+    return -1
+
+
+def _fill(text: str, resume: ResumeFill) -> str:
+    return text.replace("{dir}", resume.path).replace("{step}", "" if resume.step is None else str(resume.step))

@@ -1,0 +1,76 @@
+"""Move torn newest checkpoints aside (``quarantine_invalid``), for trainers that pick "latest" themselves.
+
+HF's ``get_last_checkpoint`` and "newest file wins" scripts load the newest checkpoint they see, even
+one rlsup knows is torn. Before an attempt, each checkpoint newer than the newest valid one that fails
+its check is renamed ``<name>.rlsup-invalid-<unix time>``: no trainer's own scan matches that name
+(``checkpoint-N$``, ``*.pt``, ``*.ckpt``), and nothing is deleted: only the user puts it back (``mv``).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from supervisor import layouts
+from supervisor.layouts import single_file
+
+
+@dataclass(frozen=True)
+class Quarantined:
+    """One torn checkpoint renamed aside."""
+
+    source: Path
+    target: Path
+    reason: str
+
+
+def quarantine_torn(root: Path, layout: str = "auto", pattern: str = "") -> list[Quarantined]:
+    """Rename every torn checkpoint newer than the newest valid one under ``root`` (a layout's steps, or
+    single-file checkpoints when no layout recognises it); what was moved."""
+    torn = [(r.path, r.reason) for r in layouts.torn_newest(root, layout)]
+    if not torn and layouts.detect_layout(root) == "unknown" and layout in ("auto", single_file.NAME):
+        torn = _torn_files(root, pattern)
+    moved = []
+    stamp = int(time.time())
+    for path, reason in torn:
+        path = Path(path)
+        if path == root or root not in path.parents:  # never the checkpoint root itself, nothing outside it
+            continue
+        target = path.with_name(f"{path.name}{single_file.INVALID_MARK}-{stamp}")
+        try:
+            os.rename(path, target)  # same directory: atomic, and the bytes stay for the user to inspect
+        except OSError:
+            continue
+        moved.append(Quarantined(path, target, reason))
+    return moved
+
+
+def _torn_files(root: Path, pattern: str) -> list[tuple[Path, str]]:
+    """Single-file checkpoints newer than the newest complete one that fail the format check."""
+    def mtime(path: Path) -> int:
+        try:
+            return path.stat().st_mtime_ns
+        except OSError:
+            return 0
+
+    files = sorted(single_file.tracked_files(root, pattern), key=mtime, reverse=True)
+    torn = []
+    for path in files:
+        check = single_file.check_file(path)
+        if check.ok:
+            break
+        torn.append((path, check.reason))
+    return torn
+
+
+def quarantined(root: Path) -> list[Path]:
+    """Entries moved aside under ``root`` (top level and one level down), for ``rlsup checkpoints list``."""
+    found: list[Path] = []
+    for pattern in (f"*{single_file.INVALID_MARK}-*", f"*/*{single_file.INVALID_MARK}-*"):
+        try:
+            found.extend(root.glob(pattern))
+        except OSError:
+            continue
+    return sorted(found)
