@@ -1,0 +1,140 @@
+"""Single-file checkpoints (issue 28): completeness from the format alone, versions kept aside and put
+back, torn newest checkpoints quarantined, in process with real writers (torch.save, safetensors, pickle)."""
+
+from __future__ import annotations
+
+import os
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+
+from supervisor import layouts
+from supervisor.file_versions import FileVersions, FileVersionSettings
+from supervisor.layouts import single_file
+from supervisor.quarantine import quarantine_torn, quarantined
+
+from hf_builders import hf_step
+
+
+def _state(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"iter_num": seed, "model": {"w": torch.randn(64, 64, generator=g)}, "config": {"lr": 0.1}}
+
+
+def _cuts(size: int) -> list[int]:
+    """Byte counts a killed save may have left: every prefix at the edges, a spread in between."""
+    return sorted({0, 1, 2, 7, 8, 9, 30, size // 3, size // 2, size - 22, size - 2, size - 1} - {size})
+
+
+@pytest.mark.parametrize("writer", ["zip", "legacy", "pickle", "safetensors"])
+def test_every_cut_of_a_save_is_torn_and_the_whole_file_is_complete(tmp_path: Path, writer: str) -> None:
+    path = tmp_path / ("model.safetensors" if writer == "safetensors" else "ckpt.pt")
+    if writer == "zip":
+        torch.save(_state(1), path)
+    elif writer == "legacy":
+        torch.save(_state(1), path, _use_new_zipfile_serialization=False)
+    elif writer == "pickle":
+        path.write_bytes(pickle.dumps({"iter": 3, "weights": list(range(500))}, protocol=4))
+    else:
+        from safetensors.torch import save_file
+
+        save_file(_state(1)["model"], str(path))
+    whole = path.read_bytes()
+    assert single_file.check_file(path).ok, single_file.check_file(path).reason
+    for cut in _cuts(len(whole)):
+        if writer == "legacy" and cut > len(whole) - 64 * 64 * 4:
+            continue  # the legacy format's raw storage bytes are not checked (said in the note)
+        path.write_bytes(whole[:cut])
+        check = single_file.check_file(path)
+        assert not check.ok, f"{writer}: a save cut at byte {cut} of {len(whole)} passed as complete"
+
+
+def _versions(root: Path, **kw: object) -> FileVersions:
+    return FileVersions(root, FileVersionSettings(**kw))  # type: ignore[arg-type]
+
+
+def test_in_place_rewrites_are_copied_and_a_torn_file_gets_the_newest_back(tmp_path: Path) -> None:
+    live = tmp_path / "ckpt.pt"
+    versions = _versions(tmp_path, keep=2)
+    kept_bytes = []
+    for seed in (1, 2, 3):
+        with open(live, "wb") as f:  # torch.save over the old file: same inode, rewritten in place
+            torch.save(_state(seed), f)
+        assert versions.observe() == 1 and versions.observe() == 0  # each version once
+        kept_bytes.append(live.read_bytes())
+    kept = versions.versions(live)
+    assert len(kept) == 2 and kept[0].path.read_bytes() == kept_bytes[-1]  # the newest two, newest first
+    assert all(os.stat(v.path).st_nlink == 1 for v in kept)  # copies: the live inode is rewritten in place
+    with open(live, "r+b") as f:  # a kill in the middle of the next save
+        f.truncate(len(kept_bytes[-1]) // 2)
+    assert versions.observe() == 0  # a torn file is never kept
+    (done,) = versions.restore()
+    assert done.live == live and "truncated" in done.why
+    assert live.read_bytes() == kept_bytes[-1]
+    assert torch.load(live, weights_only=True)["iter_num"] == 3
+    assert versions.restore() == []  # a complete file is never touched
+
+
+def test_a_missing_file_is_put_back_and_a_writer_of_new_inodes_is_linked(tmp_path: Path) -> None:
+    live = tmp_path / "ckpt.pt"
+    versions = _versions(tmp_path, keep=3)
+    for seed in (1, 2):
+        tmp = tmp_path / "ckpt.pt.tmp"
+        torch.save(_state(seed), tmp)
+        os.replace(tmp, live)  # write-then-rename: a new inode per save
+        versions.observe()
+    newest = versions.versions(live)[0]
+    assert os.stat(newest.path).st_ino == os.stat(live).st_ino  # linked, no bytes copied
+    live.unlink()
+    (done,) = versions.restore()
+    assert "missing" in done.why and torch.load(live, weights_only=True)["iter_num"] == 2
+
+
+def test_the_size_cap_never_removes_the_newest_version(tmp_path: Path) -> None:
+    live = tmp_path / "ckpt.pt"
+    versions = _versions(tmp_path, keep=5, max_bytes=1)
+    for seed in (1, 2, 3):
+        with open(live, "wb") as f:
+            torch.save(_state(seed), f)
+        versions.observe()
+    (only,) = versions.versions(live)
+    assert only.path.read_bytes() == live.read_bytes()
+
+
+def test_auto_tracks_single_files_only_where_no_layout_reads_the_directory(tmp_path: Path) -> None:
+    torch.save(_state(1), tmp_path / "ckpt.pt")
+    (tmp_path / "notes.txt").write_text("not a checkpoint")
+    assert _versions(tmp_path).tracked() == [tmp_path / "ckpt.pt"]
+    hf_step(tmp_path, 4)  # an HF checkpoint-4 dir: the HF layout reads it, auto leaves the .pt alone
+    assert _versions(tmp_path).tracked() == []
+    assert _versions(tmp_path, pattern="ckpt.pt", auto=False).tracked() == [tmp_path / "ckpt.pt"]
+
+
+def test_quarantine_moves_a_torn_newest_hf_step_aside_and_hf_then_picks_the_valid_one(tmp_path: Path) -> None:
+    from transformers.trainer_utils import get_last_checkpoint
+
+    hf_step(tmp_path, 4)
+    torn = hf_step(tmp_path, 8)
+    weights = next(p for p in torn.rglob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[:100])
+    assert get_last_checkpoint(str(tmp_path)).endswith("checkpoint-8")  # HF alone would load the torn one
+    (moved,) = quarantine_torn(tmp_path)
+    assert moved.source == torn and moved.target.exists() and not torn.exists()
+    assert moved.target.name.startswith("checkpoint-8.rlsup-invalid-")
+    assert get_last_checkpoint(str(tmp_path)).endswith("checkpoint-4")
+    assert layouts.latest_valid(tmp_path).step == 4
+    assert quarantined(tmp_path) == [moved.target]
+    assert quarantine_torn(tmp_path) == []  # the valid newest is never moved
+
+
+def test_quarantine_moves_a_torn_newest_single_file_and_keeps_the_complete_one(tmp_path: Path) -> None:
+    torch.save(_state(1), tmp_path / "ckpt_100.pt")
+    torn = tmp_path / "ckpt_200.pt"
+    torch.save(_state(2), torn)
+    torn.write_bytes(torn.read_bytes()[:50])
+    os.utime(torn, ns=(os.stat(torn).st_mtime_ns + 10**9,) * 2)
+    (moved,) = quarantine_torn(tmp_path)
+    assert moved.source == torn and (tmp_path / "ckpt_100.pt").exists()
+    assert single_file.tracked_files(tmp_path, "") == [tmp_path / "ckpt_100.pt"]  # "newest *.pt wins" sees 100

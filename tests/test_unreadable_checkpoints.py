@@ -1,0 +1,75 @@
+"""A job whose checkpoints rlsup cannot read is never harmed (issue 28): the run loop, in process.
+
+The rule (supervisor/attempt_progress.py): with entries in checkpoint_dir that no layout reads, an attempt
+made progress when the trainer's own step moved past the one it started from; incidents then say the
+steps lost are unknown instead of counting from scratch. An empty directory keeps the old rule: a job
+that fails before its first save, every time, is a crash loop.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from supervisor import exit_codes
+from supervisor.attempt_progress import AttemptEvidence, ProgressBasis, judge
+from supervisor.incidents_cli import incident_line, report, steps_lost
+
+from conftest import incidents
+from test_run_loop import Attempt, make
+
+
+def _unreadable(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "weights.npz").write_bytes(b"a format no layout reads")
+
+
+def test_steps_that_move_beside_unreadable_checkpoints_are_progress(tmp_path: Path,
+                                                                      caplog: pytest.LogCaptureFixture) -> None:
+    _unreadable(tmp_path)
+    sup, layer, _ = make(tmp_path, *[Attempt(exit_code=1, exit_at=4)] * 4, Attempt(exit_code=0),
+                         max_no_progress_attempts=2, max_restarts=10, backoff_initial=5.0)
+    with caplog.at_level(logging.INFO, logger="supervisor"):
+        result = sup.run()
+    assert result.exit_code == exit_codes.OK and len(layer.jobs) == 5  # never 76, never backed off 5 s
+    said = [r.getMessage() for r in caplog.records if "no layout recognises" in r.getMessage()]
+    assert len(said) == 1 and "weights.npz" in said[0] and "--checkpoint-layout" in said[0]
+    recorded = incidents(tmp_path / "state")
+    assert [i["action"] for i in recorded] == ["restart"] * 4
+    assert all(i["resume_known"] is False and steps_lost(i) is None for i in recorded)
+    assert "steps lost unknown" in incident_line(recorded[0])
+    assert "4 more incident(s): unknown" in report(tmp_path / "state", recorded)
+
+
+def test_unreadable_checkpoints_without_any_step_still_stop_a_crash_loop(tmp_path: Path) -> None:
+    _unreadable(tmp_path)
+    sup, layer, _ = make(tmp_path, *[Attempt(exit_code=1, beats=False)] * 3, max_no_progress_attempts=2,
+                         max_restarts=10)
+    assert sup.run().exit_code == exit_codes.NO_PROGRESS and len(layer.jobs) == 2
+
+
+def test_an_empty_checkpoint_dir_keeps_the_crash_loop_rule(tmp_path: Path) -> None:
+    sup, layer, _ = make(tmp_path, *[Attempt(exit_code=1, exit_at=4)] * 3, max_no_progress_attempts=2,
+                         max_restarts=10)
+    assert sup.run().exit_code == exit_codes.NO_PROGRESS and len(layer.jobs) == 2
+    assert all(i.get("resume_known", True) for i in incidents(tmp_path / "state"))
+
+
+@pytest.mark.parametrize("evidence, verdict", [
+    (AttemptEvidence(newest_step=10, resumed_step=10, first_step=10, last_step=90, unreadable=True),
+     (False, ProgressBasis.CHECKPOINT)),  # a readable layout wins over printed steps
+    (AttemptEvidence(newest_step=20, resumed_step=10), (True, ProgressBasis.CHECKPOINT)),
+    (AttemptEvidence(new_file_versions=1, first_step=5, last_step=5), (True, ProgressBasis.FILE_VERSION)),
+    (AttemptEvidence(new_file_versions=0, first_step=5, last_step=50, unreadable=True),
+     (False, ProgressBasis.FILE_VERSION)),
+    (AttemptEvidence(first_step=50, last_step=80, unreadable=True), (True, ProgressBasis.TRAINER_STEP)),
+    (AttemptEvidence(first_step=50, last_step=50, unreadable=True), (False, ProgressBasis.TRAINER_STEP)),
+    (AttemptEvidence(first_step=0, last_step=80), (False, ProgressBasis.CHECKPOINT)),
+    (AttemptEvidence(unreadable=True), (False, ProgressBasis.NOTHING)),
+])
+def test_one_rule_for_progress(evidence: AttemptEvidence, verdict: tuple[bool, ProgressBasis]) -> None:
+    got = judge(evidence)
+    assert (got.progressed, got.basis) == verdict
