@@ -1,0 +1,461 @@
+"""Issue 28's done-when: real third-party training programs that nobody here wrote, run unmodified (only CPU
+flags), under ``rlsup run`` with the README's flags ("Using rlsup with your trainer"), each SIGKILLed at least
+three times, one kill in the middle of a save, reach their last step; every restart resumes from the newest
+complete checkpoint; no run ends with exit 76.
+
+Programs (set-up: tests/thirdparty/setup_trainers.py; sources, licences and commits there):
+
+- nanoGPT (karpathy/nanoGPT ``train.py``, vendored): one ``out/ckpt.pt`` rewritten in place by ``torch.save``
+  every ``eval_interval`` iterations; launched with ``--checkpoint-layout single-file --checkpoint-file ckpt.pt``
+  and ``--init_from={resume?resume:scratch}``. nanoGPT restores iter_num, model and optimizer but not the RNG,
+  so its final weights cannot equal an uninterrupted run's: the checks are the resumed iteration of every
+  attempt (the newest complete save, read from nanoGPT's own "step N" line) and that a kill mid-save costs at
+  most one save interval (rlsup puts the newest complete version back when the file is torn).
+- ``trl sft`` (the installed trl's console script and, under 2-rank torchrun, its module ``trl.scripts.sft``):
+  HF ``checkpoint-N`` directories, resumed through ``{resume:--resume_from_checkpoint={dir}}`` (no shell
+  wrapper, so torchrun stays visible and the warm launcher keeps warm ranks). HF restores the RNG and skips the
+  trained batches, so the final weights (``out/model.safetensors``) must equal an uninterrupted run's.
+- ``run_clm.py`` (transformers' example): when tests/thirdparty/hf_run_clm/run_clm.py is there (see its
+  README.md: not committed), the same checks; skipped otherwise.
+
+Kills are SIGKILLs of the training process (a rank under torchrun), never of rlsup: "mid-save" = the moment a
+new ``checkpoint-N`` directory appears, or the moment ``ckpt.pt`` changes (polled every ~0.5 ms); "random" =
+a seeded delay after the newest save completed (inside a training step).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import pytest
+from conftest import ROOT, clean_env, incidents, rlsup_cmd, wait_for
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "thirdparty"))
+import setup_trainers as st  # noqa: E402
+
+torch = pytest.importorskip("torch")
+psutil = pytest.importorskip("psutil")
+BIN = Path(sys.executable).parent
+# Fast restarts for a test; everything else is the README's line.
+FAST = ["--backoff-initial", "0.05", "--backoff-max", "0.2", "--kill-grace", "2", "--max-restarts", "12",
+        "--poll-interval", "0.1"]
+NANOGPT_RLSUP = ["--checkpoint-dir", "out", "--checkpoint-layout", "single-file", "--checkpoint-file", "ckpt.pt",
+                 "--progress", "nanogpt"]
+HF_RLSUP = ["--checkpoint-dir", "out", "--progress", "hf"]
+RESUME_ARG = "{resume:--resume_from_checkpoint={dir}}"
+SFT_MAX_STEPS, SFT_SAVE_STEPS = 40, 5
+SFT_ARGS = ["--model_name_or_path", "tiny-llama", "--dataset_name", "data", "--output_dir", "out",
+            "--max_steps", str(SFT_MAX_STEPS), "--save_steps", str(SFT_SAVE_STEPS), "--per_device_train_batch_size", "2",
+            "--max_length", "32", "--learning_rate", "1e-3", "--use_cpu", "--report_to", "none", "--seed", "1",
+            "--data_seed", "1", "--disable_tqdm", "false"]
+
+
+def job_env(workdir: Path, **extra: str) -> dict[str, str]:
+    """clean_env with the venv's console scripts first on PATH (``trl``, ``torchrun``, ``python``), offline HF
+    libraries, and this test's own datasets cache (another test's cache is never mapped by our ranks)."""
+    return clean_env(PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
+                     HF_DATASETS_CACHE=str(workdir / "hf-datasets-cache"), TOKENIZERS_PARALLELISM="false",
+                     OMP_NUM_THREADS="1", **extra)
+
+
+# --------------------------------------------------------------------------------------------- the rlsup run
+@dataclass
+class Supervised:
+    """One ``rlsup run`` in ``cwd`` (output to a file: a pipe nobody reads would block rlsup)."""
+
+    cwd: Path
+    proc: subprocess.Popen
+    out_path: Path
+    kills: list[dict] = field(default_factory=list)
+
+    @classmethod
+    def start(cls, cwd: Path, rlsup_args: list[str], launch: list[str], env: dict[str, str]) -> "Supervised":
+        out_path = cwd / "rlsup.out"
+        with open(out_path, "w") as out:
+            proc = subprocess.Popen(rlsup_cmd("run", *rlsup_args, "--", *launch), cwd=cwd, env=env, stdout=out,
+                                    stderr=subprocess.STDOUT, text=True)
+        return cls(cwd, proc, out_path)
+
+    @property
+    def state_dir(self) -> Path:
+        return self.cwd / ".rlsup"
+
+    def output(self) -> str:
+        return self.out_path.read_text(errors="replace") if self.out_path.exists() else ""
+
+    def attempt(self) -> int:
+        """The newest attempt rlsup started (-1 before the first)."""
+        dirs = list((self.state_dir / "attempts").glob("attempt_*"))
+        return max((int(d.name.split("_")[1]) for d in dirs), default=-1)
+
+    def attempt_log(self, n: int) -> str:
+        p = self.state_dir / "attempts" / f"attempt_{n:04d}" / "output.log"
+        return p.read_text(errors="replace") if p.exists() else ""
+
+    def ended(self) -> bool:
+        return self.proc.poll() is not None
+
+    def trainers(self, match: Callable[["psutil.Process"], bool]) -> list["psutil.Process"]:
+        try:
+            procs = psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            return []
+        found = []
+        for p in procs:
+            try:
+                if p.status() != psutil.STATUS_ZOMBIE and match(p):
+                    found.append(p)
+            except psutil.Error:
+                continue
+        return found
+
+    def wait_trainer(self, n: int, match: Callable[["psutil.Process"], bool], what: str,
+                     timeout: float = 240) -> "psutil.Process | None":
+        """Attempt ``n``'s training process (None if rlsup ended first)."""
+        got = wait_for(lambda: self.ended() or (self.attempt() == n and self.trainers(match)), timeout,
+                       f"{what} of attempt {n}", interval=0.02)
+        return None if got is True else got[0]
+
+    def finish(self, timeout: float = 400) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+
+    def status_json(self) -> dict:
+        r = subprocess.run(rlsup_cmd("status", "--state-dir", str(self.state_dir), "--json"), cwd=self.cwd,
+                           env=clean_env(), capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stdout + r.stderr
+        return json.loads(r.stdout)
+
+    def incidents_json(self) -> dict:
+        r = subprocess.run(rlsup_cmd("incidents", str(self.state_dir), "--json"), cwd=self.cwd, env=clean_env(),
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stdout + r.stderr
+        return json.loads(r.stdout)
+
+    def report(self) -> str:
+        return (f"rlsup rc={self.proc.returncode}\nkills: {self.kills}\nincidents: "
+                f"{[{k: i.get(k) for k in ('attempt', 'reason', 'signal', 'action', 'last_step', 'resumed_step', 'resumed_from')} for i in incidents(self.state_dir)]}"
+                f"\n--- rlsup output (tail) ---\n{self.output()[-5000:]}")
+
+
+def _kill(p: "psutil.Process") -> bool:
+    try:
+        os.kill(p.pid, signal.SIGKILL)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+# -------------------------------------------------------------------------------------------------- nanoGPT
+def _nanogpt_proc(p: "psutil.Process") -> bool:
+    return "train.py" in p.cmdline()
+
+
+def _stat(path: Path) -> tuple[int, int, int] | None:
+    try:
+        s = path.stat()
+    except FileNotFoundError:
+        return None
+    return s.st_ino, s.st_size, s.st_mtime_ns
+
+
+def _iters(log: str) -> list[int]:
+    return [int(m) for m in re.findall(r"^iter (\d+): loss", log, re.M)]
+
+
+def _evals(log: str) -> list[int]:
+    return [int(m) for m in re.findall(r"^step (\d+): train loss", log, re.M)]
+
+
+def _resumed_iter(log: str) -> int | None:
+    """The iteration an attempt started from: 0 on a fresh start, else its first eval ("step N:")."""
+    if "Initializing a new model from scratch" in log:
+        return 0
+    if "Resuming training from" in log:
+        ev = _evals(log)
+        return ev[0] if ev else None
+    return None
+
+
+def _ckpt_iter(data: bytes) -> int | None:
+    """nanoGPT's iter_num in a ckpt.pt's bytes, or None when they do not load (torn)."""
+    import io
+
+    try:
+        return int(torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")["iter_num"])
+    except Exception:  # noqa: BLE001 - a torn zip raises any of several errors
+        return None
+
+
+def _nanogpt_kill(job: Supervised, n: int, how: str, rng: random.Random) -> bool:
+    """SIGKILL attempt ``n``'s train.py: ``save`` = the instant ckpt.pt changes, once a complete save exists
+    and the attempt is past its re-save of the resumed iteration; ``random`` = a seeded iteration."""
+    ckpt = job.cwd / "out" / "ckpt.pt"
+    proc = job.wait_trainer(n, _nanogpt_proc, "nanoGPT's train.py")
+    if proc is None:
+        return False
+    wait_for(lambda: job.ended() or _resumed_iter(job.attempt_log(n)) is not None, 240,
+             f"attempt {n} to print its start iteration")
+    start = _resumed_iter(job.attempt_log(n))
+    if start is None:
+        return False
+    # a save kill waits until a complete save of this run exists (it then tears the next one); a random kill
+    # comes 25-35 iterations in: after the attempt's first new save (start + interval), so the run moves on
+    interval = st.NANOGPT_EVAL_INTERVAL
+    wait_iter = max(start + 3, interval + 3) if how == "save" else start + rng.randint(interval + 5, interval + 15)
+    wait_for(lambda: job.ended() or any(i >= wait_iter for i in _iters(job.attempt_log(n))), 240,
+             f"attempt {n} to reach iteration {wait_iter}", interval=0.005)
+    if job.ended():
+        return False
+    if how == "save":
+        before = _stat(ckpt)
+        wait_for(lambda: job.ended() or not proc.is_running() or _stat(ckpt) != before, 240,
+                 f"attempt {n}'s next save", interval=0.0005)
+    if not _kill(proc):
+        return False
+    try:
+        data = ckpt.read_bytes()  # right after the kill, before rlsup's restart puts a version back
+    except FileNotFoundError:
+        data = b""
+    log = job.attempt_log(n)
+    job.kills.append({"attempt": n, "how": how, "start": start, "last_iter": max(_iters(log), default=None),
+                      "last_eval": max(_evals(log), default=None), "ckpt_bytes": len(data),
+                      "ckpt_iter": _ckpt_iter(data)})
+    return True
+
+
+@pytest.mark.timeout(600)
+def test_nanogpt_single_file_survives_kills_mid_save(tmp_path: Path) -> None:
+    work = st.nanogpt_workdir(tmp_path / "nanogpt")
+    launch = ["python", "train.py", *st.NANOGPT_FLAGS, "--init_from={resume?resume:scratch}"]
+    job = Supervised.start(work, [*NANOGPT_RLSUP, *FAST], launch, job_env(work))
+    rng = random.Random(28)
+    interval = st.NANOGPT_EVAL_INTERVAL
+    try:
+        plan = ["random", "save", "random", "save", "save"]  # until 3 kills, one of which tore ckpt.pt
+        for n, how in enumerate(plan):
+            if len(job.kills) >= 3 and any(k["how"] == "save" and k["ckpt_iter"] is None for k in job.kills):
+                break
+            if not _nanogpt_kill(job, n, how, rng):
+                break
+        rc = job.finish()
+    finally:
+        if job.proc.poll() is None:
+            job.proc.kill()
+    report = job.report()
+    assert rc == 0, report
+    assert len(job.kills) >= 3, report
+    torn = [k for k in job.kills if k["how"] == "save" and k["ckpt_iter"] is None]
+    assert torn, f"no kill landed inside a torch.save of ckpt.pt\n{report}"
+    last = job.attempt()
+    final_log = job.attempt_log(last)
+    assert max(_iters(final_log)) == st.NANOGPT_MAX_ITERS, report
+    assert _ckpt_iter((work / "out" / "ckpt.pt").read_bytes()) == st.NANOGPT_MAX_ITERS, report
+    for k in job.kills:  # the next attempt resumed from the newest complete save; a torn one cost <= 1 interval
+        resumed = _resumed_iter(job.attempt_log(k["attempt"] + 1))
+        if k["ckpt_iter"] is not None:
+            expected = k["ckpt_iter"]  # the file was complete when the trainer died
+        elif k["last_eval"] is None or k["last_eval"] == 0:
+            expected = 0  # torn first save (nothing before it) or killed before any save
+        elif k["last_eval"] == k["start"]:
+            expected = k["start"]  # torn re-save of the resumed iteration: the version it resumed from
+        else:
+            expected = k["last_eval"] - interval  # torn save of last_eval: the save before it
+        assert resumed == expected, (k, resumed, report)
+        if k["last_iter"] is not None:
+            assert k["last_iter"] - resumed <= interval + 1, (k, resumed, report)
+    recs = incidents(job.state_dir)
+    assert len(recs) == len(job.kills), report
+    assert all(r["action"] == "restart" and r["reason"] == "signal" for r in recs), report
+    assert "no_progress" not in {r["action"] for r in recs} and rc != 76, report
+    print(f"nanoGPT kills: {job.kills}; resumed: {[_resumed_iter(job.attempt_log(k['attempt'] + 1)) for k in job.kills]}")
+
+
+# ------------------------------------------------------------------------------------------------- trl sft
+def _hf_inputs(work: Path) -> Path:
+    work.mkdir(parents=True, exist_ok=True)
+    st.hf_model_dir(work / "tiny-llama")
+    st.text_dataset(work / "data")
+    return work
+
+
+def _hf_steps(out: Path) -> list[tuple[int, bool]]:
+    from supervisor import layouts
+
+    return [(r.step, r.valid) for r in layouts.scan(out)] if out.exists() else []
+
+
+def _checkpoint_dirs(out: Path) -> set[str]:
+    try:
+        return {p.name for p in out.iterdir() if p.name.startswith("checkpoint-")}
+    except FileNotFoundError:
+        return set()
+
+
+def _rank_proc(workdir: Path, script: str) -> Callable[["psutil.Process"], bool]:
+    """A training process: a cold one runs ``script``; a warm rank (its cmdline is warm_rank.py's) is told
+    apart from the next attempt's idle warm ranks by the datasets cache it has mapped."""
+    cache = str(workdir / "hf-datasets-cache")
+
+    def match(p: "psutil.Process") -> bool:
+        cmd = " ".join(p.cmdline())
+        if "warm_rank.py" in cmd:
+            try:
+                return any(cache in m.path for m in p.memory_maps(grouped=True))
+            except psutil.Error:
+                return False
+        return script in cmd and not any(w in cmd for w in ("torch.distributed.run", "torchrun", "warm_launcher",
+                                                             "/bin/trl "))
+
+    return match
+
+
+def _hf_kill(job: Supervised, n: int, how: str, rng: random.Random, match: Callable) -> bool:
+    """SIGKILL one training process of attempt ``n``: ``save`` = the instant a new checkpoint-N directory
+    appears; ``random`` = a seeded delay (0-0.3 s) after the attempt's first complete new save."""
+    out = job.cwd / "out"
+    proc = job.wait_trainer(n, match, "a training process")
+    if proc is None:
+        return False
+    before = _checkpoint_dirs(out)
+    new = wait_for(lambda: job.ended() or (_checkpoint_dirs(out) - before), 240,
+                   f"a new checkpoint of attempt {n}", interval=0.001)
+    if new is True or job.ended():
+        return False
+    if how == "random":
+        name = sorted(new)[0]
+        wait_for(lambda: job.ended() or (out / name / "trainer_state.json").exists(), 240, f"{name} to complete",
+                 interval=0.005)
+        if job.ended():
+            return False
+        delay = rng.uniform(0.0, 0.3)
+        deadline = time.monotonic() + delay
+        wait_for(lambda: time.monotonic() >= deadline, delay + 5, "the random kill moment", interval=0.005)
+    pids = [p.pid for p in job.trainers(match)]
+    if not _kill(proc):
+        return False
+    job.kills.append({"attempt": n, "how": how, "pid": proc.pid, "ranks": pids, "new": sorted(new),
+                      "steps_after": _hf_steps(out)})
+    return True
+
+
+def _newest_valid(steps: list[tuple[int, bool]]) -> int | None:
+    valid = [s for s, ok in steps if ok]
+    return max(valid) if valid else None
+
+
+def _check_hf_run(job: Supervised, rc: int, reference: Path) -> None:
+    from safetensors.torch import load_file
+
+    report = job.report()
+    assert rc == 0, report
+    assert len(job.kills) >= 3, report
+    torn = [k for k in job.kills if k["steps_after"] and not k["steps_after"][-1][1]]
+    assert torn, f"no kill left a torn newest checkpoint-N\n{report}"
+    recs = incidents(job.state_dir)
+    assert len(recs) == len(job.kills), report
+    for k, rec in zip(job.kills, recs):  # each restart: the newest checkpoint that was complete at the kill
+        assert rec["action"] == "restart", report
+        expected = _newest_valid(k["steps_after"])
+        assert rec.get("resumed_step") == expected, (k, rec, report)
+        if expected is not None:
+            assert Path(rec["resumed_from"]).name == f"checkpoint-{expected}", (k, rec, report)
+    assert rc != 76 and "no_progress" not in {r["action"] for r in recs}, report
+    ref, got = load_file(str(reference)), load_file(str(job.cwd / "out" / "model.safetensors"))
+    assert ref.keys() == got.keys()
+    assert not [k for k in ref if not torch.equal(ref[k], got[k])], f"final weights differ\n{report}"
+    state = job.status_json()
+    assert state.get("last_step") == SFT_MAX_STEPS, (state, report)
+
+
+def _reference(work: Path, launch: list[str]) -> subprocess.Popen:
+    """The same launch line without rlsup and without the resume argument: the uninterrupted run."""
+    ref = work / "reference"
+    ref.mkdir()
+    for name in ("tiny-llama", "data"):
+        (ref / name).symlink_to(work / name)
+    cmd = [a for a in launch if a != RESUME_ARG]
+    return subprocess.Popen(cmd, cwd=ref, env=job_env(ref), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def _hf_under_rlsup(tmp_path: Path, launch: list[str], script: str, seed: int) -> Supervised:
+    work = _hf_inputs(tmp_path / "hf")
+    reference = _reference(work, launch)
+    job = Supervised.start(work, [*HF_RLSUP, *FAST], launch, job_env(work))
+    rng = random.Random(seed)
+    try:
+        for n, how in enumerate(["save", "random", "save"]):
+            if not _hf_kill(job, n, how, rng, _rank_proc(work, script)):
+                break
+        rc = job.finish()
+    finally:
+        if job.proc.poll() is None:
+            job.proc.kill()
+    assert reference.wait(timeout=300) == 0
+    _check_hf_run(job, rc, work / "reference" / "out" / "model.safetensors")
+    return job
+
+
+@pytest.mark.timeout(600)
+def test_trl_sft_cli_single_process_survives_kills(tmp_path: Path) -> None:
+    """``trl sft`` as its users type it (the console script; accelerate's launcher starts the trainer)."""
+    job = _hf_under_rlsup(tmp_path, ["trl", "sft", *SFT_ARGS, RESUME_ARG], "trl/scripts/sft.py", seed=281)
+    print(f"trl sft kills: {job.kills}")
+
+
+@pytest.mark.timeout(600)
+def test_trl_sft_torchrun_two_ranks_survives_kills_with_warm_ranks(tmp_path: Path) -> None:
+    """trl's SFT script under 2-rank torchrun, resume point from the placeholder: no wrapper, warm ranks kept."""
+    launch = ["torchrun", "--standalone", "--nproc-per-node", "2", "-m", "trl.scripts.sft", *SFT_ARGS, RESUME_ARG]
+    job = _hf_under_rlsup(tmp_path, launch, "trl.scripts.sft", seed=282)
+    out = job.output()
+    assert "started by the warm launcher" in out, job.report()
+    warm_logs = [job.attempt_log(n) for n in range(1, job.attempt() + 1)]
+    assert any("local rank(s) started from warm ranks" in log for log in warm_logs), job.report()
+    print(f"trl sft torchrun kills: {job.kills}")
+
+
+@pytest.mark.timeout(600)
+def test_run_clm_torchrun_survives_kills(tmp_path: Path) -> None:
+    run_clm = st.run_clm_path()
+    if run_clm is None:
+        pytest.skip("run_clm.py is not here: tests/thirdparty/hf_run_clm/README.md says how to put it there")
+    work = _hf_inputs(tmp_path / "hf")
+    st.hf_config_dir(work / "tiny-config")
+    launch = ["torchrun", "--standalone", "--nproc-per-node", "2", str(run_clm), "--config_name", "tiny-config",
+              "--tokenizer_name", "tiny-config", "--train_file", "data/train.txt", "--do_train", "--output_dir", "out",
+              "--max_steps", str(SFT_MAX_STEPS), "--save_steps", str(SFT_SAVE_STEPS), "--per_device_train_batch_size",
+              "2", "--block_size", "32", "--use_cpu", "--report_to", "none", "--seed", "1", "--data_seed", "1",
+              RESUME_ARG]
+    (work / "reference").mkdir()
+    (work / "reference" / "tiny-config").symlink_to(work / "tiny-config")
+    (work / "reference" / "data").symlink_to(work / "data")
+    reference = subprocess.Popen([a for a in launch if a != RESUME_ARG], cwd=work / "reference",
+                                 env=job_env(work / "reference"), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    job = Supervised.start(work, [*HF_RLSUP, *FAST], launch, job_env(work))
+    rng = random.Random(283)
+    try:
+        for n, how in enumerate(["save", "random", "save"]):
+            if not _hf_kill(job, n, how, rng, _rank_proc(work, run_clm.name)):
+                break
+        rc = job.finish()
+    finally:
+        if job.proc.poll() is None:
+            job.proc.kill()
+    assert reference.wait(timeout=300) == 0
+    _check_hf_run(job, rc, work / "reference" / "out" / "model.safetensors")
