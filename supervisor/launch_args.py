@@ -64,12 +64,12 @@ def _inline(arg: str, resume: ResumeFill | None, index: int) -> str:
     while (start := _find(arg, pos)) >= 0:
         end = _close(arg, start, index)
         if arg.startswith("{resume:", start):
-            raise LaunchArgError(f"argument {index} ({arg!r}): '{{resume:...}}' must be a whole argument "
+            raise LaunchArgError(f"word {index + 1} ({arg!r}): '{{resume:...}}' must be a whole argument "
                                  "(quote it when its text has spaces); inside an argument use '{resume?A:B}'")
         body = arg[start + len("{resume?"):end]
         split = _top_level_colon(body)
         if split < 0:
-            raise LaunchArgError(f"argument {index} ({arg!r}): '{{resume?A:B}}' needs a ':' between the text "
+            raise LaunchArgError(f"word {index + 1} ({arg!r}): '{{resume?A:B}}' needs a ':' between the text "
                                  "for a resume and the text for a fresh start")
         chosen = body[:split] if resume is not None else body[split + 1:]
         text += [arg[pos:start], _fill(chosen, resume) if resume is not None else chosen]
@@ -96,7 +96,7 @@ def _close(arg: str, start: int, index: int) -> int:
         depth += {"{": 1, "}": -1}.get(arg[i], 0)
         if depth == 0:
             return i
-    raise LaunchArgError(f"argument {index} ({arg!r}): placeholder at character {start} has no closing '}}' "
+    raise LaunchArgError(f"word {index + 1} ({arg!r}): placeholder at character {start} has no closing '}}' "
                          "(a shell splits unquoted spaces: quote the placeholder, or write --flag={dir})")
 
 
