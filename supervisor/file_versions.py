@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -83,6 +84,7 @@ class FileVersions:
         self.kept = 0  # versions kept by this process: the progress rule compares it across an attempt
         self._seen: dict[Path, tuple[int, int, int]] = {}  # live file -> (ino, size, mtime_ns) last kept
         self._new_inodes: dict[Path, bool] = {}  # live file -> the trainer writes a new inode per save
+        self._lock = threading.Lock()  # the background pass and the run loop's own pass never overlap
         self._loop = PollLoop(self.observe, "rlsup-file-versions", lambda e: None)
 
     @classmethod
@@ -115,11 +117,8 @@ class FileVersions:
 
     def observe(self) -> int:
         """One pass: keep each live file's new complete version; the number kept."""
-        kept = 0
-        for live in self.tracked():
-            if self._keep(live):
-                kept += 1
-        return kept
+        with self._lock:
+            return sum(self._keep(live) for live in self.tracked())
 
     def _keep(self, live: Path) -> bool:
         try:
@@ -207,6 +206,10 @@ class FileVersions:
     def restore(self) -> list[Restored]:
         """Before a launch: every live file that is torn or missing gets its newest kept version back
         (a copy, written beside it and renamed over it). Never touches a complete live file."""
+        with self._lock:
+            return self._restore()
+
+    def _restore(self) -> list[Restored]:
         done = []
         for live in sorted({v.live for v in self.versions()}):
             check = single_file.check_file(live)

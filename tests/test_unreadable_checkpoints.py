@@ -40,6 +40,7 @@ def test_steps_that_move_beside_unreadable_checkpoints_are_progress(tmp_path: Pa
     recorded = incidents(tmp_path / "state")
     assert [i["action"] for i in recorded] == ["restart"] * 4
     assert all(i["resume_known"] is False and steps_lost(i) is None for i in recorded)
+    assert all(i["downtime_s"] < 5.0 for i in recorded)  # each restart at once: backoff_initial 5 s never used
     assert "steps lost unknown" in incident_line(recorded[0])
     assert "4 more incident(s): unknown" in report(tmp_path / "state", recorded)
 
