@@ -4,6 +4,9 @@ The job runs in its own session (so one signal reaches its process group) with P
 (so it dies if rlsup is SIGKILLed). rlsup is a child subreaper, so grandchildren that daemonise or
 lose their parent are re-parented to rlsup and stay visible; every process ever seen in the tree is
 remembered (pid + create time, to be safe against pid reuse) and killed at the end of the attempt.
+Where the run guards its attempts (:meth:`ProcessLayer.guard_attempts`, :mod:`supervisor.attempt_tree`),
+each job root also gets its own cgroup (killed as a unit) and every process seen is recorded on disk,
+so the guardian or the next rlsup can end the tree when this rlsup dies without cleaning up.
 """
 
 from __future__ import annotations
@@ -19,13 +22,18 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Callable, Mapping, Sequence
+from typing import IO, TYPE_CHECKING, Callable, Mapping, Sequence
 
 import psutil
+
+if TYPE_CHECKING:
+    from supervisor.attempt_tree import AttemptTree
+    from supervisor.leftovers import Ended
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
 _libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+_TREE: "AttemptTree | None" = None  # this run's record and cgroups (ProcessLayer.guard_attempts); one run per process
 
 
 def become_subreaper() -> bool:
@@ -36,6 +44,23 @@ def become_subreaper() -> bool:
 def _die_with_parent() -> None:  # runs in the child between fork and exec
     if _libc is not None:
         _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+def _child_setup(cgroup: str | None) -> Callable[[], None]:
+    """What the job root does between fork and exec: die with rlsup, enter its cgroup before it can fork."""
+    if cgroup is None:
+        return _die_with_parent
+
+    def setup() -> None:
+        _die_with_parent()
+        try:
+            from supervisor.attempt_cgroup import join_cgroup
+
+            join_cgroup(cgroup)
+        except OSError:
+            pass  # the session and the recorded pids still end it
+
+    return setup
 
 
 @dataclass
@@ -118,11 +143,17 @@ def spawn_job_root(argv: Sequence[str], env: Mapping[str, str], cwd: str | None 
     """Start a job's top process: own session, dies with rlsup, stdout+stderr on one pipe.
 
     PR_SET_PDEATHSIG fires when the *thread* that forked the child exits: call this from the thread
-    that supervises the job (the run loop), never from a short-lived helper thread."""
-    return subprocess.Popen(
+    that supervises the job (the run loop), never from a short-lived helper thread. Where the run
+    guards its attempts, the root starts in a cgroup of its own and is recorded."""
+    tree = _TREE
+    cgroup = tree.new_root_cgroup() if tree is not None else None
+    popen = subprocess.Popen(
         list(argv), env=None if env is None else dict(env), cwd=cwd, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        start_new_session=True, preexec_fn=_die_with_parent, pass_fds=tuple(pass_fds),
+        start_new_session=True, preexec_fn=_child_setup(cgroup), pass_fds=tuple(pass_fds),
     )
+    if tree is not None:
+        tree.root_spawned(popen.pid, cgroup)
+    return popen
 
 
 class JobProcess:
@@ -168,6 +199,8 @@ class JobProcess:
                     self._known.setdefault(child.pid, child)
             except psutil.Error:
                 continue
+        if _TREE is not None:
+            _TREE.seen(list(self._known))
         self._reap_orphans()
 
     def _orphans(self) -> list[int]:
@@ -219,8 +252,10 @@ class JobProcess:
 
     def terminate_tree(self, grace: float) -> list[int]:
         """SIGTERM everything, SIGKILL what is left after ``grace``; return pids that needed SIGKILL.
-        ``grace`` 0: SIGKILL at once, no SIGTERM (a crashed attempt has nothing left to save)."""
+        ``grace`` 0: SIGKILL at once, no SIGTERM (a crashed attempt has nothing left to save); the
+        root's cgroup, where it has one, is killed as a unit first (daemonised members included)."""
         self.refresh()
+        killed = _TREE.kill_root(self.pid) if _TREE is not None and grace <= 0 else []
         if grace > 0:
             self.send(signal.SIGTERM)
         deadline = time.monotonic() + grace
@@ -230,7 +265,8 @@ class JobProcess:
             if not self.live_processes():
                 break
             time.sleep(0.05)
-        killed = []
+        if _TREE is not None and grace > 0:
+            killed += _TREE.kill_root(self.pid)
         for _ in range(50):
             self.refresh()
             alive = self.live_processes()
@@ -253,6 +289,8 @@ class JobProcess:
         except subprocess.TimeoutExpired:
             pass
         self._reap_orphans()
+        if _TREE is not None:
+            _TREE.root_ended(self.pid)
         self.output.join(timeout=2)
         return sorted(set(killed))
 
@@ -277,9 +315,44 @@ def oom_kill_count() -> int | None:
 
 class ProcessLayer:
     """What the run loop asks of the operating system, in one place: start an attempt's job root,
-    look at and signal pids, count OOM kills, collect stacks. The default is the real thing; the
-    in-process tests of the loop (tests/test_run_loop.py) pass a fake, as torch elastic's TestAgent
-    fakes its worker layer."""
+    look at and signal pids, count OOM kills, collect stacks, guard the attempts against rlsup's own
+    death. The default is the real thing; the in-process tests of the loop (tests/test_run_loop.py)
+    pass a fake, as torch elastic's TestAgent fakes its worker layer.
+
+    ``cgroups`` False: no cgroup per job root (the fallback: sessions and recorded pids, as on a host
+    where none can be made); ``guardian`` False: no guardian process (only a successor rlsup ends
+    what a dead one left)."""
+
+    def __init__(self, cgroups: bool = True, guardian: bool = True) -> None:
+        self.cgroups, self.guardian = cgroups, guardian
+
+    def end_predecessor(self, state_dir: Path) -> "tuple[int, list[Ended]] | None":
+        """End what a dead rlsup's attempt left in ``state_dir`` (before anything is launched)."""
+        from supervisor.attempt_tree import end_predecessor
+
+        return end_predecessor(state_dir)
+
+    def guard_attempts(self, state_dir: Path) -> None:
+        """From now on job roots get cgroups and are recorded in ``state_dir``, and a guardian ends
+        them if this process dies; call once per run, after :meth:`end_predecessor`."""
+        global _TREE
+        from supervisor.attempt_tree import AttemptTree
+
+        self.release_attempts()
+        _TREE = AttemptTree(state_dir, use_cgroup=getattr(self, "cgroups", True),
+                            guardian=getattr(self, "guardian", True))
+        if _TREE.guardian is not None:
+            JobProcess.helpers.add(_TREE.guardian.pid)  # rlsup's child, never a member of an attempt
+
+    def release_attempts(self) -> "list[Ended]":
+        """The run is over: end anything still recorded, drop the record and cgroup, stop the guardian."""
+        global _TREE
+        tree, _TREE = _TREE, None
+        if tree is None:
+            return []
+        if tree.guardian is not None:
+            JobProcess.helpers.discard(tree.guardian.pid)
+        return tree.close()
 
     def start(self, command: Sequence[str], env: dict[str, str], log_path: Path, tail_lines: int) -> JobProcess:
         return JobProcess(command, env, log_path, tail_lines)

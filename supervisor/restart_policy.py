@@ -95,8 +95,9 @@ def give_up_code(action: Action, result: "AttemptResult", max_no_progress: int) 
 
     if action == Action.NO_PROGRESS:
         return exit_codes.NO_PROGRESS, f"giving up: {max_no_progress} attempts in a row made no new valid checkpoint"
+    code = exit_codes.for_job_code(result.exit_code)
+    mapped = f" (the job's exit code {result.exit_code} is one of rlsup's own: exiting {code})" \
+        if result.exit_code in exit_codes.RESERVED else ""
     if action == Action.FATAL:
-        return int(result.exit_code or exit_codes.FAILED), f"exit code {result.exit_code} is fatal: not retrying"
-    code = result.exit_code
-    return (code if code is not None and 0 < code < 126 else exit_codes.FAILED,
-            f"giving up after {result.attempt + 1} attempts")
+        return code, f"exit code {result.exit_code} is fatal: not retrying{mapped}"
+    return code, f"giving up after {result.attempt + 1} attempts{mapped}"

@@ -146,6 +146,9 @@ class FakeProcesses(ProcessLayer):
     def become_subreaper(self) -> bool:
         return True
 
+    def guard_attempts(self, state_dir: Path) -> None:  # no real process to guard (no cgroup, no guardian)
+        pass
+
     def oom_kill_count(self) -> int | None:
         return self.ooms
 
