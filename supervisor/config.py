@@ -24,6 +24,7 @@ from supervisor.layouts import LAYOUT_NAMES
 from supervisor.layouts.single_file import NAME as SINGLE_FILE
 
 ENV_PREFIX = "RLSUP_"
+DEFAULT_CHECKPOINT_DIR = "checkpoints"
 #: checkpoint_layout's choices: the layout catalogue's own names (one list, never written twice).
 LAYOUT_CHOICES = ("auto", *LAYOUT_NAMES, SINGLE_FILE)
 
@@ -46,7 +47,7 @@ class SupervisorConfig:
     settings object built from it (``RestartSettings.from_config``, ``HangSettings.from_config``,
     ``MetricsSettings.from_config``), not the whole config."""
 
-    checkpoint_dir: str = _opt("checkpoints", "Where the job's checkpoints live (passed as RLSUP_CHECKPOINT_DIR).")
+    checkpoint_dir: str = _opt(DEFAULT_CHECKPOINT_DIR, "Where the job's checkpoints live (passed as RLSUP_CHECKPOINT_DIR).")
     state_dir: str = _opt(".rlsup", "rlsup's own state: incidents.jsonl, state.json, attempt logs, heartbeat files.")
     max_restarts: int = _opt(3, "Restarts allowed within restart_window before rlsup gives up.")
     restart_window: float = _opt(3600.0, "Seconds after which an old failure stops counting against max_restarts (0: never).")

@@ -62,13 +62,21 @@ def repair_tracker(checkpoint_dir: Path, point: ResumePoint, log: Callable[[str]
     return point
 
 
-def describe_unreadable(checkpoint_dir: Path, layout: str, single_file_tracked: bool) -> str:
-    """A line for the log when ``checkpoint_dir`` holds entries that no layout recognises (empty when it
-    is empty, recognised, or read as single-file checkpoints): what was found, what was tried, how to
-    tell rlsup. Decisions then rest on the trainer's own steps (:mod:`supervisor.attempt_progress`)."""
+def describe_unreadable(checkpoint_dir: Path, layout: str, single_file_tracked: bool,
+                        unset_and_missing: bool = False) -> str:
+    """A line for the log when rlsup cannot read the job's checkpoints (empty when it can, or when there
+    are none yet): ``checkpoint_dir`` holds entries that no layout recognises, or (``unset_and_missing``)
+    it is the default and does not exist after an attempt, so the checkpoints are elsewhere. What was
+    found, what was tried, how to tell rlsup. Decisions then rest on the trainer's own steps
+    (:mod:`supervisor.attempt_progress`)."""
     from supervisor import layouts
     from supervisor.layouts import single_file
 
+    if unset_and_missing and not checkpoint_dir.exists():
+        return (f"checkpoint_dir {checkpoint_dir} (the default) does not exist after an attempt: rlsup sees none of the job's "
+                "checkpoints, so the trainer resumes on its own, whether an attempt made progress is judged from "
+                "the trainer's own steps (trainer_hooks heartbeats or --progress), and steps lost are unknown. "
+                "Pass --checkpoint-dir DIR (where the trainer saves)")
     if single_file_tracked or layout not in ("auto", single_file.NAME):
         return ""  # read as single-file, or the user named a layout (its own errors say what is wrong)
     try:

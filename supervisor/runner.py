@@ -93,6 +93,10 @@ class Supervisor:
         self._first_step: int | None = None  # the first step the trainer reported in this attempt
         self._unreadable = False  # checkpoint_dir holds files no layout reads (found before each attempt)
         self._unreadable_said = False  # ... which is said once per run
+        self._attempt_ended = False  # an attempt of this run has ended (a missing default dir is telling then)
+        from supervisor.config import DEFAULT_CHECKPOINT_DIR
+
+        self._default_checkpoint_dir = self.checkpoint_dir == (Path.cwd() / DEFAULT_CHECKPOINT_DIR).resolve()
 
     # ------------------------------------------------------------ the loop
 
@@ -173,6 +177,7 @@ class Supervisor:
     def decide(self, attempt: int, result: AttemptResult, resume: ResumePoint | None) -> tuple[Incident, float | None]:
         """A failed attempt: its incident, and the delay before the next one (None: give up, recorded now)."""
         self._set_state(JobStatus.FAILED)
+        self._attempt_ended = True
         self.attempt_failed(attempt, result)
         progress = self.attempt_progress(result, resume)
         decision = self.policy.decide(result.exit_code, progress.progressed)
@@ -309,7 +314,8 @@ class Supervisor:
         from supervisor.resume import describe_unreadable
 
         said = describe_unreadable(self.checkpoint_dir, self.cfg.checkpoint_layout,
-                                   self.file_versions is not None and bool(self.file_versions.tracked()))
+                                   self.file_versions is not None and bool(self.file_versions.tracked()),
+                                   unset_and_missing=self._default_checkpoint_dir and self._attempt_ended)
         self._unreadable = bool(said) and self.cfg.resume
         if self._unreadable and not self._unreadable_said:
             self._unreadable_said = True

@@ -74,3 +74,15 @@ def test_an_empty_checkpoint_dir_keeps_the_crash_loop_rule(tmp_path: Path) -> No
 def test_one_rule_for_progress(evidence: AttemptEvidence, verdict: tuple[bool, ProgressBasis]) -> None:
     got = judge(evidence)
     assert (got.progressed, got.basis) == verdict
+
+
+def test_a_default_checkpoint_dir_that_never_appears_falls_back_to_the_trainers_steps(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.chdir(tmp_path)  # checkpoint_dir stays the default ./checkpoints; the trainer saves elsewhere
+    sup, layer, _ = make(tmp_path, *[Attempt(exit_code=1, exit_at=4)] * 3, Attempt(exit_code=0),
+                         max_no_progress_attempts=2, max_restarts=10, checkpoint_dir="checkpoints")
+    with caplog.at_level(logging.INFO, logger="supervisor"):
+        assert sup.run().exit_code == exit_codes.OK and len(layer.jobs) == 4
+    said = [r.getMessage() for r in caplog.records if "(the default) does not exist" in r.getMessage()]
+    assert len(said) == 1 and "--checkpoint-dir" in said[0]
+    assert not (tmp_path / "checkpoints").exists()
