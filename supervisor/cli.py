@@ -264,6 +264,8 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     """The embedded default: a 2-rank torchrun trainer that crashes once and resumes under supervision."""
+    import shlex
+
     from supervisor.runner import Supervisor
 
     script = Path(__file__).resolve().parent.parent / "examples" / "train_tiny.py"
@@ -286,8 +288,23 @@ def cmd_demo(args: argparse.Namespace) -> int:
     for inc in result.incidents:
         print(f"[rlsup demo] incident: attempt {inc.attempt} {inc.reason} ({inc.detail}); "
               f"resumed from step {inc.resumed_step} after {inc.downtime_s}s")
-    print(f"[rlsup demo] state: {cfg.state_dir} (try: rlsup status --state-dir {cfg.state_dir})")
+    hint = f"{this_rlsup()} status --state-dir {shlex.quote(str(cfg.state_dir))}"
+    print(f"[rlsup demo] state: {cfg.state_dir} (try: {hint})")
     return result.exit_code
+
+
+def this_rlsup() -> str:
+    """How to run this rlsup again from here, as a shell word: ``rlsup`` where that names it on PATH, else
+    the script as it was started (``.venv/bin/rlsup``, the README's way), else ``python -m supervisor.cli``."""
+    import shlex
+
+    argv0 = sys.argv[0]
+    if os.path.basename(argv0) == "rlsup" and os.path.isfile(argv0):
+        on_path = shutil.which("rlsup")
+        if on_path and os.path.realpath(on_path) == os.path.realpath(argv0):
+            return "rlsup"
+        return shlex.quote(argv0)
+    return f"{shlex.quote(sys.executable)} -m supervisor.cli"
 
 
 def build_parser() -> argparse.ArgumentParser:

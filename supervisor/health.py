@@ -94,9 +94,14 @@ def read_unhealthy(state_dir: Path) -> list[str]:
         return []
 
 
-def mark_repeat_offender(incident: Incident, earlier: list[Incident], node: str) -> bool:
+def mark_repeat_offender(incident: Incident, earlier: list[Incident], node: str, nodes: int = 1) -> bool:
     """Name ``node`` a suspect when this failure is its REPEATS_MAKE_SUSPECT-th own failure in the run
-    (a failure another node caused, ``peer_failure``, does not count): the same bad node comes back."""
+    (a failure another node caused, ``peer_failure``, does not count): the same bad node comes back.
+    Only in a job of several nodes (``nodes``): on one node every failure is that node's, so repeating
+    says nothing of the node (a failing job fails there too), and there is no other node of the job to
+    run it on instead."""
+    if nodes < 2:
+        return False
     own = [i for i in [*earlier, incident] if i.reason in ATTEMPT_FAILURES and i.reason != EndReason.PEER_FAILURE]
     if incident not in own or len(own) < REPEATS_MAKE_SUSPECT or node in incident.suspect_nodes:
         return False

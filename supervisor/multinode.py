@@ -35,6 +35,8 @@ from supervisor.coordinator import (
     compute_plan,
     embedded_coordinator,
 )
+from supervisor.health import mark_repeat_offender
+from supervisor.incidents import Incident
 from supervisor.job_identity import JobIdentity
 from supervisor.lifecycle import EndReason
 from supervisor.membership import Membership
@@ -132,6 +134,13 @@ class MultiNodeSupervisor(Supervisor):
 
     def next_attempt(self, attempt: int) -> int:
         return self.coordinator.join(attempt + 1)
+
+    def _record(self, incident: Incident, downtime: float | None = None, resume: ResumePoint | None = None) -> None:
+        # A node that fails again is named only here, in a job of several nodes (the base names none).
+        if incident not in self.incidents and mark_repeat_offender(incident, self.incidents, self.node_name,
+                                                                   nodes=self.membership.size):
+            self.observer.suspect(self.node_name, "repeated")
+        super()._record(incident, downtime, resume)
 
     def run(self) -> RunResult:
         result = super().run()

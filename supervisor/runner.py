@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from supervisor import exit_codes
-from supervisor.attempt_end import AttemptResult, classify_exit, from_rank_death
+from supervisor.attempt_end import ERROR_FILE_ENV, AttemptResult, classify_exit, error_file_for, from_rank_death
 from supervisor.attempt_progress import AttemptProgress
 from supervisor.config import SupervisorConfig
 from supervisor.hang_detector import AutoTimeout, HangDetector, HangSettings, HangVerdict
@@ -375,6 +375,7 @@ class Supervisor:
             "RLSUP_PREEMPT_SIGNAL": self._preempt_signum().name,
             ENV_JOB_ID: self.job.id,
         })
+        env.setdefault(ERROR_FILE_ENV, str(error_file_for(hb_dir)))  # torchrun's failure report, unless the user's
         if self.cfg.resume:
             # The step every rank must load, or empty for "start fresh": trainer_hooks never picks another
             # step on its own under rlsup (a rank quietly starting over loses the run). Not set with
@@ -537,7 +538,8 @@ class Supervisor:
         detector.scan()  # the last beats (the output's, where it speaks: job.output was joined)
         return classify_exit(attempt, code, tail=job.output.tail(), last_step=detector.last_step(), job_pid=job.pid,
                              first_dead=first_dead, oom_rose=self._oom_rose(oom_before), finished=job.output.finished,
-                             stop_reason=self._stop_reason() if self.stop_signal is not None else None)
+                             stop_reason=self._stop_reason() if self.stop_signal is not None else None,
+                             error_file=error_file_for(detector.directory))
 
     def _oom_rose(self, oom_before: int | None) -> bool:
         return oom_before is not None and (self.processes.oom_kill_count() or 0) > oom_before

@@ -55,12 +55,39 @@ def dump_stacks(hb_dir: Path, records: Mapping[int, HeartbeatRecord], wait_s: fl
     return stacks
 
 
+#: The first line of a stopped process's stacks: why it hangs, and how they were read.
+STOPPED_NOTE = "(process stopped: SIGSTOP, or a debugger holds it; read with py-spy --nonblocking)"
+
+
 def _pyspy(pyspy: str, pid: int) -> str | None:
+    """py-spy's dump of ``pid``. A running process is paused for the read (a consistent stack); a
+    stopped one (state T: SIGSTOP, or t: a debugger) cannot be, since py-spy's own stop and wait fail
+    on it, so it is read without pausing: it is not running, so that read is consistent too. A process
+    stopped while the blocking read ran is read again that way."""
+    stopped = process_stopped(pid)
+    text = _pyspy_run(pyspy, pid, nonblocking=stopped)
+    if text is None and not stopped and process_stopped(pid):
+        stopped, text = True, _pyspy_run(pyspy, pid, nonblocking=True)
+    return f"{STOPPED_NOTE}\n{text}" if text is not None and stopped else text
+
+
+def _pyspy_run(pyspy: str, pid: int, nonblocking: bool) -> str | None:
+    cmd = [pyspy, "dump", "--pid", str(pid), *(["--nonblocking"] if nonblocking else [])]
     try:
-        out = subprocess.run([pyspy, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=15)
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=15)
     except (subprocess.TimeoutExpired, OSError):
         return None
     return out.stdout if out.returncode == 0 and out.stdout.strip() else None
+
+
+def process_stopped(pid: int) -> bool:
+    """Whether ``pid`` is stopped by a signal (state T) or by a tracer (t), from ``/proc/PID/stat``."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            stat = fh.read()
+    except OSError:
+        return False
+    return stat[stat.rfind(b")") + 2:][:1] in (b"T", b"t")  # the name in (...) may hold spaces
 
 
 def find_pyspy() -> str | None:

@@ -106,10 +106,9 @@ def test_incidents_json_and_missing_file(workdir: Path) -> None:
     data = json.loads(out.stdout)
     assert data["summary"]["incidents"] == 2 and data["summary"]["restarts"] == 2
     assert data["summary"]["reasons"] == {"exit_code": 2}
-    first, second = data["incidents"]  # the same node failing again is named
-    assert first["suspect_nodes"] == [] and second["suspect_nodes"] == [node_name()]
-    assert second["verdict"] == f"node {node_name()} failed 2 attempts of this run"
-    assert data["summary"]["suspect_nodes"] == {node_name(): 1}
+    first, second = data["incidents"]  # a one-node job: its node failing again is named by no one
+    assert first["suspect_nodes"] == [] and second["suspect_nodes"] == [] and second["verdict"] == ""
+    assert data["summary"]["suspect_nodes"] == {}
     missing = subprocess.run([PY, "-m", "supervisor.cli", "incidents", str(workdir / "nope")], capture_output=True,
                              text=True, timeout=60)
     assert missing.returncode == 1 and "no incidents.jsonl" in missing.stderr

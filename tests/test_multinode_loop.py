@@ -145,3 +145,14 @@ def test_giving_up_is_told_to_the_other_nodes(tmp_path: Path) -> None:
     result = sup.run()
     assert (result.exit_code, result.status) == (5, JobStatus.GAVE_UP)
     assert coord.aborts == ["node 1: node gave up after attempt 1: give_up"] and not coord.finished
+
+
+def test_a_node_failing_again_is_named_on_a_multi_node_job(tmp_path: Path) -> None:
+    """The repeat-offender rule is the multi-node engine's (a one-node job names no node: test_small_faults)."""
+    from supervisor.health import node_name
+
+    sup, _, _ = make(tmp_path, FakeCoordinator(), Attempt(exit_code=3), Attempt(exit_code=3), Attempt(exit_code=0))
+    assert sup.run().exit_code == 0
+    first, second = incidents(tmp_path)
+    assert first["suspect_nodes"] == [] and second["suspect_nodes"] == [node_name()]
+    assert second["verdict"] == f"node {node_name()} failed 2 attempts of this run"
