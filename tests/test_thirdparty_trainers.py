@@ -458,3 +458,56 @@ def test_run_clm_torchrun_survives_kills(tmp_path: Path) -> None:
             job.proc.kill()
     assert reference.wait(timeout=300) == 0
     _check_hf_run(job, rc, work / "reference" / "out" / "model.safetensors")
+
+
+# ------------------------------------------------------------------------------------------- a stopped rank
+HANG_MAX_STEPS, HANG_SAVE_STEPS = 120, 20
+HANG_RLSUP = ["--auto-timeout-floor", "3", "--auto-timeout-min-intervals", "5", "--heartbeat-timeout-initial", "60"]
+
+
+@pytest.mark.timeout(600)
+def test_trl_sft_torchrun_sigstopped_rank_is_a_hang_with_stacks(tmp_path: Path) -> None:
+    """A SIGSTOPped rank of the 2-rank run (progress from HF's own bar, ``--progress hf``) is caught as a hang
+    within the learned timeout plus one step, with the stopped rank's stacks in the incident; the run then
+    resumes and finishes, and ``rlsup status``/``rlsup incidents`` show the trainer's real steps."""
+    work = _hf_inputs(tmp_path / "hf")
+    args = [a for a in SFT_ARGS]
+    args[args.index("--max_steps") + 1], args[args.index("--save_steps") + 1] = str(HANG_MAX_STEPS), str(HANG_SAVE_STEPS)
+    launch = ["torchrun", "--standalone", "--nproc-per-node", "2", "-m", "trl.scripts.sft", *args, RESUME_ARG]
+    job = Supervised.start(work, [*HF_RLSUP, *FAST, *HANG_RLSUP], launch, job_env(work))
+    match = _rank_proc(work, "trl.scripts.sft")
+    out = work / "out"
+    try:
+        job.wait_trainer(0, match, "the ranks")
+        ranks = wait_for(lambda: job.ended() or (len(job.trainers(match)) == 2 and job.trainers(match)), 240, "2 ranks")
+        assert ranks is not True, job.report()
+        stop_at = f"checkpoint-{2 * HANG_SAVE_STEPS}"
+        wait_for(lambda: job.ended() or (out / stop_at / "trainer_state.json").exists(), 240, f"{stop_at} complete")
+        assert not job.ended(), job.report()
+        learned = job.status_json()["job"].get("heartbeat_timeout_s")
+        victim = max(ranks, key=lambda p: p.pid)  # either rank; one of the two, stopped, holds the other
+        os.kill(victim.pid, signal.SIGSTOP)
+        stopped = time.time()
+        hang = wait_for(lambda: job.ended() or next((i for i in incidents(job.state_dir) if i["reason"] == "hang"),
+                                                    None), 240, "the hang incident", interval=0.05)
+        rc = job.finish()
+    finally:
+        if job.proc.poll() is None:
+            job.proc.kill()
+    report = job.report()
+    assert hang is not True and rc == 0, report
+    assert learned is not None and learned >= 3, (learned, report)
+    # one step here is ~0.05-0.2 s; 1 s bounds it with the poll interval on a loaded machine
+    assert hang["time"] - stopped <= learned + 1.0, (hang["time"] - stopped, learned, report)
+    stacks = hang["stacks"]
+    assert stacks and any(str(victim.pid) in k or str(victim.pid) in v for k, v in stacks.items()), (stacks, report)
+    victim_stack = next(v for k, v in stacks.items() if str(victim.pid) in k or str(victim.pid) in v)
+    assert "could not read" not in victim_stack and "process stopped" in victim_stack, victim_stack
+    assert "Trainer" in victim_stack or "sft" in victim_stack, victim_stack  # its Python frames, read while stopped
+    assert 2 * HANG_SAVE_STEPS <= (hang.get("last_step") or -1) < HANG_MAX_STEPS, (hang, report)
+    assert hang.get("resumed_step") == 2 * HANG_SAVE_STEPS or (hang.get("resumed_step") or 0) > 2 * HANG_SAVE_STEPS, hang
+    assert job.status_json()["job"].get("last_step") == HANG_MAX_STEPS, report
+    offline = job.incidents_json()
+    assert [i.get("last_step") for i in offline["incidents"]] == [hang.get("last_step")], offline
+    print(f"hang caught {hang['time'] - stopped:.2f}s after SIGSTOP (learned timeout {learned:.2f}s); "
+          f"last step {hang.get('last_step')}, resumed {hang.get('resumed_step')}")
