@@ -511,3 +511,94 @@ def test_trl_sft_torchrun_sigstopped_rank_is_a_hang_with_stacks(tmp_path: Path) 
     assert [i.get("last_step") for i in offline["incidents"]] == [hang.get("last_step")], offline
     print(f"hang caught {hang['time'] - stopped:.2f}s after SIGSTOP (learned timeout {learned:.2f}s); "
           f"last step {hang.get('last_step')}, resumed {hang.get('resumed_step')}")
+
+
+# ------------------------------------------------------------------------------ the README's launch lines
+def readme_trainer_lines() -> list[str]:
+    """The ``rlsup run`` lines of the README's "Using rlsup with your trainer" block, continuations joined."""
+    text = (ROOT / "README.md").read_text()
+    section = re.search(r"^## Using rlsup with your trainer\n(.*?)^## ", text, re.S | re.M)
+    assert section, "README.md has no 'Using rlsup with your trainer' section"
+    block = re.search(r"```bash\n(.*?)```", section.group(1), re.S)
+    assert block, "its section has no bash block"
+    joined = re.sub(r"\\\n\s*", "", block.group(1))
+    return [ln.strip() for ln in joined.splitlines() if ln.strip().startswith("rlsup run ")]
+
+
+# per line: (keyword in the line, inputs to build in the run's directory, the trainer process, when to kill it
+# (a complete checkpoint exists), the trainer's last line)
+def _examples(names: tuple[str, ...]) -> Callable[[Path], None]:
+    def build(d: Path) -> None:
+        (d / "examples").mkdir(parents=True, exist_ok=True)
+        for name in names:
+            (d / "examples" / name).write_bytes((ROOT / "examples" / name).read_bytes())
+    return build
+
+
+def _lightning_ckpts(d: Path) -> bool:
+    return len([p for p in (d / "ckpts").glob("*.ckpt") if not p.name.startswith("last")]) >= 2 \
+        if (d / "ckpts").is_dir() else False
+
+
+README_LINES = {
+    "trl.scripts.sft": (lambda d: _hf_inputs(d), "trl.scripts.sft",
+                        lambda d: (d / "out" / "checkpoint-5" / "trainer_state.json").exists(), "Training completed"),
+    "lightning_train.py": (_examples(("lightning_train.py",)), "lightning_train.py", _lightning_ckpts,
+                           "finished at step 64"),
+    "train.py": (lambda d: st.nanogpt_workdir(d), "train.py",
+                 lambda d: any(i >= 25 for i in _iters(_latest_log(d))), "iter 100: loss"),
+    "train_tiny.py": (_examples(("train_tiny.py",)), "train_tiny.py",
+                      lambda d: bool(list((d / "checkpoints").glob("step_*/manifest.rank_00000.json"))),
+                      "[train_tiny] step 40 loss"),
+}
+
+
+def _latest_log(d: Path) -> str:
+    logs = sorted((d / ".rlsup" / "attempts").glob("attempt_*/output.log"))
+    return logs[-1].read_text(errors="replace") if logs else ""
+
+
+def _line_key(line: str) -> str:
+    for key in README_LINES:  # the most specific first: "train.py" is also in "lightning_train.py"
+        if key != "train.py" and key in line:
+            return key
+    return "train.py"
+
+
+def test_readme_has_a_line_per_kind_of_trainer() -> None:
+    keys = sorted(_line_key(line) for line in readme_trainer_lines())
+    assert keys == sorted(README_LINES), keys
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("key", sorted(README_LINES))
+def test_readme_trainer_line_runs_as_written(tmp_path: Path, key: str) -> None:
+    """The README's line, as written (``rlsup`` = this checkout's CLI), in a directory holding the inputs it
+    names; its training process is SIGKILLed once a complete checkpoint exists; it resumes and finishes."""
+    line = next(ln for ln in readme_trainer_lines() if _line_key(ln) == key)
+    build, script, ready, last_line = README_LINES[key]
+    work = tmp_path / "run"
+    work.mkdir()
+    build(work)
+    argv = shlex.split(line)
+    assert argv[:2] == ["rlsup", "run"] and "--" in argv, line
+    sep = argv.index("--")
+    job = Supervised.start(work, [*argv[2:sep], *FAST], argv[sep + 1:], job_env(work))
+    match = _rank_proc(work, script)
+    try:
+        proc = job.wait_trainer(0, match, f"{script}")
+        assert proc is not None, job.report()
+        wait_for(lambda: job.ended() or ready(work), 240, f"a complete checkpoint of {script}", interval=0.01)
+        assert not job.ended(), job.report()
+        assert _kill(proc), job.report()
+        job.kills.append({"attempt": 0, "pid": proc.pid})
+        rc = job.finish()
+    finally:
+        if job.proc.poll() is None:
+            job.proc.kill()
+    report = job.report()
+    assert rc == 0, report
+    recs = incidents(job.state_dir)
+    assert len(recs) == 1 and recs[0]["action"] == "restart", report
+    assert recs[0].get("resumed_step"), report  # it resumed from the checkpoint that existed, not from scratch
+    assert last_line in job.attempt_log(1), report
