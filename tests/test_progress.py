@@ -421,3 +421,26 @@ def test_nanogpt_iterations_are_its_steps(tmp_path: Path) -> None:
 def test_the_examples_are_lines_the_trainers_printed(name: str, capture: str) -> None:
     segments = re.split(r"[\r\n]", (DATA / capture).read_bytes().decode())
     assert PRESETS[name].example in segments
+
+
+def test_a_bar_redrawn_at_a_stuck_step_is_caught_as_a_hang(workdir: Path) -> None:
+    """Real processes: a trainer's bar reaches step 3 and then is only redrawn (tqdm's elapsed time
+    moving, as when a rank hangs inside a step): hung within the timeout of step 3's beat, last step 3."""
+    script = workdir / "stuck_bar.py"
+    script.write_text("import sys, time\n"
+                      "for s in range(1, 4):\n"
+                      "    sys.stderr.write(f'\\r {s * 10}%|█         | {s}/10 [00:0{s}<00:09,  1.00it/s]')\n"
+                      "    sys.stderr.flush()\n"
+                      "    time.sleep(0.2)\n"
+                      "t = 3.0\n"
+                      "while True:\n"
+                      "    t += 0.2\n"
+                      "    sys.stderr.write(f'\\r 30%|███       | 3/10 [00:{int(t):02d}<00:07,  1.00it/s]')\n"
+                      "    sys.stderr.flush()\n"
+                      "    time.sleep(0.2)\n")
+    r = run_rlsup(["run", *FAST, "--progress", "hf", "--heartbeat-timeout", "2", "--max-restarts", "0", "--",
+                   PY, str(script)], workdir, timeout=120)
+    (inc,) = incidents(workdir / ".rlsup")
+    assert inc["reason"] == "hang" and inc["rank"] == JOB_RANK and inc["last_step"] == 3, (inc, r.stderr[-2000:])
+    silent, timeout = _silence(inc["detail"])
+    assert timeout == 2.0 and timeout <= silent < timeout + 1.5, inc["detail"]
