@@ -600,5 +600,6 @@ def test_readme_trainer_line_runs_as_written(tmp_path: Path, key: str) -> None:
     assert rc == 0, report
     recs = incidents(job.state_dir)
     assert len(recs) == 1 and recs[0]["action"] == "restart", report
-    assert recs[0].get("resumed_step"), report  # it resumed from the checkpoint that existed, not from scratch
+    # it resumed from the checkpoint that existed, not from scratch (a single file names no step: path only)
+    assert recs[0].get("resumed_from") and (recs[0].get("resumed_step") or key == "train.py"), report
     assert last_line in job.attempt_log(1), report
