@@ -7,8 +7,11 @@ falls back to what it can still see, in this order:
 
 1. a checkpoint layout recognises the directory: a valid step newer than the resumed one;
 2. single-file checkpoints: a new complete version of the file was kept during the attempt;
-3. the directory holds files no layout reads: the trainer's own step (heartbeats or output progress)
-   moved past the step it started the attempt from.
+3. rlsup cannot read the checkpoints (entries no layout reads, or the default directory never
+   appeared): the trainer's own step (heartbeats or output progress) moved past both the step it
+   started the attempt from and the highest step any earlier attempt of the run reached. A trainer
+   that resumes from its own checkpoints climbs past that mark; one that starts over and fails at
+   the same point every time does not.
 
 Otherwise (no checkpoint yet, or no step reported beside unreadable files) nothing shows progress: a
 job that crashes before its first save, every time, is a crash loop.
@@ -42,8 +45,8 @@ class AttemptEvidence:
     """What rlsup saw of one attempt. ``newest_step``: the newest valid step after it (None: no layout
     recognises the directory); ``resumed_step``: the step it resumed from (None: fresh, or unknown);
     ``new_file_versions``: complete single-file versions kept during it (None: no such files);
-    ``unreadable``: the checkpoint directory holds entries no layout reads; ``first_step``/``last_step``:
-    the first and last step the trainer reported in it."""
+    ``unreadable``: rlsup cannot read the checkpoints; ``first_step``/``last_step``: the first and last
+    step the trainer reported in it; ``high_water``: the highest step earlier attempts of the run reported."""
 
     newest_step: int | None = None
     resumed_step: int | None = None
@@ -51,6 +54,7 @@ class AttemptEvidence:
     unreadable: bool = False
     first_step: int | None = None
     last_step: int | None = None
+    high_water: int | None = None
 
 
 def judge(evidence: AttemptEvidence) -> AttemptProgress:
@@ -63,5 +67,6 @@ def judge(evidence: AttemptEvidence) -> AttemptProgress:
     if not evidence.unreadable:
         return AttemptProgress(False, ProgressBasis.CHECKPOINT)  # no checkpoint yet
     if evidence.first_step is not None and evidence.last_step is not None:
-        return AttemptProgress(evidence.last_step > evidence.first_step, ProgressBasis.TRAINER_STEP)
+        mark = max(evidence.first_step, evidence.high_water if evidence.high_water is not None else -1)
+        return AttemptProgress(evidence.last_step > mark, ProgressBasis.TRAINER_STEP)
     return AttemptProgress(False, ProgressBasis.NOTHING)

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from rlsup_format.fileio import fsync_dir, fsync_file
 from supervisor.layouts import detect_layout, single_file
 from supervisor.poll_loop import PollLoop
 
@@ -141,7 +142,7 @@ class FileVersions:
                 tmp.unlink(missing_ok=True)  # the trainer saved again while we copied: the next pass keeps it
                 return False
             os.replace(tmp, self.store / name)  # a kept version appears whole or not at all
-            _fsync_dir(self.store)
+            fsync_dir(self.store)
         except OSError as e:
             tmp.unlink(missing_ok=True)
             log.warning("single-file checkpoint %s: version not kept (%s)", live, e)
@@ -160,8 +161,7 @@ class FileVersions:
             except OSError:
                 pass  # another filesystem, or no links there: copy
         shutil.copyfile(live, dest)
-        with open(dest, "rb+") as f:
-            os.fsync(f.fileno())
+        fsync_file(dest)
 
     def versions(self, live: Path | None = None) -> list[KeptVersion]:
         """Kept versions (of ``live``, or all), newest first."""
@@ -220,7 +220,7 @@ class FileVersions:
             try:
                 self._materialise(version.path, tmp, link=False)
                 os.replace(tmp, live)
-                _fsync_dir(live.parent)
+                fsync_dir(live.parent)
             except OSError as e:
                 tmp.unlink(missing_ok=True)
                 log.error("single-file checkpoint %s is %s, and the kept version %s could not be put back: %s",
@@ -247,11 +247,3 @@ def _mtime(path: Path) -> int:
 def _key(path: Path) -> tuple[int, int, int]:
     st = os.stat(path)
     return st.st_ino, st.st_size, st.st_mtime_ns
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

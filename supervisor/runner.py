@@ -13,7 +13,6 @@ import logging
 import os
 import shutil
 import signal
-import subprocess
 import threading
 import time
 from dataclasses import dataclass
@@ -22,7 +21,6 @@ from typing import Any, Sequence
 
 from supervisor import exit_codes
 from supervisor.attempt_end import ERROR_FILE_ENV, AttemptResult, classify_exit, error_file_for, from_rank_death
-from supervisor.attempt_progress import AttemptProgress
 from supervisor.config import SupervisorConfig
 from supervisor.hang_detector import AutoTimeout, HangDetector, HangSettings, HangVerdict
 from supervisor.health import mark_repeat_offender, node_name
@@ -36,7 +34,6 @@ from supervisor.rank_deaths import RankDeathWatch
 from supervisor.restart_policy import RestartPolicy, give_up_code
 from supervisor.stragglers import StragglerDetector, StragglerWatch
 from supervisor.resume import ResumePoint, choose_resume, repair_tracker
-from supervisor.warm_launcher import Zygote, warm_spec
 from rlsup_format.heartbeat_record import rank_file_name, request_stop
 
 KEEP_ATTEMPT_DIRS = 10
@@ -78,7 +75,9 @@ class Supervisor:
         self._wake = threading.Event()
         self.incidents: list[Incident] = []
         self.state = JobState(JobStatus.INIT, 0, os.getpid(), self.command, time.time())
-        self._zygote: Zygote | None = None  # the next attempt's pre-spawned torchrun (warm_launcher)
+        from supervisor.warm_start import WarmStarts
+
+        self.warm = WarmStarts(self.command, self.cfg.warm_launcher, self.cfg.warm_imports, self._log)  # next root
         self.node_name = node_name()  # what incidents, metrics and the SLURM exclude list call this machine
         from supervisor.persistent import PersistentTier
 
@@ -86,17 +85,9 @@ class Supervisor:
         from supervisor.memory_tier import MemoryTier
 
         self.memory = MemoryTier.from_config(self.cfg, self.checkpoint_dir, self.job.id)  # None: memory_dir empty
-        from supervisor.file_versions import FileVersions
+        from supervisor.checkpoint_sight import CheckpointSight
 
-        self.file_versions = FileVersions.from_config(self.cfg, self.checkpoint_dir)  # None: single-file off
-        self._versions_at_launch = 0  # file_versions.kept when the attempt launched (the progress rule)
-        self._first_step: int | None = None  # the first step the trainer reported in this attempt
-        self._unreadable = False  # checkpoint_dir holds files no layout reads (found before each attempt)
-        self._unreadable_said = False  # ... which is said once per run
-        self._attempt_ended = False  # an attempt of this run has ended (a missing default dir is telling then)
-        from supervisor.config import DEFAULT_CHECKPOINT_DIR
-
-        self._default_checkpoint_dir = self.checkpoint_dir == (Path.cwd() / DEFAULT_CHECKPOINT_DIR).resolve()
+        self.sight = CheckpointSight(self.cfg, self.checkpoint_dir, self._log)  # single-file, unreadable, steps
 
     # ------------------------------------------------------------ the loop
 
@@ -105,7 +96,7 @@ class Supervisor:
         try:
             return self._run()
         finally:
-            self._discard_zygote()  # every way out, exceptions included: no unused launcher outlives rlsup
+            self.warm.discard()  # every way out, exceptions included: no unused launcher outlives rlsup
             self.processes.release_attempts()  # nothing recorded outlives the run; the guardian goes
             for signum, handler in previous.items():  # a second Supervisor in this process starts clean
                 signal.signal(signum, handler)
@@ -126,8 +117,7 @@ class Supervisor:
             self.persistent.start(self.checkpoint_dir)
         if self.memory is not None:
             self.memory.start()
-        if self.file_versions is not None:
-            self.file_versions.start()
+        self.sight.start()
         attempt = self.first_attempt()
         pending: tuple[Incident, float] | None = None  # last failure, recorded once the next attempt starts
         while True:
@@ -177,9 +167,8 @@ class Supervisor:
     def decide(self, attempt: int, result: AttemptResult, resume: ResumePoint | None) -> tuple[Incident, float | None]:
         """A failed attempt: its incident, and the delay before the next one (None: give up, recorded now)."""
         self._set_state(JobStatus.FAILED)
-        self._attempt_ended = True
         self.attempt_failed(attempt, result)
-        progress = self.attempt_progress(result, resume)
+        progress = self.sight.judge(result.last_step, self.progress_marker(), resume)  # supervisor.attempt_progress
         decision = self.policy.decide(result.exit_code, progress.progressed)
         self.observer.attempt_failed(result.reason, result.last_step)
         incident = self._incident(result, decision.action)
@@ -265,7 +254,7 @@ class Supervisor:
             if point is not None:
                 self.observer.checkpoint(point.step, point.path.stat().st_mtime)
         else:
-            self._before_choosing()
+            self.sight.before_choosing()
             point = self.choose_resume()
         if point is not None and self.cfg.repair_tracker:
             point = repair_tracker(self.checkpoint_dir, point, self._log)
@@ -281,54 +270,6 @@ class Supervisor:
     def give_up(self, reason: str) -> None:
         """This node stops restarting (tell the other nodes)."""
 
-    def attempt_progress(self, result: AttemptResult, resume: ResumePoint | None) -> "AttemptProgress":
-        """Whether this failed attempt made progress: the one rule of :mod:`supervisor.attempt_progress`."""
-        from supervisor.attempt_progress import AttemptEvidence, judge
-
-        versions = None
-        if self.file_versions is not None and (self.file_versions.kept or self.file_versions.tracked()):
-            self.file_versions.observe()  # a version completed just before the end
-            versions = self.file_versions.kept - self._versions_at_launch
-        return judge(AttemptEvidence(newest_step=self.progress_marker(), resumed_step=resume.step if resume else None,
-                                     new_file_versions=versions, unreadable=self._checkpoints_unreadable(),
-                                     first_step=self._first_step, last_step=result.last_step))
-
-    def _before_choosing(self) -> None:
-        """Single node, before the resume point is chosen: put back a torn single-file checkpoint's newest
-        complete version, move torn checkpoints aside (``quarantine_invalid``), and say once when the
-        directory holds files no layout reads (decisions then rest on the trainer's own steps)."""
-        if self.file_versions is not None:
-            for done in self.file_versions.restore():
-                self._log(f"single-file checkpoint {done.live} was {done.why}; put back its newest complete "
-                          f"version ({done.version.size} bytes, saved {time.ctime(done.version.mtime_ns / 1e9)})")
-        if self.cfg.quarantine_invalid and self.cfg.resume:
-            from supervisor.quarantine import quarantine_torn
-
-            for moved in quarantine_torn(self.checkpoint_dir, self.cfg.checkpoint_layout, self.cfg.checkpoint_file):
-                self._log(f"quarantined {moved.source.name} ({moved.reason}) as {moved.target.name}; "
-                          f"put it back with mv only if you know it is good")
-        self._checkpoints_unreadable()
-
-    def _checkpoints_unreadable(self) -> bool:
-        """Whether checkpoint_dir holds entries no layout reads (said once per run, with how to fix it)."""
-        from supervisor.resume import describe_unreadable
-
-        said = describe_unreadable(self.checkpoint_dir, self.cfg.checkpoint_layout,
-                                   self.file_versions is not None and bool(self.file_versions.tracked()),
-                                   unset_and_missing=self._default_checkpoint_dir and self._attempt_ended)
-        self._unreadable = bool(said) and self.cfg.resume
-        if self._unreadable and not self._unreadable_said:
-            self._unreadable_said = True
-            self._log(said)
-        return self._unreadable
-
-    def resume_known(self, resume: ResumePoint | None) -> bool:
-        """Whether rlsup knows the step the attempt resumes from: not for a single-file checkpoint (no
-        step in it), nor for a fresh start beside files no layout reads (the trainer may resume itself)."""
-        if resume is not None:
-            return resume.step is not None
-        return not self._unreadable
-
     def progress_marker(self) -> int | None:
         """Newest valid checkpoint step, to tell whether a failed attempt made progress."""
         point = self.choose_resume()
@@ -341,10 +282,9 @@ class Supervisor:
         if not self.cfg.resume:
             return None
         point = choose_resume(self.checkpoint_dir, self.cfg.checkpoint_layout, self.job.id)
-        if point is None and self.file_versions is not None and (live := self.file_versions.newest_valid()):
-            return ResumePoint(None, live, "single-file")  # no step: the trainer's file does not name one
-        if point is not None:
-            self.observer.checkpoint(point.step, point.path.stat().st_mtime)
+        if point is None:
+            return self.sight.resume_fallback()  # a single-file checkpoint, which names no step
+        self.observer.checkpoint(point.step, point.path.stat().st_mtime)
         return point
 
     def _refresh_checkpoint_metric(self) -> None:
@@ -397,16 +337,15 @@ class Supervisor:
         argv = self.attempt_command(resume)
         self._log(f"attempt {attempt}: launching {' '.join(argv)}{where}")
         env = self.attempt_env(attempt, resume, hb_dir)
-        job = self._start_warm(attempt, env, argv, attempt_dir / "output.log")
+        job = self.warm.start(attempt, env, argv, attempt_dir / "output.log", self.cfg.output_tail_lines)
         if job is None:
             job = self.processes.start(argv, env, attempt_dir / "output.log", self.cfg.output_tail_lines)
         attach_progress(self.cfg.progress, self.cfg.progress_regex, job, hb_dir)
-        self.observer.attempt_started(attempt, resume.step if resume else None, known=self.resume_known(resume))
-        self._versions_at_launch = self.file_versions.kept if self.file_versions is not None else 0
-        self._first_step = None
+        self.observer.attempt_started(attempt, resume.step if resume else None, known=self.sight.resume_known(resume))
+        self.sight.attempt_launched()
         if resume is not None:
             self.observer.resumed_from(getattr(resume, "tier", "local"))
-        self._arm_zygote(env)
+        self.warm.arm(env, self.policy.budget_left())
         return job, hb_dir
 
     def attempt_command(self, resume: ResumePoint | None) -> list[str]:
@@ -414,50 +353,6 @@ class Supervisor:
         from supervisor.launch_args import ResumeFill, expand
 
         return expand(self.command, None if resume is None else ResumeFill(str(resume.path), resume.step))
-
-    def _start_warm(self, attempt: int, env: dict[str, str], argv: list[str], log_path: Path) -> JobProcess | None:
-        """This attempt's job root from the pre-spawned warm launcher; None: launch cold."""
-        zygote, self._zygote = self._zygote, None
-        if zygote is None:
-            return None
-        age = time.monotonic() - zygote.spawned
-        spec = warm_spec(argv, env) if argv != self.command else None  # the filled placeholders' torchrun args
-        try:
-            job = zygote.start(spec.args if spec is not None else None, env, os.getcwd(), log_path,
-                               self.cfg.output_tail_lines)
-        except Exception as e:  # whatever went wrong, the cold launch still can
-            zygote.discard()
-            self._log(f"attempt {attempt}: warm launcher pid {zygote.pid} failed to start ({e}); launching cold")
-            return None
-        if job is None:
-            said = [line for line in zygote.output_left.splitlines() if line.strip()]
-            self._log(f"attempt {attempt}: warm launcher pid {zygote.pid} not usable (exit {zygote.popen.returncode}"
-                      f"{': ' + said[-1].strip() if said else ''}); launching cold")
-        else:
-            self._log(f"attempt {attempt}: started by the warm launcher (pid {job.pid}, spawned {age:.1f}s ago)")
-        return job
-
-    def _arm_zygote(self, env: dict[str, str]) -> None:
-        """Pre-spawn the next attempt's job root while this one runs (torchrun jobs, warm_launcher on).
-        Not when this attempt's failure would end the run anyway (max_restarts used up)."""
-        if not self.cfg.warm_launcher or self._zygote is not None:
-            return
-        if not self.policy.budget_left():
-            return
-        spec = warm_spec(self.command, env)
-        if spec is None:
-            return
-        try:
-            self._zygote = Zygote(spec, env, warm_imports=self.cfg.warm_imports)
-        except (OSError, subprocess.SubprocessError) as e:
-            self._log(f"warm launcher not started ({e}); restarts launch cold")
-            return
-        self._log(f"warm launcher pid {self._zygote.pid} spawned for the next attempt")
-
-    def _discard_zygote(self) -> None:
-        zygote, self._zygote = self._zygote, None
-        if zygote is not None:
-            zygote.discard()
 
     def watch(self, job: JobProcess, hb_dir: Path, attempt: int) -> AttemptResult:
         """Poll until the job exits, a rank dies, it hangs, or rlsup is asked to stop."""
@@ -497,8 +392,7 @@ class Supervisor:
             self.state.heartbeat_timeout_s = detector.timeout()
             if self.state.last_step != (step := detector.last_step()):  # rlsup status follows the steps
                 self.state.last_step = step
-                if self._first_step is None:
-                    self._first_step = step
+                self.sight.step_seen(step)
                 publish_state(self.state_dir, self.state)
             if verdict is not None:
                 return self._hang(attempt, job, detector, verdict)
@@ -637,7 +531,7 @@ class Supervisor:
             incident.resumed_from, incident.resumed_step = str(resume.path), resume.step
             incident.resumed_tier = getattr(resume, "tier", "local")
         if downtime is not None:
-            incident.resume_known = self.resume_known(resume)
+            incident.resume_known = self.sight.resume_known(resume)
         if incident not in self.incidents and mark_repeat_offender(incident, self.incidents, self.node_name):
             self.observer.suspect(self.node_name, "repeated")
         append_incident(self.state_dir, incident)
@@ -668,13 +562,12 @@ class Supervisor:
             self.observer.state(self.state.state.value)
 
     def _finish(self, code: int, status: JobStatus, attempt: int, why: str = "") -> RunResult:
-        self._discard_zygote()  # no next attempt: do not keep a launcher alive through the final copy
+        self.warm.discard()  # no next attempt: do not keep a launcher alive through the final copy
         if self.memory is not None:  # the newest memory step to disk first (the persistent flush reads disk)
             self.memory.finish(remove=status == JobStatus.SUCCEEDED, timeout=self.cfg.stop_grace)
         if self.persistent is not None:  # the last checkpoint, whatever the cadence; the tier logs the copy
             self.persistent.flush(self.cfg.stop_grace)
-        if self.file_versions is not None:
-            self.file_versions.stop()
+        self.sight.stop()
         self._log(f"{status.value} after {attempt + 1} attempt(s); exit {code}" + (f" ({why})" if why else ""))
         return RunResult(code, status, attempt + 1, self.incidents)
 

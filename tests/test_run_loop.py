@@ -45,6 +45,7 @@ class Attempt:
     dead_rank: int | None = None  # this rank's process dies first (exit_code is the launcher's)
     stop_exit: int | None = 0  # None: ignores the stop request (killed after stop_grace)
     on_tick: tuple[int, object] | None = None  # (tick, callable) run during that poll
+    step_base: int = 0  # ranks beat step_base + tick (a trainer that resumed at step_base)
 
 
 class FakeOutput:
@@ -99,7 +100,7 @@ class FakeJob:
             s.on_tick[1]()
         if s.beats and (s.hang_at is None or self.tick < s.hang_at):
             for rank in range(s.ranks):
-                self._beat(rank, self.tick)
+                self._beat(rank, s.step_base + self.tick)
         if s.saves is not None and self.tick == s.exit_at - 1:
             self.layer.checkpoints.append(s.saves)
         if s.exit_code is not None and self.tick >= s.exit_at:

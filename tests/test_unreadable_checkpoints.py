@@ -30,8 +30,9 @@ def _unreadable(tmp_path: Path) -> None:
 def test_steps_that_move_beside_unreadable_checkpoints_are_progress(tmp_path: Path,
                                                                       caplog: pytest.LogCaptureFixture) -> None:
     _unreadable(tmp_path)
-    sup, layer, _ = make(tmp_path, *[Attempt(exit_code=1, exit_at=4)] * 4, Attempt(exit_code=0),
-                         max_no_progress_attempts=2, max_restarts=10, backoff_initial=5.0)
+    climbing = [Attempt(exit_code=1, exit_at=4, step_base=2 * k) for k in range(4)]  # resumes, 2 steps further
+    sup, layer, _ = make(tmp_path, *climbing, Attempt(exit_code=0), max_no_progress_attempts=2, max_restarts=10,
+                         backoff_initial=5.0)
     with caplog.at_level(logging.INFO, logger="supervisor"):
         result = sup.run()
     assert result.exit_code == exit_codes.OK and len(layer.jobs) == 5  # never 76, never backed off 5 s
@@ -43,6 +44,13 @@ def test_steps_that_move_beside_unreadable_checkpoints_are_progress(tmp_path: Pa
     assert all(i["downtime_s"] < 5.0 for i in recorded)  # each restart at once: backoff_initial 5 s never used
     assert "steps lost unknown" in incident_line(recorded[0])
     assert "4 more incident(s): unknown" in report(tmp_path / "state", recorded)
+
+
+def test_a_trainer_that_starts_over_and_fails_at_the_same_step_is_not_progress(tmp_path: Path) -> None:
+    _unreadable(tmp_path)  # steps 1..3 in every attempt: never past the first attempt's mark
+    sup, layer, _ = make(tmp_path, *[Attempt(exit_code=1, exit_at=4)] * 4, max_no_progress_attempts=2,
+                         max_restarts=10)
+    assert sup.run().exit_code == exit_codes.NO_PROGRESS and len(layer.jobs) == 3
 
 
 def test_unreadable_checkpoints_without_any_step_still_stop_a_crash_loop(tmp_path: Path) -> None:
@@ -68,6 +76,10 @@ def test_an_empty_checkpoint_dir_keeps_the_crash_loop_rule(tmp_path: Path) -> No
      (False, ProgressBasis.FILE_VERSION)),
     (AttemptEvidence(first_step=50, last_step=80, unreadable=True), (True, ProgressBasis.TRAINER_STEP)),
     (AttemptEvidence(first_step=50, last_step=50, unreadable=True), (False, ProgressBasis.TRAINER_STEP)),
+    (AttemptEvidence(first_step=50, last_step=70, high_water=80, unreadable=True),
+     (False, ProgressBasis.TRAINER_STEP)),  # below what an earlier attempt reached
+    (AttemptEvidence(first_step=50, last_step=90, high_water=80, unreadable=True),
+     (True, ProgressBasis.TRAINER_STEP)),
     (AttemptEvidence(first_step=0, last_step=80), (False, ProgressBasis.CHECKPOINT)),
     (AttemptEvidence(unreadable=True), (False, ProgressBasis.NOTHING)),
 ])
@@ -79,8 +91,9 @@ def test_one_rule_for_progress(evidence: AttemptEvidence, verdict: tuple[bool, P
 def test_a_default_checkpoint_dir_that_never_appears_falls_back_to_the_trainers_steps(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.chdir(tmp_path)  # checkpoint_dir stays the default ./checkpoints; the trainer saves elsewhere
-    sup, layer, _ = make(tmp_path, *[Attempt(exit_code=1, exit_at=4)] * 3, Attempt(exit_code=0),
-                         max_no_progress_attempts=2, max_restarts=10, checkpoint_dir="checkpoints")
+    climbing = [Attempt(exit_code=1, exit_at=4, step_base=2 * k) for k in range(3)]
+    sup, layer, _ = make(tmp_path, *climbing, Attempt(exit_code=0), max_no_progress_attempts=2, max_restarts=10,
+                         checkpoint_dir="checkpoints")
     with caplog.at_level(logging.INFO, logger="supervisor"):
         assert sup.run().exit_code == exit_codes.OK and len(layer.jobs) == 4
     said = [r.getMessage() for r in caplog.records if "(the default) does not exist" in r.getMessage()]
