@@ -115,8 +115,8 @@ PRESETS: dict[str, Preset] = {
         r"\biter (\d+): loss \S+, time ",
         "karpathy/nanoGPT @3adf61e, train.py: print(f\"iter {iter_num}: loss {lossf:.4f}, time {dt*1000:.2f}ms, "
         "mfu {running_mfu*100:.2f}%\") every log_interval iterations on the master process (the evaluation "
-        "line 'step N: train loss ...' is not read); needs PYTHONUNBUFFERED=1 or python -u, as print into "
-        "a pipe is block-buffered",
+        "line 'step N: train loss ...' is not read); print into a pipe is block-buffered: rlsup sets "
+        "PYTHONUNBUFFERED=1 when progress is on",
         "iter 12: loss 3.3656, time 3058.91ms, mfu 0.00%",
         note="iter_num, the iteration just done (its checkpoint's iter_num is the next one to run)"),
     "lightning": Preset(

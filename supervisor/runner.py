@@ -316,6 +316,8 @@ class Supervisor:
             ENV_JOB_ID: self.job.id,
         })
         env.setdefault(ERROR_FILE_ENV, str(error_file_for(hb_dir)))  # torchrun's failure report, unless the user's
+        if self.cfg.progress or self.cfg.progress_regex:  # progress is read from the output: as it is printed
+            env.setdefault("PYTHONUNBUFFERED", "1")
         if self.cfg.resume:
             # The step every rank must load, or empty for "start fresh": trainer_hooks never picks another
             # step on its own under rlsup (a rank quietly starting over loses the run). Not set with
