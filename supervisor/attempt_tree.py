@@ -32,6 +32,7 @@ class AttemptTree:
         self.record = TreeRecord(me, str(cgroup) if cgroup else None)
         self._names = itertools.count()
         self._known: set[int] = set()
+        self._empty: list[Path] = []  # ended roots' groups not yet removable (the kernel empties them lazily)
         self._save()
         self.guardian = None
         if guardian:
@@ -81,7 +82,8 @@ class AttemptTree:
             return
         self.record.roots.remove(root)
         if root.cgroup:
-            remove_cgroup(Path(root.cgroup))
+            self._empty.append(Path(root.cgroup))
+        self._empty = [path for path in self._empty if not remove_cgroup(path, timeout=0)]  # never waits: restart path
         self.record.pids = [ref for ref in self.record.pids if ref.matches()]
         self._known = {ref.pid for ref in self.record.pids} | {r.pid for r in self.record.roots}
         self._save()

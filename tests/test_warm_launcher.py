@@ -59,6 +59,12 @@ sys.exit(1 if attempt == 0 and Path(sys.argv[2]).exists() else 0)
 """
 
 
+def _job_children(rlsup_pid: int) -> list[int]:
+    """rlsup's children but its guardian (supervisor.attempt_guard, one per run, never part of a job)."""
+    return [c.pid for c in psutil.Process(rlsup_pid).children()
+            if not any("supervisor.attempt_guard" in arg for arg in c.cmdline())]
+
+
 def _zygotes(rlsup_pid: int) -> list[psutil.Process]:
     """rlsup's children that are warm launchers."""
     out = []
@@ -157,7 +163,7 @@ def test_no_zygote_when_disabled(workdir: Path) -> None:
         # The zygote would be spawned right after launch, long before the rank runs.
         wait_for(lambda: Path(f"{started}.attempt0").exists(), 120, "the rank to run")
         assert _zygotes(proc.pid) == []
-        assert [c.pid for c in psutil.Process(proc.pid).children()] == [
+        assert _job_children(proc.pid) == [
             json.loads((workdir / ".rlsup" / "state.json").read_text())["job_pid"]]
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -185,9 +191,9 @@ def test_waiting_zygote_dies_with_rlsup(workdir: Path, sig: int) -> None:
         proc.communicate(timeout=60)
     assert proc.returncode == (-signal.SIGKILL if sig == signal.SIGKILL else 128 + signal.SIGTERM)
     wait_for(lambda: not pid_alive(zygote.pid), 10, "the warm launcher to die with rlsup")
-    # (torchrun's own workers do not die with their agent: a SIGKILLed rlsup leaves the rank behind.)
-    if rank_pid is not None and pid_alive(rank_pid):
-        os.kill(rank_pid, signal.SIGKILL)
+    # torchrun's workers do not die with their agent; rlsup's guardian ends them (supervisor.attempt_guard)
+    if rank_pid is not None:
+        wait_for(lambda: not pid_alive(rank_pid), 5, "the rank to die with rlsup")
 
 
 def test_non_torchrun_command_gets_no_zygote(workdir: Path) -> None:
@@ -198,7 +204,7 @@ def test_non_torchrun_command_gets_no_zygote(workdir: Path) -> None:
     try:
         pid = int(wait_for(lambda: Path(f"{started}.attempt0").exists() and Path(f"{started}.attempt0")
                            .read_text(), 60, "the job to run"))
-        assert [c.pid for c in psutil.Process(proc.pid).children()] == [pid]
+        assert _job_children(proc.pid) == [pid]
     finally:
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=60)
