@@ -120,9 +120,31 @@ from supervisor.process_tree import ProcessLayer
 from supervisor.runner import Supervisor
 logging.basicConfig(level=logging.INFO)
 cfg = SupervisorConfig(checkpoint_dir={ckpt!r}, state_dir={state!r}, metrics_port=0, poll_interval=0.05)
-layer = ProcessLayer(cgroups={cgroups!r}, guardian=False)
+layer = ProcessLayer(cgroups={cgroups!r}, guardian={guardian!r})
 sys.exit(Supervisor(cfg, sys.argv[1:], processes=layer).run().exit_code)
 """
+
+
+def _start_driver(workdir: Path, cgroups: bool, guardian: bool) -> subprocess.Popen:
+    """rlsup's run loop over a ProcessLayer built here (the fallback forced by its constructor, not by
+    the environment), running a shell with a daemonised ``sleep 313`` and a background ``sleep 314``."""
+    driver = workdir / "driver.py"
+    driver.write_text(DRIVER.format(root=str(ROOT), ckpt=str(workdir / "ckpt"), state=str(workdir / ".rlsup"),
+                                    cgroups=cgroups, guardian=guardian))
+    job = ["sh", "-c", "(setsid sleep 313 &); sleep 314 & wait"]
+    return subprocess.Popen([PY, str(driver), *job], cwd=workdir, env=clean_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.STDOUT)
+
+
+def test_kill9_guardian_fallback_without_cgroup_ends_a_daemonised_child(workdir: Path) -> None:
+    """No cgroup (as where none can be made): the guardian ends the recorded pids and the root's session."""
+    proc = _start_driver(workdir, cgroups=False, guardian=True)
+    try:
+        found = wait_for(lambda: _recorded(workdir / ".rlsup", "sleep 313", "sleep 314"), 20, "both sleeps recorded")
+        assert load(record_path(workdir / ".rlsup")).cgroup is None  # type: ignore[union-attr]
+        _kill9_and_expect_tree_gone(proc, list(found.values()))
+    finally:
+        proc.kill()
 
 
 # The successor's job: exit 9 if any leftover still runs (a zombie is dead: pid 1 may be slow to reap).
@@ -143,11 +165,7 @@ def test_next_rlsup_ends_what_a_dead_one_left_before_it_launches(workdir: Path, 
     """No guardian: only the successor can end the leftovers. ``sleep 313`` daemonised (double fork +
     setsid: out of the job's session and tree), so only the cgroup or the recorded pids find it."""
     state = workdir / ".rlsup"
-    driver = workdir / "driver.py"
-    driver.write_text(DRIVER.format(root=str(ROOT), ckpt=str(workdir / "ckpt"), state=str(state), cgroups=cgroups))
-    job = ["sh", "-c", "(setsid sleep 313 &); sleep 314 & wait"]
-    proc = subprocess.Popen([PY, str(driver), *job], cwd=workdir, env=clean_env(), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.STDOUT)
+    proc = _start_driver(workdir, cgroups=cgroups, guardian=False)
     try:
         found = wait_for(lambda: _recorded(state, "sleep 313", "sleep 314"), 20, "both sleeps recorded")
         record = load(record_path(state))
