@@ -50,12 +50,11 @@ def _child_setup(cgroup: str | None) -> Callable[[], None]:
     """What the job root does between fork and exec: die with rlsup, enter its cgroup before it can fork."""
     if cgroup is None:
         return _die_with_parent
+    from supervisor.attempt_cgroup import join_cgroup  # here, not in the forked child (no import after fork)
 
     def setup() -> None:
         _die_with_parent()
         try:
-            from supervisor.attempt_cgroup import join_cgroup
-
             join_cgroup(cgroup)
         except OSError:
             pass  # the session and the recorded pids still end it

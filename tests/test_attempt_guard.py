@@ -75,10 +75,13 @@ def test_kill9_of_rlsup_ends_a_shells_background_children(workdir: Path) -> None
     try:
         found = wait_for(lambda: _recorded(workdir / ".rlsup", "sleep 311", "sleep 312", "sh -c *"), 20,
                          "both sleeps recorded")
+        if CGROUPS:  # the job's processes live in the run's group, below rlsup's own
+            assert "/rlsup." in Path(f"/proc/{found['sleep 311']}/cgroup").read_text()
         _kill9_and_expect_tree_gone(proc, list(found.values()))
         guard_log = workdir / ".rlsup" / "attempt_guard.log"
         log = wait_for(lambda: guard_log.exists() and guard_log.read_text(), 5, "the guardian's log line")
         assert str(found["sleep 311"]) in log and str(found["sleep 312"]) in log, log
+        assert ("(cgroup)" in log) == CGROUPS, log  # killed as a unit where a group could be made
     finally:
         proc.kill()
 
