@@ -282,6 +282,13 @@ def test_nanogpt_single_file_survives_kills_mid_save(tmp_path: Path) -> None:
     recs = incidents(job.state_dir)
     assert len(recs) == len(job.kills), report
     assert all(r["action"] == "restart" and r["reason"] == "signal" for r in recs), report
+    for k, rec in zip(job.kills, recs):  # the trainer's iteration from its "iter N:" lines; a file names no step
+        assert k["last_iter"] is None or (rec.get("last_step") or -1) >= k["last_iter"], (k, rec, report)
+        assert rec.get("resume_known") is False and rec.get("resumed_step") is None, (rec, report)
+        assert Path(rec.get("resumed_from") or "").name == "ckpt.pt", (rec, report)
+    assert job.status_json()["job"].get("last_step") == st.NANOGPT_MAX_ITERS, report
+    assert "steps lost unknown" in subprocess.run(rlsup_cmd("incidents", str(job.state_dir)), env=clean_env(),
+                                                  capture_output=True, text=True, timeout=60).stdout, report
     assert "no_progress" not in {r["action"] for r in recs} and rc != 76, report
     print(f"nanoGPT kills: {job.kills}; resumed: {[_resumed_iter(job.attempt_log(k['attempt'] + 1)) for k in job.kills]}")
 
@@ -385,6 +392,8 @@ def _check_hf_run(job: Supervised, rc: int, reference: Path) -> None:
         assert rec["action"] == "restart", report
         expected = _newest_valid(k["steps_after"])
         assert rec.get("resumed_step") == expected, (k, rec, report)
+        # the trainer's own step from its bar, not a save's "Writing model shards 1/1" (steps lost >= 0)
+        assert rec.get("last_step") is not None and rec["last_step"] >= (expected or 0), (k, rec, report)
         if expected is not None:
             assert Path(rec["resumed_from"]).name == f"checkpoint-{expected}", (k, rec, report)
     assert rc != 76 and "no_progress" not in {r["action"] for r in recs}, report
