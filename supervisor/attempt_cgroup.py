@@ -6,7 +6,7 @@ mounted (pure v2 at /sys/fs/cgroup; a hybrid host mounts it at /sys/fs/cgroup/un
 create a group below its own, the run gets ``<own cgroup>/rlsup.<pid>.<start>``; no controller is
 enabled, so no limit changes and the groups the job lived in (slurm's, systemd's) still account it.
 Where none can be made (no cgroup2, no permission) :func:`create_run_cgroup` returns None and rlsup
-falls back on sessions and recorded pids (:mod:`supervisor.leftovers`).
+falls back on sessions and recorded pids (:mod:`supervisor.leftover_processes`).
 Standard library only (the guardian imports it).
 """
 

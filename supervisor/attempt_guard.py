@@ -6,7 +6,7 @@ and the root's children would train on, holding their GPUs. The guardian is star
 group does not take it too. It holds the read end of a pipe whose write end only rlsup has (close on
 exec, so no job process keeps it), and a pidfd of rlsup where the kernel has them: end of file or
 the pidfd's readiness means rlsup is gone. It then reads the run's ``attempt_tree.json`` and ends
-what it names (:func:`supervisor.leftovers.end_leftovers`), logging to ``attempt_guard.log`` in the
+what it names (:func:`supervisor.leftover_processes.end_leftovers`), logging to ``attempt_guard.log`` in the
 state directory. rlsup ending normally writes ``bye`` first: the guardian exits doing nothing.
 Standard library only, so it starts in a few tens of milliseconds.
 """
@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from supervisor.leftovers import end_leftovers
+from supervisor.leftover_processes import end_leftovers
 from supervisor.tree_record import load, record_path
 
 BYE = b"bye"

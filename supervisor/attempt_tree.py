@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 
 from supervisor.attempt_cgroup import child_cgroup, create_run_cgroup, kill_cgroup, remove_cgroup
-from supervisor.leftovers import Ended, end_leftovers
+from supervisor.leftover_processes import Ended, end_leftovers
 from supervisor.tree_record import ProcRef, RootRef, TreeRecord, load, proc_start, record_path, save
 
 log = logging.getLogger(__name__)

@@ -28,7 +28,7 @@ import psutil
 
 if TYPE_CHECKING:
     from supervisor.attempt_tree import AttemptTree
-    from supervisor.leftovers import Ended
+    from supervisor.leftover_processes import Ended
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
