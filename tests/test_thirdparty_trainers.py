@@ -295,6 +295,8 @@ def test_nanogpt_single_file_survives_kills_mid_save(tmp_path: Path) -> None:
 
 # ------------------------------------------------------------------------------------------------- trl sft
 def _hf_inputs(work: Path) -> Path:
+    pytest.importorskip("transformers")
+    pytest.importorskip("trl")
     work.mkdir(parents=True, exist_ok=True)
     st.hf_model_dir(work / "tiny-llama")
     st.text_dataset(work / "data")
@@ -392,8 +394,9 @@ def _check_hf_run(job: Supervised, rc: int, reference: Path) -> None:
         assert rec["action"] == "restart", report
         expected = _newest_valid(k["steps_after"])
         assert rec.get("resumed_step") == expected, (k, rec, report)
-        # the trainer's own step from its bar, not a save's "Writing model shards 1/1" (steps lost >= 0)
-        assert rec.get("last_step") is not None and rec["last_step"] >= (expected or 0), (k, rec, report)
+        # the trainer's own step from its bar, not a save's "Writing model shards 1/1" nor a resumed attempt's
+        # first draw "0/40" (steps lost >= 0), or unknown (None)
+        assert rec.get("last_step") is None or rec["last_step"] >= (expected or 0), (k, rec, report)
         if expected is not None:
             assert Path(rec["resumed_from"]).name == f"checkpoint-{expected}", (k, rec, report)
     assert rc != 76 and "no_progress" not in {r["action"] for r in recs}, report
@@ -557,6 +560,11 @@ def _examples(names: tuple[str, ...]) -> Callable[[Path], None]:
     return build
 
 
+def _lightning_inputs(d: Path) -> None:
+    pytest.importorskip("lightning")
+    _examples(("lightning_train.py",))(d)
+
+
 def _lightning_ckpts(d: Path) -> bool:
     return len([p for p in (d / "ckpts").glob("*.ckpt") if not p.name.startswith("last")]) >= 2 \
         if (d / "ckpts").is_dir() else False
@@ -565,7 +573,7 @@ def _lightning_ckpts(d: Path) -> bool:
 README_LINES = {
     "trl.scripts.sft": (lambda d: _hf_inputs(d), "trl.scripts.sft",
                         lambda d: (d / "out" / "checkpoint-5" / "trainer_state.json").exists(), "Training completed"),
-    "lightning_train.py": (_examples(("lightning_train.py",)), "lightning_train.py", _lightning_ckpts,
+    "lightning_train.py": (_lightning_inputs, "lightning_train.py", _lightning_ckpts,
                            "finished at step 64"),
     "train.py": (lambda d: st.nanogpt_workdir(d), "train.py",
                  lambda d: any(i >= 25 for i in _iters(_latest_log(d))), "iter 100: loss"),

@@ -105,11 +105,9 @@ def hf_config_dir(dest: Path) -> Path:
 def hf_model_dir(dest: Path) -> Path:
     """A model directory (``--model_name_or_path`` of ``trl sft``): config, seeded weights, tokenizer."""
     import torch
-    from transformers import LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     hf_config_dir(dest)
-    from transformers import LlamaConfig
-
     torch.manual_seed(0)
     LlamaForCausalLM(LlamaConfig.from_pretrained(dest)).save_pretrained(dest)
     return dest
