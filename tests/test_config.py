@@ -91,3 +91,28 @@ def test_a_boolean_flag_alone_means_true(workdir: Path) -> None:
     lines = {line.split(":")[0]: line for line in r.stdout.splitlines()}
     assert "repair_tracker: true  # flag --repair-tracker" in lines["repair_tracker"]
     assert "resume: false  # flag --resume" in lines["resume"]
+
+
+def test_checkpoint_layout_accepts_every_layout_the_catalogue_dispatches_on_and_the_readme_names() -> None:
+    """The choices come from the layout catalogue itself (a hand-written list once refused `hf`)."""
+    import re
+
+    import pytest
+
+    from supervisor import layouts
+    from supervisor.config import ConfigError, load_config
+    from supervisor.layouts import single_file
+
+    dispatched = set(layouts.LAYOUTS) - {"verl-legacy"}  # detected to explain a migration, never chosen
+    text = (ROOT / "README.md").read_text()
+    table = text[text.index("## Trainer layouts rlsup understands"):text.index("### Checkpoints rlsup cannot read")]
+    readme = {name for row in re.findall(r"^\|([^|]+)\|", table, re.M) for name in re.findall(r"`([a-z-]+)`", row)}
+    assert {"hf", "deepspeed", "lightning", "nemo", "nemo-rl", "torchtitan", "rlsup", "dcp"} <= readme
+    for name in dispatched | readme | {"auto", single_file.NAME}:
+        assert load_config(environ={}, overrides={"checkpoint_layout": name}).config.checkpoint_layout == name
+    with pytest.raises(ConfigError, match=r"unknown layout 'hugginface' \(one of auto, rlsup"):
+        load_config(environ={}, overrides={"checkpoint_layout": "hugginface"})
+    with pytest.raises(ConfigError, match="checkpoint_file"):
+        load_config(environ={}, overrides={"checkpoint_layout": "hf", "checkpoint_file": "ckpt.pt"})
+    with pytest.raises(ConfigError, match="relative to checkpoint_dir"):
+        load_config(environ={}, overrides={"checkpoint_file": "../elsewhere/ckpt.pt"})
