@@ -20,13 +20,13 @@ from typing import Any
 
 import yaml
 
-from supervisor.layouts import LAYOUT_NAMES
+from supervisor.layouts import LAYOUTS
 from supervisor.layouts.single_file import NAME as SINGLE_FILE
 
 ENV_PREFIX = "RLSUP_"
 DEFAULT_CHECKPOINT_DIR = "checkpoints"
 #: checkpoint_layout's choices: the layout catalogue's own names (one list, never written twice).
-LAYOUT_CHOICES = ("auto", *LAYOUT_NAMES, SINGLE_FILE)
+LAYOUT_CHOICES = ("auto", *LAYOUTS, SINGLE_FILE)
 
 
 class ConfigError(Exception):

@@ -103,7 +103,7 @@ def test_checkpoint_layout_accepts_every_layout_the_catalogue_dispatches_on_and_
     from supervisor.config import ConfigError, load_config
     from supervisor.layouts import single_file
 
-    dispatched = set(layouts.LAYOUTS) - {"verl-legacy"}  # detected to explain a migration, never chosen
+    dispatched = set(layouts.LAYOUTS)
     text = (ROOT / "README.md").read_text()
     table = text[text.index("## Trainer layouts rlsup understands"):text.index("### Checkpoints rlsup cannot read")]
     readme = {name for row in re.findall(r"^\|([^|]+)\|", table, re.M) for name in re.findall(r"`([a-z-]+)`", row)}
