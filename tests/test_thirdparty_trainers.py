@@ -395,8 +395,9 @@ def _check_hf_run(job: Supervised, rc: int, reference: Path) -> None:
         expected = _newest_valid(k["steps_after"])
         assert rec.get("resumed_step") == expected, (k, rec, report)
         # the trainer's own step from its bar, not a save's "Writing model shards 1/1" nor a resumed attempt's
-        # first draw "0/40" (steps lost >= 0), or unknown (None)
-        assert rec.get("last_step") is None or rec["last_step"] >= (expected or 0), (k, rec, report)
+        # first draw "0/40", or unknown (None). tqdm redraws at most every 0.1 s, so the last bar printed may
+        # lag the step a complete checkpoint proves by a few steps: less than a save interval is tolerated
+        assert rec.get("last_step") is None or rec["last_step"] > (expected or 0) - SFT_SAVE_STEPS, (k, rec, report)
         if expected is not None:
             assert Path(rec["resumed_from"]).name == f"checkpoint-{expected}", (k, rec, report)
     assert rc != 76 and "no_progress" not in {r["action"] for r in recs}, report
