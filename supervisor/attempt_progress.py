@@ -70,3 +70,13 @@ def judge(evidence: AttemptEvidence) -> AttemptProgress:
         mark = max(evidence.first_step, evidence.high_water if evidence.high_water is not None else -1)
         return AttemptProgress(evidence.last_step > mark, ProgressBasis.TRAINER_STEP)
     return AttemptProgress(False, ProgressBasis.NOTHING)
+
+
+def step_reached(last_step: int | None, resumed_step: int | None, newest_step: int | None) -> int | None:
+    """The step a failed attempt really reached, for incidents and metrics: never below the step it
+    resumed from (HF's bar draws ``0/N`` before it jumps to the resumed step, and a kill can land in
+    between) nor below the newest valid checkpoint (a bar redrawn at most every 0.1 s lags the save)."""
+    known = [s for s in (last_step, resumed_step, newest_step) if s is not None]
+    if last_step is None and newest_step is None:
+        return None  # no step reported and nothing saved: nothing to say (not the resumed step)
+    return max(known) if known else None

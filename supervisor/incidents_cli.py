@@ -64,6 +64,13 @@ def summarize(incidents: list[dict[str, Any]]) -> RunSummary:
     return s
 
 
+def _lost(s: RunSummary) -> str:
+    """The steps-lost total; incidents where rlsup cannot know it are counted apart, never as 0."""
+    if s.unknown_lost and s.unknown_lost == s.incidents:
+        return "steps lost unknown"
+    return f"{s.steps_lost} steps lost" + (f" (unknown for {s.unknown_lost} more incident(s))" if s.unknown_lost else "")
+
+
 def incident_line(inc: dict[str, Any]) -> str:
     when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(inc.get("time", 0)))
     parts = [f"{when} attempt {inc.get('attempt')}: {inc.get('reason')} -> {inc.get('action')}"]
@@ -95,8 +102,7 @@ def report(state_dir: Path, incidents: list[dict[str, Any]]) -> str:
     s = summarize(incidents)
     span = f" over {_duration(s.last - s.first)}" if s.first is not None and s.last is not None else ""
     lines = [f"{state_dir / INCIDENTS}: {s.incidents} incident(s){span}, {s.restarts} restart(s), "
-             f"downtime {s.downtime_s:.1f}s, {s.steps_lost} steps lost"
-             + (f" ({s.unknown_lost} more incident(s): unknown)" if s.unknown_lost else "")]
+             f"downtime {s.downtime_s:.1f}s, {_lost(s)}"]
     if s.reasons:
         lines.append("reasons: " + ", ".join(f"{r} {n}" for r, n in s.reasons.items()))
     if s.suspect_nodes:

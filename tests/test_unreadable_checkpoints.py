@@ -43,7 +43,9 @@ def test_steps_that_move_beside_unreadable_checkpoints_are_progress(tmp_path: Pa
     assert all(i["resume_known"] is False and steps_lost(i) is None for i in recorded)
     assert all(i["downtime_s"] < 5.0 for i in recorded)  # each restart at once: backoff_initial 5 s never used
     assert "steps lost unknown" in incident_line(recorded[0])
-    assert "4 more incident(s): unknown" in report(tmp_path / "state", recorded)
+    assert "downtime" in report(tmp_path / "state", recorded) and ", steps lost unknown" in report(
+        tmp_path / "state", recorded)  # never "0 steps lost"
+    assert "unknown for 4 more" in report(tmp_path / "state", [{"last_step": 9, "resumed_step": 4}, *recorded])
 
 
 def test_a_trainer_that_starts_over_and_fails_at_the_same_step_is_not_progress(tmp_path: Path) -> None:
@@ -99,3 +101,17 @@ def test_a_default_checkpoint_dir_that_never_appears_falls_back_to_the_trainers_
     said = [r.getMessage() for r in caplog.records if "(the default) does not exist" in r.getMessage()]
     assert len(said) == 1 and "--checkpoint-dir" in said[0]
     assert not (tmp_path / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("printed, resumed, newest, reached", [
+    (0, 10, 10, 10),  # HF's bar draws 0/N before it jumps to the resumed step; killed in between
+    (14, 10, 15, 15),  # the bar lags the checkpoint it just wrote
+    (23, 20, 20, 23),
+    (None, 10, None, None),  # nothing reported, nothing saved: nothing to say
+    (None, None, 5, 5),
+])
+def test_the_step_an_attempt_reached(printed: int | None, resumed: int | None, newest: int | None,
+                                     reached: int | None) -> None:
+    from supervisor.attempt_progress import step_reached
+
+    assert step_reached(printed, resumed, newest) == reached
