@@ -5,7 +5,7 @@ complete checkpoint; no run ends with exit 76.
 
 Programs (set-up: tests/thirdparty/setup_trainers.py; sources, licences and commits there):
 
-- nanoGPT (karpathy/nanoGPT ``train.py``, vendored): one ``out/ckpt.pt`` rewritten in place by ``torch.save``
+- nanoGPT (karpathy/nanoGPT ``train.py``, not committed: tests/thirdparty/nanogpt/SOURCE; skipped without it): one ``out/ckpt.pt`` rewritten in place by ``torch.save``
   every ``eval_interval`` iterations; launched with ``--checkpoint-layout single-file --checkpoint-file ckpt.pt``
   and ``--init_from={resume?resume:scratch}``. nanoGPT restores iter_num, model and optimizer but not the RNG,
   so its final weights cannot equal an uninterrupted run's: the checks are the resumed iteration of every

@@ -1,8 +1,9 @@
 """Set-up for the third-party trainers of tests/test_thirdparty_trainers.py (issue 28): the programs are run as
 their authors ship them, only their inputs are built here, locally, without a download.
 
-- nanoGPT (karpathy/nanoGPT, MIT, see nanogpt/SOURCE and nanogpt/LICENSE): ``train.py``, ``model.py``,
-  ``configurator.py`` vendored unmodified. nanoGPT reads ``configurator.py`` and ``data/<dataset>/`` relative to
+- nanoGPT (karpathy/nanoGPT, MIT): ``train.py``, ``model.py``, ``configurator.py``, unmodified, used when
+  present in ``nanogpt/`` with the sha256 sums that ``nanogpt/SOURCE`` records (it says how to put them there;
+  they are not committed: code fetched from elsewhere stays out of this repository's commits). nanoGPT reads ``configurator.py`` and ``data/<dataset>/`` relative to
   its working directory, so :func:`nanogpt_workdir` copies the three files into the run's directory and writes
   ``data/tiny/{train,val}.bin`` and ``meta.pkl`` the way ``data/shakespeare_char/prepare.py`` does (character
   ids as uint16, a 90/10 split), from generated text instead of the downloaded Shakespeare.
@@ -49,9 +50,29 @@ def generated_text(lines: int = 3000, seed: int = 0) -> str:
     return "\n".join(" ".join(rng.choice(words) for _ in range(rng.randint(4, 12))) for _ in range(lines))
 
 
+def nanogpt_missing() -> str | None:
+    """Why nanoGPT's files cannot be used (absent, or not the recorded commit's bytes), or None."""
+    import hashlib
+
+    sums = dict(line.split()[::-1] for line in (NANOGPT / "SOURCE").read_text().splitlines()
+                if len(line.split()) == 2 and len(line.split()[0]) == 64)
+    for name in (*NANOGPT_FILES, "LICENSE"):
+        path = NANOGPT / name
+        if not path.is_file():
+            return f"{path} is not here: tests/thirdparty/nanogpt/SOURCE says how to put nanoGPT's files there"
+        if hashlib.sha256(path.read_bytes()).hexdigest() != sums.get(name):
+            return f"{path} is not karpathy/nanoGPT's file at the commit SOURCE names (sha256 differs)"
+    return None
+
+
 def nanogpt_workdir(dest: Path, dataset: str = "tiny") -> Path:
     """``dest`` with nanoGPT's three files and ``data/<dataset>/`` as its char-level prepare.py writes them."""
     import numpy as np
+
+    if (why := nanogpt_missing()) is not None:
+        import pytest
+
+        pytest.skip(why)
 
     dest.mkdir(parents=True, exist_ok=True)
     for name in NANOGPT_FILES:
