@@ -237,16 +237,21 @@ class JobProcess:
     # ------------------------------------------------------------ signalling
 
     def send(self, sig: int) -> None:
-        """Signal the whole tree: the process group plus every process seen, wherever it moved."""
+        """Signal the whole tree once: the process group, plus every process seen that left it. Never a
+        second copy to a process the group signal reached: a trainer's handler that is not re-entrant
+        (``lambda *_: event.set()`` is common) can deadlock when the copy lands while the first runs."""
         self.refresh()
         try:
             os.killpg(self.pgid, sig)
+            grouped = True
         except (ProcessLookupError, PermissionError):
-            pass
+            grouped = False
         for proc in self.live_processes():
             try:
+                if grouped and os.getpgid(proc.pid) == self.pgid:
+                    continue
                 proc.send_signal(sig)
-            except psutil.Error:
+            except (psutil.Error, OSError):
                 pass
 
     def terminate_tree(self, grace: float) -> list[int]:

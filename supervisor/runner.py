@@ -102,11 +102,16 @@ class Supervisor:
                 signal.signal(signum, handler)
 
     def request_stop(self, signum: int, preempted: bool = False) -> None:
-        """Stop the run (what the signal handlers call): the job is asked to save and exit; rlsup exits
-        128+signal, or REQUEUE when ``preempted``."""
+        """Stop the run (from any thread but a signal handler): the job is asked to save and exit; rlsup
+        exits 128+signal, or REQUEUE when ``preempted``."""
+        self._note_stop(signum, preempted)
+        self._wake.set()
+
+    def _note_stop(self, signum: int, preempted: bool = False) -> None:
+        """The signal handlers': assignments, no lock (a handler runs inside the main thread's Event.wait or
+        an earlier handler's Event.set, whose lock it would wait for forever); the loop polls them."""
         self.preempted = self.preempted or preempted
         self.stop_signal = signum
-        self._wake.set()
 
     def _run(self) -> RunResult:
         self.processes.become_subreaper()
@@ -148,10 +153,17 @@ class Supervisor:
                 return self._finish(code, JobStatus.GAVE_UP, attempt)
             pending = (incident, result.ended)
             self._set_state(JobStatus.BACKOFF)
-            if self._wake.wait(delay) and self.stop_signal is not None:
+            if self._backoff(delay):
                 self._record(incident)
                 return self._stopped(attempt)
             attempt = self.next_attempt(attempt)
+
+    def _backoff(self, delay: float) -> bool:
+        """Wait ``delay``; True as soon as a stop is asked (a signal's within a poll_interval: _note_stop)."""
+        deadline = time.monotonic() + delay
+        while self.stop_signal is None and (left := deadline - time.monotonic()) > 0:
+            self._wake.wait(min(left, self.cfg.poll_interval))
+        return self.stop_signal is not None
 
     def _launch_and_watch(self, attempt: int, resume: ResumePoint | None,
                           pending: tuple[Incident, float] | None) -> AttemptResult:
@@ -408,7 +420,7 @@ class Supervisor:
                 saves_seen = saves
                 self._refresh_checkpoint_metric()  # a save just ended
             deaths.track((rec.rank, rec.pid) for rec in detector.records.values() if rec.pid != job.pid)
-            death = None if self._wake.is_set() else deaths.wait(self.cfg.poll_interval)
+            death = None if self.stop_signal is not None else deaths.wait(self.cfg.poll_interval)
             if death is not None and job.poll() is None:
                 self._log(f"attempt {attempt}: {death.describe()}; ending the attempt")
                 detector.scan()  # the steps the ranks reached since the last poll (the incident's last_step)
@@ -515,9 +527,9 @@ class Supervisor:
         """SIGTERM/SIGINT stop, the preemption signal preempts; the handlers they replace (main thread only)."""
         if threading.current_thread() is not threading.main_thread():
             return {}
-        handlers = {signal.SIGTERM: lambda signum, _f: self.request_stop(signum),
-                    signal.SIGINT: lambda signum, _f: self.request_stop(signum),
-                    self._preempt_signum(): lambda signum, _f: self.request_stop(signum, preempted=True)}
+        handlers = {signal.SIGTERM: lambda signum, _f: self._note_stop(signum),
+                    signal.SIGINT: lambda signum, _f: self._note_stop(signum),
+                    self._preempt_signum(): lambda signum, _f: self._note_stop(signum, preempted=True)}
         return {signum: signal.signal(signum, handler) for signum, handler in handlers.items()}
 
     def _incident(self, result: AttemptResult, action: Action) -> Incident:

@@ -177,7 +177,11 @@ def _arm_at_import() -> None:
 _lock = threading.Lock()
 _writer: _Writer | None = None
 _initialised = False
-_signal_stop = threading.Event()
+# Set by the stop handlers: a plain assignment, never a lock. A handler runs between two bytecodes of
+# whatever the main thread is doing, including an earlier run of itself: rlsup, torchrun, SLURM or the
+# user may send SIGTERM again a moment later, and a second handler that waited for a lock the first one
+# held (threading.Event.set does) would hang the rank for good, ignoring the stop flag too.
+_stop_signalled = False
 
 
 def _rank() -> int:
@@ -212,7 +216,13 @@ def _install_stop_handlers() -> None:
         if signum is None:
             continue
         if signal.getsignal(signum) in (signal.SIG_DFL, None):
-            signal.signal(signum, lambda *_: _signal_stop.set())
+            signal.signal(signum, _on_stop_signal)
+
+
+def _on_stop_signal(_signum: int, _frame: object) -> None:
+    """Re-entrant: it only assigns (see :data:`_stop_signalled`)."""
+    global _stop_signalled
+    _stop_signalled = True
 
 
 def heartbeat(step: int) -> None:
@@ -225,7 +235,7 @@ def heartbeat(step: int) -> None:
 def should_stop() -> bool:
     """True once rlsup (or SIGTERM / the preemption signal) asks the job to save and exit."""
     w = _writer if _initialised else _get_writer()
-    return _signal_stop.is_set() or (w is not None and w.stop_requested())
+    return _stop_signalled or (w is not None and w.stop_requested())
 
 
 @contextlib.contextmanager
