@@ -97,6 +97,10 @@ def main(argv: list[str] | None = None) -> int:
             return 0  # alive after all: never end a live rlsup's attempt
         time.sleep(0.01)
     ended = end_leftovers(record)
+    try:
+        record_path(args.state_dir).unlink()  # done: a successor (days later, pids reused) must not act on it
+    except OSError:
+        pass
     if ended:
         line = f"{time.strftime('%Y-%m-%dT%H:%M:%S')} rlsup pid {args.owner} is gone; ended " \
                f"{', '.join(map(str, ended))}\n"

@@ -6,7 +6,9 @@ attempt "made no new valid checkpoint", backoff grows, exit 76 while the trainer
 falls back to what it can still see, in this order:
 
 1. a checkpoint layout recognises the directory: a valid step newer than the resumed one;
-2. single-file checkpoints: a new complete version of the file was kept during the attempt;
+2. single-file checkpoints: a new complete version of the file was kept during the attempt (and, where
+   the trainer reports its step, that step passed the mark of 3: nanoGPT re-saves the step it resumed
+   from as it starts, which is not a newer checkpoint);
 3. rlsup cannot read the checkpoints (entries no layout reads, or the default directory never
    appeared): the trainer's own step (heartbeats or output progress) moved past both the step it
    started the attempt from and the highest step any earlier attempt of the run reached. A trainer
@@ -63,13 +65,22 @@ def judge(evidence: AttemptEvidence) -> AttemptProgress:
         progressed = evidence.resumed_step is None or evidence.newest_step > evidence.resumed_step
         return AttemptProgress(progressed, ProgressBasis.CHECKPOINT)
     if evidence.new_file_versions is not None:
-        return AttemptProgress(evidence.new_file_versions > 0, ProgressBasis.FILE_VERSION)
+        progressed = evidence.new_file_versions > 0
+        if progressed and evidence.first_step is not None and evidence.last_step is not None:
+            progressed = _past_mark(evidence)  # a re-save of the resumed step at start is not a newer one
+        return AttemptProgress(progressed, ProgressBasis.FILE_VERSION)
     if not evidence.unreadable:
         return AttemptProgress(False, ProgressBasis.CHECKPOINT)  # no checkpoint yet
     if evidence.first_step is not None and evidence.last_step is not None:
-        mark = max(evidence.first_step, evidence.high_water if evidence.high_water is not None else -1)
-        return AttemptProgress(evidence.last_step > mark, ProgressBasis.TRAINER_STEP)
+        return AttemptProgress(_past_mark(evidence), ProgressBasis.TRAINER_STEP)
     return AttemptProgress(False, ProgressBasis.NOTHING)
+
+
+def _past_mark(evidence: AttemptEvidence) -> bool:
+    """The trainer's step passed the one it started from and the run's high-water mark."""
+    assert evidence.first_step is not None and evidence.last_step is not None
+    mark = max(evidence.first_step, evidence.high_water if evidence.high_water is not None else -1)
+    return evidence.last_step > mark
 
 
 def step_reached(last_step: int | None, resumed_step: int | None, newest_step: int | None) -> int | None:

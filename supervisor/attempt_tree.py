@@ -117,9 +117,9 @@ def end_predecessor(state_dir: Path, cgroup: bool = True) -> tuple[int, list[End
     there is no record or its rlsup still lives."""
     path = record_path(state_dir)
     record = load(path)
-    if record is None or record.owner.pid == os.getpid() or record.owner_alive():
+    if record is None or record.owner.pid == os.getpid() or (record.this_boot() and record.owner_alive()):
         return None
-    ended = end_leftovers(record, cgroup=cgroup)
+    ended = end_leftovers(record, cgroup=cgroup) if record.this_boot() else []  # a reboot ended them all
     try:
         path.unlink()
     except OSError:

@@ -24,9 +24,10 @@ if TYPE_CHECKING:
 class CheckpointSight:
     """One run's view; ``cfg`` is resolved (absolute paths). ``log`` takes rlsup's own lines."""
 
-    def __init__(self, cfg: "SupervisorConfig", checkpoint_dir: Path, log: Callable[[str], None]) -> None:
+    def __init__(self, cfg: "SupervisorConfig", checkpoint_dir: Path, log: Callable[[str], None],
+                 keep_file_versions: bool = True) -> None:
         self.cfg, self.checkpoint_dir, self.log = cfg, checkpoint_dir, log
-        self.file_versions = FileVersions.from_config(cfg, checkpoint_dir)  # None: single-file off
+        self.file_versions = FileVersions.from_config(cfg, checkpoint_dir) if keep_file_versions else None
         self.default_dir = checkpoint_dir == (Path.cwd() / DEFAULT_CHECKPOINT_DIR).resolve()
         self.unreadable = False  # rlsup cannot read the checkpoints (found before each attempt and after it)
         self._said = False  # ... which is said once per run

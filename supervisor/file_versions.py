@@ -5,13 +5,15 @@ truncates its only checkpoint when the save begins: killed mid-write, the file i
 restart crash-loops. So while the job runs, a background pass notices each new complete version
 (its format checked by :func:`supervisor.layouts.single_file.check_file`) and keeps it in
 ``<checkpoint_dir>/.rlsup-versions/`` (same filesystem; a dot name that globs and "newest file"
-scans skip). Before a restart :meth:`FileVersions.restore` puts the newest kept version back where
-the live file is torn or missing. A kill at any byte of a save then costs one save interval at most.
+scans skip). Before a restart :meth:`FileVersions.restore` puts the newest complete kept version
+back where the live file is torn (or, see there, missing). A kill at any byte of a save then costs
+one save interval at most.
 
-A version is a hard link when the trainer is seen to write a new inode per save (write to a temp
-file, then rename: the old inode is never written again), else a copy: a link to a file rewritten
-in place would be torn with it. A copy is kept only when the live file did not change while it was
-copied and the copy itself checks complete. The newest kept version is never removed.
+A version is a hard link when that save made a new inode (write to a temp file, then rename: the
+old inode is never written again), else a copy: a link to a file rewritten in place would be torn
+with it. A copy is kept only when the live file did not change while it was copied and the copy
+itself checks complete; a version is checked again before it is put back. Each live file's newest
+kept version is never removed.
 """
 
 from __future__ import annotations
@@ -19,12 +21,15 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import stat
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
+from urllib.parse import quote, unquote
 
 from rlsup_format.fileio import fsync_dir, fsync_file
+from rlsup_format.names import host_tag
 from supervisor.layouts import detect_layout, single_file
 from supervisor.poll_loop import PollLoop
 
@@ -33,7 +38,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 PASS_INTERVAL_S = 0.5
-_SEP = "--"  # <mtime_ns, 20 digits>--<path relative to checkpoint_dir, / as %2F>
+_SEP = "--"  # <mtime_ns, 20 digits>--<path relative to checkpoint_dir, percent-encoded>
 
 
 @dataclass(frozen=True)
@@ -84,7 +89,6 @@ class FileVersions:
         self.store = root / single_file.VERSIONS_DIR
         self.kept = 0  # versions kept by this process: the progress rule compares it across an attempt
         self._seen: dict[Path, tuple[int, int, int]] = {}  # live file -> (ino, size, mtime_ns) last kept
-        self._new_inodes: dict[Path, bool] = {}  # live file -> the trainer writes a new inode per save
         self._lock = threading.Lock()  # the background pass and the run loop's own pass never overlap
         self._loop = PollLoop(self.observe, "rlsup-file-versions", lambda e: None)
 
@@ -117,9 +121,14 @@ class FileVersions:
         self._loop.stop(timeout=30.0)
 
     def observe(self) -> int:
-        """One pass: keep each live file's new complete version; the number kept."""
+        """One pass: keep each live file's new complete version; the number kept. Never raises: a
+        version that cannot be kept (no space, no permission) is logged, and the job goes on."""
         with self._lock:
-            return sum(self._keep(live) for live in self.tracked())
+            try:
+                return sum(self._keep(live) for live in self.tracked())
+            except OSError as e:
+                log.warning("single-file checkpoints in %s: no version kept (%s)", self.root, e)
+                return 0
 
     def _keep(self, live: Path) -> bool:
         try:
@@ -127,16 +136,17 @@ class FileVersions:
         except OSError:
             return False
         key = (before.st_ino, before.st_size, before.st_mtime_ns)
-        if self._seen.get(live) == key or not single_file.check_file(live).ok:
-            return False
         previous = self._seen.get(live)
-        if previous is not None and previous[0] != key[0]:
-            self._new_inodes[live] = True  # a save made a new file: linking never shares a rewritten inode
-        self.store.mkdir(exist_ok=True)
-        name = f"{before.st_mtime_ns:020d}{_SEP}{self._rel(live)}"
-        tmp = self.store / f".tmp-{os.getpid()}-{name}"
+        if previous == key or not single_file.check_file(live).ok:
+            return False
+        # A link only when this very save made a new file (temp file + rename): the inode it links is never
+        # written again. After an in-place save, or the first time, a copy (a link would be torn with it).
+        link = previous is not None and previous[0] != key[0]
+        name = f"{before.st_mtime_ns:020d}{_SEP}{quote(self._rel(live), safe='')}"
+        tmp = self.store / f".tmp-{host_tag()}-{os.getpid()}-{name}"
         try:
-            self._materialise(live, tmp, link=self._new_inodes.get(live, False))
+            self.store.mkdir(exist_ok=True)
+            self._materialise(live, tmp, link=link)
             after = os.stat(live)
             if (after.st_ino, after.st_size, after.st_mtime_ns) != key or not single_file.check_file(tmp).ok:
                 tmp.unlink(missing_ok=True)  # the trainer saved again while we copied: the next pass keeps it
@@ -164,31 +174,40 @@ class FileVersions:
         fsync_file(dest)
 
     def versions(self, live: Path | None = None) -> list[KeptVersion]:
-        """Kept versions (of ``live``, or all), newest first."""
+        """Kept versions (of ``live``, or all), newest first. An entry whose name does not decode to a
+        file this directory's pattern could track (``..``, an absolute path, a dot component) is ignored:
+        restore never writes outside the checkpoint directory, whatever the store holds."""
         out = []
         try:
             entries = list(self.store.iterdir())
         except OSError:
             return []
         for path in entries:
-            mtime, sep, rel = path.name.partition(_SEP)
-            if not sep or not mtime.isdigit() or path.name.startswith("."):
+            mtime, sep, encoded = path.name.partition(_SEP)
+            rel = unquote(encoded)
+            if not sep or not mtime.isdigit() or not single_file.matches(rel, self.settings.pattern):
                 continue
-            owner = self.root / rel.replace("%2F", "/")
+            owner = self.root / rel
             if live is not None and owner != live:
                 continue
             try:
-                size = path.stat().st_size
+                st = path.lstat()
             except OSError:
                 continue
-            out.append(KeptVersion(path, owner, int(mtime), size))
+            if stat.S_ISREG(st.st_mode):
+                out.append(KeptVersion(path, owner, int(mtime), st.st_size))
         return sorted(out, key=lambda v: v.mtime_ns, reverse=True)
 
     def _prune(self, live: Path) -> None:
-        """Keep the newest ``keep`` versions of ``live`` within ``max_bytes`` (all files' versions
-        together); the newest version of each file always stays."""
+        """Keep the newest ``keep`` versions of ``live``, drop the versions of files the trainer itself
+        removed (``ckpt_{step}.pt`` rotation: their live file is gone while ``live`` was just saved), and
+        stay within ``max_bytes`` (all versions together); each live file's newest version always stays."""
         for old in self.versions(live)[self.settings.keep:]:
             old.path.unlink(missing_ok=True)
+        everything = self.versions()
+        for v in everything:
+            if v.live != live and not v.live.exists():
+                v.path.unlink(missing_ok=True)
         if self.settings.max_bytes <= 0:
             return
         everything = self.versions()
@@ -204,18 +223,31 @@ class FileVersions:
     # ------------------------------------------------------------ putting back
 
     def restore(self) -> list[Restored]:
-        """Before a launch: every live file that is torn or missing gets its newest kept version back
-        (a copy, written beside it and renamed over it). Never touches a complete live file."""
+        """Before a launch: a live file that is torn gets its newest complete kept version back (a copy,
+        written beside it and renamed over it). A missing file is put back only when this run saw it live
+        and no complete checkpoint file is left (a save that deletes before it writes): a file the trainer
+        removed itself, or one a user removed to start over, stays gone. A complete live file, or one that
+        cannot be read just now (a filesystem error is not a torn save), is never touched."""
+        if self.settings.auto and self.root.is_dir() and detect_layout(self.root) != "unknown":
+            return []  # another layout reads the directory now: not ours to touch
         with self._lock:
-            return self._restore()
+            try:
+                return self._restore()
+            except OSError as e:
+                log.error("single-file checkpoints in %s: nothing put back (%s)", self.root, e)
+                return []
 
     def _restore(self) -> list[Restored]:
         done = []
+        complete_left = any(single_file.check_file(p).ok for p in self.tracked())
         for live in sorted({v.live for v in self.versions()}):
-            check = single_file.check_file(live)
-            if check.ok:
+            why = self._torn(live, complete_left)
+            if why is None:
                 continue
-            version = self.versions(live)[0]
+            version = next((v for v in self.versions(live) if single_file.check_file(v.path).ok), None)
+            if version is None:
+                log.error("single-file checkpoint %s is %s, and no kept version of it is complete", live, why)
+                continue
             tmp = live.parent / f".rlsup-restore-{os.getpid()}-{live.name}"
             try:
                 self._materialise(version.path, tmp, link=False)
@@ -224,15 +256,33 @@ class FileVersions:
             except OSError as e:
                 tmp.unlink(missing_ok=True)
                 log.error("single-file checkpoint %s is %s, and the kept version %s could not be put back: %s",
-                          live, check.reason, version.path, e)
+                          live, why, version.path, e)
                 continue
             self._seen[live] = _key(live)
-            done.append(Restored(live, version, check.reason))
+            complete_left = True
+            done.append(Restored(live, version, why))
         return done
+
+    def _torn(self, live: Path, complete_left: bool) -> str | None:
+        """Why ``live`` needs its kept version back, or None."""
+        try:
+            st = live.lstat()
+        except FileNotFoundError:
+            if live in self._seen and not complete_left:
+                return "missing"
+            return None
+        except OSError:
+            return None  # unreadable now (EIO, EACCES): not evidence of a torn save
+        if not stat.S_ISREG(st.st_mode):
+            return None
+        check = single_file.check_file(live)
+        if check.ok or "unreadable" in check.reason:
+            return None
+        return check.reason
 
     def _rel(self, live: Path) -> str:
         try:
-            return str(live.relative_to(self.root)).replace("/", "%2F")
+            return str(live.relative_to(self.root))
         except ValueError:
             return live.name
 

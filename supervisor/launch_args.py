@@ -8,7 +8,8 @@ A trainer that takes its resume point as a flag needed a shell wrapper
                     into arguments ('{resume:--resume_from_checkpoint {dir}}' gives two); on a fresh
                     start the argument disappears.
     {resume?A:B}    anywhere inside an argument: A on a resume, B on a fresh start
-                    (--init_from={resume?resume:scratch}); A and B may use {dir} and {step}.
+                    (--init_from={resume?resume:scratch}); A may use {dir} and {step}. The last ':'
+                    outside braces separates them, so A may hold a URL (s3://...); B may not hold a ':'.
 
 ``{dir}`` is the checkpoint rlsup chose (``RLSUP_RESUME_DIR``: a step directory, or the file of a
 single-file checkpoint), ``{step}`` its step (empty where the checkpoint names none). Only text
@@ -35,10 +36,6 @@ class ResumeFill:
 
     path: str
     step: int | None
-
-
-def has_placeholders(command: Sequence[str]) -> bool:
-    return any(_find(arg, 0) >= 0 for arg in command)
 
 
 def check(command: Sequence[str]) -> None:
@@ -101,12 +98,13 @@ def _close(arg: str, start: int, index: int) -> int:
 
 
 def _top_level_colon(body: str) -> int:
-    depth = 0
+    """The last ':' outside braces (A, the resume text, may hold a URL's colon; B, the fresh text, not)."""
+    depth, found = 0, -1
     for i, ch in enumerate(body):
         depth += {"{": 1, "}": -1}.get(ch, 0)
         if ch == ":" and depth == 0:
-            return i
-    return -1
+            found = i
+    return found
 
 
 def _fill(text: str, resume: ResumeFill) -> str:

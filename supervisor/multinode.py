@@ -105,6 +105,7 @@ def connect_coordinator(cfg: SupervisorConfig, membership: Membership, job: JobI
 
 
 class MultiNodeSupervisor(Supervisor):
+    keeps_file_versions = False  # see Supervisor: single-file checkpoints are a single node's
     def __init__(self, cfg: SupervisorConfig, command: Sequence[str], membership: Membership,
                  engine: ReplicationEngine, observer: Observer | None = None, *, job: JobIdentity,
                  coordinator: RoundCoordinator, processes: ProcessLayer | None = None) -> None:

@@ -21,9 +21,10 @@ from typing import Any, Sequence
 
 from supervisor import exit_codes
 from supervisor.attempt_end import ERROR_FILE_ENV, AttemptResult, classify_exit, error_file_for, from_rank_death
+from supervisor.attempt_progress import step_reached
 from supervisor.config import SupervisorConfig
 from supervisor.hang_detector import AutoTimeout, HangDetector, HangSettings, HangVerdict
-from supervisor.health import mark_repeat_offender, node_name
+from supervisor.health import node_name
 from supervisor.incidents import Incident, JobState, append_incident, publish_state, write_state
 from supervisor.job_identity import ENV_JOB_ID, JobIdentity, job_identity
 from supervisor.lifecycle import FINAL, Action, EndReason, JobStatus, check_transition
@@ -58,6 +59,8 @@ class RunResult:
 class Supervisor:
     """Runs ``command`` under supervision with ``cfg``; call :meth:`run` once."""
 
+    keeps_file_versions = True  #: single-file versions (several nodes would fight over one shared directory)
+
     def __init__(self, cfg: SupervisorConfig, command: Sequence[str], observer: Observer | None = None,
                  job: JobIdentity | None = None, processes: ProcessLayer | None = None) -> None:
         self.job = job or job_identity(cfg.job_name, cfg.checkpoint_dir, multi_node=False)
@@ -87,7 +90,8 @@ class Supervisor:
         self.memory = MemoryTier.from_config(self.cfg, self.checkpoint_dir, self.job.id)  # None: memory_dir empty
         from supervisor.checkpoint_sight import CheckpointSight
 
-        self.sight = CheckpointSight(self.cfg, self.checkpoint_dir, self._log)  # single-file, unreadable, steps
+        self.sight = CheckpointSight(self.cfg, self.checkpoint_dir, self._log,  # single-file, unreadable, steps
+                                     keep_file_versions=self.keeps_file_versions)
 
     # ------------------------------------------------------------ the loop
 
@@ -116,8 +120,8 @@ class Supervisor:
     def _run(self) -> RunResult:
         self.processes.become_subreaper()
         self.state_dir.mkdir(parents=True, exist_ok=True)
-        if self.persistent is not None or self.memory is not None:  # the tiers watch it; else the trainer makes it
-            self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        if not self.sight.default_dir or self.persistent is not None or self.memory is not None:
+            self.checkpoint_dir.mkdir(parents=True, exist_ok=True)  # given (or a tier's): a stray default is not made
         if self.persistent is not None:
             self.persistent.start(self.checkpoint_dir)
         if self.memory is not None:
@@ -180,7 +184,9 @@ class Supervisor:
         """A failed attempt: its incident, and the delay before the next one (None: give up, recorded now)."""
         self._set_state(JobStatus.FAILED)
         self.attempt_failed(attempt, result)
-        progress = self.sight.judge(result.last_step, self.progress_marker(), resume)  # supervisor.attempt_progress
+        newest = self.progress_marker()
+        progress = self.sight.judge(result.last_step, newest, resume)  # supervisor.attempt_progress
+        result.last_step = step_reached(result.last_step, resume.step if resume else None, newest)
         decision = self.policy.decide(result.exit_code, progress.progressed)
         self.observer.attempt_failed(result.reason, result.last_step)
         incident = self._incident(result, decision.action)
@@ -546,8 +552,6 @@ class Supervisor:
             incident.resumed_tier = getattr(resume, "tier", "local")
         if downtime is not None:
             incident.resume_known = self.sight.resume_known(resume)
-        if incident not in self.incidents and mark_repeat_offender(incident, self.incidents, self.node_name):
-            self.observer.suspect(self.node_name, "repeated")
         append_incident(self.state_dir, incident)
         self.incidents.append(incident)
         if downtime is not None:

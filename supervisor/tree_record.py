@@ -45,9 +45,22 @@ class TreeRecord:
     cgroup: str | None = None
     roots: list[RootRef] = field(default_factory=list)
     pids: list[ProcRef] = field(default_factory=list)
+    boot: str = field(default_factory=lambda: boot_id())  # start times count from this boot only
 
     def owner_alive(self) -> bool:
         return self.owner.matches()
+
+    def this_boot(self) -> bool:
+        """Whether the record was written since the machine last booted (else every process it names
+        died with that boot, and its pids and start times may be anyone's now)."""
+        return self.boot == boot_id()
+
+
+def boot_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
 
 
 def record_path(state_dir: Path) -> Path:
@@ -65,7 +78,7 @@ def load(path: Path) -> TreeRecord | None:
     try:
         raw = json.loads(Path(path).read_text())
         return TreeRecord(ProcRef(**raw["owner"]), raw.get("cgroup"), [RootRef(**r) for r in raw.get("roots", [])],
-                          [ProcRef(**p) for p in raw.get("pids", [])])
+                          [ProcRef(**p) for p in raw.get("pids", [])], str(raw.get("boot", "")))
     except (OSError, ValueError, KeyError, TypeError):
         return None
 

@@ -90,7 +90,7 @@ def test_job_template_settings() -> None:
     assert int(s["TimeoutStopSec"]) > SupervisorConfig().stop_grace + SupervisorConfig().kill_grace
     assert s["NoNewPrivileges"] == "yes" and s["ProtectSystem"] == "strict"
     assert "PrivateDevices" not in s  # GPUs must stay visible to training jobs
-    assert s["Delegate"] == "yes"  # rlsup makes a cgroup per attempt's job root below its own
+    assert s["Delegate"] == "yes" and "ProtectControlGroups" not in s  # a cgroup per job root, below rlsup's
 
 
 def test_example_config_loads_and_matches_sandbox() -> None:

@@ -138,3 +138,75 @@ def test_quarantine_moves_a_torn_newest_single_file_and_keeps_the_complete_one(t
     (moved,) = quarantine_torn(tmp_path)
     assert moved.source == torn and (tmp_path / "ckpt_100.pt").exists()
     assert single_file.tracked_files(tmp_path, "") == [tmp_path / "ckpt_100.pt"]  # "newest *.pt wins" sees 100
+
+
+def test_after_a_rename_save_an_in_place_save_is_copied_again(tmp_path: Path) -> None:
+    """A link is made only for a save that made a new inode; a later in-place save is copied (a link
+    would be torn with the live file), and a torn version is never put back."""
+    live = tmp_path / "ckpt.pt"
+    versions = _versions(tmp_path, keep=3)
+    torch.save(_state(1), live)
+    versions.observe()
+    tmp = tmp_path / "new.tmp"
+    torch.save(_state(2), tmp)
+    os.replace(tmp, live)  # one save by rename: linked
+    versions.observe()
+    with open(live, "wb") as f:  # then in place again
+        torch.save(_state(3), f)
+    versions.observe()
+    newest = versions.versions(live)[0]
+    assert os.stat(newest.path).st_ino != os.stat(live).st_ino
+    with open(live, "r+b") as f:  # a kill mid-save tears the live inode, and with it the linked version 2
+        f.truncate(100)
+    (done,) = versions.restore()
+    assert torch.load(live, weights_only=True)["iter_num"] == 3
+
+
+def test_a_glob_into_hidden_directories_never_takes_rlsups_own_versions(tmp_path: Path) -> None:
+    (tmp_path / "run").mkdir()
+    torch.save(_state(1), tmp_path / "run" / "ckpt.pt")
+    versions = _versions(tmp_path, pattern="**/*.pt", auto=False)
+    for _ in range(3):
+        versions.observe()
+    assert versions.tracked() == [tmp_path / "run" / "ckpt.pt"] and len(versions.versions()) == 1
+
+
+def test_a_file_the_trainer_rotated_away_is_neither_kept_nor_put_back(tmp_path: Path) -> None:
+    versions = _versions(tmp_path, keep=2)
+    torch.save(_state(100), tmp_path / "ckpt_100.pt")
+    versions.observe()
+    torch.save(_state(200), tmp_path / "ckpt_200.pt")
+    (tmp_path / "ckpt_100.pt").unlink()  # "keep the newest only": the trainer deletes the older file
+    versions.observe()
+    assert {v.live.name for v in versions.versions()} == {"ckpt_200.pt"}  # disk bounded by what is live
+    assert versions.restore() == [] and not (tmp_path / "ckpt_100.pt").exists()
+    fresh = _versions(tmp_path, keep=2)  # a new run after the user removed the checkpoint to start over
+    (tmp_path / "ckpt_200.pt").unlink()
+    assert fresh.restore() == [] and not (tmp_path / "ckpt_200.pt").exists()
+
+
+def test_a_crafted_store_entry_never_writes_outside_the_checkpoint_dir(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    victim = tmp_path / "victim.pt"
+    victim.write_bytes(b"not a checkpoint, not rlsup's to overwrite")
+    store = root / single_file.VERSIONS_DIR
+    store.mkdir()
+    torch.save(_state(1), store / ("0" * 19 + "1--..%2Fvictim.pt"))
+    versions = _versions(root, pattern="*.pt", auto=False)
+    assert versions.versions() == [] and versions.restore() == []
+    assert victim.read_bytes().startswith(b"not a checkpoint")
+
+
+def test_a_store_that_cannot_be_made_is_logged_and_the_job_goes_on(tmp_path: Path) -> None:
+    torch.save(_state(1), tmp_path / "ckpt.pt")
+    (tmp_path / single_file.VERSIONS_DIR).write_text("a file where the store would go")
+    assert _versions(tmp_path).observe() == 0  # no exception into the run loop
+
+
+def test_quarantine_leaves_data_files_beside_checkpoints_alone(tmp_path: Path) -> None:
+    torch.save(_state(1), tmp_path / "ckpt.pt")
+    (tmp_path / "val.bin").write_bytes(b"\x00\x01" * 100)  # nanoGPT's token ids, newer than the checkpoint
+    (tmp_path / "meta.pkl").write_bytes(b"(dp0\n.")  # a protocol-0 pickle
+    assert quarantine_torn(tmp_path) == []
+    assert _versions(tmp_path).tracked() == [tmp_path / "ckpt.pt"]

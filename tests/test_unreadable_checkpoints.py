@@ -73,7 +73,10 @@ def test_an_empty_checkpoint_dir_keeps_the_crash_loop_rule(tmp_path: Path) -> No
     (AttemptEvidence(newest_step=10, resumed_step=10, first_step=10, last_step=90, unreadable=True),
      (False, ProgressBasis.CHECKPOINT)),  # a readable layout wins over printed steps
     (AttemptEvidence(newest_step=20, resumed_step=10), (True, ProgressBasis.CHECKPOINT)),
-    (AttemptEvidence(new_file_versions=1, first_step=5, last_step=5), (True, ProgressBasis.FILE_VERSION)),
+    (AttemptEvidence(new_file_versions=1), (True, ProgressBasis.FILE_VERSION)),
+    (AttemptEvidence(new_file_versions=1, first_step=20, last_step=20), (False, ProgressBasis.FILE_VERSION)),
+    (AttemptEvidence(new_file_versions=1, first_step=20, last_step=40, high_water=30),
+     (True, ProgressBasis.FILE_VERSION)),
     (AttemptEvidence(new_file_versions=0, first_step=5, last_step=50, unreadable=True),
      (False, ProgressBasis.FILE_VERSION)),
     (AttemptEvidence(first_step=50, last_step=80, unreadable=True), (True, ProgressBasis.TRAINER_STEP)),

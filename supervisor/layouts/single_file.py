@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import fnmatch
 import io
+import os
 import pickletools
 import struct
 from pathlib import Path
@@ -22,7 +23,9 @@ from supervisor.layouts.record import Check
 
 NAME = "single-file"
 #: Suffixes auto-detection takes for a checkpoint file (an explicit ``checkpoint_file`` may name any file).
-SUFFIXES = (".pt", ".pth", ".ckpt", ".bin", ".safetensors", ".pkl")
+#: Not ``.bin`` or ``.pkl``: beside checkpoints those are as often a trainer's data (nanoGPT's ``train.bin``,
+#: ``meta.pkl``), which must never be copied aside, put back or quarantined as a checkpoint.
+SUFFIXES = (".pt", ".pth", ".ckpt", ".safetensors")
 #: Where kept versions live, beside the file (a dot name: globs and "newest file" scans skip it).
 VERSIONS_DIR = ".rlsup-versions"
 #: The suffix a quarantined torn checkpoint gets (no trainer's own "latest" logic matches it).
@@ -44,26 +47,30 @@ def tracked_files(root: Path, pattern: str) -> list[Path]:
         return []
     out = []
     for path in candidates:
-        if path.name.startswith(".") or INVALID_MARK in path.name:
-            continue
         try:
-            if path.is_file():
-                out.append(path)
-        except OSError:
+            if _ours_to_skip(path.relative_to(root)) or path.is_symlink() or not path.is_file():
+                continue
+        except (OSError, ValueError):
             continue
+        out.append(path)
     return sorted(out)
 
 
-def matches(path: Path, root: Path, pattern: str) -> bool:
-    """Whether ``path`` is one of the files :func:`tracked_files` would return (by name only)."""
-    if path.name.startswith(".") or INVALID_MARK in path.name:
+def matches(rel: str, pattern: str) -> bool:
+    """Whether ``rel`` (a path relative to the checkpoint directory, from rlsup's own records) names a file
+    :func:`tracked_files` could return: inside the directory, no dot component, the pattern's shape."""
+    path = Path(rel)
+    if path.is_absolute() or ".." in path.parts or not path.parts or _ours_to_skip(path):
         return False
     if not pattern:
-        return path.parent == root and path.suffix in SUFFIXES
-    try:
-        return fnmatch.fnmatch(str(path.relative_to(root)), pattern)
-    except ValueError:
-        return False
+        return len(path.parts) == 1 and path.suffix in SUFFIXES
+    return fnmatch.fnmatch(rel, pattern)
+
+
+def _ours_to_skip(rel: Path) -> bool:
+    """Dot components (rlsup's ``.rlsup-versions``, temp files, hidden directories a glob may enter) and
+    quarantined files are never checkpoints."""
+    return any(part.startswith(".") for part in rel.parts) or INVALID_MARK in rel.name
 
 
 def check_file(path: Path) -> Check:
@@ -88,12 +95,16 @@ def check_file(path: Path) -> Check:
 
 def _check_pickles(path: Path) -> Check:
     """A plain pickle is complete when its opcodes run to STOP and nothing follows; torch's legacy
-    format is five pickles (each to its STOP) and then the storages' raw bytes."""
+    format is five pickles (each to its STOP) and then the storages' raw bytes (not checked). Read as
+    a stream: a large file is never held in memory."""
     try:
-        data = path.read_bytes()
+        with open(path, "rb", buffering=1 << 20) as fh:
+            return _scan_pickles(fh, os.fstat(fh.fileno()).st_size, path.name)
     except OSError as exc:
         return Check.bad(f"{path.name} unreadable: {exc}")
-    stream = io.BytesIO(data)
+
+
+def _scan_pickles(stream: io.BufferedReader, size: int, name: str) -> Check:
     ends = []
     for _ in range(_LEGACY_PICKLES):
         try:
@@ -101,20 +112,16 @@ def _check_pickles(path: Path) -> Check:
                 pass  # genops stops after STOP; a cut pickle raises (it never runs an opcode)
         except (ValueError, EOFError, struct.error, UnicodeDecodeError) as exc:
             if ends:  # complete pickles, then a cut one
-                return Check.bad(f"{path.name}: pickle {len(ends) + 1} is cut ({exc})")
-            return Check.bad(f"{path.name}: truncated pickle ({exc})")
+                return Check.bad(f"{name}: pickle {len(ends) + 1} is cut ({exc})")
+            return Check.bad(f"{name}: truncated pickle ({exc})")
         ends.append(stream.tell())
-        if stream.tell() == len(data):
+        if stream.tell() == size or stream.peek(1)[:1] != bytes([_PICKLE_PROTO]):
             break
-        if stream.read(1)[:1] != bytes([_PICKLE_PROTO]):
-            stream.seek(-1, io.SEEK_CUR)
-            break
-        stream.seek(-1, io.SEEK_CUR)
     if len(ends) == 1:
-        if ends[0] != len(data):
-            return Check.bad(f"{path.name}: {len(data) - ends[0]} bytes after the pickle's STOP")
+        if ends[0] != size:
+            return Check.bad(f"{name}: {size - ends[0]} bytes after the pickle's STOP")
         return Check.good()
     if len(ends) < _LEGACY_PICKLES:
-        return Check.bad(f"{path.name}: torch legacy format cut after {len(ends)} of its {_LEGACY_PICKLES} pickles")
-    return Check.good([f"{path.name}: torch legacy format; its pickles are complete, the storage bytes after them "
+        return Check.bad(f"{name}: torch legacy format cut after {len(ends)} of its {_LEGACY_PICKLES} pickles")
+    return Check.good([f"{name}: torch legacy format; its pickles are complete, the storage bytes after them "
                        "are not checked"])
