@@ -52,7 +52,7 @@ class CheckpointSight:
         cannot read the checkpoints (decisions then rest on the trainer's own steps)."""
         if self.file_versions is not None:
             for done in self.file_versions.restore():
-                self.log(f"single-file checkpoint {done.live} was {done.why}; put back its newest complete "
+                self.log(f"single-file checkpoint {done.live} is torn ({done.why}); put back its newest complete "
                          f"version ({done.version.size} bytes, saved {time.ctime(done.version.mtime_ns / 1e9)})")
         if self.cfg.quarantine_invalid and self.cfg.resume:
             from supervisor.quarantine import quarantine_torn

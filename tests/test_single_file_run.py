@@ -35,7 +35,7 @@ def test_kill_mid_save_of_a_single_file_costs_one_save_interval(tmp_path: Path) 
     argv = re.findall(r"argv: (.*)", done.stdout)
     assert argv[0] == "['out', '--iters', '30', '--save-every', '5', '--init_from=scratch']", argv
     assert argv[1] == f"['out', '--iters', '30', '--save-every', '5', '--init_from=resume', '--resume_path={ckpt}']"
-    assert re.search(r"single-file checkpoint \S*ckpt.pt was .*; put back its newest complete version", out), out
+    assert re.search(r"single-file checkpoint \S*ckpt.pt is torn \(.*\); put back its newest complete version", out), out
     assert "resumed from iter 10" in done.stdout  # the kill cut the save of iter 15: one interval lost
     assert "attempt 1: started by the warm launcher" in out  # torchrun stayed visible: no shell wrapper
     assert torch.load(ckpt, weights_only=True)["iter_num"] == 30
