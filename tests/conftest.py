@@ -14,7 +14,8 @@ from typing import Callable, TypeVar
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-JOBS = Path(__file__).resolve().parent / "jobs"
+TESTS = Path(__file__).resolve().parent
+JOBS = TESTS / "jobs"
 T = TypeVar("T")
 
 
@@ -103,3 +104,139 @@ def job_subdir(persistent_root: Path) -> Path:
     found = [p for p in persistent_root.iterdir() if p.is_dir()] if persistent_root.is_dir() else []
     assert len(found) <= 1, f"more than one job in {persistent_root}: {found}"
     return found[0] if found else persistent_root / "missing-job"
+
+
+# ---- the two tiers ----
+# The fast tier is what runs in this process: the run loop over the fake process layer, policy tables, config,
+# formats, the part protocol, layouts on built trees (`pytest -m "not e2e"`, under a minute). Everything else is
+# the end-to-end tier, marked `e2e` here: it starts rlsup, torchrun, trainers, servers or other processes.
+# The list names the fast modules, so a new module is end-to-end until it is listed: a test that starts processes
+# can never slow the fast tier by being forgotten. Under a fast module, what in it is end-to-end all the same: a test
+# (all its parameters), a parameter (`[etcd]`: every test with that id), or a fixture that starts real runs (every
+# test using it): whatever starts rlsup itself, or needs other real processes or waits on real time for more than
+# about a second (a short `python -c` or promtool check stays fast).
+FAST_MODULES: dict[str, frozenset[str]] = {
+    "test_architecture_doc.py": frozenset(),
+    "test_async_save.py": frozenset({"test_blocking_is_a_fraction_of_sync_and_the_copy_is_a_snapshot",  # writer
+                                     "test_busy_skip_wait_and_writer_killed", "test_atexit_and_preemption_flush",
+                                     "test_sigkill_trainer_or_writer_never_leaves_a_valid_partial"}),
+    "test_attempt_end.py": frozenset(),
+    "test_backends.py": frozenset(),
+    "test_checkpoint_manager.py": frozenset({"test_sigkill_at_random_moments_never_loses_a_valid_checkpoint",
+                                             "test_full_disk_save_error_says_no_space"}),
+    "test_config.py": frozenset({"test_precedence_flag_env_file_default",  # the rlsup CLI in a subprocess
+                                 "test_unknown_key_names_key_file_and_line", "test_wrong_type_in_file",
+                                 "test_wrong_type_in_flag_and_env", "test_unreadable_and_malformed_file",
+                                 "test_invalid_value", "test_replication_settings_errors_exit_2",
+                                 "test_a_boolean_flag_alone_means_true"}),
+    "test_coordinator.py": frozenset(),
+    "test_deploy_grafana.py": frozenset({"test_metric_names_exist_in_a_real_scrape"}),  # scrapes real runs
+    "test_deploy_prometheus.py": frozenset({"test_rules_read_only_exported_series"}),  # scrapes real runs
+    "test_deploy_systemd.py": frozenset(),
+    "test_format.py": frozenset(),
+    "test_hang_detector.py": frozenset(),
+    "test_house_rules.py": frozenset(),
+    "test_import_side_effects.py": frozenset(),
+    "test_kvstore.py": frozenset({"[etcd]", "etcd_cluster", "etcd_cluster_clean"}),  # real etcd servers
+    "test_launch_args.py": frozenset(),
+    "test_layouts_areal.py": frozenset(),
+    "test_layouts_dcp.py": frozenset(),
+    "test_layouts_deepspeed.py": frozenset({"real"}),  # the real DeepSpeed runs (module fixture)
+    "test_layouts_hf.py": frozenset({"recorded"}),  # a real HF Trainer run, recorded (module fixture)
+    "test_layouts_lightning.py": frozenset({"matrix"}),  # real Lightning runs killed at every write
+    "test_layouts_megatron.py": frozenset({"test_run_with_no_megatron_tracker_claims_no_resume"}),
+    "test_layouts_nemo.py": frozenset({"test_rlsup_run_resumes_from_the_newest_complete_step",
+                                       "test_real_sigkill_leaves_what_the_in_process_stop_leaves"}),
+    "test_layouts_nemo_rl.py": frozenset({"test_rlsup_run_resumes_from_the_newest_complete_step",
+                                          "test_real_sigkill_leaves_what_the_in_process_stop_leaves"}),
+    "test_layouts_rlsup.py": frozenset(),
+    "test_layouts_torchtitan.py": frozenset({"test_rlsup_run_resumes_from_the_newest_complete_step",
+                                             "test_real_sigkill_leaves_what_the_in_process_stop_leaves"}),
+    "test_layouts_trainers_cli.py": frozenset({"test_cli_and_restart_selection_agree_on_the_newest_complete_step"}),
+    "test_layouts_verl.py": frozenset(),
+    "test_lifecycle.py": frozenset(),
+    "test_logging.py": frozenset({"test_persistent_tier_line_reaches_rlsup_stderr"}),
+    "test_manifest.py": frozenset(),
+    "test_memory_tier.py": frozenset({"test_rank_sigkill_resumes_from_memory_bit_identical_and_success_removes_the_dir",
+                                      "test_rlsup_sigkilled_successor_resumes_from_memory_bit_identical",
+                                      "test_memory_too_small_saves_to_disk_with_a_clear_message_bit_identical",
+                                      "test_stopped_run_drains_to_disk_and_keeps_the_memory_dir",
+                                      "test_async_save_goes_to_the_memory_tier",
+                                      "test_multi_node_memory_tier_refuses_a_time_cadence"}),
+    "test_membership.py": frozenset(),
+    "test_multinode_loop.py": frozenset(),
+    "test_multinode_memory.py": frozenset({
+        "test_rank_sigkill_all_nodes_resume_from_memory_bit_identical",
+        "test_node_lost_with_its_memory_resumes_from_disk_and_a_peer_bit_identical"}),
+    "test_part_protocol.py": frozenset(),
+    "test_persistent_tier.py": frozenset({"test_wiped_local_resumes_from_persistent_bit_identical"}),
+    "test_progress.py": frozenset({"test_frozen_unmodified_trainer_is_a_hang_with_stacks",
+                                   "test_rank_heartbeats_take_precedence_over_output",
+                                   "test_unmodified_trainers_step_reaches_metrics_and_status",
+                                   "test_no_progress_guard_stops_an_unmodified_trainer_that_hangs_at_the_same_point",
+                                   "test_a_launcher_that_exits_1_after_the_last_step_is_not_restarted",
+                                   "test_a_bar_redrawn_at_a_stuck_step_is_caught_as_a_hang",
+                                   "test_bad_progress_config_is_refused"}),
+    "test_rank_deaths.py": frozenset(),  # real processes, but short ones (a pidfd needs a real child)
+    "test_rank_pinning.py": frozenset(),
+    "test_restart_policy.py": frozenset(),
+    "test_run_loop.py": frozenset(),
+    "test_sampler.py": frozenset(),
+    "test_sd_notify.py": frozenset({"test_rlsup_daemon_speaks_the_protocol"}),
+    "test_settings.py": frozenset(),
+    "test_single_file.py": frozenset(),
+    "test_step_writer.py": frozenset(),
+    "test_stragglers.py": frozenset({"test_four_rank_job_with_a_3x_slow_rank_is_reported",
+                                     "test_straggler_alert_fires_in_a_real_prometheus"}),
+    "test_transport_auth.py": frozenset(),
+    "test_transport_store.py": frozenset(),
+    "test_unreadable_checkpoints.py": frozenset(),
+}
+
+
+def _module(item: pytest.Item) -> str | None:
+    """The item's file relative to tests/ (``chaos/test_chaos_ci.py``), None for a file outside tests/."""
+    path = Path(str(item.path))
+    return path.relative_to(TESTS).as_posix() if path.is_relative_to(TESTS) else None
+
+
+def _is_e2e(item: pytest.Item) -> bool:
+    module = _module(item)
+    if module is None:
+        return False
+    if module not in FAST_MODULES:
+        return True
+    names = FAST_MODULES[module]
+    if getattr(item, "originalname", item.name) in names or not names.isdisjoint(getattr(item, "fixturenames", ())):
+        return True
+    return any(n.startswith("[") and item.name.endswith(n) for n in names)
+
+
+def _check_fast_modules(items: list[pytest.Item]) -> None:
+    """A renamed test, fixture or module must not leave a stale name behind (a renamed slow test would join the
+    fast tier)."""
+    missing = [m for m in FAST_MODULES if not (TESTS / m).is_file()]
+    for item in items:
+        module, mod = _module(item) or "", getattr(item, "module", None)
+        for name in FAST_MODULES.get(module, ()):
+            if mod is not None and not name.startswith("[") and not hasattr(mod, name):
+                missing.append(f"{module}::{name}")
+    if missing:
+        raise pytest.UsageError(f"tests/conftest.py FAST_MODULES names what is not there: {sorted(set(missing))}")
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """Under exactly ``-m "not e2e"`` the end-to-end modules are not even imported (importing them, ray and
+    verl and the trainers' helpers among them, costs the fast tier seconds); any other run collects them as usual."""
+    if config.getoption("markexpr", "").strip() != "not e2e" or collection_path.suffix != ".py":
+        return None
+    if not collection_path.name.startswith("test_") or not collection_path.is_relative_to(TESTS):
+        return None
+    return True if collection_path.relative_to(TESTS).as_posix() not in FAST_MODULES else None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    _check_fast_modules(items)
+    for item in items:
+        if _is_e2e(item):
+            item.add_marker(pytest.mark.e2e)

@@ -1,5 +1,6 @@
 """Options for the chaos suite: ``--soak MINUTES`` runs the randomised soak (skipped otherwise), e.g.
-``pytest tests/chaos --soak 30`` (pass the tests/chaos path so pytest loads this option)."""
+``pytest tests/chaos --soak 30`` (pass the tests/chaos path so pytest loads this option). The ``chaos`` and ``soak`` markers are registered in
+pyproject.toml with the others."""
 
 from __future__ import annotations
 
@@ -10,11 +11,6 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--soak", type=float, default=None, metavar="MINUTES",
                      help="run the chaos soak for MINUTES with random seeds (printed for replay)")
     parser.addoption("--soak-seed", type=int, default=None, help="master seed of the soak (default: random)")
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "chaos: chaos CI subset (fixed seeds, collected by default)")
-    config.addinivalue_line("markers", "soak: long randomised chaos soak, only with --soak MINUTES")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
