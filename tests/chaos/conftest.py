@@ -1,6 +1,6 @@
 """Options for the chaos suite: ``--soak MINUTES`` runs the randomised soak (skipped otherwise), e.g.
-``pytest tests/chaos --soak 30`` (pass the tests/chaos path so pytest loads this option). The ``chaos`` and ``soak`` markers are registered in
-pyproject.toml with the others."""
+``pytest tests/chaos --soak 30`` (pass the tests/chaos path so pytest loads this option). The ``chaos`` and
+``soak`` markers are registered in pyproject.toml with the others."""
 
 from __future__ import annotations
 
