@@ -123,6 +123,7 @@ def test_send_reaches_each_job_process_once(tmp_path: Path, monkeypatch: pytest.
             f"p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], start_new_session=True)\n"
             f"open({str(pidfile)!r}, 'w').write(str(p.pid))\n"
             "time.sleep(60)\n")
+    others = {c.pid for c in psutil.Process().children()}  # other tests' servers: this process's, not the job's
     job = JobProcess([PY, "-c", code], clean_env(), tmp_path / "out.log", 10)
     try:
         deadline = time.monotonic() + 20
@@ -131,6 +132,7 @@ def test_send_reaches_each_job_process_once(tmp_path: Path, monkeypatch: pytest.
             time.sleep(0.02)
         moved = int(pidfile.read_text())
         sent: list[tuple[str, int, int]] = []
+        monkeypatch.setattr(JobProcess, "helpers", JobProcess.helpers | others)  # as rlsup's own helpers are
         monkeypatch.setattr(process_tree.os, "killpg", lambda pgid, sig: sent.append(("group", pgid, sig)))
         monkeypatch.setattr(psutil.Process, "send_signal", lambda self, sig: sent.append(("pid", self.pid, sig)))
         job.send(signal.SIGTERM)
