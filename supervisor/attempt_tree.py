@@ -33,6 +33,7 @@ class AttemptTree:
         self._names = itertools.count()
         self._known: set[int] = set()
         self._empty: list[Path] = []  # ended roots' groups not yet removable (the kernel empties them lazily)
+        self.shared = False  # another run in this process records its roots here too (tests, simulated nodes)
         self._save()
         self.guardian = None
         if guardian:
@@ -91,7 +92,7 @@ class AttemptTree:
     def close(self) -> list[Ended]:
         """The run ends: end anything still recorded (after an error in the loop), drop the record and
         the cgroup, and let the guardian go."""
-        ended = end_leftovers(self.record)
+        ended = [] if self.shared else end_leftovers(self.record)  # never another run's jobs
         try:
             self.path.unlink()
         except OSError:

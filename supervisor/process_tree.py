@@ -329,6 +329,7 @@ class ProcessLayer:
 
     def __init__(self, cgroups: bool = True, guardian: bool = True) -> None:
         self.cgroups, self.guardian = cgroups, guardian
+        self._tree: "AttemptTree | None" = None  # the tree this layer made (guard_attempts), if any
 
     def end_predecessor(self, state_dir: Path) -> "tuple[int, list[Ended]] | None":
         """End what a dead rlsup's attempt left in ``state_dir`` (before anything is launched)."""
@@ -343,17 +344,21 @@ class ProcessLayer:
         from supervisor.attempt_tree import AttemptTree
 
         self.release_attempts()
-        _TREE = AttemptTree(state_dir, use_cgroup=getattr(self, "cgroups", True),
-                            guardian=getattr(self, "guardian", True))
+        if _TREE is not None:  # another run in this process (tests, simulated nodes) guards it: never replace it,
+            _TREE.shared = True  # and its close must not end this run's jobs
+            return
+        _TREE = self._tree = AttemptTree(state_dir, use_cgroup=getattr(self, "cgroups", True),
+                                         guardian=getattr(self, "guardian", True))
         if _TREE.guardian is not None:
             JobProcess.helpers.add(_TREE.guardian.pid)  # rlsup's child, never a member of an attempt
 
     def release_attempts(self) -> "list[Ended]":
         """The run is over: end anything still recorded, drop the record and cgroup, stop the guardian."""
         global _TREE
-        tree, _TREE = _TREE, None
-        if tree is None:
-            return []
+        tree = getattr(self, "_tree", None)
+        if tree is None or tree is not _TREE:
+            return []  # not this layer's run (another run in this process owns the tree)
+        _TREE = self._tree = None
         if tree.guardian is not None:
             JobProcess.helpers.discard(tree.guardian.pid)
         return tree.close()
