@@ -766,7 +766,7 @@ def write_parts(ckpt: Path, node: int, nodes: int, job: str, steps: int, ranks: 
 def measure_bytes(nodes: int, scratch: str | None, steps: int = 2, ranks: int = RANKS,
                   part_bytes: int = 64 << 10) -> dict[str, Any]:
     """A restore after losing one node of ``nodes``; wire bytes per node (see the module docstring)."""
-    from supervisor.replication import ReplicationEngine, ReplicationSettings
+    from supervisor.tiers.replication import ReplicationEngine, ReplicationSettings
     from supervisor.transport.server import ReplicationServer
     from supervisor.transport.store import ReplicaStore
 

@@ -705,8 +705,8 @@ def bench_restore(ctx: Ctx) -> list[Row]:
     import torch
 
     from supervisor.membership import Membership
-    from supervisor.part_protocol import fetch_part
-    from supervisor.replication import ReplicationEngine, ReplicationSettings
+    from supervisor.tiers.part_protocol import fetch_part
+    from supervisor.tiers.replication import ReplicationEngine, ReplicationSettings
     from supervisor.transport.client import PeerClient
     from supervisor.transport.server import ReplicationServer
     from supervisor.transport.store import ReplicaStore

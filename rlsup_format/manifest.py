@@ -17,7 +17,7 @@ Layout::
         .staging-rank_00001-...    a save in progress (or a killed one's leftovers)
 
 The checks run over a :class:`StepReader`, so a step in a local directory and one in an object
-store (:mod:`supervisor.part_stores`) are judged by the same code.
+store (:mod:`supervisor.tiers.part_stores`) are judged by the same code.
 """
 
 from __future__ import annotations

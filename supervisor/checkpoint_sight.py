@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Callable
 from supervisor.attempt_progress import AttemptEvidence, AttemptProgress, judge
 from supervisor.config import DEFAULT_CHECKPOINT_DIR
 from supervisor.file_versions import FileVersions
-from supervisor.resume import ResumePoint, describe_unreadable
+from supervisor.tiers.resume import ResumePoint, describe_unreadable
 
 if TYPE_CHECKING:
     from supervisor.config import SupervisorConfig

@@ -31,7 +31,7 @@ from urllib.parse import quote, unquote
 from rlsup_format.fileio import fsync_dir, fsync_file
 from rlsup_format.names import host_tag
 from supervisor.layouts import detect_layout, single_file
-from supervisor.poll_loop import PollLoop
+from supervisor.tiers.poll_loop import PollLoop
 
 if TYPE_CHECKING:
     from supervisor.config import SupervisorConfig

@@ -20,7 +20,7 @@ DEFAULT_LEVEL = "INFO"
 
 class _Format(logging.Formatter):
     """``[rlsup] message`` at INFO (what rlsup always printed); ``[rlsup] warning: message`` above and
-    ``[rlsup] debug (supervisor.tiers): message`` below, naming the component."""
+    ``[rlsup] debug (supervisor.tiers.selection): message`` below, naming the component."""
 
     def format(self, record: logging.LogRecord) -> str:
         text = super().format(record)

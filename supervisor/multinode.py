@@ -5,12 +5,12 @@ round, ``prepare`` agrees on the resume step and fetches missing parts before la
 stops this node's job when another node's attempt failed, and a failure here ends the round for all.
 
 The persistent tier (``persistent_dir``) works per part here: each node copies the parts its own ranks
-wrote (:class:`supervisor.persistent.PersistentTier`, built with this node's rank), and node 0 offers
+wrote (:class:`supervisor.tiers.persistent.PersistentTier`, built with this node's rank), and node 0 offers
 the tier's parts to the plan as the last holder (in place > peer > persistent). A missing part is
-fetched from its holders in plan order by one call, :func:`supervisor.part_protocol.fetch_part`.
+fetched from its holders in plan order by one call, :func:`supervisor.tiers.part_protocol.fetch_part`.
 
 The memory tier (``memory_dir``) is one more place a part can be: each node's tier holds its own
-ranks' parts (:class:`supervisor.memory_tier.MemoryTier`, built with this node's rank) and offers them
+ranks' parts (:class:`supervisor.tiers.memory_tier.MemoryTier`, built with this node's rank) and offers them
 in the node's inventory as parts in place, so the plan picks the newest step whose every part exists
 somewhere (memory, disk, a peer's replica, the persistent tier). A node whose parts of that step are
 all in its tier resumes its ranks from there, in place; otherwise its tier's parts are copied beside
@@ -41,16 +41,16 @@ from supervisor.job_identity import JobIdentity
 from supervisor.lifecycle import EndReason
 from supervisor.membership import Membership
 from supervisor.observer import Observer
-from supervisor.memory_tier import MemoryTier
-from supervisor.part_protocol import FetchFailed, PartError, PartStore, fetch_part
-from supervisor.persistent import PersistentTier
+from supervisor.tiers.memory_tier import MemoryTier
+from supervisor.tiers.part_protocol import FetchFailed, PartError, PartStore, fetch_part
+from supervisor.tiers.persistent import PersistentTier
 from supervisor.process_tree import ProcessLayer
 from supervisor.rank_pinning import pin_ranks
-from supervisor.replication import ReplicationEngine, newest_own_step
-from supervisor.resume import ResumePoint
+from supervisor.tiers.replication import ReplicationEngine, newest_own_step
+from supervisor.tiers.resume import ResumePoint
 from supervisor.attempt_end import AttemptResult
 from supervisor.runner import AttemptAbandoned, JobStatus, RunResult, Supervisor
-from supervisor.tiers import TIER_LOCAL, TIER_MEMORY, TIER_PEER, TIER_PERSISTENT, TieredResumePoint
+from supervisor.tiers.selection import TIER_LOCAL, TIER_MEMORY, TIER_PEER, TIER_PERSISTENT, TieredResumePoint
 from rlsup_format.manifest import ManifestError, manifest_name, step_dir_name
 
 log = logging.getLogger(__name__)

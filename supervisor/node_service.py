@@ -24,7 +24,7 @@ from supervisor.dir_lock import DirLock
 from supervisor.job_identity import JobIdentity
 from supervisor.membership import Membership
 from supervisor.observer import Observer
-from supervisor.replication import ReplicationEngine, ReplicationSettings
+from supervisor.tiers.replication import ReplicationEngine, ReplicationSettings
 
 DAEMON_FILE = "daemon.json"
 

@@ -34,7 +34,7 @@ from supervisor.progress import attach as attach_progress, registered_ranks
 from supervisor.rank_deaths import RankDeathWatch
 from supervisor.restart_policy import RestartPolicy, give_up_code
 from supervisor.stragglers import StragglerDetector, StragglerWatch
-from supervisor.resume import ResumePoint, choose_resume, repair_tracker
+from supervisor.tiers.resume import ResumePoint, choose_resume, repair_tracker
 from rlsup_format.heartbeat_record import rank_file_name, request_stop
 
 KEEP_ATTEMPT_DIRS = 10
@@ -82,10 +82,10 @@ class Supervisor:
 
         self.warm = WarmStarts(self.command, self.cfg.warm_launcher, self.cfg.warm_imports, self._log)  # next root
         self.node_name = node_name()  # what incidents, metrics and the SLURM exclude list call this machine
-        from supervisor.persistent import PersistentTier
+        from supervisor.tiers.persistent import PersistentTier
 
         self.persistent = PersistentTier.from_config(self.cfg, job=self.job.id)  # None when persistent_dir is empty
-        from supervisor.memory_tier import MemoryTier
+        from supervisor.tiers.memory_tier import MemoryTier
 
         self.memory = MemoryTier.from_config(self.cfg, self.checkpoint_dir, self.job.id)  # None: memory_dir empty
         from supervisor.checkpoint_sight import CheckpointSight
@@ -263,7 +263,7 @@ class Supervisor:
         """Everything before launch; returns the checkpoint to resume from (fetched from the
         persistent tier when that holds a newer valid step than the local directory)."""
         if (self.persistent is not None or self.memory is not None) and self.cfg.resume:
-            from supervisor.tiers import choose_across_tiers
+            from supervisor.tiers.selection import choose_across_tiers
 
             point = choose_across_tiers(self.checkpoint_dir, self.persistent, self.cfg.checkpoint_layout,
                                         job=self.job.id, memory=self.memory)
@@ -319,7 +319,7 @@ class Supervisor:
 
     def attempt_env(self, attempt: int, resume: ResumePoint | None, hb_dir: Path) -> dict[str, str]:
         env = dict(os.environ)
-        from supervisor.memory_tier import ENV_NAMES as MEMORY_ENV
+        from supervisor.tiers.memory_tier import ENV_NAMES as MEMORY_ENV
 
         for key in ("RLSUP_RESUME_DIR", "RLSUP_RESUME_STEP", *MEMORY_ENV):
             env.pop(key, None)

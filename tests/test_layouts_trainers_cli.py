@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from supervisor import layouts
-from supervisor.resume import choose_resume
+from supervisor.tiers.resume import choose_resume
 
 ROOT = Path(__file__).resolve().parents[1]
 TREES = {

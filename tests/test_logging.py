@@ -36,15 +36,15 @@ def channel():
 def test_every_component_logger_reaches_stderr_once(channel, capsys: pytest.CaptureFixture) -> None:
     channel("INFO")
     channel("INFO")  # configuring twice adds no second handler
-    logging.getLogger("supervisor.persistent").info("step %d copied to the persistent tier %s", 3, "/p")
+    logging.getLogger("supervisor.tiers.persistent").info("step %d copied to the persistent tier %s", 3, "/p")
     logging.getLogger("rlsup.replication").warning("replication to node %s failed: %s", 1, "refused")
     logging.getLogger("supervisor.runner").debug("not shown at INFO")
     err = capsys.readouterr().err.splitlines()
     assert err == ["[rlsup] step 3 copied to the persistent tier /p",
                    "[rlsup] warning: replication to node 1 failed: refused"]
     channel("debug")
-    logging.getLogger("supervisor.tiers").debug("considering step %d", 5)
-    assert capsys.readouterr().err == "[rlsup] debug (supervisor.tiers): considering step 5\n"
+    logging.getLogger("supervisor.tiers.selection").debug("considering step %d", 5)
+    assert capsys.readouterr().err == "[rlsup] debug (supervisor.tiers.selection): considering step 5\n"
     with pytest.raises(ValueError, match="unknown log level"):
         channel("LOUD")
 

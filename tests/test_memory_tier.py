@@ -21,8 +21,8 @@ from conftest import ROOT, clean_env, incidents, start_rlsup, wait_for
 from rlsup_format.manifest import list_step_dirs, manifest_name, read_manifest, verify_step_dir
 from supervisor.config import ConfigError, SupervisorConfig, load_config
 from supervisor.job_identity import job_identity
-from supervisor.memory_tier import MemorySettings, MemoryTier, job_memory_dir
-from supervisor.tiers import TIER_LOCAL, TIER_MEMORY, choose_across_tiers
+from supervisor.tiers.memory_tier import MemorySettings, MemoryTier, job_memory_dir
+from supervisor.tiers.selection import TIER_LOCAL, TIER_MEMORY, choose_across_tiers
 from trainer_hooks.backends import get_backend
 from trainer_hooks.memory_tier import MemoryTarget
 from trainer_hooks.step_writer import RankIdentity, StepTarget, write_step

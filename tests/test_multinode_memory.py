@@ -20,8 +20,8 @@ import torch
 
 from conftest import incidents, wait_for
 from rlsup_format.manifest import list_step_dirs, manifest_name
-from supervisor.memory_tier import MemorySettings, MemoryTier, job_memory_dir
-from supervisor.node_parts import NodeParts
+from supervisor.tiers.memory_tier import MemorySettings, MemoryTier, job_memory_dir
+from supervisor.tiers.node_parts import NodeParts
 from test_multinode import Cluster, assert_same_weights, reference_weights, replica_part, rlsup_resumes, trainer_starts
 from trainer_hooks.backends import get_backend
 from trainer_hooks.step_writer import RankIdentity, StepTarget, write_step

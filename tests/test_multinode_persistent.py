@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from conftest import ROOT, clean_env, job_subdir, rlsup_cmd, wait_for
-from supervisor.persistent import PersistentPartInvalid, PersistentTier
+from supervisor.tiers.persistent import PersistentPartInvalid, PersistentTier
 from test_multinode import PY, assert_same_weights, free_ports
 from trainer_hooks import CheckpointManager
 from rlsup_format.manifest import hash_file, manifest_name, step_dir_name, verify_step_dir

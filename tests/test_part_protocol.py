@@ -1,4 +1,4 @@
-"""The part protocol (supervisor.part_protocol) in process, in seconds: an in-memory PartStore written
+"""The part protocol (supervisor.tiers.part_protocol) in process, in seconds: an in-memory PartStore written
 here and a local directory. Copy, fetch with holder fallback, corrupt sources, manifest last, a valid
 destination kept, another rank's file never overwritten."""
 
@@ -15,7 +15,7 @@ import pytest
 from rlsup_format.digest import FileEntry, copy_hashing
 from rlsup_format.manifest import SCHEMA_VERSION, RankManifest, manifest_name, verify_step_dir
 from rlsup_format.names import parse_manifest_rank, step_dir_name
-from supervisor.part_protocol import (
+from supervisor.tiers.part_protocol import (
     FetchFailed,
     PartConflict,
     PartError,
@@ -23,7 +23,7 @@ from supervisor.part_protocol import (
     copy_part,
     fetch_part,
 )
-from supervisor.part_stores.local import LocalStore
+from supervisor.tiers.part_stores.local import LocalStore
 
 
 def entry_of(data: bytes) -> FileEntry:

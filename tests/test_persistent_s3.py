@@ -30,8 +30,8 @@ pytest.importorskip("flask", reason="moto's server needs its [server] extra (pip
 boto3 = pytest.importorskip("boto3", reason="boto3 (a moto dependency) is not installed")
 
 from conftest import ROOT, clean_env, incidents, start_rlsup, wait_for  # noqa: E402
-from supervisor.persistent import PersistentTier, PersistentTierError  # noqa: E402
-from supervisor.tiers import choose_across_tiers  # noqa: E402
+from supervisor.tiers.persistent import PersistentTier, PersistentTierError  # noqa: E402
+from supervisor.tiers.selection import choose_across_tiers  # noqa: E402
 from trainer_hooks import CheckpointManager  # noqa: E402
 from rlsup_format.manifest import MANIFEST_RE, manifest_name, step_dir_name, verify_step_dir  # noqa: E402
 
@@ -208,8 +208,8 @@ def test_copy_interrupted_before_the_manifests_is_never_valid(bucket: str, tmp_p
     shutil.rmtree(tmp_path / "back", ignore_errors=True)
     assert choose_across_tiers(tmp_path / "back", tier) is None
     # A new copy over the partial one completes it (objects checked, the manifest last).
-    from supervisor.part_protocol import copy_part
-    from supervisor.part_stores.local import LocalStore
+    from supervisor.tiers.part_protocol import copy_part
+    from supervisor.tiers.part_stores.local import LocalStore
 
     copy_part(LocalStore(local), tier.store, 30, 0)  # the one rank's part: data objects, then the manifest
     assert tier.latest_valid().step == 30

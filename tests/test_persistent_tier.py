@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from conftest import ROOT, clean_env, wait_for
-from supervisor.persistent import PersistentTier, PersistentTierError
-from supervisor.tiers import choose_across_tiers
+from supervisor.tiers.persistent import PersistentTier, PersistentTierError
+from supervisor.tiers.selection import choose_across_tiers
 from trainer_hooks import CheckpointManager
 from rlsup_format.manifest import is_held, step_dir_name, verify_step_dir
 
@@ -207,7 +207,7 @@ def test_wiped_local_resumes_from_persistent_bit_identical(tmp_path: Path) -> No
 # ------------------------------------------------------------ symlinks are never copied (issue #9)
 
 def test_symlinked_file_is_never_copied(tmp_path: Path) -> None:
-    from supervisor.part_stores.local import LocalStore
+    from supervisor.tiers.part_stores.local import LocalStore
 
     local, dest = tmp_path / "local", tmp_path / "persistent"
     save_steps(local, [10, 20])

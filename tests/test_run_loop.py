@@ -25,7 +25,7 @@ from supervisor.lifecycle import IllegalTransition, JobStatus
 from supervisor.observer import Observer
 from supervisor.process_tree import ProcessLayer
 from supervisor.progress import JOB_RANK
-from supervisor.resume import ResumePoint
+from supervisor.tiers.resume import ResumePoint
 from supervisor.runner import Supervisor
 
 

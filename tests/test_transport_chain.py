@@ -19,8 +19,8 @@ from rlsup_format.manifest import SCHEMA_VERSION, RankManifest, manifest_name
 from rlsup_format.names import step_dir_name
 from supervisor.job_identity import namespace_of
 from supervisor.membership import Membership
-from supervisor.parts import scan_parts
-from supervisor.replication import ReplicationEngine, ReplicationSettings
+from supervisor.tiers.parts import scan_parts
+from supervisor.tiers.replication import ReplicationEngine, ReplicationSettings
 from supervisor.transport.auth import auth_headers
 from supervisor.transport.client import PeerClient, TransportError
 from supervisor.transport.forward import FORWARD_NICENESS

@@ -1,6 +1,6 @@
 """Where a rank's save goes when rlsup runs a memory tier: node shared memory if the step fits, else disk.
 
-rlsup owns the tier (``memory_dir``; :mod:`supervisor.memory_tier` drains it to ``checkpoint_dir``)
+rlsup owns the tier (``memory_dir``; :mod:`supervisor.tiers.memory_tier` drains it to ``checkpoint_dir``)
 and tells every rank its job's directory in ``RLSUP_MEMORY_DIR``. A save then writes the step there
 with the very protocol of a disk save (:func:`trainer_hooks.step_writer.write_step`: staging, hash,
 rename, manifest last), so a step in memory is valid or invalid by the same rules, and keeps

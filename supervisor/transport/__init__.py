@@ -1,6 +1,6 @@
 """Replication transport: moves verified files between node supervisors over authenticated HTTP.
 
-It knows no checkpoint layout; the replicator (:mod:`supervisor.replication`) decides what to send.
+It knows no checkpoint layout; the replicator (:mod:`supervisor.tiers.replication`) decides what to send.
 
 - :mod:`.auth`: shared secret (``load_secret``) and the HMAC-SHA256 request signature scheme.
 - :mod:`.store`: ``ReplicaStore``, verified files under ``root/<namespace>/<relpath>``.

@@ -43,7 +43,7 @@ _ENDPOINT_RE = re.compile(r"^(\[[0-9A-Fa-f:.]{2,45}\]|[A-Za-z0-9][A-Za-z0-9.-]{0
 #: waits on, and its own pushes; on idle cores it runs at full speed. The price: where cores are short,
 #: the far copy lands later (on one 2-core VM: a 2-peer push cost the sender 1.03x one push at 19, 1.2-2.1x
 #: at 10; both copies were in place at 0.79x two rsync daemons' rate at 19, 1.08x at 10: BENCHMARKS.md). A
-#: chain too slow for its arrival deadline falls back to a direct copy (supervisor/part_stores/peer.py).
+#: chain too slow for its arrival deadline falls back to a direct copy (supervisor/tiers/part_stores/peer.py).
 FORWARD_NICENESS = 19
 
 

@@ -67,7 +67,7 @@ def _kill_tree(pid: int) -> list[int]:
 
 
 def _valid_part(step_dir: Path, rank: int):
-    from supervisor.parts import verify_part
+    from supervisor.tiers.parts import verify_part
 
     return verify_part(step_dir, rank, full=True)
 

@@ -319,7 +319,7 @@ def persistent_copy_scenario(parent: Path, ref_cache: Path, seed: int,
     Invariants: the partial copy never has a step's name and is never offered; nothing older is lost in
     either tier; after a wipe the run resumes from the persistent tier's newest valid step; the final
     weights equal the uninterrupted run's; no temp copy or stale retention hold of a dead rlsup remains."""
-    from supervisor.persistent import PersistentTier
+    from supervisor.tiers.persistent import PersistentTier
 
     started = time.monotonic()
     rng = random.Random(seed)

@@ -1,9 +1,9 @@
 """The part-transfer protocol, written once: how one rank's part of a step moves between stores.
 
 A *part* is one rank's manifest plus the files it lists (:mod:`rlsup_format.manifest`). It lives in a
-:class:`PartStore`: a local checkpoint directory or filesystem tier (:mod:`supervisor.part_stores.local`),
-an object store (:mod:`supervisor.part_stores.fsspec_store`), or a peer's replica namespace over HTTP
-(:mod:`supervisor.part_stores.peer`). Every copy, whatever the direction (a node pushing to a peer,
+:class:`PartStore`: a local checkpoint directory or filesystem tier (:mod:`supervisor.tiers.part_stores.local`),
+an object store (:mod:`supervisor.tiers.part_stores.fsspec_store`), or a peer's replica namespace over HTTP
+(:mod:`supervisor.tiers.part_stores.peer`). Every copy, whatever the direction (a node pushing to a peer,
 a node persisting its parts, a restore from a peer or from the persistent tier), is :func:`copy_part`:
 
 1. the source part is verified (manifest parses, names this rank and step, every file matches);

@@ -13,7 +13,7 @@ import os
 import threading
 from typing import Callable
 
-from supervisor.manifest_watch import ManifestWatch
+from supervisor.tiers.manifest_watch import ManifestWatch
 
 log = logging.getLogger(__name__)
 

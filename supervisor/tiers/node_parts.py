@@ -21,7 +21,7 @@ from pathlib import Path
 
 from rlsup_format.manifest import LocalStep, ManifestError, RankManifest, read_manifest, verify_part
 from rlsup_format.names import manifest_name, parse_manifest_rank, parse_step
-from supervisor.parts import owner_of
+from supervisor.tiers.parts import owner_of
 
 
 @dataclass(frozen=True)

@@ -3,11 +3,11 @@
 Triggers: the watchdog library reports new manifests in the checkpoint directory (a part becomes valid
 exactly when its manifest appears, since trainer_hooks writes it last); a periodic rescan
 (``scan_interval``) catches what an event missed. Each part goes to ``replication_factor`` nodes chosen
-by :func:`replica_targets`, through :func:`supervisor.part_protocol.copy_part` from the checkpoint
-directory (:class:`~supervisor.part_stores.local.LocalStore`) to the peer's replica namespace
-(:class:`~supervisor.part_stores.peer.PeerStore`): verified, files first, manifest last, so a replica
+by :func:`replica_targets`, through :func:`supervisor.tiers.part_protocol.copy_part` from the checkpoint
+directory (:class:`~supervisor.tiers.part_stores.local.LocalStore`) to the peer's replica namespace
+(:class:`~supervisor.tiers.part_stores.peer.PeerStore`): verified, files first, manifest last, so a replica
 becomes valid only when whole. With several targets lacking a part, it travels as a pipeline
-(:class:`~supervisor.part_stores.peer.ChainStore`): sent once, to the first, which streams it on to
+(:class:`~supervisor.tiers.part_stores.peer.ChainStore`): sent once, to the first, which streams it on to
 the next as it receives it, and so on; a target the chain did not reach gets a direct copy in the
 same pass. The sender never hashes a part before sending it (every receiver checks every byte as it
 arrives); a part a receiver refuses as not matching its manifest is reported invalid and not offered
@@ -32,14 +32,14 @@ from typing import TYPE_CHECKING, Any
 from rlsup_format.fileio import write_durable
 from rlsup_format.manifest import MANIFEST_RE, RankManifest, list_step_dirs, manifest_name, step_dir_name
 from rlsup_format.names import Kind, placement_name, reserved_name
-from supervisor.manifest_watch import ManifestWatch
+from supervisor.tiers.manifest_watch import ManifestWatch
 from supervisor.job_identity import namespace_of, parse_namespace
 from supervisor.membership import Membership, replica_targets
 from supervisor.observer import Observer
-from supervisor.part_protocol import PartInvalid, copy_part, fetch_part
-from supervisor.part_stores.local import LocalStore
-from supervisor.part_stores.peer import ChainStore, PeerStore
-from supervisor.parts import Part, scan_parts, verify_part
+from supervisor.tiers.part_protocol import PartInvalid, copy_part, fetch_part
+from supervisor.tiers.part_stores.local import LocalStore
+from supervisor.tiers.part_stores.peer import ChainStore, PeerStore
+from supervisor.tiers.parts import Part, scan_parts, verify_part
 
 if TYPE_CHECKING:
     from supervisor.config import SupervisorConfig
@@ -352,7 +352,7 @@ class ReplicationEngine:
 
     def fetch(self, step: int, ranks: dict[int, list[int]]) -> None:
         """Bring this node's missing parts of ``step`` back from the peers holding replicas, each rank
-        from its holders in order (:func:`supervisor.part_protocol.fetch_part`); FetchFailed if one fails."""
+        from its holders in order (:func:`supervisor.tiers.part_protocol.fetch_part`); FetchFailed if one fails."""
         self.clean()
         for rank, holders in sorted(ranks.items()):
             fetch_part([self.peer_store(h) for h in holders], self.local_store(), step, rank, accept=self.accept)

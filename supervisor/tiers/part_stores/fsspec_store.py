@@ -1,4 +1,4 @@
-"""A :class:`~supervisor.part_protocol.PartStore` over an fsspec URL (``s3://``, ``gs://``,
+"""A :class:`~supervisor.tiers.part_protocol.PartStore` over an fsspec URL (``s3://``, ``gs://``,
 ``memory://`` ...; needs ``fsspec`` and the protocol's package, e.g. ``s3fs``).
 
 An object store has no rename, so the part protocol itself is the commit: each data object is written
@@ -16,7 +16,7 @@ from typing import BinaryIO, Callable, Iterator
 from rlsup_format.digest import FileEntry, copy_hashing
 from rlsup_format.manifest import missing_reason
 from rlsup_format.names import manifest_name, parse_manifest_rank, parse_step, step_dir_name
-from supervisor.part_protocol import PartError, PartInvalid
+from supervisor.tiers.part_protocol import PartError, PartInvalid
 
 
 def _basename(path: str) -> str:

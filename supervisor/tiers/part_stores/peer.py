@@ -1,4 +1,4 @@
-"""A :class:`~supervisor.part_protocol.PartStore` over a peer's replica namespace, through the public
+"""A :class:`~supervisor.tiers.part_protocol.PartStore` over a peer's replica namespace, through the public
 API of :class:`supervisor.transport.client.PeerClient` only (``index``, ``push_file``, ``fetch_file``,
 ``delete``).
 
@@ -11,7 +11,7 @@ under reserved names and removed at once; :func:`rlsup_format.leftovers.clean_le
 a killed process left there.
 
 A peer that refuses an upload because its bytes do not hash to the manifest's checksum is told
-:class:`~supervisor.part_protocol.PartInvalid` once the source file, hashed here only then, confirms
+:class:`~supervisor.tiers.part_protocol.PartInvalid` once the source file, hashed here only then, confirms
 it (the sender never hashes a part before sending: the receivers check every byte as it arrives).
 
 :class:`ChainStore` is one destination made of several peers: each file is pushed once, to the first,
@@ -34,7 +34,7 @@ from rlsup_format.fileio import remove_path
 from rlsup_format.leftovers import clean_leftovers
 from rlsup_format.manifest import missing_reason
 from rlsup_format.names import Kind, manifest_name, parse_step, reserved_name, step_dir_name
-from supervisor.part_protocol import PartError, PartInvalid
+from supervisor.tiers.part_protocol import PartError, PartInvalid
 
 OK = "ok"
 QUEUED = "queued"  # a hop answered after storing the file; it sends it on in the background
@@ -230,7 +230,7 @@ class ChainStep:
 
 
 class ChainStore:
-    """A :class:`~supervisor.part_protocol.PartStore` over several peers (``hops``: each peer's store
+    """A :class:`~supervisor.tiers.part_protocol.PartStore` over several peers (``hops``: each peer's store
     and its endpoint as the peers name it) written through the first, which forwards to the rest.
     Safe for concurrent ``put_file`` calls."""
 

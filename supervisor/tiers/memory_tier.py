@@ -11,10 +11,10 @@ This module is the supervisor's side:
 
 * **Draining.** A background thread copies the newest valid memory step to ``checkpoint_dir`` once
   ``disk_every`` steps or ``disk_every_seconds`` passed since the last drained one (either; every new
-  step when neither is set), part by part through :func:`supervisor.part_protocol.copy_part` (source
+  step when neither is set), part by part through :func:`supervisor.tiers.part_protocol.copy_part` (source
   verified, data first, manifest last) while the step holds a ``.hold-drain-...`` marker, so the
   trainer's retention leaves it alone. From ``checkpoint_dir`` replication and the persistent tier
-  take it as before. It wakes when a manifest appears (:mod:`supervisor.manifest_watch`).
+  take it as before. It wakes when a manifest appears (:mod:`supervisor.tiers.manifest_watch`).
 * **Retention on disk** after a drain: the trainer's ``keep_last``, which it records in each memory
   manifest (``extra["disk_keep_last"]``); a trainer that keeps everything gets everything kept. The
   newest valid step, held steps and the step being resumed from stay.
@@ -26,7 +26,7 @@ This module is the supervisor's side:
 
 **On several nodes** (:mod:`supervisor.multinode`) each node's tier holds only its own ranks' parts
 (``<memory_dir>/rlsup-<job>-node<k>``), so "valid" above means "every part of this node's ranks is
-valid" (:class:`supervisor.node_parts.NodeParts`), per part: the drainer copies the node's own parts,
+valid" (:class:`supervisor.tiers.node_parts.NodeParts`), per part: the drainer copies the node's own parts,
 retention and the end count such steps. Two things change with it. The drained steps must be the same
 steps on every node, or disk and replicas never hold a whole step: a node drains the first step at or
 past each multiple of ``disk_every`` (every step without it; ``disk_every_seconds`` is refused, as
@@ -51,10 +51,10 @@ from rlsup_format.fileio import remove_path
 from rlsup_format.manifest import ManifestError, is_held, list_step_dirs
 from rlsup_format.names import step_dir_name
 from rlsup_format.retention import StepState, steps_to_delete
-from supervisor.node_parts import NodeParts
-from supervisor.part_protocol import PartError, copy_part
-from supervisor.part_stores.local import LocalStore
-from supervisor.poll_loop import PollLoop
+from supervisor.tiers.node_parts import NodeParts
+from supervisor.tiers.part_protocol import PartError, copy_part
+from supervisor.tiers.part_stores.local import LocalStore
+from supervisor.tiers.poll_loop import PollLoop
 
 if TYPE_CHECKING:
     from supervisor.config import SupervisorConfig

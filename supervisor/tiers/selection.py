@@ -1,17 +1,17 @@
 """Restart selection across checkpoint tiers: the memory tier, the local checkpoint directory and the
 persistent tier.
 
-A step in the memory tier (:mod:`supervisor.memory_tier`) is resumed from where it is, no copy: the
+A step in the memory tier (:mod:`supervisor.tiers.memory_tier`) is resumed from where it is, no copy: the
 trainer loads it from shared memory, and its retention there never deletes the step it resumed from.
 On a tie memory wins (the same step, read faster).
 
 :func:`choose_across_tiers` picks the newest step that is valid in some tier. When the persistent
 tier has a newer step than the local directory (a replaced node, a wiped local disk, a new
 allocation), the step is fetched into the local checkpoint directory first, part by part through
-:func:`supervisor.part_protocol.copy_part` (:meth:`supervisor.persistent.PersistentTier.fetch`), so the
+:func:`supervisor.tiers.part_protocol.copy_part` (:meth:`supervisor.tiers.persistent.PersistentTier.fetch`), so the
 trainer resumes from a local path exactly as before; a persistent copy that does not verify is
 skipped and the next older one tried. On several nodes the persistent tier is one more holder in the
-coordinator's plan instead (per part, :meth:`supervisor.persistent.PersistentTier.part_listing`, and
+coordinator's plan instead (per part, :meth:`supervisor.tiers.persistent.PersistentTier.part_listing`, and
 :mod:`supervisor.multinode`), and the resume point is a :class:`TieredResumePoint` too, naming the
 farthest tier this node fetched from.
 """
@@ -23,9 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from supervisor.memory_tier import MemoryTier
-from supervisor.persistent import PersistentTier, PersistentTierError
-from supervisor.resume import ResumePoint, choose_resume
+from supervisor.tiers.memory_tier import MemoryTier
+from supervisor.tiers.persistent import PersistentTier, PersistentTierError
+from supervisor.tiers.resume import ResumePoint, choose_resume
 
 log = logging.getLogger(__name__)
 

@@ -3,8 +3,8 @@ object store (``persistent_dir``), when, how long they stay, and what is offered
 
 Node-local disks and peer replicas die with the allocation; a copy on a shared filesystem (Lustre,
 GPFS, NFS) or an object store (any fsspec URL: ``s3://``, ``gs://`` ...) outlives it. How a part is
-copied (verified source, data first, manifest last) is :func:`supervisor.part_protocol.copy_part`;
-where it lives is a :class:`~supervisor.part_protocol.PartStore`. This module only decides:
+copied (verified source, data first, manifest last) is :func:`supervisor.tiers.part_protocol.copy_part`;
+where it lives is a :class:`~supervisor.tiers.part_protocol.PartStore`. This module only decides:
 
 * **One mode for one node and many.** Every node copies the parts its own ranks wrote (the manifest's
   ``node_rank``; a single node is node 0 and owns every part). Node 0 *starts* a step: its newest
@@ -23,7 +23,7 @@ where it lives is a :class:`~supervisor.part_protocol.PartStore`. This module on
   is missing, torn or corrupted in the tier, :class:`PersistentTierError` for I/O problems.
 
 The background thread (:meth:`PersistentTier.start`) wakes when a manifest appears in the local
-checkpoint directory (:mod:`supervisor.manifest_watch`), and otherwise every
+checkpoint directory (:mod:`supervisor.tiers.manifest_watch`), and otherwise every
 ``PersistentSettings.wake_interval`` seconds: ``IDLE_WAKE_S`` (5 s) by default, since a pass lists the
 tier (an object store bills listings) and new parts already wake it; a tenth of ``every_seconds``
 (at most 5 s) when only a time cadence is set, so that a copy starts within a tenth of its period. A half-finished copy (rlsup killed mid-copy) is a step directory in the
@@ -46,11 +46,11 @@ from typing import TYPE_CHECKING, Any, Callable
 from rlsup_format.manifest import ManifestError, RankManifest, list_step_dirs, verify_step
 from rlsup_format.names import manifest_name, parse_manifest_rank
 from rlsup_format.retention import StepState, steps_to_delete
-from supervisor.poll_loop import PollLoop
-from supervisor.part_protocol import PartError, PartInvalid, PartStore, copy_part
-from supervisor.part_stores import open_store
-from supervisor.part_stores.local import LocalStore
-from supervisor.parts import Part, owner_of, verify_part
+from supervisor.tiers.poll_loop import PollLoop
+from supervisor.tiers.part_protocol import PartError, PartInvalid, PartStore, copy_part
+from supervisor.tiers.part_stores import open_store
+from supervisor.tiers.part_stores.local import LocalStore
+from supervisor.tiers.parts import Part, owner_of, verify_part
 
 if TYPE_CHECKING:
     from supervisor.config import SupervisorConfig

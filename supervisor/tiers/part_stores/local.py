@@ -1,4 +1,4 @@
-"""A :class:`~supervisor.part_protocol.PartStore` over a local directory of steps: a node's
+"""A :class:`~supervisor.tiers.part_protocol.PartStore` over a local directory of steps: a node's
 checkpoint_dir, or a persistent tier on a shared filesystem (Lustre, GPFS, NFS).
 
 Data files are written under a reserved temp name beside their final name (``.tmp-copy-<host>-<pid>-
@@ -21,7 +21,7 @@ from rlsup_format.fileio import fsync_dir, fsync_dirs, open_nofollow, remove_pat
 from rlsup_format.leftovers import clean_leftovers
 from rlsup_format.manifest import LocalStep, list_step_dirs, manifest_name
 from rlsup_format.names import Kind, reserved_name, step_dir_name
-from supervisor.part_protocol import PartInvalid
+from supervisor.tiers.part_protocol import PartInvalid
 
 #: Leftover kinds this store removes (a trainer's staging directories are the trainer's own business).
 CLEANED = frozenset({Kind.TMP, Kind.INCOMING, Kind.DELETING, Kind.HOLD})
