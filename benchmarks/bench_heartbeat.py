@@ -12,7 +12,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 
 CHILD = r"""
 import os, sys, time

@@ -34,8 +34,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from supervisor.transport.client import PeerClient, TransferPool  # noqa: E402
-from rlsup_format.manifest import hash_file  # noqa: E402
+from supervisor.transport.client import PeerClient, TransferPool
+from rlsup_format.manifest import hash_file
 
 SECRET = b"benchmark-secret-benchmark-secret"
 
@@ -133,7 +133,7 @@ class RsyncDaemon:
                 break
             except OSError:
                 if time.monotonic() > deadline or self.proc.poll() is not None:
-                    raise RuntimeError("rsync daemon did not start")
+                    raise RuntimeError("rsync daemon did not start") from None
                 time.sleep(0.05)
 
     def push(self, src: Path, tag: str) -> None:

@@ -18,10 +18,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+import torch
 
-from trainer_hooks.checkpoint import CheckpointManager  # noqa: E402
-from rlsup_format.manifest import verify_step_dir  # noqa: E402
+from trainer_hooks.checkpoint import CheckpointManager
+from rlsup_format.manifest import verify_step_dir
 
 
 def make_state(size_mb: int) -> dict:

@@ -349,7 +349,7 @@ def _worker_main(conn: Any, worker: int) -> None:
                         pool[n].close()
                     conn.send(("ok", None))
                     return
-            except Exception:  # noqa: BLE001 - reported to the parent, which fails the figure
+            except Exception:  # reported to the parent, which fails the figure
                 conn.send(("error", traceback.format_exc()))
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -472,7 +472,7 @@ def _run_round(nodes: dict[int, Any], idx: int, start_at: float, end_reason: str
             done = time.monotonic()
             out[node] = {"done": done, "attempt": attempt, "plan": sim.plans[-1] if sim.plans else None,
                          "step": getattr(resume, "step", None)}
-        except Exception:  # noqa: BLE001
+        except Exception:
             out[node] = {"error": traceback.format_exc()}
 
     threads = [threading.Thread(target=one, args=(n, s), name=f"node{n}") for n, s in nodes.items()]
@@ -494,7 +494,7 @@ def _teardown(nodes: dict[int, Any]) -> None:
                 if node == 0:
                     sim.coordinator.finish()  # the job's keys go
                 sim.coordinator.store.close()
-        except Exception:  # noqa: BLE001
+        except Exception:
             pass
 
 
@@ -540,7 +540,7 @@ class Workers:
         return out
 
     def close(self) -> None:
-        for w, conn in enumerate(self.conns):
+        for _w, conn in enumerate(self.conns):
             try:
                 conn.send(("exit",))
             except OSError:
@@ -871,7 +871,7 @@ def measure_bytes(nodes: int, scratch: str | None, steps: int = 2, ranks: int = 
         for s in sorted(sims, reverse=True):
             try:
                 sims[s].coordinator.store.close()
-            except Exception:  # noqa: BLE001
+            except Exception:
                 pass
         for pair in clients:
             for c in dict.values(pair):
@@ -956,7 +956,7 @@ def run(quick: bool, only: list[str], procs: int, rounds: int | None, sizes: lis
                     try:
                         r = measure_agreement(workers, backend, nodes, rounds, endpoints, etcd_cpu,
                                               capacity_s=(1.0 if quick else 3.0) if nodes == max(sizes) else 0.0)
-                    except Exception as e:  # noqa: BLE001 - one broken size must not hide the others
+                    except Exception as e:  # one broken size must not hide the others
                         results["agreement"].append({"backend": backend, "nodes": nodes, "error": str(e)})
                         emit(Row(f"agreement: {nodes} nodes, {backend} store: failed", None, None, "s",
                                  f"{type(e).__name__}: {str(e)[-300:]}"))

@@ -212,7 +212,7 @@ def failed(d: Path, what: str) -> None:
         lines = (d / "output.log").read_text(errors="replace").splitlines()
     except OSError:
         lines = []
-    tail = [l for l in lines if "[rlsup]" in l or "rror" in l][-12:]
+    tail = [line for line in lines if "[rlsup]" in line or "rror" in line][-12:]
     log(f"{what}; last output lines:\n#   " + "\n#   ".join(tail))
 
 

@@ -24,7 +24,6 @@ import os
 import random
 import signal
 import time
-from pathlib import Path
 
 import numpy as np
 import torch

@@ -53,7 +53,7 @@ def torchrun_root_cause(lines: list[str]) -> tuple[int, int, int] | None:
     """(rank, exit code, pid) of the first failed worker, from torchrun's "Root Cause" report or,
     for launchers that print only the agent's line (NVRx ft_launcher), ``failed (exitcode: -9) local_rank: R``."""
     rank = None
-    for line in lines[next((i for i, l in enumerate(lines) if "Root Cause" in l), len(lines)):]:
+    for line in lines[next((i for i, text in enumerate(lines) if "Root Cause" in text), len(lines)):]:
         if (m := _TORCHRUN_RANK.search(line)) is not None:
             rank = int(m.group(1))
         elif (m := _TORCHRUN_EXIT.search(line)) is not None and rank is not None:

@@ -239,7 +239,7 @@ class MultiNodeSupervisor(Supervisor):
             return plan
         try:
             listing = self.persistent.part_listing(newer_than=plan.step, exclude=self._bad_persistent)
-        except Exception as e:  # an unreachable tier must not stop a restart from peers or local parts
+        except Exception as e:  # noqa: BLE001 - an unreachable tier must not stop a restart from peers or local parts
             self._log(f"round {attempt}: persistent tier {self.persistent.location} not listed: {e}")
             listing = {}
         if listing:
@@ -332,7 +332,7 @@ class MultiNodeSupervisor(Supervisor):
     def peer_ended(self, attempt: int) -> str | None:
         try:
             return self.coordinator.ended(attempt)
-        except Exception:  # node 0's store is gone (it finished, or it was lost): this job's own end decides
+        except Exception:  # noqa: BLE001 - node 0's store is gone (it finished, or it was lost): this job's own end decides
             if not self._store_lost:
                 self._store_lost = True
                 self._log("the coordination store on node 0 is unreachable; watching this node's job only")
@@ -342,13 +342,13 @@ class MultiNodeSupervisor(Supervisor):
         if result.reason != EndReason.PEER_FAILURE:
             try:
                 self.coordinator.end(attempt, f"node {self.membership.node_rank}: {result.reason} {result.detail}".strip())
-            except Exception as e:  # the next join reports the unreachable store with its address
+            except Exception as e:  # noqa: BLE001 - the next join reports the unreachable store with its address
                 self._log(f"could not tell the other nodes that attempt {attempt} failed: {e}")
 
     def give_up(self, reason: str) -> None:
         try:
             self.coordinator.abort(f"node {self.membership.node_rank}: {reason}")
-        except Exception:  # the store may be gone with node 0; giving up locally is enough then
+        except Exception:  # noqa: BLE001 - the store may be gone with node 0; giving up locally is enough then
             pass
 
     def progress_marker(self) -> int | None:

@@ -227,7 +227,7 @@ class StepTracker:
 
     def feed(self, segment: str) -> str | None:
         match = None
-        for match in self.pattern.finditer(segment):  # the last: ranks sharing a pipe interleave writes
+        for match in self.pattern.finditer(segment):  # noqa: B007 - the last match wins: ranks sharing a pipe interleave writes
             pass
         bar = TQDM_BAR.match(segment)
         step = None

@@ -159,7 +159,7 @@ class WarmPool:
 
             args = parse_args(list(torchrun_args))
             nproc = determine_local_world_size(args.nproc_per_node)
-        except (Exception, SystemExit) as e:
+        except (Exception, SystemExit) as e:  # noqa: BLE001 - torchrun's parser raises anything on odd arguments: the cold path reports them
             return cls(f"torchrun's arguments not understood ({e})")
         command, why = worker_command(args, os.getenv("PYTHON_EXEC", sys.executable))
         if command is None:
@@ -256,7 +256,7 @@ def install(pool: WarmPool, torchrun_args: Sequence[str]) -> None:
 
     try:  # how many workers torchrun starts now (the arguments may differ from those warmed)
         workers = determine_local_world_size(parse_args(list(torchrun_args)).nproc_per_node)
-    except (Exception, SystemExit):
+    except (Exception, SystemExit):  # noqa: BLE001 - odd arguments: warm workers are not used, torchrun reports them itself
         workers = 0
     mp_api.get_subprocess_handler = get_subprocess_handler  # type: ignore[assignment]
 

@@ -185,7 +185,7 @@ def _run_as_main(mode: str, target: str) -> None:
         _run(mode, target)
     except (SystemExit, KeyboardInterrupt):
         raise
-    except BaseException as e:
+    except BaseException as e:  # noqa: BLE001 - the rank's own error, reported to the zygote as a cold start would show it
         tb = e.__traceback__
         while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
             tb = tb.tb_next
@@ -210,7 +210,7 @@ def main(argv: list[str]) -> None:
     layout = _worker_layout(json.loads(argv[argv.index("--command") + 1]))
     try:
         torch_state = _warm_up(layout, json.loads(argv[argv.index("--imports") + 1]))
-    except BaseException as e:  # a cold start would have failed or behaved differently: tell the zygote
+    except BaseException as e:  # noqa: BLE001 - a cold start would have failed or behaved differently: tell the zygote
         os.write(ready_fd, FAILED + f"{type(e).__name__}: {e}".encode("utf-8", "replace")[:2000])
         os._exit(1)
     import gc

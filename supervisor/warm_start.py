@@ -47,7 +47,7 @@ class WarmStarts:
         spec = warm_spec(argv, env) if argv != self.command else None  # the filled placeholders' torchrun args
         try:
             job = zygote.start(spec.args if spec is not None else None, env, os.getcwd(), log_path, tail_lines)
-        except Exception as e:  # whatever went wrong, the cold launch still can
+        except Exception as e:  # noqa: BLE001 - whatever went wrong, the cold launch still can
             zygote.discard()
             self.log(f"attempt {attempt}: warm launcher pid {zygote.pid} failed to start ({e}); launching cold")
             return None

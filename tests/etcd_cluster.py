@@ -11,7 +11,6 @@ import os
 import shutil
 import signal
 import subprocess
-import time
 import urllib.request
 from pathlib import Path
 from typing import Iterator

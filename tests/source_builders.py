@@ -36,7 +36,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import layout_builders as lb  # noqa: E402
+import layout_builders as lb
 
 NEMO_SRC = ("NVIDIA/NeMo", "nemo/lightning/pytorch/callbacks/model_checkpoint.py, nemo/lightning/io/pl.py, "
             "nemo/lightning/io/mixin.py, nemo/lightning/resume.py", "8cfedd7203462cb251a914e700e5605444277561")

@@ -195,7 +195,7 @@ def test_a_wait_inside_a_round_ends_when_a_replacement_rejoins() -> None:
     def node0() -> None:
         try:
             leader.fetch_results(0, 0)
-        except BaseException as e:  # noqa: BLE001 - handed to the test thread
+        except BaseException as e:  # handed to the test thread
             caught.append(e)
 
     t = threading.Thread(target=node0)

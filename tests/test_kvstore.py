@@ -62,7 +62,7 @@ def _race(n: int, fn: Callable[[int], object]) -> list[object]:
         try:
             barrier.wait(timeout=30)
             results[i] = fn(i)
-        except BaseException as e:  # noqa: BLE001  (re-raised in the test's thread)
+        except BaseException as e:  # re-raised in the test's thread
             errors.append(e)
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]

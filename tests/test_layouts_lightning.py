@@ -213,7 +213,7 @@ def test_step_from_pickle_and_torn_files(tmp_path: Path) -> None:
 def test_pickle_globals_are_never_imported(tmp_path: Path) -> None:
     """A checkpoint naming an arbitrary callable (os.system) parses to inert stubs: nothing runs."""
     class Evil:
-        def __reduce__(self):  # noqa: D105
+        def __reduce__(self):
             return (os.system, (f"touch {tmp_path / 'pwned'}",))
 
     state = torch.load(lb.ckpt_template(), map_location="cpu", weights_only=False)

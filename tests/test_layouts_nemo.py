@@ -128,7 +128,7 @@ def test_first_save_killed_in_its_last_copy_autoresume_refuses(tmp_path: Path) -
     empty = tmp_path / "empty"
     empty.mkdir()
     refused = 0
-    for k, root, events in sb.prefix_trees(empty, tmp_path / "m", lambda r: sb.nemo_save(r, 1)):
+    for _k, root, _events in sb.prefix_trees(empty, tmp_path / "m", lambda r: sb.nemo_save(r, 1)):
         if not (root / sb.nemo_name(1, last=True)).is_dir():
             continue
         try:

@@ -126,7 +126,7 @@ def exported_series(root: Path) -> dict[str, str]:
         if "did not exit within stop_grace" in log_of(d):  # not this inventory's concern; reported, with stacks
             incidents = d / ".rlsup" / "incidents.jsonl"
             warnings.warn("metrics_job ignored rlsup's stop: " + log_of(d)
-                          + (incidents.read_text()[-6000:] if incidents.exists() else ""))
+                          + (incidents.read_text()[-6000:] if incidents.exists() else ""), stacklevel=2)
     except BaseException:
         print(log_of(d))
         raise

@@ -24,7 +24,7 @@ from conftest import clean_env, incidents, rlsup_cmd, wait_for
 from test_thirdparty_trainers import FAST, Supervised, _kill, _stat, job_env
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "thirdparty"))
-import setup_pykeen as sp  # noqa: E402
+import setup_pykeen as sp
 
 torch = pytest.importorskip("torch")
 psutil = pytest.importorskip("psutil")

@@ -42,7 +42,7 @@ import pytest
 from conftest import ROOT, clean_env, incidents, rlsup_cmd, wait_for
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "thirdparty"))
-import setup_trainers as st  # noqa: E402
+import setup_trainers as st
 
 torch = pytest.importorskip("torch")
 psutil = pytest.importorskip("psutil")
@@ -198,7 +198,7 @@ def _ckpt_iter(data: bytes) -> int | None:
 
     try:
         return int(torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")["iter_num"])
-    except Exception:  # noqa: BLE001 - a torn zip raises any of several errors
+    except Exception:  # a torn zip raises any of several errors
         return None
 
 

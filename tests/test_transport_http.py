@@ -493,7 +493,7 @@ def _bounded(fn, seconds: float):
     def work() -> None:
         try:
             out["value"] = fn()
-        except BaseException as e:  # noqa: BLE001
+        except BaseException as e:
             out["error"] = e
 
     t = threading.Thread(target=work, daemon=True)

@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import clean_env, pid_alive, run_rlsup, start_rlsup, wait_for
+from conftest import clean_env, pid_alive, run_rlsup, wait_for
 
 from supervisor.warm_launcher import Zygote, warm_spec
 from supervisor.warm_pool import WarmPool, env_difference, startup_env

@@ -48,7 +48,7 @@ from trainer_hooks.backends.base import RNG_KEY, LoadContext
 from trainer_hooks.heartbeat import section, should_stop
 from trainer_hooks.memory_tier import ENV_MEMORY_DIR, MemoryTarget
 from trainer_hooks.rng import restore_rng_state
-from trainer_hooks.step_writer import (  # noqa: F401 - the error classes and env names are imported from here
+from trainer_hooks.step_writer import (  # the error classes and env names are imported from here
     ENV_JOB,
     ENV_RESUME,
     CheckpointConflictError,

@@ -75,7 +75,7 @@ class _Writer:
         atexit.register(self.exiting)
         _die_with_parent()
         # Stack dumps on demand: rlsup sends STACKS_SIGNAL before killing a hung rank.
-        self._stacks = open(directory / stacks_file_name(rank), "w")  # noqa: SIM115 - lives with the process
+        self._stacks = open(directory / stacks_file_name(rank), "w")  # lives with the process
         if threading.current_thread() is threading.main_thread():
             faulthandler.register(STACKS_SIGNAL, file=self._stacks, all_threads=True, chain=False)
 

@@ -229,7 +229,7 @@ def payload_bytes(payload: Any) -> int | None:
                 walk(v, depth + 1)
         elif isinstance(value, (bytes, bytearray, memoryview)):
             other += len(value)
-        elif hasattr(value, "nbytes") and isinstance(getattr(value, "nbytes"), int):
+        elif hasattr(value, "nbytes") and isinstance(value.nbytes, int):
             other += value.nbytes  # numpy arrays
 
     try:

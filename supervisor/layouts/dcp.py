@@ -73,7 +73,7 @@ def load_metadata(directory: Path) -> tuple[Any, str | None]:
         if "refusing" in str(exc):
             return None, str(exc)
         return None, f"{METADATA} is torn or corrupt ({exc})"
-    except Exception as exc:  # any error from a torn pickle is a failed check, not a crash
+    except Exception as exc:  # noqa: BLE001 - any error from a torn pickle is a failed check, not a crash
         return None, f"{METADATA} is torn or corrupt ({type(exc).__name__}: {exc})"
 
 

@@ -227,7 +227,7 @@ def _read_pickle(path: Path) -> tuple[Any, str | None]:
         return _MetaUnpickler(io.BytesIO(data)).load(), None
     except pickle.UnpicklingError as exc:
         return None, f"{path.name}: {exc}"
-    except Exception as exc:  # a torn pickle is a failed check, never a crash
+    except Exception as exc:  # noqa: BLE001 - a torn pickle is a failed check, never a crash
         return None, f"{path.name}: data.pkl is torn ({type(exc).__name__}: {exc})"
 
 

@@ -109,7 +109,7 @@ def read_checkpoint_dict(path: Path) -> tuple[dict | None, str | None]:
         return None, f"{path.name}: data.pkl unreadable ({type(exc).__name__}: {exc})"
     try:
         obj = _InertUnpickler(io.BytesIO(data)).load()
-    except Exception as exc:  # a torn pickle is an expected outcome, not a crash
+    except Exception as exc:  # noqa: BLE001 - a torn pickle is an expected outcome, not a crash
         return None, f"{path.name}: data.pkl is torn or corrupt ({type(exc).__name__}: {exc})"
     if not isinstance(obj, dict):
         return None, f"{path.name}: top level is {type(obj).__name__}, not a checkpoint dict"

@@ -46,7 +46,7 @@ class PollLoop:
         while not self._stop.is_set():
             try:
                 self.run_pass()
-            except Exception as e:  # noqa: BLE001 - see the module docstring
+            except Exception as e:  # see the module docstring
                 self.on_error(e)
                 log.exception("%s: pass failed", self.name)
             self.wake.wait(interval)

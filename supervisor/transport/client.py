@@ -46,7 +46,7 @@ from rlsup_format.digest import FileEntry
 from rlsup_format.fileio import fsync_dir, open_nofollow
 from rlsup_format.names import Kind, reserved_name
 from supervisor.transport import wire
-from supervisor.transport.limits import BandwidthLimiter, TransferPool  # noqa: F401 - the client's public API
+from supervisor.transport.limits import BandwidthLimiter, TransferPool  # the client's public API
 from supervisor.transport.auth import H_XXH3, auth_headers, body_digest
 from supervisor.transport.forward import forward_report
 from supervisor.transport.store import validate_namespace, validate_relpath

@@ -385,7 +385,7 @@ class ReplicationServer:
             return _error(e.status, str(e))
         except (ConnectionError, asyncio.CancelledError):
             raise
-        except Exception as e:  # noqa: BLE001 - a bug or I/O error answers 500; the server stays up
+        except Exception as e:  # a bug or I/O error answers 500; the server stays up
             log.exception("replication server: %s %s failed", request.method, request.raw_path)
             return _error(500, f"{type(e).__name__}: {e}")
 

@@ -420,7 +420,7 @@ class ReplicaStore:
         """(relpath, name, dir_fd) of every non-directory below ``top_fd``; never follows symlinks."""
         fd_copy = os.dup(top_fd)
         try:
-            for dirpath, dirnames, filenames, dfd in os.fwalk(".", dir_fd=fd_copy, follow_symlinks=False):
+            for dirpath, _dirnames, filenames, dfd in os.fwalk(".", dir_fd=fd_copy, follow_symlinks=False):
                 base = "" if dirpath == "." else dirpath[2:] + "/"
                 for name in filenames:
                     yield base + name, name, dfd

@@ -3,12 +3,10 @@ client that throws garbage at the replication endpoint. Used by the transport ch
 
 from __future__ import annotations
 
-import os
 import random
 import socket
 import threading
 import time
-from pathlib import Path
 
 import xxhash
 

@@ -21,7 +21,6 @@ import signal
 import subprocess
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from trainer_hooks.heartbeat import read_record
 from rlsup_format.manifest import list_step_dirs, manifest_name
@@ -103,7 +102,7 @@ class SupervisedRun:
             return self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             self.kill_all()
-            raise Deadline(f"rlsup did not finish within {timeout}s:\n{self.log_tail()}")
+            raise Deadline(f"rlsup did not finish within {timeout}s:\n{self.log_tail()}") from None
 
     def kill_all(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -163,7 +162,7 @@ class FaultInjector:
     def _mid_manifest(self, rank: int, pid: int) -> bool:
         """Temp manifest of this pid, or this rank's data file in place but no manifest yet."""
         mname = manifest_name(rank)
-        for step, d in list_step_dirs(self.run.sandbox.ckpt)[-2:]:
+        for _step, d in list_step_dirs(self.run.sandbox.ckpt)[-2:]:
             try:
                 names = os.listdir(d)
             except OSError:

@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import os
 import random
-import shutil
 import signal
 import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .common import (PY, Sandbox, clean_env, incidents, launcher, reference_weights, rlsup_cmd, train_args,
+from .common import (Sandbox, clean_env, incidents, launcher, reference_weights, rlsup_cmd, train_args,
                      wait_for)
 from .injector import Fault, FaultInjector, SupervisedRun
 from .invariants import (check_incidents, check_no_leftovers, check_no_survivors, check_no_writes_outside,
@@ -285,7 +284,7 @@ def hostile_manifest_steps(sb: Sandbox, ckpt: Path, template_step: Path, first: 
         "backslash": (f"..\\{template_step.name}\\{name}", hash_file(real)),
     }
     steps = []
-    for i, (label, (path, fe)) in enumerate(hostile.items()):
+    for i, (_label, (path, fe)) in enumerate(hostile.items()):
         step = first + i
         d = ckpt / step_dir_name(step)
         d.mkdir()

@@ -195,7 +195,7 @@ def transfer_kill_scenario(parent: Path, seed: int, victims: list[str] | None = 
                     res.problems.append(f"{fault.note}: {e}")
                 try:
                     ok = client.health().get("ok") is True
-                except Exception as e:  # noqa: BLE001
+                except Exception as e:
                     ok, fault.note = False, fault.note + f" (health: {e})"
                 res.check([] if ok else [f"{fault.note}: the receiver is unhealthy after the sender died"])
             start(node)
@@ -221,7 +221,7 @@ def transfer_kill_scenario(parent: Path, seed: int, victims: list[str] | None = 
             wait_for(lambda: not os.listdir(incoming), 20, "node 1's .incoming to be empty at the end")
         except Deadline as e:
             res.problems.append(str(e))
-        for node, proc in procs.items():
+        for proc in procs.values():
             proc.send_signal(signal.SIGTERM)
         codes = {}
         stop_deadline = time.monotonic() + 90  # systemd's default TimeoutStopSec

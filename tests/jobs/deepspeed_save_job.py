@@ -77,7 +77,7 @@ def main() -> int:
     save_dir, steps = sys.argv[1], int(sys.argv[2])
     stage = int(sys.argv[3]) if len(sys.argv) > 3 else 1
     roles = sys.argv[4:] or [""]
-    import deepspeed.comm.ccl  # noqa: F401  (loads deepspeed.comm.torch too)
+    import deepspeed.comm.ccl  # loads deepspeed.comm.torch too
 
     # The CPU accelerator JIT-compiles a shared-memory/CCL allreduce op (minutes on a fresh machine, needs a
     # compiler); it only speeds up collectives and plays no part in checkpointing, so it is skipped.
@@ -97,7 +97,7 @@ def main() -> int:
         for role, engine in engines.items():
             _die_after_latest(engine, os.path.join(save_dir, role) if role else save_dir, f"global_step{steps}")
     for _ in range(steps):
-        for role, engine in engines.items():
+        for engine in engines.values():
             x = torch.randn(2, 8)
             loss = engine(x).pow(2).mean()
             engine.backward(loss)

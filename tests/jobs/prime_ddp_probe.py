@@ -20,7 +20,7 @@ from torch import nn
 from trainer_hooks import prime_ddp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/: the shared one-rank group
-from layout_builders import init_one_rank_gloo  # noqa: E402
+from layout_builders import init_one_rank_gloo
 
 if not __debug__:
     sys.exit("prime_ddp_probe: its checks are asserts; run it without -O / PYTHONOPTIMIZE")

@@ -25,11 +25,11 @@ import time
 
 os.environ.setdefault("VERL_USE_EXTERNAL_PLUGINS", "none")
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from torch.distributed.fsdp import FullyShardedDataParallel as FSDP  # noqa: E402
-from torch.utils.data import DataLoader  # noqa: E402
-from torchdata.stateful_dataloader import StatefulDataLoader  # noqa: E402  (verl's dataloader)
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.utils.data import DataLoader
+from torchdata.stateful_dataloader import StatefulDataLoader  # verl's dataloader
 
 
 def parse() -> argparse.Namespace:

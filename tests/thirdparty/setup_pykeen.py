@@ -77,7 +77,7 @@ def ckpt_state(data: bytes) -> dict | None:
 
     try:
         return torch.load(io.BytesIO(data), weights_only=False, map_location="cpu")
-    except Exception:  # noqa: BLE001 - a torn zip raises any of several errors
+    except Exception:  # a torn zip raises any of several errors
         return None
 
 

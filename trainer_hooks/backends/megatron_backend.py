@@ -34,7 +34,6 @@ from trainer_hooks.backends.base import (
     empty_like_ref,
     extra_name,
     fill_tensors,
-    safe_load,
     split_tensors,
     state_of,
     temporary_process_group,
