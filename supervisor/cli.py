@@ -49,6 +49,8 @@ def cmd_run(args: argparse.Namespace, command: list[str]) -> int:
     eff = load_config(args)
     cfg = eff.config.resolved()
     membership = membership_of(cfg)
+    rlsup_log.configure(args.log_level, eff.config.log_format)
+    rlsup_log.set_context(node=membership.node_rank if membership is not None else 0)  # n0: node 0 of 1
     if membership is not None and cfg.memory_dir and cfg.disk_every_seconds:
         raise ConfigError(f"{eff.origins['disk_every_seconds']}: key 'disk_every_seconds': on several nodes the "
                           "memory tier drains the same steps on every node, which a time cadence cannot promise "
@@ -147,6 +149,8 @@ def cmd_daemon(args: argparse.Namespace) -> int:
     membership = membership_of(cfg)
     if membership is None:
         raise ConfigError("rlsup daemon needs peers (key 'peers' and 'node_rank', or a SLURM allocation)")
+    rlsup_log.configure(args.log_level, raw.log_format)
+    rlsup_log.set_context(node=membership.node_rank)
     job = identity_of(raw, membership)
     observer = start_metrics(cfg)
     stop = threading.Event()
@@ -279,6 +283,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     demo = {"checkpoint_dir": str(workdir / "checkpoints"), "state_dir": str(workdir / "state"),
             "backoff_initial": 0.5, "heartbeat_timeout": 30.0}
     cfg = load_config(args, environ={}, overrides=demo, overrides_origin="rlsup demo").config
+    rlsup_log.configure(args.log_level, cfg.log_format)
+    rlsup_log.set_context(node=0)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                str(script), "--steps", str(args.steps), "--checkpoint-every", "5",
                "--crash-at-step", str(args.crash_at_step), "--out", str(workdir / "final_weights.pt")]

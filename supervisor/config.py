@@ -22,6 +22,7 @@ import yaml
 
 from supervisor.layouts import LAYOUTS
 from supervisor.layouts.single_file import NAME as SINGLE_FILE
+from supervisor.log import FORMATS as LOG_FORMATS
 
 ENV_PREFIX = "RLSUP_"
 DEFAULT_CHECKPOINT_DIR = "checkpoints"
@@ -68,6 +69,7 @@ class SupervisorConfig:
     preempt_signal: str = _opt("SIGUSR1", "Signal that means 'preemption coming': relayed so the trainer saves (should_stop()), then rlsup exits for requeue.")
     poll_interval: float = _opt(0.1, "Seconds between checks of the job's processes and heartbeats.")
     output_tail_lines: int = _opt(40, "Lines of the job's output kept in each incident record.")
+    log_format: str = _opt("text", "Shape of rlsup's own lines on stderr: text (time, node, attempt, then [rlsup] and the message) or json (one object per line, for log shippers). The job's output is never reformatted.")
     warm_launcher: bool = _opt(True, "For `torchrun ...` and `python -m torch.distributed.run ...` jobs: while an attempt runs, pre-spawn the next attempt's launcher (the job's interpreter with torchrun already imported), so a restart skips interpreter start and import.")
     warm_imports: tuple[str, ...] = _opt((), "With warm_launcher: modules each warm rank imports (after torch) before it becomes a worker, e.g. your model library. They are imported under the attempt's environment before the rank's RANK, LOCAL_RANK and the next attempt's RLSUP_* variables are set: list only modules whose import does not read those.")
     resume: bool = _opt(True, "Pick the newest valid checkpoint before each attempt and pass it as RLSUP_RESUME_DIR (empty: start fresh), which every rank must load; false: the trainer chooses.")
@@ -374,6 +376,8 @@ def _validate(cfg: SupervisorConfig, origins: dict[str, str]) -> None:
         progress_pattern(cfg.progress, cfg.progress_regex)
     except ValueError as e:
         raise bad("progress_regex" if cfg.progress_regex else "progress", str(e)) from None
+    if cfg.log_format not in LOG_FORMATS:
+        raise bad("log_format", f"unknown format {cfg.log_format!r} (one of {', '.join(LOG_FORMATS)})")
     if cfg.straggler_action not in ("report", "restart"):
         raise bad("straggler_action", f"unknown action {cfg.straggler_action!r} (report or restart)")
     if cfg.straggler_factor < 0 or cfg.straggler_window < 1:

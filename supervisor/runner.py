@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from supervisor import exit_codes
+from supervisor import exit_codes, log as rlsup_log
 from supervisor.attempt_end import ERROR_FILE_ENV, AttemptResult, classify_exit, error_file_for, from_rank_death
 from supervisor.attempt_progress import step_reached
 from supervisor.config import SupervisorConfig
@@ -130,6 +130,7 @@ class Supervisor:
         attempt = self.first_attempt()
         pending: tuple[Incident, float] | None = None  # last failure, recorded once the next attempt starts
         while True:
+            rlsup_log.set_context(attempt=attempt)  # rlsup's lines from here on: a<attempt>
             self._set_state(JobStatus.STARTING, attempt=attempt)
             sick = self.check_health(attempt)
             if sick is not None:

@@ -39,12 +39,12 @@ def test_every_component_logger_reaches_stderr_once(channel, capsys: pytest.Capt
     logging.getLogger("supervisor.tiers.persistent").info("step %d copied to the persistent tier %s", 3, "/p")
     logging.getLogger("rlsup.replication").warning("replication to node %s failed: %s", 1, "refused")
     logging.getLogger("supervisor.runner").debug("not shown at INFO")
-    err = capsys.readouterr().err.splitlines()
+    err = [line.split(" ", 3)[3] for line in capsys.readouterr().err.splitlines()]  # after time, node, attempt
     assert err == ["[rlsup] step 3 copied to the persistent tier /p",
                    "[rlsup] warning: replication to node 1 failed: refused"]
     channel("debug")
     logging.getLogger("supervisor.tiers.selection").debug("considering step %d", 5)
-    assert capsys.readouterr().err == "[rlsup] debug (supervisor.tiers.selection): considering step 5\n"
+    assert capsys.readouterr().err.split(" ", 3)[3] == "[rlsup] debug (supervisor.tiers.selection): considering step 5\n"
     with pytest.raises(ValueError, match="unknown log level"):
         channel("LOUD")
 
@@ -56,7 +56,7 @@ def test_persistent_tier_line_reaches_rlsup_stderr(tmp_path: Path) -> None:
     r = run_rlsup(args, tmp_path)
     assert r.returncode == 0, r.stderr
     lines = [line for line in r.stderr.splitlines() if "persistent tier" in line]
-    assert lines and all(line.startswith("[rlsup] ") for line in lines), r.stderr
+    assert lines and all(rlsup_log.LINE.match(line) for line in lines), r.stderr
     quiet = run_rlsup(["--log-level", "WARNING", *args[:1], "--state-dir", ".q", "--checkpoint-dir", "q",
                        *args[1:]], tmp_path)
     assert quiet.returncode == 0 and "persistent tier" not in quiet.stderr and "[rlsup] attempt" not in quiet.stderr, \
