@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Sequence
 
 from supervisor import __version__, exit_codes
 from supervisor import log as rlsup_log
-from supervisor.config import ConfigError, SupervisorConfig, add_flags, load_config, reference_markdown, to_yaml
+from supervisor.config import (ConfigError, SupervisorConfig, add_flags, load_config, node_membership,
+                               reference_markdown, to_yaml)
 from supervisor.incidents import read_incidents, read_state
 from supervisor.observer import Observer
 
@@ -48,13 +49,9 @@ def cmd_run(args: argparse.Namespace, command: list[str]) -> int:
         raise ConfigError(f"launch command: {e}") from e
     eff = load_config(args)
     cfg = eff.config.resolved()
-    membership = membership_of(cfg)
+    membership = node_membership(eff)
     rlsup_log.configure(args.log_level, eff.config.log_format)
     rlsup_log.set_context(node=membership.node_rank if membership is not None else 0)  # n0: node 0 of 1
-    if membership is not None and cfg.memory_dir and cfg.disk_every_seconds:
-        raise ConfigError(f"{eff.origins['disk_every_seconds']}: key 'disk_every_seconds': on several nodes the "
-                          "memory tier drains the same steps on every node, which a time cadence cannot promise "
-                          "(clocks and speeds differ); use disk_every (steps) instead")
     job = identity_of(eff.config, membership)
     try:
         lock = DirLock(cfg.state_dir, "run.lock", "state_dir", job.id).acquire()
@@ -102,24 +99,6 @@ def identity_of(raw: SupervisorConfig, membership: Membership | None) -> "JobIde
     return job_identity(raw.job_name, raw.checkpoint_dir, membership is not None, peers=peers)
 
 
-def membership_of(cfg: SupervisorConfig) -> Membership | None:
-    from supervisor.membership import MembershipError, from_config, replica_targets
-
-    try:
-        membership = from_config(cfg.peers, cfg.node_rank, cfg.replication_port, os.environ)
-    except MembershipError as e:
-        raise ConfigError(f"key 'peers'/'node_rank': {e}") from e
-    if membership is None:
-        return None
-    if membership.size < 2:
-        raise ConfigError("key 'peers': lists a single node; leave peers empty for a single-node run")
-    try:
-        replica_targets(membership.node_rank, membership.size, cfg.replication_factor, cfg.replication_jump)
-    except MembershipError as e:
-        raise ConfigError(f"key 'replication_factor'/'replication_jump': {e}") from e
-    return membership
-
-
 def start_service(cfg: SupervisorConfig, membership: Membership, observer: Observer | None,
                   serve: bool, job: "JobIdentity") -> "NodeService":
     """The node's replication service; a missing or unsafe token file, a replica_dir or endpoint port
@@ -144,11 +123,10 @@ def cmd_daemon(args: argparse.Namespace) -> int:
 
     from supervisor import sd_notify
 
-    raw = load_config(args).config
-    cfg = raw.resolved()
-    membership = membership_of(cfg)
-    if membership is None:
-        raise ConfigError("rlsup daemon needs peers (key 'peers' and 'node_rank', or a SLURM allocation)")
+    eff = load_config(args)
+    raw, cfg = eff.config, eff.config.resolved()
+    membership = node_membership(eff, command="daemon")
+    assert membership is not None  # node_membership refuses a daemon without peers
     rlsup_log.configure(args.log_level, raw.log_format)
     rlsup_log.set_context(node=membership.node_rank)
     job = identity_of(raw, membership)

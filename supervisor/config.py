@@ -3,6 +3,12 @@
 Precedence is flag > environment (``RLSUP_<KEY>``) > YAML file > default. The reference in
 ``docs/config.md`` is generated from :class:`SupervisorConfig` (``rlsup config reference``), so the
 documented defaults cannot drift from the code.
+
+A key whose value is one of a fixed set is typed ``Literal[...]`` with the names the code dispatches on,
+taken from where it dispatches (the layout catalogue, the progress presets, the straggler actions, the
+coordination backends, the log formats): the check, the flag's metavar, the help and the reference all
+read :func:`choices`, so no list is written twice. Every check of a value lives here (:func:`_validate`,
+and :func:`node_membership` for the keys that depend on the node's place among the job's nodes).
 """
 
 from __future__ import annotations
@@ -10,24 +16,33 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import functools
 import math
 import os
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 
+from supervisor.kvstore import CoordinatorBackend
 from supervisor.layouts import LAYOUTS
 from supervisor.layouts.single_file import NAME as SINGLE_FILE
-from supervisor.log import FORMATS as LOG_FORMATS
+from supervisor.log import LogFormat
+from supervisor.membership import Membership, MembershipError, from_config, replica_targets
+from supervisor.progress import PRESETS
+from supervisor.stragglers import StragglerAction
 
 ENV_PREFIX = "RLSUP_"
 DEFAULT_CHECKPOINT_DIR = "checkpoints"
 #: checkpoint_layout's choices: the layout catalogue's own names (one list, never written twice).
 LAYOUT_CHOICES = ("auto", *LAYOUTS, SINGLE_FILE)
+LayoutChoice = Literal[LAYOUT_CHOICES]  # type: ignore[valid-type]  # built from the catalogue at import
+#: progress's choices: off (empty) or a preset's name (supervisor.progress.PRESETS).
+PROGRESS_CHOICES = ("", *PRESETS)
+ProgressChoice = Literal[PROGRESS_CHOICES]  # type: ignore[valid-type]
 
 
 class ConfigError(Exception):
@@ -69,20 +84,20 @@ class SupervisorConfig:
     preempt_signal: str = _opt("SIGUSR1", "Signal that means 'preemption coming': relayed so the trainer saves (should_stop()), then rlsup exits for requeue.")
     poll_interval: float = _opt(0.1, "Seconds between checks of the job's processes and heartbeats.")
     output_tail_lines: int = _opt(40, "Lines of the job's output kept in each incident record.")
-    log_format: str = _opt("text", "Shape of rlsup's own lines on stderr: text (time, node, attempt, then [rlsup] and the message) or json (one object per line, for log shippers). The job's output is never reformatted.")
+    log_format: LogFormat = _opt("text", "Shape of rlsup's own lines on stderr: text (time, node, attempt, then [rlsup] and the message) or json (one object per line, for log shippers). The job's output is never reformatted.", noun="format")
     warm_launcher: bool = _opt(True, "For `torchrun ...` and `python -m torch.distributed.run ...` jobs: while an attempt runs, pre-spawn the next attempt's launcher (the job's interpreter with torchrun already imported), so a restart skips interpreter start and import.")
     warm_imports: tuple[str, ...] = _opt((), "With warm_launcher: modules each warm rank imports (after torch) before it becomes a worker, e.g. your model library. They are imported under the attempt's environment before the rank's RANK, LOCAL_RANK and the next attempt's RLSUP_* variables are set: list only modules whose import does not read those.")
     resume: bool = _opt(True, "Pick the newest valid checkpoint before each attempt and pass it as RLSUP_RESUME_DIR (empty: start fresh), which every rank must load; false: the trainer chooses.")
-    checkpoint_layout: str = _opt("auto", f"Checkpoint layout to read: auto, or one of {', '.join(LAYOUT_CHOICES[1:])} (docs/layouts.md). auto takes single-file only when no other layout recognises checkpoint_dir.")
+    checkpoint_layout: LayoutChoice = _opt("auto", f"Checkpoint layout to read: auto, or one of {', '.join(LAYOUT_CHOICES[1:])} (docs/layouts.md). auto takes single-file only when no other layout recognises checkpoint_dir.", noun="layout")
     checkpoint_file: str = _opt("", "single-file checkpoints: the file (or glob) the trainer saves whole, relative to checkpoint_dir, e.g. ckpt.pt, *.ckpt, model.safetensors; empty: every top-level .pt/.pth/.ckpt/.safetensors file.")
     file_versions_keep: int = _opt(2, "single-file checkpoints: complete versions kept aside in <checkpoint_dir>/.rlsup-versions/ (a hard link when the trainer writes a new file per save, else a copy: up to this many times the file's size on disk); before a restart the newest is put back where the file is torn or missing. 0: off.")
     file_versions_max_bytes: int = _opt(0, "single-file checkpoints: most bytes the kept versions may take together (0: no cap beyond file_versions_keep); each file's newest kept version always stays.")
     quarantine_invalid: bool = _opt(False, "Before each attempt, rename a torn checkpoint newer than the newest valid one to <name>.rlsup-invalid-<unix time> (never deleted; `rlsup checkpoints list` shows it; only you put it back, with mv), so a trainer that picks 'latest' itself skips it.")
-    progress: str = _opt("", "Read progress from the job's output in a trainer's own format: verl, areal, megatron-bridge, hf, nanogpt or lightning (docs/progress.md); for trainers that do not call trainer_hooks. Only a training step that moves is a heartbeat: redraws, lower steps and other bars (evaluation, saving, data) are not.")
+    progress: ProgressChoice = _opt("", f"Read progress from the job's output in a trainer's own format: {', '.join(PROGRESS_CHOICES[1:])} (docs/progress.md); for trainers that do not call trainer_hooks. Only a training step that moves is a heartbeat: redraws, lower steps and other bars (evaluation, saving, data) are not.", noun="preset")
     progress_regex: str = _opt("", "A regular expression; an output line it matches is a heartbeat of the whole job when its step (the first group, or the group named step) passes the highest step seen in the attempt (a redraw of the same step is not; bars that are not a training loop's never are: docs/progress.md). Overrides progress. Rank heartbeats from trainer_hooks take precedence.")
     straggler_factor: float = _opt(1.5, "A rank whose own work per step stays this many times its peers' median (heartbeat arrivals before the step's collective, or trainer_hooks.section('work')) over straggler_window steps is reported as a straggler; 0: off.")
     straggler_window: int = _opt(10, "Consecutive steps a rank must be that slow to be reported (and fast again to be cleared).")
-    straggler_action: str = _opt("report", "report: log, stragglers.jsonl, rlsup_stragglers metric, no restart; restart: a straggler also ends the attempt, like a hang.")
+    straggler_action: StragglerAction = _opt("report", "report: log, stragglers.jsonl, rlsup_stragglers metric, no restart; restart: a straggler also ends the attempt, like a hang.", noun="action")
     pre_launch_check: str = _opt("", "Shell command run on this node before every attempt (e.g. 'nvidia-smi', 'dcgmi diag -r 1', a filesystem probe); a non-zero exit or a timeout marks the node unhealthy: rlsup stops with exit 77 and appends the node's name to <state_dir>/unhealthy_nodes. Empty: no check.")
     pre_launch_timeout: float = _opt(300.0, "Seconds pre_launch_check may take before it counts as failed.")
     repair_tracker: bool = _opt(False, "Rewrite a trainer's tracker (verl/Megatron latest_checkpointed_iteration.txt, DeepSpeed latest) to the chosen step before a restart, so its own resume loads that step.")
@@ -93,7 +108,7 @@ class SupervisorConfig:
     node_rank: int | None = _opt(None, "This node's index in peers (default: SLURM_NODEID).")
     replication_port: int = _opt(9779, "Port of the replication endpoint when peers come from SLURM or omit a port.")
     coordinator_port: int = _opt(9780, "Port of the coordination store (torch TCPStore) hosted by node 0's supervisor (coordinator_backend embedded).")
-    coordinator_backend: str = _opt("embedded", "Where the nodes agree before each attempt: embedded (a TCPStore hosted by node 0's supervisor; a replacement node 0 hosts it again) or etcd (an etcd v3 cluster, coordinator_endpoints; no node's loss stalls the others).")
+    coordinator_backend: CoordinatorBackend = _opt("embedded", "Where the nodes agree before each attempt: embedded (a TCPStore hosted by node 0's supervisor; a replacement node 0 hosts it again) or etcd (an etcd v3 cluster, coordinator_endpoints; no node's loss stalls the others).", noun="backend")
     coordinator_endpoints: tuple[str, ...] = _opt((), "coordinator_backend etcd: client URLs host:port of the etcd members (the gRPC gateway, etcd's default client port).")
     token_file: str = _opt("", "File holding the shared secret that authenticates every replication request (mode 600).")
     replica_dir: str = _opt("replicas", "Where this node stores the replicas it holds for other nodes.")
@@ -138,9 +153,26 @@ class SupervisorConfig:
 
 # ---------------------------------------------------------------- type coercion
 
+@functools.lru_cache(maxsize=1)
 def _field_types() -> dict[str, Any]:
     hints = typing.get_type_hints(SupervisorConfig)
     return {f.name: hints[f.name] for f in dataclasses.fields(SupervisorConfig)}
+
+
+def choices(key: str) -> tuple[str, ...]:
+    """The values a choice-valued key accepts, as the code it configures dispatches on (empty: not a choice)."""
+    tp = _field_types()[key]
+    return typing.get_args(tp) if typing.get_origin(tp) is Literal else ()
+
+
+def choice_keys() -> tuple[str, ...]:
+    """Every key whose value is one of a fixed set."""
+    return tuple(name for name in _field_types() if choices(name))
+
+
+def _listed(key: str) -> str:
+    """A key's choices as a sentence lists them (the empty choice, 'off', is said by the help)."""
+    return ", ".join(c for c in choices(key) if c)
 
 
 def _coerce(name: str, tp: Any, value: Any, *, from_text: bool) -> Any:
@@ -189,7 +221,7 @@ def _coerce(name: str, tp: Any, value: Any, *, from_text: bool) -> Any:
         if number is not None and math.isfinite(number):
             return number
         raise ValueError(f"expected a finite number of seconds, got {value!r}")
-    if tp is str:
+    if tp is str or origin is Literal:  # a choice is a name: _validate checks it against the choices
         if isinstance(value, str):
             return value
         if isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -259,8 +291,11 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     types_ = _field_types()
     for f in dataclasses.fields(SupervisorConfig):
         switch = {"nargs": "?", "const": "true"} if types_[f.name] is bool else {}  # --repair-tracker alone: true
+        # A choice's metavar lists its choices; the check itself is _validate's, so a bad value is refused with
+        # the same message from a flag, the environment or a file (argparse's choices= would be a second check).
+        metavar = "{" + _listed(f.name).replace(" ", "") + "}" if choices(f.name) else f.name.upper()
         parser.add_argument("--" + f.name.replace("_", "-"), dest=f"cfg_{f.name}", default=argparse.SUPPRESS,
-                            metavar=f.name.upper(), help=f.metadata["help"], **switch)
+                            metavar=metavar, help=f.metadata["help"], **switch)
 
 
 def load_flags(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, str]]:
@@ -329,6 +364,13 @@ def _validate(cfg: SupervisorConfig, origins: dict[str, str]) -> None:
     def bad(key: str, why: str) -> ConfigError:
         return ConfigError(f"{origins[key]}: key '{key}': {why}")
 
+    fields = {f.name: f for f in dataclasses.fields(SupervisorConfig)}
+    for key in choice_keys():
+        if getattr(cfg, key) not in choices(key):
+            off = " or empty (off)" if "" in choices(key) else ""
+            noun = fields[key].metadata.get("noun", "value")  # what the choices are: layout, preset, ...
+            raise bad(key, f"unknown {noun} {getattr(cfg, key)!r} (one of {_listed(key)}{off})")
+
     if not 0 <= cfg.metrics_port <= 65535:
         raise bad("metrics_port", "must be a port number 0..65535")
     for key in ("max_restarts", "max_no_progress_attempts", "output_tail_lines", "replication_factor",
@@ -362,9 +404,7 @@ def _validate(cfg: SupervisorConfig, origins: dict[str, str]) -> None:
     name = cfg.preempt_signal if cfg.preempt_signal.startswith("SIG") else "SIG" + cfg.preempt_signal
     if not isinstance(getattr(_signal, name, None), _signal.Signals):
         raise bad("preempt_signal", f"unknown signal {cfg.preempt_signal!r}")
-    if cfg.checkpoint_layout not in LAYOUT_CHOICES:
-        raise bad("checkpoint_layout", f"unknown layout {cfg.checkpoint_layout!r} (one of {', '.join(LAYOUT_CHOICES)})")
-    if cfg.checkpoint_file and cfg.checkpoint_layout not in ("auto", "single-file"):
+    if cfg.checkpoint_file and cfg.checkpoint_layout not in ("auto", SINGLE_FILE):
         raise bad("checkpoint_file", f"names a single-file checkpoint, but checkpoint_layout is {cfg.checkpoint_layout!r}")
     if cfg.checkpoint_file and (Path(cfg.checkpoint_file).is_absolute() or ".." in Path(cfg.checkpoint_file).parts):
         raise bad("checkpoint_file", f"must be relative to checkpoint_dir, without '..': {cfg.checkpoint_file!r}")
@@ -372,21 +412,48 @@ def _validate(cfg: SupervisorConfig, origins: dict[str, str]) -> None:
         raise bad("file_versions_keep" if cfg.file_versions_keep < 0 else "file_versions_max_bytes", "must be >= 0")
     from supervisor.progress import progress_pattern
 
-    try:
+    try:  # the preset's name is checked above; here the regular expression (the preset's, or progress_regex)
         progress_pattern(cfg.progress, cfg.progress_regex)
     except ValueError as e:
         raise bad("progress_regex" if cfg.progress_regex else "progress", str(e)) from None
-    if cfg.log_format not in LOG_FORMATS:
-        raise bad("log_format", f"unknown format {cfg.log_format!r} (one of {', '.join(LOG_FORMATS)})")
-    if cfg.straggler_action not in ("report", "restart"):
-        raise bad("straggler_action", f"unknown action {cfg.straggler_action!r} (report or restart)")
     if cfg.straggler_factor < 0 or cfg.straggler_window < 1:
         raise bad("straggler_factor" if cfg.straggler_factor < 0 else "straggler_window",
                   "must be >= 0 (factor) and >= 1 (window)")
-    if cfg.coordinator_backend not in ("embedded", "etcd"):
-        raise bad("coordinator_backend", f"unknown backend {cfg.coordinator_backend!r} (embedded or etcd)")
     if cfg.coordinator_backend == "etcd" and not cfg.coordinator_endpoints:
         raise bad("coordinator_endpoints", "coordinator_backend etcd needs the etcd members' host:port")
+
+
+def node_membership(eff: EffectiveConfig, environ: typing.Mapping[str, str] | None = None, *,
+                    command: Literal["run", "daemon"] = "run") -> Membership | None:
+    """This node's place among the job's nodes (``peers`` and ``node_rank``, else SLURM's environment; None:
+    a single node), checked with the keys that depend on it. Here, not in :func:`_validate`, because the
+    answer depends on the environment a command runs in; ``rlsup daemon`` needs several nodes."""
+    cfg, origins = eff.config, eff.origins
+
+    def where(*keys: str) -> str:  # the origin of the first key that was set, as every error starts
+        return next((f"{origins[k]}: " for k in keys if origins.get(k, "default") != "default"), "")
+
+    environ = os.environ if environ is None else environ
+    try:
+        membership = from_config(cfg.peers, cfg.node_rank, cfg.replication_port, environ)
+    except MembershipError as e:
+        raise ConfigError(f"{where('peers', 'node_rank')}key 'peers'/'node_rank': {e}") from e
+    if membership is None:
+        if command == "daemon":
+            raise ConfigError("rlsup daemon needs peers (key 'peers' and 'node_rank', or a SLURM allocation)")
+        return None
+    if membership.size < 2:
+        raise ConfigError(f"{where('peers')}key 'peers': lists a single node; leave peers empty for a single-node run")
+    try:
+        replica_targets(membership.node_rank, membership.size, cfg.replication_factor, cfg.replication_jump)
+    except MembershipError as e:
+        raise ConfigError(f"{where('replication_factor', 'replication_jump')}key 'replication_factor'/"
+                          f"'replication_jump': {e}") from e
+    if command == "run" and cfg.memory_dir and cfg.disk_every_seconds:
+        raise ConfigError(f"{origins['disk_every_seconds']}: key 'disk_every_seconds': on several nodes the memory "
+                          "tier drains the same steps on every node, which a time cadence cannot promise (clocks and "
+                          "speeds differ); use disk_every (steps) instead")
+    return membership
 
 
 # ---------------------------------------------------------------- rendering
@@ -419,6 +486,9 @@ def reference_markdown() -> str:
         tname = getattr(tp, "__name__", str(tp))
         if f.name == "heartbeat_timeout":
             tname = "seconds or auto"
+        elif choices(f.name):
+            tname = "one of " + ", ".join(f"`{c}`" for c in choices(f.name) if c) + (
+                " or empty" if "" in choices(f.name) else "")
         elif typing.get_origin(tp) is tuple:
             tname = f"list of {typing.get_args(tp)[0].__name__}"
         elif typing.get_origin(tp) in (typing.Union, types.UnionType):

@@ -13,7 +13,12 @@ A store that cannot be reached raises :class:`StoreUnavailable`.
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Protocol, Sequence
+from typing import Literal, Protocol, Sequence
+
+#: The stores, by the name ``coordinator_backend`` gives them (the config's choices): ``embedded``, the
+#: TCPStore node 0's supervisor hosts (:class:`TCPKVStore`), or ``etcd`` (:mod:`supervisor.kvstore_etcd`);
+#: ``multinode.connect_coordinator`` picks the store by these names.
+CoordinatorBackend = Literal["embedded", "etcd"]
 
 
 class StoreUnavailable(RuntimeError):

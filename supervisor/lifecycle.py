@@ -1,9 +1,10 @@
 """The job's lifecycle as one table, and the closed vocabularies of attempt end reasons and actions.
 
 Standard library only (like supervisord's ``states.py``): ``rlsup status``, metrics and the docs
-can import it without the run loop. Every state change of :class:`supervisor.runner.Supervisor`
-goes through :func:`check_transition`; a change the table does not list raises
-:class:`IllegalTransition`, so a new path through the loop has to be added here, on purpose.
+can import it without the run loop. Every state change of a run (the run loop's, through
+:meth:`supervisor.run_record.RunRecord.set_state`) goes through :func:`check_transition`; a change the
+table does not list raises :class:`IllegalTransition`, so a new path through the loop has to be added
+here, on purpose.
 """
 
 from __future__ import annotations

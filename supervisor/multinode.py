@@ -50,7 +50,7 @@ from supervisor.tiers.replication import ReplicationEngine, newest_own_step
 from supervisor.tiers.resume import ResumePoint
 from supervisor.attempt_end import AttemptResult
 from supervisor.runner import AttemptAbandoned, JobStatus, RunResult, Supervisor
-from supervisor.tiers.selection import TIER_LOCAL, TIER_MEMORY, TIER_PEER, TIER_PERSISTENT, TieredResumePoint
+from supervisor.tiers.resume import TIER_LOCAL, TIER_MEMORY, TIER_PEER, TIER_PERSISTENT
 from rlsup_format.manifest import ManifestError, manifest_name, step_dir_name
 
 log = logging.getLogger(__name__)
@@ -136,12 +136,13 @@ class MultiNodeSupervisor(Supervisor):
     def next_attempt(self, attempt: int) -> int:
         return self.coordinator.join(attempt + 1)
 
-    def _record(self, incident: Incident, downtime: float | None = None, resume: ResumePoint | None = None) -> None:
+    def record_incident(self, incident: Incident, downtime: float | None = None,
+                        resume: ResumePoint | None = None) -> None:
         # A node that fails again is named only here, in a job of several nodes (the base names none).
         if incident not in self.incidents and mark_repeat_offender(incident, self.incidents, self.node_name,
                                                                    nodes=self.membership.size):
             self.observer.suspect(self.node_name, "repeated")
-        super()._record(incident, downtime, resume)
+        super().record_incident(incident, downtime, resume)
 
     def run(self) -> RunResult:
         result = super().run()
@@ -179,7 +180,7 @@ class MultiNodeSupervisor(Supervisor):
         self.coordinator.publish_inventory(attempt, self._inventory())
         excluded: set[tuple[int, int, int]] = set()
         fetched: dict[int, set[int]] = {}
-        resume: TieredResumePoint | None = None
+        resume: ResumePoint | None = None
         for attempt_try in range(PLAN_TRIES):
             if me == 0:
                 self.coordinator.publish_plan(self._make_plan(attempt, excluded), attempt_try)
@@ -201,8 +202,8 @@ class MultiNodeSupervisor(Supervisor):
                 if plan.step is None:
                     self._log(f"round {attempt}: no step is complete across the nodes and tiers; starting fresh")
                 else:
-                    resume = TieredResumePoint(plan.step, mine.path or self.checkpoint_dir / step_dir_name(plan.step),
-                                               "rlsup", mine.tier)
+                    resume = ResumePoint(plan.step, mine.path or self.checkpoint_dir / step_dir_name(plan.step),
+                                         "rlsup", mine.tier)
                 self._drop_abandoned(fetched, plan.step)
                 break
             self._log(f"round {attempt}: persistent parts (step, rank) {sorted(bad)} do not verify; "

@@ -62,3 +62,116 @@ def test_reserved_names_come_from_rlsup_format_names() -> None:
     offenders = sorted(str(p.relative_to(ROOT)) for p in _modules()
                        if p.parts[-2] != "rlsup_format" and RESERVED_LITERALS.search(p.read_text()))
     assert not offenders, f"reserved names spelled by hand (use rlsup_format.names.reserved_name): {offenders}"
+
+
+# ------------------------------------------------------------ no private names across modules
+#
+# A ``_name`` is its module's own: another module that reads it (``obj._x``, ``from m import _x``) breaks
+# when the owner changes it. ``self._x``, ``cls._x`` and ``super()._x`` are a class's own; ``obj._x`` is
+# the module's own where the module itself defines ``_x`` (a function, a class or its attribute, a
+# ``self._x =``, a module-level name): an instance of its own class, like ``other._x`` in ``__eq__``.
+
+# Private names of the standard library and the frameworks rlsup drives, used on purpose: (file, expression): why.
+FOREIGN_PRIVATE_ALLOWED = {
+    ("supervisor/warm_rank.py", "os._exit"): "documented: exit without cleanup in a forked child",
+    ("trainer_hooks/async_writer.py", "os._exit"): "documented: exit without cleanup in a forked child",
+    ("supervisor/warm_rank.py", "runpy._run_module_as_main"):
+        "what `python -m` itself runs: the only way to run a module as __main__ with its argv",
+    ("supervisor/checkpoints_cli.py", "argparse._SubParsersAction"):
+        "argparse has no public name for the type add_subparsers() returns (an annotation only)",
+    ("supervisor/rank_pinning.py", "parser._actions"): "argparse has no public listing of a parser's options",
+    ("trainer_hooks/backends/megatron_backend.py", "filesystem_async._results_queue"):
+        "Megatron's synchronous save needs its module queue set; patched in a scope and restored",
+    ("trainer_hooks/ddp.py", "reducer._rebuild_buckets"): "DDP has no public call to fix the bucket order",
+    ("trainer_hooks/ddp.py", "model._has_rebuilt_buckets"): "what DDP's _pre_forward records after its own rebuild",
+}
+# Being fixed in issue 29 (the lead empties this list): found when the rule was written, in files other
+# helpers own. A new violation anywhere still fails the test.
+KNOWN_PRIVATE_USES = {
+    ("supervisor/transport/client.py", "limiter._reserve"),
+    ("supervisor/transport/wire.py", "limiter._reserve"),
+}
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _own(node: ast.expr) -> bool:
+    """``self``, ``cls`` or ``super()``: the class's own attributes."""
+    return (isinstance(node, ast.Name) and node.id in ("self", "cls")) or (
+        isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "super")
+
+
+def _defined_private(tree: ast.Module) -> set[str]:
+    """The private names this module defines: functions, classes, class attributes, ``self._x =``
+    (or ``cls._x =``) and module-level names."""
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        if isinstance(node, ast.ClassDef):
+            body = node.body
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and _own(node.value):
+            names.add(node.attr)
+            continue
+        else:
+            continue
+        for item in body:
+            targets = item.targets if isinstance(item, ast.Assign) else [item.target] if isinstance(item, ast.AnnAssign) else []
+            names.update(t.id for t in targets if isinstance(t, ast.Name))
+    for item in tree.body:
+        targets = item.targets if isinstance(item, ast.Assign) else [item.target] if isinstance(item, ast.AnnAssign) else []
+        names.update(t.id for t in targets if isinstance(t, ast.Name))
+    return {n for n in names if _private(n)}
+
+
+def private_uses(source: str) -> list[tuple[int, str]]:
+    """(line, expression) of each use of another module's private name in ``source``."""
+    tree = ast.parse(source)
+    own = _defined_private(tree)
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            found += [(node.lineno, f"from {'.' * node.level}{node.module or ''} import {alias.name}")
+                      for alias in node.names if _private(alias.name)]
+        elif isinstance(node, ast.Attribute) and _private(node.attr) and not _own(node.value) and node.attr not in own:
+            found.append((node.lineno, ast.unparse(node)))
+    return found
+
+
+def test_private_use_check_finds_what_it_should() -> None:
+    """The check itself: each form it must catch, and the module's own uses it must let pass."""
+    source = '''
+from supervisor.x import _helper
+import other
+class A:
+    _registry = {}
+    def __init__(self): self._mine = 1
+    def __eq__(self, peer): return self._mine == peer._mine and A._registry is cls._registry
+    def f(self): return super()._hook() + other._secret + self.thing._theirs + __name__.__len__()
+'''
+    assert sorted(what for _, what in private_uses(source)) == [
+        "from supervisor.x import _helper", "other._secret", "self.thing._theirs"]
+
+
+def test_no_private_name_used_across_modules() -> None:
+    uses = {(str(p.relative_to(ROOT)), what): line for p in _modules() for line, what in private_uses(p.read_text())}
+    new = sorted(f"{path}:{line} {what}" for (path, what), line in uses.items()
+                 if (path, what) not in FOREIGN_PRIVATE_ALLOWED and (path, what) not in KNOWN_PRIVATE_USES)
+    assert not new, "another module's private name used (make it public where it lives, or use what is public):\n" \
+        + "\n".join(new)
+    stale = sorted(set(FOREIGN_PRIVATE_ALLOWED) - set(uses))  # KNOWN_PRIVATE_USES empties as issue 29 fixes them
+    assert not stale, f"allowed uses that are gone (drop them from FOREIGN_PRIVATE_ALLOWED): {stale}"
+
+
+def test_the_run_loop_reads_the_config_only_to_build_settings() -> None:
+    """Components get their settings object (``RunSettings``, ``RestartSettings``, ...), never the config:
+    in runner.py, ``cfg`` is read in ``Supervisor.__init__`` alone, where the settings are built."""
+    tree = ast.parse((ROOT / "supervisor" / "runner.py").read_text())
+    init = {id(n) for f in ast.walk(tree) if isinstance(f, ast.FunctionDef) and f.name == "__init__"
+            for n in ast.walk(f)}
+    reads = [f"runner.py:{node.lineno} {ast.unparse(node)}" for node in ast.walk(tree)
+             if isinstance(node, ast.Attribute) and id(node) not in init
+             and ((isinstance(node.value, ast.Name) and node.value.id == "cfg") or node.attr == "cfg")]
+    assert not reads, f"the run loop reads the config outside Supervisor.__init__: {reads}"

@@ -22,7 +22,8 @@ from rlsup_format.manifest import list_step_dirs, manifest_name, read_manifest, 
 from supervisor.config import ConfigError, SupervisorConfig, load_config
 from supervisor.job_identity import job_identity
 from supervisor.tiers.memory_tier import MemorySettings, MemoryTier, job_memory_dir
-from supervisor.tiers.selection import TIER_LOCAL, TIER_MEMORY, choose_across_tiers
+from supervisor.tiers.resume import TIER_LOCAL, TIER_MEMORY
+from supervisor.tiers.selection import choose_across_tiers
 from trainer_hooks.backends import get_backend
 from trainer_hooks.memory_tier import MemoryTarget
 from trainer_hooks.step_writer import RankIdentity, StepTarget, write_step

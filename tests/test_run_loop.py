@@ -416,4 +416,23 @@ def test_a_final_state_does_not_count_as_lost(tmp_path: Path) -> None:
 def test_illegal_transition_raises(tmp_path: Path) -> None:
     sup, _, _ = make(tmp_path)
     with pytest.raises(IllegalTransition, match="INIT -> RUNNING"):
-        sup._set_state(JobStatus.RUNNING)
+        sup.record.set_state(JobStatus.RUNNING)
+
+
+def test_the_loop_gets_its_settings_built_once(tmp_path: Path) -> None:
+    """The loop's own settings object: typed values (the preemption signal, straggler_action as a flag),
+    absolute paths; the job's RLSUP_PREEMPT_SIGNAL is the signal's name."""
+    sup, layer, _ = make(tmp_path, Attempt(exit_code=0), preempt_signal="USR2", straggler_action="restart")
+    s = sup.settings
+    assert (s.preempt_signal, s.straggler_restart, s.state_dir) == (signal.SIGUSR2, True, tmp_path / "state")
+    assert sup.run().exit_code == 0
+    assert layer.jobs[0].env["RLSUP_PREEMPT_SIGNAL"] == "SIGUSR2"
+    assert read_state(tmp_path / "state")["resume_tier"] is None  # a fresh start names no tier
+
+
+def test_the_resume_point_names_its_tier_in_state_and_incident(tmp_path: Path) -> None:
+    sup, _, _ = make(tmp_path, Attempt(exit_code=1, saves=2), Attempt(exit_code=0))
+    assert sup.run().exit_code == 0
+    (inc,) = incidents(tmp_path)
+    assert (inc["resumed_step"], inc["resumed_tier"]) == (2, "local")
+    assert read_state(tmp_path / "state")["resume_tier"] == "local"

@@ -38,10 +38,15 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any, Iterator
+import typing
+from typing import Any, Iterator, Literal
 
 import torch
 from torch.utils.data import Sampler
+
+#: How the position advances: by the indices the sampler hands out, or by the loop's own advance() calls.
+SamplerCount = Literal["yield", "manual"]
+COUNTS: tuple[SamplerCount, ...] = typing.get_args(SamplerCount)
 
 
 def _default_world() -> tuple[int, int]:
@@ -57,7 +62,7 @@ class ResumableSampler(Sampler[int]):
 
     def __init__(self, dataset_len: int, num_replicas: int | None = None, rank: int | None = None,
                  shuffle: bool = True, seed: int = 0, drop_last: bool = False, *,
-                 count: str = "yield") -> None:
+                 count: SamplerCount = "yield") -> None:
         if num_replicas is None or rank is None:
             world, this_rank = _default_world()
             num_replicas = world if num_replicas is None else num_replicas
@@ -66,8 +71,9 @@ class ResumableSampler(Sampler[int]):
             raise ValueError(f"dataset_len must be >= 0, got {dataset_len}")
         if num_replicas < 1 or not 0 <= rank < num_replicas:
             raise ValueError(f"invalid rank {rank} for num_replicas {num_replicas}")
-        if count not in ("yield", "manual"):
-            raise ValueError("count must be 'yield' (indices handed out) or 'manual' (advance())")
+        if count not in COUNTS:
+            raise ValueError(f"count must be one of {', '.join(map(repr, COUNTS))} (indices handed out, or "
+                             f"advance()), got {count!r}")
         self.dataset_len = dataset_len
         self.num_replicas = num_replicas
         self.rank = rank

@@ -4,14 +4,27 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Literal
+
+#: Where a resume point's checkpoint came from (``state.json`` ``resume_tier``, an incident's ``resumed_tier``,
+#: the ``rlsup_resumes_total{tier}`` label): the memory tier, this node's checkpoint directory, another
+#: node's replica, or the persistent tier.
+Tier = Literal["memory", "local", "peer", "persistent"]
+TIER_MEMORY: Tier = "memory"
+TIER_LOCAL: Tier = "local"
+TIER_PEER: Tier = "peer"
+TIER_PERSISTENT: Tier = "persistent"
 
 
 @dataclass(frozen=True)
 class ResumePoint:
+    """The checkpoint an attempt resumes from, and the tier it came from (always one: the local
+    directory unless a tier was used, so no reader has to guess)."""
+
     step: int | None  # None: the checkpoint names no step (a single-file checkpoint)
     path: Path
     layout: str
+    tier: Tier = TIER_LOCAL
 
 
 def choose_resume(checkpoint_dir: Path, layout: str = "auto", job: str | None = None) -> ResumePoint | None:

@@ -12,34 +12,21 @@ allocation), the step is fetched into the local checkpoint directory first, part
 trainer resumes from a local path exactly as before; a persistent copy that does not verify is
 skipped and the next older one tried. On several nodes the persistent tier is one more holder in the
 coordinator's plan instead (per part, :meth:`supervisor.tiers.persistent.PersistentTier.part_listing`, and
-:mod:`supervisor.multinode`), and the resume point is a :class:`TieredResumePoint` too, naming the
-farthest tier this node fetched from.
+:mod:`supervisor.multinode`), and the resume point's ``tier`` names the farthest tier this node fetched
+from.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
 from supervisor.tiers.memory_tier import MemoryTier
 from supervisor.tiers.persistent import PersistentTier, PersistentTierError
-from supervisor.tiers.resume import ResumePoint, choose_resume
+from supervisor.tiers.resume import TIER_MEMORY, TIER_PERSISTENT, ResumePoint, choose_resume
 
 log = logging.getLogger(__name__)
-
-TIER_MEMORY = "memory"
-TIER_LOCAL = "local"
-TIER_PEER = "peer"
-TIER_PERSISTENT = "persistent"
-
-
-@dataclass(frozen=True)
-class TieredResumePoint(ResumePoint):
-    """A :class:`ResumePoint` (step, path, layout) plus the tier it came from."""
-
-    tier: str = TIER_LOCAL
 
 
 def iter_candidates(tier: PersistentTier, newer_than: int | None) -> Iterator[int]:
@@ -51,7 +38,7 @@ def iter_candidates(tier: PersistentTier, newer_than: int | None) -> Iterator[in
 
 
 def choose_across_tiers(local_dir: str | Path, persistent: PersistentTier | None, layout: str = "auto",
-                        job: str | None = None, memory: MemoryTier | None = None) -> TieredResumePoint | None:
+                        job: str | None = None, memory: MemoryTier | None = None) -> ResumePoint | None:
     """The newest valid step across tiers, fetched into ``local_dir`` when it came from the persistent tier.
 
     ``layout`` is the local directory's layout (``auto`` detects); the memory and persistent tiers hold
@@ -59,11 +46,11 @@ def choose_across_tiers(local_dir: str | Path, persistent: PersistentTier | None
     """
     local_dir = Path(local_dir)
     local = choose_resume(local_dir, layout, job)
-    best = TieredResumePoint(local.step, local.path, local.layout, TIER_LOCAL) if local else None
+    best = local  # tier: local
     if memory is not None and layout in ("auto", "rlsup"):
         in_memory = memory.newest_valid(full=True)
         if in_memory is not None and (best is None or in_memory[0] >= best.step):
-            best = TieredResumePoint(in_memory[0], in_memory[1], "rlsup", TIER_MEMORY)
+            best = ResumePoint(in_memory[0], in_memory[1], "rlsup", TIER_MEMORY)
     if persistent is None or layout not in ("auto", "rlsup"):
         return best
     try:
@@ -78,5 +65,5 @@ def choose_across_tiers(local_dir: str | Path, persistent: PersistentTier | None
             log.warning("persistent step %d not used: %s", step, e)
             continue
         log.info("step %d fetched from the persistent tier %s into %s", step, persistent.location, path)
-        return TieredResumePoint(step, path, "rlsup", TIER_PERSISTENT)
+        return ResumePoint(step, path, "rlsup", TIER_PERSISTENT)
     return best

@@ -1,0 +1,179 @@
+"""Watching one running attempt: poll until the job exits, a rank dies, a rank hangs or straggles,
+another node ends the attempt, or rlsup is asked to stop; then say how it ended (an
+:class:`~supervisor.attempt_end.AttemptResult`, stacks and verdict included where ranks were stuck).
+
+What it does to processes goes through the :class:`~supervisor.process_tree.ProcessLayer` (a fake one
+in tests/test_run_loop.py); what it learns on the way (steps, heartbeat timeout, saves) goes to the
+run record, the checkpoint sight and the observer.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from supervisor.attempt_end import AttemptResult, classify_exit, error_file_for, from_rank_death
+from supervisor.checkpoint_sight import CheckpointSight
+from supervisor.hang_detector import AutoTimeout, HangDetector, HangSettings, HangVerdict
+from supervisor.lifecycle import EndReason, JobStatus
+from supervisor.observer import Observer
+from supervisor.process_tree import JobProcess, ProcessLayer
+from supervisor.progress import registered_ranks
+from supervisor.rank_deaths import RankDeathWatch
+from supervisor.run_record import RunRecord
+from supervisor.run_settings import RunSettings
+from supervisor.stop_request import StopRequest
+from supervisor.stragglers import StragglerDetector, StragglerWatch
+from rlsup_format.heartbeat_record import rank_file_name, request_stop
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class AttemptWatch:
+    """The watch of a run's attempts. ``peer_ended`` is polled while the job runs (a reason when
+    another node ended the attempt); ``saved`` is called when a rank's save just ended."""
+
+    settings: RunSettings
+    hang: HangSettings
+    auto_timeout: AutoTimeout
+    processes: ProcessLayer
+    stop: StopRequest
+    record: RunRecord
+    sight: CheckpointSight
+    observer: Observer
+    node_name: str
+    peer_ended: Callable[[int], str | None]
+    saved: Callable[[], None]
+
+    def watch(self, job: JobProcess, hb_dir: Path, attempt: int) -> AttemptResult:
+        deaths = RankDeathWatch()
+        try:
+            return self._poll(job, hb_dir, attempt, deaths)
+        finally:
+            deaths.close()
+
+    def _poll(self, job: JobProcess, hb_dir: Path, attempt: int, deaths: RankDeathWatch) -> AttemptResult:
+        detector = HangDetector.from_settings(hb_dir, self.hang, self.auto_timeout, self.processes.alive)
+        stragglers = self._straggler_watch(attempt)
+        oom_before = self.processes.oom_kill_count()
+        first_dead: tuple[int, int] | None = None
+        saves_seen = 0
+        while True:
+            code = job.poll()
+            if code is not None:
+                if code != 0 and not self.stop.asked and job.output.finished is None:
+                    # A failed root: its children must not train on while the output drains (a failed
+                    # attempt is SIGKILLed anyway); a success or a stop keeps cleanup's SIGTERM and grace.
+                    killed = job.terminate_tree(0.0)
+                    if killed:
+                        log.info(f"attempt {attempt}: job root exited with {code}; killed what it left: {killed}")
+                job.output.join(timeout=2)
+                return self._classify_exit(attempt, code, job, detector, first_dead, oom_before)
+            if self.stop.asked:
+                return self._stop_job(attempt, job, detector)
+            peer = self.peer_ended(attempt)
+            if peer is not None:
+                log.info(f"attempt {attempt}: ended by another node ({peer}); stopping this node's job")
+                return AttemptResult(attempt, EndReason.PEER_FAILURE, None, detail=peer, last_step=detector.last_step(),
+                                     output_tail=job.output.tail())
+            job.refresh()
+            verdict = detector.check()
+            self.observer.heartbeats(detector.records, detector.timeout())
+            if self.record.heartbeats(detector.timeout(), step := detector.last_step()):
+                self.sight.step_seen(step)
+            if verdict is not None:
+                return self._hang(attempt, job, detector, verdict)
+            slow = stragglers.poll(detector.records)
+            if slow is not None:  # straggler_action: restart
+                return slow.attempt_result(detector.last_step(), job.output.tail())
+            if first_dead is None:
+                first_dead = self._first_dead_rank(detector)
+            saves = sum(rec.saves for rec in detector.records.values())
+            if saves != saves_seen:
+                saves_seen = saves
+                self.saved()
+            deaths.track((rec.rank, rec.pid) for rec in detector.records.values() if rec.pid != job.pid)
+            death = None if self.stop.asked else deaths.wait(self.settings.poll_interval)
+            if death is not None and job.poll() is None:
+                log.info(f"attempt {attempt}: {death.describe()}; ending the attempt")
+                detector.scan()  # the steps the ranks reached since the last poll (the incident's last_step)
+                return from_rank_death(attempt, death, tail=job.output.tail(), last_step=detector.last_step(),
+                                       oom_rose=self._oom_rose(oom_before))
+
+    # ------------------------------------------------------------ how it ended
+
+    def _classify_exit(self, attempt: int, code: int, job: JobProcess, detector: HangDetector,
+                       first_dead: tuple[int, int] | None, oom_before: int | None) -> AttemptResult:
+        detector.scan()  # the last beats (the output's, where it speaks: job.output was joined)
+        return classify_exit(attempt, code, tail=job.output.tail(), last_step=detector.last_step(), job_pid=job.pid,
+                             first_dead=first_dead, oom_rose=self._oom_rose(oom_before), finished=job.output.finished,
+                             stop_reason=self.stop.reason if self.stop.asked else None,
+                             error_file=error_file_for(detector.directory))
+
+    def _oom_rose(self, oom_before: int | None) -> bool:
+        return oom_before is not None and (self.processes.oom_kill_count() or 0) > oom_before
+
+    def _first_dead_rank(self, detector: HangDetector) -> tuple[int, int] | None:
+        for rec in detector.records.values():
+            if rec.pid and not self.processes.pid_exists(rec.pid):
+                return rec.rank, rec.pid
+        return None
+
+    def _straggler_watch(self, attempt: int) -> StragglerWatch:
+        s = self.settings
+        return StragglerWatch(StragglerDetector(s.straggler_factor, s.straggler_window, self.node_name, attempt),
+                              s.state_dir, s.straggler_restart, log.info, self.observer)
+
+    def _hang(self, attempt: int, job: JobProcess, detector: HangDetector, verdict: HangVerdict) -> AttemptResult:
+        reason = EndReason.HANG if verdict.reason == "heartbeat_timeout" else EndReason(verdict.reason)
+        who = f"rank {verdict.rank} (pid {verdict.pid})" if verdict.rank is not None else "no rank"
+        detail = f"{who} silent for {verdict.silent_s:.2f}s > {verdict.reason} {verdict.timeout_s:.2f}s"
+        log.info(f"attempt {attempt}: hang detected: {detail}; dumping stacks")
+        stacks = self.processes.dump_stacks(detector.directory, detector.records)
+        return self._with_verdict(attempt, AttemptResult(
+            attempt, reason, None, rank=verdict.rank, pid=verdict.pid, detail=detail, stacks=stacks,
+            last_step=detector.last_step(), output_tail=job.output.tail()))
+
+    def _with_verdict(self, attempt: int, result: AttemptResult) -> AttemptResult:
+        """Group the stacks taken and lead the log with who to blame (the ranks outside the majority)."""
+        from supervisor.stack_groups import add_verdict
+
+        add_verdict(result, self.node_name)
+        if result.verdict:
+            log.info(f"attempt {attempt}: {result.verdict}")
+        for node in result.suspect_nodes:
+            self.observer.suspect(node, "stacks")
+        return result
+
+    def _stop_job(self, attempt: int, job: JobProcess, detector: HangDetector) -> AttemptResult:
+        """Ask the job to save and exit (stop flags + signal), wait stop_grace, then end it."""
+        signum, grace = self.stop.signum, self.settings.stop_grace
+        assert signum is not None
+        self.record.set_state(JobStatus.STOPPING)
+        detector.scan()
+        for rank in detector.records:
+            try:
+                request_stop(detector.directory / rank_file_name(rank))
+            except OSError:
+                pass
+        if self.stop.preempted:
+            # Only ranks that registered (trainer_hooks installed the handler) get the preemption signal;
+            # the job's root only where no rank did (its record is the output's: ``progress``).
+            for rec in registered_ranks(detector.records).values():
+                self.processes.kill(rec.pid, signum)
+        else:
+            job.send(signum)
+        log.info(f"stopping: waiting up to {grace:.0f}s for the job to save and exit")
+        code = job.wait_exit(grace)
+        stacks: dict[str, str] = {}
+        if code is None:  # where the ranks are stuck is what the operator needs to know next
+            log.info(f"the job did not exit within stop_grace {grace:.0f}s; dumping stacks, then killing it")
+            detector.scan()
+            stacks = self.processes.dump_stacks(detector.directory, detector.records)
+        result = AttemptResult(attempt, self.stop.reason, code, last_step=detector.last_step(),
+                               output_tail=job.output.tail(), stacks=stacks,
+                               detail=f"job exited with {code}" if code is not None else "killed after stop_grace")
+        return self._with_verdict(attempt, result) if stacks else result
