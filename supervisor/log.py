@@ -14,25 +14,28 @@ The line shape (``log_format: text``, the default)::
 
 Why this shape: under SLURM every node's stderr lands in one output file and SLURM adds nothing to a
 line, so each line says when and where itself. The time is UTC ISO-8601 with milliseconds and a ``Z``:
-fixed width, so a plain text sort (``sort -s -k1,1 slurm-123.out``) is a sort by time across nodes in
-any time zone, and restarts and the nodes' agreement before an attempt take well under a second. It is
-the time the line was written, and never goes backwards within one process (a clock stepped back
-repeats the last stamp), so sorting by time keeps each node's own lines in that node's order; across
-nodes it is as good as their clock sync (NTP). journald stamps lines itself and shows its own time
-first; the line keeps its own too, so ``journalctl -o cat`` reads like a SLURM file and one parser
-(:func:`parse`) serves both. Then ``n<rank>``: the node rank (``node_rank``, SLURM_NODEID), ``n0`` on a
-single node (node 0 of 1, as a one-node SLURM job numbers it), ``n-`` before it is known. Then
-``a<attempt>``: rlsup's attempt number, the one its lines say ("attempt 3 failed") and the job gets as
-``RLSUP_RESTART_COUNT``, ``a-`` before the first attempt starts. Every field is one word, always
-present, so the shape is one regular expression (:data:`LINE`). The ``[rlsup]`` tag and what follows
-are what rlsup always printed, so a grep for ``[rlsup] attempt`` still finds its lines. A message of
-several lines (a traceback) repeats the stamp on each line, indented after the tag.
+fixed width, so a plain text sort (``grep -F '[rlsup]' slurm-123.out | LC_ALL=C sort -s -k1,1``) is a
+sort by time across nodes in any time zone; milliseconds, because a restart and the nodes' agreement
+before an attempt take well under a second. It is the time the line was written, and never goes
+backwards within one process (a clock stepped back repeats the last stamp), so sorting by time keeps
+each node's own lines in that node's order; across nodes it is as good as their clock sync (NTP).
+journald stamps lines itself and shows its own time first; the line keeps its own too, so
+``journalctl -o cat`` reads like a SLURM file and one parser (:func:`parse`) serves both. Then ``n<rank>``: the node
+rank (``node_rank``, SLURM_NODEID), ``n0`` on a single node (node 0 of 1, as a one-node SLURM job
+numbers it), ``n-`` before it is known. Then ``a<attempt>``: rlsup's attempt number, the one its lines
+say ("attempt 3 failed") and the job gets as ``RLSUP_RESTART_COUNT``, ``a-`` before the first attempt
+starts. Every field is one word, always present, so the shape is one regular expression (:data:`LINE`).
+The ``[rlsup]`` tag and what follows are what rlsup always printed, so a grep for ``[rlsup] attempt``
+still finds its lines. A message of several lines (a traceback) repeats the stamp on each line, indented
+after the tag.
 
 ``log_format: json``: one JSON object per line for log shippers (Loki, Vector, Fluent Bit), with
 ``time``, ``node``, ``attempt`` (null when unknown), ``level``, ``logger`` (the component) and
 ``message``, plus ``exc`` when an exception is attached.
 
-The job's own output (the trainer's stdout and stderr) is never reformatted.
+The job's own output (the trainer's stdout and stderr) is never reformatted. The warm launcher's
+zygote, which runs in the job's interpreter and cannot import this module, writes its few lines in
+the same shape (:func:`supervisor.warm_pool.rlsup_line`; tests/test_log_lines.py parses them).
 
 The context (node, attempt) is process-wide on purpose, not a contextvar: rlsup's threads (replication,
 tiers, the transport) all say which attempt they are in. Several simulated nodes in one process (the

@@ -42,6 +42,15 @@ AGENT_SET_PREFIXES = ("TORCHELASTIC_",)
 AGENT_SET_NAMES = ("TORCH_NCCL_ASYNC_ERROR_HANDLING",)
 
 
+def rlsup_line(text: str) -> str:
+    """``text`` in rlsup's line shape (time, node, attempt: supervisor/log.py, which this file cannot import),
+    read from the attempt's environment the zygote runs under (no RLSUP_NODE_RANK: a single node, n0)."""
+    ms = int(time.time() * 1000)
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ms // 1000)) + f".{ms % 1000:03d}Z"
+    return (f"{stamp} n{os.environ.get('RLSUP_NODE_RANK', '0')} a{os.environ.get('RLSUP_RESTART_COUNT', '-')} "
+            f"{PREFIX}{text}")
+
+
 def startup_env(env: Mapping[str, str]) -> dict[str, str]:
     """The part of an environment that acts at interpreter start or import."""
     return {k: v for k, v in env.items()
@@ -219,13 +228,13 @@ class WarmPool:
     def _say(self, why: str) -> None:
         if not self._said:
             self._said = True
-            print(f"{PREFIX}{why}; launching cold", file=sys.stderr, flush=True)
+            print(rlsup_line(f"{why}; launching cold"), file=sys.stderr, flush=True)
 
     def round_done(self) -> None:
         """torchrun started its workers: say which came from warm ranks, kill the unused ones."""
         if self.used and not self._said:
-            print(f"{PREFIX}{len(self.used)} local rank(s) started from warm ranks (pids "
-                  f"{', '.join(map(str, self.used))})", file=sys.stderr, flush=True)
+            print(rlsup_line(f"{len(self.used)} local rank(s) started from warm ranks (pids "
+                             f"{', '.join(map(str, self.used))})"), file=sys.stderr, flush=True)
         self.used = []
         self.discard()
 

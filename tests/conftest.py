@@ -155,6 +155,7 @@ FAST_MODULES: dict[str, frozenset[str]] = {
     "test_layouts_trainers_cli.py": frozenset({"test_cli_and_restart_selection_agree_on_the_newest_complete_step"}),
     "test_layouts_verl.py": frozenset(),
     "test_lifecycle.py": frozenset(),
+    "test_log_lines.py": frozenset(),
     "test_logging.py": frozenset({"test_persistent_tier_line_reaches_rlsup_stderr"}),
     "test_manifest.py": frozenset(),
     "test_memory_tier.py": frozenset({"test_rank_sigkill_resumes_from_memory_bit_identical_and_success_removes_the_dir",

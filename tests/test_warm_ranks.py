@@ -185,7 +185,7 @@ def test_unusual_options_launch_cold_and_say_so_once(workdir: Path) -> None:
     dumps, stderr, log1 = _run_job(workdir, [TORCHRUN, "--standalone", "--nproc-per-node", "2", "--redirects", "3",
                                              "--log-dir", str(workdir / "logs"), "dumper.py", "info"])
     assert "attempt 1: started by the warm launcher" in stderr, stderr
-    said = [line for line in log1.splitlines() if line.startswith("[rlsup] warm ranks:")]
+    said = [line.split(" ", 3)[3] for line in log1.splitlines() if " [rlsup] warm ranks:" in line]  # after the stamp
     assert said == ["[rlsup] warm ranks: worker output redirected (--redirects/--tee); launching cold"], log1
     assert not _warm_started(dumps["rank0.attempt1.json"]) and not _warm_started(dumps["rank1.attempt1.json"])
 
