@@ -1,9 +1,11 @@
-"""Issue 18's done-when for HF: a Trainer run (and a TRL SFTTrainer run) under ``rlsup run`` is SIGKILLed at
-seeded random moments, including mid-save; it reaches its last step, every resume is from a checkpoint that
-rlsup's layouts call complete at load time, and the final weights equal an uninterrupted run's.
+"""Issue 18's done-when for HF: a Trainer run under ``rlsup run`` is SIGKILLed at seeded random moments,
+including mid-save; it reaches its last step, every resume is from a checkpoint that rlsup's layouts call
+complete at load time, and the final weights equal an uninterrupted run's. TRL's SFTTrainer saves through the
+same Trainer code; it is killed mid-save and at random moments, with exact final weights, as ``trl sft`` in
+tests/test_thirdparty_trainers.py (one process, and two ranks under torchrun).
 
 HF's own resume is bit-exact here (checked without rlsup: a run resumed from its checkpoint-8 ends with
-``torch.equal`` weights for both jobs): one epoch, so the sampler's permutation comes from the seeded RNG and
+``torch.equal`` weights): one epoch, so the sampler's permutation comes from the seeded RNG and
 ``skip_first_batches`` skips the trained batches; dropout 0; optimizer, scheduler and RNG state restored.
 
 Kills: the job's own python process (never rlsup), by three means per run: tests/kill_matrix.py's hook
@@ -157,8 +159,3 @@ def _check(job: str, tmp: Path, seed: int) -> None:
 def test_hf_trainer_under_rlsup_killed_at_random_moments(tmp_path: Path) -> None:
     _check("hf_train_job.py", tmp_path, seed=18)
 
-
-@pytest.mark.timeout(900)
-def test_trl_sft_trainer_under_rlsup_killed_at_random_moments(tmp_path: Path) -> None:
-    pytest.importorskip("trl")
-    _check("trl_train_job.py", tmp_path, seed=1818)
