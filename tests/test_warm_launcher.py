@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -154,21 +155,26 @@ def test_dead_zygote_falls_back_to_cold_launch(workdir: Path) -> None:
 
 
 def test_no_zygote_when_disabled(workdir: Path) -> None:
+    """``--warm-launcher false``: no zygote beside attempt 0, so attempt 1 starts cold, and nothing says "warm"."""
     script = workdir / "waiter.py"
     script.write_text(WAITER)
     started, crash = workdir / "started", workdir / "crash"
-    proc = start_rlsup(["run", *FAST, "--warm-launcher", "false", "--", TORCHRUN, "--standalone",
-                        "--nproc-per-node", "1", str(script), str(started), str(crash)], workdir)
+    proc = start_rlsup(["run", *FAST, "--warm-launcher", "false", "--max-restarts", "1", "--", TORCHRUN,
+                        "--standalone", "--nproc-per-node", "1", str(script), str(started), str(crash)], workdir)
     try:
         # The zygote would be spawned right after launch, long before the rank runs.
         wait_for(lambda: Path(f"{started}.attempt0").exists(), 120, "the rank to run")
         assert _zygotes(proc.pid) == []
         assert _job_children(proc.pid) == [
             json.loads((workdir / ".rlsup" / "state.json").read_text())["job_pid"]]
+        crash.touch()  # attempt 0 fails; attempt 1 runs
+        out, _ = proc.communicate(timeout=180)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=60)
-    assert "warm launcher" not in out
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0 and Path(f"{started}.attempt1").exists(), out[-3000:]
+    log1 = (workdir / ".rlsup" / "attempts" / "attempt_0001" / "output.log").read_text()
+    assert not re.search(r"warm (launcher|ranks?)", out + log1), out[-3000:]  # (the test's paths say warm_)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["sigkill", "sigterm"])
