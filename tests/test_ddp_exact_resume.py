@@ -5,9 +5,11 @@ the ranks' gradients in another order in its first step and ends a few ulps off,
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 from pathlib import Path
+from typing import Callable, Iterator
 
 import pytest
 import torch
@@ -24,12 +26,26 @@ def torchrun(world: int) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world), TRAIN]
 
 
-def reference(tmp: Path, world: int, extra: list[str]) -> dict[str, torch.Tensor]:
-    """Final weights of an uninterrupted run (plain torchrun, no rlsup)."""
+@contextlib.contextmanager
+def reference_alongside(tmp: Path, world: int, extra: list[str]) -> Iterator[Callable[[], dict[str, torch.Tensor]]]:
+    """The uninterrupted run (plain torchrun, no rlsup), started now to run alongside the supervised one (the two
+    share nothing but the cores); the yielded call waits for it and returns its final weights."""
     out = tmp / "reference.pt"
-    subprocess.run([*torchrun(world), *TRAIN_ARGS, *extra, "--checkpoint-dir", str(tmp / "ref_ckpt"),
-                    "--out", str(out)], env=clean_env(), check=True, capture_output=True, timeout=120)
-    return torch.load(out, weights_only=True)
+    proc = subprocess.Popen([*torchrun(world), *TRAIN_ARGS, *extra, "--checkpoint-dir", str(tmp / "ref_ckpt"),
+                             "--out", str(out)], env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+
+    def weights() -> dict[str, torch.Tensor]:
+        log, _ = proc.communicate(timeout=180)
+        assert proc.returncode == 0, log[-4000:]
+        return torch.load(out, weights_only=True)
+
+    try:
+        yield weights
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def killed_and_resumed(tmp: Path, world: int, extra: list[str]) -> dict[str, torch.Tensor]:
@@ -60,17 +76,17 @@ def differing(final: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> l
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("world", [3, 4])
 def test_ddp_killed_run_resumes_bit_identical(workdir: Path, world: int) -> None:
-    ref = reference(workdir, world, [])
-    final = killed_and_resumed(workdir, world, [])
-    assert differing(final, ref) == [], "differs from the uninterrupted run"
+    with reference_alongside(workdir, world, []) as reference:
+        final = killed_and_resumed(workdir, world, [])
+        assert differing(final, reference()) == [], "differs from the uninterrupted run"
 
 
 @pytest.mark.timeout(240)
 def test_ddp_resume_without_prime_differs(workdir: Path) -> None:
     """The check above can fail: without prime_ddp the same kill and resume at 3 ranks is not exact."""
-    ref = reference(workdir, 3, ["--no-prime"])
-    final = killed_and_resumed(workdir, 3, ["--no-prime"])
-    assert differing(final, ref), "expected the unprimed resume to differ from the unprimed uninterrupted run"
+    with reference_alongside(workdir, 3, ["--no-prime"]) as reference:
+        final = killed_and_resumed(workdir, 3, ["--no-prime"])
+        assert differing(final, reference()), "expected the unprimed resume to differ from the unprimed uninterrupted run"
 
 
 @pytest.mark.timeout(150)
