@@ -86,7 +86,8 @@ def test_ddp_resume_without_prime_differs(workdir: Path) -> None:
     """The check above can fail: without prime_ddp the same kill and resume at 3 ranks is not exact."""
     with reference_alongside(workdir, 3, ["--no-prime"]) as reference:
         final = killed_and_resumed(workdir, 3, ["--no-prime"])
-        assert differing(final, reference()), "expected the unprimed resume to differ from the unprimed uninterrupted run"
+        assert differing(final, reference()), \
+            "expected the unprimed resume to differ from the unprimed uninterrupted run"
 
 
 @pytest.mark.timeout(150)

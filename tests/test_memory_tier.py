@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Callable, Iterator
 
 import pytest
 import torch
@@ -221,11 +222,31 @@ def launcher(world: int) -> list[str]:
     return [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world), TRAIN]
 
 
-def reference(tmp: Path, world: int, train: list[str]) -> dict[str, torch.Tensor]:
-    out = tmp / "reference.pt"
-    subprocess.run([*launcher(world), *train, "--step-time", "0", "--checkpoint-dir", str(tmp / "ref"),
-                    "--out", str(out)], env=clean_env(), check=True, capture_output=True, timeout=300)
-    return torch.load(out, weights_only=True)
+@pytest.fixture
+def reference(workdir: Path) -> Iterator[Callable[[int, list[str]], Callable[[], dict[str, torch.Tensor]]]]:
+    """Starts the uninterrupted run (no rlsup) to run alongside the supervised one (they share only the cores);
+    the call it returns waits for that run and gives its final weights."""
+    procs: list[subprocess.Popen] = []
+
+    def start(world: int, train: list[str]) -> Callable[[], dict[str, torch.Tensor]]:
+        out = workdir / "reference.pt"
+        proc = subprocess.Popen([*launcher(world), *train, "--step-time", "0", "--checkpoint-dir",
+                                 str(workdir / "ref"), "--out", str(out)], env=clean_env(), stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+        procs.append(proc)
+
+        def weights() -> dict[str, torch.Tensor]:
+            log, _ = proc.communicate(timeout=300)
+            assert proc.returncode == 0, log[-4000:]
+            return torch.load(out, weights_only=True)
+
+        return weights
+
+    yield start
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def assert_identical(out: Path, ref: dict[str, torch.Tensor]) -> None:
@@ -246,10 +267,11 @@ def run_args(shm: Path, *extra: str) -> list[str]:
             "--heartbeat-timeout", "60", *extra]
 
 
-def test_rank_sigkill_resumes_from_memory_bit_identical_and_success_removes_the_dir(workdir: Path) -> None:
+def test_rank_sigkill_resumes_from_memory_bit_identical_and_success_removes_the_dir(workdir: Path,
+                                                                                  reference: Callable) -> None:
     train = ["--steps", "24", "--checkpoint-every", "1", "--step-time", "0.03", "--ballast-mb", "4",
              "--keep-last", "2", "--async-save"]
-    ref = reference(workdir, 2, train)
+    ref = reference(2, train)
     shm, out = workdir / "shm", workdir / "final.pt"
     proc = start_rlsup([*run_args(shm, "--disk-every", "10"), "--", *launcher(2), *train, "--crash-at-step", "13",
                         "--out", str(out)], workdir)
@@ -260,16 +282,16 @@ def test_rank_sigkill_resumes_from_memory_bit_identical_and_success_removes_the_
     assert inc[0]["resumed_tier"] == "memory" and inc[0]["resumed_step"] >= 12, inc[0]
     assert inc[0]["resumed_from"].startswith(str(shm)), inc[0]
     assert "2 local rank(s) started from warm ranks" in output, output[-4000:]  # warm ranks on, as by default
-    assert_identical(out, ref)
+    assert_identical(out, ref())
     assert not any(shm.iterdir()), "a successful run removes its memory directory"
     disk = valid_steps(workdir / "checkpoints")
     assert disk[-1] == 24 and len(disk) == 2, disk  # drained at the end; the trainer's keep_last on disk
 
 
-def test_rlsup_sigkilled_successor_resumes_from_memory_bit_identical(workdir: Path) -> None:
+def test_rlsup_sigkilled_successor_resumes_from_memory_bit_identical(workdir: Path, reference: Callable) -> None:
     train = ["--steps", "30", "--checkpoint-every", "1", "--step-time", "0.1", "--ballast-mb", "2",
              "--keep-last", "2"]
-    ref = reference(workdir, 1, train)
+    ref = reference(1, train)
     shm, out = workdir / "shm", workdir / "final.pt"
     args = [*run_args(shm, "--disk-every", "100"), "--", *launcher(1), *train, "--out", str(out)]
     proc = start_rlsup(args, workdir)
@@ -288,14 +310,14 @@ def test_rlsup_sigkilled_successor_resumes_from_memory_bit_identical(workdir: Pa
     assert incidents(workdir / ".rlsup")[-1]["reason"] == "supervisor_lost"
     state = json.loads((workdir / ".rlsup" / "state.json").read_text())
     assert state["resume_tier"] == "memory" and state["resume_step"] >= in_memory, (in_memory, state)
-    assert_identical(out, ref)
+    assert_identical(out, ref())
 
 
-def test_memory_too_small_saves_to_disk_with_a_clear_message_bit_identical(workdir: Path) -> None:
+def test_memory_too_small_saves_to_disk_with_a_clear_message_bit_identical(workdir: Path, reference: Callable) -> None:
     """Room for two steps: later saves go to disk and say so; a crash resumes from disk, exact."""
     train = ["--steps", "20", "--checkpoint-every", "2", "--step-time", "0.03", "--ballast-mb", "4",
              "--keep-last", "2"]
-    ref = reference(workdir, 2, train)
+    ref = reference(2, train)
     shm, out = workdir / "shm", workdir / "final.pt"
     proc = start_rlsup([*run_args(shm, "--memory-limit-bytes", str(20 << 20), "--disk-every", "100"), "--",
                         *launcher(2), *train, "--crash-at-step", "13", "--out", str(out)], workdir)
@@ -304,7 +326,7 @@ def test_memory_too_small_saves_to_disk_with_a_clear_message_bit_identical(workd
     assert "memory tier full: step 6 needs about" in output and f"saved to {workdir / 'checkpoints'}" in output
     inc = incidents(workdir / ".rlsup")
     assert len(inc) == 1 and inc[0]["resumed_tier"] == "local" and inc[0]["resumed_step"] == 12, inc
-    assert_identical(out, ref)
+    assert_identical(out, ref())
     assert valid_steps(workdir / "checkpoints")[-1] == 20
 
 
