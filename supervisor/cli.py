@@ -119,9 +119,9 @@ def start_service(cfg: SupervisorConfig, membership: Membership, observer: Obser
 def cmd_daemon(args: argparse.Namespace) -> int:
     """The per-node service: replication endpoint and replicator, until SIGTERM (systemd, SLURM)."""
     import signal
-    import threading
 
     from supervisor import sd_notify
+    from supervisor.stop_request import StopRequest
 
     eff = load_config(args)
     raw, cfg = eff.config, eff.config.resolved()
@@ -131,9 +131,11 @@ def cmd_daemon(args: argparse.Namespace) -> int:
     rlsup_log.set_context(node=membership.node_rank)
     job = identity_of(raw, membership)
     observer = start_metrics(cfg)
-    stop = threading.Event()
+    # The handlers only assign (StopRequest.note): a handler that took a lock (Event.set) deadlocked when a
+    # second signal landed inside the main thread's wait or inside the first handler.
+    stop = StopRequest(signal.SIGTERM)
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, lambda signum, _frame: stop.note(signum))
     service = start_service(cfg, membership, observer, serve=True, job=job)
     service.write_daemon_file()
     sd_notify.ready()
@@ -143,7 +145,8 @@ def cmd_daemon(args: argparse.Namespace) -> int:
     try:
         # Short slices: a signal that lands on another thread runs its Python handler only when the main
         # thread wakes, so one long wait could sit on SIGTERM for as long as the wait lasts.
-        while not stop.wait(min(0.5, ping_every or 0.5)):
+        slice_s = min(0.5, ping_every or 0.5)
+        while not stop.wait(slice_s, slice_s):
             if ping_every is not None and time.monotonic() - last_ping >= ping_every:
                 sd_notify.watchdog_ping()
                 last_ping = time.monotonic()
