@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Install the system tools the deploy/observability tests use (Debian/Ubuntu, root only):
+# Install the system tools the deploy/observability tests use (Debian/Ubuntu, root only). Run by
+# scripts/setup.sh for the tests (the README's second command); `setup.sh --core` needs none of them:
 #   prometheus   -> promtool + the Prometheus server (tests/test_deploy_prometheus.py, test_metrics_scrape.py)
 #   slurm-wlm    -> slurmctld, slurmd, sbatch, scontrol (tests/test_deploy_slurm.py)
 #   munge        -> munged, SLURM's authentication

@@ -1,11 +1,23 @@
 #!/usr/bin/env bash
-# Set up rlsup in ./.venv on a fresh machine: CPU torch first (so no multi-GB CUDA build is
-# downloaded), then the package in editable mode with the test, megatron, nvrx and trainers extras.
+# Set up rlsup in ./.venv on a fresh machine. Two sizes, one script (one place for the torch-first rule):
+#   bash scripts/setup.sh --core  what `rlsup run` and `rlsup demo` need: CPU torch, then rlsup (editable) with its
+#                                 core dependencies only (pyproject's [project] dependencies); no extras, no apt.
+#                                 The README's first command.
+#   bash scripts/setup.sh         everything the tests need: as root the system tools (scripts/install_system_deps.sh),
+#                                 then the test, megatron, nvrx and trainers extras and verl. Run on a --core venv it
+#                                 adds what is missing. The README's second command, and CI's (.ci/run).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+case "${1:-}" in
+  --core) MODE=core ;;
+  "") MODE=full ;;
+  *) echo "setup: unknown argument '$1' (usage: bash scripts/setup.sh [--core])" >&2; exit 2 ;;
+esac
 PYTHON=${PYTHON:-python3}
-# System tools the deploy tests use (promtool/Prometheus, SLURM+munge, systemd-analyze); root + apt only.
-bash scripts/install_system_deps.sh
+if [ "$MODE" = full ]; then
+  # System tools the deploy tests use (promtool/Prometheus, SLURM+munge, systemd-analyze); root + apt only.
+  bash scripts/install_system_deps.sh
+fi
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
@@ -42,7 +54,15 @@ pip_notes() {
        END { flush() }'
 }
 pip_install --upgrade pip
+# CPU torch first, pinned, on its own (this machine's index serves the CPU build), so that no multi-GB CUDA build
+# is downloaded to satisfy rlsup's torch>=2.4. Elsewhere install torch 2.13.0 from PyTorch's CPU (or your CUDA)
+# index first: pip keeps an installed 2.13.0 (+cpu, +cu128 ...).
 pip_install torch==2.13.0
+if [ "$MODE" = core ]; then
+  pip_install -e .
+  .venv/bin/python -c "import torch, rlsup_format, supervisor, trainer_hooks; print('rlsup ready (core): torch', torch.__version__)"
+  exit 0
+fi
 pip_install -e ".[test,megatron,nvrx,trainers]"
 # verl 0.9.1 for tests/test_recipe_verl.py: --no-deps (its own deps pull vLLM/CUDA builds); only what
 # importing verl.utils.checkpoint.fsdp_checkpoint_manager needs (verl/__init__ imports ray and tensordict).
