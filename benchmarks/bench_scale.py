@@ -72,7 +72,8 @@ for _p in (str(ROOT), str(BENCH), str(ROOT / "tests")):
 
 from run import HEADER, Row, markdown_table, print_row  # noqa: E402
 from supervisor.config import SupervisorConfig  # noqa: E402
-from supervisor.coordinator import RoundCoordinator, RoundPlan, compute_plan  # noqa: E402
+from supervisor.control_records import NodeInventory, RoundPlan, StepHoldings  # noqa: E402
+from supervisor.coordinator import RoundCoordinator, compute_plan  # noqa: E402
 from supervisor.job_identity import JobIdentity  # noqa: E402
 from supervisor.membership import Membership, replica_targets  # noqa: E402
 from supervisor.multinode import MultiNodeSupervisor, connect_coordinator  # noqa: E402
@@ -114,19 +115,16 @@ def holders_of(nodes: int, factor: int = 1) -> dict[int, list[int]]:
 
 
 def synthetic_inventory(node: int, nodes: int, held: dict[int, list[int]], lost: int | None,
-                        ranks: int = RANKS, steps: int = STEPS) -> dict[str, Any]:
+                        ranks: int = RANKS, steps: int = STEPS) -> NodeInventory:
     """What ``ReplicationEngine.inventory()`` returns on ``node``: its own ``ranks`` parts of ``steps``
     steps and the replicas it holds; the lost node's replacement holds nothing."""
     if node == lost:
-        return {"node": node, "steps": {}}
-    out: dict[str, Any] = {}
+        return NodeInventory(node)
+    out: dict[int, StepHoldings] = {}
     for s in range(1, steps + 1):
-        out[str(s * STEP_EVERY)] = {
-            "world_size": nodes * ranks,
-            "local": {str(node * ranks + r): node for r in range(ranks)},
-            "replicas": {str(o * ranks + r): o for o in held[node] for r in range(ranks)},
-        }
-    return {"node": node, "steps": out}
+        out[s * STEP_EVERY] = StepHoldings(nodes * ranks, {node * ranks + r: node for r in range(ranks)},
+                                           {o * ranks + r: o for o in held[node] for r in range(ranks)})
+    return NodeInventory(node, out)
 
 
 def expected_plan(nodes: int, lost: int, ranks: int = RANKS) -> dict[int, dict[int, list[int]]]:
@@ -145,12 +143,12 @@ class StubEngine:
     no files, so a fetch reads one manifest and writes one, and moves no data (``bytes`` does that for
     real). ``fetched`` records the (step, rank) parts written."""
 
-    def __init__(self, inventory: dict[str, Any], world_size: int) -> None:
+    def __init__(self, inventory: NodeInventory, world_size: int) -> None:
         self._inventory = inventory
         self.world_size = world_size
         self.fetched: list[tuple[int, int]] = []
 
-    def inventory(self) -> dict[str, Any]:
+    def inventory(self) -> NodeInventory:
         return self._inventory
 
     def peer_store(self, node: int) -> "MemPartStore":
@@ -292,9 +290,9 @@ def make_node(work: Path, node: int, nodes: int, backend: str, job: str, port: i
 class BareNode:
     """The baseline: the same exchange on a bare TCPStore (blocking ``wait``s, a ready counter)."""
 
-    def __init__(self, node: int, nodes: int, store: Any, job: str, inventory: dict[str, Any]) -> None:
+    def __init__(self, node: int, nodes: int, store: Any, job: str, inventory: NodeInventory) -> None:
         self.node, self.nodes, self.store, self.job = node, nodes, store, job  # store: a torch TCPStore
-        self.inventory = json.dumps(inventory)
+        self.inventory = inventory.to_json()
         self.plans: list[str] = []
 
     def round(self, idx: int) -> tuple[int, Any]:
@@ -303,7 +301,7 @@ class BareNode:
         if self.node == 0:
             keys = [f"{p}inv/{n}" for n in range(self.nodes)]
             self.store.wait(keys)
-            plan = compute_plan(idx, [json.loads(v) for v in self.store.multi_get(keys)])
+            plan = compute_plan(idx, [NodeInventory.from_json(v, n) for n, v in enumerate(self.store.multi_get(keys))])
             self.store.set(f"{p}plan", plan.to_json())
         self.store.wait([f"{p}plan"])
         self.plans.append(self.store.get(f"{p}plan").decode())
@@ -607,11 +605,12 @@ def measure_agreement(workers: Workers, backend: str, nodes: int, rounds: int, e
 # ------------------------------------------------------------------------------------------ plan
 
 
-def plan_inventories(nodes: int = 1024, ranks: int = RANKS, steps: int = STEPS) -> list[dict[str, Any]]:
-    """As node 0 reads them from the store: JSON round-tripped (string keys), one node lost."""
+def plan_inventories(nodes: int = 1024, ranks: int = RANKS, steps: int = STEPS) -> list[NodeInventory]:
+    """As node 0 reads them from the store (parsed from their JSON), one node lost."""
     held = holders_of(nodes)
     lost = lost_node(nodes)
-    return [json.loads(json.dumps(synthetic_inventory(n, nodes, held, lost, ranks, steps))) for n in range(nodes)]
+    return [NodeInventory.from_json(synthetic_inventory(n, nodes, held, lost, ranks, steps).to_json(), n)
+            for n in range(nodes)]
 
 
 def measure_plan(nodes: int = 1024, reps: int = 9) -> dict[str, Any]:
@@ -624,7 +623,7 @@ def measure_plan(nodes: int = 1024, reps: int = 9) -> dict[str, Any]:
         times.append(time.perf_counter() - t0)
     assert plan is not None
     return {"median": statistics.median(times), "max": max(times), "reps": reps,
-            "inventory_bytes": sum(len(json.dumps(i)) for i in invs) / nodes,
+            "inventory_bytes": sum(len(i.to_json()) for i in invs) / nodes,
             "ok": plan.step == STEPS * STEP_EVERY and plan.fetch == expected_plan(nodes, lost_node(nodes))}
 
 
@@ -641,13 +640,14 @@ def measure_node0(nodes: int, reps: int = 5) -> dict[str, Any]:
         key = keys.key(name)
         return key, keys.seal(key, payload)
 
-    inventories = [sealed(f"inv/1/{n}", json.dumps(inv)) for n, inv in enumerate(plan_inventories(nodes))]
+    inventories = [sealed(f"inv/1/{n}", inv.to_json()) for n, inv in enumerate(plan_inventories(nodes))]
     fetched = [sealed(f"fetched/1/0/{n}", FetchResult().to_json()) for n in range(nodes)]
     ready = [sealed(f"ready/1/{n}", "1") for n in range(nodes)]
     parts: dict[str, list[float]] = {"inventories": [], "plan": [], "fetch results": [], "ready marks": []}
     for _ in range(reps):
         t0 = time.perf_counter()
-        invs = [json.loads(keys.open(k, raw).payload) for k, raw in inventories]  # type: ignore[union-attr]
+        invs = [NodeInventory.from_json(keys.open(k, raw).payload, n)  # type: ignore[union-attr]
+                for n, (k, raw) in enumerate(inventories)]
         t1 = time.perf_counter()
         plan = compute_plan(1, invs)
         t2 = time.perf_counter()

@@ -7,33 +7,39 @@ Every key lives under ``rlsup/<job>/`` and every value is signed with the job's 
 without the secret forged, is ignored and named in the log. No home-made consensus: the store's
 atomic create is the only arbiter.
 
-Every attempt is a *round* ``r`` (= ``RLSUP_RESTART_COUNT`` on every node):
+Every node runs attempt ``a`` (= ``RLSUP_RESTART_COUNT``, the number incidents, state.json and the
+CLI show) together; the nodes agree on it in one *round* of the store:
 
-0. joining: when the store has no round yet (a new job, or node 0's supervisor was lost and its
-   replacement hosts a fresh embedded store), every node proposes the next round it may run
+0. joining: when the store has no attempt yet (a new job, or node 0's supervisor was lost and its
+   replacement hosts a fresh embedded store), every node proposes the next attempt it may run
    (``join/<node>``: 0, or one past the attempt it last ran) and node 0 publishes ``base`` = the largest,
    so a job that lost its store keeps counting its attempts;
-1. each node publishes its inventory ``inv/r/<node>`` (which checkpoint parts of this job it holds,
-   locally or as replicas for others);
+1. each node publishes its inventory ``inv/a/<node>`` (which checkpoint parts of this job it holds,
+   locally or as replicas for others: :class:`~supervisor.control_records.NodeInventory`);
 2. node 0 waits for all inventories, computes the plan (the newest step whose every rank part is valid
    somewhere: in place, on a peer, or in the persistent tier; and where each node fetches what it lacks)
-   and publishes ``plan/r`` and ``round`` = r;
-3. each node fetches and publishes ``fetched/r/t/<node>``: the persistent parts that failed verification
-   (and any other error); node 0 waits for all of them and publishes their union ``fetched/r/t/all``,
+   and publishes ``plan/a`` and ``round`` = a (the store's name for the planned attempt);
+3. each node fetches and publishes ``fetched/a/t/<node>``: the persistent parts that failed verification
+   (and any other error); node 0 waits for all of them and publishes their union ``fetched/a/t/all``,
    which is what the other nodes read. If a part was bad and nothing else failed, node 0 plans again
-   without it (``plan/r/t``, t = 1, 2, ...), so the round falls back to an older step instead of ending.
-   Then each node marks ``ready/r/<node>``; node 0 waits for all and publishes ``ready/r/all``; all
-   launch once they see it;
-4. the first node whose attempt fails creates ``end/r`` (first writer wins); every other node sees it,
-   stops its attempt, and all go to round r+1 together.
+   without it (plan try ``t`` = 1, 2, ...: ``plan/a/t``), so the attempt falls back to an older step
+   instead of ending. Then each node marks ``ready/a/<node>``; node 0 waits for all and publishes
+   ``ready/a/all``; all launch once they see it;
+4. the first node whose attempt fails creates ``end/a`` (first writer wins); every other node sees it,
+   stops its attempt, and all go to attempt a+1 together.
 
 Only node 0 reads one key per node (the proposals, inventories, fetch results and ready marks); every
-other node reads a constant number of keys per round, so what it sends and receives does not grow with
+other node reads a constant number of keys per attempt, so what it sends and receives does not grow with
 the number of nodes. A wait's poll asks whether every key it still needs exists and, if not, whether
-the round ended (one etcd transaction, two TCPStore round trips); values move once all are there.
+the attempt ended (one etcd transaction, two TCPStore round trips); values move once all are there.
 
-A node that joins while round ``c`` is open (planned or based, and not ended) is a replacement for a
-lost node: it ends round ``c`` (its predecessor's ranks are gone anyway) and joins ``c+1``. ``abort``
+Values are signed, not trusted to parse: a node of another version, or a broken one, may publish a
+record that does not parse (:class:`~supervisor.control_records.RecordError`, naming node and field).
+Its inventory then offers nothing, its fetch result counts as a failed fetch, and a plan that does not
+parse ends the attempt for all; no node crashes on what another wrote.
+
+A node that joins while attempt ``c`` is open (planned or based, and not ended) is a replacement for a
+lost node: it ends attempt ``c`` (its predecessor's ranks are gone anyway) and joins ``c+1``. ``abort``
 makes every node give up. The embedded store also carries ``rlsup/host``, the job it is hosted for: a
 node of another job that reaches it (same hosts, same default port) refuses to start and names both jobs.
 """
@@ -45,9 +51,18 @@ import hmac
 import json
 import logging
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from dataclasses import dataclass
+from typing import Callable, Iterable, Mapping, Sequence
 
+from supervisor.control_records import (
+    PERSISTENT_HOLDER,
+    FetchResult,
+    NodeInventory,
+    RecordError,
+    RoundPlan,
+    StepHoldings,
+    TierOffer,
+)
 from supervisor.job_identity import JobIdentity
 from supervisor.kvstore import KVStore, StoreUnavailable, TCPKVStore
 
@@ -60,58 +75,16 @@ HOST_KEY = "rlsup/host"
 ABORT_MAX_AGE_S = 60.0  # an abort written this long before this node started belongs to an earlier run
 
 
-# The persistent tier as a pseudo-holder in RoundPlan.fetch (node ranks are >= 0).
-PERSISTENT_HOLDER = -1
-
-
 class CoordinationError(RuntimeError):
     """The nodes could not agree in time (a node missing, the store unreachable)."""
 
 
 class RoundEnded(CoordinationError):
-    """The round ended (a node failed, or a replacement node rejoined) while this node waited inside it."""
+    """The attempt ended (a node failed, or a replacement node rejoined) while this node waited inside it."""
 
 
 class JobClash(CoordinationError):
     """The coordination store belongs to another job (same hosts and port): this node must not join it."""
-
-
-@dataclass
-class FetchResult:
-    """What one node's fetch for one plan try ended with (published so every node sees every result)."""
-
-    bad: list[tuple[int, int]] = field(default_factory=list)  # (step, rank) persistent parts that failed verification
-    error: str = ""  # any other failure: the round ends, as when a peer fetch fails
-
-    def to_json(self) -> str:
-        return json.dumps({"bad": [list(b) for b in self.bad], "error": self.error})
-
-    @classmethod
-    def from_json(cls, text: str) -> "FetchResult":
-        d = json.loads(text)
-        return cls([(int(s), int(r)) for s, r in d.get("bad", [])], str(d.get("error", "")))
-
-
-@dataclass
-class RoundPlan:
-    """What every node does before round ``round`` starts."""
-
-    round: int
-    step: int | None
-    world_size: int | None
-    # node -> rank -> holders to fetch that part from, in order: peer nodes holding a valid replica,
-    # then PERSISTENT_HOLDER when the persistent tier has it
-    fetch: dict[int, dict[int, list[int]]]
-
-    def to_json(self) -> str:
-        return json.dumps({"round": self.round, "step": self.step, "world_size": self.world_size,
-                           "fetch": {str(n): {str(r): s for r, s in parts.items()} for n, parts in self.fetch.items()}})
-
-    @classmethod
-    def from_json(cls, text: str) -> "RoundPlan":
-        d = json.loads(text)
-        fetch = {int(n): {int(r): list(s) for r, s in parts.items()} for n, parts in d["fetch"].items()}
-        return cls(d["round"], d["step"], d["world_size"], fetch)
 
 
 @dataclass(frozen=True)
@@ -198,7 +171,7 @@ class SignedKeys:
 
 
 class RoundCoordinator:
-    """One node's handle on the job's rounds (see the module docstring).
+    """One node's handle on the job's attempts (see the module docstring).
 
     ``reconnect``: how to reach the store again after it was lost (the embedded store, when node 0's
     supervisor died and a replacement hosts a new one); None for a store that does not go away."""
@@ -249,16 +222,16 @@ class RoundCoordinator:
         except (UnicodeDecodeError, ValueError, KeyError, TypeError):
             return "another job (its record does not parse)"
 
-    # ------------------------------------------------------------ rounds
+    # ------------------------------------------------------------ attempts
 
-    def join(self, min_round: int = 0) -> int:
-        """The round this node takes part in next (see the module docstring); ``min_round`` is the round
-        this node would run next by its own count (used only when the store has no round yet)."""
+    def join(self, min_attempt: int = 0) -> int:
+        """The attempt this node takes part in next (see the module docstring); ``min_attempt`` is the attempt
+        this node would run next by its own count (used only when the store has no attempt yet)."""
         deadline = time.monotonic() + self.timeout_s
         told = False  # one line per outage, not one per reconnect try
         while True:
             try:
-                return self._join(min_round)
+                return self._join(min_attempt)
             except StoreUnavailable as e:
                 if self.reconnect is None:
                     raise CoordinationError(f"the coordination store is unreachable: {e}") from e
@@ -276,95 +249,116 @@ class RoundCoordinator:
                 except StoreUnavailable:
                     continue
 
-    def _join(self, min_round: int) -> int:
+    def _join(self, min_attempt: int) -> int:
         self._check_abort()
-        current = self._current_round()
+        current = self._current_attempt()
         if current is None:
-            return self._join_fresh(min_round)
+            return self._join_fresh(min_attempt)
         if self.ended(current) is None:
             self.end(current, f"node {self.node_rank} rejoined")
         return current + 1
 
-    def _current_round(self) -> int | None:
-        planned, base = self.keys.get_many(["round", "base"])
-        values = [int(v.payload) for v in (planned, base) if v is not None]
+    def _current_attempt(self) -> int | None:
+        names = ["round", "base"]  # the planned attempt, the first one a fresh store opened
+        values = [_attempt_number(n, v) for n, v in zip(names, self.keys.get_many(names)) if v is not None]
         return max(values) if values else None
 
-    def _join_fresh(self, min_round: int) -> int:
-        """No round in this store yet: every node proposes; node 0 publishes the largest as ``base``."""
-        self.keys.set(f"join/{self.node_rank}", str(min_round))
+    def _join_fresh(self, min_attempt: int) -> int:
+        """No attempt in this store yet: every node proposes; node 0 publishes the largest as ``base``."""
+        self.keys.set(f"join/{self.node_rank}", str(min_attempt))
         if self.node_rank == 0:
             names = [f"join/{n}" for n in range(self.num_nodes)]
             self._wait(names, "every node to join")
-            base = max(int(v.payload) for v in self.keys.get_many(names) if v is not None)
-            return int(self.keys.create("base", str(base)).payload)
-        self._wait(["base"], "node 0 to open the first round")
+            base = max(_attempt_number(n, v) for n, v in zip(names, self.keys.get_many(names)) if v is not None)
+            return _attempt_number("base", self.keys.create("base", str(base)))
+        self._wait(["base"], "node 0 to open the first attempt")
         got = self.keys.get("base")
         assert got is not None
-        return int(got.payload)
+        return _attempt_number("base", got)
 
     def _check_abort(self) -> None:
         abort = self.keys.get("abort")
         if abort is not None and abort.time >= self.started - ABORT_MAX_AGE_S:
             raise CoordinationError(f"the job was aborted: {abort.payload}")
 
-    def publish_inventory(self, rnd: int, inventory: dict[str, Any]) -> None:
-        self.keys.set(f"inv/{rnd}/{self.node_rank}", json.dumps(inventory))
+    def publish_inventory(self, attempt: int, inventory: NodeInventory) -> None:
+        self.keys.set(f"inv/{attempt}/{self.node_rank}", inventory.to_json())
 
-    def inventories(self, rnd: int) -> list[dict[str, Any]]:
-        return [json.loads(v) for v in self._wait_all(f"inv/{rnd}", f"inventories of round {rnd}", rnd)]
+    def inventories(self, attempt: int) -> list[NodeInventory]:
+        """Every node's inventory, in node order. One that does not parse offers nothing (named in the
+        log): the plan then treats that node's parts as lost, as it would after a wiped disk."""
+        out = []
+        for node, value in enumerate(self._wait_all(f"inv/{attempt}", f"inventories of attempt {attempt}", attempt)):
+            try:
+                out.append(NodeInventory.from_json(value, node))
+            except RecordError as e:
+                log.warning("attempt %d: %s; planning as if node %d held nothing", attempt, e, node)
+                out.append(NodeInventory(node))
+        return out
 
     @staticmethod
-    def _plan_key(rnd: int, attempt_try: int) -> str:
-        return f"plan/{rnd}" if attempt_try == 0 else f"plan/{rnd}/{attempt_try}"
+    def _plan_key(attempt: int, plan_try: int) -> str:
+        return f"plan/{attempt}" if plan_try == 0 else f"plan/{attempt}/{plan_try}"
 
-    def publish_plan(self, plan: RoundPlan, attempt_try: int = 0) -> None:
-        """Try 0 is the round's plan (``round`` = r marks it planned); later tries replace a plan whose
+    def publish_plan(self, plan: RoundPlan, plan_try: int = 0) -> None:
+        """Try 0 is the attempt's plan (``round`` = a marks it planned); later tries replace a plan whose
         persistent parts failed verification."""
-        self.keys.set(self._plan_key(plan.round, attempt_try), plan.to_json())
-        if attempt_try == 0:
-            self.keys.set("round", str(plan.round))
+        self.keys.set(self._plan_key(plan.attempt, plan_try), plan.to_json())
+        if plan_try == 0:
+            self.keys.set("round", str(plan.attempt))
 
-    def plan(self, rnd: int, attempt_try: int = 0) -> RoundPlan:
-        key = self._plan_key(rnd, attempt_try)
-        (value,) = self._wait([key], f"the plan of round {rnd}" + (f" (try {attempt_try})" if attempt_try else ""), rnd)
-        return RoundPlan.from_json(value)
+    def plan(self, attempt: int, plan_try: int = 0) -> RoundPlan:
+        """Node 0's plan; one that does not parse ends the attempt for all (:class:`RoundEnded`)."""
+        key = self._plan_key(attempt, plan_try)
+        (value,) = self._wait([key], f"the plan of attempt {attempt}" + (f" (try {plan_try})" if plan_try else ""),
+                              attempt)
+        try:
+            plan = RoundPlan.from_json(value, 0)
+        except RecordError as e:
+            raise RoundEnded(f"attempt {attempt} ended: {self.end(attempt, f'node {self.node_rank}: {e}')}") from e
+        if plan.attempt != attempt:
+            why = f"node {self.node_rank}: {key} plans attempt {plan.attempt}"
+            raise RoundEnded(f"attempt {attempt} ended: {self.end(attempt, why)}")
+        return plan
 
-    def publish_fetch_result(self, rnd: int, attempt_try: int, result: FetchResult) -> None:
-        self.keys.set(f"fetched/{rnd}/{attempt_try}/{self.node_rank}", result.to_json())
+    def publish_fetch_result(self, attempt: int, plan_try: int, result: FetchResult) -> None:
+        self.keys.set(f"fetched/{attempt}/{plan_try}/{self.node_rank}", result.to_json())
 
-    def fetch_results(self, rnd: int, attempt_try: int) -> list[FetchResult]:
-        """The results of try ``attempt_try``, the same answer on every node: on node 0 every node's (it
-        waits for all, then publishes their union ``fetched/r/t/all``); elsewhere that union, one key."""
-        prefix = f"fetched/{rnd}/{attempt_try}"
+    def fetch_results(self, attempt: int, plan_try: int) -> list[FetchResult]:
+        """The results of try ``plan_try``, the same answer on every node: on node 0 every node's (it
+        waits for all, then publishes their union ``fetched/a/t/all``); elsewhere that union, one key.
+        A result that does not parse is a failed fetch (the attempt ends, as for any fetch error)."""
+        prefix = f"fetched/{attempt}/{plan_try}"
         if self.node_rank != 0:
-            (value,) = self._wait([f"{prefix}/all"], f"node 0's summary of every node's fetch in round {rnd}", rnd)
-            return [FetchResult.from_json(value)]
-        results = [FetchResult.from_json(v) for v in self._wait_all(prefix, f"every node's fetch in round {rnd}", rnd)]
+            (value,) = self._wait([f"{prefix}/all"], f"node 0's summary of every node's fetch in attempt {attempt}",
+                                  attempt)
+            return [_fetch_result(value, 0)]  # node 0 wrote the union
+        results = [_fetch_result(v, n) for n, v in
+                   enumerate(self._wait_all(prefix, f"every node's fetch in attempt {attempt}", attempt))]
         union = FetchResult(sorted({b for r in results for b in r.bad}),
                             "; ".join(f"node {n}: {r.error}" for n, r in enumerate(results) if r.error))
         self.keys.set(f"{prefix}/all", union.to_json())
         return results
 
-    def mark_ready(self, rnd: int) -> None:
-        self.keys.set(f"ready/{rnd}/{self.node_rank}", "1")
+    def mark_ready(self, attempt: int) -> None:
+        self.keys.set(f"ready/{attempt}/{self.node_rank}", "1")
 
-    def wait_all_ready(self, rnd: int) -> None:
-        """Until every node is ready: node 0 waits for every ``ready/r/<node>`` and publishes ``ready/r/all``,
+    def wait_all_ready(self, attempt: int) -> None:
+        """Until every node is ready: node 0 waits for every ``ready/a/<node>`` and publishes ``ready/a/all``,
         which the other nodes wait for."""
         if self.node_rank != 0:
-            self._wait([f"ready/{rnd}/all"], f"node 0 to see all nodes ready for round {rnd}", rnd)
+            self._wait([f"ready/{attempt}/all"], f"node 0 to see all nodes ready for attempt {attempt}", attempt)
             return
-        self._wait_all(f"ready/{rnd}", f"all nodes ready for round {rnd}", rnd)
-        self.keys.set(f"ready/{rnd}/all", "1")
+        self._wait_all(f"ready/{attempt}", f"all nodes ready for attempt {attempt}", attempt)
+        self.keys.set(f"ready/{attempt}/all", "1")
 
-    def end(self, rnd: int, reason: str) -> str:
-        """End round ``rnd`` for everyone; returns the reason that won (maybe another node's)."""
-        return self.keys.create(f"end/{rnd}", reason).payload
+    def end(self, attempt: int, reason: str) -> str:
+        """End attempt ``attempt`` for everyone; returns the reason that won (maybe another node's)."""
+        return self.keys.create(f"end/{attempt}", reason).payload
 
-    def ended(self, rnd: int) -> str | None:
-        """Non-blocking: why round ``rnd`` ended, or None while it runs."""
-        value = self.keys.get(f"end/{rnd}")
+    def ended(self, attempt: int) -> str | None:
+        """Non-blocking: why attempt ``attempt`` ended, or None while it runs."""
+        value = self.keys.get(f"end/{attempt}")
         return None if value is None else value.payload
 
     def abort(self, reason: str) -> None:
@@ -377,22 +371,22 @@ class RoundCoordinator:
 
     # ------------------------------------------------------------ waiting
 
-    def _wait_all(self, prefix: str, what: str, rnd: int | None) -> list[str]:
-        return self._wait([f"{prefix}/{n}" for n in range(self.num_nodes)], what, rnd)
+    def _wait_all(self, prefix: str, what: str, attempt: int | None) -> list[str]:
+        return self._wait([f"{prefix}/{n}" for n in range(self.num_nodes)], what, attempt)
 
-    def _wait(self, names: list[str], what: str, rnd: int | None = None) -> list[str]:
-        """Poll until every key holds a signed value; their payloads. Inside round ``rnd``, its end stops
-        the wait with :class:`RoundEnded`: a node that died there never writes its keys, and its
-        replacement ends the round on rejoin, so waiting out the timeout would only lose the job. A
-        store lost meanwhile ends the round too (node 0 is gone; the next join waits for it).
+    def _wait(self, names: list[str], what: str, attempt: int | None = None) -> list[str]:
+        """Poll until every key holds a signed value; their payloads. Inside attempt ``attempt``, its end
+        stops the wait with :class:`RoundEnded`: a node that died there never writes its keys, and its
+        replacement ends the attempt on rejoin, so waiting out the timeout would only lose the job. A
+        store lost meanwhile ends the attempt too (node 0 is gone; the next join waits for it).
 
         A poll is one look (:meth:`KVStore.poll`: one etcd transaction, two TCPStore round trips) whatever
-        the number of keys: whether every key still missing exists, and if not, whether the round ended.
+        the number of keys: whether every key still missing exists, and if not, whether the attempt ended.
         Values move and are verified once they all exist; a verified value is kept, so only a key that
         failed verification is read again."""
         deadline = time.monotonic() + self.timeout_s
         poll = WAIT_POLL_MIN_S
-        end_name = f"end/{rnd}" if rnd is not None else None
+        end_name = f"end/{attempt}" if attempt is not None else None
         got: dict[str, Signed] = {}
         while True:
             pending = [n for n in names if n not in got]
@@ -406,16 +400,36 @@ class RoundCoordinator:
                 if ended is None and time.monotonic() > deadline:
                     pending = [n for n, v in zip(pending, self.keys.get_many(pending)) if v is None]
             except StoreUnavailable as e:
-                if rnd is not None and self.reconnect is not None:
-                    raise RoundEnded(f"round {rnd} ended while waiting for {what}: {e}") from e
+                if attempt is not None and self.reconnect is not None:
+                    raise RoundEnded(f"attempt {attempt} ended while waiting for {what}: {e}") from e
                 raise CoordinationError(f"the coordination store is unreachable while waiting for {what}: {e}") from e
             if ended is not None:
-                raise RoundEnded(f"round {rnd} ended while waiting for {what}: {ended.payload}")
+                raise RoundEnded(f"attempt {attempt} ended while waiting for {what}: {ended.payload}")
             if time.monotonic() > deadline and pending:
                 missing = [self.keys.key(n) for n in pending]
                 raise CoordinationError(f"timed out after {self.timeout_s:.0f}s waiting for {what}; missing {missing}")
             time.sleep(poll)
             poll = min(poll * 2, WAIT_POLL_MAX_S)
+
+
+def _attempt_number(name: str, value: Signed) -> int:
+    """An attempt number a node stored under ``name`` (``join/<node>``, ``base``, ``round``)."""
+    try:
+        number = int(value.payload)
+    except ValueError:
+        number = -1
+    if number < 0:
+        raise CoordinationError(f"node {value.node} stored {name} = {value.payload[:40]!r}, not an attempt number "
+                                "(a node of another rlsup version in this job?)")
+    return number
+
+
+def _fetch_result(value: str, node: int | None) -> FetchResult:
+    """``node``'s fetch result; one that does not parse counts as a failed fetch."""
+    try:
+        return FetchResult.from_json(value, node)
+    except RecordError as e:
+        return FetchResult(error=str(e))
 
 
 def embedded_coordinator(host: str, port: int, job: JobIdentity, secret: bytes, node_rank: int, num_nodes: int,
@@ -459,81 +473,82 @@ def _hosted_for(host: str, port: int, job: JobIdentity, secret: bytes) -> str | 
     return f" by {other}" if other is not None else " by another node 0 of this same job (is it running twice?)"
 
 
-def compute_plan(rnd: int, inventories: list[dict[str, Any]], persistent: dict[int, dict[str, Any]] | None = None,
+def compute_plan(attempt: int, inventories: Sequence[NodeInventory], persistent: Mapping[int, TierOffer] | None = None,
                  exclude: Iterable[tuple[int, int, int]] = ()) -> RoundPlan:
     """The newest step whose every rank part is valid somewhere, and what each node must fetch.
 
-    An inventory is ``{"steps": {step: {"world_size": W, "local": {rank: owner}, "replicas": {rank: owner}}}}``:
-    ``local`` lists the parts valid in that node's own checkpoint directory, ``replicas`` those it holds
-    for other nodes; ``owner`` is the node whose ranks wrote the part and which needs it back to resume.
-    A part is in place when its owner holds it locally (a shared filesystem counts), else it must come
-    from a replica holder, else from the persistent tier; a part found nowhere makes the step unusable.
+    ``inventories``: every node's, in node order. A part is in place when its owner holds it locally (a
+    shared filesystem counts), else it must come from a replica holder, else from the persistent tier;
+    a part found nowhere makes the step unusable.
 
-    ``persistent`` (the tier's listing, ``{step: {"world_size": W, "ranks": [...], "owners": {rank: node}}}``)
-    adds the tier as the last holder (:data:`PERSISTENT_HOLDER`) of the parts it lists: in place > peer
-    > persistent. A part goes to its owner as the inventories or the tier's manifests record it, else
-    (a trainer that records no node) to the node torchrun runs the rank on. ``exclude`` removes
-    (step, rank, holder) triples that failed, so a plan is never made twice with the same bad holder.
+    ``persistent`` (the tier's listing, step -> :class:`TierOffer`) adds the tier as the last holder
+    (:data:`PERSISTENT_HOLDER`) of the parts it lists: in place > peer > persistent. A part goes to its
+    owner as the inventories or the tier's manifests record it, else (a trainer that records no node) to
+    the node torchrun runs the rank on. ``exclude`` removes (step, rank, holder) triples that failed, so
+    a plan is never made twice with the same bad holder.
     """
     excluded = set(exclude)
     # Which inventories list each step; a step's parts are read only when the steps newer than it were
     # not usable, so the common case (the newest step is) reads one step of every inventory, not all.
-    listed: dict[int, list[tuple[int, dict[str, Any]]]] = {}
+    listed: dict[int, list[tuple[int, StepHoldings]]] = {}
     for node, inv in enumerate(inventories):
-        for step_s, info in inv.get("steps", {}).items():
-            listed.setdefault(int(step_s), []).append((node, info))
-    tier = {int(step_s): info for step_s, info in (persistent or {}).items()}
+        for step, held in inv.steps.items():
+            listed.setdefault(step, []).append((node, held))
+    tier = persistent or {}
     for step in sorted(listed.keys() | tier.keys(), reverse=True):
-        entries = listed.get(step, [])
-        world_sizes = {int(info["world_size"]) for _, info in entries}
-        if step in tier:
-            world_sizes.add(int(tier[step]["world_size"]))
-        if len(world_sizes) != 1:
-            continue  # nodes (or the tier) disagree about the job's size at this step: not usable
-        (world,) = world_sizes
-        # Each inventory's ranks and owners as ints (map and set operations: this runs for every node).
-        parsed = []
-        in_place: set[int] = set()
-        for node, info in entries:
-            local, replicas = info.get("local", {}), info.get("replicas", {})
-            local_ranks, local_owners = list(map(int, local)), list(map(int, local.values()))
-            parsed.append((node, local_ranks, local_owners,
-                           list(map(int, replicas)), list(map(int, replicas.values()))))
-            if local_owners.count(node) == len(local_owners):
-                in_place.update(local_ranks)
-            else:
-                in_place.update(r for r, o in zip(local_ranks, local_owners) if o == node)
-        missing = sorted(set(range(world)).difference(in_place))
-        # A part's owner: the first inventory (in node order, local before replicas) to name it, then the
-        # tier's manifests; updating from the last inventory to the first leaves the first one's word.
-        owners: dict[int, int] = {}
-        for _, local_ranks, local_owners, replica_ranks, replica_owners in reversed(parsed):
-            owners.update(zip(replica_ranks, replica_owners))
-            owners.update(zip(local_ranks, local_owners))
-        holders: dict[int, list[int]] = {}  # only for the parts not in place
-        wanted = set(missing)
-        for node, _, _, replica_ranks, _ in parsed:
-            for rank in wanted.intersection(replica_ranks):
-                if not excluded or (step, rank, node) not in excluded:
-                    holders.setdefault(rank, []).append(node)
-        in_tier: set[int] = set()
-        if step in tier:
-            info = tier[step]
-            in_tier = {int(r) for r in info.get("ranks", []) if (step, int(r), PERSISTENT_HOLDER) not in excluded}
-            for rank_s, owner_s in info.get("owners", {}).items():
-                owners.setdefault(int(rank_s), int(owner_s))
-        fetch: dict[int, dict[int, list[int]]] = {}
-        for rank in missing:
-            found = sorted(holders.get(rank, []))
-            if rank in in_tier:
-                found.append(PERSISTENT_HOLDER)
-            owner = owners.get(rank, _default_owner(rank, world, len(inventories)))
-            if not found or owner is None:
-                break
-            fetch.setdefault(owner, {})[rank] = found
+        fetch = _plan_step(step, listed.get(step, []), tier.get(step), excluded, len(inventories))
+        if fetch is not None:
+            return RoundPlan(attempt, step, fetch[0], fetch[1])
+    return RoundPlan(attempt, None, None, {})
+
+
+Fetches = dict[int, dict[int, list[int]]]  # node -> rank -> holders, as in RoundPlan.fetch
+
+
+def _plan_step(step: int, entries: list[tuple[int, StepHoldings]], offer: TierOffer | None,
+               excluded: set[tuple[int, int, int]], num_nodes: int) -> tuple[int, Fetches] | None:
+    """(world size, node -> rank -> holders) when every part of ``step`` is somewhere, else None."""
+    world_sizes = {held.world_size for _, held in entries}
+    if offer is not None:
+        world_sizes.add(offer.world_size)
+    if len(world_sizes) != 1:
+        return None  # nodes (or the tier) disagree about the job's size at this step: not usable
+    (world,) = world_sizes
+    in_place: set[int] = set()
+    for node, held in entries:  # map and set operations: this runs for every node
+        owners_here = list(held.local.values())
+        if owners_here.count(node) == len(owners_here):
+            in_place.update(held.local)
         else:
-            return RoundPlan(rnd, step, world, fetch)
-    return RoundPlan(rnd, None, None, {})
+            in_place.update(r for r, o in held.local.items() if o == node)
+    missing = sorted(set(range(world)).difference(in_place))
+    # A part's owner: the first inventory (in node order, local before replicas) to name it, then the
+    # tier's manifests; updating from the last inventory to the first leaves the first one's word.
+    owners: dict[int, int] = {}
+    for _, held in reversed(entries):
+        owners.update(held.replicas)
+        owners.update(held.local)
+    holders: dict[int, list[int]] = {}  # only for the parts not in place
+    wanted = set(missing)
+    for node, held in entries:
+        for rank in wanted.intersection(held.replicas):
+            if not excluded or (step, rank, node) not in excluded:
+                holders.setdefault(rank, []).append(node)
+    in_tier: set[int] = set()
+    if offer is not None:
+        in_tier = {r for r in offer.ranks if (step, r, PERSISTENT_HOLDER) not in excluded}
+        for rank, owner in offer.owners.items():
+            owners.setdefault(rank, owner)
+    fetch: Fetches = {}
+    for rank in missing:
+        found = sorted(holders.get(rank, []))
+        if rank in in_tier:
+            found.append(PERSISTENT_HOLDER)
+        owner = owners.get(rank, _default_owner(rank, world, num_nodes))
+        if not found or owner is None:
+            return None
+        fetch.setdefault(owner, {})[rank] = found
+    return world, fetch
 
 
 def _default_owner(rank: int, world: int, num_nodes: int) -> int | None:

@@ -63,6 +63,12 @@ class _Unanswered(Exception):
     """One member did not answer (connection refused/reset, timeout, or etcd said it cannot serve now)."""
 
 
+class _ThreadLimit(threading.local):
+    """The calling thread's per-attempt limit (None: a thread that set none uses etcd3gw's own)."""
+
+    timeout: float | None = None
+
+
 class _DeadlineSession(requests.Session):
     """A session whose every request times out by the calling thread's own per-attempt limit.
 
@@ -72,10 +78,10 @@ class _DeadlineSession(requests.Session):
 
     def __init__(self) -> None:
         super().__init__()
-        self.local = threading.local()
+        self.local = _ThreadLimit()
 
     def request(self, method: str | bytes, url: str | bytes, *args: Any, **kwargs: Any) -> requests.Response:
-        limit = getattr(self.local, "timeout", None)
+        limit = self.local.timeout
         if limit is not None:
             kwargs["timeout"] = limit
         return super().request(method, url, *args, **kwargs)

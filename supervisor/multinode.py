@@ -1,8 +1,9 @@
 """``rlsup run`` on several nodes: coordinated restarts and one resume step for all, parts fetched from peers.
 
-Extends the single-node loop through its hooks only: the attempt number comes from the coordinator's
-round, ``prepare`` agrees on the resume step and fetches missing parts before launch, ``peer_ended``
-stops this node's job when another node's attempt failed, and a failure here ends the round for all.
+Extends the single-node loop through its hooks only: the attempt number comes from the coordinator (every
+node runs the same one), ``prepare`` agrees on the resume step and fetches missing parts before launch,
+``peer_ended`` stops this node's job when another node's attempt failed, and a failure here ends the
+attempt for all.
 
 The persistent tier (``persistent_dir``) works per part here: each node copies the parts its own ranks
 wrote (:class:`supervisor.tiers.persistent.PersistentTier`, built with this node's rank), and node 0 offers
@@ -25,13 +26,11 @@ from pathlib import Path
 from typing import Sequence
 
 from supervisor.config import SupervisorConfig
+from supervisor.control_records import PERSISTENT_HOLDER, FetchResult, InventoryBuilder, NodeInventory, RoundPlan
 from supervisor.coordinator import (
-    PERSISTENT_HOLDER,
     CoordinationError,
-    FetchResult,
     RoundCoordinator,
     RoundEnded,
-    RoundPlan,
     compute_plan,
     embedded_coordinator,
 )
@@ -41,9 +40,7 @@ from supervisor.job_identity import JobIdentity
 from supervisor.lifecycle import EndReason
 from supervisor.membership import Membership
 from supervisor.observer import Observer
-from supervisor.tiers.memory_tier import MemoryTier
 from supervisor.tiers.part_protocol import FetchFailed, PartError, PartStore, fetch_part
-from supervisor.tiers.persistent import PersistentTier
 from supervisor.process_tree import ProcessLayer
 from supervisor.rank_pinning import pin_ranks
 from supervisor.tiers.replication import ReplicationEngine, newest_own_step
@@ -55,8 +52,8 @@ from rlsup_format.manifest import ManifestError, manifest_name, step_dir_name
 
 log = logging.getLogger(__name__)
 
-# Plans per round: each failed try excludes at least one more (step, rank) from the persistent tier,
-# so the round falls back to older steps; the bound only guards against a tier that fails everything.
+# Plans per attempt: each failed try excludes at least one more (step, rank) from the persistent tier,
+# so the attempt falls back to older steps; the bound only guards against a tier that fails everything.
 PLAN_TRIES = 8
 _TIER_ORDER = {TIER_MEMORY: -1, TIER_LOCAL: 0, TIER_PEER: 1, TIER_PERSISTENT: 2}
 
@@ -111,7 +108,10 @@ class MultiNodeSupervisor(Supervisor):
                  coordinator: RoundCoordinator, processes: ProcessLayer | None = None) -> None:
         master = membership.peers[0].rpartition(":")[0]
         pinned = pin_ranks(command, membership.node_rank, membership.size, master)
-        super().__init__(cfg, pinned.command, observer, job=job, processes=processes)
+        # The tiers are this node's (node 0 alone starts and prunes persistent steps; the memory tier holds
+        # this node's own directory and ranks): the base class builds them once for this node.
+        super().__init__(cfg, pinned.command, observer, job=job, processes=processes,
+                         node_rank=membership.node_rank, num_nodes=membership.size)
         self.membership = membership
         self.engine = engine
         self.coordinator = coordinator
@@ -120,13 +120,6 @@ class MultiNodeSupervisor(Supervisor):
         if pinned.note:
             self._log(pinned.note)
         self._store_lost = False
-        if self.persistent is not None:
-            # The tier of this node (node 0 alone starts steps and prunes the tier); the single-node one
-            # the base class made is not started yet and is replaced, never changed.
-            self.persistent = PersistentTier.from_config(self.cfg, membership.node_rank, job.id)
-        if self.memory is not None:  # likewise: this node's own directory in the tier, its own parts
-            self.memory = MemoryTier.from_config(self.cfg, self.checkpoint_dir, job.id, membership.node_rank,
-                                                 membership.size)
         # Node 0, the planner: persistent parts that failed verification, never offered again.
         self._bad_persistent: set[tuple[int, int]] = set()
 
@@ -154,12 +147,12 @@ class MultiNodeSupervisor(Supervisor):
         return result
 
     def prepare(self, attempt: int) -> ResumePoint | None:
-        """:meth:`_prepare_round`; a round that ends meanwhile (a node failed its fetch, or died and its
-        replacement rejoined) is abandoned before launch, and every node goes to the next round."""
+        """:meth:`_agree_on_attempt`; an attempt that ends meanwhile (a node failed its fetch, or died and its
+        replacement rejoined) is abandoned before launch, and every node goes to the next attempt."""
         if self.memory is not None:
             self.memory.pause_retention(True)  # the tier's steps stay as inventoried until the plan is made
         try:
-            resume = self._prepare_round(attempt)
+            resume = self._agree_on_attempt(attempt)
         except RoundEnded as e:
             raise AttemptAbandoned(str(e)) from e
         finally:
@@ -169,44 +162,44 @@ class MultiNodeSupervisor(Supervisor):
             self.memory.protect(resume.path if resume is not None else None)
         return resume
 
-    def _prepare_round(self, attempt: int) -> ResumePoint | None:
+    def _agree_on_attempt(self, attempt: int) -> ResumePoint | None:
         """Publish what we hold; node 0 plans; fetch what we lack; start together.
 
-        A persistent part that fails verification does not end the round: every node reports its
+        A persistent part that fails verification does not end the attempt: every node reports its
         fetch, and node 0 plans again without the bad parts (an older step, or a fresh start), so one
-        corrupted copy costs a re-plan, not a restart. Any other fetch failure ends the round for
-        everyone, as before: the next round plans from fresh, fully verified inventories."""
+        corrupted copy costs a re-plan, not a restart. Any other fetch failure ends the attempt for
+        everyone, as before: the next attempt plans from fresh, fully verified inventories."""
         me = self.membership.node_rank
         self.coordinator.publish_inventory(attempt, self._inventory())
         excluded: set[tuple[int, int, int]] = set()
         fetched: dict[int, set[int]] = {}
         resume: ResumePoint | None = None
-        for attempt_try in range(PLAN_TRIES):
+        for plan_try in range(PLAN_TRIES):
             if me == 0:
-                self.coordinator.publish_plan(self._make_plan(attempt, excluded), attempt_try)
-            plan = self.coordinator.plan(attempt, attempt_try)
+                self.coordinator.publish_plan(self._make_plan(attempt, excluded), plan_try)
+            plan = self.coordinator.plan(attempt, plan_try)
             mine = self._fetch(attempt, plan)
             if plan.step is not None:
                 fetched.setdefault(plan.step, set()).update(mine.ranks)
-            if mine.result.error:  # before anyone can launch: the round is over for all
-                self._log(f"round {attempt}: {mine.result.error}")
+            if mine.result.error:  # before anyone can launch: the attempt is over for all
+                self._log(f"attempt {attempt}: {mine.result.error}")
                 self.coordinator.end(attempt, f"node {me}: fetch failed: {mine.result.error}")
-            self.coordinator.publish_fetch_result(attempt, attempt_try, mine.result)
-            results = self.coordinator.fetch_results(attempt, attempt_try)
+            self.coordinator.publish_fetch_result(attempt, plan_try, mine.result)
+            results = self.coordinator.fetch_results(attempt, plan_try)
             bad = {b for r in results for b in r.bad}
             if me == 0:
                 self._bad_persistent |= bad
             if any(r.error for r in results):
-                break  # ended above by the failing node; the next round starts from fresh inventories
+                break  # ended above by the failing node; the next attempt starts from fresh inventories
             if not bad:
                 if plan.step is None:
-                    self._log(f"round {attempt}: no step is complete across the nodes and tiers; starting fresh")
+                    self._log(f"attempt {attempt}: no step is complete across the nodes and tiers; starting fresh")
                 else:
                     resume = ResumePoint(plan.step, mine.path or self.checkpoint_dir / step_dir_name(plan.step),
                                          "rlsup", mine.tier)
                 self._drop_abandoned(fetched, plan.step)
                 break
-            self._log(f"round {attempt}: persistent parts (step, rank) {sorted(bad)} do not verify; "
+            self._log(f"attempt {attempt}: persistent parts (step, rank) {sorted(bad)} do not verify; "
                       "planning again without them")
             excluded |= {(s, r, PERSISTENT_HOLDER) for s, r in bad}
         else:
@@ -219,17 +212,16 @@ class MultiNodeSupervisor(Supervisor):
             self.persistent.protect(None)
         return resume
 
-    def _inventory(self) -> dict:
+    def _inventory(self) -> NodeInventory:
         """What this node holds: its checkpoint directory and replicas, plus the valid parts in its
         memory tier as parts in place (a part in both is listed once)."""
         inventory = self.engine.inventory()
         if self.memory is None:
             return inventory
-        for step, info in self.memory.inventory().items():
-            entry = inventory["steps"].setdefault(step, {"world_size": info["world_size"], "local": {}, "replicas": {}})
-            if entry["world_size"] == info["world_size"]:
-                entry["local"].update(info["local"])
-        return inventory
+        merged = InventoryBuilder(self.membership.node_rank)
+        merged.add_inventory(inventory)
+        merged.add_inventory(self.memory.inventory())
+        return merged.build()
 
     def _make_plan(self, attempt: int, excluded: set[tuple[int, int, int]]) -> RoundPlan:
         """Node 0: plan from the inventories, then offer the persistent tier's parts of newer steps."""
@@ -241,7 +233,7 @@ class MultiNodeSupervisor(Supervisor):
         try:
             listing = self.persistent.part_listing(newer_than=plan.step, exclude=self._bad_persistent)
         except Exception as e:  # noqa: BLE001 - an unreachable tier must not stop a restart from peers or local parts
-            self._log(f"round {attempt}: persistent tier {self.persistent.location} not listed: {e}")
+            self._log(f"attempt {attempt}: persistent tier {self.persistent.location} not listed: {e}")
             listing = {}
         if listing:
             plan = compute_plan(attempt, inventories, listing, exclude)
@@ -253,7 +245,7 @@ class MultiNodeSupervisor(Supervisor):
         out = _Fetched()
         need: dict[int, list[int]] = plan.fetch.get(self.membership.node_rank, {}) if plan.step is not None else {}
         if need:
-            self._log(f"round {attempt}: fetching ranks {sorted(need)} of step {plan.step} "
+            self._log(f"attempt {attempt}: fetching ranks {sorted(need)} of step {plan.step} "
                       f"({self._describe(need)})")
             self.engine.clean()  # what a killed fetch left (temp files, spooled transfers)
         for rank, holders in sorted(need.items()):
@@ -309,7 +301,7 @@ class MultiNodeSupervisor(Supervisor):
         return "from " + ", ".join(names)
 
     def _drop_abandoned(self, fetched: dict[int, set[int]], keep: int | None) -> None:
-        """Parts fetched for a step the round then abandoned lose their manifests (invalid again), so
+        """Parts fetched for a step the attempt then abandoned lose their manifests (invalid again), so
         the trainer rewrites them when it reaches that step instead of mixing in the old ones."""
         for step, ranks in fetched.items():
             if step == keep:

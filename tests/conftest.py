@@ -129,6 +129,7 @@ FAST_MODULES: dict[str, frozenset[str]] = {
                                  "test_wrong_type_in_flag_and_env", "test_unreadable_and_malformed_file",
                                  "test_invalid_value", "test_replication_settings_errors_exit_2",
                                  "test_a_boolean_flag_alone_means_true"}),
+    "test_control_records.py": frozenset(),
     "test_coordinator.py": frozenset(),
     "test_deploy_grafana.py": frozenset({"test_metric_names_exist_in_a_real_scrape"}),  # scrapes real runs
     "test_deploy_prometheus.py": frozenset({"test_rules_read_only_exported_series"}),  # scrapes real runs

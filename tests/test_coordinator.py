@@ -1,4 +1,4 @@
-"""Round coordination through a real TCPStore, and the resume plan across nodes' inventories."""
+"""Attempt coordination through a real TCPStore, and the resume plan across nodes' inventories."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import threading
 
 import pytest
 
+from supervisor.control_records import PERSISTENT_HOLDER, FetchResult, NodeInventory, StepHoldings, TierOffer
 from supervisor.coordinator import CoordinationError, RoundCoordinator, compute_plan, embedded_coordinator
 from supervisor.job_identity import JobIdentity
 
@@ -37,8 +38,13 @@ def join_all(coords: list[RoundCoordinator], mins: list[int] | None = None) -> l
     return [out[i] for i in range(len(coords))]
 
 
-def inv(steps: dict) -> dict:
-    return {"steps": {str(k): v for k, v in steps.items()}}
+def inv(steps: dict, node: int = 0) -> NodeInventory:
+    """An inventory: step -> {"world_size": W, "local": {rank: owner}, "replicas": {rank: owner}} (ranks as
+    strings, for the eye; compute_plan numbers the nodes by their place in the list)."""
+    def parts(d: dict) -> dict[int, int]:
+        return {int(r): o for r, o in d.items()}
+    return NodeInventory(node, {s: StepHoldings(v["world_size"], parts(v["local"]), parts(v["replicas"]))
+                                for s, v in steps.items()})
 
 
 def test_plan_picks_newest_step_complete_somewhere() -> None:
@@ -78,14 +84,14 @@ def test_rounds_end_and_rejoin_through_real_store() -> None:
     results = {}
 
     def node1() -> None:
-        follower.publish_inventory(0, {"steps": {}})
+        follower.publish_inventory(0, NodeInventory(1))
         results["plan"] = follower.plan(0)
         follower.mark_ready(0)
         follower.wait_all_ready(0)
 
     t = threading.Thread(target=node1)
     t.start()
-    leader.publish_inventory(0, {"steps": {}})
+    leader.publish_inventory(0, NodeInventory(0))
     leader.publish_plan(compute_plan(0, leader.inventories(0)))
     leader.mark_ready(0)
     leader.wait_all_ready(0)
@@ -96,8 +102,8 @@ def test_rounds_end_and_rejoin_through_real_store() -> None:
     assert follower.end(0, "node 1: peer") == "node 0: hang"  # the first reason wins
     assert follower.ended(0) == "node 0: hang"
     assert leader.join() == 1 and follower.join() == 1
-    # A replacement for node 1 joining while round 1 is planned and running ends it and joins round 2.
-    leader.publish_plan(compute_plan(1, [{"steps": {}}, {"steps": {}}]))
+    # A replacement for node 1 joining while attempt 1 is planned and running ends it and joins attempt 2.
+    leader.publish_plan(compute_plan(1, [NodeInventory(0), NodeInventory(1)]))
     replacement = node(port, 1)
     assert replacement.join() == 2
     assert leader.ended(1) == "node 1 rejoined"
@@ -108,19 +114,16 @@ def test_rounds_end_and_rejoin_through_real_store() -> None:
 
 def test_missing_node_times_out_naming_it() -> None:
     leader = node(free_port(), 0, timeout_s=0.5)
-    leader.publish_inventory(0, {"steps": {}})
+    leader.publish_inventory(0, NodeInventory(0))
     with pytest.raises(CoordinationError, match="inv/0/1"):
         leader.inventories(0)
 
 
 # ------------------------------------------------------------------------ the persistent tier as a holder
 
-from supervisor.coordinator import PERSISTENT_HOLDER, FetchResult  # noqa: E402
-
-
-def tier(steps: dict) -> dict:
+def tier(steps: dict) -> dict[int, TierOffer]:
     """A persistent listing: step -> ranks offered (owners: rank r on node r)."""
-    return {s: {"world_size": w, "ranks": ranks, "owners": {r: r for r in ranks}} for s, (w, ranks) in steps.items()}
+    return {s: TierOffer(w, frozenset(ranks), {r: r for r in ranks}) for s, (w, ranks) in steps.items()}
 
 
 def test_plan_restores_from_persistent_tier_when_every_node_was_wiped() -> None:
@@ -128,7 +131,7 @@ def test_plan_restores_from_persistent_tier_when_every_node_was_wiped() -> None:
     assert (plan.step, plan.world_size) == (18, 2)
     assert plan.fetch == {0: {0: [PERSISTENT_HOLDER]}, 1: {1: [PERSISTENT_HOLDER]}}
     # Without owners in the manifests, ranks go to nodes the way torchrun assigns them (2 per node).
-    plan = compute_plan(1, [inv({}), inv({})], {18: {"world_size": 4, "ranks": [0, 1, 2, 3]}})
+    plan = compute_plan(1, [inv({}), inv({})], {18: TierOffer(4, frozenset({0, 1, 2, 3}))})
     assert plan.fetch == {0: {0: [-1], 1: [-1]}, 1: {2: [-1], 3: [-1]}}
 
 
@@ -186,8 +189,8 @@ def test_a_wait_inside_a_round_ends_when_a_replacement_rejoins() -> None:
     leader = node(port, 0, timeout_s=60)
     dead = node(port, 1, timeout_s=60)
     assert join_all([leader, dead]) == [0, 0]
-    dead.publish_inventory(0, {"steps": {}})
-    leader.publish_inventory(0, {"steps": {}})
+    dead.publish_inventory(0, NodeInventory(1))
+    leader.publish_inventory(0, NodeInventory(0))
     leader.publish_plan(compute_plan(0, leader.inventories(0)))
     leader.publish_fetch_result(0, 0, FetchResult())
     caught: list[BaseException] = []
@@ -227,7 +230,7 @@ def test_a_node_of_another_job_is_refused_naming_both_jobs() -> None:
 
 
 def test_forged_values_are_ignored_and_named(caplog: pytest.LogCaptureFixture) -> None:
-    """A writer without the job's secret (another job, a stale or hostile client) cannot end a round or
+    """A writer without the job's secret (another job, a stale or hostile client) cannot end an attempt or
     plant a plan: its values do not verify and are ignored, with the key named in the log."""
     from torch.distributed import TCPStore
     from datetime import timedelta
@@ -246,7 +249,7 @@ def test_forged_values_are_ignored_and_named(caplog: pytest.LogCaptureFixture) -
 
 def test_a_replacement_node_0_hosts_a_fresh_store_and_the_job_keeps_counting() -> None:
     """Node 0's supervisor dies (its embedded store with it). The other node waits in join for a
-    replacement node 0, which hosts a new store; they agree on the next round from their proposals."""
+    replacement node 0, which hosts a new store; they agree on the next attempt from their proposals."""
     port = free_port()
     leader, follower = node(port, 0, timeout_s=30), node(port, 1, timeout_s=30)
     assert join_all([leader, follower]) == [0, 0]
@@ -260,7 +263,43 @@ def test_a_replacement_node_0_hosts_a_fresh_store_and_the_job_keeps_counting() -
     got: dict[str, int] = {}
     t = threading.Thread(target=lambda: got.__setitem__("follower", follower.join(2)))
     t.start()
-    replacement = node(port, 0, timeout_s=30)  # an empty disk: it would start at round 0
+    replacement = node(port, 0, timeout_s=30)  # an empty disk: it would start at attempt 0
     assert replacement.join(0) == 2
     t.join(30)
     assert got == {"follower": 2}
+
+
+# ------------------------------------------------------------------------ values that do not parse
+
+
+def test_values_that_do_not_parse_never_crash_a_node(caplog: pytest.LogCaptureFixture) -> None:
+    """A node of another version (or a broken one) holding the job's secret publishes values that do not
+    parse: node 0 plans as if it held nothing, its fetch result is a failed fetch, a plan that does not
+    parse ends the attempt for all, and a bad attempt number stops the join with a clear error; each is
+    named with its node and field."""
+    from supervisor.coordinator import RoundEnded
+
+    port = free_port()
+    leader, follower = node(port, 0), node(port, 1)
+    assert join_all([leader, follower]) == [0, 0]
+    leader.publish_inventory(0, inv({5: {"world_size": 2, "local": {"0": 0}, "replicas": {"1": 1}}}))
+    follower.keys.set("inv/0/1", '{"node": 1, "steps": {"5": {"world_size": "2", "local": {}, "replicas": {}}}}')
+    invs = leader.inventories(0)
+    assert invs[1] == NodeInventory(1)
+    assert "node 1's inventory: steps.5.world_size" in caplog.text
+    assert compute_plan(0, invs).fetch == {1: {1: [0]}}  # node 1's part comes back from node 0's replica
+
+    follower.keys.set("fetched/0/0/1", '{"bad": "all"}')
+    leader.publish_fetch_result(0, 0, FetchResult())
+    assert "node 1's fetch result: bad" in leader.fetch_results(0, 0)[1].error
+    assert "node 1: node 1's fetch result: bad" in follower.fetch_results(0, 0)[0].error  # the attempt will end
+
+    leader.keys.set("plan/0", '{"round": 0, "step": 5}')
+    with pytest.raises(RoundEnded, match="node 0's plan: step"):
+        follower.plan(0)
+    assert "node 1: node 0's plan: step" in (leader.ended(0) or "")
+
+    lone = node(free_port(), 0, nodes=1)
+    lone.keys.set("base", "-")
+    with pytest.raises(CoordinationError, match="node 0 stored base = '-', not an attempt number"):
+        lone.join()

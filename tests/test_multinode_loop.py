@@ -10,7 +10,8 @@ from pathlib import Path
 from test_run_loop import ATTEMPT, Attempt, FakeProcesses, Recorder, incidents
 
 from supervisor.config import SupervisorConfig
-from supervisor.coordinator import FetchResult, RoundEnded, RoundPlan
+from supervisor.control_records import FetchResult, NodeInventory, RoundPlan
+from supervisor.coordinator import RoundEnded
 from supervisor.job_identity import job_identity
 from supervisor.lifecycle import JobStatus
 from supervisor.membership import Membership
@@ -42,18 +43,18 @@ class FakeCoordinator:
         self.joined.append(max(attempt, self.first_round))
         return self.joined[-1]
 
-    def publish_inventory(self, attempt: int, inventory: object) -> None:
+    def publish_inventory(self, attempt: int, inventory: NodeInventory) -> None:
         pass
 
-    def plan(self, attempt: int, attempt_try: int) -> RoundPlan:
+    def plan(self, attempt: int, plan_try: int) -> RoundPlan:
         if attempt in self.abandon:
             raise RoundEnded(f"round {attempt} ended: node 0: fetch failed")
         return RoundPlan(attempt, None, None, {})
 
-    def publish_fetch_result(self, attempt: int, attempt_try: int, result: FetchResult) -> None:
+    def publish_fetch_result(self, attempt: int, plan_try: int, result: FetchResult) -> None:
         pass
 
-    def fetch_results(self, attempt: int, attempt_try: int) -> list[FetchResult]:
+    def fetch_results(self, attempt: int, plan_try: int) -> list[FetchResult]:
         return [FetchResult(), FetchResult()]
 
     def mark_ready(self, attempt: int) -> None:
@@ -79,8 +80,8 @@ class FakeCoordinator:
 
 
 class FakeEngine:
-    def inventory(self) -> dict:
-        return {}
+    def inventory(self) -> NodeInventory:
+        return NodeInventory(1)
 
     def fetch(self, step: int, parts: dict) -> None:
         raise AssertionError("nothing to fetch in these plans")

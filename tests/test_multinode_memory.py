@@ -20,6 +20,7 @@ import torch
 
 from conftest import incidents, wait_for
 from rlsup_format.manifest import list_step_dirs, manifest_name
+from supervisor.control_records import StepHoldings
 from supervisor.tiers.memory_tier import MemorySettings, MemoryTier, job_memory_dir
 from supervisor.tiers.node_parts import NodeParts
 from test_multinode import Cluster, assert_same_weights, reference_weights, replica_part, rlsup_resumes, trainer_starts
@@ -88,8 +89,8 @@ def test_inventory_offers_every_valid_part_and_a_step_resumes_in_place_only_when
     torn = save(tier.root, 6, 2, 1)  # rank 3 died before saving step 6
     save(tier.root, 7, 2, 1, job="someone-else")
     inv = tier.inventory()
-    assert inv["5"] == {"world_size": WORLD, "local": {"2": 1, "3": 1}, "replicas": {}}
-    assert inv["6"]["local"] == {"2": 1} and "7" not in inv
+    assert inv.steps[5] == StepHoldings(WORLD, {2: 1, 3: 1}, {})
+    assert inv.steps[6].local == {2: 1} and 7 not in inv.steps
     assert tier.resume_dir(5) == tier.root / "step_000000005" and tier.resume_dir(6) is None
     assert tier.copy_to_disk(6) == 1 and tier.copy_to_disk(6) == 0  # a valid part on disk is kept
     assert (tmp_path / "ckpt1" / torn.name / manifest_name(2)).exists()
@@ -118,7 +119,7 @@ def test_an_uneven_world_is_drained_but_never_pruned_nor_resumed_in_place(tmp_pa
         tier.poll()
     assert [d.step for d in tier.drains] == [1, 2, 3]
     assert own_steps(tier.root, (2,)) == [1, 2, 3]  # keep_last 1 not applied: nothing deleted on a guess
-    assert tier.inventory()["3"]["local"] == {"2": 1} and tier.resume_dir(3) is None
+    assert tier.inventory().steps[3].local == {2: 1} and tier.resume_dir(3) is None
 
 
 # ------------------------------------------------------------------------------ real runs

@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from conftest import ROOT, clean_env, job_subdir, rlsup_cmd, wait_for
+from supervisor.control_records import TierOffer
 from supervisor.tiers.persistent import PersistentPartInvalid, PersistentTier
 from test_multinode import PY, assert_same_weights, free_ports
 from trainer_hooks import CheckpointManager
@@ -97,7 +98,7 @@ def test_per_part_copy_out_retention_and_fetch(tmp_path: Path, monkeypatch: pyte
     with open(src, "rb") as f:
         tier1.store.put_file(21, rel, f, hash_file(src))
     assert not tier0.verify(21)  # a partial part never looks valid
-    assert tier0.part_listing()[21]["ranks"] == [0]  # and is not offered for a restore
+    assert tier0.part_listing()[21].ranks == {0}  # and is not offered for a restore
     if kind == "fs":
         # Temp files of killed copies: this host's dead pid goes at once, another host's after STALE_AGE_S.
         step_dir = tier0.store.path(21)
@@ -114,12 +115,12 @@ def test_per_part_copy_out_retention_and_fetch(tmp_path: Path, monkeypatch: pyte
 
     # Restore: the listing offers whole parts with their owners; fetch verifies before the manifest.
     listing = tier0.part_listing()
-    assert listing == {21: {"world_size": 2, "ranks": [0, 1], "owners": {0: 0, 1: 1}}}
+    assert listing == {21: TierOffer(2, frozenset({0, 1}), {0: 0, 1: 1})}
     got = tier0.fetch_part(21, 1, tmp_path / "restore")
     assert got == tmp_path / "restore" / step_dir_name(21) and (got / manifest_name(1)).exists()
     assert not any(p.name.startswith(".staging-") for p in got.iterdir())
     flip_tier_byte(tier0, 21, rel)
-    assert tier0.part_listing(exclude={(21, 1)})[21]["ranks"] == [0]
+    assert tier0.part_listing(exclude={(21, 1)})[21].ranks == {0}
     with pytest.raises(PersistentPartInvalid):
         tier0.fetch_part(21, 1, tmp_path / "restore2")
     bad_dir = tmp_path / "restore2" / step_dir_name(21)

@@ -45,12 +45,13 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 from rlsup_format.fileio import remove_path
 from rlsup_format.manifest import ManifestError, is_held, list_step_dirs
 from rlsup_format.names import step_dir_name
 from rlsup_format.retention import StepState, steps_to_delete
+from supervisor.control_records import InventoryBuilder, NodeInventory
 from supervisor.tiers.node_parts import NodeParts
 from supervisor.tiers.part_protocol import PartError, copy_part
 from supervisor.tiers.part_stores.local import LocalStore
@@ -189,17 +190,14 @@ class MemoryTier:
                 return step, path
         return None
 
-    def inventory(self) -> dict[str, dict[str, Any]]:
-        """Every valid part of this job in the tier, fully verified, in the coordinator's inventory form
-        (``{step: {"world_size": W, "local": {rank: owner}, "replicas": {}}}``): parts in place here."""
-        steps: dict[str, dict[str, Any]] = {}
+    def inventory(self) -> NodeInventory:
+        """Every valid part of this job in the tier, fully verified: parts in place on this node."""
+        held = InventoryBuilder(self.settings.node)
         for step, path in list_step_dirs(self.root):
             for rank, m in self.parts.valid_parts(path, full=True).items():
-                entry = steps.setdefault(str(step), {"world_size": m.world_size, "local": {}, "replicas": {}})
-                if entry["world_size"] == m.world_size:
-                    owner = m.extra.get("node_rank")
-                    entry["local"][str(rank)] = owner if isinstance(owner, int) else self.settings.node
-        return steps
+                owner = m.extra.get("node_rank")
+                held.add(step, m.world_size, rank, owner if isinstance(owner, int) else self.settings.node)
+        return held.build()
 
     def resume_dir(self, step: int) -> Path | None:
         """The tier's directory of ``step`` when every part of this node's ranks verifies there (every

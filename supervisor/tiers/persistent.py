@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from rlsup_format.manifest import ManifestError, RankManifest, list_step_dirs, verify_step
 from rlsup_format.names import manifest_name, parse_manifest_rank
 from rlsup_format.retention import StepState, steps_to_delete
+from supervisor.control_records import TierOffer
 from supervisor.tiers.poll_loop import PollLoop
 from supervisor.tiers.part_protocol import PartError, PartInvalid, PartStore, copy_part
 from supervisor.tiers.part_stores import open_store
@@ -408,14 +409,14 @@ class PersistentTier:
         return local.path(step)
 
     def part_listing(self, newer_than: int | None = None,
-                     exclude: set[tuple[int, int]] | frozenset[tuple[int, int]] = frozenset()) -> dict[int, dict[str, Any]]:
-        """Parts offered for a multi-node restore: ``{step: {"world_size": W, "ranks": [...], "owners":
-        {rank: node}}}`` (owners as the manifests record them; ranks without one are left out there).
+                     exclude: set[tuple[int, int]] | frozenset[tuple[int, int]] = frozenset()) -> dict[int, TierOffer]:
+        """Parts offered for a multi-node restore, by step (owners as the manifests record them; ranks
+        without one are left out there).
 
         Cheap: manifests read and file sizes checked, no checksums (the fetching node checks every
         byte). Newest first, down to ``newer_than`` (exclusive) or the first step whose every rank is
         offered, since nothing older could then be chosen. ``exclude``: (step, rank) known bad."""
-        out: dict[int, dict[str, Any]] = {}
+        out: dict[int, TierOffer] = {}
         for step in reversed(self.store.steps()):
             if newer_than is not None and step <= newer_than:
                 break
@@ -425,7 +426,7 @@ class PersistentTier:
                 continue
             (world,) = worlds
             owners = {r: o for r, m in offered.items() if (o := owner_of(m)) is not None}
-            out[step] = {"world_size": world, "ranks": sorted(offered), "owners": owners}
+            out[step] = TierOffer(world, frozenset(offered), owners)
             if sorted(offered) == list(range(world)):
                 break
         return out

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 from rlsup_format.fileio import write_durable
 from rlsup_format.manifest import MANIFEST_RE, RankManifest, list_step_dirs, manifest_name, step_dir_name
 from rlsup_format.names import Kind, placement_name, reserved_name
+from supervisor.control_records import InventoryBuilder, NodeInventory
 from supervisor.tiers.manifest_watch import ManifestWatch
 from supervisor.job_identity import namespace_of, parse_namespace
 from supervisor.membership import Membership, replica_targets
@@ -328,14 +329,13 @@ class ReplicationEngine:
 
     # ------------------------------------------------------------ restore
 
-    def inventory(self) -> dict[str, Any]:
+    def inventory(self) -> NodeInventory:
         """What this node holds, fully verified (a corrupted copy is never offered)."""
-        steps: dict[str, dict[str, Any]] = {}
+        held = InventoryBuilder(self.me)
         for part in scan_parts(self.checkpoint_dir, full=True):
             if job_of(part) not in (self.job, None):
                 continue  # another job wrote into this directory: never offered to this one
-            entry = steps.setdefault(str(part.step), {"world_size": part.world_size, "local": {}, "replicas": {}})
-            entry["local"][str(part.rank)] = part.owner if part.owner is not None else self.me
+            held.add(part.step, part.world_size, part.rank, part.owner if part.owner is not None else self.me)
         if self.replica_root.is_dir():
             for ns_dir in sorted(self.replica_root.iterdir()):
                 parsed = parse_namespace(ns_dir.name)
@@ -343,12 +343,9 @@ class ReplicationEngine:
                     continue  # another job's replicas (or an older layout): never this job's data
                 owner = parsed[1]
                 for part in scan_parts(ns_dir, full=True):
-                    if job_of(part) != self.job:
-                        continue
-                    entry = steps.setdefault(str(part.step),
-                                             {"world_size": part.world_size, "local": {}, "replicas": {}})
-                    entry["replicas"][str(part.rank)] = owner
-        return {"node": self.me, "steps": steps}
+                    if job_of(part) == self.job:
+                        held.add(part.step, part.world_size, part.rank, owner, replica=True)
+        return held.build()
 
     def fetch(self, step: int, ranks: dict[int, list[int]]) -> None:
         """Bring this node's missing parts of ``step`` back from the peers holding replicas, each rank
