@@ -17,7 +17,8 @@ from typing import Iterator
 
 import pytest
 
-from conftest import free_ports, wait_for
+from support.ports import free_ports
+from support.waits import wait_for
 
 START_TIMEOUT_S = 30.0  # a cold start of 3 members is ~1 s; generous for a loaded CI machine
 

@@ -15,7 +15,9 @@ import psutil
 import pytest
 import torch
 
-from conftest import ROOT, clean_env, pid_alive, wait_for
+from support.env import ROOT, clean_env
+from support.procs import pid_alive
+from support.waits import wait_for
 from trainer_hooks import CheckpointManager
 from trainer_hooks.async_writer import AsyncSaveError
 from rlsup_format.manifest import list_step_dirs, read_manifest, step_dir_name, verify_step_dir

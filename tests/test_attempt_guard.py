@@ -19,7 +19,11 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, clean_env, free_ports, incidents, pid_alive, run_rlsup, start_rlsup, wait_for
+from support.env import ROOT, clean_env
+from support.incidents import incidents
+from support.ports import free_ports
+from support.procs import pid_alive, run_rlsup, start_rlsup
+from support.waits import wait_for
 from supervisor import exit_codes
 from supervisor.attempt_cgroup import create_run_cgroup, remove_cgroup
 from supervisor.tree_record import load, record_path

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, clean_env
+from support.env import ROOT, clean_env
 from etcd_cluster import etcd_binary
 
 SCRIPT = ROOT / "benchmarks" / "bench_scale.py"

@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import ROOT, clean_env
+from support.env import ROOT, clean_env
 
 
 def test_run_quick_selection_and_heartbeat_prints_table(tmp_path: Path) -> None:

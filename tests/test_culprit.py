@@ -8,7 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import JOBS, incidents, run_rlsup
+from support.env import JOBS
+from support.incidents import incidents
+from support.procs import run_rlsup
 
 from supervisor import exit_codes
 from supervisor.health import UNHEALTHY_NODES, node_name

@@ -9,8 +9,10 @@ from pathlib import Path
 
 import torch
 
-from conftest import clean_env, rlsup_cmd, wait_for
-from test_multinode import free_ports
+from support.env import clean_env
+from support.ports import free_ports
+from support.procs import rlsup_cmd
+from support.waits import wait_for
 from supervisor.job_identity import job_identity, namespace_of
 from trainer_hooks import CheckpointManager
 from rlsup_format.manifest import hash_file, manifest_name, read_manifest

@@ -14,7 +14,9 @@ from typing import Callable, Iterator
 import pytest
 import torch
 
-from conftest import ROOT, clean_env, incidents, run_rlsup
+from support.env import ROOT, clean_env
+from support.incidents import incidents
+from support.procs import run_rlsup
 
 TRAIN = str(ROOT / "examples" / "train_tiny.py")
 STEPS = 12

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import ROOT
-from test_metrics_scrape import dashboard_expressions, exported_names, substitute
+from support.env import ROOT
+from support.metrics import dashboard_expressions, exported_names, substitute
 
 GRAFANA = ROOT / "deploy" / "grafana"
 DASHBOARD = GRAFANA / "dashboards" / "rlsup.json"

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import ROOT
+from support.env import ROOT
 from supervisor.metrics import REASONS, STATES
-from test_metrics_scrape import exported_names
+from support.metrics import exported_names
 
 PROM = ROOT / "deploy" / "prometheus"
 RULES = PROM / "rlsup_alerts.yml"

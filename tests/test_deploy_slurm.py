@@ -24,8 +24,9 @@ from typing import Iterator
 
 import pytest
 
-from conftest import ROOT, clean_env, wait_for
-from test_metrics_scrape import free_ports
+from support.env import ROOT, clean_env
+from support.ports import free_ports
+from support.waits import wait_for
 
 SBATCH = ROOT / "deploy" / "slurm" / "rlsup.sbatch"
 TRAIN = ROOT / "examples" / "train_tiny.py"

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT
+from support.env import ROOT
 from supervisor.config import SupervisorConfig, load_config
 
 UNITS = ROOT / "systemd"

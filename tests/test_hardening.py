@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, clean_env, pid_alive, wait_for
+from support.env import ROOT, clean_env
+from support.procs import pid_alive
+from support.waits import wait_for
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux-only")
 

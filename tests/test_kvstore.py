@@ -9,7 +9,7 @@ from typing import Callable, Iterator
 
 import pytest
 
-from conftest import free_ports
+from support.ports import free_ports
 from etcd_cluster import EtcdCluster, etcd_cluster, etcd_cluster_clean, shared_etcd_cluster  # noqa: F401  (fixtures)
 from supervisor.kvstore import KVStore, StoreUnavailable, TCPKVStore
 

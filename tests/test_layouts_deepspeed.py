@@ -20,7 +20,9 @@ from pathlib import Path
 
 import pytest
 import kill_matrix as km
-from conftest import JOBS, clean_env, free_ports, rlsup_cmd
+from support.env import JOBS, clean_env
+from support.ports import free_ports
+from support.procs import rlsup_cmd
 from deepspeed_builders import (bench_tree, copy_tree, deepspeed_would_load, openrlhf_retention, synthetic_tag,
                                 truncate_half)
 
@@ -77,7 +79,7 @@ def _race(root: Path, port: int) -> Path:
 def _resume_under_rlsup(template: Path, work: Path, port: int) -> tuple[Path, subprocess.CompletedProcess]:
     """`latest` names a tag with a torn optimizer shard; the job only calls ``engine.load_checkpoint(dir)``
     under ``rlsup run --repair-tracker true``."""
-    from conftest import run_rlsup
+    from support.procs import run_rlsup
 
     ckpt = copy_tree(template, work / "ckpt")
     truncate_half(ckpt / "global_step2" / "zero_pp_rank_0_mp_rank_00_optim_states.pt")

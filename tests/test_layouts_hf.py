@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from conftest import JOBS, ROOT
+from support.env import JOBS, ROOT
 from hf_builders import bench_tree, hf_step, truncate
 
 import kill_matrix

@@ -144,7 +144,7 @@ def test_run_with_no_megatron_tracker_claims_no_resume(tmp_path: Path) -> None:
     start fresh), so the job is told to start fresh too."""
     import sys
 
-    from conftest import run_rlsup
+    from support.procs import run_rlsup
 
     ckpt = tmp_path / "ckpt"
     megatron_iter(ckpt, 10, tracker=False)

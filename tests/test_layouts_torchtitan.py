@@ -147,7 +147,7 @@ def test_bench_tree_newest_is_broken(tmp_path: Path, steps: int) -> None:
 def test_rlsup_run_resumes_from_the_newest_complete_step(tmp_path: Path) -> None:
     """Under ``rlsup run --checkpoint-dir``: attempt 0 saves step 1 and is SIGKILLed inside step 2's save;
     attempt 1 gets RLSUP_RESUME_DIR/RLSUP_RESUME_STEP of the newest complete step."""
-    from conftest import run_rlsup
+    from support.procs import run_rlsup
 
     ckpt = tmp_path / "ckpt"
     job = sb.job_script(tmp_path / "job.py", "torchtitan")

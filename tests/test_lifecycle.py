@@ -8,7 +8,7 @@ import json
 import re
 
 import pytest
-from conftest import ROOT
+from support.env import ROOT
 
 from supervisor.lifecycle import (ATTEMPT_FAILURES, FINAL, HUNG, TRANSITIONS, Action, EndReason, IllegalTransition,
                                   JobStatus, check_transition, diagram)

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import run_rlsup
+from support.procs import run_rlsup
 
 from supervisor import log as rlsup_log
 

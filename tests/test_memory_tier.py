@@ -18,7 +18,10 @@ from typing import Callable, Iterator
 import pytest
 import torch
 
-from conftest import ROOT, clean_env, incidents, start_rlsup, wait_for
+from support.env import ROOT, clean_env
+from support.incidents import incidents
+from support.procs import start_rlsup
+from support.waits import wait_for
 from rlsup_format.manifest import list_step_dirs, manifest_name, read_manifest, verify_step_dir
 from supervisor.config import ConfigError, SupervisorConfig, load_config
 from supervisor.job_identity import job_identity
@@ -360,7 +363,7 @@ def test_a_real_tmpfs_too_small_is_seen_by_its_free_space(tmp_path: Path) -> Non
 
 def test_multi_node_memory_tier_refuses_a_time_cadence(workdir: Path) -> None:
     """On several nodes the drained steps must be the same on every node: disk_every_seconds cannot say so."""
-    from conftest import run_rlsup
+    from support.procs import run_rlsup
 
     result = run_rlsup(["run", "--memory-dir", str(workdir / "shm"), "--disk-every-seconds", "5", "--peers",
                         "127.0.0.1:9001,127.0.0.1:9002", "--node-rank", "0", "--", PY, "-c", "pass"], workdir)

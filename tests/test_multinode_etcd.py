@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from etcd_cluster import EtcdCluster, etcd_cluster  # noqa: F401 - the fixture
-from test_multinode import Cluster, assert_resumed_at_least, lose_node_0_and_replace, reference_weights
+from support.cluster import Cluster, assert_resumed_at_least, lose_node_0_and_replace, reference_weights
 
 
 def test_etcd_backend_survives_losing_node_0_and_an_etcd_member(tmp_path: Path, etcd_cluster: EtcdCluster) -> None:  # noqa: F811

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from conftest import free_ports, run_rlsup, wait_for
-from test_multinode import Cluster, assert_same_weights, reference_weights, rlsup_resumes, trainer_starts
+from support.ports import free_ports
+from support.procs import run_rlsup
+from support.waits import wait_for
+from support.cluster import Cluster, assert_same_weights, reference_weights, rlsup_resumes, trainer_starts
 
 SHORT = ["--steps", "9", "--checkpoint-every", "3", "--step-time", "0.05", "--keep-last", "100"]
 # Job A must outlive every other job's refusal (CI once saw a loaded machine finish A's 40 steps first).

@@ -18,12 +18,13 @@ from pathlib import Path
 
 import torch
 
-from conftest import incidents, wait_for
+from support.cluster import Cluster, assert_same_weights, reference_weights, replica_part, rlsup_resumes, trainer_starts
+from support.incidents import incidents
+from support.waits import wait_for
 from rlsup_format.manifest import list_step_dirs, manifest_name
 from supervisor.control_records import StepHoldings
 from supervisor.tiers.memory_tier import MemorySettings, MemoryTier, job_memory_dir
 from supervisor.tiers.node_parts import NodeParts
-from test_multinode import Cluster, assert_same_weights, reference_weights, replica_part, rlsup_resumes, trainer_starts
 from trainer_hooks.backends import get_backend
 from trainer_hooks.step_writer import RankIdentity, StepTarget, write_step
 

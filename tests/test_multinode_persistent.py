@@ -13,26 +13,22 @@ older valid one) and end bit-identical to an uninterrupted run.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import subprocess
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
 
-from conftest import ROOT, clean_env, job_subdir, rlsup_cmd, wait_for
-from supervisor.control_records import TierOffer
-from supervisor.tiers.persistent import PersistentPartInvalid, PersistentTier
-from test_multinode import PY, assert_same_weights, free_ports
-from trainer_hooks import CheckpointManager
 from rlsup_format.manifest import hash_file, manifest_name, step_dir_name, verify_step_dir
 from rlsup_format.names import host_tag
+from support.cluster import Cluster, assert_same_weights, job_subdir, reference_weights
+from support.waits import wait_for
+from supervisor.control_records import TierOffer
+from supervisor.tiers.persistent import PersistentPartInvalid, PersistentTier
+from trainer_hooks import CheckpointManager
 
-TRAIN = str(ROOT / "examples" / "train_tiny.py")
 NODES = 2
 STEPS = 36
 TRAIN_ARGS = ["--steps", str(STEPS), "--checkpoint-every", "3", "--step-time", "0.2", "--keep-last", "100"]
@@ -136,76 +132,16 @@ def test_per_part_copy_out_retention_and_fetch(tmp_path: Path, monkeypatch: pyte
 # ------------------------------------------------------------------------------------------ end to end
 
 
-class Cluster:
-    """Two `rlsup run` node supervisors sharing one persistent directory."""
+class PersistentCluster(Cluster):
+    """Two `rlsup run` node supervisors (static rendezvous) sharing one persistent directory."""
 
     def __init__(self, root: Path) -> None:
-        self.root = root
         self.persistent = root / "persistent"
-        self.token = root / "token"
-        self.token.write_text("s3cret-shared-by-all-nodes\n")
-        self.token.chmod(0o600)
-        self.procs: dict[int, subprocess.Popen] = {}
-        self.new_ports()
-
-    def new_ports(self) -> None:
-        """Fresh ports for a restart: the killed store and rendezvous may linger in TIME_WAIT."""
-        *self.repl_ports, self.coord_port, self.master_port = free_ports(NODES + 2)
-
-    def node_dir(self, node: int) -> Path:
-        return self.root / f"node{node}"
-
-    def start(self, node: int) -> None:
-        d = self.node_dir(node)
-        d.mkdir(parents=True, exist_ok=True)
-        peers = ",".join(f"127.0.0.1:{p}" for p in self.repl_ports)
-        args = ["run", "--peers", peers, "--node-rank", str(node), "--coordinator-port", str(self.coord_port),
-                "--token-file", str(self.token), "--replication-scan-interval", "0.3", "--heartbeat-timeout", "60",
-                "--backoff-initial", "0.2", "--backoff-max", "0.5", "--rendezvous-timeout", "120",
-                # A new allocation on other addresses (new ports below) is the same job only by name (or
-                # SLURM_JOB_ID): without one, the identity includes the peers.
-                "--job-name", "mn-persistent",
-                "--kill-grace", "3", "--persistent-dir", str(self.persistent), "--persistent-every", "6",
-                "--persistent-keep-last", "3", "--",
-                PY, "-m", "torch.distributed.run", "--nnodes", str(NODES), "--node-rank", str(node),
-                "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(self.master_port),
-                TRAIN, *TRAIN_ARGS, "--out", str(d / "final.pt")]
-        log = open(d / "rlsup.log", "ab")
-        self.procs[node] = subprocess.Popen(rlsup_cmd(*args), cwd=d, env=clean_env(), stdout=log,
-                                            stderr=subprocess.STDOUT)
-
-    def start_all(self) -> None:
-        for node in range(NODES):
-            self.start(node)
-
-    def wait_all(self, timeout: float) -> dict[int, int]:
-        deadline = time.monotonic() + timeout
-        codes = {}
-        for node, proc in self.procs.items():
-            try:
-                codes[node] = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                codes[node] = -999
-        return codes
-
-    def kill_all(self) -> None:
-        """SIGKILL every node supervisor, then wait until nothing of their jobs is left running."""
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait()
-        wait_for(lambda: not self._job_processes(), 30, "the killed nodes' ranks to exit")
-
-    def _job_processes(self) -> list[int]:
-        marker = str(self.root)
-        pids = []
-        for p in psutil.process_iter(["pid", "cmdline"]):
-            try:
-                if any(marker in arg for arg in (p.info["cmdline"] or [])):
-                    pids.append(p.info["pid"])
-            except (psutil.NoSuchProcess, psutil.AccessDenied):
-                continue
-        return pids
+        # A new allocation on other addresses (new ports, see new_ports) is the same job only by name (or
+        # SLURM_JOB_ID): without one, the identity includes the peers.
+        super().__init__(root, NODES, "static", ["--job-name", "mn-persistent", "--persistent-dir", str(self.persistent),
+                                                  "--persistent-every", "6", "--persistent-keep-last", "3"],
+                         TRAIN_ARGS, scan_interval=0.3)
 
     def wipe_nodes(self) -> None:
         """Every node loses its disk: checkpoint directory and replica store."""
@@ -217,27 +153,14 @@ class Cluster:
         tier = PersistentTier(job_subdir(self.persistent))
         return [s for s in tier.steps() if tier.verify(s, full=True)]
 
-    def state(self, node: int) -> dict:
-        return json.loads((self.node_dir(node) / ".rlsup" / "state.json").read_text())
-
-    def logs(self, tail: int | None = 4000) -> str:
-        """Each node's rlsup output: its last ``tail`` characters (for assertion messages), or all of it."""
-        return "\n".join(f"--- node {n} ---\n" + (self.node_dir(n) / "rlsup.log").read_text(errors="replace")[-(tail or 0):]
-                         for n in range(NODES) if (self.node_dir(n) / "rlsup.log").exists())
-
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
     """The uninterrupted run's final weights (same world size, no supervisor)."""
-    tmp = tmp_path_factory.mktemp("reference")
-    out = tmp / "reference.pt"
-    subprocess.run([PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(NODES), TRAIN,
-                    *TRAIN_ARGS, "--step-time", "0", "--checkpoint-dir", str(tmp / "ckpt"), "--out", str(out)],
-                   env=clean_env(), check=True, capture_output=True, timeout=300)
-    return torch.load(out, weights_only=True)
+    return reference_weights(tmp_path_factory.mktemp("reference"), NODES, TRAIN_ARGS)
 
 
-def run_until_persisted(cluster: Cluster, min_step: int) -> list[int]:
+def run_until_persisted(cluster: PersistentCluster, min_step: int) -> list[int]:
     """Start every node, wait for a valid persistent step >= ``min_step``, then lose every node."""
     cluster.start_all()
     try:
@@ -252,7 +175,7 @@ def run_until_persisted(cluster: Cluster, min_step: int) -> list[int]:
     return cluster.valid_persistent_steps()  # after the kill: nothing changes any more
 
 
-def restart_and_finish(cluster: Cluster) -> None:
+def restart_and_finish(cluster: PersistentCluster) -> None:
     cluster.new_ports()
     cluster.start_all()
     try:
@@ -263,11 +186,11 @@ def restart_and_finish(cluster: Cluster) -> None:
 
 
 def test_all_nodes_lost_resume_from_persistent_tier_bit_identical(tmp_path: Path, reference: dict) -> None:
-    cluster = Cluster(tmp_path)
+    cluster = PersistentCluster(tmp_path)
     valid = run_until_persisted(cluster, 9)
     newest = max(valid)
     restart_and_finish(cluster)
-    assert_same_weights(cluster.node_dir(0) / "final.pt", reference)
+    assert_same_weights(cluster.node_dir(0) / cluster.out_name, reference)
     for node in range(NODES):
         state = cluster.state(node)
         assert (state["resume_step"], state["resume_tier"]) == (newest, "persistent"), (state, cluster.logs())
@@ -277,7 +200,7 @@ def test_all_nodes_lost_resume_from_persistent_tier_bit_identical(tmp_path: Path
 
 
 def test_corrupted_persistent_part_falls_back_to_older_step(tmp_path: Path, reference: dict) -> None:
-    cluster = Cluster(tmp_path)
+    cluster = PersistentCluster(tmp_path)
     valid = run_until_persisted(cluster, 9)
     newest = max(valid)
     older = [s for s in valid if s < newest]
@@ -287,7 +210,7 @@ def test_corrupted_persistent_part_falls_back_to_older_step(tmp_path: Path, refe
     shard.write_bytes(bytes(data))
     assert not verify_step_dir(job_subdir(cluster.persistent) / step_dir_name(newest)).valid
     restart_and_finish(cluster)
-    assert_same_weights(cluster.node_dir(0) / "final.pt", reference)
+    assert_same_weights(cluster.node_dir(0) / cluster.out_name, reference)
     expected = (max(older), "persistent") if older else (None, None)
     for node in range(NODES):
         state = cluster.state(node)

@@ -14,7 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, incidents, run_rlsup
+from support.env import ROOT
+from support.incidents import incidents
+from support.procs import run_rlsup
 
 try:
     import nvidia_resiliency_ext.fault_tolerance  # noqa: F401

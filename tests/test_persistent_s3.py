@@ -13,7 +13,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import urllib.error
@@ -29,19 +28,17 @@ pytest.importorskip("moto", reason="moto[server] is not installed (pip install -
 pytest.importorskip("flask", reason="moto's server needs its [server] extra (pip install 'moto[server]')")
 boto3 = pytest.importorskip("boto3", reason="boto3 (a moto dependency) is not installed")
 
-from conftest import ROOT, clean_env, incidents, start_rlsup, wait_for  # noqa: E402
+from support.env import ROOT, clean_env  # noqa: E402
+from support.incidents import incidents  # noqa: E402
+from support.ports import free_ports  # noqa: E402
+from support.procs import start_rlsup  # noqa: E402
+from support.waits import wait_for  # noqa: E402
 from supervisor.tiers.persistent import PersistentTier, PersistentTierError  # noqa: E402
 from supervisor.tiers.selection import choose_across_tiers  # noqa: E402
 from trainer_hooks import CheckpointManager  # noqa: E402
 from rlsup_format.manifest import MANIFEST_RE, manifest_name, step_dir_name, verify_step_dir  # noqa: E402
 
 KEY, SECRET, REGION = "rlsup-test-key", "rlsup-test-secret", "us-east-1"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _answers(url: str) -> bool:
@@ -57,7 +54,7 @@ def _answers(url: str) -> bool:
 def _start_moto(log_path: Path) -> tuple[subprocess.Popen, str]:
     """moto's S3 server on a free port; returns (process, endpoint) once it answers HTTP."""
     for _ in range(3):  # the free port may be taken between the probe and the bind: try another
-        port = _free_port()
+        port = free_ports(1)[0]
         log = open(log_path, "wb")
         env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "RLSUP_"))}
         proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],

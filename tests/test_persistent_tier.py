@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, clean_env, wait_for
+from support.env import ROOT, clean_env
+from support.waits import wait_for
 from supervisor.tiers.persistent import PersistentTier, PersistentTierError
 from supervisor.tiers.selection import choose_across_tiers
 from trainer_hooks import CheckpointManager

@@ -13,7 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from conftest import JOBS, free_ports, incidents, run_rlsup, start_rlsup, wait_for
+from support.env import JOBS
+from support.incidents import incidents
+from support.ports import free_ports
+from support.procs import run_rlsup, start_rlsup
+from support.waits import wait_for
 from rlsup_format.heartbeat_record import read_record
 from supervisor.hang_detector import AutoTimeout, HangDetector
 from supervisor.process_tree import OutputTail

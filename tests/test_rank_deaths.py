@@ -9,7 +9,7 @@ import signal
 import subprocess
 import sys
 
-from conftest import wait_for
+from support.waits import wait_for
 from supervisor.rank_deaths import RankDeath, RankDeathWatch, zombie_status
 
 PY = sys.executable

@@ -26,7 +26,10 @@ from pathlib import Path
 import pytest
 
 import kill_matrix
-from conftest import JOBS, clean_env, free_ports, incidents, rlsup_cmd
+from support.env import JOBS, clean_env
+from support.incidents import incidents
+from support.ports import free_ports
+from support.procs import rlsup_cmd
 
 pytest.importorskip("ray", reason="ray is not installed")
 pytest.importorskip("verl.utils.checkpoint.fsdp_checkpoint_manager", reason="verl is not installed")

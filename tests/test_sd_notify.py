@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT
+from support.env import ROOT
 from supervisor import sd_notify
 
 
@@ -86,8 +86,9 @@ def test_watchdog_interval_reads_process_environment(monkeypatch: pytest.MonkeyP
 def test_rlsup_daemon_speaks_the_protocol(tmp_path: Path) -> None:
     """`rlsup daemon` as systemd's Type=notify + WatchdogSec= sees it: READY=1 once it serves,
     WATCHDOG=1 at half the interval, STOPPING=1 on SIGTERM, then exit 0."""
-    from conftest import clean_env, rlsup_cmd
-    from test_metrics_scrape import free_ports
+    from support.env import clean_env
+    from support.ports import free_ports
+    from support.procs import rlsup_cmd
 
     sock_path = tmp_path / "notify.sock"
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)

@@ -16,7 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import JOBS, clean_env, free_ports, incidents, rlsup_cmd
+from support.env import JOBS, clean_env
+from support.incidents import incidents
+from support.ports import free_ports
+from support.procs import rlsup_cmd
 
 torch = pytest.importorskip("torch")
 

@@ -15,7 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import free_ports, incidents, run_rlsup, wait_for
+from support.incidents import incidents
+from support.ports import free_ports
+from support.procs import run_rlsup
+from support.waits import wait_for
 from supervisor.attempt_end import ERROR_FILE_NAME, accelerate_child_exit, classify_exit
 from supervisor.health import mark_repeat_offender
 from supervisor.incidents import Incident

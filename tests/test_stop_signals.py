@@ -24,7 +24,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import ROOT, clean_env
+from support.env import ROOT, clean_env
 from supervisor import process_tree
 from supervisor.process_tree import JobProcess
 

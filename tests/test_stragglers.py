@@ -12,12 +12,15 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import JOBS, clean_env, free_ports, rlsup_cmd, wait_for
+from support.env import JOBS, clean_env
+from support.ports import free_ports
+from support.metrics import (PROM_DIR, http_get, live_prometheus, log_of, parse, prometheus_ready, stopped_at_exit,
+                             try_scrape, value)
+from support.procs import kill_and_reap, rlsup_cmd
+from support.waits import wait_for
 from rlsup_format.heartbeat_record import HeartbeatRecord
 from supervisor.health import node_name
 from supervisor.stragglers import STRAGGLERS, StragglerDetector
-from test_metrics_scrape import (PROM_DIR, _ready, http_get, kill, live_prometheus, log_of, parse, stopped_at_exit,
-                                 try_scrape, value)
 
 PY = sys.executable
 MS = 1_000_000
@@ -93,7 +96,7 @@ def test_four_rank_job_with_a_3x_slow_rank_is_reported(tmp_path: Path, mode: str
         assert value(s, "rlsup_suspect_total", node=node_name(), why="straggler") == 1
         assert proc.wait(timeout=120) == 0, log_of(tmp_path)
     finally:
-        kill(proc)
+        kill_and_reap(proc)
     reports = [json.loads(line) for line in (tmp_path / ".rlsup" / STRAGGLERS).read_text().splitlines()]
     first = reports[0]
     assert (first["rank"], first["cleared"], first["node"]) == (2, False, node_name()), reports
@@ -116,7 +119,7 @@ def test_straggler_alert_fires_in_a_real_prometheus(tmp_path: Path) -> None:
     (tmp_path / "rules.yml").write_text(yaml.safe_dump(rules))
     with live_prometheus(tmp_path, metrics_port, [str(tmp_path / "rules.yml")]) as base:
         with stopped_at_exit(start(tmp_path / "job", metrics_port, "arrival", 400), tmp_path / "job"):
-            wait_for(lambda: _ready(base), 60, "Prometheus ready")
+            wait_for(lambda: prometheus_ready(base), 60, "Prometheus ready")
 
             def firing() -> list | None:
                 alerts = json.loads(http_get(f"{base}/api/v1/alerts"))["data"]["alerts"]

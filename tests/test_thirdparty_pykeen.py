@@ -20,8 +20,12 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import clean_env, incidents, rlsup_cmd, wait_for
-from test_thirdparty_trainers import FAST, Supervised, _kill, _stat, job_env
+from support.env import clean_env, job_env
+from support.files import file_stat
+from support.incidents import incidents
+from support.procs import rlsup_cmd, sigkill
+from support.trainers import FAST, Supervised
+from support.waits import wait_for
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "thirdparty"))
 import setup_pykeen as sp
@@ -74,15 +78,15 @@ def _pykeen_kill(job: Supervised, n: int, how: str, rng: random.Random) -> bool:
     if job.ended():
         return False
     if how == "save":
-        before = _stat(ckpt)  # torch.save truncates the file, then writes it record by record: kill after its
+        before = file_stat(ckpt)  # torch.save truncates the file, then writes it record by record: kill after its
         # first bytes, so the cut lies inside the zip (a cut before the first byte leaves it empty)
-        wait_for(lambda: job.ended() or not proc.is_running() or ((now := _stat(ckpt)) != before and now[1] > 0),
+        wait_for(lambda: job.ended() or not proc.is_running() or ((now := file_stat(ckpt)) != before and now[1] > 0),
                  240, f"attempt {n}'s next save", interval=0.0005)
     else:
         batch = rng.randint(2, 9)
         wait_for(lambda: job.ended() or _batch_after_last_save(job.attempt_log(n)) >= batch, 240,
                  f"attempt {n}'s batch {batch}", interval=0.005)
-    if job.ended() or not _kill(proc):
+    if job.ended() or not sigkill(proc.pid):
         return False
     try:
         data = ckpt.read_bytes()  # right after the kill, before rlsup's restart puts a version back

@@ -25,7 +25,6 @@ a seeded delay after the newest save completed (inside a training step).
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import re
@@ -34,22 +33,22 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import pytest
-from conftest import ROOT, clean_env, incidents, rlsup_cmd, wait_for
+from support.env import ROOT, clean_env, job_env
+from support.files import file_stat
+from support.incidents import incidents
+from support.procs import rlsup_cmd, sigkill
+from support.trainers import FAST, Supervised
+from support.waits import wait_for
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "thirdparty"))
 import setup_trainers as st
 
 torch = pytest.importorskip("torch")
 psutil = pytest.importorskip("psutil")
-BIN = Path(sys.executable).parent
-# Fast restarts for a test; everything else is the README's line.
-FAST = ["--backoff-initial", "0.05", "--backoff-max", "0.2", "--kill-grace", "2", "--max-restarts", "12",
-        "--poll-interval", "0.1"]
 NANOGPT_RLSUP = ["--checkpoint-dir", "out", "--checkpoint-layout", "single-file", "--checkpoint-file", "ckpt.pt",
                  "--progress", "nanogpt"]
 HF_RLSUP = ["--checkpoint-dir", "out", "--progress", "hf"]
@@ -61,117 +60,9 @@ SFT_ARGS = ["--model_name_or_path", "tiny-llama", "--dataset_name", "data", "--o
             "--data_seed", "1", "--disable_tqdm", "false"]
 
 
-def job_env(workdir: Path, **extra: str) -> dict[str, str]:
-    """clean_env with the venv's console scripts first on PATH (``trl``, ``torchrun``, ``python``), offline HF
-    libraries, and this test's own datasets cache (another test's cache is never mapped by our ranks)."""
-    return clean_env(PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
-                     HF_DATASETS_CACHE=str(workdir / "hf-datasets-cache"), TOKENIZERS_PARALLELISM="false",
-                     OMP_NUM_THREADS="1", **extra)
-
-
-# --------------------------------------------------------------------------------------------- the rlsup run
-@dataclass
-class Supervised:
-    """One ``rlsup run`` in ``cwd`` (output to a file: a pipe nobody reads would block rlsup)."""
-
-    cwd: Path
-    proc: subprocess.Popen
-    out_path: Path
-    kills: list[dict] = field(default_factory=list)
-
-    @classmethod
-    def start(cls, cwd: Path, rlsup_args: list[str], launch: list[str], env: dict[str, str]) -> "Supervised":
-        out_path = cwd / "rlsup.out"
-        with open(out_path, "w") as out:
-            proc = subprocess.Popen(rlsup_cmd("run", *rlsup_args, "--", *launch), cwd=cwd, env=env, stdout=out,
-                                    stderr=subprocess.STDOUT, text=True)
-        return cls(cwd, proc, out_path)
-
-    @property
-    def state_dir(self) -> Path:
-        return self.cwd / ".rlsup"
-
-    def output(self) -> str:
-        return self.out_path.read_text(errors="replace") if self.out_path.exists() else ""
-
-    def attempt(self) -> int:
-        """The newest attempt rlsup started (-1 before the first)."""
-        dirs = list((self.state_dir / "attempts").glob("attempt_*"))
-        return max((int(d.name.split("_")[1]) for d in dirs), default=-1)
-
-    def attempt_log(self, n: int) -> str:
-        p = self.state_dir / "attempts" / f"attempt_{n:04d}" / "output.log"
-        return p.read_text(errors="replace") if p.exists() else ""
-
-    def ended(self) -> bool:
-        return self.proc.poll() is not None
-
-    def trainers(self, match: Callable[["psutil.Process"], bool]) -> list["psutil.Process"]:
-        try:
-            procs = psutil.Process(self.proc.pid).children(recursive=True)
-        except psutil.NoSuchProcess:
-            return []
-        found = []
-        for p in procs:
-            try:
-                if p.status() != psutil.STATUS_ZOMBIE and match(p):
-                    found.append(p)
-            except psutil.Error:
-                continue
-        return found
-
-    def wait_trainer(self, n: int, match: Callable[["psutil.Process"], bool], what: str,
-                     timeout: float = 240) -> "psutil.Process | None":
-        """Attempt ``n``'s training process (None if rlsup ended first)."""
-        got = wait_for(lambda: self.ended() or (self.attempt() == n and self.trainers(match)), timeout,
-                       f"{what} of attempt {n}", interval=0.02)
-        return None if got is True else got[0]
-
-    def finish(self, timeout: float = 400) -> int:
-        try:
-            return self.proc.wait(timeout=timeout)
-        finally:
-            if self.proc.poll() is None:
-                self.proc.kill()
-                self.proc.wait()
-
-    def status_json(self) -> dict:
-        r = subprocess.run(rlsup_cmd("status", "--state-dir", str(self.state_dir), "--json"), cwd=self.cwd,
-                           env=clean_env(), capture_output=True, text=True, timeout=60)
-        assert r.returncode == 0, r.stdout + r.stderr
-        return json.loads(r.stdout)
-
-    def incidents_json(self) -> dict:
-        r = subprocess.run(rlsup_cmd("incidents", str(self.state_dir), "--json"), cwd=self.cwd, env=clean_env(),
-                           capture_output=True, text=True, timeout=60)
-        assert r.returncode == 0, r.stdout + r.stderr
-        return json.loads(r.stdout)
-
-    def report(self) -> str:
-        return (f"rlsup rc={self.proc.returncode}\nkills: {self.kills}\nincidents: "
-                f"{[{k: i.get(k) for k in ('attempt', 'reason', 'signal', 'action', 'last_step', 'resumed_step', 'resumed_from')} for i in incidents(self.state_dir)]}"
-                f"\n--- rlsup output (tail) ---\n{self.output()[-5000:]}")
-
-
-def _kill(p: "psutil.Process") -> bool:
-    try:
-        os.kill(p.pid, signal.SIGKILL)
-        return True
-    except ProcessLookupError:
-        return False
-
-
 # -------------------------------------------------------------------------------------------------- nanoGPT
 def _nanogpt_proc(p: "psutil.Process") -> bool:
     return "train.py" in p.cmdline()
-
-
-def _stat(path: Path) -> tuple[int, int, int] | None:
-    try:
-        s = path.stat()
-    except FileNotFoundError:
-        return None
-    return s.st_ino, s.st_size, s.st_mtime_ns
 
 
 def _iters(log: str) -> list[int]:
@@ -223,10 +114,10 @@ def _nanogpt_kill(job: Supervised, n: int, how: str, rng: random.Random) -> bool
     if job.ended():
         return False
     if how == "save":
-        before = _stat(ckpt)
-        wait_for(lambda: job.ended() or not proc.is_running() or _stat(ckpt) != before, 240,
+        before = file_stat(ckpt)
+        wait_for(lambda: job.ended() or not proc.is_running() or file_stat(ckpt) != before, 240,
                  f"attempt {n}'s next save", interval=0.0005)
-    if not _kill(proc):
+    if not sigkill(proc.pid):
         return False
     try:
         data = ckpt.read_bytes()  # right after the kill, before rlsup's restart puts a version back
@@ -356,7 +247,7 @@ def _hf_kill(job: Supervised, n: int, how: str, rng: random.Random, match: Calla
         delay = rng.uniform(0.0, 0.3)
         deadline = time.monotonic() + delay
         wait_for(lambda: time.monotonic() >= deadline, delay + 5, "the random kill moment", interval=0.005)
-    if not _kill(proc):
+    if not sigkill(proc.pid):
         return False
     # the steps as rlsup chose among them: once the attempt's incident is written every process of it is gone
     # (a surviving rank cannot complete a step any more) and the next attempt is seconds from its first save
@@ -622,7 +513,7 @@ def test_readme_trainer_line_runs_as_written(tmp_path: Path, key: str) -> None:
         assert proc is not None, job.report()
         wait_for(lambda: job.ended() or ready(work), 240, f"a complete checkpoint of {script}", interval=0.01)
         assert not job.ended(), job.report()
-        assert _kill(proc), job.report()
+        assert sigkill(proc.pid), job.report()
         job.kills.append({"attempt": 0, "pid": proc.pid})
         rc = job.finish()
     finally:

@@ -18,16 +18,16 @@ a fixed delay would land after the end on an idle machine and at the start on a 
 from __future__ import annotations
 
 import json
-import os
 import random
-import signal
 import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from conftest import JOBS, clean_env, rlsup_cmd, wait_for
+from support.env import JOBS, clean_env
+from support.procs import rlsup_cmd, sigkill
+from support.waits import wait_for
 
 import kill_matrix
 from supervisor import layouts
@@ -59,14 +59,6 @@ def _step_dirs(root: Path) -> set[str]:
     return {p.name for _, p in layouts.LAYOUTS["hf"].list_steps(root)} if root.exists() else set()
 
 
-def _kill(pid: int) -> bool:
-    try:
-        os.kill(pid, signal.SIGKILL)
-        return True
-    except ProcessLookupError:
-        return False
-
-
 def _external_kill(proc: subprocess.Popen, log: Path, ckpt: Path, attempt: int, how: str, arg: float) -> bool:
     """Wait for ``attempt`` to begin training, then SIGKILL its pid when ``how`` says; False if it ended first."""
     train = wait_for(lambda: next((e for e in _events(log) if e["event"] == "train" and e["attempt"] == str(attempt)),
@@ -87,7 +79,7 @@ def _external_kill(proc: subprocess.Popen, log: Path, ckpt: Path, attempt: int, 
     wait_for(moment, 240, f"the kill moment of attempt {attempt}", interval=0.003)
     if any(e["event"] == "done" for e in _events(log)):
         return False  # it finished first
-    return _kill(train["pid"])
+    return sigkill(train["pid"])
 
 
 def _run(job: str, tmp: Path, plan: Plan) -> tuple[list[dict], Path]:

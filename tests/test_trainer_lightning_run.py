@@ -23,7 +23,9 @@ import pytest
 import torch
 
 import lightning_builders as lb
-from conftest import clean_env, rlsup_cmd, wait_for
+from support.env import clean_env
+from support.procs import rlsup_cmd
+from support.waits import wait_for
 from supervisor.layouts import lightning as lt
 
 FAST = ["--backoff-initial", "0.05", "--backoff-max", "0.2", "--kill-grace", "2"]

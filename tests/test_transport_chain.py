@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 import xxhash
 
-from conftest import free_ports, wait_for
+from support.files import make_file  # the same test files as the transport tests
+from support.ports import free_ports
+from support.waits import wait_for
 from rlsup_format.digest import FileEntry
 from rlsup_format.manifest import SCHEMA_VERSION, RankManifest, manifest_name
 from rlsup_format.names import step_dir_name
@@ -26,7 +28,6 @@ from supervisor.transport.client import PeerClient, TransportError
 from supervisor.transport.forward import FORWARD_NICENESS
 from supervisor.transport.server import ReplicationServer
 from supervisor.transport.store import ReplicaStore
-from test_transport_http import make_file  # the same test files as the transport tests
 
 SECRET = b"chain-secret-chain-secret-chain!"
 REL = "step_000000005/shard.bin"

@@ -17,7 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import clean_env, free_ports, rlsup_cmd, wait_for
+from support.env import clean_env
+from support.ports import free_ports
+from support.procs import rlsup_cmd
+from support.waits import wait_for
 from supervisor.transport.auth import auth_headers
 from supervisor.transport.client import PeerClient
 

@@ -21,20 +21,10 @@ from supervisor.transport.server import ReplicationServer
 from supervisor.transport.store import ReplicaStore
 from rlsup_format.manifest import FileEntry, hash_file
 
-from conftest import wait_for
+from support.files import make_file
+from support.waits import wait_for
 
 SECRET = b"test-secret-test-secret-test-sec"
-
-
-def make_file(path: Path, size: int, seed: int = 0) -> FileEntry:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    block = xxhash.xxh3_128_digest(str(seed).encode()) * 4096  # 64 KiB, cheap to make
-    with open(path, "wb") as f:
-        left = size
-        while left:
-            f.write(block[:min(left, len(block))])
-            left -= min(left, len(block))
-    return hash_file(path)
 
 
 class Node:

@@ -17,7 +17,7 @@ from supervisor import exit_codes
 from supervisor.attempt_progress import AttemptEvidence, ProgressBasis, judge
 from supervisor.incidents_cli import incident_line, report, steps_lost
 
-from conftest import incidents
+from support.incidents import incidents
 from test_run_loop import Attempt, make
 
 

@@ -17,7 +17,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import clean_env, pid_alive, run_rlsup, start_rlsup, wait_for
+from support.env import clean_env
+from support.procs import pid_alive, run_rlsup, start_rlsup
+from support.waits import wait_for
 
 from supervisor.warm_launcher import warm_spec
 

@@ -17,7 +17,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import clean_env, pid_alive, run_rlsup, wait_for
+from support.env import clean_env
+from support.procs import pid_alive, run_rlsup
+from support.waits import wait_for
 
 from supervisor.warm_launcher import Zygote, warm_spec
 from supervisor.warm_pool import WarmPool, env_difference, startup_env

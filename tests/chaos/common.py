@@ -1,6 +1,7 @@
-"""Helpers shared by the chaos scenarios: sandboxes, launching rlsup and the example trainer, polling.
+"""What the chaos scenarios share beyond tests/support: sandboxes, the example trainer's launch, and the
+uninterrupted reference runs a scenario's weights and checkpoints are compared with.
 
-Self-contained (no import of tests/conftest.py) so that ``python -m tests.chaos.soak`` works outside pytest.
+The general helpers (waits, ports, process and incident helpers) come from tests/support, as everywhere.
 """
 
 from __future__ import annotations
@@ -9,81 +10,17 @@ import hashlib
 import json
 import os
 import subprocess
-import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, TypeVar
 
-ROOT = Path(__file__).resolve().parents[2]
-TRAIN = str(ROOT / "examples" / "train_tiny.py")
-PY = sys.executable
-T = TypeVar("T")
-
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from support.env import PY, TRAIN, clean_env
 
 
-class Deadline(AssertionError):
-    pass
-
-
-def wait_for(predicate: Callable[[], T], timeout: float, what: str, interval: float = 0.05) -> T:
-    """Poll ``predicate`` until truthy; raise Deadline naming ``what`` after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise Deadline(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
-
-
-def clean_env(sandbox: "Sandbox | None" = None, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RLSUP_")}
-    env["PYTHONUNBUFFERED"] = "1"
-    env["PYTHONDONTWRITEBYTECODE"] = "1"  # no __pycache__ written into the repository by the job
-    env["RLSUP_METRICS_PORT"] = "0"
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    env["OMP_NUM_THREADS"] = "1"  # 2 cores shared with other engineers' tests
-    if sandbox is not None:
-        env["TMPDIR"] = str(sandbox.tmp)
-        env["HOME"] = str(sandbox.home)
-    env.update(extra)
-    return env
-
-
-def rlsup_cmd(*args: str) -> list[str]:
-    return [PY, "-m", "supervisor.cli", *args]
-
-
-def pid_alive(pid: int) -> bool:
-    """Alive and not a zombie."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[-1].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
-
-
-def incidents(state_dir: Path) -> list[dict]:
-    path = state_dir / "incidents.jsonl"
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue
-    return out
+def sandbox_env(sandbox: "Sandbox | None" = None, **extra: str) -> dict[str, str]:
+    """:func:`support.env.clean_env` for a chaos process: no ``__pycache__`` written into the repository by the job,
+    one OpenMP thread (2 cores shared with other engineers' tests), and the sandbox's own TMPDIR and HOME."""
+    dirs = {"TMPDIR": str(sandbox.tmp), "HOME": str(sandbox.home)} if sandbox is not None else {}
+    return clean_env(**{"PYTHONDONTWRITEBYTECODE": "1", "OMP_NUM_THREADS": "1", **dirs, **extra})
 
 
 @dataclass
@@ -152,7 +89,7 @@ def reference_weights(cache_dir: Path, world: int, args: list[str]) -> dict:
         work = cache_dir / f"ref-{key}"
         work.mkdir(exist_ok=True)
         r = subprocess.run([*launcher(world), *args, "--step-time", "0", "--checkpoint-dir", str(work / "ckpt"),
-                            "--out", str(out)], env=clean_env(TMPDIR=str(work)), cwd=work, capture_output=True,
+                            "--out", str(out)], env=sandbox_env(TMPDIR=str(work)), cwd=work, capture_output=True,
                            text=True, timeout=600)
         if r.returncode != 0:
             raise AssertionError(f"reference run failed: {r.stdout[-2000:]}{r.stderr[-2000:]}")
@@ -191,7 +128,7 @@ def reference_checkpoints(cache_dir: Path, world: int, args: list[str]) -> Path:
     work.mkdir(parents=True)
     r = subprocess.run([*launcher(world), *relevant, "--keep-last", "100000", "--step-time", "0",
                         "--checkpoint-dir", str(work / "ckpt"), "--out", str(work / "final.pt.tmp")],
-                       env=clean_env(TMPDIR=str(work)), cwd=work, capture_output=True, text=True, timeout=600)
+                       env=sandbox_env(TMPDIR=str(work)), cwd=work, capture_output=True, text=True, timeout=600)
     if r.returncode != 0:
         raise AssertionError(f"reference run (all checkpoints kept) failed: {r.stdout[-2000:]}{r.stderr[-2000:]}")
     os.replace(work / "final.pt.tmp", work / "final.pt")
@@ -226,51 +163,3 @@ def payload_diff(got: object, want: object, where: str = "") -> str:
                 return d
         return ""
     return "" if got == want else f"{where or '/'}: {got!r:.60} vs {want!r:.60}"
-
-
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct TCP ports free on 127.0.0.1 right now."""
-    import socket
-
-    socks = []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
-def proc_state(pid: int) -> str | None:
-    """The /proc state letter of ``pid`` (R, S, T, Z, ...), None when it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[-1].split()[0]
-    except OSError:
-        return None
-
-
-def freeze(pid: int, timeout: float = 5.0) -> bool:
-    """SIGSTOP ``pid`` and wait until it is stopped; False when it is gone."""
-    import signal
-
-    try:
-        os.kill(pid, signal.SIGSTOP)
-    except ProcessLookupError:
-        return False
-    try:
-        wait_for(lambda: proc_state(pid) in ("T", "t", "Z", "X", None), timeout, f"pid {pid} to stop", interval=0.001)
-    except Deadline:
-        return False
-    return proc_state(pid) in ("T", "t")
-
-
-def thaw(pid: int) -> None:
-    import signal
-
-    try:
-        os.kill(pid, signal.SIGCONT)
-    except ProcessLookupError:
-        pass

@@ -26,7 +26,10 @@ from trainer_hooks.heartbeat import read_record
 from rlsup_format.manifest import list_step_dirs, manifest_name
 from rlsup_format.names import Kind, parse_reserved
 
-from .common import Deadline, clean_env, pid_alive, rlsup_cmd, wait_for
+from support.procs import pid_alive, rlsup_cmd
+from support.waits import Deadline, wait_for
+
+from .common import sandbox_env
 from .invariants import ProcessTracker, valid_steps
 
 KINDS = ("rank_kill", "rank_stop", "supervisor_kill", "node_kill", "supervisor_stop")
@@ -66,7 +69,7 @@ class SupervisedRun:
         self.sandbox = sandbox
         self.job = job
         self.rlsup_args = rlsup_args
-        self.env = clean_env(sandbox, **(env or {}))
+        self.env = sandbox_env(sandbox, **(env or {}))
         self.tracker = ProcessTracker(sandbox.state).start()
         self.proc: subprocess.Popen | None = None
         self.generation = 0

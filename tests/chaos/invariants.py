@@ -221,7 +221,7 @@ EXPECTED_REASONS = {
 
 def check_incidents(state_dir: Path, faults: list) -> list[str]:
     """One incident per injected fault that killed an attempt, with a matching reason, in order."""
-    from .common import incidents
+    from support.incidents import incidents
 
     inc = [i for i in incidents(state_dir) if i.get("reason") not in ("success",)]
     killing = [f for f in faults if f.injected and f.kind in EXPECTED_REASONS]

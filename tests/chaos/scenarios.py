@@ -13,8 +13,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .common import (Sandbox, clean_env, incidents, launcher, reference_weights, rlsup_cmd, train_args,
-                     wait_for)
+from support.incidents import incidents
+from support.procs import rlsup_cmd
+from support.waits import wait_for
+
+from .common import Sandbox, launcher, reference_weights, sandbox_env, train_args
 from .injector import Fault, FaultInjector, SupervisedRun
 from .invariants import (check_incidents, check_no_leftovers, check_no_survivors, check_no_writes_outside,
                          check_valid_not_lost, check_weights, valid_steps)
@@ -309,7 +312,7 @@ def corruption_scenario(parent: Path, ref_cache: Path, seed: int, n_damaged: int
     try:
         crash = rng.choice([16, 19, 22, 25])
         r = subprocess.run([*launcher(1), *args, "--checkpoint-dir", str(sb.ckpt), "--crash-at-step", str(crash),
-                            "--fault-rank", "0"], cwd=sb.run, env=clean_env(sb), capture_output=True, text=True,
+                            "--fault-rank", "0"], cwd=sb.run, env=sandbox_env(sb), capture_output=True, text=True,
                            timeout=300)
         if r.returncode != -signal.SIGKILL:
             raise AssertionError(f"seed run ended {r.returncode}: {r.stdout[-1000:]}{r.stderr[-2000:]}")
@@ -326,7 +329,7 @@ def corruption_scenario(parent: Path, ref_cache: Path, seed: int, n_damaged: int
 
             res.check([f"damaged step {s} still verifies ({notes})"] if verify_step_dir(sb.ckpt / f"step_{s:09d}").valid
                       else [])
-        r = subprocess.run(rlsup_cmd("checkpoints", "latest", str(sb.ckpt)), cwd=sb.run, env=clean_env(sb),
+        r = subprocess.run(rlsup_cmd("checkpoints", "latest", str(sb.ckpt)), cwd=sb.run, env=sandbox_env(sb),
                            capture_output=True, text=True, timeout=120)
         res.check([] if r.stdout.strip().endswith(f"step_{expected:09d}")
                   else [f"rlsup checkpoints latest chose {r.stdout[:300]!r} {r.stderr[-500:]}, expected step {expected}"])

@@ -23,14 +23,17 @@ import subprocess
 import time
 from pathlib import Path
 
-import psutil
-
 from supervisor.job_identity import job_identity, namespace_of
 from rlsup_format.names import Kind, parse_reserved
 from rlsup_format.manifest import hash_file, list_step_dirs, manifest_name, read_manifest, step_dir_name
 
-from .common import (PY, TRAIN, Deadline, Sandbox, clean_env, freeze, free_ports, incidents, reference_weights,
-                     rlsup_cmd, thaw, train_args, wait_for)
+from support.cluster import Cluster
+from support.incidents import incidents
+from support.ports import free_ports
+from support.procs import freeze, kill_tree, rlsup_cmd, thaw
+from support.waits import Deadline, wait_for
+
+from .common import Sandbox, reference_weights, sandbox_env, train_args
 from .injector import Fault
 from .invariants import (ProcessTracker, check_no_survivors, check_no_temp_copies, check_no_writes_outside,
                          check_weights)
@@ -49,21 +52,6 @@ def _token(sb: Sandbox) -> Path:
     token.write_text(SECRET_TEXT)
     token.chmod(0o600)
     return token
-
-
-def _kill_tree(pid: int) -> list[int]:
-    """SIGKILL ``pid`` and every descendant at once (a lost node): returns the pids killed."""
-    try:
-        root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.Error:
-        return []
-    for p in procs:
-        try:
-            p.send_signal(signal.SIGKILL)
-        except psutil.Error:
-            pass
-    return [p.pid for p in procs]
 
 
 def _valid_part(step_dir: Path, rank: int):
@@ -108,7 +96,7 @@ def transfer_kill_scenario(parent: Path, seed: int, victims: list[str] | None = 
             args += ["--replication-bandwidth", str(bandwidth)]
         with open(dirs[node] / "daemon.log", "ab") as log:
             # PYTHONFAULTHANDLER: a daemon that will not stop is sent SIGABRT, which prints every thread's stack.
-            procs[node] = subprocess.Popen(rlsup_cmd(*args), cwd=dirs[node], env=clean_env(sb, PYTHONFAULTHANDLER="1"),
+            procs[node] = subprocess.Popen(rlsup_cmd(*args), cwd=dirs[node], env=sandbox_env(sb, PYTHONFAULTHANDLER="1"),
                                            stdout=log, stderr=subprocess.STDOUT)
         tracker.add_root(procs[node].pid)
 
@@ -273,33 +261,24 @@ def fetch_kill_scenario(parent: Path, ref_cache: Path, seed: int, kills: int = 1
     # directories each node holds only its own parts, and rank 0's retention needs a whole step.
     args = train_args(steps=steps, keep_last=100)
     ref = reference_weights(ref_cache, 2, args)
-    token = _token(sb)
-    *repl, coord, master = free_ports(4)
-    peers = ",".join(f"127.0.0.1:{p}" for p in repl)
-    node_dir = [sb.run / "node0", sb.run / "node1"]
-    procs: dict[int, subprocess.Popen] = {}
+    cluster = Cluster(sb.run, 2, "static", ["--startup-timeout", "120"], args, env=sandbox_env(sb),
+                      rendezvous_timeout=rendezvous_timeout, secret=SECRET_TEXT)
+    peers = cluster.peers
+    node_dir = [cluster.node_dir(0), cluster.node_dir(1)]
+    procs = cluster.procs
     trackers: list[ProcessTracker] = []
     generation = [0, 0]
     logs: list[Path] = []
 
     def start(node: int, extra: list[str] = ()) -> subprocess.Popen:
-        d = node_dir[node]
-        d.mkdir(parents=True, exist_ok=True)
-        rl = ["run", "--peers", peers, "--node-rank", str(node), "--coordinator-port", str(coord),
-              "--token-file", str(token), "--replication-scan-interval", "0.5", "--heartbeat-timeout", "60",
-              "--backoff-initial", "0.2", "--backoff-max", "0.5", "--rendezvous-timeout", str(rendezvous_timeout),
-              "--kill-grace", "3", "--startup-timeout", "120", *extra, "--",
-              PY, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1",
-              "--master-addr", "127.0.0.1", "--master-port", str(master), TRAIN, *args, "--out", str(d / "final.pt")]
-        log_path = d / f"rlsup.{generation[node]}.log"
+        """Node ``node``'s supervisor, each start with its own log and a tracker of its process tree."""
+        log_name = f"rlsup.{generation[node]}.log"
         generation[node] += 1
-        logs.append(log_path)
-        with open(log_path, "ab") as log:
-            proc = subprocess.Popen(rlsup_cmd(*rl), cwd=d, env=clean_env(sb), stdout=log, stderr=subprocess.STDOUT)
-        tracker = ProcessTracker(d / ".rlsup").start()
+        logs.append(node_dir[node] / log_name)
+        proc = cluster.start(node, extra, log_name=log_name)
+        tracker = ProcessTracker(node_dir[node] / ".rlsup").start()
         tracker.add_root(proc.pid)
         trackers.append(tracker)
-        procs[node] = proc
         return proc
 
     def fetching(d: Path) -> list[str]:
@@ -333,7 +312,7 @@ def fetch_kill_scenario(parent: Path, ref_cache: Path, seed: int, kills: int = 1
         # Node 1 is lost: its whole process tree at once, then its disk.
         loss = Fault("node_loss", "after_replication")
         res.faults.append(loss)
-        killed = _kill_tree(procs[1].pid)
+        killed = kill_tree(procs[1].pid)
         procs[1].wait(timeout=30)
         loss.injected = loss.hit = True
         loss.note = (f"node 1 lost after its step {lost_at} part reached node 0 ({len(killed)} processes, "
@@ -361,7 +340,7 @@ def fetch_kill_scenario(parent: Path, ref_cache: Path, seed: int, kills: int = 1
                 break
             fault.hit = True
             fault.note = f"replacement #{i + 1} killed mid-fetch (t={time.monotonic() - started:.0f}s): {caught}"
-            _kill_tree(proc.pid)
+            kill_tree(proc.pid)
             proc.wait(timeout=30)
             fault.injected = True
             res.check(check_no_survivors(trackers[-1]))
@@ -376,7 +355,7 @@ def fetch_kill_scenario(parent: Path, ref_cache: Path, seed: int, kills: int = 1
                 codes[node] = "timeout"
         res.check([] if codes == {0: 0, 1: 0} else [f"nodes exited {codes} (expected 0 and 0) at "
                                                     f"t={time.monotonic() - started:.0f}s"])
-        res.check(check_weights(node_dir[0] / "final.pt", ref))
+        res.check(check_weights(node_dir[0] / cluster.out_name, ref))
         inc0 = incidents(node_dir[0] / ".rlsup")
         resumed = [i["resumed_step"] for i in inc0 if i.get("resumed_step") is not None]
         res.check([] if resumed and resumed[-1] >= lost_at else
@@ -391,7 +370,7 @@ def fetch_kill_scenario(parent: Path, ref_cache: Path, seed: int, kills: int = 1
     finally:
         for proc in procs.values():
             if proc.poll() is None:
-                _kill_tree(proc.pid)
+                kill_tree(proc.pid)
                 proc.wait()
         for t in trackers:
             for pid in t.alive():

@@ -25,8 +25,12 @@ import psutil
 from rlsup_format.manifest import list_step_dirs, manifest_name, read_manifest, step_dir_name, verify_step_dir
 from rlsup_format.names import Kind, parse_manifest_rank, parse_reserved
 
-from .common import (PY, Deadline, Sandbox, freeze, incidents, launcher, pid_alive, reference_checkpoints,
-                     reference_weights, thaw, train_args, wait_for)
+from support.env import PY
+from support.incidents import incidents
+from support.procs import freeze, pid_alive, thaw
+from support.waits import Deadline, wait_for
+
+from .common import Sandbox, launcher, reference_checkpoints, reference_weights, train_args
 from .injector import Fault, FaultInjector, SupervisedRun, written_by
 from .invariants import (check_incidents, check_no_leftovers, check_no_stale_holds, check_no_survivors,
                          check_no_temp_copies, check_no_writes_outside, check_steps_match_reference,

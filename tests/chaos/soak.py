@@ -1,4 +1,4 @@
-"""Randomised chaos soak: ``python -m tests.chaos.soak --minutes 30 [--seed N] [--out summary.json]``.
+"""Randomised chaos soak: ``cd tests && python -m chaos.soak --minutes 30 [--seed N] [--out summary.json]``.
 
 Each iteration picks a scenario and a seed from the master seed (printed first); a failing iteration
 prints its scenario and seed, and is replayed with ``--replay SCENARIO:SEED``.

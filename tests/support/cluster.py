@@ -1,0 +1,228 @@
+"""The multi-node harness: N node supervisors as separate ``rlsup run`` processes on 127.0.0.1, each in its own
+working directory standing for its own machine, around one torchrun job of ``examples/train_tiny.py``.
+
+The flags every node gets are in one place, :meth:`Cluster.node_args`; a test adds its own through ``extra``
+(per cluster) or :meth:`Cluster.start`'s ``extra`` (per start). Also here: what the nodes' logs say about
+resumes, where replicas land, and the uninterrupted run the results are compared with.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Callable, Literal, Sequence
+
+from rlsup_format.manifest import list_step_dirs, manifest_name
+from support.env import PY, TRAIN, clean_env
+from support.incidents import read_state
+from support.ports import free_ports
+from support.procs import kill_and_reap, processes_naming, rlsup_cmd
+from support.waits import wait_for
+
+NODES = 3
+STEPS = 24
+TRAIN_ARGS = ["--steps", str(STEPS), "--checkpoint-every", "3", "--step-time", "0.15", "--keep-last", "100"]
+SECRET = "s3cret-shared-by-all-nodes\n"
+Rendezvous = Literal["c10d", "static"]
+
+
+class Cluster:
+    """Node supervisors as separate `rlsup run` processes, each in its own directory (its own "machine").
+
+    ``rdzv``: how torchrun meets, ``c10d`` (as PyTorch documents multi-node jobs; torchrun ignores a node rank,
+    rlsup pins it) or ``static`` (``--node-rank`` and a master address). ``log_name`` names each node's rlsup
+    output and, by default, the final weights (``rlsup.log`` -> ``rlsup-final.pt``): two jobs in the same node
+    directories keep theirs apart. ``env``: the environment of every node (default :func:`clean_env`)."""
+
+    def __init__(self, root: Path, nodes: int = NODES, rdzv: Rendezvous = "c10d", extra: Sequence[str] = (),
+                 train_args: Sequence[str] | None = None, log_name: str = "rlsup.log", *,
+                 scan_interval: float = 0.5, rendezvous_timeout: float = 120, env: dict[str, str] | None = None,
+                 secret: str = SECRET) -> None:
+        self.root, self.nodes, self.rdzv, self.log_name = root, nodes, rdzv, log_name
+        self.extra = list(extra)
+        self.train_args = list(train_args or TRAIN_ARGS)
+        self.scan_interval, self.rendezvous_timeout = scan_interval, rendezvous_timeout
+        self.env = env
+        self.out_name = log_name.replace(".log", "-final.pt")
+        self.repl_ports: list[int]
+        self.coord_port: int | None  # None: the default port, as a user who sets none gets
+        self.master_port: int
+        self.new_ports()
+        self.token = root / "token"
+        self.token.write_text(secret)
+        self.token.chmod(0o600)
+        self.procs: dict[int, subprocess.Popen] = {}
+
+    def new_ports(self) -> None:
+        """Fresh ports (for a restart of every node: the killed store and rendezvous may linger in TIME_WAIT)."""
+        *self.repl_ports, self.coord_port, self.master_port = free_ports(self.nodes + 2)
+
+    @property
+    def peers(self) -> str:
+        return ",".join(f"127.0.0.1:{p}" for p in self.repl_ports)
+
+    def node_dir(self, node: int) -> Path:
+        return self.root / f"node{node}"
+
+    def launcher(self, node: int) -> list[str]:
+        """torchrun as a user types it: c10d (no node rank: torchrun ignores it) or static."""
+        common = [PY, "-m", "torch.distributed.run", "--nnodes", str(self.nodes), "--nproc-per-node", "1"]
+        if self.rdzv == "c10d":
+            return [*common, "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{self.master_port}",
+                    "--rdzv-id", "job1"]
+        return [*common, "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(self.master_port)]
+
+    def node_args(self, node: int, extra: Sequence[str] = ()) -> list[str]:
+        """``rlsup run ...`` of node ``node``: the flags every node of every cluster test gets (quick restarts,
+        a generous heartbeat and rendezvous for a loaded machine), then the cluster's and this start's own."""
+        coord = ["--coordinator-port", str(self.coord_port)] if self.coord_port else []
+        return ["run", "--peers", self.peers, "--node-rank", str(node), *coord, "--token-file", str(self.token),
+                "--replication-scan-interval", str(self.scan_interval), "--heartbeat-timeout", "60",
+                "--backoff-initial", "0.2", "--backoff-max", "0.5", "--rendezvous-timeout", str(self.rendezvous_timeout),
+                "--kill-grace", "3", *self.extra, *extra, "--",
+                *self.launcher(node), TRAIN, *self.train_args, "--out", str(self.node_dir(node) / self.out_name)]
+
+    def start(self, node: int, extra: Sequence[str] = (), log_name: str | None = None) -> subprocess.Popen:
+        """Start node ``node``'s supervisor in its directory (made if missing), its output appended to
+        ``log_name`` (default the cluster's) there."""
+        d = self.node_dir(node)
+        d.mkdir(parents=True, exist_ok=True)
+        with open(d / (log_name or self.log_name), "ab") as log:
+            self.procs[node] = subprocess.Popen(rlsup_cmd(*self.node_args(node, extra)), cwd=d,
+                                                env=self.env if self.env is not None else clean_env(), stdout=log,
+                                                stderr=subprocess.STDOUT)
+        return self.procs[node]
+
+    def start_all(self) -> None:
+        for node in range(self.nodes):
+            self.start(node)
+
+    def lose(self, node: int) -> None:
+        """SIGKILL the node's supervisor (its job dies with it) and take its disk away."""
+        self.procs[node].send_signal(signal.SIGKILL)
+        self.procs[node].wait(timeout=30)
+        os.rename(self.node_dir(node), self.root / f"node{node}.lost")
+
+    def wait_all(self, timeout: float) -> dict[int, int]:
+        """Every started node's exit code, -999 for one still running ``timeout`` seconds from now."""
+        deadline = time.monotonic() + timeout
+        codes = {}
+        for node, proc in self.procs.items():
+            try:
+                codes[node] = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                codes[node] = -999
+        return codes
+
+    def kill_all(self) -> None:
+        """SIGKILL every node supervisor, then wait until nothing of their jobs is left running (a process naming
+        a node's directory: every rank gets its ``--out`` there; what else the test runs under ``root``, an etcd
+        cluster say, is not the nodes')."""
+        for proc in self.procs.values():
+            kill_and_reap(proc, timeout=None)
+        nodes = [str(self.node_dir(n)) + os.sep for n in range(self.nodes)]
+        wait_for(lambda: not processes_naming(*nodes), 30, "the killed nodes' ranks to exit")
+
+    def log(self, node: int) -> str:
+        path = self.node_dir(node) / self.log_name
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def logs(self, tail: int | None = 3000) -> str:
+        """Each node's rlsup output: its last ``tail`` characters (for assertion messages), or all of it."""
+        return "\n".join(f"--- node {n} ---\n" + self.log(n)[-(tail or 0):] for n in range(self.nodes))
+
+    def state(self, node: int) -> dict:
+        """Node ``node``'s ``state.json``."""
+        return read_state(self.node_dir(node) / ".rlsup")
+
+
+def trainer_starts(log: str) -> list[int]:
+    """The steps rank 0's trainer said it started from, attempt by attempt."""
+    return [int(m) for m in re.findall(r"\[train_tiny\] attempt \d+: starting at step (\d+)", log)]
+
+
+def rlsup_resumes(log: str) -> list[int | None]:
+    """What rlsup said each launch resumed from (None: a fresh start)."""
+    out: list[int | None] = []
+    for line in log.splitlines():
+        if "[rlsup] attempt" in line and ": launching" in line:
+            m = re.search(r" from step (\d+) ", line)
+            out.append(int(m.group(1)) if m else None)
+    return out
+
+
+def replica_ns(replica_root: Path, owner: int) -> Path:
+    """The replica namespace holding ``owner``'s parts (``<job>.node<owner>``); one job per test dir."""
+    found = sorted(replica_root.glob(f"*.node{owner}"))
+    assert len(found) <= 1, f"more than one job's replicas of node {owner}: {found}"
+    return found[0] if found else replica_root / f"missing.node{owner}"
+
+
+def replica_part(cluster: Cluster, holder: int, owner: int, step: int) -> Path:
+    """Where node ``holder`` keeps its replica of node ``owner``'s part of ``step``."""
+    return replica_ns(cluster.node_dir(holder) / "replicas", owner) / f"step_{step:09d}"
+
+
+def job_subdir(persistent_root: Path) -> Path:
+    """The job's directory in a persistent tier (``<persistent_dir>/<job>/``); one job per test dir."""
+    found = [p for p in persistent_root.iterdir() if p.is_dir()] if persistent_root.is_dir() else []
+    assert len(found) <= 1, f"more than one job in {persistent_root}: {found}"
+    return found[0] if found else persistent_root / "missing-job"
+
+
+def reference_weights(tmp: Path, nodes: int = NODES, train_args: Sequence[str] = TRAIN_ARGS) -> dict:
+    """The final weights of the same training run uninterrupted and unsupervised (``nodes`` ranks, one host)."""
+    import torch
+
+    out = tmp / "reference.pt"
+    subprocess.run([PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nodes), TRAIN,
+                    *train_args, "--step-time", "0", "--checkpoint-dir", str(tmp / "ref_ckpt"), "--out", str(out)],
+                   env=clean_env(), check=True, capture_output=True, timeout=300)
+    return torch.load(out, weights_only=True)
+
+
+def assert_same_weights(path: Path, ref: dict) -> None:
+    """The weights at ``path`` equal ``ref`` bit for bit."""
+    import torch
+
+    final = torch.load(path, weights_only=True)
+    for name in ref:
+        assert torch.equal(final[name], ref[name]), f"{name} differs from the uninterrupted run"
+
+
+def lose_node_0_and_replace(cluster: Cluster, before_loss: Callable[[], object] = lambda: None) -> int:
+    """Run the job, lose node 0 once its step 9 part is replicated (``before_loss`` runs just before),
+    start a replacement with an empty disk, and wait for the end. Returns the newest step that was
+    complete and replicated when node 0 died (every resume must be at least as new)."""
+    try:
+        for node in range(cluster.nodes):
+            cluster.start(node)
+        wait_for(lambda: (replica_part(cluster, 1, 0, 9) / manifest_name(0)).exists(), 180,
+                 "node 0's step 9 part replicated to node 1")
+        before_loss()
+        cluster.lose(0)
+        held0 = {s for s, d in list_step_dirs(replica_ns(cluster.node_dir(1) / "replicas", 0))
+                 if (d / manifest_name(0)).exists()}
+        own = [{s for s, d in list_step_dirs(cluster.node_dir(n) / "checkpoints") if (d / manifest_name(n)).exists()}
+               for n in range(1, cluster.nodes)]
+        complete = max(held0.intersection(*own))
+        cluster.start(0)  # the replacement: same address, empty directory
+        codes = cluster.wait_all(timeout=300)
+        assert codes == {n: 0 for n in range(cluster.nodes)}, cluster.logs()
+    finally:
+        cluster.kill_all()
+    return complete
+
+
+def assert_resumed_at_least(cluster: Cluster, complete: int, ref: dict) -> None:
+    """Bit-identical, and the replacement node 0 resumed (as rlsup said and the trainer loaded) from a
+    step at least as new as ``complete``."""
+    assert_same_weights(cluster.node_dir(0) / cluster.out_name, ref)
+    log0 = cluster.log(0)
+    starts = trainer_starts(log0)
+    assert starts and starts[0] >= complete, (complete, log0[-4000:])
+    assert starts == [r or 0 for r in rlsup_resumes(log0)], log0[-4000:]

@@ -1,0 +1,117 @@
+"""Processes in tests: the rlsup CLI in a subprocess, whether a pid still lives, freezing, killing."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+from support.env import PY, clean_env
+from support.waits import Deadline, wait_for
+
+
+def rlsup_cmd(*args: str) -> list[str]:
+    """The real ``rlsup`` CLI of this checkout, run by this interpreter."""
+    return [PY, "-m", "supervisor.cli", *args]
+
+
+def run_rlsup(args: list[str], cwd: Path, timeout: float = 120, **env: str) -> subprocess.CompletedProcess:
+    """Run ``rlsup ARGS`` in ``cwd`` to its end (output captured as text), ``env`` over :func:`clean_env`."""
+    return subprocess.run(rlsup_cmd(*args), cwd=cwd, env=clean_env(**env), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def start_rlsup(args: list[str], cwd: Path, **env: str) -> subprocess.Popen:
+    """Start ``rlsup ARGS`` in ``cwd``, stdout and stderr together on one text pipe."""
+    return subprocess.Popen(rlsup_cmd(*args), cwd=cwd, env=clean_env(**env), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def proc_state(pid: int) -> str | None:
+    """The /proc state letter of ``pid`` (R, S, T, Z, ...), None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0]  # the command may itself hold ")"
+    except OSError:
+        return None
+
+
+def pid_alive(pid: int) -> bool:
+    """Alive and not a zombie (a zombie is dead for our purposes); a pid we may not signal is alive."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return proc_state(pid) not in ("Z", "X", None)
+
+
+def freeze(pid: int, timeout: float = 5.0) -> bool:
+    """SIGSTOP ``pid`` and wait until it is stopped; False when it is gone."""
+    try:
+        os.kill(pid, signal.SIGSTOP)
+    except ProcessLookupError:
+        return False
+    try:
+        wait_for(lambda: proc_state(pid) in ("T", "t", "Z", "X", None), timeout, f"pid {pid} to stop", interval=0.001)
+    except Deadline:
+        return False
+    return proc_state(pid) in ("T", "t")
+
+
+def thaw(pid: int) -> None:
+    """SIGCONT ``pid`` (gone already: nothing to do)."""
+    try:
+        os.kill(pid, signal.SIGCONT)
+    except ProcessLookupError:
+        pass
+
+
+def sigkill(pid: int) -> bool:
+    """SIGKILL ``pid``; False when it was already gone."""
+    try:
+        os.kill(pid, signal.SIGKILL)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def kill_tree(pid: int) -> list[int]:
+    """SIGKILL ``pid`` and every descendant at once (a lost node): returns the pids killed."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return []
+    for p in procs:
+        try:
+            p.send_signal(signal.SIGKILL)
+        except psutil.Error:
+            pass
+    return [p.pid for p in procs]
+
+
+def kill_and_reap(proc: subprocess.Popen, timeout: float | None = 30) -> None:
+    """SIGKILL ``proc`` if it still runs, then wait for it (no zombie left behind)."""
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait(timeout=timeout)
+
+
+def processes_naming(*markers: str) -> list[int]:
+    """Pids of the processes with an argument that contains one of ``markers`` (a test's directories: what is
+    left of its jobs)."""
+    import psutil
+
+    pids = []
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            if any(m in arg for arg in (p.info["cmdline"] or []) for m in markers):
+                pids.append(p.info["pid"])
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return pids
