@@ -41,11 +41,8 @@ FAST_MODULES: dict[str, frozenset[str]] = {
     "test_backends.py": frozenset(),
     "test_checkpoint_manager.py": frozenset({"test_sigkill_at_random_moments_never_loses_a_valid_checkpoint",
                                              "test_full_disk_save_error_says_no_space"}),
-    "test_config.py": frozenset({"test_precedence_flag_env_file_default",  # the rlsup CLI in a subprocess
-                                 "test_unknown_key_names_key_file_and_line", "test_wrong_type_in_file",
-                                 "test_wrong_type_in_flag_and_env", "test_unreadable_and_malformed_file",
-                                 "test_invalid_value", "test_replication_settings_errors_exit_2",
-                                 "test_a_boolean_flag_alone_means_true"}),
+    "test_config.py": frozenset({"test_replication_settings_errors_exit_2"}),  # a real rlsup daemon
+    "test_config_choices.py": frozenset(),
     "test_control_records.py": frozenset(),
     "test_coordinator.py": frozenset(),
     "test_deploy_grafana.py": frozenset({"test_metric_names_exist_in_a_real_scrape"}),  # scrapes real runs
