@@ -44,7 +44,7 @@ def test_agreement_plan_and_bytes_at_small_sizes(tmp_path: Path) -> None:
     assert agreed["baseline"] is not None and agreed["baseline"] > 0  # the bare TCPStore exchange ran too
 
     plan = data["plan"]
-    assert plan["ok"] and plan["median"] > 0 and plan["inventory_bytes"] > 1000
+    assert plan["ok"] and plan["median"] > 0 and plan["inventory_bytes"] > 800  # 8 ranks x 5 steps, twice
 
     small, large = data["bytes"]
     assert (small["nodes"], large["nodes"]) == (4, 8)
