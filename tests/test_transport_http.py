@@ -561,3 +561,112 @@ def test_push_refuses_symlinked_source(node: Node, tmp_path: Path) -> None:
         node.store.put_file("node0", "step_000000001/rank_00000.pt", link, entry)
     assert node.store.index("node0") == {} and node.incoming_empty()
     c.close()
+
+
+# ------------------------------------------------------------ JSON calls on the one I/O stack (issue 29)
+
+class CannedPeer:
+    """A TCP server on 127.0.0.1 that reads each request head (and its declared body) and answers with
+    the next of ``answers`` (raw bytes; the last one repeats), closing the connection after each."""
+
+    def __init__(self, answers: list[bytes]) -> None:
+        self.answers = answers
+        self.requests: list[tuple[bytes, bytes]] = []  # (head, body) as received
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.endpoint = f"127.0.0.1:{self.sock.getsockname()[1]}"
+        self.thread = threading.Thread(target=self._serve, daemon=True, name="canned-peer")
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn:
+                conn.settimeout(10)
+                buf = b""
+                while b"\r\n\r\n" not in buf and (chunk := conn.recv(65536)):
+                    buf += chunk
+                head, _, body = buf.partition(b"\r\n\r\n")
+                length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                               if line.lower().startswith(b"content-length:")), 0)
+                while len(body) < length and (chunk := conn.recv(65536)):
+                    body += chunk
+                self.requests.append((head, body))
+                conn.sendall(self.answers[min(len(self.requests), len(self.answers)) - 1])
+
+    def close(self) -> None:
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept (a close alone does not)
+        except OSError:
+            pass
+        self.sock.close()
+        self.thread.join(10)
+        assert not self.thread.is_alive()
+
+
+def _answer(body: bytes, status: str = "200 OK", headers: str | None = None) -> bytes:
+    head = headers if headers is not None else f"Content-Length: {len(body)}\r\n"
+    return f"HTTP/1.1 {status}\r\nContent-Type: application/json\r\n{head}\r\n".encode() + body
+
+
+@pytest.mark.parametrize("answer, says", [
+    (_answer(b'{"files": '), "invalid JSON answer"),
+    (_answer(b'["not", "an", "object"]'), "answer is not a JSON object"),
+    (_answer(b"{}", headers=f"Content-Length: {(64 << 20) + 1}\r\n"), "exceeds"),
+    (_answer(b"2\r\n{}\r\n0\r\n\r\n", headers="Transfer-Encoding: chunked\r\n"), "chunked answer"),
+    (_answer(b"{}", headers=""), "lacks a valid Content-Length"),
+    (b"SSH-2.0-OpenSSH_9.2\r\n\r\n", "malformed status line"),
+], ids=["invalid-json", "not-an-object", "oversized", "chunked", "no-length", "not-http"])
+def test_malformed_or_oversized_json_answer_refused(answer: bytes, says: str) -> None:
+    peer = CannedPeer([answer])
+    try:
+        c = PeerClient(peer.endpoint, SECRET, timeout=5, retries=2, backoff=0.01)
+        with pytest.raises(TransportError, match=says) as ei:
+            c.index("node0")
+        assert ei.value.peer == peer.endpoint and "/v1/index/node0" in str(ei.value)
+        # A peer that breaks the protocol is not asked again; a garbled status line may be the network's.
+        assert len(peer.requests) == (3 if says == "malformed status line" else 1)
+    finally:
+        peer.close()
+
+
+def test_json_5xx_retried_then_answered() -> None:
+    peer = CannedPeer([_answer(b'{"error": "busy"}', "503 Service Unavailable"), _answer(b'{"ok": true}')])
+    try:
+        c = PeerClient(peer.endpoint, SECRET, timeout=5, retries=2, backoff=0.01)
+        assert c.health() == {"ok": True}
+        assert len(peer.requests) == 2
+        # Out of retries: the last error, its status and the number of attempts.
+        peer.answers = [_answer(b'{"error": "disk full"}', "507 Insufficient Storage")]
+        with pytest.raises(TransportError, match=r"HTTP 507: disk full \(gave up after 3 attempts\)") as ei:
+            c.health()
+        assert ei.value.status == 507
+    finally:
+        peer.close()
+
+
+def test_every_json_request_signed_as_the_server_verifies() -> None:
+    from supervisor.transport.auth import Verifier
+
+    peer = CannedPeer([_answer(b'{"removed": 2}')])
+    try:
+        c = PeerClient(peer.endpoint, SECRET, retries=0)
+        c.call_json("POST", "/v1/inventory", {"step": 3})
+        c.call_json("POST", "/v1/ping")  # no body: Content-Length 0, signed
+        c.call_json("GET", "/v1/status", {"verbose": 1})  # the query string is in the signature
+        assert c.delete("node0", "step_000000001") == 2
+        verifier = Verifier(SECRET)
+        for head, body in peer.requests:
+            line, *fields = head.decode("latin-1").split("\r\n")
+            method, target, _ = line.split(" ")
+            headers = dict(f.split(": ", 1) for f in fields)
+            assert verifier.verify(method, target, headers).ok, head
+            assert int(headers.get("Content-Length", "0")) == len(body)
+        assert [h.split(b"\r\n")[0] for h, _ in peer.requests] == [
+            b"POST /v1/inventory HTTP/1.1", b"POST /v1/ping HTTP/1.1", b"GET /v1/status?verbose=1 HTTP/1.1",
+            b"DELETE /v1/files/node0/step_000000001 HTTP/1.1"]
+        assert peer.requests[0][1] == b'{"step": 3}'
+    finally:
+        peer.close()

@@ -1,25 +1,26 @@
 """Talking to a peer's :class:`~supervisor.transport.server.ReplicationServer`: a synchronous API
 usable from any thread.
 
-Threading model: every :class:`PeerClient` of a process shares ONE background thread running an
-asyncio loop (started on first use, restarted after a ``fork``); each client has its own aiohttp
-session (connection pool) on that loop. A sync call submits a coroutine and blocks the calling
-thread until it finishes, so many threads can transfer at once; the I/O multiplexes on the shared
-loop and file reads/writes run in the loop's default thread pool. Memory per transfer is bounded
-(1 MiB chunks).
+One I/O stack: every request (JSON calls and file bodies alike) is one HTTP/1.1 exchange on its own
+blocking connection in the calling thread (:mod:`supervisor.transport.wire`), so many threads can
+transfer at once and nothing is held between calls (no event loop, no pool, nothing to redo after a
+``fork``). Every request is signed (:mod:`supervisor.transport.auth`). Memory per transfer is bounded
+(two 8 MiB receive buffers; a JSON answer at most :data:`MAX_JSON_ANSWER` bytes).
 
-Retries: connection errors, timeouts, a truncated or corrupted response body and 5xx answers are
-retried ``retries`` times with exponential backoff (``backoff * 2**i``, +-20% jitter); 4xx answers
-are not (the request itself is wrong). ``timeout`` is the connect timeout and the longest a transfer
+Retries (:meth:`PeerClient._with_retries`, the one retry loop): connection errors, stalls, a
+truncated or corrupted answer and 5xx answers are retried ``retries`` times with exponential backoff
+(``backoff * 2**i``, +-20% jitter so clients that failed together do not retry together); 4xx answers
+(the request itself is wrong), an answer that breaks the protocol (malformed JSON, oversized, chunked)
+and a missed overall deadline are not. ``timeout`` is the connect timeout and the longest an exchange
 may stall (no bytes either way). Every failure is a :class:`TransportError` naming the peer.
 
-Overall deadlines: a peer that trickles bytes (one every few seconds) never stalls long enough for
-``timeout`` to fire, so every request attempt also has an overall deadline of ``deadline_base``
-seconds plus ``size / min_throughput`` (the size is the file's for a transfer, the answer's declared
-length for an index or other JSON call), not counting time spent waiting for our own bandwidth limiter.
-A request that misses it fails at once with a :class:`TransportError` naming the peer and the file
-(not retried: a peer that slow is better replaced by another holder); a fetch removes its temp file.
-``min_throughput=0`` turns the overall deadline off.
+Overall deadlines (:class:`supervisor.transport.wire.Deadline`, the one deadline type): a peer that
+trickles bytes (one every few seconds) never stalls long enough for ``timeout`` to fire, so every
+attempt also has an overall deadline of ``deadline_base`` seconds plus ``size / min_throughput`` (the
+size is the file's for a transfer, the answer's declared length for an index or other JSON call), not
+counting time spent waiting for our own bandwidth limiter. A request that misses it fails at once with
+a :class:`TransportError` naming the peer and the file (not retried: a peer that slow is better
+replaced by another holder); a fetch removes its temp file. ``min_throughput=0`` turns it off.
 
 Bandwidth: a :class:`BandwidthLimiter` (token bucket, thread-safe) can be shared by all clients of a
 process to cap its total replication traffic, both directions; a :class:`TransferPool` bounds how
@@ -28,19 +29,16 @@ many file transfers run at once across the clients that share it.
 
 from __future__ import annotations
 
-import asyncio
 import errno
 import json
 import os
 import random
 import ssl
-import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
-
-import aiohttp
+from urllib.parse import urlencode
 
 from rlsup_format.digest import FileEntry
 from rlsup_format.fileio import fsync_dir, open_nofollow
@@ -51,7 +49,13 @@ from supervisor.transport.auth import H_XXH3, auth_headers, body_digest
 from supervisor.transport.forward import forward_report
 from supervisor.transport.store import validate_namespace, validate_relpath
 
+__all__ = ["BandwidthLimiter", "MAX_JSON_ANSWER", "PeerClient", "TransferPool", "TransportError"]
+
 CHUNK = 1 << 20
+#: Largest JSON answer accepted (an index of a namespace with many files stays far below it).
+MAX_JSON_ANSWER = 64 << 20
+#: Largest error answer read for its message.
+_MAX_ERROR_ANSWER = 64 << 10
 #: Socket errors that are not ConnectionError but still say "the network or the peer", so retryable.
 _NETWORK_ERRNOS = frozenset({errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ENETDOWN, errno.EHOSTDOWN,
                              errno.ETIMEDOUT, errno.ECONNABORTED, errno.EPIPE})
@@ -68,103 +72,6 @@ class TransportError(Exception):
         self.message = message
         self.status = status
         self.retryable = retryable
-
-
-class _LoopThread:
-    """The process-wide asyncio loop thread the clients share."""
-
-    _lock = threading.Lock()
-    _instance: "_LoopThread | None" = None
-
-    def __init__(self) -> None:
-        self.pid = os.getpid()
-        self.loop = asyncio.new_event_loop()
-        started = threading.Event()
-
-        def run() -> None:
-            asyncio.set_event_loop(self.loop)
-            self.loop.call_soon(started.set)
-            self.loop.run_forever()
-
-        self.thread = threading.Thread(target=run, name="rlsup-transport-client", daemon=True)
-        self.thread.start()
-        started.wait()
-
-    @classmethod
-    def get(cls) -> "_LoopThread":
-        with cls._lock:
-            inst = cls._instance
-            if inst is None or inst.pid != os.getpid() or not inst.thread.is_alive():
-                inst = cls._instance = _LoopThread()
-            return inst
-
-    def run(self, coro) -> Any:
-        if threading.current_thread() is self.thread:
-            coro.close()
-            raise RuntimeError("PeerClient's sync API cannot be called from its own loop thread")
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
-
-
-class _Deadline:
-    """The overall deadline of one request attempt (see the module docstring): ``base`` seconds, plus
-    ``size / rate`` once the size is known, plus the time spent waiting for our own bandwidth limiter.
-    ``rate <= 0``: no deadline. Use as ``async with``; ``expired()`` tells a deadline's TimeoutError
-    from aiohttp's own (stall) timeouts."""
-
-    def __init__(self, base: float, rate: float, size: int = 0) -> None:
-        self.loop = asyncio.get_running_loop()
-        self.start = self.loop.time()
-        self.base = base
-        self.rate = rate
-        self.size = max(0, size)
-        self.done = 0  # bytes moved so far, for the error message
-        self.waited = 0.0
-        self.cm = asyncio.timeout_at(self._when())
-
-    def _when(self) -> float | None:
-        if self.rate <= 0:
-            return None
-        return self.start + self.base + self.waited + self.size / self.rate
-
-    @property
-    def seconds(self) -> float:
-        when = self._when()
-        return float("inf") if when is None else when - self.start
-
-    async def __aenter__(self) -> "_Deadline":
-        await self.cm.__aenter__()
-        return self
-
-    async def __aexit__(self, *exc: Any) -> bool | None:
-        return await self.cm.__aexit__(*exc)
-
-    def expired(self) -> bool:
-        return self.cm.expired()
-
-    def sized(self, size: int | None) -> None:
-        """The body's size became known (a Content-Length): the deadline grows with it."""
-        if size is not None and size > self.size:
-            self.size = size
-            self._reschedule()
-
-    async def throttle(self, limiter: "BandwidthLimiter | None", n: int) -> None:
-        """Wait for the limiter's grant of ``n`` bytes; the wait does not count against the peer."""
-        self.done += n
-        if limiter is None:
-            return
-        wait = limiter._reserve(n)  # known before sleeping: the deadline moves first
-        if wait > 0:
-            self.waited += wait
-            self._reschedule()
-            await asyncio.sleep(wait)
-
-    def _reschedule(self) -> None:
-        if self.rate <= 0:
-            return
-        try:
-            self.cm.reschedule(self._when())
-        except RuntimeError:
-            pass  # already expired or left (an upload body runs in aiohttp's writer task): nothing to move
 
 
 def _quote_path(*parts: str) -> str:
@@ -197,36 +104,14 @@ class PeerClient:
         self.limiter = limiter
         self.pool = pool
         self.ssl_context = ssl_context
-        self._base = f"{'https' if ssl_context else 'http'}://{endpoint}"
-        self._session: aiohttp.ClientSession | None = None
-        self._session_loop: asyncio.AbstractEventLoop | None = None
 
     def __repr__(self) -> str:
         return f"PeerClient({self.endpoint!r})"
 
     # ------------------------------------------------------------ plumbing
 
-    def _run(self, coro) -> Any:
-        return _LoopThread.get().run(coro)
-
-    async def _sess(self) -> aiohttp.ClientSession:
-        loop = asyncio.get_running_loop()
-        if self._session is None or self._session.closed or self._session_loop is not loop:
-            self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=32, ssl=self.ssl_context if self.ssl_context else False),
-                timeout=aiohttp.ClientTimeout(total=None, connect=self.timeout, sock_connect=self.timeout,
-                                              sock_read=self.timeout),
-                auto_decompress=False, skip_auto_headers=("User-Agent", "Content-Type"))
-            self._session_loop = loop
-        return self._session
-
     def close(self) -> None:
-        if self._session is not None and not self._session.closed:
-            try:
-                self._run(self._session.close())
-            except Exception:  # noqa: BLE001
-                pass
-        self._session = None
+        """Nothing to release (each request has its own connection); kept so callers may close."""
 
     def __enter__(self) -> "PeerClient":
         return self
@@ -237,87 +122,9 @@ class PeerClient:
     def _err(self, message: str, status: int | None = None, retryable: bool = False) -> TransportError:
         return TransportError(self.endpoint, message, status, retryable)
 
-    async def _within_deadline(self, what: str, size: int, body: Callable[[_Deadline], Any]) -> Any:
-        """Run ``body(deadline)`` under an overall deadline (see the module docstring); on expiry a
-        non-retryable TransportError naming the peer and ``what`` (the request and its file)."""
-        dl = _Deadline(self.deadline_base, self.min_throughput, size)
-        try:
-            async with dl:
-                return await body(dl)
-        except TimeoutError:
-            if not dl.expired():
-                raise  # aiohttp's own connect/stall timeout: retryable as before
-            raise self._deadline_error(what, dl) from None
-
-    def _deadline_error(self, what: str, dl: Any) -> TransportError:
-        """The final error of a request that missed its overall deadline (``_Deadline`` or ``wire.Deadline``)."""
-        moved = ""
-        if dl.done:
-            moved = f" with {dl.done} of {dl.size} bytes moved" if dl.size else f" with {dl.done} bytes moved"
-        return self._err(f"{what}: overall deadline of {dl.seconds:.1f}s exceeded{moved} "
-                         f"(allowed: {dl.base:g}s + size at >= {dl.rate:g} B/s); the peer is too slow or trickling")
-
-    async def _with_retries(self, what: str, attempt: Callable[[], Any]) -> Any:
-        last: TransportError | None = None
-        for i in range(self.retries + 1):
-            if i:
-                await asyncio.sleep(self.backoff * (2 ** (i - 1)) * random.uniform(0.8, 1.2))
-            try:
-                return await attempt()
-            except TransportError as e:
-                if not e.retryable:
-                    raise
-                last = e
-            except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as e:
-                msg = str(e) or type(e).__name__
-                last = self._err(f"{what}: {type(e).__name__}: {msg}", retryable=True)
-        assert last is not None
-        raise self._err(f"{last.message} (gave up after {self.retries + 1} attempts)", last.status)
-
-    async def _check(self, resp: aiohttp.ClientResponse, what: str) -> None:
-        if resp.status < 400:
-            return
-        try:
-            body = await resp.read()
-            detail = json.loads(body).get("error", "") if body else ""
-        except Exception:  # noqa: BLE001
-            detail = ""
-        raise self._err(f"{what}: HTTP {resp.status}{': ' + detail if detail else ''}", resp.status,
-                        retryable=resp.status >= 500)
-
     def _headers(self, method: str, path: str, content_length: int | None = None,
                  xxh3: str | None = None) -> dict[str, str]:
         return auth_headers(self._secret, method, path, content_length, xxh3)
-
-    async def _request_json(self, method: str, path: str, body: dict | None = None) -> dict:
-        data = None if body is None else json.dumps(body).encode()
-
-        async def attempt(dl: _Deadline) -> dict:
-            sess = await self._sess()
-            if data is None:
-                # aiohttp sends "Content-Length: 0" for body-less POST/PUT/DELETE: sign what goes out.
-                headers = self._headers(method, path, None if method in ("GET", "HEAD") else 0)
-            else:
-                headers = self._headers(method, path, len(data), body_digest(data))
-                headers["Content-Type"] = "application/json"
-            async with sess.request(method, self._url(path), data=data, headers=headers) as resp:
-                dl.sized(resp.content_length)
-                await self._check(resp, f"{method} {path}")
-                try:
-                    out = await resp.json(content_type=None)
-                except ValueError as e:
-                    raise self._err(f"{method} {path}: invalid JSON answer: {e}") from None
-                if not isinstance(out, dict):
-                    raise self._err(f"{method} {path}: answer is not a JSON object")
-                return out
-
-        what = f"{method} {path}"
-        return await self._with_retries(what, lambda: self._within_deadline(what, len(data or b""), attempt))
-
-    def _url(self, path: str):
-        from yarl import URL
-
-        return URL(self._base + path, encoded=True)
 
     @contextmanager
     def _slot(self) -> Iterator[None]:
@@ -327,118 +134,9 @@ class PeerClient:
             with self.pool.slot():
                 yield
 
-    # ------------------------------------------------------------ API
-
-    def health(self) -> dict:
-        return self._run(self._request_json("GET", "/v1/health"))
-
-    def call_json(self, method: str, path: str, body: dict | None = None) -> dict:
-        """Call a route mounted with ``add_json_route``. For GET/DELETE ``body`` becomes the query string."""
-        method = method.upper()
-        if not path.startswith("/v1/"):
-            raise ValueError(f"path must start with /v1/: {path!r}")
-        if method in ("GET", "DELETE", "HEAD") and body:
-            from urllib.parse import urlencode
-
-            path = path + "?" + urlencode({str(k): str(v) for k, v in body.items()})
-            body = None
-        return self._run(self._request_json(method, path, body))
-
-    def index(self, namespace: str) -> dict[str, FileEntry]:
-        validate_namespace(namespace)
-        data = self._run(self._request_json("GET", f"/v1/index/{namespace}"))
-        files = data.get("files")
-        if not isinstance(files, dict):
-            raise self._err("index: answer has no 'files' object")
-        out = {}
-        for rel, v in files.items():
-            try:
-                out[rel] = FileEntry(int(v["size"]), str(v["xxh3_128"]))
-            except (KeyError, TypeError, ValueError):
-                raise self._err(f"index: malformed entry for {rel!r}") from None
-        return out
-
-    def forward_status(self, namespace: str, relpath: str) -> dict[str, str]:
-        """What the peer's forwarder says of the last chain of ``namespace/relpath`` through it: per
-        endpoint after it, "queued", "ok" (the next hop stored it) or why not; {} when it knows none."""
-        validate_namespace(namespace)
-        validate_relpath(relpath)
-        data = self._run(self._request_json("GET", f"/v1/forwards/{_quote_path(namespace, relpath)}"))
-        got = data.get("forwarded")
-        return {str(k): str(v) for k, v in got.items()} if isinstance(got, dict) else {}
-
-    def delete(self, namespace: str, prefix: str) -> int:
-        validate_namespace(namespace)
-        validate_relpath(prefix)
-        data = self._run(self._request_json("DELETE", f"/v1/files/{_quote_path(namespace, prefix)}"))
-        return int(data.get("removed", 0))
-
-    def push_file(self, namespace: str, relpath: str, local_path: str | os.PathLike, entry: FileEntry, *,
-                  forward: Sequence[str] = ()) -> dict[str, str]:
-        """Upload ``local_path`` as ``namespace/relpath``; the peer stores it only if it matches ``entry``.
-        ``forward``: further peers (host:port) the peer streams the file on to as it receives it, in
-        order (:mod:`supervisor.transport.forward`). Returns what each of them did: "ok" or why not."""
-        validate_namespace(namespace)
-        validate_relpath(relpath)
-        for ep in forward:
-            if not ep or any(c in ep for c in ",?&=%/ "):
-                raise ValueError(f"invalid forward endpoint {ep!r}: want host:port")
-        path = f"/v1/files/{_quote_path(namespace, relpath)}"
-        if forward:
-            path += "?forward=" + ",".join(forward)
-        what = f"push {namespace}/{relpath}"
-        local_path = Path(local_path)
-        with self._slot():
-            return self._sync_retries(what, lambda: self._push_attempt(what, path, local_path, entry, tuple(forward)))
-
-    def _push_attempt(self, what: str, path: str, local_path: Path, entry: FileEntry,
-                      forward: tuple[str, ...]) -> dict[str, str]:
-        try:
-            # A checkpoint file is never a symlink (following one would send whatever it points at),
-            # nor a FIFO (it would block): refused, with the reason in strerror.
-            f = os.fdopen(open_nofollow(local_path.parent, local_path.name), "rb")
-        except OSError as e:
-            raise self._err(f"{what}: cannot read {local_path}: {e.strerror or e}") from None
-        with f:
-            size = os.fstat(f.fileno()).st_size
-            if size != entry.size:
-                raise self._err(f"{what}: {local_path} has {size} bytes, the entry says {entry.size}")
-            answer = self._exchange(what, entry.size, lambda sock, dl: self._push_once(sock, dl, path, f, entry, what))
-        return forward_report(answer, forward)
-
-    def _push_once(self, sock: Any, dl: wire.Deadline, path: str, f: Any, entry: FileEntry, what: str) -> bytes:
-        """Head with ``Expect: 100-continue`` (a refused upload costs no bandwidth), the body by
-        ``sendfile`` once the peer said continue, then its answer."""
-        headers = self._headers("PUT", path, entry.size, entry.xxh3_128)
-        headers["Content-Type"] = "application/octet-stream"
-        headers["Expect"] = "100-continue"
-        wire.send_head(sock, "PUT", path, self.endpoint, headers)
-        answer = wire.read_head(sock, self.timeout, dl)
-        if answer.status == 100:
-            wire.send_file(sock, f, entry.size, self.timeout, dl, self.limiter)
-            answer = wire.read_head(sock, self.timeout, dl, answer.rest)
-        self._answer_status(sock, answer, what, dl)
-        return wire.read_small_body(sock, answer, 1 << 20, self.timeout, dl)
-
-    def fetch_file(self, namespace: str, relpath: str, dest: str | os.PathLike,
-                   entry: FileEntry | None = None, sync_dir: bool = True) -> FileEntry:
-        """Download ``namespace/relpath`` to ``dest`` (temp file, verified, fsync'ed, renamed: ``dest``
-        is never partial). Verified against the peer's declared checksum, and ``entry`` when given.
-        ``sync_dir=False``: the caller makes the rename durable (one directory fsync for many files).
-        The body moves over its own connection (:mod:`supervisor.transport.wire`), in this thread."""
-        validate_namespace(namespace)
-        validate_relpath(relpath)
-        path = f"/v1/files/{_quote_path(namespace, relpath)}"
-        what = f"fetch {namespace}/{relpath}"
-        with self._slot():
-            return self._sync_retries(what, lambda: self._exchange(
-                what, entry.size if entry is not None else 0,
-                lambda sock, dl: self._fetch_once(sock, dl, path, Path(dest), entry, what, sync_dir)))
-
-    # ------------------------------------------------------------ file bodies, blocking (wire)
-
-    def _sync_retries(self, what: str, attempt: Callable[[], Any]) -> Any:
-        """:meth:`_with_retries` for the blocking transfers: same policy, same messages."""
+    def _with_retries(self, what: str, attempt: Callable[[], Any]) -> Any:
+        """Run ``attempt`` until it succeeds, raises a final error, or ``retries`` retries are spent
+        (the policy is the module docstring's); the last error then names how many attempts were made."""
         last: TransportError | None = None
         for i in range(self.retries + 1):
             if i:
@@ -475,22 +173,169 @@ class PeerClient:
         finally:
             sock.close()
 
+    def _deadline_error(self, what: str, dl: wire.Deadline) -> TransportError:
+        """The final error of a request that missed its overall deadline."""
+        moved = ""
+        if dl.done:
+            moved = f" with {dl.done} of {dl.size} bytes moved" if dl.size else f" with {dl.done} bytes moved"
+        return self._err(f"{what}: overall deadline of {dl.seconds:.1f}s exceeded{moved} "
+                         f"(allowed: {dl.base:g}s + size at >= {dl.rate:g} B/s); the peer is too slow or trickling")
+
     def _answer_status(self, sock: Any, answer: wire.Answer, what: str, dl: wire.Deadline) -> None:
         """Raise the peer's error answer (4xx final, 5xx retryable) with its message."""
         if answer.status < 400:
             return
         detail = ""
         try:
-            body = wire.read_small_body(sock, answer, 64 * 1024, self.timeout, dl)
+            body = wire.read_small_body(sock, answer, _MAX_ERROR_ANSWER, self.timeout, dl)
             detail = json.loads(body).get("error", "") if body else ""
         except Exception:  # noqa: BLE001 - the status says enough
             pass
         raise self._err(f"{what}: HTTP {answer.status}{': ' + detail if detail else ''}", answer.status,
                         retryable=answer.status >= 500)
 
+    def _request_json(self, method: str, path: str, body: dict | None = None) -> dict:
+        """One signed JSON call, retried by the policy: the answer must be a JSON object."""
+        data = None if body is None else json.dumps(body).encode()
+        what = f"{method} {path}"
+        return self._with_retries(what, lambda: self._exchange(
+            what, len(data or b""), lambda sock, dl: self._json_once(sock, dl, method, path, data)))
+
+    def _json_once(self, sock: Any, dl: wire.Deadline, method: str, path: str, data: bytes | None) -> dict:
+        what = f"{method} {path}"
+        if data is not None:
+            headers = self._headers(method, path, len(data), body_digest(data))
+            headers["Content-Type"] = "application/json"
+        elif method in ("GET", "HEAD"):
+            headers = self._headers(method, path)
+        else:  # a body-less POST/PUT/DELETE says (and signs) an empty body, as HTTP clients do
+            headers = self._headers(method, path, 0)
+        wire.send_head(sock, method, path, self.endpoint, headers, self.timeout, dl, data or b"")
+        answer = wire.read_head(sock, self.timeout, dl)
+        self._answer_status(sock, answer, what, dl)
+        if method == "HEAD":
+            return {}
+        dl.sized(answer.length())  # the deadline grows with the declared answer
+        raw = wire.read_small_body(sock, answer, MAX_JSON_ANSWER, self.timeout, dl)
+        try:
+            out = json.loads(raw)
+        except ValueError as e:
+            raise self._err(f"{what}: invalid JSON answer: {e}") from None
+        if not isinstance(out, dict):
+            raise self._err(f"{what}: answer is not a JSON object")
+        return out
+
+    # ------------------------------------------------------------ API
+
+    def health(self) -> dict:
+        return self._request_json("GET", "/v1/health")
+
+    def call_json(self, method: str, path: str, body: dict | None = None) -> dict:
+        """Call a route mounted with ``add_json_route``. For GET/DELETE ``body`` becomes the query string."""
+        method = method.upper()
+        if not path.startswith("/v1/"):
+            raise ValueError(f"path must start with /v1/: {path!r}")
+        if method in ("GET", "DELETE", "HEAD") and body:
+            path = path + "?" + urlencode({str(k): str(v) for k, v in body.items()})
+            body = None
+        return self._request_json(method, path, body)
+
+    def index(self, namespace: str) -> dict[str, FileEntry]:
+        validate_namespace(namespace)
+        data = self._request_json("GET", f"/v1/index/{namespace}")
+        files = data.get("files")
+        if not isinstance(files, dict):
+            raise self._err("index: answer has no 'files' object")
+        out = {}
+        for rel, v in files.items():
+            try:
+                out[rel] = FileEntry(int(v["size"]), str(v["xxh3_128"]))
+            except (KeyError, TypeError, ValueError):
+                raise self._err(f"index: malformed entry for {rel!r}") from None
+        return out
+
+    def forward_status(self, namespace: str, relpath: str) -> dict[str, str]:
+        """What the peer's forwarder says of the last chain of ``namespace/relpath`` through it: per
+        endpoint after it, "queued", "ok" (the next hop stored it) or why not; {} when it knows none."""
+        validate_namespace(namespace)
+        validate_relpath(relpath)
+        data = self._request_json("GET", f"/v1/forwards/{_quote_path(namespace, relpath)}")
+        got = data.get("forwarded")
+        return {str(k): str(v) for k, v in got.items()} if isinstance(got, dict) else {}
+
+    def delete(self, namespace: str, prefix: str) -> int:
+        validate_namespace(namespace)
+        validate_relpath(prefix)
+        data = self._request_json("DELETE", f"/v1/files/{_quote_path(namespace, prefix)}")
+        return int(data.get("removed", 0))
+
+    def push_file(self, namespace: str, relpath: str, local_path: str | os.PathLike, entry: FileEntry, *,
+                  forward: Sequence[str] = ()) -> dict[str, str]:
+        """Upload ``local_path`` as ``namespace/relpath``; the peer stores it only if it matches ``entry``.
+        ``forward``: further peers (host:port) the peer streams the file on to as it receives it, in
+        order (:mod:`supervisor.transport.forward`). Returns what each of them did: "ok" or why not."""
+        validate_namespace(namespace)
+        validate_relpath(relpath)
+        for ep in forward:
+            if not ep or any(c in ep for c in ",?&=%/ "):
+                raise ValueError(f"invalid forward endpoint {ep!r}: want host:port")
+        path = f"/v1/files/{_quote_path(namespace, relpath)}"
+        if forward:
+            path += "?forward=" + ",".join(forward)
+        what = f"push {namespace}/{relpath}"
+        local_path = Path(local_path)
+        with self._slot():
+            return self._with_retries(what, lambda: self._push_attempt(what, path, local_path, entry, tuple(forward)))
+
+    def _push_attempt(self, what: str, path: str, local_path: Path, entry: FileEntry,
+                      forward: tuple[str, ...]) -> dict[str, str]:
+        try:
+            # A checkpoint file is never a symlink (following one would send whatever it points at),
+            # nor a FIFO (it would block): refused, with the reason in strerror.
+            f = os.fdopen(open_nofollow(local_path.parent, local_path.name), "rb")
+        except OSError as e:
+            raise self._err(f"{what}: cannot read {local_path}: {e.strerror or e}") from None
+        with f:
+            size = os.fstat(f.fileno()).st_size
+            if size != entry.size:
+                raise self._err(f"{what}: {local_path} has {size} bytes, the entry says {entry.size}")
+            answer = self._exchange(what, entry.size, lambda sock, dl: self._push_once(sock, dl, path, f, entry, what))
+        return forward_report(answer, forward)
+
+    def _push_once(self, sock: Any, dl: wire.Deadline, path: str, f: Any, entry: FileEntry, what: str) -> bytes:
+        """Head with ``Expect: 100-continue`` (a refused upload costs no bandwidth), the body by
+        ``sendfile`` once the peer said continue, then its answer."""
+        headers = self._headers("PUT", path, entry.size, entry.xxh3_128)
+        headers["Content-Type"] = "application/octet-stream"
+        headers["Expect"] = "100-continue"
+        wire.send_head(sock, "PUT", path, self.endpoint, headers, self.timeout, dl)
+        answer = wire.read_head(sock, self.timeout, dl)
+        if answer.status == 100:
+            wire.send_file(sock, f, entry.size, self.timeout, dl, self.limiter)
+            answer = wire.read_head(sock, self.timeout, dl, answer.rest)
+        self._answer_status(sock, answer, what, dl)
+        return wire.read_small_body(sock, answer, 1 << 20, self.timeout, dl)
+
+    def fetch_file(self, namespace: str, relpath: str, dest: str | os.PathLike,
+                   entry: FileEntry | None = None, sync_dir: bool = True) -> FileEntry:
+        """Download ``namespace/relpath`` to ``dest`` (temp file, verified, fsync'ed, renamed: ``dest``
+        is never partial). Verified against the peer's declared checksum, and ``entry`` when given.
+        ``sync_dir=False``: the caller makes the rename durable (one directory fsync for many files).
+        The body moves over its own connection (:mod:`supervisor.transport.wire`), in this thread."""
+        validate_namespace(namespace)
+        validate_relpath(relpath)
+        path = f"/v1/files/{_quote_path(namespace, relpath)}"
+        what = f"fetch {namespace}/{relpath}"
+        with self._slot():
+            return self._with_retries(what, lambda: self._exchange(
+                what, entry.size if entry is not None else 0,
+                lambda sock, dl: self._fetch_once(sock, dl, path, Path(dest), entry, what, sync_dir)))
+
+    # ------------------------------------------------------------ file bodies
+
     def _fetch_once(self, sock: Any, dl: wire.Deadline, path: str, dest: Path, entry: FileEntry | None,
                     what: str, sync_dir: bool) -> FileEntry:
-        wire.send_head(sock, "GET", path, self.endpoint, self._headers("GET", path))
+        wire.send_head(sock, "GET", path, self.endpoint, self._headers("GET", path), self.timeout, dl)
         answer = wire.read_head(sock, self.timeout, dl)
         self._answer_status(sock, answer, what, dl)
         declared = answer.headers.get(H_XXH3.lower(), "").lower()

@@ -31,8 +31,10 @@ class BandwidthLimiter:
     def unlimited(self) -> bool:
         return self.rate <= 0
 
-    def _reserve(self, n: int) -> float:
-        """Seconds the caller must wait before ``n`` bytes pass (GCRA: rate plus ``burst`` of slack)."""
+    def reserve(self, n: int) -> float:
+        """Book ``n`` bytes and return the seconds the caller must wait before they pass (GCRA: rate
+        plus ``burst`` of slack). The caller sleeps; knowing the wait first lets a transfer move its
+        overall deadline by it (:meth:`supervisor.transport.wire.Deadline.throttle`)."""
         if self.unlimited or n <= 0:
             return 0.0
         with self._lock:
@@ -41,9 +43,8 @@ class BandwidthLimiter:
             return max(0.0, self._next - self.burst / self.rate - now)
 
     def consume(self, n: int) -> None:
-        """Block the calling thread until ``n`` bytes may pass (the loop's transfers use
-        :meth:`_Deadline.throttle`, which moves their deadline by the wait first)."""
-        wait = self._reserve(n)
+        """Block the calling thread until ``n`` bytes may pass."""
+        wait = self.reserve(n)
         if wait > 0:
             time.sleep(wait)
 

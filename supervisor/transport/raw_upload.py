@@ -3,7 +3,12 @@ head, reading is paused, what aiohttp already buffered is handed over, and a wor
 rest with ``recv_into`` into 8 MiB buffers that a second thread hashes and writes
 (:func:`supervisor.transport.wire.receive_to_fd`). Why: aiohttp hands a body over in 64-256 KiB
 pieces through its parser and queues, which costs more CPU per GB than the kernel's copies (issue 17).
-Not under TLS (the socket carries ciphertext): there the server reads the body through aiohttp."""
+Not under TLS (the socket carries ciphertext): there the server reads the body through aiohttp.
+
+aiohttp has no API that hands a request's body socket to the application, so the takeover is built
+from public calls only: ``request.transport`` and asyncio's ``get_extra_info("socket")`` and
+``pause_reading``, the body stream's ``read_nowait``, ``total_bytes`` and ``feed_eof``; no private
+attribute of aiohttp is touched, and :func:`take_socket` checks that nothing buffered was lost."""
 
 from __future__ import annotations
 

@@ -1,10 +1,14 @@
-"""File bodies over HTTP/1.1 with no HTTP stack in the way: one request per connection, the body sent
-by the kernel (``socket.sendfile``: zero-copy on a plain socket) and received with ``recv_into`` into
-large buffers that a second thread hashes and writes while the next one fills.
+"""The client's one I/O stack: HTTP/1.1 over a blocking socket, one request per connection, with no
+HTTP library in the way. A file body is sent by the kernel (``socket.sendfile``: zero-copy on a plain
+socket) and received with ``recv_into`` into large buffers that a second thread hashes and writes
+while the next one fills; a JSON request and its answer are small and go through the same calls.
 
-Why not aiohttp for these two requests: at loopback and LAN speeds its client spends more CPU per GB
-passing 64-256 KiB chunks through its parser, queues and executor hops than the kernel spends moving
-the bytes (BENCHMARKS.md, issue 17). JSON requests stay on aiohttp (:mod:`supervisor.transport.client`).
+Why not aiohttp (or another client library): at loopback and LAN speeds its client spends more CPU
+per GB passing 64-256 KiB chunks through its parser, queues and executor hops than the kernel spends
+moving the bytes (BENCHMARKS.md, issue 17), and carrying two stacks (one for JSON, one for bodies)
+doubled the deadline and retry code (issue 29). The peer is our own server, so the subset spoken here
+is small: a status line, headers, and a body of exactly ``Content-Length`` bytes (chunked answers are
+refused).
 
 Everything here blocks the calling thread. Two clocks bound an exchange: ``stall`` (each socket
 operation's timeout: the longest it may make no progress) and the overall :class:`Deadline` (base
@@ -26,6 +30,7 @@ from typing import Any, BinaryIO
 
 from rlsup_format.digest import new_hasher
 from rlsup_format.fileio import start_writeback
+from supervisor.transport.limits import BandwidthLimiter
 
 #: Largest response head accepted (status line and headers).
 MAX_HEAD = 64 * 1024
@@ -74,12 +79,12 @@ class Deadline:
         when = self.when()
         return None if when is None else when - time.monotonic()
 
-    def throttle(self, limiter: Any, n: int) -> None:
+    def throttle(self, limiter: BandwidthLimiter | None, n: int) -> None:
         """Count ``n`` bytes and wait for the limiter's grant (the wait moves the deadline)."""
         self.done += n
         if limiter is None:
             return
-        wait = limiter._reserve(n)
+        wait = limiter.reserve(n)
         if wait > 0:
             self.waited += wait
             time.sleep(wait)
@@ -113,10 +118,16 @@ def connect(endpoint: str, ssl_context: ssl.SSLContext | None, timeout: float) -
     return sock
 
 
-def send_head(sock: socket.socket, method: str, path: str, endpoint: str, headers: dict[str, str]) -> None:
+def send_head(sock: socket.socket, method: str, path: str, endpoint: str, headers: dict[str, str],
+              stall: float, deadline: Deadline, body: bytes = b"") -> None:
+    """The request head, and ``body`` (a small one: a JSON request) in the same write."""
     lines = [f"{method} {path} HTTP/1.1", f"Host: {endpoint}", "Connection: close",
              *(f"{k}: {v}" for k, v in headers.items()), "", ""]
-    sock.sendall("\r\n".join(lines).encode("latin-1"))
+    settle(sock, stall, deadline)
+    try:
+        sock.sendall("\r\n".join(lines).encode("latin-1") + body)
+    except TimeoutError:
+        raise on_timeout(deadline) from None
 
 
 @dataclass
@@ -223,7 +234,7 @@ class _HashingFileWriter(threading.Thread):
 
 
 def receive_to_fd(sock: socket.socket, first: bytes, fd: int, length: int, stall: float, deadline: Deadline,
-                  limiter: Any = None, hasher: Any = None, start_disk: bool = False) -> str:
+                  limiter: BandwidthLimiter | None = None, hasher: Any = None, start_disk: bool = False) -> str:
     """Receive exactly ``length`` body bytes (``first``: those that came with the head) into ``fd``,
     hashed as they pass (into ``hasher`` when given, else a new one); returns the hex digest. A
     shorter or longer body is a :class:`WireError`. ``start_disk``: start writing each buffer to disk
@@ -255,8 +266,8 @@ def receive_to_fd(sock: socket.socket, first: bytes, fd: int, length: int, stall
     return digest
 
 
-def _recv_some(sock: socket.socket, view: memoryview, stall: float, deadline: Deadline, limiter: Any,
-               got: int, length: int) -> int:
+def _recv_some(sock: socket.socket, view: memoryview, stall: float, deadline: Deadline,
+               limiter: BandwidthLimiter | None, got: int, length: int) -> int:
     settle(sock, stall, deadline)
     try:
         n = sock.recv_into(view)
@@ -269,11 +280,11 @@ def _recv_some(sock: socket.socket, view: memoryview, stall: float, deadline: De
 
 
 def send_file(sock: socket.socket, f: BinaryIO, size: int, stall: float, deadline: Deadline,
-              limiter: Any = None, segment: int = 1 << 20) -> None:
+              limiter: BandwidthLimiter | None = None, segment: int = 1 << 20) -> None:
     """Send exactly ``size`` bytes of ``f`` from its start (``sendfile``: the kernel copies page cache to
     socket). Segments of ``segment`` bytes under a bandwidth limit, else large ones; a file that ends
     early is a non-retryable :class:`WireError`."""
-    step = segment if limiter is not None and not getattr(limiter, "unlimited", False) else SEND_SEGMENT
+    step = segment if limiter is not None and not limiter.unlimited else SEND_SEGMENT
     plain = not isinstance(sock, ssl.SSLSocket)
     offset = 0
     while offset < size:
