@@ -18,7 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, clean_env, incidents, rlsup_cmd, wait_for
+from support.env import ROOT, clean_env
+from support.incidents import incidents
+from support.procs import rlsup_cmd
+from support.waits import wait_for
 
 TRAINER = Path(__file__).resolve().parent / "train_cuda.py"
 PY = sys.executable
