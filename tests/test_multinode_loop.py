@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from test_run_loop import ATTEMPT, Attempt, FakeProcesses, Recorder, incidents
+from support.fake_run_loop import ATTEMPT, Attempt, FakeProcesses, Recorder, incidents
 
 from supervisor.config import SupervisorConfig
 from supervisor.control_records import FetchResult, NodeInventory, RoundPlan

@@ -453,7 +453,7 @@ def test_a_bar_redrawn_at_a_stuck_step_is_caught_as_a_hang(workdir: Path) -> Non
 def test_progress_from_output_runs_the_job_unbuffered_unless_the_user_chose(tmp_path: Path,
                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """print() into a pipe is block-buffered: nanoGPT's lines would arrive in 8 KB bursts."""
-    from test_run_loop import Attempt, make
+    from support.fake_run_loop import Attempt, make
 
     monkeypatch.delenv("PYTHONUNBUFFERED", raising=False)
     for progress, user, want in (("nanogpt", None, "1"), ("", None, None), ("nanogpt", "0", "0")):

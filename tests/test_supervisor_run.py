@@ -10,7 +10,10 @@ import signal
 import sys
 from pathlib import Path
 
-from conftest import JOBS, incidents, pid_alive, run_rlsup, start_rlsup, wait_for
+from support.env import JOBS
+from support.incidents import incidents
+from support.procs import pid_alive, run_rlsup, start_rlsup
+from support.waits import wait_for
 
 PY = sys.executable
 FAST = ["--backoff-initial", "0.05", "--backoff-max", "0.2", "--kill-grace", "2"]

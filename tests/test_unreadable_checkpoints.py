@@ -18,7 +18,7 @@ from supervisor.attempt_progress import AttemptEvidence, ProgressBasis, judge
 from supervisor.incidents_cli import incident_line, report, steps_lost
 
 from support.incidents import incidents
-from test_run_loop import Attempt, make
+from support.fake_run_loop import Attempt, make
 
 
 def _unreadable(tmp_path: Path) -> None:
