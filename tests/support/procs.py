@@ -7,6 +7,7 @@ import signal
 import subprocess
 from pathlib import Path
 
+from rlsup_format import fileio
 from support.env import PY, clean_env
 from support.waits import Deadline, wait_for
 
@@ -38,14 +39,9 @@ def proc_state(pid: int) -> str | None:
 
 
 def pid_alive(pid: int) -> bool:
-    """Alive and not a zombie (a zombie is dead for our purposes); a pid we may not signal is alive."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return proc_state(pid) not in ("Z", "X", None)
+    """rlsup's own liveness rule (a pid we may not signal is alive), and not a zombie: a zombie is dead for
+    our purposes."""
+    return fileio.pid_alive(pid) and proc_state(pid) not in ("Z", "X", None)
 
 
 def freeze(pid: int, timeout: float = 5.0) -> bool:
