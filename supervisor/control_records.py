@@ -74,7 +74,7 @@ class NodeInventory:
             fail("steps", "missing or not an object")
         steps: dict[int, StepHoldings] = {}
         for step_s, info in raw_steps.items():
-            held = _holdings(info) if step_s.isdigit() and step_s.isascii() else None
+            held = _holdings(info) if _is_key(step_s) else None
             if held is None:
                 _refuse_step(step_s, info, fail)
             steps[int(step_s)] = held
@@ -121,7 +121,7 @@ def _holdings(info: Any) -> StepHoldings | None:
     if type(info) is not dict:
         return None
     world, local, replicas = info.get("world_size"), _owned(info.get("local")), _owned(info.get("replicas"))
-    if type(world) is not int or world <= 0 or local is None or replicas is None:
+    if type(world) is not int or not 0 < world <= MAX_WORLD_SIZE or local is None or replicas is None:
         return None
     return StepHoldings(world, local, replicas)
 
@@ -133,7 +133,7 @@ def _owned(raw: Any) -> dict[int, int] | None:
     out: dict[int, int] = {}
     listed = 0
     for owner_s, ranks in raw.items():
-        if (type(ranks) is not list or not (owner_s.isdigit() and owner_s.isascii())
+        if (type(ranks) is not list or not _is_key(owner_s)
                 or not _INT.issuperset(map(type, ranks)) or min(ranks, default=0) < 0):
             return None
         out.update(dict.fromkeys(ranks, int(owner_s)))
@@ -148,8 +148,8 @@ def _refuse_step(step_s: str, info: Any, fail: "_Refuser") -> NoReturn:
     if not isinstance(info, dict):
         fail(where, "not an object")
     world = info.get("world_size")
-    if not _is_index(world) or world <= 0:
-        fail(f"{where}.world_size", f"{world!r} is not a positive integer")
+    if not _is_index(world) or not 0 < world <= MAX_WORLD_SIZE:
+        fail(f"{where}.world_size", f"{world!r} is not a positive integer up to {MAX_WORLD_SIZE}")
     for kind in ("local", "replicas"):
         raw = info.get(kind)
         if not isinstance(raw, dict):
@@ -204,8 +204,10 @@ class RoundPlan:
         attempt, step, world = d.get("round"), d.get("step"), d.get("world_size")
         if not _is_index(attempt):
             fail("round", f"{attempt!r} is not an attempt number")
-        if (step is None) != (world is None) or not (step is None or (_is_index(step) and _is_index(world))):
-            fail("step", f"step {step!r} with world_size {world!r}: both integers, or both null")
+        if (step is None) != (world is None) or not (step is None or (_is_index(step) and _is_index(world)
+                                                                      and 0 < world <= MAX_WORLD_SIZE)):
+            fail("step", f"step {step!r} with world_size {world!r}: both integers (world size 1 to "
+                         f"{MAX_WORLD_SIZE}), or both null")
         raw_fetch = d.get("fetch")
         if not isinstance(raw_fetch, dict):
             fail("fetch", "missing or not an object")
@@ -269,6 +271,8 @@ def _loads(text: str | bytes, node: int | None, record: str) -> Any:
 
 
 _INT = {int}  # the type of a JSON integer as parsed (bool, a subclass, is not one here)
+MAX_KEY_DIGITS = 18  # step, rank and node numbers as object keys
+MAX_WORLD_SIZE = 1 << 20  # ranks of one step: the planner builds sets of this size
 
 
 def _is_index(value: Any) -> bool:
@@ -280,8 +284,14 @@ def _is_holder(value: Any) -> bool:
     return type(value) is int and value >= PERSISTENT_HOLDER
 
 
+def _is_key(key: Any) -> bool:
+    """A step, rank or node number as a JSON object key: ASCII decimal digits, at most MAX_KEY_DIGITS of
+    them (int() of thousands of digits raises ValueError, and no step or rank is that large)."""
+    return isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= MAX_KEY_DIGITS
+
+
 def _index_key(key: str, fail: _Refuser, where: str, what: str) -> int:
-    """A step, rank or node number as a JSON object key: decimal digits only."""
-    if not (isinstance(key, str) and key.isdigit() and key.isascii()):
-        fail(f"{where}.{key}", f"{key!r} is not {what} (a non-negative integer)")
+    if not _is_key(key):
+        fail(f"{where}.{str(key)[:40]}", f"{str(key)[:40]!r} is not {what} (a non-negative integer of at most "
+                                          f"{MAX_KEY_DIGITS} digits)")
     return int(key)

@@ -285,15 +285,16 @@ class RoundCoordinator:
         self.keys.set(f"inv/{attempt}/{self.node_rank}", inventory.to_json())
 
     def inventories(self, attempt: int) -> list[NodeInventory]:
-        """Every node's inventory, in node order. One that does not parse offers nothing (named in the
-        log): the plan then treats that node's parts as lost, as it would after a wiped disk."""
+        """Every node's inventory, in node order. One that does not parse (a node of another rlsup version,
+        or a damaged store) ends the attempt for all, naming the node and field: planning without that
+        node's parts could start the job afresh over checkpoints it still holds."""
         out = []
         for node, value in enumerate(self._wait_all(f"inv/{attempt}", f"inventories of attempt {attempt}", attempt)):
             try:
                 out.append(NodeInventory.from_json(value, node))
             except RecordError as e:
-                log.warning("attempt %d: %s; planning as if node %d held nothing", attempt, e, node)
-                out.append(NodeInventory(node))
+                why = f"node {self.node_rank}: {e} (a node of another rlsup version, or a damaged store?)"
+                raise RoundEnded(f"attempt {attempt} ended: {self.end(attempt, why)}") from e
         return out
 
     @staticmethod

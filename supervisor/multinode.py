@@ -189,8 +189,11 @@ class MultiNodeSupervisor(Supervisor):
             bad = {b for r in results for b in r.bad}
             if me == 0:
                 self._bad_persistent |= bad
-            if any(r.error for r in results):
-                break  # ended above by the failing node; the next attempt starts from fresh inventories
+            if errors := "; ".join(r.error for r in results if r.error):
+                # Ended by the failing node, and here too: a result that did not parse names no node that
+                # would end it itself (ending is first-writer-wins). The next attempt plans afresh.
+                self.coordinator.end(attempt, f"node {me}: fetch failed: {errors}")
+                break
             if not bad:
                 if plan.step is None:
                     self._log(f"attempt {attempt}: no step is complete across the nodes and tiers; starting fresh")

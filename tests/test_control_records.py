@@ -129,3 +129,25 @@ def test_plan_refused_naming_the_field(text: str, field: str) -> None:
 def test_fetch_result_refused_naming_the_field(text: str, field: str) -> None:
     with pytest.raises(RecordError, match=f"^node 4's fetch result: {field}: "):
         FetchResult.from_json(text, 4)
+
+
+def test_oversized_numbers_are_refused_as_records_never_as_crashes() -> None:
+    """A key of thousands of digits (int() raises a plain ValueError past Python's digit limit) and a world
+    size the planner would build a set of: refused naming node and field, like any other bad value."""
+    huge = "9" * 5000
+    data = good_inventory()
+    data["steps"][huge] = data["steps"]["12"]
+    with pytest.raises(RecordError, match="node 2's inventory: steps"):
+        NodeInventory.from_json(json.dumps(data), 2)
+    owner = good_inventory()
+    owner["steps"]["12"]["local"] = {huge: [0]}
+    with pytest.raises(RecordError, match="node 2's inventory: steps.12.local"):
+        NodeInventory.from_json(json.dumps(owner), 2)
+    world = broken(["steps", "12", "world_size"], 10**12)
+    with pytest.raises(RecordError, match="node 2's inventory: steps.12.world_size: .* up to"):
+        NodeInventory.from_json(json.dumps(world), 2)
+    with pytest.raises(RecordError, match="node 0's plan: step"):
+        RoundPlan.from_json('{"round": 1, "step": 5, "world_size": 1000000000000, "fetch": {}}', 0)
+    with pytest.raises(RecordError, match="node 0's plan: fetch"):
+        RoundPlan.from_json('{"round": 1, "step": 5, "world_size": 2, "fetch": {"%s": {}}}' % huge, 0)
+

@@ -25,10 +25,11 @@ class FakeCoordinator:
     polls of round R, ``ended(R)`` names node 0's failure; ``abandon`` rounds end before launch."""
 
     def __init__(self, first_round: int = 0, end_after: dict[int, int] | None = None,
-                 abandon: frozenset[int] = frozenset()) -> None:
+                 abandon: frozenset[int] = frozenset(), unreadable_fetch: frozenset[int] = frozenset()) -> None:
         self.first_round = first_round
         self.end_after = dict(end_after or {})
         self.abandon = abandon
+        self.unreadable_fetch = unreadable_fetch
         self.joined: list[int] = []
         self.ends: list[tuple[int, str]] = []
         self.aborts: list[str] = []
@@ -55,13 +56,18 @@ class FakeCoordinator:
         pass
 
     def fetch_results(self, attempt: int, plan_try: int) -> list[FetchResult]:
+        if attempt in self.unreadable_fetch:  # node 0 could not parse its own result: nobody else ends it
+            return [FetchResult(error="node 0's fetch result: bad: 'all' is not a list"), FetchResult()]
         return [FetchResult(), FetchResult()]
 
     def mark_ready(self, attempt: int) -> None:
         self.ready.append(attempt)
 
     def wait_all_ready(self, attempt: int) -> None:
-        pass
+        """As the store's wait: an attempt ended meanwhile stops it."""
+        why = next((w for r, w in self.ends if r == attempt), None)
+        if why is not None:
+            raise RoundEnded(f"attempt {attempt} ended while waiting for every node to be ready: {why}")
 
     def ended(self, attempt: int) -> str | None:
         self.polls[attempt] = self.polls.get(attempt, 0) + 1
@@ -157,3 +163,13 @@ def test_a_node_failing_again_is_named_on_a_multi_node_job(tmp_path: Path) -> No
     first, second = incidents(tmp_path)
     assert first["suspect_nodes"] == [] and second["suspect_nodes"] == [node_name()]
     assert second["verdict"] == f"node {node_name()} failed 2 attempts of this run"
+
+
+def test_a_fetch_result_that_did_not_parse_ends_the_attempt_before_anyone_launches(tmp_path: Path) -> None:
+    """A fetch error only node 0 saw (another node's result did not parse, so that node never ends the
+    attempt itself): every node ends it, so nobody launches with no resume step over its checkpoints."""
+    coord = FakeCoordinator(unreadable_fetch=frozenset({0}))
+    sup, layer, _ = make(tmp_path, coord, Attempt(exit_code=0))
+    assert sup.run().exit_code == 0 and len(layer.jobs) == 1  # nothing launched for attempt 0
+    assert coord.ends and coord.ends[0][0] == 0 and "fetch failed" in coord.ends[0][1], coord.ends
+    assert layer.jobs[0].env["RLSUP_RESTART_COUNT"] == "1"

@@ -161,7 +161,7 @@ def test_a_job_never_resumes_from_another_jobs_steps_in_its_directory(workdir: P
     dropped); a, run again, resumes its own last step."""
     import sys
 
-    from conftest import ROOT
+    from support.env import ROOT
 
     train = [sys.executable, str(ROOT / "examples" / "train_tiny.py"), "--steps", "6", "--checkpoint-every", "3",
              "--step-time", "0", "--keep-last", "100"]

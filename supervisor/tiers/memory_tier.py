@@ -19,7 +19,7 @@ This module is the supervisor's side:
   manifest (``extra["disk_keep_last"]``); a trainer that keeps everything gets everything kept. The
   newest valid step, held steps and the step being resumed from stay.
 * **Restart selection** reads the tier like any other (:meth:`MemoryTier.newest_valid`, used by
-  :func:`supervisor.tiers.choose_across_tiers`): a step resumed from memory is loaded in place.
+  :func:`supervisor.tiers.selection.choose_across_tiers`): a step resumed from memory is loaded in place.
 * **The end** (:meth:`MemoryTier.finish`): the newest valid memory step is drained if disk lacks it;
   after a successful run the job's directory is then removed, after a stop, preemption or give-up it
   is kept. A drain that failed never removes anything.
