@@ -10,7 +10,7 @@ first on odd ones) and prints, as soon as a figure is done, one row per figure::
     name | rlsup median | baseline median | ratio (rlsup / baseline) | unit | note
 
 Figures (``--only`` keys): restart, hang, save, heartbeat, selection, replication, restore, footprint,
-goodput. Jobs are 2-rank torchrun/gloo runs of ``benchmarks/jobs/bench_trainer.py``, which writes
+goodput, gpu_check. Jobs are 2-rank torchrun/gloo runs of ``benchmarks/jobs/bench_trainer.py``, which writes
 ``time.monotonic()`` events (CLOCK_MONOTONIC is system-wide on Linux, so ranks, attempts and this script
 share one clock). Method, machine and results: BENCHMARKS.md.
 """
@@ -41,7 +41,8 @@ sys.path[:0] = [str(ROOT), str(BENCH), str(ROOT / "tests")]
 PY = sys.executable
 BIN = Path(sys.executable).parent
 TRAINER = BENCH / "jobs" / "bench_trainer.py"
-FIGURES = ("restart", "hang", "hang_restart", "save", "heartbeat", "selection", "replication", "restore", "footprint", "goodput")
+FIGURES = ("restart", "hang", "hang_restart", "save", "heartbeat", "selection", "replication", "restore", "footprint", "goodput",
+           "gpu_check")
 
 
 # ------------------------------------------------------------------------------------------ output
@@ -1048,13 +1049,40 @@ def bench_goodput(ctx: Ctx) -> list[Row]:
     return rows
 
 
+# ------------------------------------------------------------------------------------------ gpu_check
+
+
+def bench_gpu_check(ctx: Ctx) -> list[Row]:
+    """``pre_launch_check: builtin`` (NVML in process) vs a command check (a shell, as every site check
+    runs): ``nvidia-smi`` where it exists, else ``true``, the floor of any command. On a CPU node the
+    builtin takes its "no GPUs: skipped" path."""
+    from supervisor.gpu_health import check_gpus
+    from supervisor.health import run_check
+
+    calls = 20 if ctx.quick else 100
+    command = "nvidia-smi" if shutil.which("nvidia-smi") else "true"
+    launch = ["torchrun", "--nproc-per-node", "1", "train.py"]
+    builtin, shell, detail = [], [], ""
+    for i in range(calls):  # alternating, as every figure here
+        for side in (("builtin", "shell") if i % 2 == 0 else ("shell", "builtin")):
+            t0 = time.perf_counter()
+            if side == "builtin":
+                detail = check_gpus(launch).detail
+                builtin.append(time.perf_counter() - t0)
+            else:
+                run_check(command, 60)
+                shell.append(time.perf_counter() - t0)
+    return [Row(f"pre_launch_check builtin vs '{command}' as a command check", median(builtin) * 1e3,
+                median(shell) * 1e3, "ms", f"{calls} calls each, alternating, median; builtin said: {detail}")]
+
+
 # ------------------------------------------------------------------------------------------ main
 
 
 BENCHES: dict[str, Callable[[Ctx], list[Row]]] = {
     "restart": bench_restart, "hang": bench_hang, "hang_restart": bench_hang_restart, "save": bench_save, "heartbeat": bench_heartbeat,
     "selection": bench_selection, "replication": bench_replication, "restore": bench_restore,
-    "footprint": bench_footprint, "goodput": bench_goodput,
+    "footprint": bench_footprint, "goodput": bench_goodput, "gpu_check": bench_gpu_check,
 }
 
 

@@ -5,17 +5,20 @@ health checks before its rendezvous for the same reason). rlsup does not guess w
 on a site: it runs the command the site names (``nvidia-smi``, ``dcgmi diag -r 1``, a filesystem
 probe), with a timeout, and a non-zero exit or a timeout marks this node unhealthy: the run stops
 with :data:`supervisor.exit_codes.UNHEALTHY` and the node's name is recorded in
-``<state_dir>/unhealthy_nodes`` so the batch script can requeue with ``--exclude``.
+``<state_dir>/unhealthy_nodes`` so the batch script can requeue with ``--exclude``. The value
+``builtin`` (:data:`BUILTIN`) runs rlsup's own NVML check instead (:mod:`supervisor.gpu_health`).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 from supervisor.attempt_end import AttemptResult
 from supervisor.incidents import Incident
@@ -24,6 +27,8 @@ from supervisor.lifecycle import ATTEMPT_FAILURES, EndReason
 REPEATS_MAKE_SUSPECT = 2  # a node whose own attempts failed this often in one run is named
 UNHEALTHY_NODES = "unhealthy_nodes"  # one node name per line, appended; read by deploy/slurm/rlsup.sbatch
 OUTPUT_TAIL = 4000
+BUILTIN = "builtin"  # pre_launch_check's value for rlsup's own NVML check (supervisor/gpu_health.py)
+log = logging.getLogger(__name__)
 
 
 def node_name() -> str:
@@ -62,11 +67,46 @@ def run_check(command: str, timeout: float, env: dict[str, str] | None = None) -
     return HealthResult(True, "passed", time.monotonic() - start, output)
 
 
-def check_node(command: str, timeout: float, attempt: int, node: str) -> AttemptResult | None:
-    """The failed attempt an unhealthy node makes (nothing launched), or None (healthy, or no check set)."""
+def run_builtin(launch: Sequence[str], timeout: float) -> HealthResult:
+    """rlsup's NVML check (:func:`supervisor.gpu_health.check_gpus`), for the job ``launch`` starts."""
+    import threading
+
+    from supervisor.gpu_health import GpuHealth, check_gpus
+
+    box: list[GpuHealth | Exception] = []
+
+    def run() -> None:
+        try:
+            box.append(check_gpus(launch))
+        except Exception as e:  # noqa: BLE001 - an NVML binding too old or odd: said, as a failed check
+            box.append(e)
+
+    # A hung driver can hang an NVML call (as it hangs nvidia-smi): the check waits at most ``timeout``.
+    worker = threading.Thread(target=run, name="rlsup-gpu-health", daemon=True)
+    worker.start()
+    worker.join(timeout)
+    if not box:
+        return HealthResult(False, f"pre_launch_check builtin timed out after {timeout:.0f}s (NVML did not "
+                                   "answer: a GPU or the driver may be hung)", timeout)
+    gpus = box[0]
+    if isinstance(gpus, Exception):
+        return HealthResult(False, f"pre_launch_check builtin failed ({type(gpus).__name__}: {gpus})", 0.0)
+    detail = gpus.detail if gpus.ok else f"pre_launch_check builtin: {gpus.detail}"
+    return HealthResult(gpus.ok, detail, gpus.seconds, "\n".join(gpus.reasons))
+
+
+def check_node(command: str, timeout: float, attempt: int, node: str,
+               launch: Sequence[str] = ()) -> AttemptResult | None:
+    """The failed attempt an unhealthy node makes (nothing launched), or None (healthy, or no check set).
+    ``launch`` is the job's command (the builtin check reads how many GPUs it asks for)."""
     if not command:
         return None
-    result = run_check(command, timeout)
+    if command.strip() == BUILTIN:
+        result = run_builtin(launch, timeout)
+        if result.ok:
+            log.info(f"attempt {attempt}: pre_launch_check builtin: {result.detail} ({result.seconds:.3f}s)")
+    else:
+        result = run_check(command, timeout)
     if result.ok:
         return None
     return AttemptResult(attempt, EndReason.UNHEALTHY, None, detail=result.detail,

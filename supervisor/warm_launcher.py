@@ -121,7 +121,7 @@ class Zygote:
     directory (relative PYTHONPATH entries, LOGLEVEL and the like act at start-up and import time)."""
 
     def __init__(self, spec: WarmSpec, env: Mapping[str, str], cwd: str | None = None,
-                 warm_imports: Sequence[str] = ()) -> None:
+                 warm_imports: Sequence[str] = (), warm_cuda: bool = False) -> None:
         from supervisor.process_tree import JobProcess, spawn_job_root
 
         self.spec = spec
@@ -129,7 +129,8 @@ class Zygote:
         self.warm_pids: list[int] = []  # its warm ranks (warm_pool.py), known once it is ready
         ready_r, ready_w = os.pipe()
         argv = [spec.python, _FILE, "--ready-fd", str(ready_w), "--path0", spec.path0,
-                "--args-json", json.dumps(list(spec.args)), "--warm-imports", json.dumps(list(warm_imports))]
+                "--args-json", json.dumps(list(spec.args)), "--warm-imports", json.dumps(list(warm_imports)),
+                "--warm-cuda", "1" if warm_cuda else "0"]
         try:
             self.popen = spawn_job_root(argv, env, cwd=cwd, stdin=subprocess.PIPE, pass_fds=(ready_w,))
         except BaseException:
@@ -286,7 +287,8 @@ def _zygote_main(argv: list[str]) -> None:
 
     warm_pool = _load_warm_pool()
     pool = warm_pool.WarmPool.spawn(json.loads(_arg(argv, "--args-json", "[]")),
-                                    json.loads(_arg(argv, "--warm-imports", "[]")))
+                                    json.loads(_arg(argv, "--warm-imports", "[]")),
+                                    warm_cuda=_arg(argv, "--warm-cuda", "0") == "1")
     os.write(ready_fd, READY + json.dumps(pool.pids()).encode())
     os.close(ready_fd)
     data = sys.stdin.buffer.read()

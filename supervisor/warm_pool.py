@@ -9,6 +9,10 @@ runs, :func:`install` replaces torch's ``get_subprocess_handler`` with one whose
 ready warm rank the worker's ``{argv, env, cwd}`` and returns that rank's ``Popen``: torchrun's
 monitoring, ``close()`` (killpg), exit codes and error files work unchanged.
 
+With ``warm_cuda`` on a node with NVIDIA GPUs (``/dev/nvidiactl``; nothing more is looked at where it is
+absent), warm rank *i* also creates its CUDA context on device *i* while it waits, and becomes the worker
+of local rank *i* (torchrun's ``LOCAL_RANK``; the usual ``torch.cuda.set_device(LOCAL_RANK)``).
+
 Anything unusual launches that worker cold, as torch would, and says so once on stderr: torchrun
 options that change how workers start (``--no-python``, ``--run-path``, redirects or tee, NUMA
 binding, virtual local ranks), a worker command other than the one warmed, a variable read at
@@ -35,11 +39,14 @@ PREFIX = "[rlsup] warm ranks: "
 READY_TIMEOUT = 30.0
 # Read when an interpreter starts or torch (or a BLAS, or the allocator) is imported: a warm rank that
 # started under other values is not what a cold start would be.
-STARTUP_PREFIXES = ("PYTHON", "OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS_", "LD_", "MALLOC_", "LC_", "TORCH")
+# CUDA_ and PYTORCH_ (CUDA_VISIBLE_DEVICES, PYTORCH_CUDA_ALLOC_CONF) act when a CUDA-warm rank starts CUDA.
+STARTUP_PREFIXES = ("PYTHON", "OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS_", "LD_", "MALLOC_", "LC_", "TORCH",
+                    "CUDA_", "PYTORCH_")
 STARTUP_NAMES = ("LANG", "TZ", "HOME", "TMPDIR")
 # What torchrun's agent sets per worker itself (never read at import).
 AGENT_SET_PREFIXES = ("TORCHELASTIC_",)
 AGENT_SET_NAMES = ("TORCH_NCCL_ASYNC_ERROR_HANDLING",)
+NVIDIA_CONTROL = "/dev/nvidiactl"  # the driver's control device: present on every node with NVIDIA GPUs
 
 
 def rlsup_line(text: str) -> str:
@@ -87,12 +94,14 @@ def worker_command(args: Any, python: str) -> tuple[list[str] | None, str]:
 class WarmRank:
     """One pre-started worker: its Popen (what torchrun will hold) and its ready pipe."""
 
-    def __init__(self, command: Sequence[str], imports: Sequence[str], env: Mapping[str, str]) -> None:
+    def __init__(self, command: Sequence[str], imports: Sequence[str], env: Mapping[str, str],
+                 cuda_device: int | None = None) -> None:
         ready_r, ready_w = os.pipe()
+        cuda = [] if cuda_device is None else ["--cuda-device", str(cuda_device)]
         try:
             self.popen = subprocess.Popen(
                 [command[0], "-u", WARM_RANK_FILE, "--ready-fd", str(ready_w), "--parent", str(os.getpid()),
-                 "--command", json.dumps(list(command)), "--imports", json.dumps(list(imports))],
+                 "--command", json.dumps(list(command)), "--imports", json.dumps(list(imports)), *cuda],
                 env=dict(env), stdin=subprocess.PIPE, start_new_session=True, pass_fds=(ready_w,))
         except BaseException:
             os.close(ready_r)
@@ -100,6 +109,7 @@ class WarmRank:
         finally:
             os.close(ready_w)
         self.pid = self.popen.pid
+        self.cuda_device = cuda_device  # the device it made its CUDA context on (None: not CUDA-warm)
         self._ready_r: int | None = ready_r
         self._state = ""  # "", "ready", or why not
 
@@ -161,8 +171,9 @@ class WarmPool:
         self._said = False
 
     @classmethod
-    def spawn(cls, torchrun_args: Sequence[str], imports: Sequence[str]) -> "WarmPool":
-        """Parse torchrun's arguments as it will, and start its workers' warm ranks (or say why not)."""
+    def spawn(cls, torchrun_args: Sequence[str], imports: Sequence[str], warm_cuda: bool = False) -> "WarmPool":
+        """Parse torchrun's arguments as it will, and start its workers' warm ranks (or say why not);
+        ``warm_cuda``: on a GPU node, rank *i* makes its CUDA context on device *i*."""
         try:
             from torch.distributed.run import determine_local_world_size, parse_args
 
@@ -177,9 +188,10 @@ class WarmPool:
         if nproc > 1 and "OMP_NUM_THREADS" not in env:  # what torchrun's config_from_args will add
             env["OMP_NUM_THREADS"] = "1"
         pool = cls("", command, env, nproc)
+        cuda = warm_cuda and os.path.exists(NVIDIA_CONTROL)
         try:
-            for _ in range(nproc):
-                pool.ranks.append(WarmRank(command, imports, env))
+            for i in range(nproc):
+                pool.ranks.append(WarmRank(command, imports, env, i if cuda else None))
         except (OSError, subprocess.SubprocessError) as e:
             pool.discard()
             return cls(f"could not start a warm rank ({e})")
@@ -191,8 +203,11 @@ class WarmPool:
     def take(self, args: Sequence[str], env: Mapping[str, str], output_files: bool) -> subprocess.Popen | None:
         """The Popen of a warm rank that became this worker, or None: launch it cold (said once)."""
         why = self._unfit(args, env, output_files)
-        if not why:
-            rank = self.ranks.pop(0)
+        rank = None if why else self._rank_for(env)
+        if rank is None and not why:
+            why = f"no warm rank made its CUDA context for LOCAL_RANK {env.get('LOCAL_RANK')}"
+        if rank is not None:
+            self.ranks.remove(rank)
             why = rank.wait_ready(READY_TIMEOUT) or rank.hand_over(
                 {"argv": list(args), "env": dict(env), "cwd": os.getcwd(), "stdin": os.devnull,
                  "caught": _caught_signals()})
@@ -202,6 +217,13 @@ class WarmPool:
             rank.kill()
         self._say(why)
         return None
+
+    def _rank_for(self, env: Mapping[str, str]) -> WarmRank | None:
+        """The next warm rank, or for CUDA-warm ones the one whose device is the worker's LOCAL_RANK."""
+        if self.ranks[0].cuda_device is None:
+            return self.ranks[0]
+        local = env.get("LOCAL_RANK", "")
+        return next((r for r in self.ranks if str(r.cuda_device) == local), None)
 
     def _unfit(self, args: Sequence[str], env: Mapping[str, str], output_files: bool) -> str:
         if self.reason:

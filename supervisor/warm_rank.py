@@ -12,6 +12,15 @@ modules, reports ready on a pipe and blocks reading one JSON message on stdin: t
 the OS as a new interpreter does; torch's default generator put back to its state right after
 ``import torch``), no parent-death signal, and runs the script.
 
+CUDA-warm (``warm_cuda``, on a GPU node: ``--cuda-device N``): CUDA start-up (the driver's ``cuInit`` and
+the device's primary context) is also done while it waits, on device N, the worker's local rank; the
+current device is left as a cold start has it (torch's device 0, so a trainer that never calls
+``set_device`` sees what it would cold). Skipped, the rank staying an import-only warm rank, where the
+device is not in the default compute mode (an exclusive-process GPU would be taken from the running
+attempt) or torch sees fewer devices. What differs from a cold start is what any CUDA initialisation
+before the script implies: the script can no longer choose its GPUs by setting ``CUDA_VISIBLE_DEVICES``
+itself, and a process it forks cannot use CUDA (``warm_cuda: false`` for such trainers).
+
 Run by path (``<python> -u .../supervisor/warm_rank.py``), not as ``-m supervisor.warm_rank``: the job's
 interpreter need not have rlsup installed, and nothing may be imported before ``sys.path[0]`` is set.
 So this file imports only the standard library at module level, and nothing that a cold start would
@@ -31,6 +40,8 @@ READY = b"R"
 #: Imported ahead like torch itself; a torch without them is simply not warmed further.
 TORCH_LAZY = ("torch._dynamo",)
 FAILED = b"E"
+_CU_DEVICE_ATTRIBUTE_COMPUTE_MODE = 20
+_CU_COMPUTEMODE_DEFAULT = 0
 _PR_SET_PDEATHSIG = 1
 _SIGKILL = 9
 
@@ -80,6 +91,35 @@ def _warm_up(layout: tuple[str, str, list[str]], imports: list[str]) -> Any:
     if layout[0] == "module" and layout[1] in sys.modules:  # runpy would warn about it; a cold start never does
         raise RuntimeError(f"warm_imports imported the -m module {layout[1]!r} itself")
     return state
+
+
+def _compute_mode(device: int) -> int | None:
+    """The device's CUDA compute mode through the driver API (``cuInit`` makes no context), None if unknown."""
+    import ctypes
+
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    handle, mode = ctypes.c_int(), ctypes.c_int()
+    if cuda.cuInit(0) != 0 or cuda.cuDeviceGet(ctypes.byref(handle), device) != 0:
+        return None
+    if cuda.cuDeviceGetAttribute(ctypes.byref(mode), _CU_DEVICE_ATTRIBUTE_COMPUTE_MODE, handle) != 0:
+        return None
+    return mode.value
+
+
+def _warm_cuda(device: int) -> None:
+    """Initialise CUDA and make ``device``'s primary context, leaving the current device where it was."""
+    if _compute_mode(device) != _CU_COMPUTEMODE_DEFAULT:
+        return
+    import torch
+
+    if device >= torch.cuda.device_count():
+        return
+    torch.cuda.init()
+    with torch.cuda.device(device):  # cudaSetDevice makes the primary context; on exit torch's device is back
+        torch.cuda.synchronize()
 
 
 def _point_stdin(path: str) -> None:
@@ -210,6 +250,8 @@ def main(argv: list[str]) -> None:
     layout = _worker_layout(json.loads(argv[argv.index("--command") + 1]))
     try:
         torch_state = _warm_up(layout, json.loads(argv[argv.index("--imports") + 1]))
+        if "--cuda-device" in argv:
+            _warm_cuda(int(argv[argv.index("--cuda-device") + 1]))
     except BaseException as e:  # noqa: BLE001 - a cold start would have failed or behaved differently: tell the zygote
         os.write(ready_fd, FAILED + f"{type(e).__name__}: {e}".encode("utf-8", "replace")[:2000])
         os._exit(1)

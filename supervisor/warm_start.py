@@ -17,8 +17,9 @@ class WarmStarts:
     """At most one waiting launcher for ``command`` (torchrun jobs with ``warm_launcher`` on)."""
 
     def __init__(self, command: Sequence[str], enabled: bool, warm_imports: Sequence[str],
-                 log: Callable[[str], None]) -> None:
+                 log: Callable[[str], None], warm_cuda: bool = False) -> None:
         self.command, self.enabled, self.warm_imports, self.log = list(command), enabled, tuple(warm_imports), log
+        self.warm_cuda = warm_cuda
         self._zygote: Zygote | None = None
 
     def arm(self, env: dict[str, str], budget_left: bool) -> None:
@@ -30,7 +31,7 @@ class WarmStarts:
         if spec is None:
             return
         try:
-            self._zygote = Zygote(spec, env, warm_imports=self.warm_imports)
+            self._zygote = Zygote(spec, env, warm_imports=self.warm_imports, warm_cuda=self.warm_cuda)
         except (OSError, subprocess.SubprocessError) as e:
             self.log(f"warm launcher not started ({e}); restarts launch cold")
             return

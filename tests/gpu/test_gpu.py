@@ -1,6 +1,7 @@
 """rlsup on a real GPU: exact resume of a CUDA job (sync and pinned async saves), a rank stuck in a CUDA
 kernel caught as a hang with its stacks, a real CUDA out-of-memory error recorded, and the restart time of
-a CUDA job with and without the warm launcher (a figure, written for BENCHMARKS.md, never asserted).
+a CUDA job with and without the warm launcher and with and without CUDA-warm ranks (figures, written for
+BENCHMARKS.md, never asserted), and ``pre_launch_check: builtin`` (NVML) passing on this node, timed.
 
 Skipped, with the reason, where CUDA is absent. How to run them on a GPU machine: tests/gpu/README.md.
 """
@@ -116,23 +117,26 @@ def test_rank_stuck_in_a_cuda_kernel_is_a_hang_with_stacks(tmp_path: Path) -> No
 
 @pytest.mark.timeout(600)
 def test_cuda_out_of_memory_is_recorded(tmp_path: Path) -> None:
-    """A real ``torch.OutOfMemoryError``: the attempt's incident carries the error in its output tail and the
-    reason rlsup gives it today (issue 30 gives OOM its own reason; this records where it stands)."""
+    """A real ``torch.OutOfMemoryError``: the attempt's incident is ``cuda_oom`` (supervisor.gpu_failures),
+    its detail names the error's line, its output tail carries the error, and the job resumes and finishes."""
     r = _rlsup(tmp_path, ["--checkpoint-dir", "ckpt", "--", PY, str(TRAINER), "--oom-at-step", "7", "--steps", "12"])
     assert r.returncode == 0, r.stdout + r.stderr
     (inc,) = incidents(tmp_path / ".rlsup")
     tail = "\n".join(inc["output_tail"])
     assert "OutOfMemoryError" in tail, inc
+    assert (inc["reason"], inc["action"], inc["exit_code"]) == ("cuda_oom", "restart", 1), inc
+    assert "CUDA out of memory" in inc["detail"], inc
     assert inc["resumed_step"] == 5, inc
     _report({"figure": "cuda_oom_incident_reason", "value": inc["reason"], "exit_code": inc["exit_code"]})
 
 
-def _restart_seconds(work: Path, warm: bool) -> float:
+def _restart_seconds(work: Path, warm: bool, cuda_warm: bool = True) -> float:
     """SIGKILL the rank after step 30; the figure is the time from that kill to the end of the next
-    attempt's first step (the trainer prints it, after a CUDA synchronize)."""
+    attempt's first step (the trainer prints it, after a CUDA synchronize). ``cuda_warm``: ``--warm-cuda``."""
     launch = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", str(TRAINER), "--steps", "400",
               "--step-time", "0.02", "--checkpoint-every", "20"]
-    proc = subprocess.Popen(rlsup_cmd("run", *FAST, "--warm-launcher", str(warm).lower(), "--checkpoint-dir", "ckpt",
+    proc = subprocess.Popen(rlsup_cmd("run", *FAST, "--warm-launcher", str(warm).lower(), "--warm-cuda",
+                                      str(cuda_warm).lower(), "--checkpoint-dir", "ckpt",
                                       "--", *launch), cwd=work, env=clean_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     state = work / ".rlsup" / "state.json"
@@ -162,6 +166,8 @@ def _restart_seconds(work: Path, warm: bool) -> float:
         if proc.poll() is None:
             proc.kill()
     line = next(x for x in output.splitlines() if "attempt 1: first step done at" in x)
+    if warm:  # the restarted rank came from a warm rank (else the figure would be a cold one)
+        assert "local rank(s) started from warm ranks" in output, output[-3000:]
     return float(line.rsplit(" ", 1)[1]) - killed
 
 
@@ -178,3 +184,47 @@ def test_restart_time_of_a_cuda_job_warm_and_cold(tmp_path: Path) -> None:
     for side, values in figures.items():
         _report({"figure": f"cuda_restart_s_{side}_launcher", "values": [round(v, 3) for v in values]})
     assert all(v > 0 for vs in figures.values() for v in vs), figures
+
+
+@pytest.mark.timeout(900)
+def test_restart_time_with_and_without_cuda_warm_ranks(tmp_path: Path) -> None:
+    """Restart time of a one-GPU torchrun job under the warm launcher, warm ranks that made their CUDA
+    context ahead (``warm_cuda: true``, the default) against import-only ones, alternating (a figure)."""
+    figures: dict[str, list[float]] = {"cuda_warm": [], "import_only": []}
+    for i in range(3):
+        for side in (("cuda_warm", "import_only") if i % 2 == 0 else ("import_only", "cuda_warm")):
+            work = tmp_path / f"{side}{i}"
+            work.mkdir()
+            figures[side].append(_restart_seconds(work, warm=True, cuda_warm=side == "cuda_warm"))
+    for side, values in figures.items():
+        _report({"figure": f"cuda_restart_s_warm_ranks_{side}", "values": [round(v, 3) for v in values]})
+    assert all(v > 0 for vs in figures.values() for v in vs), figures
+
+
+@pytest.mark.timeout(300)
+def test_builtin_pre_launch_check_passes_on_this_gpu_node(tmp_path: Path) -> None:
+    """``--pre-launch-check builtin`` on this node: NVML sees the GPUs torchrun asks for, healthy, and the job
+    runs (without nvidia-ml-py the check fails by design, naming what to install). Its time in process is
+    a figure."""
+    from supervisor.gpu_health import check_gpus
+
+    nproc = str(torch.cuda.device_count())
+    script = tmp_path / "job.py"
+    script.write_text("import torch\nassert torch.cuda.is_available()\n")
+    launch = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", nproc, str(script)]
+    r = _rlsup(tmp_path, ["--pre-launch-check", "builtin", "--", *launch])
+    try:
+        import pynvml  # noqa: F401
+    except ImportError:
+        assert r.returncode == 77 and "NVML bindings missing" in r.stderr, r.stderr
+        pytest.skip("nvidia-ml-py is not installed here: the builtin check failed as designed")
+    assert r.returncode == 0, r.stderr
+    assert f"pre_launch_check builtin: {nproc} GPU(s) healthy, {nproc} asked" in r.stderr, r.stderr
+    times, detail = [], ""
+    for _ in range(20):
+        result = check_gpus(launch)
+        assert result.ok, result
+        times.append(result.seconds * 1e3)
+        detail = result.detail
+    _report({"figure": "builtin_pre_launch_check_ms", "first": round(times[0], 3),
+             "median": round(sorted(times)[len(times) // 2], 3), "detail": detail})
