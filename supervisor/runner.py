@@ -68,7 +68,7 @@ class Supervisor:
         hang = HangSettings.from_config(self.cfg)
         self.stop = StopRequest(self.settings.preempt_signal)
         self.warm = WarmStarts(self.command, self.settings.warm_launcher, self.settings.warm_imports,
-                               self._log)  # the next attempt's root, spawned while this one runs
+                               self._log, self.settings.warm_cuda)  # the next attempt's root, spawned while this one runs
         self.node_name = node_name()  # what incidents, metrics and the SLURM exclude list call this machine
         self.persistent = PersistentTier.from_config(self.cfg, node_rank, self.job.id)  # None: persistent_dir empty
         self.memory = MemoryTier.from_config(self.cfg, self.checkpoint_dir, self.job.id, node_rank, num_nodes)
@@ -223,7 +223,8 @@ class Supervisor:
         """Run ``pre_launch_check`` (if set); the failed attempt it makes, or None when healthy."""
         from supervisor.health import check_node
 
-        sick = check_node(self.settings.pre_launch_check, self.settings.pre_launch_timeout, attempt, self.node_name)
+        sick = check_node(self.settings.pre_launch_check, self.settings.pre_launch_timeout, attempt, self.node_name,
+                          self.command)
         if sick is not None:
             self._log(f"attempt {attempt}: {sick.verdict}")
         return sick
