@@ -5,7 +5,8 @@ One place for the rules, so the run loop, the multi-node engine and the fast ran
 "Root Cause" report (a SIGKILLed worker hides behind torchrun's own exit 1; ``accelerate launch`` with
 several processes runs torchrun's agent in process and prints the same report), the error accelerate's
 one-process launcher raises (its child's fate, behind its own exit 1), torchelastic's structured error
-file (:data:`ERROR_FILE_ENV`), a signal, an OOM kill (a SIGKILL while the kernel's OOM-kill count rose).
+file (:data:`ERROR_FILE_ENV`), a signal, an OOM kill (a SIGKILL while the kernel's OOM-kill count rose),
+and what a failed worker said of the GPU (:mod:`supervisor.gpu_failures`: CUDA OOM, NCCL, CUDA error, GPU lost).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from supervisor.gpu_failures import KMSG, find_gpu_failure
 from supervisor.lifecycle import EndReason
 from supervisor.rank_deaths import RankDeath
 
@@ -105,11 +107,12 @@ def error_file_for(hb_dir: Path) -> Path:
 
 @dataclass(frozen=True)
 class ElasticError:
-    """What torchelastic's error file says: the worker's exception, and its exit code when the launcher
-    added it (``errorCode``; negative: a signal)."""
+    """What torchelastic's error file says: the worker's exception (its first line, and ``text``, all of
+    it), and its exit code when the launcher added it (``errorCode``; negative: a signal)."""
 
     message: str
     exit_code: int | None = None
+    text: str = ""
 
 
 def read_error_file(path: str | os.PathLike | None) -> ElasticError | None:
@@ -122,24 +125,27 @@ def read_error_file(path: str | os.PathLike | None) -> ElasticError | None:
         return None
     body = data.get("message") if isinstance(data, dict) else None
     if isinstance(body, str):  # the newer format: the message alone
-        return ElasticError(body.strip().splitlines()[0] if body.strip() else "")
+        return ElasticError(body.strip().splitlines()[0] if body.strip() else "", text=body.strip())
     if not isinstance(body, dict):
         return None
     message = str(body.get("message") or "").strip()
     code = body.get("errorCode")
     return ElasticError(message.splitlines()[0] if message else "",
-                        code if isinstance(code, int) and not isinstance(code, bool) else None)
+                        code if isinstance(code, int) and not isinstance(code, bool) else None, message)
 
 
 def classify_exit(attempt: int, code: int, *, tail: list[str], last_step: int | None, job_pid: int,
                   first_dead: tuple[int, int] | None, oom_rose: bool,
                   stop_reason: EndReason | None, finished: str | None = None,
-                  error_file: str | os.PathLike | None = None) -> AttemptResult:
+                  error_file: str | os.PathLike | None = None, since: float | None = None,
+                  kernel_log: str | os.PathLike | None = KMSG) -> AttemptResult:
     """The job root exited with ``code`` (negative: a signal). ``stop_reason``: rlsup had asked it to
     stop (STOPPED or PREEMPTED); ``first_dead``: (rank, pid) of a rank seen gone before the exit;
     ``finished``: the line in which the trainer said its run is done (a progress preset's ``done``);
     ``error_file``: where the launcher may have written torchelastic's structured report, preferred to
-    the output for the worker's exit code (the rank and pid, which it does not hold, come from the output)."""
+    the output for the worker's exit code (the rank and pid, which it does not hold, come from the output)
+    and for what it says of the GPU; ``since``: when the attempt started (``time.monotonic()``), for the
+    kernel's GPU errors in ``kernel_log`` (:func:`supervisor.gpu_failures.find_gpu_failure`)."""
     if code == 0 and stop_reason is None:
         return AttemptResult(attempt, EndReason.SUCCESS, 0, last_step=last_step, output_tail=tail)
     if finished is not None and stop_reason is None and code > 0:
@@ -173,18 +179,38 @@ def classify_exit(attempt: int, code: int, *, tail: list[str], last_step: int | 
     worker = f", the worker's exit code {worker_code}" if worker_code is not None and 0 < worker_code != code else ""
     result.detail = f"exit code {code}" + (f", {result.signal}" if result.signal else "") + worker + \
         (f" ({', '.join(who)})" if who else "") + (f": {report.message[:300]}" if report and report.message else "")
+    return with_gpu_failure(result, report.text if report else None, since=since, kernel_log=kernel_log)
+
+
+def with_gpu_failure(result: AttemptResult, message: str | None, *, since: float | None,
+                     kernel_log: str | os.PathLike | None) -> AttemptResult:
+    """``result`` (an ``exit_code`` or ``signal`` ending) with the GPU reason its texts give, the matched
+    line appended to the detail. A SIGKILL came from outside (rlsup, the kernel's OOM killer, a person):
+    what the ranks printed then is a consequence, so only the kernel's hardware report counts for it."""
+    if result.reason not in (EndReason.EXIT_CODE, EndReason.SIGNAL):
+        return result
+    killed = result.signal == "SIGKILL"
+    gpu = find_gpu_failure(None if killed else message, [] if killed else result.output_tail, since=since,
+                           kernel_log=kernel_log)
+    if gpu is not None:
+        result.reason = gpu.reason
+        result.detail = f"{result.detail}; {gpu.describe()}" if result.detail else gpu.describe()
     return result
 
 
 def from_rank_death(attempt: int, death: RankDeath, *, tail: list[str], last_step: int | None,
-                    oom_rose: bool) -> AttemptResult:
-    """A rank died while its launcher still ran: the attempt ends now, classified by the rank's status."""
+                    oom_rose: bool, since: float | None = None,
+                    kernel_log: str | os.PathLike | None = KMSG) -> AttemptResult:
+    """A rank died while its launcher still ran: the attempt ends now, classified by the rank's status and
+    what the output (and the kernel, from ``since``) says of the GPU; the launcher has written no error
+    file yet."""
     reason = EndReason.SIGNAL if death.signal else EndReason.EXIT_CODE
     if death.signal == "SIGKILL" and oom_rose:
         reason = EndReason.OOM
-    return AttemptResult(attempt, reason, death.exit_code, signal=death.signal, rank=death.rank, pid=death.pid,
-                         detail=f"{death.describe()}; attempt ended without waiting for the launcher",
-                         last_step=last_step, output_tail=tail)
+    result = AttemptResult(attempt, reason, death.exit_code, signal=death.signal, rank=death.rank, pid=death.pid,
+                           detail=f"{death.describe()}; attempt ended without waiting for the launcher",
+                           last_step=last_step, output_tail=tail)
+    return with_gpu_failure(result, None, since=since, kernel_log=kernel_log)
 
 
 def signame(num: int) -> str:

@@ -10,6 +10,7 @@ run record, the checkpoint sight and the observer.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -59,6 +60,7 @@ class AttemptWatch:
         detector = HangDetector.from_settings(hb_dir, self.hang, self.auto_timeout, self.processes.alive)
         stragglers = self._straggler_watch(attempt)
         oom_before = self.processes.oom_kill_count()
+        started = time.monotonic()  # the kernel's GPU errors from here on are this attempt's
         first_dead: tuple[int, int] | None = None
         saves_seen = 0
         while True:
@@ -71,7 +73,7 @@ class AttemptWatch:
                     if killed:
                         log.info(f"attempt {attempt}: job root exited with {code}; killed what it left: {killed}")
                 job.output.join(timeout=2)
-                return self._classify_exit(attempt, code, job, detector, first_dead, oom_before)
+                return self._classify_exit(attempt, code, job, detector, first_dead, oom_before, started)
             if self.stop.asked:
                 return self._stop_job(attempt, job, detector)
             peer = self.peer_ended(attempt)
@@ -101,17 +103,17 @@ class AttemptWatch:
                 log.info(f"attempt {attempt}: {death.describe()}; ending the attempt")
                 detector.scan()  # the steps the ranks reached since the last poll (the incident's last_step)
                 return from_rank_death(attempt, death, tail=job.output.tail(), last_step=detector.last_step(),
-                                       oom_rose=self._oom_rose(oom_before))
+                                       oom_rose=self._oom_rose(oom_before), since=started)
 
     # ------------------------------------------------------------ how it ended
 
     def _classify_exit(self, attempt: int, code: int, job: JobProcess, detector: HangDetector,
-                       first_dead: tuple[int, int] | None, oom_before: int | None) -> AttemptResult:
+                       first_dead: tuple[int, int] | None, oom_before: int | None, started: float) -> AttemptResult:
         detector.scan()  # the last beats (the output's, where it speaks: job.output was joined)
         return classify_exit(attempt, code, tail=job.output.tail(), last_step=detector.last_step(), job_pid=job.pid,
                              first_dead=first_dead, oom_rose=self._oom_rose(oom_before), finished=job.output.finished,
                              stop_reason=self.stop.reason if self.stop.asked else None,
-                             error_file=error_file_for(detector.directory))
+                             error_file=error_file_for(detector.directory), since=started)
 
     def _oom_rose(self, oom_before: int | None) -> bool:
         return oom_before is not None and (self.processes.oom_kill_count() or 0) > oom_before

@@ -123,15 +123,24 @@ class EndReason(_Value):
     PREEMPTED = "preempted"  # rlsup got the preemption signal
     SUPERVISOR_LOST = "supervisor_lost"  # a previous rlsup died while the job ran; found at start
     UNHEALTHY = "unhealthy"  # this node failed pre_launch_check; nothing was launched
+    # GPU-era failures, told apart by their text (supervisor.gpu_failures):
+    CUDA_OOM = "cuda_oom"  # torch.OutOfMemoryError / "CUDA out of memory": restarted like any failure
+    NCCL_ERROR = "nccl_error"  # an NCCL error, or the watchdog's collective timeout: restarted
+    CUDA_ERROR = "cuda_error"  # another CUDA error (illegal memory access, device-side assert): restarted
+    GPU_LOST = "gpu_lost"  # uncorrectable ECC, fallen off the bus, device lost, a hardware Xid: exit 77
 
 
 # Reasons a launched (or abandoned) attempt fails with: each one is a restart candidate and a
 # pre-created ``rlsup_restarts_total{reason}`` series.
 ATTEMPT_FAILURES: tuple[EndReason, ...] = (
     EndReason.EXIT_CODE, EndReason.SIGNAL, EndReason.OOM, EndReason.HANG, EndReason.STARTUP_TIMEOUT,
-    EndReason.SAVE_TIMEOUT, EndReason.STRAGGLER, EndReason.PEER_FAILURE)
+    EndReason.SAVE_TIMEOUT, EndReason.STRAGGLER, EndReason.PEER_FAILURE, EndReason.CUDA_OOM, EndReason.NCCL_ERROR,
+    EndReason.CUDA_ERROR, EndReason.GPU_LOST)
 # Reasons whose attempt is killed without kill_grace (stacks already saved; a stuck rank would not act).
 HUNG = frozenset({EndReason.HANG, EndReason.STARTUP_TIMEOUT, EndReason.SAVE_TIMEOUT})
+# Reasons that say this node's hardware is broken: no restart here; rlsup records the node in
+# ``unhealthy_nodes`` and exits UNHEALTHY (77) for a requeue without it, as a failed pre_launch_check does.
+EXCLUDES_NODE = frozenset({EndReason.GPU_LOST})
 
 
 class Action(_Value):
@@ -142,8 +151,8 @@ class Action(_Value):
     FATAL = "fatal"  # the exit code is one of fatal_exit_codes
     NO_PROGRESS = "no_progress"  # max_no_progress_attempts in a row without a newer valid checkpoint
     STOP = "stop"  # rlsup was stopped or preempted
-    EXCLUDE_NODE = "exclude_node"  # the node failed its health check: stop, requeue without it
+    EXCLUDE_NODE = "exclude_node"  # the node failed its health check or lost a GPU: stop, requeue without it
 
 
 __all__ = ["JobStatus", "TRANSITIONS", "FINAL", "IllegalTransition", "check_transition", "diagram", "EndReason",
-           "ATTEMPT_FAILURES", "HUNG", "Action"]
+           "ATTEMPT_FAILURES", "HUNG", "EXCLUDES_NODE", "Action"]

@@ -28,7 +28,7 @@ from supervisor.hang_detector import AutoTimeout, HangSettings
 from supervisor.health import node_name
 from supervisor.incidents import Incident, JobState
 from supervisor.job_identity import ENV_JOB_ID, JobIdentity, job_identity
-from supervisor.lifecycle import Action, EndReason, JobStatus
+from supervisor.lifecycle import EXCLUDES_NODE, Action, EndReason, JobStatus
 from supervisor.observer import Observer
 from supervisor.process_tree import JobProcess, ProcessLayer
 from supervisor.progress import attach as attach_progress
@@ -130,6 +130,8 @@ class Supervisor:
             if result.reason in (EndReason.STOPPED, EndReason.PREEMPTED):
                 self.record_incident(incident_for(result, Action.STOP))
                 return self._stopped(attempt)
+            if result.reason in EXCLUDES_NODE:  # this node's GPU broke: no restart here (supervisor.gpu_failures)
+                return self._node_lost(attempt, result)
             incident, delay = self.decide(attempt, result, resume)
             if delay is None:
                 code, why = give_up_code(incident.action, result, self.policy.settings.max_no_progress_attempts)
@@ -194,8 +196,19 @@ class Supervisor:
         self.record.set_state(status, exit_code=code)
         return self._finish(code, status, attempt)
 
+    def _node_lost(self, attempt: int, result: AttemptResult) -> RunResult:
+        """The attempt failed with this node's hardware broken (:data:`EXCLUDES_NODE`): tell the other nodes
+        and stop as a node failing pre_launch_check does (exit UNHEALTHY, the node in unhealthy_nodes)."""
+        self.attempt_failed(attempt, result)
+        self.observer.attempt_failed(result.reason, result.last_step)
+        self.give_up(f"node gave up after attempt {attempt}: {Action.EXCLUDE_NODE} ({result.reason})")
+        result.verdict = result.verdict or f"node {self.node_name} is unhealthy: {result.detail}"
+        result.suspect_nodes = [*result.suspect_nodes, self.node_name]
+        self._log(f"attempt {attempt} failed ({result.reason}: {result.detail}); not restarting on this node")
+        return self._unhealthy(attempt, result, None)
+
     def _unhealthy(self, attempt: int, result: AttemptResult, pending: "tuple[Incident, float] | None") -> RunResult:
-        """Stop without launching: record the node for the requeue's ``--exclude`` and exit UNHEALTHY."""
+        """Stop: record the node for the requeue's ``--exclude`` and exit UNHEALTHY."""
         from supervisor.health import record_unhealthy
 
         if pending is not None:
