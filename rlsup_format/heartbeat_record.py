@@ -50,6 +50,16 @@ def stacks_file_name(rank: int) -> str:
     return f"rank_{rank:05d}.stacks"
 
 
+def fr_request_name(rank: int) -> str:
+    """The FIFO a rank's Flight Recorder thread reads requests from (trainer_hooks.flight_recorder)."""
+    return f"rank_{rank:05d}.frreq"
+
+
+def fr_dump_name(rank: int) -> str:
+    """The file a rank writes its Flight Recorder dump (JSON) into, on request."""
+    return f"rank_{rank:05d}.fr.json"
+
+
 @dataclass(frozen=True)
 class HeartbeatRecord:
     """One consistent read of a rank's heartbeat file (supervisor side)."""

@@ -40,6 +40,7 @@ class AttemptResult:
     output_tail: list[str] = field(default_factory=list)
     ended: float = field(default_factory=time.monotonic)
     verdict: str = ""  # the stacks grouped (supervisor.stack_groups), when stacks were taken
+    fr_verdict: str = ""  # the Flight Recorder's verdict on a hang (supervisor.flight_recorder)
     suspect_ranks: list[int] = field(default_factory=list)
     suspect_nodes: list[str] = field(default_factory=list)
 

@@ -13,7 +13,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from supervisor.attempt_end import AttemptResult, classify_exit, error_file_for, from_rank_death
 from supervisor.checkpoint_sight import CheckpointSight
@@ -28,6 +28,9 @@ from supervisor.run_settings import RunSettings
 from supervisor.stop_request import StopRequest
 from supervisor.stragglers import StragglerDetector, StragglerWatch
 from rlsup_format.heartbeat_record import rank_file_name, request_stop
+
+if TYPE_CHECKING:
+    from supervisor.flight_recorder import FlightVerdict
 
 log = logging.getLogger(__name__)
 
@@ -134,10 +137,38 @@ class AttemptWatch:
         who = f"rank {verdict.rank} (pid {verdict.pid})" if verdict.rank is not None else "no rank"
         detail = f"{who} silent for {verdict.silent_s:.2f}s > {verdict.reason} {verdict.timeout_s:.2f}s"
         log.info(f"attempt {attempt}: hang detected: {detail}; dumping stacks")
+        flight = self._flight_recorder(attempt, detector)  # first (it leads the log); py-spy pauses ranks
         stacks = self.processes.dump_stacks(detector.directory, detector.records)
-        return self._with_verdict(attempt, AttemptResult(
+        result = self._with_verdict(attempt, AttemptResult(
             attempt, reason, None, rank=verdict.rank, pid=verdict.pid, detail=detail, stacks=stacks,
             last_step=detector.last_step(), output_tail=job.output.tail()))
+        return self._with_flight_verdict(result, flight)
+
+    def _flight_recorder(self, attempt: int, detector: HangDetector) -> "FlightVerdict | None":
+        """Every rank's Flight Recorder dump, analysed (None where no rank answers: FR off, no trainer_hooks)."""
+        from supervisor.flight_recorder import hang_verdict
+
+        try:
+            flight = hang_verdict(detector.directory, [r for r in detector.records if r >= 0], self.node_name)
+        except Exception as e:  # noqa: BLE001 - a verdict is a bonus: the hang is handled without it
+            log.warning(f"flight recorder: no verdict: {type(e).__name__}: {e}")
+            return None
+        if flight is not None:
+            log.info(f"attempt {attempt}: {flight.text}")
+        return flight
+
+    def _with_flight_verdict(self, result: AttemptResult, flight: "FlightVerdict | None") -> AttemptResult:
+        """FR's verdict leads the log and the incident; where it names ranks, they are the suspects."""
+        if flight is None:
+            return result
+        result.fr_verdict = flight.text
+        self.observer.flight_recorder(flight.suspects)
+        if flight.suspects:
+            result.suspect_ranks = flight.suspects
+            if self.node_name not in result.suspect_nodes:
+                result.suspect_nodes = [*result.suspect_nodes, self.node_name]
+            self.observer.suspect(self.node_name, "flight_recorder")
+        return result
 
     def _with_verdict(self, attempt: int, result: AttemptResult) -> AttemptResult:
         """Group the stacks taken and lead the log with who to blame (the ranks outside the majority)."""

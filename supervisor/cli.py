@@ -206,6 +206,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         extra = f" downtime {inc['downtime_s']:.1f}s" if inc.get("downtime_s") is not None else ""
         resumed = f" resumed step {inc['resumed_step']}" if inc.get("resumed_step") is not None else ""
         print(f"  {when} attempt {inc['attempt']}: {inc['reason']} {inc.get('detail', '')} -> {inc['action']}{extra}{resumed}")
+        if inc.get("fr_verdict"):
+            print(f"      {inc['fr_verdict']}")
         if inc.get("verdict"):
             print(f"      {inc['verdict']}")
     return 0

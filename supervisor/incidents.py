@@ -42,6 +42,7 @@ class Incident:
     resumed_tier: str | None = None  # local | peer | persistent
     resume_known: bool = True  # False: rlsup cannot know the resumed step (steps lost "unknown")
     verdict: str = ""  # who to blame, from the grouped stacks (supervisor.stack_groups) or a health check
+    fr_verdict: str = ""  # who to blame in a hung collective, from the Flight Recorder (supervisor.flight_recorder)
     suspect_ranks: list[int] = field(default_factory=list)
     suspect_nodes: list[str] = field(default_factory=list)
 

@@ -86,7 +86,7 @@ def incident_line(inc: dict[str, Any]) -> str:
     if inc.get("downtime_s") is not None:
         parts.append(f"downtime {inc['downtime_s']:.1f}s")
     line = "; ".join(parts)
-    detail = inc.get("verdict") or inc.get("detail") or ""
+    detail = "\n      ".join(filter(None, [inc.get("fr_verdict"), inc.get("verdict") or inc.get("detail")]))
     return line + (f"\n      {detail}" if detail else "")
 
 

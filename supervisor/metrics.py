@@ -39,7 +39,7 @@ class MetricsSettings:
         return cls(cfg.metrics_port, cfg.metrics_addr, cfg.job_name)
 
 
-SUSPECT_WHY = ("stacks", "health", "repeated", "straggler")  # the `why` of rlsup_suspect_total
+SUSPECT_WHY = ("stacks", "health", "repeated", "straggler", "flight_recorder")  # the `why` of rlsup_suspect_total
 
 
 class SupervisorMetrics(Observer):
@@ -95,6 +95,10 @@ class SupervisorMetrics(Observer):
                                 ["node", "why"], registry=r)
         for why in SUSPECT_WHY:  # pre-created at 0 for this node, so increase() sees the first one
             self.suspects.labels(self.node, why)
+        self.fr_suspect = Gauge("rlsup_flight_recorder_suspect_rank",
+                                "The rank the last hang's Flight Recorder verdict named (-1: none named).",
+                                registry=r)
+        self.fr_suspect.set(-1)
         self._started = time.monotonic()
         self._ckpt_written = 0.0
         self._productive = 0.0
@@ -201,6 +205,9 @@ class SupervisorMetrics(Observer):
 
     def suspect(self, node: str, why: str) -> None:
         self.suspects.labels(node, why).inc()  # node names, not pids: the label set stays bounded
+
+    def flight_recorder(self, suspects: list[int]) -> None:
+        self.fr_suspect.set(min(suspects) if suspects else -1)  # a value, not a label: ranks are unbounded
 
     def _goodput(self) -> float:
         wall = time.monotonic() - self._started

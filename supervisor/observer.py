@@ -43,5 +43,8 @@ class Observer:
     def suspect(self, node: str, why: str) -> None:
         """``node`` was named as the likely culprit of a failure (``why``: stacks, health, repeated)."""
 
+    def flight_recorder(self, suspects: list[int]) -> None:
+        """A hang's Flight Recorder verdict named ``suspects`` (ranks; empty: it named none)."""
+
     def stragglers(self, flagged: int, ratios: Mapping[int, float]) -> None:
         """Ranks now flagged as stragglers on this node, and each rank's latest work ratio to its peers."""

@@ -41,7 +41,7 @@ def incident_for(result: AttemptResult, action: Action) -> Incident:
                     signal=result.signal, rank=result.rank, pid=result.pid, detail=result.detail,
                     output_tail=result.output_tail, stacks=result.stacks, last_step=result.last_step,
                     action=action, verdict=result.verdict, suspect_ranks=result.suspect_ranks,
-                    suspect_nodes=result.suspect_nodes)
+                    suspect_nodes=result.suspect_nodes, fr_verdict=result.fr_verdict)
 
 
 class RunRecord:

@@ -329,6 +329,7 @@ class Supervisor:
 
     def attempt_env(self, attempt: int, resume: ResumePoint | None, hb_dir: Path) -> dict[str, str]:
         env = dict(os.environ)
+        from supervisor.flight_recorder import job_env as flight_recorder_env
         from supervisor.tiers.memory_tier import ENV_NAMES as MEMORY_ENV
 
         for key in ("RLSUP_RESUME_DIR", "RLSUP_RESUME_STEP", *MEMORY_ENV):
@@ -344,6 +345,7 @@ class Supervisor:
             ENV_JOB_ID: self.job.id,
         })
         env.setdefault(ERROR_FILE_ENV, str(error_file_for(hb_dir)))  # torchrun's failure report, unless the user's
+        env.update(flight_recorder_env(env))  # PyTorch's Flight Recorder on, unless the user sized it (0: off)
         if self.settings.progress or self.settings.progress_regex:  # progress is read from the output: as printed
             env.setdefault("PYTHONUNBUFFERED", "1")
         if self.settings.resume:

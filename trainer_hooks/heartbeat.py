@@ -78,6 +78,10 @@ class _Writer:
         self._stacks = open(directory / stacks_file_name(rank), "w")  # lives with the process
         if threading.current_thread() is threading.main_thread():
             faulthandler.register(STACKS_SIGNAL, file=self._stacks, all_threads=True, chain=False)
+        # Flight Recorder dumps on demand: a thread on a FIFO, since a hung collective holds the main thread.
+        from trainer_hooks.flight_recorder import start_listener
+
+        start_listener(directory, rank)
 
     def _publish(self) -> None:
         """Write every field but the stop flag, which belongs to rlsup: re-writing a value read a moment

@@ -188,9 +188,12 @@ def build() -> dict[str, Any]:
              (f"max by (node, local_rank) ({by_node(m('rlsup_straggler_ratio'))})", "{{node}} rank {{local_rank}}")],
             w=12, options=ts)
     b.panel("timeseries", "Suspect nodes", "Times each node was named the likely culprit: stacks, health check, "
-            "repeated failures, straggler (rlsup_suspect_total).",
+            "repeated failures, straggler, Flight Recorder (rlsup_suspect_total).",
             [(f"sum by (node, why) ({over('increase', 'rlsup_suspect_total', '$__rate_interval')}) > 0", "{{node}} {{why}}")],
             w=12, options=ts, custom={"drawStyle": "bars", "fillOpacity": 60})
+    b.panel("stat", "Flight Recorder suspect rank", "The rank the last hung collective's Flight Recorder verdict "
+            "named, per node; -1: none named (rlsup_flight_recorder_suspect_rank).",
+            [(f"max by (node) ({by_node(m('rlsup_flight_recorder_suspect_rank'))})", "{{node}}")], w=6)
 
     b.row("Replication")
     b.panel("timeseries", "Replication throughput", "Checkpoint bytes sent to each peer (rlsup_replication_bytes_total).",

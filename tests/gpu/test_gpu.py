@@ -228,3 +228,24 @@ def test_builtin_pre_launch_check_passes_on_this_gpu_node(tmp_path: Path) -> Non
         detail = result.detail
     _report({"figure": "builtin_pre_launch_check_ms", "first": round(times[0], 3),
              "median": round(sorted(times)[len(times) // 2], 3), "detail": detail})
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL refuses two ranks on one GPU: needs 2+ GPUs")
+def test_flight_recorder_names_the_nccl_rank_that_skipped_a_collective(tmp_path: Path) -> None:
+    """tests/jobs/fr_skip_job.py on NCCL, one rank per GPU (up to 4): the last rank skips one all-reduce
+    of the default group; rlsup's Flight Recorder verdict (NCCL's own ring) names it and the collective."""
+    nproc = min(4, torch.cuda.device_count())
+    skipper = nproc - 1
+    env = clean_env(FR_JOB_DEVICE="cuda", FR_JOB_SKIPPER=str(skipper))
+    job = ROOT / "tests" / "jobs" / "fr_skip_job.py"
+    r = subprocess.run(rlsup_cmd("run", *FAST, "--heartbeat-timeout", "10", "--", PY, "-m", "torch.distributed.run",
+                                 "--standalone", "--nproc-per-node", str(nproc), str(job)),
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=500)
+    assert r.returncode == 0, r.stdout + r.stderr[-4000:]
+    (inc,) = incidents(tmp_path / ".rlsup")
+    verdict = inc["fr_verdict"]
+    assert inc["reason"] == "hang" and inc["suspect_ranks"] == [skipper], inc
+    assert "wait in all_reduce #" in verdict and f"rank {skipper} last completed #" in verdict, verdict
+    assert f"suspect rank {skipper} on node" in verdict and "metrics" in verdict, verdict
+    _report({"figure": "nccl_flight_recorder_verdict", "nproc": nproc, "value": verdict})
