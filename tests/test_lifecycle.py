@@ -13,7 +13,8 @@ from support.env import ROOT
 from supervisor.lifecycle import (ATTEMPT_FAILURES, FINAL, HUNG, TRANSITIONS, Action, EndReason, IllegalTransition,
                                   JobStatus, check_transition, diagram)
 
-LEGAL = [(old, new) for old, nexts in TRANSITIONS.items() for new in nexts]
+# TRANSITIONS' values are sets: in enum order, so every pytest-xdist worker collects the same list
+LEGAL = [(old, new) for old, nexts in TRANSITIONS.items() for new in sorted(nexts, key=list(JobStatus).index)]
 ILLEGAL = [(old, new) for old, new in itertools.product(JobStatus, JobStatus) if new not in TRANSITIONS[old]]
 
 
