@@ -160,8 +160,13 @@ def analyse(dumps: Mapping[int, Mapping[str, Any]], node_of: Mapping[int, str] |
     except Exception as e:  # noqa: BLE001 - torch's analyser on input it rejects: fall back, say why
         lines.append(f"torch's analyser failed: {type(e).__name__}: {e}")
         pg, seq = last_divergence(good)
-    verdict = describe(good, pg, seq, node_of or {})
+    # Ranks of these groups without a dump (multi-node: each node reads its own ranks): what they do is not
+    # known here, so a local minority is no culprit: the ranks are described, nobody is blamed.
+    unseen = sorted(set().union(*(_members(good, name) for d in good.values() for name in d["pg_config"])) - set(good))
+    verdict = describe(good, pg, seq, node_of or {}, blame=not unseen)
     verdict.analyser, verdict.dumps = lines, errors
+    if unseen:
+        verdict.text += f" (from ranks {', '.join(map(str, sorted(good)))} only: no dump of {_ranks(unseen)})"
     return verdict
 
 
@@ -243,11 +248,11 @@ def last_divergence(details: Mapping[int, Mapping[str, Any]]) -> tuple[str | Non
 
 
 def describe(details: Mapping[int, Mapping[str, Any]], pg: str | None, seq: int | None,
-             node_of: Mapping[int, str]) -> FlightVerdict:
+             node_of: Mapping[int, str], blame: bool = True) -> FlightVerdict:
     """Group the ranks by what they do at collective ``seq`` of ``pg``: the largest group waits, the rest
-    are suspects. Where nothing failed, say where the ranks are (all in the same collective)."""
+    are suspects (none named unless ``blame``). Where nothing failed, say where the ranks are."""
     if pg is None or seq is None:
-        return _all_agree(details)
+        return _all_agree(details, blame)
     members = _members(details, pg)
     where: dict[int, str] = {}
     for rank in members:
@@ -258,7 +263,8 @@ def describe(details: Mapping[int, Mapping[str, Any]], pg: str | None, seq: int 
     waiting = sorted(r for r, op in where.items() if op == majority)
     suspects = sorted(r for r, op in where.items() if op != majority and op != "(no dump)")
     desc = _pg_text(details, pg, len(members))
-    parts = [f"{_ranks(waiting)} wait in {majority} #{seq} ({desc})"] if waiting else []
+    verb = "wait in" if len(waiting) > 1 else "waits in"
+    parts = [f"{_ranks(waiting)} {verb} {majority} #{seq} ({desc})"] if waiting else []
     for rank in suspects:
         done = _last_completed(details[rank], pg)
         done_text = f"last completed #{done} and " if done is not None else ""
@@ -266,13 +272,15 @@ def describe(details: Mapping[int, Mapping[str, Any]], pg: str | None, seq: int 
         parts.append(f"rank {rank} {done_text}" + (f"is in {op} #{seq}" if op else f"never called #{seq}"
                                                     + _elsewhere(details[rank], pg)))
     text = "flight recorder: " + "; ".join(parts)
+    if not blame:
+        return FlightVerdict(text, [], desc, seq, majority)
     if suspects:
         nodes = sorted({node_of[r] for r in suspects if r in node_of})
         text += f": suspect {_ranks(suspects)}" + (f" on node {', '.join(nodes)}" if nodes else "")
     return FlightVerdict(text, suspects, desc, seq, majority)
 
 
-def _all_agree(details: Mapping[int, Mapping[str, Any]]) -> FlightVerdict:
+def _all_agree(details: Mapping[int, Mapping[str, Any]], blame: bool = True) -> FlightVerdict:
     pending: dict[tuple[str, int, str], list[int]] = {}
     for rank, d in details.items():
         for e in d["entries"]:
@@ -284,9 +292,10 @@ def _all_agree(details: Mapping[int, Mapping[str, Any]]) -> FlightVerdict:
                              "outside collectives)")
     (pg, seq, op), ranks = max(pending.items(), key=lambda kv: len(kv[1]))
     verb = "are all in" if len(ranks) > 1 else "is in"
-    return FlightVerdict(f"flight recorder: {_ranks(sorted(ranks))} {verb} {op} #{seq} "
-                         f"({_pg_text(details, pg, None)}), which matches on every rank: no rank to blame "
-                         f"(a slow or lost peer, or the network)", pg=pg, seq=seq, op=op)
+    text = f"flight recorder: {_ranks(sorted(ranks))} {verb} {op} #{seq} ({_pg_text(details, pg, None)})"
+    if blame:
+        text += ", which matches on every rank: no rank to blame (a slow or lost peer, or the network)"
+    return FlightVerdict(text, pg=pg, seq=seq, op=op)
 
 
 def _elsewhere(detail: Mapping[str, Any], pg: str) -> str:

@@ -116,3 +116,13 @@ def test_metric_carries_the_suspect_rank() -> None:
     samples = parse(generate_latest(m.registry).decode())
     assert value(samples, "rlsup_flight_recorder_suspect_rank") == 2
     assert value(samples, "rlsup_suspect_total", node="n1", why="flight_recorder") == 1
+
+
+def test_a_verdict_from_some_ranks_says_which() -> None:
+    """Multi-node, each node reads its own ranks' dumps: the verdict says whose it saw."""
+    dumps = recorded("broadcast_instead")
+    verdict = analyse({r: dumps[r] for r in (2, 3)})
+    assert verdict.suspects == [] and "suspect" not in verdict.text, verdict.text  # one of two is no minority
+    assert verdict.text.endswith("(from ranks 2, 3 only: no dump of ranks 0, 1)"), verdict.text
+    verdict = analyse({r: dumps[r] for r in (0, 1)})
+    assert verdict.suspects == [] and "no rank to blame" not in verdict.text, verdict.text
