@@ -10,7 +10,7 @@ first on odd ones) and prints, as soon as a figure is done, one row per figure::
     name | rlsup median | baseline median | ratio (rlsup / baseline) | unit | note
 
 Figures (``--only`` keys): restart, hang, save, heartbeat, selection, replication, restore, footprint,
-goodput, gpu_check. Jobs are 2-rank torchrun/gloo runs of ``benchmarks/jobs/bench_trainer.py``, which writes
+goodput, gpu_check, flight_recorder. Jobs are 2-rank torchrun/gloo runs of ``benchmarks/jobs/bench_trainer.py``, which writes
 ``time.monotonic()`` events (CLOCK_MONOTONIC is system-wide on Linux, so ranks, attempts and this script
 share one clock). Method, machine and results: BENCHMARKS.md.
 """
@@ -42,7 +42,7 @@ PY = sys.executable
 BIN = Path(sys.executable).parent
 TRAINER = BENCH / "jobs" / "bench_trainer.py"
 FIGURES = ("restart", "hang", "hang_restart", "save", "heartbeat", "selection", "replication", "restore", "footprint", "goodput",
-           "gpu_check")
+           "gpu_check", "flight_recorder")
 
 
 # ------------------------------------------------------------------------------------------ output
@@ -1076,6 +1076,55 @@ def bench_gpu_check(ctx: Ctx) -> list[Row]:
                 median(shell) * 1e3, "ms", f"{calls} calls each, alternating, median; builtin said: {detail}")]
 
 
+# ------------------------------------------------------------------------------------------ flight_recorder
+
+
+def bench_flight_recorder(ctx: Ctx) -> list[Row]:
+    """What rlsup's default ``TORCH_FR_BUFFER_SIZE=2000`` costs a job: a tight loop of small gloo
+    all-reduces (2 ranks, 4 floats: the collective at its cheapest, so FR's per-call bookkeeping shows
+    most) with FR on (and rlsup's FR thread waiting) vs off, one torchrun per side (torch reads the
+    variable once per process), sides alternating; then one dump of a full ring, and rlsup's verdict on
+    the four recorded dumps of tests/data (torch's analyser in its child process, torch import included)."""
+    from supervisor.flight_recorder import analyse, read_dump
+
+    job = BENCH / "jobs" / "bench_fr_collectives.py"
+    blocks, per_block = (5, 1000) if ctx.quick else (9, 2000)
+    on: list[float] = []
+    off: list[float] = []
+    dumps: list[dict] = []
+    for i in range(ctx.reps * 2):
+        for side in (("on", "off") if i % 2 == 0 else ("off", "on")):
+            d = ctx.fresh(f"fr-{side}")
+            env = {**job_env(), "TORCH_FR_BUFFER_SIZE": "2000" if side == "on" else "0"}
+            r = subprocess.run([str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2", str(job), str(blocks),
+                                str(per_block), str(d)], env=env, capture_output=True, text=True, timeout=600)
+            line = next((x for x in r.stdout.splitlines() if x.startswith("RESULT ")), None)
+            if line is None:
+                raise RuntimeError(f"{side}: exit {r.returncode}: {r.stderr[-500:]}")
+            res = json.loads(line[len("RESULT "):])
+            (on if side == "on" else off).append(res["us"])
+            if side == "on":
+                dumps.append(res)
+    data = ROOT / "tests" / "data" / "flight_recorder" / "broadcast_instead"
+    recorded = {r: read_dump(data / f"rank_{r:05d}.fr.json") or {} for r in range(4)}
+    verdict_s = []
+    for _ in range(3 if ctx.quick else 5):
+        t0 = time.perf_counter()
+        analyse(recorded, in_child=True)
+        verdict_s.append(time.perf_counter() - t0)
+    last = dumps[-1]
+    return [
+        Row("gloo all_reduce (2 ranks, 4 floats) with FR on (2000 entries, rlsup's FR thread waiting) vs off",
+            median(on), median(off), "us", f"{len(on)} torchrun runs per side, alternating, each the median of "
+            f"{blocks} blocks of {per_block} calls; per-run medians on {[round(x, 1) for x in on]} off "
+            f"{[round(x, 1) for x in off]}"),
+        Row("one FR dump of a full ring (_dump_fr_trace_json, in the rank)", median([x["dump_ms"] for x in dumps]),
+            None, "ms", f"{last['entries']} entries, {last['dump_bytes']} bytes of JSON"),
+        Row("rlsup's verdict on 4 recorded dumps (torch's analyser in a child process)", median(verdict_s) * 1e3,
+            None, "ms", f"{len(verdict_s)} runs, median; most of it the child's torch import"),
+    ]
+
+
 # ------------------------------------------------------------------------------------------ main
 
 
@@ -1083,6 +1132,7 @@ BENCHES: dict[str, Callable[[Ctx], list[Row]]] = {
     "restart": bench_restart, "hang": bench_hang, "hang_restart": bench_hang_restart, "save": bench_save, "heartbeat": bench_heartbeat,
     "selection": bench_selection, "replication": bench_replication, "restore": bench_restore,
     "footprint": bench_footprint, "goodput": bench_goodput, "gpu_check": bench_gpu_check,
+    "flight_recorder": bench_flight_recorder,
 }
 
 
