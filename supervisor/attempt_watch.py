@@ -30,7 +30,7 @@ from supervisor.stragglers import StragglerDetector, StragglerWatch
 from rlsup_format.heartbeat_record import rank_file_name, request_stop
 
 if TYPE_CHECKING:
-    from supervisor.flight_recorder import FlightVerdict
+    from supervisor.flight_recorder import Analysis, FlightVerdict
 
 log = logging.getLogger(__name__)
 
@@ -137,38 +137,43 @@ class AttemptWatch:
         who = f"rank {verdict.rank} (pid {verdict.pid})" if verdict.rank is not None else "no rank"
         detail = f"{who} silent for {verdict.silent_s:.2f}s > {verdict.reason} {verdict.timeout_s:.2f}s"
         log.info(f"attempt {attempt}: hang detected: {detail}; dumping stacks")
-        flight = self._flight_recorder(attempt, detector)  # first (it leads the log); py-spy pauses ranks
+        flight = self._flight_recorder(detector)  # first: py-spy pauses ranks; its analysis runs meanwhile
         stacks = self.processes.dump_stacks(detector.directory, detector.records)
-        result = self._with_verdict(attempt, AttemptResult(
-            attempt, reason, None, rank=verdict.rank, pid=verdict.pid, detail=detail, stacks=stacks,
-            last_step=detector.last_step(), output_tail=job.output.tail()))
-        return self._with_flight_verdict(result, flight)
+        result = AttemptResult(attempt, reason, None, rank=verdict.rank, pid=verdict.pid, detail=detail, stacks=stacks,
+                               last_step=detector.last_step(), output_tail=job.output.tail())
+        fr = self._finish_flight(attempt, flight, detector.directory.parent) if flight is not None else None
+        if fr is not None:
+            result.fr_verdict = fr.text
+        self._with_verdict(attempt, result)
+        if fr is not None and fr.suspects:  # FR's suspects over the stacks': it saw the collectives themselves
+            result.suspect_ranks = fr.suspects
+            result.suspect_nodes = sorted({*result.suspect_nodes, self.node_name})
+            self.observer.suspect(self.node_name, "flight_recorder")
+        return result
 
-    def _flight_recorder(self, attempt: int, detector: HangDetector) -> "FlightVerdict | None":
-        """Every rank's Flight Recorder dump, analysed (None where no rank answers: FR off, no trainer_hooks)."""
-        from supervisor.flight_recorder import hang_verdict
+    def _flight_recorder(self, detector: HangDetector) -> "Analysis | None":
+        """Every rank's Flight Recorder dump, its analysis started (None where no rank answers: FR off, no
+        trainer_hooks, no torch.distributed)."""
+        from supervisor.flight_recorder import begin_hang_verdict
 
         try:
-            flight = hang_verdict(detector.directory, [r for r in detector.records if r >= 0], self.node_name)
+            return begin_hang_verdict(detector.directory, [r for r in detector.records if r >= 0], self.node_name)
         except Exception as e:  # noqa: BLE001 - a verdict is a bonus: the hang is handled without it
             log.warning(f"flight recorder: no verdict: {type(e).__name__}: {e}")
             return None
-        if flight is not None:
-            log.info(f"attempt {attempt}: {flight.text}")
-        return flight
 
-    def _with_flight_verdict(self, result: AttemptResult, flight: "FlightVerdict | None") -> AttemptResult:
-        """FR's verdict leads the log and the incident; where it names ranks, they are the suspects."""
-        if flight is None:
-            return result
-        result.fr_verdict = flight.text
-        self.observer.flight_recorder(flight.suspects)
-        if flight.suspects:
-            result.suspect_ranks = flight.suspects
-            if self.node_name not in result.suspect_nodes:
-                result.suspect_nodes = [*result.suspect_nodes, self.node_name]
-            self.observer.suspect(self.node_name, "flight_recorder")
-        return result
+    def _finish_flight(self, attempt: int, flight: "Analysis", attempt_dir: Path) -> "FlightVerdict | None":
+        """FR's verdict, logged first: it leads the stacks' grouping."""
+        from supervisor.flight_recorder import finish_hang_verdict
+
+        try:
+            fr = finish_hang_verdict(flight, attempt_dir)
+        except Exception as e:  # noqa: BLE001 - as above
+            log.warning(f"flight recorder: no verdict: {type(e).__name__}: {e}")
+            return None
+        log.info(f"attempt {attempt}: {fr.text}")
+        self.observer.flight_recorder(fr.suspects)
+        return fr
 
     def _with_verdict(self, attempt: int, result: AttemptResult) -> AttemptResult:
         """Group the stacks taken and lead the log with who to blame (the ranks outside the majority)."""

@@ -27,6 +27,7 @@ import os
 import stat
 import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -149,25 +150,50 @@ def analyse(dumps: Mapping[int, Mapping[str, Any]], node_of: Mapping[int, str] |
             in_child: bool = False) -> FlightVerdict:
     """The verdict from every rank's dump (``{rank: dump}``); ``node_of`` names each rank's node.
     ``in_child``: torch's analyser runs in a child process (the supervisor never imports torch)."""
-    errors = {r: str(d["error"]) for r, d in dumps.items() if "error" in d}
-    good = {r: normalise(d) for r, d in dumps.items() if "error" not in d and "rlsup_rank" in d}
-    if not good:
-        why = "; ".join(f"rank {r}: {e}" for r, e in sorted(errors.items())) or "no rank answered"
-        return FlightVerdict(f"flight recorder: no dumps ({why})", dumps=errors)
-    lines: list[str] = []
-    try:
-        pg, seq = first_failure_in_child(good, lines) if in_child else first_failure(good, lines)
-    except Exception as e:  # noqa: BLE001 - torch's analyser on input it rejects: fall back, say why
-        lines.append(f"torch's analyser failed: {type(e).__name__}: {e}")
-        pg, seq = last_divergence(good)
-    # Ranks of these groups without a dump (multi-node: each node reads its own ranks): what they do is not
-    # known here, so a local minority is no culprit: the ranks are described, nobody is blamed.
-    unseen = sorted(set().union(*(_members(good, name) for d in good.values() for name in d["pg_config"])) - set(good))
-    verdict = describe(good, pg, seq, node_of or {}, blame=not unseen)
-    verdict.analyser, verdict.dumps = lines, errors
-    if unseen:
-        verdict.text += f" (from ranks {', '.join(map(str, sorted(good)))} only: no dump of {_ranks(unseen)})"
-    return verdict
+    return Analysis.start(dumps, node_of or {}, in_child).finish()
+
+
+@dataclass
+class Analysis:
+    """One verdict in the making: torch's analyser may run in a child while rlsup does other work (the
+    stacks) before :meth:`finish` waits for it."""
+
+    good: dict[int, dict[str, Any]]
+    errors: dict[int, str]
+    node_of: Mapping[int, str]
+    child: subprocess.Popen | None = None
+
+    @classmethod
+    def start(cls, dumps: Mapping[int, Mapping[str, Any]], node_of: Mapping[int, str], in_child: bool) -> "Analysis":
+        errors = {r: str(d["error"]) for r, d in dumps.items() if "error" in d}
+        good = {r: normalise(d) for r, d in dumps.items() if "error" not in d and "rlsup_rank" in d}
+        run = cls(good, errors, node_of)
+        if good and in_child:
+            try:
+                run.child = start_child(good)
+            except OSError as e:
+                log.info("flight recorder: analyser not started: %s", e)
+        return run
+
+    def finish(self, timeout_s: float = 120.0) -> FlightVerdict:
+        good = self.good
+        if not good:
+            why = "; ".join(f"rank {r}: {e}" for r, e in sorted(self.errors.items())) or "no rank answered"
+            return FlightVerdict(f"flight recorder: no dumps ({why})", dumps=self.errors)
+        lines: list[str] = []
+        try:
+            pg, seq = child_answer(self.child, lines, timeout_s) if self.child else first_failure(good, lines)
+        except Exception as e:  # noqa: BLE001 - torch's analyser on input it rejects: fall back, say why
+            lines.append(f"torch's analyser failed: {type(e).__name__}: {e}")
+            pg, seq = last_divergence(good)
+        # Ranks of these groups without a dump (multi-node: each node reads its own ranks): what they do is
+        # not known here, so a local minority is no culprit: the ranks are described, nobody is blamed.
+        unseen = sorted(set().union(*(_members(good, n) for d in good.values() for n in d["pg_config"])) - set(good))
+        verdict = describe(good, pg, seq, self.node_of, blame=not unseen)
+        verdict.analyser, verdict.dumps = lines, self.errors
+        if unseen:
+            verdict.text += f" (from ranks {', '.join(map(str, sorted(good)))} only: no dump of {_ranks(unseen)})"
+        return verdict
 
 
 def first_failure(details: Mapping[int, Mapping[str, Any]], lines: list[str]) -> tuple[str | None, int | None]:
@@ -193,15 +219,27 @@ def first_failure(details: Mapping[int, Mapping[str, Any]], lines: list[str]) ->
     return None, None
 
 
-def first_failure_in_child(details: Mapping[int, Mapping[str, Any]], lines: list[str],
-                           timeout_s: float = 120.0) -> tuple[str | None, int | None]:
-    """:func:`first_failure` in ``python -m supervisor.flight_recorder`` (the details on its stdin, its
-    answer as JSON on stdout): importing torch would cost the supervisor seconds and memory for good."""
-    out = subprocess.run([sys.executable, "-m", "supervisor.flight_recorder"], input=json.dumps(details),
-                         capture_output=True, text=True, timeout=timeout_s)
-    if out.returncode != 0:
-        raise RuntimeError(f"exit {out.returncode}: {out.stderr.strip()[-500:]}")
-    answer = json.loads(out.stdout)
+def start_child(details: Mapping[int, Mapping[str, Any]]) -> subprocess.Popen:
+    """:func:`first_failure` in ``python -m supervisor.flight_recorder``: importing torch would cost the
+    supervisor seconds and memory for good. The details go through a temporary file (no pipe to fill)."""
+    with tempfile.TemporaryFile("w+") as f:
+        json.dump(details, f)
+        f.seek(0)
+        return subprocess.Popen([sys.executable, "-m", "supervisor.flight_recorder"], stdin=f,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def child_answer(child: subprocess.Popen, lines: list[str], timeout_s: float) -> tuple[str | None, int | None]:
+    """The child's ``{pg, seq, lines, error}``; it is killed past ``timeout_s``."""
+    try:
+        out, err = child.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.communicate()
+        raise
+    if child.returncode != 0:
+        raise RuntimeError(f"exit {child.returncode}: {err.strip()[-500:]}")
+    answer = json.loads(out)
     lines.extend(str(line) for line in answer["lines"])
     if answer.get("error"):
         raise RuntimeError(answer["error"])
@@ -209,7 +247,7 @@ def first_failure_in_child(details: Mapping[int, Mapping[str, Any]], lines: list
 
 
 def main() -> None:
-    """The child of :func:`first_failure_in_child`: details on stdin, ``{pg, seq, lines, error}`` out."""
+    """The child of :func:`start_child`: details on stdin, ``{pg, seq, lines, error}`` out."""
     details = {int(r): d for r, d in json.load(sys.stdin).items()}
     lines: list[str] = []
     try:
@@ -354,16 +392,24 @@ def _ranks(ranks: list[int]) -> str:
 # ------------------------------------------------------------------------------------------ the hang path
 
 
-def hang_verdict(hb_dir: Path, ranks: Iterable[int], node: str, wait_s: float = 5.0) -> FlightVerdict | None:
-    """Ask, collect, analyse and keep the analysis beside the attempt; None where no rank listens
-    (FR off, no trainer_hooks, a job that never initialised torch.distributed)."""
+def begin_hang_verdict(hb_dir: Path, ranks: Iterable[int], node: str, wait_s: float = 5.0) -> Analysis | None:
+    """Ask every rank for its dump and start torch's analyser on them (in a child); None where no rank
+    has a dump to give (FR off, no trainer_hooks, torch.distributed never initialised: why is logged)."""
     ranks = sorted(ranks)
     dumps = collect_dumps(hb_dir, ranks, wait_s)
-    if not dumps:
+    run = Analysis.start(dumps, {r: node for r in ranks}, in_child=True)
+    if not run.good:
+        if run.errors:
+            log.info("flight recorder: no dump: %s", "; ".join(f"rank {r}: {e}" for r, e in sorted(run.errors.items())))
         return None
-    verdict = analyse(dumps, {r: node for r in ranks}, in_child=True)
+    return run
+
+
+def finish_hang_verdict(run: Analysis, attempt_dir: Path) -> FlightVerdict:
+    """Wait for the analysis and keep it beside the attempt (``flight_recorder.txt``)."""
+    verdict = run.finish()
     try:
-        (hb_dir.parent / ANALYSIS_FILE).write_text("\n".join([verdict.text, "", *verdict.analyser]) + "\n")
+        (attempt_dir / ANALYSIS_FILE).write_text("\n".join([verdict.text, "", *verdict.analyser]) + "\n")
     except OSError as e:
         log.info("flight recorder: analysis not saved: %s", e)
     return verdict
