@@ -6,7 +6,8 @@ it completed). rlsup turns it on for supervised jobs (:func:`job_env`: a buffer 
 :data:`DEFAULT_BUFFER` entries unless the user set one), and on a hang, before the kill, asks each
 rank's FR thread (``trainer_hooks.flight_recorder``) for a dump through its FIFO, waits a few
 seconds for the files, and runs torch's own analyser over them
-(``torch.distributed.flight_recorder``'s ``build_db``, the library behind ``fr_trace``). Its first
+(``torch.distributed.flight_recorder``'s ``build_db``, the library behind ``fr_trace``) in a child
+process while the stacks are taken (the supervisor never imports torch). Its first
 collective that fails the check (a rank in another op, or not in it at all) gives the process group
 and sequence number; the ranks' own entries at that number give the verdict: those in the majority
 op wait, the others are the suspects.
