@@ -31,6 +31,7 @@ from rlsup_format.heartbeat_record import rank_file_name, request_stop
 
 if TYPE_CHECKING:
     from supervisor.flight_recorder import Analysis, FlightVerdict
+    from supervisor.fr_exchange import FrExchange
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,7 @@ class AttemptWatch:
     node_name: str
     peer_ended: Callable[[int], str | None]
     saved: Callable[[], None]
+    fr_share: "FrExchange | None" = None  # several nodes: FR dumps go to node 0 (supervisor.fr_exchange)
 
     def watch(self, job: JobProcess, hb_dir: Path, attempt: int) -> AttemptResult:
         deaths = RankDeathWatch()
@@ -82,6 +84,8 @@ class AttemptWatch:
             peer = self.peer_ended(attempt)
             if peer is not None:
                 log.info(f"attempt {attempt}: ended by another node ({peer}); stopping this node's job")
+                if self.fr_share is not None:  # where that node asked, dumps first: the ranks still wait
+                    self.fr_share.peer_ended(attempt, hb_dir, [r for r in detector.records if r >= 0])
                 return AttemptResult(attempt, EndReason.PEER_FAILURE, None, detail=peer, last_step=detector.last_step(),
                                      output_tail=job.output.tail())
             job.refresh()
@@ -138,6 +142,8 @@ class AttemptWatch:
         detail = f"{who} silent for {verdict.silent_s:.2f}s > {verdict.reason} {verdict.timeout_s:.2f}s"
         log.info(f"attempt {attempt}: hang detected: {detail}; dumping stacks")
         flight = self._flight_recorder(detector)  # first: py-spy pauses ranks; its analysis runs meanwhile
+        if self.fr_share is not None:  # other nodes' ranks dump now, before this node's kill breaks their wait
+            self.fr_share.hang(attempt, flight, f"{reason} {detail}")
         stacks = self.processes.dump_stacks(detector.directory, detector.records)
         result = AttemptResult(attempt, reason, None, rank=verdict.rank, pid=verdict.pid, detail=detail, stacks=stacks,
                                last_step=detector.last_step(), output_tail=job.output.tail())

@@ -34,6 +34,7 @@ from supervisor.coordinator import (
     compute_plan,
     embedded_coordinator,
 )
+from supervisor.fr_exchange import FrExchange
 from supervisor.health import mark_repeat_offender
 from supervisor.incidents import Incident
 from supervisor.job_identity import JobIdentity
@@ -120,6 +121,10 @@ class MultiNodeSupervisor(Supervisor):
         if pinned.note:
             self._log(pinned.note)
         self._store_lost = False
+        # A hang's Flight Recorder dumps meet on node 0, which judges them all (supervisor.fr_exchange).
+        self.fr_exchange = FrExchange(coordinator, membership.node_rank, membership.size, self.node_name,
+                                      self.observer)
+        self.watcher.fr_share = self.fr_exchange
         # Node 0, the planner: persistent parts that failed verification, never offered again.
         self._bad_persistent: set[tuple[int, int]] = set()
 
@@ -340,6 +345,8 @@ class MultiNodeSupervisor(Supervisor):
                 self.coordinator.end(attempt, f"node {self.membership.node_rank}: {result.reason} {result.detail}".strip())
             except Exception as e:  # noqa: BLE001 - the next join reports the unreachable store with its address
                 self._log(f"could not tell the other nodes that attempt {attempt} failed: {e}")
+        attempt_dir = self.state_dir / "attempts" / f"attempt_{attempt:04d}"  # (RunRecord.attempt_dir makes a fresh one)
+        self.fr_exchange.settle(attempt, result, attempt_dir if attempt_dir.is_dir() else None)  # before the incident
 
     def give_up(self, reason: str) -> None:
         try:

@@ -1,0 +1,204 @@
+"""One Flight Recorder verdict for a hang across nodes, made where every node's dumps meet.
+
+Each node can read only its own ranks' dumps, and a rank that skipped a collective looks like any other
+from its own node. So in a job of several nodes (keys under the job's signed namespace,
+:class:`~supervisor.coordinator.SignedKeys`):
+
+1. the node that sees the hang asks for every node's dumps (``fr/<a>/want``), publishes its own ranks'
+   (``fr/<a>/<node>``, :class:`~supervisor.fr_records.NodeDumps`: newest entries only, compressed,
+   bounded) and ends attempt ``a`` at once, before its stacks and its kill: the other nodes must dump
+   their ranks while they still wait in the collective, not after the dead peer broke it;
+2. a node told the attempt ended (:meth:`FrExchange.peer_ended`) finds ``want`` and publishes its ranks'
+   dumps before its job is killed; a node whose job ended otherwise publishes an empty record, so
+   nobody waits for it;
+3. node 0 waits for every node's record (at most :data:`GATHER_S`), runs torch's analyser over all of
+   them (:mod:`supervisor.flight_recorder`, in a child, at most :data:`ANALYSE_S`) and publishes the
+   verdict (``fr/<a>/verdict``); every other node waits for it (the two bounds and a margin) and puts
+   it in its incident, so every node's incident names the suspect rank and its node.
+
+A record that is refused (oversized, malformed: named with its node and key in the log and the verdict),
+a node that never answers, or a store that is gone leaves a verdict over what came, or this node's own
+(from its ranks only); the run loop is never held past the bounds.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterable
+
+from supervisor.control_records import RecordError
+from supervisor.flight_recorder import ANALYSIS_FILE, Analysis, FlightVerdict, collect_dumps, start_child
+from supervisor.fr_records import NodeDumps, SharedVerdict, aligned
+from supervisor.observer import Observer
+
+if TYPE_CHECKING:
+    from supervisor.attempt_end import AttemptResult
+    from supervisor.coordinator import RoundCoordinator, SignedKeys
+
+log = logging.getLogger(__name__)
+
+GATHER_S = 15.0  # node 0's wait for every node's record
+ANALYSE_S = 60.0  # torch's analyser in its child (importing torch is most of it)
+MARGIN_S = 10.0  # the other nodes wait for the verdict this much longer than node 0 may take
+POLL_S = 0.05
+
+
+class FrExchange:
+    """This node's part in the exchange (see the module docstring); no method raises."""
+
+    def __init__(self, coordinator: "RoundCoordinator", node: int, nodes: int, node_name: str, observer: Observer,
+                 gather_s: float = GATHER_S, analyse_s: float = ANALYSE_S) -> None:
+        self.coordinator, self.node_name, self.observer = coordinator, node_name, observer
+        self.node, self.nodes = node, nodes
+        self.gather_s, self.analyse_s = gather_s, analyse_s
+        self._wanted: set[int] = set()
+        self._published: set[int] = set()
+
+    @property
+    def keys(self) -> "SignedKeys":  # the coordinator's (its store is replaced when node 0's comes back)
+        return self.coordinator.keys
+
+    # ------------------------------------------------------------ while the ranks still wait
+
+    def hang(self, attempt: int, flight: Analysis | None, why: str) -> None:
+        """This node saw the hang and took its ranks' dumps (``flight``): ask for everyone's, publish
+        ours, and end the attempt now (``why``), so the other nodes dump theirs before any kill."""
+        if flight is None:
+            return
+        try:
+            self.keys.create(f"fr/{attempt}/want", str(self.node))
+            self._wanted.add(attempt)
+            self._publish(attempt, flight.good, flight.errors)
+            self.coordinator.end(attempt, f"node {self.node}: {why}".strip())
+        except Exception as e:  # noqa: BLE001 - the hang is handled without a shared verdict
+            log.warning(f"flight recorder: dumps not shared: {type(e).__name__}: {e}")
+
+    def peer_ended(self, attempt: int, hb_dir: Path, ranks: Iterable[int]) -> None:
+        """Another node ended the attempt: where it asked for dumps, take and publish ours (the job
+        still runs: it is killed after this)."""
+        try:
+            if self.keys.get(f"fr/{attempt}/want") is None:
+                return
+            self._wanted.add(attempt)
+            taken = Analysis.start(collect_dumps(hb_dir, ranks), {}, in_child=False)
+            self._publish(attempt, taken.good, taken.errors)
+        except Exception as e:  # noqa: BLE001 - as above
+            log.warning(f"flight recorder: dumps not shared: {type(e).__name__}: {e}")
+
+    def _publish(self, attempt: int, dumps: dict[int, dict], errors: dict[int, str]) -> None:
+        record = NodeDumps(self.node, self.node_name, dict(dumps), dict(errors))
+        self.keys.set(f"fr/{attempt}/{self.node}", record.to_json())
+        self._published.add(attempt)
+        cut = f", the newest {record.kept} entries of each" if record.kept else ""
+        log.info(f"flight recorder: shared the dumps of ranks {sorted(dumps) or 'none'}{cut}")
+
+    # ------------------------------------------------------------ after the attempt ended
+
+    def settle(self, attempt: int, result: "AttemptResult", attempt_dir: Path | None = None) -> None:
+        """Where dumps were asked for in this attempt: node 0 judges them all and publishes the verdict,
+        the others wait for it; it goes into ``result`` (and so the incident) on every node."""
+        try:
+            if attempt not in self._wanted and self.keys.get(f"fr/{attempt}/want") is None:
+                return
+        except Exception:  # noqa: BLE001 - no store, no exchange: the join that follows says why, once
+            return
+        try:
+            if attempt not in self._published:
+                self._publish(attempt, {}, {})  # this node's job ended before it could dump: nobody waits for it
+            verdict = self._judge(attempt, attempt_dir) if self.node == 0 else self._await_verdict(attempt)
+        except Exception as e:  # noqa: BLE001 - the incident keeps this node's own verdict
+            log.warning(f"flight recorder: no verdict across nodes: {type(e).__name__}: {e}")
+            return
+        if verdict is not None:
+            self._apply(attempt, verdict, result, attempt_dir)
+
+    def _judge(self, attempt: int, attempt_dir: Path | None) -> SharedVerdict:
+        """Node 0: every node's record (what came within the bound), analysed; the verdict published."""
+        records, problems = self._gather(attempt)
+        good: dict[int, dict] = {}
+        errors: dict[int, str] = {}
+        node_of: dict[int, str] = {}
+        for rec in records:
+            good.update(rec.dumps)
+            errors.update(rec.errors)
+            node_of.update({r: rec.node_name for r in (*rec.dumps, *rec.errors)})
+        run = Analysis(aligned(good), errors, node_of)
+        if run.good:
+            try:
+                run.child = start_child(run.good)
+            except OSError as e:
+                log.info(f"flight recorder: analyser not started: {e}")
+        fr = run.finish(self.analyse_s)
+        if problems:
+            fr.text += f" ({'; '.join(problems)})"
+        _save(fr, attempt_dir)
+        verdict = SharedVerdict(fr.text, fr.suspects, sorted({node_of[r] for r in fr.suspects if r in node_of}),
+                                fr.seq, fr.op)
+        self.keys.set(f"fr/{attempt}/verdict", verdict.to_json())
+        return verdict
+
+    def _gather(self, attempt: int) -> tuple[list[NodeDumps], list[str]]:
+        names = [f"fr/{attempt}/{n}" for n in range(self.nodes)]
+        deadline = time.monotonic() + self.gather_s
+        values, _ = self.keys.poll(names, None)
+        while values is None and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+            values, _ = self.keys.poll(names, None)
+        if values is None:
+            values = self.keys.get_many(names)
+        records, problems = [], []
+        for node, (name, value) in enumerate(zip(names, values)):
+            if value is None:
+                problems.append(f"node {node} shared no dumps within {self.gather_s:.0f}s")
+                continue
+            try:
+                records.append(NodeDumps.from_json(value.payload, node, self.keys.key(name)))
+            except RecordError as e:
+                problems.append(f"refused {e}")
+        for problem in problems:
+            log.warning(f"flight recorder: {problem}")
+        return records, problems
+
+    def _await_verdict(self, attempt: int) -> SharedVerdict | None:
+        name = f"fr/{attempt}/verdict"
+        wait_s = self.gather_s + self.analyse_s + MARGIN_S
+        deadline = time.monotonic() + wait_s
+        value = self.keys.get(name)
+        while value is None and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+            value = self.keys.get(name)
+        if value is None:
+            log.warning(f"flight recorder: no verdict from node 0 within {wait_s:.0f}s")
+            return None
+        if value.node != 0:
+            log.warning(f"flight recorder: refused {self.keys.key(name)}: written by node {value.node}, not node 0")
+            return None
+        try:
+            return SharedVerdict.from_json(value.payload, self.keys.key(name))
+        except RecordError as e:
+            log.warning(f"flight recorder: refused {e}")
+            return None
+
+    def _apply(self, attempt: int, verdict: SharedVerdict, result: "AttemptResult", attempt_dir: Path | None) -> None:
+        log.info(f"attempt {attempt}: {verdict.text}")
+        if self.node != 0:
+            _save(FlightVerdict(verdict.text), attempt_dir)
+        result.fr_verdict = verdict.text
+        self.observer.flight_recorder(verdict.suspects)
+        if verdict.suspects:  # FR's suspects over the stacks', as on one node
+            result.suspect_ranks = list(verdict.suspects)
+            result.suspect_nodes = sorted({*result.suspect_nodes, *verdict.suspect_nodes})
+            for node in verdict.suspect_nodes:
+                self.observer.suspect(node, "flight_recorder")
+
+
+def _save(fr: FlightVerdict, attempt_dir: Path | None) -> None:
+    """The verdict across nodes replaces this node's own beside the attempt (``flight_recorder.txt``)."""
+    if attempt_dir is None:
+        return
+    try:
+        (attempt_dir / ANALYSIS_FILE).write_text("\n".join([fr.text, "", *fr.analyser]) + "\n")
+    except OSError as e:
+        log.info(f"flight recorder: analysis not saved: {e}")

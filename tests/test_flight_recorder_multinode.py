@@ -1,0 +1,65 @@
+"""The Flight Recorder's verdict across nodes (issue 30), end to end: two node supervisors on 127.0.0.1, each in
+its own directory with its own node name, around one torchrun job of 2 nodes x 2 gloo ranks launched as users type
+it (c10d). One rank skips an all-reduce (tests/jobs/fr_skip_job.py): every rank hangs, each node alone sees two
+ranks waiting like any other, and only where both nodes' dumps meet (node 0) is the rank named. Every node's
+incident carries that one verdict: the rank, its node, the collective's sequence number and op.
+
+rlsup pins c10d's node ranks to its own, so node ``n`` runs global ranks ``2n`` and ``2n+1``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+import pytest
+from support.cluster import Cluster
+from support.env import JOBS, PY, clean_env
+from support.incidents import incidents
+
+NODES, PER_NODE = 2, 2
+
+
+class FrCluster(Cluster):
+    """The harness's nodes around ``fr_skip_job.py`` (2 ranks a node); each node named ``fr-node<n>``, as two
+    machines would be (SLURM's node name), so the verdict's node is told apart on one host."""
+
+    def __init__(self, root: Path, skipper: int) -> None:
+        # The timeout only decides when the stuck attempt is ended (healthy steps are 0.05 s apart).
+        super().__init__(root, nodes=NODES, extra=["--heartbeat-timeout", "4"])
+        self.skipper = skipper
+
+    def node_args(self, node: int, extra: Sequence[str] = ()) -> list[str]:
+        args = super().node_args(node, extra)
+        return [*args[:args.index("--")], "--", PY, "-m", "torch.distributed.run", "--nnodes", str(NODES),
+                "--nproc-per-node", str(PER_NODE), "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                f"127.0.0.1:{self.master_port}", "--rdzv-id", "job1", str(JOBS / "fr_skip_job.py")]
+
+    def start(self, node: int, extra: Sequence[str] = (), log_name: str | None = None):
+        self.env = clean_env(SLURMD_NODENAME=f"fr-node{node}", FR_JOB_SKIPPER=str(self.skipper))
+        return super().start(node, extra, log_name)
+
+
+@pytest.mark.parametrize("skipper", [2, 1], ids=["rank2-on-node1", "rank1-on-node0"])
+def test_every_node_names_the_rank_that_skipped_and_its_node(tmp_path: Path, skipper: int) -> None:
+    cluster = FrCluster(tmp_path, skipper)
+    try:
+        cluster.start_all()
+        codes = cluster.wait_all(timeout=300)
+        assert codes == {0: 0, 1: 0}, cluster.logs()
+    finally:
+        cluster.kill_all()
+
+    waiting = ", ".join(str(r) for r in range(NODES * PER_NODE) if r != skipper)
+    suspect_node = f"fr-node{skipper // PER_NODE}"
+    expected = (f"flight recorder: ranks {waiting} wait in all_reduce #4 (process group 0 default_pg, size 4); "
+                f"rank {skipper} last completed #3 and never called #4 (it waits in all_reduce #4 of process group 1 "
+                f"metrics): suspect rank {skipper} on node {suspect_node}")
+    for node in range(NODES):
+        (inc,) = incidents(cluster.node_dir(node) / ".rlsup")
+        assert inc["fr_verdict"] == expected, (node, inc, cluster.logs())
+        assert inc["suspect_ranks"] == [skipper] and suspect_node in inc["suspect_nodes"], (node, inc)
+        assert inc["reason"] in ("hang", "peer_failure"), inc
+        assert expected in cluster.log(node), cluster.logs()
+    # Node 0 judged every node's dumps; the other node shared its own and read the verdict.
+    assert "flight recorder: shared the dumps of ranks [2, 3]" in cluster.log(1), cluster.logs()
