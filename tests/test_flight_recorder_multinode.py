@@ -9,6 +9,7 @@ rlsup pins c10d's node ranks to its own, so node ``n`` runs global ranks ``2n`` 
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 from typing import Sequence
 
@@ -16,6 +17,8 @@ import pytest
 from support.cluster import Cluster
 from support.env import JOBS, PY, clean_env
 from support.incidents import incidents
+
+from supervisor.flight_recorder import ANALYSIS_FILE
 
 NODES, PER_NODE = 2, 2
 
@@ -61,5 +64,13 @@ def test_every_node_names_the_rank_that_skipped_and_its_node(tmp_path: Path, ski
         assert inc["suspect_ranks"] == [skipper] and suspect_node in inc["suspect_nodes"], (node, inc)
         assert inc["reason"] in ("hang", "peer_failure"), inc
         assert expected in cluster.log(node), cluster.logs()
-    # Node 0 judged every node's dumps; the other node shared its own and read the verdict.
+    # Node 0 judged every node's dumps with torch's analyser; the other node shared its own and read the verdict.
     assert "flight recorder: shared the dumps of ranks [2, 3]" in cluster.log(1), cluster.logs()
+    for node in range(NODES):
+        analysis = (cluster.node_dir(node) / ".rlsup" / "attempts" / "attempt_0000" / ANALYSIS_FILE).read_text()
+        assert analysis.startswith(expected), (node, analysis)
+    node0 = (cluster.node_dir(0) / ".rlsup" / "attempts" / "attempt_0000" / ANALYSIS_FILE).read_text()
+    assert f"missing ranks: {{{skipper}}}" in node0, node0  # torch's own report, over both nodes' dumps
+    status = subprocess.run([PY, "-m", "supervisor.cli", "status"], cwd=cluster.node_dir(1), capture_output=True,
+                            text=True, timeout=60, env=clean_env())
+    assert expected in status.stdout, status.stdout + status.stderr
