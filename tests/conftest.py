@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 from support.env import JOBS, ROOT, TESTS, clean_env
 from support.incidents import incidents
+from support.netns import enter_own_network_namespace
 from support.ports import free_ports
 from support.procs import pid_alive, rlsup_cmd, run_rlsup, start_rlsup
 from support.waits import wait_for
@@ -16,6 +18,17 @@ from support.waits import wait_for
 # importable from conftest only for modules written before it existed, until they import from support too.
 __all__ = ["JOBS", "ROOT", "clean_env", "free_ports", "incidents", "pid_alive", "rlsup_cmd", "run_rlsup",
            "start_rlsup", "wait_for"]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist (the suite's command: ``-n 2``) each worker gets a loopback of its own, so tests that
+    use rlsup's fixed default ports, as users do, never meet another worker's run."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        why_not = enter_own_network_namespace()
+        if why_not:
+            config.issue_config_time_warning(pytest.PytestWarning(
+                f"worker {os.environ['PYTEST_XDIST_WORKER']} shares the host's loopback ({why_not}): tests on "
+                "fixed default ports may meet another worker's; run without -n, or as root"), stacklevel=2)
 
 
 @pytest.fixture
@@ -34,11 +47,12 @@ def workdir(tmp_path: Path) -> Path:
 # about a second (a short `python -c` or promtool check stays fast).
 FAST_MODULES: dict[str, frozenset[str]] = {
     "test_architecture_doc.py": frozenset(),
-    "test_async_save.py": frozenset({"test_blocking_is_a_fraction_of_sync_and_the_copy_is_a_snapshot",  # writer
+    "test_async_save.py": frozenset({"test_save_returns_before_the_write_and_the_copy_is_a_snapshot",  # writer
                                      "test_busy_skip_wait_and_writer_killed", "test_atexit_and_preemption_flush",
                                      "test_sigkill_trainer_or_writer_never_leaves_a_valid_partial"}),
     "test_attempt_end.py": frozenset(),
     "test_backends.py": frozenset(),
+    "test_builtin_check.py": frozenset({"test_rlsup_run_with_the_builtin_check_says_no_gpus_and_runs_the_job"}),
     "test_checkpoint_manager.py": frozenset({"test_sigkill_at_random_moments_never_loses_a_valid_checkpoint",
                                              "test_full_disk_save_error_says_no_space"}),
     "test_config.py": frozenset({"test_replication_settings_errors_exit_2"}),  # a real rlsup daemon
@@ -49,6 +63,8 @@ FAST_MODULES: dict[str, frozenset[str]] = {
     "test_deploy_prometheus.py": frozenset({"test_rules_read_only_exported_series"}),  # scrapes real runs
     "test_deploy_systemd.py": frozenset(),
     "test_format.py": frozenset(),
+    "test_flight_recorder_analysis.py": frozenset(),  # starts a thread, not a process
+    "test_gpu_failures.py": frozenset(),
     "test_hang_detector.py": frozenset(),
     "test_house_rules.py": frozenset(),
     "test_import_side_effects.py": frozenset(),

@@ -8,6 +8,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -34,32 +35,37 @@ def loaded(step_dir: Path) -> dict:
     return torch.load(step_dir / "rank_00000.pt", weights_only=True)
 
 
-def test_blocking_is_a_fraction_of_sync_and_the_copy_is_a_snapshot(tmp_path: Path) -> None:
+def test_save_returns_before_the_write_and_the_copy_is_a_snapshot(tmp_path: Path) -> None:
+    """The blocking part of an async save is the copy alone: with the writer process stopped (SIGSTOP), save()
+    still returns, the step is not valid yet, and an in-place update made at once does not reach the file.
+    (How much shorter than a synchronous save it blocks is a figure: benchmarks/run.py --only save.)"""
     state = big_state(100)
     sync = CheckpointManager(tmp_path / "sync")
-    t0 = time.perf_counter()
     sync.save(1, state)
-    sync_s = time.perf_counter() - t0
     mgr = CheckpointManager(tmp_path / "async", async_save=True)
-    blocked = []
     try:
         for step in (1, 2):
             expect_w = state["model"]["w"].clone()
-            t0 = time.perf_counter()
-            step_dir = mgr.save(step, state)
-            blocked.append(time.perf_counter() - t0)
+            writer = mgr._async.writer_pid if step == 2 else None  # step 1 starts the writer
+            if writer is not None:
+                os.kill(writer, signal.SIGSTOP)
+            saved: list[Path] = []
+            saver = threading.Thread(target=lambda: saved.append(mgr.save(step, state)), daemon=True)
+            saver.start()
+            saver.join(timeout=60)
+            assert saved, f"save({step}) did not return in 60 s" + (" with its writer stopped" if writer else "")
             state["model"]["w"].add_(1.0)  # the next optimizer step changes the tensors in place at once
             state["meta"]["lr"].append(9.9)
+            if writer is not None:
+                assert not verify_step_dir(saved[0]).valid, "a step counted valid while its writer was stopped"
+                os.kill(writer, signal.SIGCONT)
             assert mgr.wait(timeout=60)
-            assert verify_step_dir(step_dir).valid
-            got = loaded(step_dir)
+            assert verify_step_dir(saved[0]).valid
+            got = loaded(saved[0])
             assert torch.equal(got["model"]["w"], expect_w), "the checkpoint saw a later in-place update"
             assert torch.equal(got["optim"]["m"], state["optim"]["m"]) and got["meta"]["lr"][-1] != 9.9 or step == 2
     finally:
         mgr.close()
-    # A property of async saves, not a benchmark: the copy is far cheaper than serialise+fsync+hash.
-    # The first save also starts the writer and allocates the reusable buffer; the steady state is the second.
-    assert blocked[-1] < 0.5 * sync_s, (blocked, sync_s)
     # The same bytes as a synchronous save would hold (RNG aside): loads like one.
     a, s = loaded(tmp_path / "async" / step_dir_name(1)), loaded(tmp_path / "sync" / step_dir_name(1))
     assert a.keys() == s.keys() and torch.equal(a["optim"]["m"], s["optim"]["m"])

@@ -393,7 +393,10 @@ def test_trl_sft_torchrun_sigstopped_rank_is_a_hang_with_stacks(tmp_path: Path) 
         ranks = wait_for(lambda: job.ended() or (len(job.trainers(match)) == 2 and job.trainers(match)), 240, "2 ranks")
         assert ranks is not True, job.report()
         stop_at = f"checkpoint-{2 * HANG_SAVE_STEPS}"
-        wait_for(lambda: job.ended() or (out / stop_at / "trainer_state.json").exists(), 240, f"{stop_at} complete")
+        # complete: rank 0's trainer_state.json and both ranks' rng files (rank 1 may write its own after rank 0's
+        # commit: stopped before that, the step is rightly not valid and the run resumes from the one before)
+        wait_for(lambda: job.ended() or all((out / stop_at / f).exists() for f in (
+            "trainer_state.json", "rng_state_0.pth", "rng_state_1.pth")), 240, f"{stop_at} complete")
         assert not job.ended(), job.report()
         victim = max(ranks, key=lambda p: p.pid)  # either rank; one of the two, stopped, holds the other
         os.kill(victim.pid, signal.SIGSTOP)

@@ -17,8 +17,14 @@ import struct
 CLONE_NEWNET = 0x40000000
 SIOCGIFFLAGS = 0x8913
 SIOCSIFFLAGS = 0x8914
+SIOCSIFADDR = 0x8916
 IFF_UP = 0x1
 IFREQ = "16sH22x"  # struct ifreq: the interface name, then ifr_flags, padded to its 40 bytes
+IFREQ_ADDR = "16sH2s4s16x"  # struct ifreq: the name, then a sockaddr_in (family, port, address), padded
+# glibc's getaddrinfo(AI_ADDRCONFIG) counts an IPv4 address as configured only when it is not 127.0.0.1, and a
+# fresh namespace has no other: slurmctld then cannot resolve its own listening address. A second loopback
+# address (still 127.0.0.0/8, still this namespace's own) makes the namespace look like a machine.
+SECOND_LOOPBACK = "127.0.0.2"
 
 
 def enter_own_network_namespace() -> str | None:
@@ -32,6 +38,8 @@ def enter_own_network_namespace() -> str | None:
         request = struct.pack(IFREQ, b"lo", 0)
         flags = struct.unpack(IFREQ, fcntl.ioctl(s, SIOCGIFFLAGS, request))[1]
         fcntl.ioctl(s, SIOCSIFFLAGS, struct.pack(IFREQ, b"lo", flags | IFF_UP))
+        fcntl.ioctl(s, SIOCSIFADDR, struct.pack(IFREQ_ADDR, b"lo:1", socket.AF_INET, b"\0\0",
+                                                socket.inet_aton(SECOND_LOOPBACK)))
     with socket.socket() as probe:  # the new loopback answers, or this namespace is no use
         probe.bind(("127.0.0.1", 0))
     return None
