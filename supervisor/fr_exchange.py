@@ -89,10 +89,11 @@ class FrExchange:
 
     def _publish(self, attempt: int, dumps: dict[int, dict], errors: dict[int, str]) -> None:
         record = NodeDumps(self.node, self.node_name, dict(dumps), dict(errors))
-        self.keys.set(f"fr/{attempt}/{self.node}", record.to_json())
+        text = record.to_json()
+        self.keys.set(f"fr/{attempt}/{self.node}", text)
         self._published.add(attempt)
-        cut = f", the newest {record.kept} entries of each" if record.kept else ""
-        log.info(f"flight recorder: shared the dumps of ranks {sorted(dumps) or 'none'}{cut}")
+        cut = f", the newest {record.kept} entries of each group" if record.kept else ""
+        log.info(f"flight recorder: shared the dumps of ranks {sorted(dumps) or 'none'}{cut} ({len(text)} bytes)")
 
     # ------------------------------------------------------------ after the attempt ended
 

@@ -18,6 +18,7 @@ import base64
 import binascii
 import json
 import zlib
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -29,7 +30,8 @@ FORMAT = 1
 MAX_RECORD_BYTES = 1_000_000
 #: The most a record may inflate to (a record that inflates past it is refused, not read further).
 MAX_INFLATED_BYTES = 32 << 20
-#: Entries sent per rank at first: a hang's collective and the few hundred before it (halved until it fits).
+#: Entries sent per rank and process group at first: a hang's collective and the few hundred before it
+#: (halved until the record fits).
 KEEP_ENTRIES = 256
 MIN_ENTRIES = 4
 MAX_RANKS = 1 << 16  # ranks in one node's record
@@ -56,15 +58,15 @@ class NodeDumps:
     def to_json(self, max_bytes: int = MAX_RECORD_BYTES) -> str:
         """The record, each rank's ring cut to its newest entries until it fits ``max_bytes``; past
         :data:`MIN_ENTRIES` the dumps are left out and each rank's error says why."""
-        keep = KEEP_ENTRIES if any(len(d["entries"]) > KEEP_ENTRIES for d in self.dumps.values()) else None
+        longest = max((n for d in self.dumps.values() for n in Counter(map(_group, d["entries"])).values()), default=0)
+        keep = KEEP_ENTRIES if longest > KEEP_ENTRIES else None
         while True:
-            dumps = {str(r): {**d, "entries": d["entries"][-keep:] if keep else d["entries"]}
-                     for r, d in self.dumps.items()}
+            dumps = {str(r): {**d, "entries": newest(d["entries"], keep)} for r, d in self.dumps.items()}
             text = self._encode(dumps, self.errors, keep)
             if len(text) <= max_bytes or not self.dumps:
                 self.kept = keep
                 return text
-            keep = min(keep or KEEP_ENTRIES, max(len(d["entries"]) for d in self.dumps.values())) // 2
+            keep = min(keep or KEEP_ENTRIES, longest) // 2
             if keep < MIN_ENTRIES:
                 errors = {**self.errors, **{r: f"dump left out: over {max_bytes} bytes" for r in self.dumps}}
                 return self._encode({}, errors, 0)
@@ -95,6 +97,27 @@ class NodeDumps:
         errors = _errors(d.get("errors"), node, key)
         dumps = _dumps(_inflate(d.get("dumps"), node, key), node, key)
         return cls(node, name, dumps, errors, kept)
+
+
+def newest(entries: list[Any], keep: int | None) -> list[Any]:
+    """The newest ``keep`` entries of each process group, in ring order (all where ``keep`` is None): a
+    quiet group's last collectives stay beside a busy group's, and the hang is in the newest of either."""
+    if keep is None:
+        return list(entries)
+    seen: Counter[str] = Counter()
+    out = []
+    for entry in reversed(entries):
+        group = _group(entry)
+        seen[group] += 1
+        if seen[group] <= keep:
+            out.append(entry)
+    return out[::-1]
+
+
+def _group(entry: Any) -> str:
+    """An entry's process group name (a rank's own dump: read as JSON, never trusted to be well formed)."""
+    pg = entry.get("process_group") if isinstance(entry, dict) else None
+    return str(pg[0]) if isinstance(pg, list) and pg else ""
 
 
 def _is_int(value: Any, low: int, high: int) -> bool:

@@ -9,15 +9,18 @@ rlsup pins c10d's node ranks to its own, so node ``n`` runs global ranks ``2n`` 
 
 from __future__ import annotations
 
+import json
 import subprocess
 from pathlib import Path
 from typing import Sequence
 
 import pytest
+from etcd_cluster import EtcdCluster, etcd_cluster  # noqa: F401 - the fixture
 from support.cluster import Cluster
 from support.env import JOBS, PY, clean_env
 from support.incidents import incidents
 
+from rlsup_format.heartbeat_record import fr_dump_name
 from supervisor.flight_recorder import ANALYSIS_FILE
 
 NODES, PER_NODE = 2, 2
@@ -27,25 +30,23 @@ class FrCluster(Cluster):
     """The harness's nodes around ``fr_skip_job.py`` (2 ranks a node); each node named ``fr-node<n>``, as two
     machines would be (SLURM's node name), so the verdict's node is told apart on one host."""
 
-    def __init__(self, root: Path, skipper: int) -> None:
+    def __init__(self, root: Path, skipper: int, job: str = "fr_skip_job.py", extra: Sequence[str] = ()) -> None:
         # The timeout only decides when the stuck attempt is ended (healthy steps are 0.05 s apart).
-        super().__init__(root, nodes=NODES, extra=["--heartbeat-timeout", "4"])
-        self.skipper = skipper
+        super().__init__(root, nodes=NODES, extra=["--heartbeat-timeout", "4", *extra])
+        self.skipper, self.job = skipper, job
 
     def node_args(self, node: int, extra: Sequence[str] = ()) -> list[str]:
         args = super().node_args(node, extra)
         return [*args[:args.index("--")], "--", PY, "-m", "torch.distributed.run", "--nnodes", str(NODES),
                 "--nproc-per-node", str(PER_NODE), "--rdzv-backend", "c10d", "--rdzv-endpoint",
-                f"127.0.0.1:{self.master_port}", "--rdzv-id", "job1", str(JOBS / "fr_skip_job.py")]
+                f"127.0.0.1:{self.master_port}", "--rdzv-id", "job1", str(JOBS / self.job)]
 
     def start(self, node: int, extra: Sequence[str] = (), log_name: str | None = None):
         self.env = clean_env(SLURMD_NODENAME=f"fr-node{node}", FR_JOB_SKIPPER=str(self.skipper))
         return super().start(node, extra, log_name)
 
 
-@pytest.mark.parametrize("skipper", [2, 1], ids=["rank2-on-node1", "rank1-on-node0"])
-def test_every_node_names_the_rank_that_skipped_and_its_node(tmp_path: Path, skipper: int) -> None:
-    cluster = FrCluster(tmp_path, skipper)
+def run_to_the_end(cluster: FrCluster) -> None:
     try:
         cluster.start_all()
         codes = cluster.wait_all(timeout=300)
@@ -53,11 +54,41 @@ def test_every_node_names_the_rank_that_skipped_and_its_node(tmp_path: Path, ski
     finally:
         cluster.kill_all()
 
+
+def expected_verdict(skipper: int, metrics_seq: int = 4) -> str:
     waiting = ", ".join(str(r) for r in range(NODES * PER_NODE) if r != skipper)
+    return (f"flight recorder: ranks {waiting} wait in all_reduce #4 (process group 0 default_pg, size 4); "
+            f"rank {skipper} last completed #3 and never called #4 (it waits in all_reduce #{metrics_seq} of process "
+            f"group 1 metrics): suspect rank {skipper} on node fr-node{skipper // PER_NODE}")
+
+
+@pytest.mark.parametrize("skipper", [2, 1], ids=["rank2-on-node1", "rank1-on-node0"])
+def test_every_node_names_the_rank_that_skipped_and_its_node(tmp_path: Path, skipper: int) -> None:
+    cluster = FrCluster(tmp_path, skipper)
+    run_to_the_end(cluster)
+    expected = expected_verdict(skipper)
+    assert_every_node_says(cluster, skipper, expected)
+
+
+def test_full_rings_through_etcd_are_cut_to_fit_and_still_name_the_rank(tmp_path: Path,
+                                                                         etcd_cluster: EtcdCluster) -> None:  # noqa: F811
+    """``coordinator_backend: etcd`` (values over 1.5 MB refused) and wrapped 2000-entry rings (fr_full_ring_job.py):
+    each node sends the newest entries of each process group, and the verdict is the same."""
+    busy = 600
+    cluster = FrCluster(tmp_path, 2, "fr_full_ring_job.py",
+                        ["--heartbeat-timeout", "8", "--coordinator-backend", "etcd",
+                         "--coordinator-endpoints", ",".join(etcd_cluster.endpoints)])
+    run_to_the_end(cluster)
+    hb = cluster.node_dir(1) / ".rlsup" / "attempts" / "attempt_0000" / "heartbeats"
+    dumps = [hb / fr_dump_name(r) for r in (2, 3)]
+    assert all(len(json.loads(d.read_text())["entries"]) == 2000 for d in dumps)  # the rings wrapped
+    assert sum(d.stat().st_size for d in dumps) > 1_500_000  # too big for one etcd value as they are
+    assert_every_node_says(cluster, 2, expected_verdict(2, metrics_seq=4 * busy + 4))
+    assert "flight recorder: shared the dumps of ranks [2, 3], the newest 256 entries of each group (" in cluster.log(1)
+
+
+def assert_every_node_says(cluster: FrCluster, skipper: int, expected: str) -> None:
     suspect_node = f"fr-node{skipper // PER_NODE}"
-    expected = (f"flight recorder: ranks {waiting} wait in all_reduce #4 (process group 0 default_pg, size 4); "
-                f"rank {skipper} last completed #3 and never called #4 (it waits in all_reduce #4 of process group 1 "
-                f"metrics): suspect rank {skipper} on node {suspect_node}")
     for node in range(NODES):
         (inc,) = incidents(cluster.node_dir(node) / ".rlsup")
         assert inc["fr_verdict"] == expected, (node, inc, cluster.logs())

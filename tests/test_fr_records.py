@@ -57,6 +57,11 @@ def test_a_ring_too_big_is_cut_to_its_newest_entries_and_rings_are_aligned() -> 
     back = NodeDumps.from_json(text, 1, KEY)
     kept = back.dumps[2]["entries"]
     assert back.kept == len(kept) and 0 < len(kept) < 3000 and kept[-1]["collective_seq_id"] == 2999
+    # Per process group: a quiet group's last collectives are kept beside a busy group's.
+    quiet = {**last, "process_group": ["9", "quiet"], "collective_seq_id": 7}
+    mixed = {**big, "entries": [*big["entries"][:5], quiet, *big["entries"][5:]]}
+    back = NodeDumps.from_json(NodeDumps(1, "host1", {2: mixed}).to_json(max_bytes=20_000), 1, KEY)
+    assert back.dumps[2]["entries"][0] == quiet and len(back.dumps[2]["entries"]) == back.kept + 1
     # Nothing fits: the dumps are left out, and each rank says why.
     small = NodeDumps.from_json(NodeDumps(1, "host1", {2: big}).to_json(max_bytes=400), 1, KEY)
     assert small.dumps == {} and "left out" in small.errors[2]
