@@ -46,9 +46,12 @@ class FrCluster(Cluster):
         return super().start(node, extra, log_name)
 
 
-def run_to_the_end(cluster: FrCluster) -> None:
+def run_to_the_end(cluster: FrCluster, quiet: int | None = None) -> None:
+    """Every node to its end; node ``quiet`` (if any) with a heartbeat timeout that never fires first, so the hang
+    reaches it only as another node's end of the attempt (the path where it must dump its ranks before the kill)."""
     try:
-        cluster.start_all()
+        for node in range(NODES):
+            cluster.start(node, ["--heartbeat-timeout", "120"] if node == quiet else ())
         codes = cluster.wait_all(timeout=300)
         assert codes == {0: 0, 1: 0}, cluster.logs()
     finally:
@@ -64,10 +67,15 @@ def expected_verdict(skipper: int, metrics_seq: int = 4) -> str:
 
 @pytest.mark.parametrize("skipper", [2, 1], ids=["rank2-on-node1", "rank1-on-node0"])
 def test_every_node_names_the_rank_that_skipped_and_its_node(tmp_path: Path, skipper: int) -> None:
+    """The suspect's node sees the hang; the other learns of it from the store: node 0 (rank 2) must dump,
+    share and then judge, node 1 (rank 1) must dump, share and then read node 0's verdict."""
     cluster = FrCluster(tmp_path, skipper)
-    run_to_the_end(cluster)
-    expected = expected_verdict(skipper)
-    assert_every_node_says(cluster, skipper, expected)
+    sees, told = skipper // PER_NODE, 1 - skipper // PER_NODE
+    run_to_the_end(cluster, quiet=told)
+    assert_every_node_says(cluster, skipper, expected_verdict(skipper))
+    reasons = {node: incidents(cluster.node_dir(node) / ".rlsup")[0]["reason"] for node in range(NODES)}
+    assert reasons == {sees: "hang", told: "peer_failure"}, reasons
+    assert "ended by another node (node" in cluster.log(told), cluster.logs()
 
 
 def test_full_rings_through_etcd_are_cut_to_fit_and_still_name_the_rank(tmp_path: Path,
