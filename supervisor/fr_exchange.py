@@ -29,13 +29,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterable
 
 from supervisor.control_records import RecordError
+from supervisor.coordinator import ABORT_MAX_AGE_S
 from supervisor.flight_recorder import ANALYSIS_FILE, Analysis, FlightVerdict, collect_dumps, start_child
 from supervisor.fr_records import NodeDumps, SharedVerdict, aligned
 from supervisor.observer import Observer
 
 if TYPE_CHECKING:
     from supervisor.attempt_end import AttemptResult
-    from supervisor.coordinator import RoundCoordinator, SignedKeys
+    from supervisor.coordinator import RoundCoordinator, Signed, SignedKeys
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +44,7 @@ GATHER_S = 15.0  # node 0's wait for every node's record
 ANALYSE_S = 60.0  # torch's analyser in its child (importing torch is most of it)
 MARGIN_S = 10.0  # the other nodes wait for the verdict this much longer than node 0 may take
 POLL_S = 0.05
+STALE_POLL_S = 0.5  # re-reading a stale record (rare) moves it: slower
 
 
 class FrExchange:
@@ -79,13 +81,18 @@ class FrExchange:
         """Another node ended the attempt: where it asked for dumps, take and publish ours (the job
         still runs: it is killed after this)."""
         try:
-            if self.keys.get(f"fr/{attempt}/want") is None:
+            if not self._fresh(self.keys.get(f"fr/{attempt}/want")):
                 return
             self._wanted.add(attempt)
             taken = Analysis.start(collect_dumps(hb_dir, ranks), {}, in_child=False)
             self._publish(attempt, taken.good, taken.errors)
         except Exception as e:  # noqa: BLE001 - as above
             log.warning(f"flight recorder: dumps not shared: {type(e).__name__}: {e}")
+
+    def _fresh(self, value: "Signed | None") -> bool:
+        """Written in this run: a store that outlives a run (etcd) may hold an earlier run's keys of the same
+        attempt number (the coordinator's rule for an old abort)."""
+        return value is not None and value.time >= self.coordinator.started - ABORT_MAX_AGE_S
 
     def _publish(self, attempt: int, dumps: dict[int, dict], errors: dict[int, str]) -> None:
         record = NodeDumps(self.node, self.node_name, dict(dumps), dict(errors))
@@ -101,7 +108,7 @@ class FrExchange:
         """Where dumps were asked for in this attempt: node 0 judges them all and publishes the verdict,
         the others wait for it; it goes into ``result`` (and so the incident) on every node."""
         try:
-            if attempt not in self._wanted and self.keys.get(f"fr/{attempt}/want") is None:
+            if attempt not in self._wanted and not self._fresh(self.keys.get(f"fr/{attempt}/want")):
                 return
         except Exception:  # noqa: BLE001 - no store, no exchange: the join that follows says why, once
             return
@@ -143,14 +150,18 @@ class FrExchange:
     def _gather(self, attempt: int) -> tuple[list[NodeDumps], list[str]]:
         names = [f"fr/{attempt}/{n}" for n in range(self.nodes)]
         deadline = time.monotonic() + self.gather_s
-        values, _ = self.keys.poll(names, None)
-        while values is None and time.monotonic() < deadline:
-            time.sleep(POLL_S)
-            values, _ = self.keys.poll(names, None)
-        if values is None:
-            values = self.keys.get_many(names)
+        while self.keys.poll(names, None)[0] is None and time.monotonic() < deadline:
+            time.sleep(POLL_S)  # one look whether every key exists: no record moves meanwhile
+        got: dict[str, Signed] = {}
+        while True:  # a record an earlier run left under the same attempt number is not this hang's
+            pending = [n for n in names if n not in got]
+            got.update((n, v) for n, v in zip(pending, self.keys.get_many(pending)) if self._fresh(v))
+            if len(got) == len(names) or time.monotonic() >= deadline:
+                break
+            time.sleep(STALE_POLL_S)
         records, problems = [], []
-        for node, (name, value) in enumerate(zip(names, values)):
+        for node, name in enumerate(names):
+            value = got.get(name)
             if value is None:
                 problems.append(f"node {node} shared no dumps within {self.gather_s:.0f}s")
                 continue
@@ -167,10 +178,10 @@ class FrExchange:
         wait_s = self.gather_s + self.analyse_s + MARGIN_S
         deadline = time.monotonic() + wait_s
         value = self.keys.get(name)
-        while value is None and time.monotonic() < deadline:
+        while not self._fresh(value) and time.monotonic() < deadline:
             time.sleep(POLL_S)
             value = self.keys.get(name)
-        if value is None:
+        if value is None or not self._fresh(value):
             log.warning(f"flight recorder: no verdict from node 0 within {wait_s:.0f}s")
             return None
         if value.node != 0:
