@@ -64,6 +64,7 @@ FAST_MODULES: dict[str, frozenset[str]] = {
     "test_deploy_systemd.py": frozenset(),
     "test_format.py": frozenset(),
     "test_flight_recorder_analysis.py": frozenset(),  # starts a thread, not a process
+    "test_fr_records.py": frozenset(),  # a real TCPStore in process, torch's analyser in process
     "test_gpu_failures.py": frozenset(),
     "test_hang_detector.py": frozenset(),
     "test_house_rules.py": frozenset(),
@@ -147,14 +148,15 @@ def _is_e2e(item: pytest.Item) -> bool:
 def _check_fast_modules(items: list[pytest.Item]) -> None:
     """A renamed test, fixture or module must not leave a stale name behind (a renamed slow test would join the
     fast tier)."""
-    missing = [m for m in FAST_MODULES if not (TESTS / m).is_file()]
+    missing = [m for m in (*FAST_MODULES, *LONGEST_FIRST) if not (TESTS / m).is_file()]
     for item in items:
         module, mod = _module(item) or "", getattr(item, "module", None)
         for name in FAST_MODULES.get(module, ()):
             if mod is not None and not name.startswith("[") and not hasattr(mod, name):
                 missing.append(f"{module}::{name}")
     if missing:
-        raise pytest.UsageError(f"tests/conftest.py FAST_MODULES names what is not there: {sorted(set(missing))}")
+        raise pytest.UsageError(f"tests/conftest.py FAST_MODULES or LONGEST_FIRST names what is not there: "
+                                f"{sorted(set(missing))}")
 
 
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
@@ -167,8 +169,26 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
     return True if collection_path.relative_to(TESTS).as_posix() not in FAST_MODULES else None
 
 
+# The longest modules, longest first (minutes each on 2 cores: `--durations` and the junit times say which).
+# Under pytest-xdist (`--dist loadfile`: a module stays on one worker) they are handed out first, so no worker
+# starts one of them while the others are already done: the suite's wall time is the sum over workers, not
+# the sum plus one long module at the end. A stale entry costs speed only; a missing module runs in its place.
+LONGEST_FIRST = ("chaos/test_chaos_ci.py", "test_thirdparty_trainers.py", "test_multinode_persistent.py",
+                 "test_recipe_ray.py", "test_flight_recorder_multinode.py", "test_recipe_verl.py",
+                 "test_multinode_jobs.py", "test_multinode.py", "test_multinode_memory.py", "test_layouts_hf.py",
+                 "test_stragglers.py", "test_memory_tier.py", "test_deploy_slurm.py", "test_multinode_etcd.py",
+                 "test_ddp_exact_resume.py", "test_layouts_lightning.py")
+
+
+def _longest_first(item: pytest.Item) -> int:
+    module = _module(item)
+    return LONGEST_FIRST.index(module) if module in LONGEST_FIRST else len(LONGEST_FIRST)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     _check_fast_modules(items)
     for item in items:
         if _is_e2e(item):
             item.add_marker(pytest.mark.e2e)
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # every worker sorts alike, so all collect the same list
+        items.sort(key=_longest_first)  # stable: the rest keep their order

@@ -50,15 +50,18 @@ def test_save_returns_before_the_write_and_the_copy_is_a_snapshot(tmp_path: Path
             if writer is not None:
                 os.kill(writer, signal.SIGSTOP)
             saved: list[Path] = []
-            saver = threading.Thread(target=lambda: saved.append(mgr.save(step, state)), daemon=True)
-            saver.start()
-            saver.join(timeout=60)
-            assert saved, f"save({step}) did not return in 60 s" + (" with its writer stopped" if writer else "")
-            state["model"]["w"].add_(1.0)  # the next optimizer step changes the tensors in place at once
-            state["meta"]["lr"].append(9.9)
-            if writer is not None:
-                assert not verify_step_dir(saved[0]).valid, "a step counted valid while its writer was stopped"
-                os.kill(writer, signal.SIGCONT)
+            try:
+                saver = threading.Thread(target=lambda: saved.append(mgr.save(step, state)), daemon=True)
+                saver.start()
+                saver.join(timeout=60)
+                assert saved, f"save({step}) did not return in 60 s" + (" with its writer stopped" if writer else "")
+                state["model"]["w"].add_(1.0)  # the next optimizer step changes the tensors in place at once
+                state["meta"]["lr"].append(9.9)
+                if writer is not None:
+                    assert not verify_step_dir(saved[0]).valid, "a step counted valid while its writer was stopped"
+            finally:
+                if writer is not None:
+                    os.kill(writer, signal.SIGCONT)  # a failed check above must not leave it stopped
             assert mgr.wait(timeout=60)
             assert verify_step_dir(saved[0]).valid
             got = loaded(saved[0])

@@ -189,7 +189,7 @@ def test_restart_time_of_a_cuda_job_warm_and_cold(tmp_path: Path) -> None:
 @pytest.mark.timeout(900)
 def test_restart_time_with_and_without_cuda_warm_ranks(tmp_path: Path) -> None:
     """Restart time of a one-GPU torchrun job under the warm launcher, warm ranks that made their CUDA
-    context ahead (``warm_cuda: true``, the default) against import-only ones, alternating (a figure)."""
+    context ahead (``warm_cuda: true``; off by default) against import-only ones, alternating (a figure)."""
     figures: dict[str, list[float]] = {"cuda_warm": [], "import_only": []}
     for i in range(3):
         for side in (("cuda_warm", "import_only") if i % 2 == 0 else ("import_only", "cuda_warm")):
