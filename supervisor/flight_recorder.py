@@ -35,7 +35,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
+from rlsup_format.fileio import UnsafeFileError, open_nofollow
 from rlsup_format.heartbeat_record import fr_dump_name, fr_request_name
+from supervisor.fr_config import clean_pg_config
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +49,8 @@ DEFAULT_BUFFER = 2000
 #: The most rlsup reads of one rank's dump (2000 entries are about 1.2 MB of JSON).
 MAX_DUMP_BYTES = 64 << 20
 ANALYSIS_FILE = "flight_recorder.txt"
+#: The repository root, put on the analyser child's path explicitly (it runs isolated: ``python -I``).
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def job_env(environ: Mapping[str, str]) -> dict[str, str]:
@@ -117,9 +121,13 @@ def collect_dumps(hb_dir: Path, ranks: Iterable[int], wait_s: float = 5.0) -> di
 
 
 def read_dump(path: Path) -> dict[str, Any] | None:
-    """One rank's dump (renamed into place whole), or None while absent, oversized or not JSON."""
+    """One rank's dump (renamed into place whole), None while absent; an error where it is oversized, not
+    JSON, or not a regular file (a FIFO put there must not block the hang path: ``open_nofollow`` opens
+    without blocking and checks the type before reading)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        fd = open_nofollow(path.parent, path.name)
+    except UnsafeFileError as e:  # a link stays unread (as if absent); anything else but a file is refused
+        return None if e.errno == errno.ELOOP else {"error": f"{path} is not a regular file"}
     except OSError:
         return None
     with os.fdopen(fd, "rb") as f:
@@ -128,7 +136,7 @@ def read_dump(path: Path) -> dict[str, Any] | None:
         return {"error": f"dump over {MAX_DUMP_BYTES} bytes"}
     try:
         data = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested too deep for the parser
         return {"error": "dump is not JSON"}
     return data if isinstance(data, dict) else {"error": "dump is not a JSON object"}
 
@@ -138,10 +146,14 @@ def read_dump(path: Path) -> dict[str, Any] | None:
 
 def normalise(dump: Mapping[str, Any]) -> dict[str, Any]:
     """A dump in the shape torch's loader hands its builder (``read_dump``), gloo's groups filled in
-    from the rank's own view: gloo's ``pg_config`` names no group (one entry under ``""``)."""
-    pg_config = {k: v for k, v in dict(dump.get("pg_config") or {}).items() if k}
-    for name, cfg in dict(dump.get("rlsup_pg_config") or {}).items():
+    from the rank's own view: gloo's ``pg_config`` names no group (one entry under ``""``). Only groups whose
+    ``ranks`` parse as a JSON list of ranks are kept (:mod:`supervisor.fr_config`: torch's analyser evals them)."""
+    pg_config, dropped = clean_pg_config({k: v for k, v in dict(dump.get("pg_config") or {}).items() if k})
+    extra, more = clean_pg_config(dump.get("rlsup_pg_config"))
+    for name, cfg in extra.items():
         pg_config.setdefault(name, cfg)
+    if dropped or more:
+        log.info("flight recorder: rank %s: dropped %s", dump.get("rlsup_rank"), "; ".join(dropped + more))
     rank = int(dump["rlsup_rank"])
     return {"host_name": f"host_rank{rank}", "rank": rank, "entries": list(dump.get("entries") or []),
             "version": str(dump.get("version", "")), "pg_config": pg_config}
@@ -150,8 +162,10 @@ def normalise(dump: Mapping[str, Any]) -> dict[str, Any]:
 def analyse(dumps: Mapping[int, Mapping[str, Any]], node_of: Mapping[int, str] | None = None,
             in_child: bool = False) -> FlightVerdict:
     """The verdict from every rank's dump (``{rank: dump}``); ``node_of`` names each rank's node.
-    ``in_child``: torch's analyser runs in a child process (the supervisor never imports torch)."""
-    return Analysis.start(dumps, node_of or {}, in_child).finish()
+    ``in_child``: torch's analyser runs in a child process (the supervisor never imports torch); else here."""
+    run = Analysis.start(dumps, node_of or {}, in_child)
+    run.in_process = not in_child
+    return run.finish()
 
 
 @dataclass
@@ -163,6 +177,10 @@ class Analysis:
     errors: dict[int, str]
     node_of: Mapping[int, str]
     child: subprocess.Popen | None = None
+    #: torch's analyser in this process where no child runs (tests, the child itself); otherwise, without a
+    #: child (its start failed), rlsup's own reading, never torch imported into the supervisor.
+    in_process: bool = False
+    not_started: str = ""  # why the child did not start
 
     @classmethod
     def start(cls, dumps: Mapping[int, Mapping[str, Any]], node_of: Mapping[int, str], in_child: bool) -> "Analysis":
@@ -174,6 +192,7 @@ class Analysis:
                 run.child = start_child(good)
             except OSError as e:
                 log.info("flight recorder: analyser not started: %s", e)
+                run.not_started = f"{type(e).__name__}: {e}"
         return run
 
     def finish(self, timeout_s: float = 120.0) -> FlightVerdict:
@@ -182,8 +201,16 @@ class Analysis:
             why = "; ".join(f"rank {r}: {e}" for r, e in sorted(self.errors.items())) or "no rank answered"
             return FlightVerdict(f"flight recorder: no dumps ({why})", dumps=self.errors)
         lines: list[str] = []
+        fallback = ""
         try:
-            pg, seq = child_answer(self.child, lines, timeout_s) if self.child else first_failure(good, lines)
+            if self.child:
+                pg, seq = child_answer(self.child, lines, timeout_s)
+            elif self.in_process:
+                pg, seq = first_failure(good, lines)
+            else:  # the child never started: rlsup's own reading (importing torch here would cost for good)
+                fallback = f"torch's analyser not started{': ' + self.not_started if self.not_started else ''}"
+                lines.append(f"{fallback}; rlsup's own reading of the entries (last_divergence)")
+                pg, seq = last_divergence(good)
         except Exception as e:  # noqa: BLE001 - torch's analyser on input it rejects: fall back, say why
             lines.append(f"torch's analyser failed: {type(e).__name__}: {e}")
             pg, seq = last_divergence(good)
@@ -194,6 +221,8 @@ class Analysis:
         verdict.analyser, verdict.dumps = lines, self.errors
         if unseen:
             verdict.text += f" (from ranks {', '.join(map(str, sorted(good)))} only: no dump of {_ranks(unseen)})"
+        if fallback:
+            verdict.text += f" ({fallback}: rlsup's own reading)"
         return verdict
 
 
@@ -205,6 +234,8 @@ def first_failure(details: Mapping[int, Mapping[str, Any]], lines: list[str]) ->
     args = argparse.Namespace(verbose=False, just_print_entries=False, allow_incomplete_ranks=True, mismatch_cap=10,
                               selected_ranks=None, pg_filters=None, print_stack_trace=False)
     inputs = {f"rank_{r}": copy.deepcopy(dict(d)) for r, d in sorted(details.items())}  # the builder pops entries
+    for d in inputs.values():  # torch evals ``ranks``: only configs rebuilt from checked values reach it
+        d["pg_config"] = clean_pg_config(d.get("pg_config"))[0]
     version = next(iter(inputs.values()))["version"]
     fr_log = logging.getLogger("Flight Recorder")
     capture = _Lines()
@@ -222,11 +253,14 @@ def first_failure(details: Mapping[int, Mapping[str, Any]], lines: list[str]) ->
 
 def start_child(details: Mapping[int, Mapping[str, Any]]) -> subprocess.Popen:
     """:func:`first_failure` in ``python -m supervisor.flight_recorder``: importing torch would cost the
-    supervisor seconds and memory for good. The details go through a temporary file (no pipe to fill)."""
+    supervisor seconds and memory for good. The details go through a temporary file (no pipe to fill). The
+    child runs isolated (``-I``: no cwd or user site on its path, no PYTHON* variables) from ``/``, with
+    rlsup's own root put on its path explicitly."""
+    code = f"import sys; sys.path.insert(0, {str(ROOT)!r}); from supervisor.flight_recorder import main; main()"
     with tempfile.TemporaryFile("w+") as f:
         json.dump(details, f)
         f.seek(0)
-        return subprocess.Popen([sys.executable, "-m", "supervisor.flight_recorder"], stdin=f,
+        return subprocess.Popen([sys.executable, "-I", "-c", code], stdin=f, cwd="/",
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 

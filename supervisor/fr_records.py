@@ -17,12 +17,14 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import re
 import zlib
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from supervisor.control_records import RecordError
+from supervisor.fr_config import clean_pg
 
 FORMAT = 1
 #: The most one node's record may take in the store (etcd's default request limit is about 1.5 MB; the
@@ -39,6 +41,8 @@ MAX_RANK = 1 << 24
 MAX_ENTRIES = 1 << 16  # entries of one rank as read
 MAX_TEXT = 8000  # a verdict's text
 MAX_NAME = 256  # a node name, an op, a process group's text
+#: A node's name as records carry it: a host name's letters (it is shown in verdicts and logs).
+NODE_NAME = re.compile(r"[A-Za-z0-9._-]{1,255}")
 
 
 def _refuse(node: int | None, key: str, where: str, problem: str) -> RecordError:
@@ -83,15 +87,15 @@ class NodeDumps:
             raise _refuse(node, key, "", f"{len(text)} bytes, over the {max_bytes} allowed")
         try:
             d = json.loads(text)
-        except ValueError as e:
-            raise _refuse(node, key, "", f"not JSON ({e})") from e
+        except (ValueError, RecursionError) as e:  # RecursionError: nested too deep for the parser
+            raise _refuse(node, key, "", f"not JSON ({type(e).__name__}: {e})") from e
         if not isinstance(d, dict) or d.get("format") != FORMAT:
             raise _refuse(node, key, "format", f"not format {FORMAT}")
         if d.get("node") != node:
             raise _refuse(node, key, "node", f"says node {d.get('node')!r}")
         name, kept = d.get("node_name"), d.get("kept")
-        if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME:
-            raise _refuse(node, key, "node_name", "not a node name")
+        if not _is_node_name(name):
+            raise _refuse(node, key, "node_name", "not a node name (1-255 of A-Z a-z 0-9 . _ -)")
         if kept is not None and not _is_int(kept, 0, MAX_ENTRIES):
             raise _refuse(node, key, "kept", "not a count")
         errors = _errors(d.get("errors"), node, key)
@@ -118,6 +122,10 @@ def _group(entry: Any) -> str:
     """An entry's process group name (a rank's own dump: read as JSON, never trusted to be well formed)."""
     pg = entry.get("process_group") if isinstance(entry, dict) else None
     return str(pg[0]) if isinstance(pg, list) and pg else ""
+
+
+def _is_node_name(value: Any) -> bool:
+    return isinstance(value, str) and NODE_NAME.fullmatch(value) is not None
 
 
 def _is_int(value: Any, low: int, high: int) -> bool:
@@ -150,6 +158,8 @@ def _inflate(packed: Any, node: int, key: str) -> Any:
         if inflater.unconsumed_tail:
             raise _refuse(node, key, "dumps", f"inflates past {MAX_INFLATED_BYTES} bytes")
         return json.loads(body)
+    except RecursionError as e:  # nested too deep for the parser: not JSON rlsup reads
+        raise _refuse(node, key, "dumps", "does not unpack (not JSON: nested too deep)") from e
     except (binascii.Error, zlib.error, ValueError) as e:
         raise _refuse(node, key, "dumps", f"does not unpack ({e})") from e
 
@@ -165,9 +175,12 @@ def _dumps(raw: Any, node: int, key: str) -> dict[int, dict[str, Any]]:
             raise _refuse(node, key, where, "not this rank's dump")
         if not isinstance(dump.get("version"), str) or not isinstance(dump.get("pg_config"), dict):
             raise _refuse(node, key, where, "no version or pg_config")
-        for pg, cfg in dump["pg_config"].items():
-            if not isinstance(cfg, dict) or not all(isinstance(cfg.get(k, ""), str) for k in ("ranks", "desc")):
-                raise _refuse(node, key, f"{where}.pg_config.{pg}", "not a process group's config")
+        for pg, cfg in list(dump["pg_config"].items()):
+            try:  # torch's analyser evals ``ranks``: only a config rebuilt from checked values goes on
+                dump["pg_config"][pg] = clean_pg(pg, cfg)
+            except ValueError as e:
+                raise _refuse(node, key, f"{where}.pg_config.{str(pg)[:MAX_NAME]}",
+                              f"not a process group's config ({e})") from e
         entries = dump.get("entries")
         if not isinstance(entries, list) or len(entries) > MAX_ENTRIES:
             raise _refuse(node, key, f"{where}.entries", f"not a list of at most {MAX_ENTRIES} entries")
@@ -213,8 +226,8 @@ class SharedVerdict:
             raise _refuse(node, key, "", f"{len(text)} bytes, too long for a verdict")
         try:
             d = json.loads(text)
-        except ValueError as e:
-            raise _refuse(node, key, "", f"not JSON ({e})") from e
+        except (ValueError, RecursionError) as e:  # RecursionError: nested too deep for the parser
+            raise _refuse(node, key, "", f"not JSON ({type(e).__name__}: {e})") from e
         if not isinstance(d, dict) or d.get("format") != FORMAT:
             raise _refuse(node, key, "format", f"not format {FORMAT}")
         body, op, seq = d.get("text"), d.get("op"), d.get("seq")
@@ -223,8 +236,8 @@ class SharedVerdict:
             raise _refuse(node, key, "text", "not a verdict's text")
         if not isinstance(suspects, list) or not all(_is_int(r, 0, MAX_RANK) for r in suspects):
             raise _refuse(node, key, "suspects", "not a list of ranks")
-        if not isinstance(nodes, list) or not all(isinstance(n, str) and 0 < len(n) <= MAX_NAME for n in nodes):
-            raise _refuse(node, key, "suspect_nodes", "not a list of node names")
+        if not isinstance(nodes, list) or not all(_is_node_name(n) for n in nodes):
+            raise _refuse(node, key, "suspect_nodes", "not a list of node names (1-255 of A-Z a-z 0-9 . _ -)")
         if seq is not None and not _is_int(seq, 0, 1 << 62):
             raise _refuse(node, key, "seq", "not a sequence number")
         if not isinstance(op, str) or len(op) > MAX_NAME:

@@ -43,7 +43,7 @@ def test_two_nodes_records_meet_and_name_the_rank_and_its_node() -> None:
     assert records[1].dumps == recorded(range(2, 4)) and records[1].node_name == "host1"
     dumps = {r: d for rec in records for r, d in rec.dumps.items()}
     node_of = {r: rec.node_name for rec in records for r in rec.dumps}
-    verdict = Analysis(aligned(dumps), {}, node_of).finish()  # node 0's analysis (there in a child)
+    verdict = Analysis(aligned(dumps), {}, node_of, in_process=True).finish()  # node 0's analysis (there in a child)
     assert verdict.suspects == [2] and verdict.seq == 4 and verdict.op == "all_reduce", verdict.text
     assert verdict.text.endswith("suspect rank 2 on node host1"), verdict.text
 
@@ -89,6 +89,10 @@ def _record(**change: object) -> str:
     (_record(dumps=_packed({"2": {"rank": 5}})), "dumps.2: not this rank's dump"),
     (_record(dumps=_packed({"two": {}})), "'two' is not a rank"),
     (_record(errors={"2": 7}), "errors.2: not a short text"),
+    ("[" * 100_000, "not JSON"),  # nested too deep: RecursionError, refused like any other non-JSON
+    (_record(dumps=base64.b64encode(zlib.compress(b"[" * 100_000)).decode()), "dumps: does not unpack"),
+    (_record(node_name="host1\x1b[2J"), "node_name: not a node name"),
+    (_record(node_name="a/b"), "node_name: not a node name"),
 ])
 def test_a_bad_record_is_refused_naming_node_and_key(text: str, problem: str) -> None:
     with pytest.raises(RecordError) as e:
@@ -107,11 +111,32 @@ def test_a_bad_entry_and_a_record_that_inflates_too_far_are_refused() -> None:
         NodeDumps.from_json(_record(dumps=bomb), 1, KEY)
 
 
+@pytest.mark.parametrize("cfg, problem", [
+    ({"name": "0", "desc": "default_pg", "ranks": repr("__import__('os').system('true')")}, "not a list of ranks"),
+    ({"name": "0", "desc": "default_pg", "ranks": "[0, 1 + 1]"}, "not a JSON list"),
+    ({"name": "0", "desc": "default_pg", "ranks": "[0, 2097152]"}, "not a list of ranks in [0, 1048576]"),
+    ({"name": "0", "desc": "x" * 300, "ranks": "[0]"}, "desc is not a short printable text"),
+    ({"name": "0\n", "desc": "", "ranks": "[0]"}, "name is not a short printable text"),
+])
+def test_a_process_group_config_torch_would_eval_is_refused(cfg: dict, problem: str) -> None:
+    """torch's analyser literal_evals ``ranks`` and then evals a string result: another node's record carries
+    only ranks that parse as a JSON list of ranks, written back by rlsup itself."""
+    dump = recorded(range(2, 3))[2]
+    bad = {**dump, "pg_config": {**dump["pg_config"], "0": cfg}}
+    with pytest.raises(RecordError, match=r"dumps\.2\.pg_config\.0: not a process group's config") as e:
+        NodeDumps.from_json(_record(dumps=_packed({"2": bad})), 1, KEY)
+    assert problem in str(e.value), str(e.value)
+    odd = {**dump, "pg_config": {**dump["pg_config"], "0": {**dump["pg_config"]["0"], "ranks": "[3,2, 3]"}}}
+    back = NodeDumps.from_json(_record(dumps=_packed({"2": odd})), 1, KEY)
+    assert back.dumps[2]["pg_config"]["0"]["ranks"] == "[2, 3]"  # rlsup's own text goes on, not the rank's
+
+
 def test_shared_verdict_round_trip_and_refusals() -> None:
     v = SharedVerdict("flight recorder: ... suspect rank 2 on node host1", [2], ["host1"], 4, "all_reduce")
     assert SharedVerdict.from_json(v.to_json(), "k") == v
     for change, field in [({"suspects": ["2"]}, "suspects"), ({"text": ""}, "text"), ({"seq": -1}, "seq"),
-                          ({"suspect_nodes": [""]}, "suspect_nodes")]:
+                          ({"suspect_nodes": [""]}, "suspect_nodes"), ({"suspect_nodes": ["a b"]}, "suspect_nodes"),
+                          ({"suspect_nodes": ["x" * 256]}, "suspect_nodes")]:
         with pytest.raises(RecordError, match=f"node 0's flight recorder record k: {field}"):
             SharedVerdict.from_json(json.dumps({**json.loads(v.to_json()), **change}), "k")
 

@@ -19,13 +19,25 @@ import json
 import os
 import sys
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from rlsup_format.heartbeat_record import fr_dump_name, fr_request_name
 
 BUFFER_ENV = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
-_started = False
+
+
+@dataclass
+class _Listener:
+    """The one listener of this process: its thread, the FIFO's descriptor, and the flag that ends it."""
+
+    thread: threading.Thread
+    fd: int
+    stop: threading.Event
+
+
+_listener: _Listener | None = None
 
 
 def recording() -> bool:
@@ -42,9 +54,10 @@ def recording() -> bool:
 
 def start_listener(directory: Path, rank: int) -> bool:
     """Make the request FIFO for ``rank`` in ``directory`` and start the thread that answers it (once
-    per process, only where the Flight Recorder records). False where none was started."""
-    global _started
-    if _started or not recording():
+    per process, only where the Flight Recorder records). False where none was started: this is called
+    from the trainer's heartbeat, so nothing raises out of it."""
+    global _listener
+    if _listener is not None or not recording():
         return False
     path = directory / fr_request_name(rank)
     try:
@@ -58,22 +71,51 @@ def start_listener(directory: Path, rank: int) -> bool:
         os.set_blocking(fd, True)
     except OSError:
         return False
-    _started = True
-    threading.Thread(target=_serve, args=(fd, directory / fr_dump_name(rank)), name="rlsup-flight-recorder",
-                     daemon=True).start()
+    stop = threading.Event()
+    thread = threading.Thread(target=_serve, args=(fd, stop, directory / fr_dump_name(rank)),
+                              name="rlsup-flight-recorder", daemon=True)
+    listener = _Listener(thread, fd, stop)
+    try:
+        listener.thread.start()
+    except RuntimeError:  # no thread to be had (the process is at its limit): no listener, the job goes on
+        os.close(fd)
+        return False
+    _listener = listener
     return True
 
 
-def _serve(fd: int, out: Path) -> None:
-    """One dump per request byte, for the life of the process."""
-    while True:
-        try:
-            data = os.read(fd, 64)
-        except OSError:
-            return
-        if not data:
-            return
-        write_dump(out)
+def stop_listener(timeout_s: float = 10.0) -> bool:
+    """End this process's listener (for tests that start one in process): the thread is woken through its own
+    FIFO, closes it and exits. True where none is left running."""
+    global _listener
+    listener, _listener = _listener, None
+    if listener is None:
+        return True
+    listener.stop.set()
+    try:
+        os.write(listener.fd, b"q")
+    except OSError:
+        pass
+    listener.thread.join(timeout_s)
+    return not listener.thread.is_alive()
+
+
+def _serve(fd: int, stop: threading.Event, out: Path) -> None:
+    """One dump per request byte, until :func:`stop_listener` (or the process) ends it."""
+    try:
+        while not stop.is_set():
+            try:
+                data = os.read(fd, 64)
+            except OSError:
+                return
+            if not data or stop.is_set():
+                return
+            try:
+                write_dump(out)
+            except Exception:  # noqa: BLE001 - never a traceback in the job's output; the next request retries
+                continue
+    finally:
+        os.close(fd)
 
 
 def write_dump(out: Path) -> None:
@@ -84,30 +126,63 @@ def write_dump(out: Path) -> None:
     except Exception as e:  # noqa: BLE001 - any failure becomes the answer rlsup reads
         body = json.dumps({"error": f"{type(e).__name__}: {e}"})
     tmp = out.with_name(out.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(body)
-    os.replace(tmp, out)
+    try:
+        with open(tmp, "w") as f:
+            f.write(body)
+        os.replace(tmp, out)
+    except OSError as e:  # the answer rlsup reads says why, written in place (small: one write); else none
+        try:
+            fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+            try:
+                os.write(fd, json.dumps({"error": f"dump not written: {type(e).__name__}: {e}"}).encode())
+            finally:
+                os.close(fd)
+        except OSError:
+            pass
 
 
 def dump() -> dict[str, Any]:
-    """torch's dump of this rank (every entry), with this rank's groups and global rank added: NCCL's
-    ring where it holds entries (a GPU job), else the one gloo records into."""
+    """torch's dump of this rank (every entry), with this rank's groups and global rank added: the ring gloo
+    records into and, on CUDA builds, NCCL's own ring, merged (a job may have groups of both)."""
     dist = sys.modules.get("torch.distributed")
     if dist is None or not dist.is_available() or not dist.is_initialized():
         return {"error": "torch.distributed is not initialised in this process"}
-    from torch._C._distributed_c10d import _dump_fr_trace_json
-
-    data = json.loads(_dump_fr_trace_json())
+    rings = []
+    try:  # a build may lack either ring's dump: each is imported on its own
+        from torch._C._distributed_c10d import _dump_fr_trace_json
+    except ImportError:
+        pass
+    else:
+        rings.append(json.loads(_dump_fr_trace_json()))
     try:  # CUDA builds keep NCCL's collectives in a ring of their own
         from torch._C._distributed_c10d import _dump_nccl_trace_json
     except ImportError:
         pass
     else:
-        nccl = json.loads(_dump_nccl_trace_json())
-        if nccl.get("entries") or not data.get("entries"):
-            data = nccl
+        rings.append(json.loads(_dump_nccl_trace_json()))
+    if not rings:
+        return {"error": "this torch has no Flight Recorder dump"}
+    data = merge(*rings)
     data["rlsup_rank"] = dist.get_rank()
-    data["rlsup_pg_config"] = process_groups()
+    try:
+        data["rlsup_pg_config"] = process_groups()
+    except Exception as e:  # noqa: BLE001 - the entries are still worth having; rlsup says what is missing
+        data["rlsup_pg_config"] = {}
+        data["rlsup_pg_config_error"] = f"{type(e).__name__}: {e}"
+    return data
+
+
+def merge(*rings: dict[str, Any]) -> dict[str, Any]:
+    """One dump from several rings (gloo's and NCCL's): the first ring's fields, every ring's entries in the
+    order they were created (each entry names its own process group), and every ring's groups."""
+    with_entries = [r for r in rings if r.get("entries")]
+    if len(with_entries) <= 1:
+        return dict(with_entries[0] if with_entries else rings[0])
+    data = dict(with_entries[0])
+    entries = [e for r in with_entries for e in r["entries"]]
+    data["entries"] = sorted(entries, key=lambda e: e.get("time_created_ns", 0) if isinstance(e, dict) else 0)
+    data["pg_config"] = {k: v for r in reversed(with_entries) for k, v in dict(r.get("pg_config") or {}).items()}
+    data["pg_status"] = {k: v for r in reversed(with_entries) for k, v in dict(r.get("pg_status") or {}).items()}
     return data
 
 
