@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from supervisor.gpu_failures import KMSG, find_gpu_failure
+from supervisor.gpu_failures import KMSG, Probe, find_gpu_failure, hang_gpu_failure, probe_node
 from supervisor.lifecycle import EndReason
 from supervisor.rank_deaths import RankDeath
 
@@ -139,14 +139,15 @@ def classify_exit(attempt: int, code: int, *, tail: list[str], last_step: int | 
                   first_dead: tuple[int, int] | None, oom_rose: bool,
                   stop_reason: EndReason | None, finished: str | None = None,
                   error_file: str | os.PathLike | None = None, since: float | None = None,
-                  kernel_log: str | os.PathLike | None = KMSG) -> AttemptResult:
+                  kernel_log: str | os.PathLike | None = KMSG, probe: Probe = probe_node) -> AttemptResult:
     """The job root exited with ``code`` (negative: a signal). ``stop_reason``: rlsup had asked it to
     stop (STOPPED or PREEMPTED); ``first_dead``: (rank, pid) of a rank seen gone before the exit;
     ``finished``: the line in which the trainer said its run is done (a progress preset's ``done``);
     ``error_file``: where the launcher may have written torchelastic's structured report, preferred to
     the output for the worker's exit code (the rank and pid, which it does not hold, come from the output)
     and for what it says of the GPU; ``since``: when the attempt started (``time.monotonic()``), for the
-    kernel's GPU errors in ``kernel_log`` (:func:`supervisor.gpu_failures.find_gpu_failure`)."""
+    kernel's GPU errors in ``kernel_log`` (:func:`supervisor.gpu_failures.find_gpu_failure`); ``probe``: NVML's
+    word on this node's GPUs, asked only to confirm a lost GPU."""
     if code == 0 and stop_reason is None:
         return AttemptResult(attempt, EndReason.SUCCESS, 0, last_step=last_step, output_tail=tail)
     if finished is not None and stop_reason is None and code > 0:
@@ -180,11 +181,12 @@ def classify_exit(attempt: int, code: int, *, tail: list[str], last_step: int | 
     worker = f", the worker's exit code {worker_code}" if worker_code is not None and 0 < worker_code != code else ""
     result.detail = f"exit code {code}" + (f", {result.signal}" if result.signal else "") + worker + \
         (f" ({', '.join(who)})" if who else "") + (f": {report.message[:300]}" if report and report.message else "")
-    return with_gpu_failure(result, report.text if report else None, since=since, kernel_log=kernel_log)
+    return with_gpu_failure(result, report.text if report else None, since=since, kernel_log=kernel_log,
+                            probe=probe)
 
 
 def with_gpu_failure(result: AttemptResult, message: str | None, *, since: float | None,
-                     kernel_log: str | os.PathLike | None) -> AttemptResult:
+                     kernel_log: str | os.PathLike | None, probe: Probe = probe_node) -> AttemptResult:
     """``result`` (an ``exit_code`` or ``signal`` ending) with the GPU reason its texts give, the matched
     line appended to the detail. A SIGKILL came from outside (rlsup, the kernel's OOM killer, a person):
     what the ranks printed then is a consequence, so only the kernel's hardware report counts for it."""
@@ -192,7 +194,7 @@ def with_gpu_failure(result: AttemptResult, message: str | None, *, since: float
         return result
     killed = result.signal == "SIGKILL"
     gpu = find_gpu_failure(None if killed else message, [] if killed else result.output_tail, since=since,
-                           kernel_log=kernel_log)
+                           kernel_log=kernel_log, probe=probe)
     if gpu is not None:
         result.reason = gpu.reason
         result.detail = f"{result.detail}; {gpu.describe()}" if result.detail else gpu.describe()
@@ -201,7 +203,7 @@ def with_gpu_failure(result: AttemptResult, message: str | None, *, since: float
 
 def from_rank_death(attempt: int, death: RankDeath, *, tail: list[str], last_step: int | None,
                     oom_rose: bool, since: float | None = None,
-                    kernel_log: str | os.PathLike | None = KMSG) -> AttemptResult:
+                    kernel_log: str | os.PathLike | None = KMSG, probe: Probe = probe_node) -> AttemptResult:
     """A rank died while its launcher still ran: the attempt ends now, classified by the rank's status and
     what the output (and the kernel, from ``since``) says of the GPU; the launcher has written no error
     file yet."""
@@ -211,7 +213,24 @@ def from_rank_death(attempt: int, death: RankDeath, *, tail: list[str], last_ste
     result = AttemptResult(attempt, reason, death.exit_code, signal=death.signal, rank=death.rank, pid=death.pid,
                            detail=f"{death.describe()}; attempt ended without waiting for the launcher",
                            last_step=last_step, output_tail=tail)
-    return with_gpu_failure(result, None, since=since, kernel_log=kernel_log)
+    return with_gpu_failure(result, None, since=since, kernel_log=kernel_log, probe=probe)
+
+
+def with_hang_gpu_failure(result: AttemptResult, *, since: float | None,
+                          kernel_log: str | os.PathLike | None = KMSG, probe: Probe = probe_node) -> AttemptResult:
+    """A hang or startup timeout with a GPU of this job's lost (a hardware Xid in the kernel log since
+    ``since``, :func:`supervisor.gpu_failures.hang_gpu_failure`) is ``gpu_lost``, the hang's detail kept:
+    a GPU fallen off the bus shows as a hung collective. The output is not read (a hang prints nothing
+    trustworthy); a fault not tied to the job is only noted."""
+    if result.reason not in (EndReason.HANG, EndReason.STARTUP_TIMEOUT):
+        return result
+    lost, unproven = hang_gpu_failure(since, kernel_log, probe)
+    if lost is not None:
+        result.reason = EndReason.GPU_LOST
+        result.detail = f"{result.detail}; {lost.describe()}" if result.detail else lost.describe()
+    elif unproven:
+        result.detail = f"{result.detail}; {unproven}" if result.detail else unproven
+    return result
 
 
 def signame(num: int) -> str:

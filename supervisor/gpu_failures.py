@@ -3,10 +3,17 @@ and a GPU lost to hardware (ECC, fallen off the bus, a device gone), from the wo
 error file), the job's output, and the kernel's ``NVRM: Xid`` lines where the kernel log can be read.
 
 Without this every one of them is ``exit_code`` (or ``signal``, for NCCL's abort), and a node whose GPU broke
-is restarted on until ``max_restarts`` is spent. The rules are ONE ordered table (:data:`RULES`): the first rule
-that matches any line wins, so a root cause comes before what it causes elsewhere (a rank's OOM or illegal
-memory access leaves its peers in an NCCL timeout; all of them print into one output). The matched line is
-kept as the incident's detail. :data:`supervisor.lifecycle.EXCLUDES_NODE` says what each reason does.
+is restarted on until ``max_restarts`` is spent. The rules are ONE table (:data:`RULES`), read where the
+failure is: the error file alone when it holds the worker's exception, else the output after its LAST
+``Traceback`` (when there is one), newest line first, so a CUDA OOM a trainer caught and logged before
+another crash is not taken for it; within a line the table's order decides (an illegal memory access the
+NCCL watchdog reports is a CUDA error). The matched line is kept as the incident's detail.
+
+``gpu_lost`` excludes the node (:data:`supervisor.lifecycle.EXCLUDES_NODE`), so text alone never makes it: a
+logged, retried ``CUDA error: unknown error`` is no proof. It needs the node check through NVML
+(:func:`supervisor.gpu_health.check_gpus`) failing, or a hardware Xid in the kernel log since the attempt
+started on a GPU of this job's (its PCI bus id among the job's, :func:`supervisor.gpu_health.job_bus_ids`:
+on a shared node another job's Xid is not ours); without either it is ``cuda_error``, the detail saying why.
 """
 
 from __future__ import annotations
@@ -14,15 +21,17 @@ from __future__ import annotations
 import errno
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 from supervisor.lifecycle import EndReason
 
 KMSG = "/dev/kmsg"  # the kernel's log, one record per read; readable by root (or with dmesg_restrict=0)
 LINE_MAX = 300  # characters of the matched line kept in the detail
 KERNEL_LOG_MAX = 4 << 20  # bytes read from a kernel log at most (the ring buffer is far smaller)
+KMSG_MARGIN_S = 5.0  # kernel stamps this much before the attempt's start still count (kmsg vs monotonic drift)
+TRACEBACK = "Traceback (most recent call last)"
 
 
 @dataclass(frozen=True)
@@ -44,13 +53,14 @@ RULES: tuple[Rule, ...] = (
     _rule(EndReason.GPU_LOST, "uncorrectable ECC error",
           r"uncorrectable ECC error encountered|cudaErrorECCUncorrectable|CUDA_ERROR_ECC_UNCORRECTABLE"),
     _rule(EndReason.GPU_LOST, "GPU has fallen off the bus", r"fallen off the bus"),
-    _rule(EndReason.GPU_LOST, "CUDA devices unavailable",
-          r"cudaErrorDevicesUnavailable|CUDA_ERROR_DEVICES_UNAVAILABLE|CUDA-capable device\(s\) is/are busy or unavailable"),
     _rule(EndReason.GPU_LOST, "CUDA unknown error (device lost)",
           r"CUDA error: unknown error|cudaErrorUnknown\b|CUDA_ERROR_UNKNOWN\b"),
     # The job asked for more than the GPU has.
     _rule(EndReason.CUDA_OOM, "CUDA out of memory",
           r"\bOutOfMemoryError\b.*CUDA|CUDA out of memory|CUDA error: out of memory|cudaErrorMemoryAllocation"),
+    # Exclusive-process GPUs still held by the previous attempt's dying rank say this: not the node's fault.
+    _rule(EndReason.CUDA_ERROR, "CUDA devices busy or unavailable",
+          r"cudaErrorDevicesUnavailable|CUDA_ERROR_DEVICES_UNAVAILABLE|CUDA-capable device\(s\) is/are busy or unavailable"),
     # Any other CUDA error (illegal memory access, device-side assert, launch failure): the job's, usually.
     _rule(EndReason.CUDA_ERROR, "CUDA error",
           r"CUDA error: |\bcudaError[A-Z]\w+|\bCUDA_ERROR_[A-Z_]+|cuda runtime error \(\d+\)"),
@@ -86,9 +96,46 @@ class GpuFailure:
     what: str
     line: str
     source: str  # "error file", "output" or "kernel log"
+    note: str = ""  # why a text's gpu_lost was not taken as one
+    pci: tuple[int, int, int] | None = None  # a kernel line's GPU: (domain, bus, device)
 
     def describe(self) -> str:
-        return f"{self.what} ({self.source}): {self.line}"
+        return f"{self.what} ({self.source}): {self.line}" + (f"; {self.note}" if self.note else "")
+
+
+@dataclass(frozen=True)
+class GpuProbe:
+    """What NVML says of this node when an attempt ended: the PCI addresses of the job's GPUs (None: cannot
+    be known), and the node check's failure when NVML answered and found one (None: healthy, or no NVML)."""
+
+    bus_ids: frozenset[tuple[int, int, int]] | None
+    broken: str | None
+    why: str  # the check's line, or why the GPUs cannot be known
+
+
+_PCI = re.compile(r"(?:PCI:)?(?P<dom>[0-9a-fA-F]{4,8}):(?P<bus>[0-9a-fA-F]{2}):(?P<dev>[0-9a-fA-F]{2})(?:\.\d)?")
+
+
+def pci_address(text: str) -> tuple[int, int, int] | None:
+    """(domain, bus, device) of the first PCI address in ``text``: the kernel's ``PCI:0000:3b:00`` and
+    NVML's ``00000000:3B:00.0`` alike."""
+    m = _PCI.search(text)
+    return (int(m["dom"], 16), int(m["bus"], 16), int(m["dev"], 16)) if m else None
+
+
+def probe_node() -> GpuProbe:
+    """This node's answer through NVML (:mod:`supervisor.gpu_health`): the job's GPUs and the builtin check."""
+    from supervisor.gpu_health import check_gpus, job_bus_ids
+
+    ids, why = job_bus_ids()
+    health = check_gpus()
+    answered = health.gpus is not None  # NVML counted the GPUs: its verdict is one (a CPU node's is not)
+    broken = health.detail if answered and not health.ok else None
+    found = None if ids is None else frozenset(a for a in map(pci_address, ids) if a is not None)
+    return GpuProbe(found, broken, health.detail if ids is not None else f"{why}; node check: {health.detail}")
+
+
+Probe = Callable[[], GpuProbe]
 
 
 def _what(rule: Rule, line: str) -> str:
@@ -101,11 +148,13 @@ def _what(rule: Rule, line: str) -> str:
 
 
 def classify_text(lines: Iterable[str], source: str = "output") -> GpuFailure | None:
-    """The first rule of :data:`RULES` that matches any of ``lines`` (the table's order, not the lines',
-    decides), with the first line it matched; None when no rule does."""
+    """What ``lines`` say ended the job: read from the last ``Traceback`` line on (all of them without one),
+    the newest line any rule of :data:`RULES` matches, named by the first rule (the table's order) that
+    matches it; None when none does."""
     text = [line for line in lines if line and line.strip()]
-    for rule in RULES:
-        for line in text:
+    last = max((i for i, line in enumerate(text) if TRACEBACK in line), default=0)
+    for line in reversed(text[last:]):
+        for rule in RULES:
             if rule.pattern.search(line):
                 return GpuFailure(rule.reason, _what(rule, line), line.strip()[:LINE_MAX], source)
     return None
@@ -146,36 +195,96 @@ def _stamp(line: str) -> tuple[float | None, str]:
     return None, line
 
 
-def kernel_gpu_failure(since: float | None, path: str | os.PathLike = KMSG) -> GpuFailure | None:
-    """A hardware fault the GPU driver logged in the kernel log at ``path`` (``/dev/kmsg`` or a file of
-    ``dmesg`` or ``/dev/kmsg`` lines) at or after ``since`` (seconds since boot, the clock of
-    ``time.monotonic()`` on Linux, which the kernel's stamps share; a line without a stamp is the previous
-    line's, and counts when no line had one): a
-    :data:`HARDWARE_XIDS` Xid, or the driver's "fallen off the bus" without one. None when the log cannot
+def kernel_gpu_failures(since: float | None, path: str | os.PathLike = KMSG) -> list[GpuFailure]:
+    """Hardware faults the GPU driver logged in the kernel log at ``path`` (``/dev/kmsg`` or a file of
+    ``dmesg`` or ``/dev/kmsg`` lines) at or after ``since`` less :data:`KMSG_MARGIN_S` (seconds since boot,
+    the clock of ``time.monotonic()`` on Linux, which the kernel's stamps share; a line without a stamp is
+    the previous line's, and counts when no line had one): each :data:`HARDWARE_XIDS` Xid, and the driver's
+    "fallen off the bus" without one, with the GPU's PCI address (a message's first). [] when the log cannot
     be read (no root, a container) or says nothing of the kind."""
     if not Path(path).exists():
-        return None
+        return []
+    found: list[GpuFailure] = []
     when: float | None = None
+    pci: tuple[int, int, int] | None = None
     for line in _read_nonblocking(path):
         stamp, text = _stamp(line)
-        when = stamp if stamp is not None else when  # a continuation line is its message's
-        if since is not None and when is not None and when < since:
+        if stamp is not None:  # a new message; a continuation line is its message's
+            when, pci = stamp, None
+        if since is not None and when is not None and when < since - KMSG_MARGIN_S:
             continue
+        pci = pci or pci_address(text)
         if (m := _XID.search(text)) is not None and int(m["code"]) in HARDWARE_XIDS:
-            return GpuFailure(EndReason.GPU_LOST, f"Xid {m['code']}", text.strip()[:LINE_MAX], "kernel log")
-        if "NVRM" in text and "fallen off the bus" in text:
-            return GpuFailure(EndReason.GPU_LOST, "GPU has fallen off the bus", text.strip()[:LINE_MAX], "kernel log")
-    return None
+            found.append(GpuFailure(EndReason.GPU_LOST, f"Xid {m['code']}", text.strip()[:LINE_MAX], "kernel log",
+                                    pci=pci_address(m["pci"])))
+        elif "NVRM" in text and "fallen off the bus" in text:
+            found.append(GpuFailure(EndReason.GPU_LOST, "GPU has fallen off the bus", text.strip()[:LINE_MAX],
+                                    "kernel log", pci=pci))
+    return found
+
+
+def kernel_gpu_failure(since: float | None, path: str | os.PathLike = KMSG) -> GpuFailure | None:
+    """The first of :func:`kernel_gpu_failures`, whichever GPU it names."""
+    return next(iter(kernel_gpu_failures(since, path)), None)
+
+
+def ours(faults: list[GpuFailure], probe: GpuProbe) -> tuple[GpuFailure | None, str]:
+    """The kernel fault that proves this job's GPU lost, and otherwise what the faults say (for a detail).
+    A fault on one of the job's GPUs proves it; where the job's GPUs cannot be known, only with the node
+    check failing too; one on another GPU (another job's, on a shared node) is not this job's."""
+    if not faults:
+        return None, ""
+    if probe.bus_ids is not None:
+        mine = [f for f in faults if f.pci in probe.bus_ids]
+        if mine:
+            return mine[0], ""
+        if all(f.pci is not None for f in faults):
+            return None, ""  # another job's GPU
+    unknown = next(f for f in faults if probe.bus_ids is None or f.pci is None)
+    if probe.broken is not None:
+        return replace(unknown, note=f"node check: {probe.broken}"), ""
+    return None, f"{unknown.what} (kernel log) on a GPU not known to be this job's ({probe.why}): " \
+        f"{unknown.line}; not excluding the node on it"
+
+
+def _confirmed(text: GpuFailure, kernel: list[GpuFailure], probe: GpuProbe) -> GpuFailure:
+    """A text's gpu_lost, kept where NVML's node check fails or the kernel logged a hardware fault this
+    attempt (on a GPU of the job's, or one it cannot tell: two witnesses), else ``cuda_error`` saying why."""
+    if probe.broken is not None:
+        return replace(text, note=f"confirmed by the node check: {probe.broken}")
+    if kernel and (probe.bus_ids is None or any(f.pci in probe.bus_ids or f.pci is None for f in kernel)):
+        return replace(text, note=f"confirmed by the kernel log: {kernel[0].line}")
+    return replace(text, reason=EndReason.CUDA_ERROR,
+                   note=f"gpu_lost not confirmed (node check: {probe.why}; no hardware Xid in the kernel log): "
+                        "restarted, the node kept")
 
 
 def find_gpu_failure(message: str | None, tail: list[str], *, since: float | None = None,
-                     kernel_log: str | os.PathLike | None = KMSG) -> GpuFailure | None:
-    """What ended the attempt, GPU-wise: the kernel's word on a hardware fault first (whatever the ranks
-    printed about it), then the worker's exception from torchelastic's error file (``message``), then the
-    output. The kernel log is read only with ``since`` (the attempt's start: an older Xid is another
-    attempt's, or another boot's) and a ``kernel_log``."""
-    if since is not None and kernel_log is not None and (hw := kernel_gpu_failure(since, kernel_log)) is not None:
+                     kernel_log: str | os.PathLike | None = KMSG, probe: Probe = probe_node) -> GpuFailure | None:
+    """What ended the attempt, GPU-wise: the kernel's word on a hardware fault of this job's GPU first
+    (whatever the ranks printed about it), then the worker's exception from torchelastic's error file
+    (``message``) alone when there is one, else the output. A text's ``gpu_lost`` stands only when
+    confirmed (:func:`_confirmed`). The kernel log is read only with ``since`` (the attempt's start: an older
+    Xid is another attempt's, or another boot's) and a ``kernel_log``; ``probe`` (NVML) is asked only when
+    a text or the kernel names a lost GPU."""
+    kernel = kernel_gpu_failures(since, kernel_log) if since is not None and kernel_log is not None else []
+    node = probe() if kernel else None
+    hw, unproven = ours(kernel, node) if node is not None else (None, "")
+    if hw is not None:
         return hw
-    if message and (found := classify_text(message.splitlines(), "error file")) is not None:
-        return found
-    return classify_text(tail)
+    found = classify_text(message.splitlines(), "error file") if message and message.strip() else classify_text(tail)
+    if found is not None and found.reason == EndReason.GPU_LOST:
+        found = _confirmed(found, kernel, node or probe())
+    if unproven and (found is None or found.reason != EndReason.GPU_LOST):
+        return replace(found, note="; ".join(filter(None, [found.note, unproven]))) if found is not None else \
+            GpuFailure(EndReason.CUDA_ERROR, "GPU fault in the kernel log, unconfirmed", unproven, "kernel log")
+    return found
+
+
+def hang_gpu_failure(since: float | None, kernel_log: str | os.PathLike | None = KMSG,
+                     probe: Probe = probe_node) -> tuple[GpuFailure | None, str]:
+    """For a hang (a GPU fallen off the bus leaves a collective hung): the kernel log's proof of this job's
+    GPU lost, and otherwise a note on a fault it could not tie to the job; the output is not read."""
+    if since is None or kernel_log is None or not (kernel := kernel_gpu_failures(since, kernel_log)):
+        return None, ""
+    return ours(kernel, probe())

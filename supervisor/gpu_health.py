@@ -227,3 +227,39 @@ class PynvmlReader:
     def remapped_rows(self, handle: Any) -> tuple[bool, bool]:
         _corr, _unc, pending, failure = self._call(self.nvml.nvmlDeviceGetRemappedRows, handle)
         return bool(pending), bool(failure)
+
+    def pci_bus_id(self, handle: Any) -> str:
+        """``00000000:3B:00.0`` (NVML's ``busId``)."""
+        bus = self._call(self.nvml.nvmlDeviceGetPciInfo, handle).busId
+        return bus.decode() if isinstance(bus, bytes) else str(bus)
+
+    def uuid(self, handle: Any) -> str:
+        found = self._call(self.nvml.nvmlDeviceGetUUID, handle)
+        return found.decode() if isinstance(found, bytes) else str(found)
+
+
+def job_bus_ids(environ: Mapping[str, str] | None = None,
+                reader: Callable[[], Any] | None = None) -> tuple[list[str] | None, str]:
+    """The PCI bus ids (NVML's ``busId``) of the GPUs this node's job uses: those ``CUDA_VISIBLE_DEVICES``
+    names (indices are NVML's, the PCI order, which CUDA's own matches on a node of one GPU model; ``GPU-``
+    UUIDs or their prefixes), all NVML sees when it is unset. (None, why) when NVML cannot say (no
+    bindings, no driver, a MIG or other name), so that a caller never takes another job's GPU for its own.
+    ``reader`` opens a reader with ``count``, ``handle``, ``pci_bus_id`` and ``uuid`` (default: pynvml's)."""
+    environ = os.environ if environ is None else environ
+    visible = [e.strip() for e in (environ.get("CUDA_VISIBLE_DEVICES") or "").split(",") if e.strip()]
+    if visible and not all(e.isdigit() or e.startswith("GPU-") for e in visible):
+        return None, f"CUDA_VISIBLE_DEVICES={environ['CUDA_VISIBLE_DEVICES']} names no GPU index or UUID"
+    try:
+        nvml = (reader or PynvmlReader.open)()
+    except (ImportError, NvmlError) as e:
+        return None, f"NVML unavailable ({type(e).__name__}: {e})"
+    try:
+        gpus = [(str(i), nvml.uuid(h), nvml.pci_bus_id(h)) for i in range(nvml.count()) for h in [nvml.handle(i)]]
+    except NvmlError as e:
+        return None, f"NVML cannot list the GPUs ({e.name}: {e})"
+    finally:
+        nvml.close()
+    if not visible:
+        return [bus for _i, _u, bus in gpus], f"all {len(gpus)} GPU(s) NVML sees"
+    chosen = [bus for index, uuid, bus in gpus if any(e == index or uuid.startswith(e) for e in visible)]
+    return chosen, f"CUDA_VISIBLE_DEVICES={environ['CUDA_VISIBLE_DEVICES']}"

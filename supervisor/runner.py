@@ -19,11 +19,12 @@ from pathlib import Path
 from typing import Sequence
 
 from supervisor import exit_codes, log as rlsup_log
-from supervisor.attempt_end import ERROR_FILE_ENV, AttemptResult, error_file_for
+from supervisor.attempt_end import ERROR_FILE_ENV, AttemptResult, error_file_for, with_hang_gpu_failure
 from supervisor.attempt_progress import step_reached
 from supervisor.attempt_watch import AttemptWatch
 from supervisor.checkpoint_sight import CheckpointSight
 from supervisor.config import SupervisorConfig
+from supervisor.gpu_failures import KMSG, probe_node
 from supervisor.hang_detector import AutoTimeout, HangSettings
 from supervisor.health import node_name
 from supervisor.incidents import Incident, JobState
@@ -78,6 +79,8 @@ class Supervisor:
         self.watcher = AttemptWatch(self.settings, hang, AutoTimeout.from_settings(hang), self.processes, self.stop,
                                     self.record, self.sight, self.observer, self.node_name, self.peer_ended,
                                     self.refresh_checkpoint_metric)
+        self.kernel_log: str | os.PathLike | None = KMSG  # a hang's lost GPU (with_hang_gpu_failure); tests: a file
+        self.gpu_probe = probe_node  # NVML on this node's GPUs, to tie a hang's Xid to the job (tests: a stand-in)
 
     @property
     def state(self) -> JobState:
@@ -160,11 +163,13 @@ class Supervisor:
     def _launch_and_watch(self, attempt: int, resume: ResumePoint | None,
                           pending: tuple[Incident, float] | None) -> AttemptResult:
         self.record.update_state(attempt=attempt, resume=resume)
+        started = time.monotonic()  # the kernel's GPU faults from here on are this attempt's
         job, hb_dir = self.launch(attempt, resume)
         if pending is not None:
             self.record_incident(pending[0], downtime=time.monotonic() - pending[1], resume=resume)
         self.record.set_state(JobStatus.RUNNING, job_pid=job.pid)
-        result = self.watch(job, hb_dir, attempt)
+        result = with_hang_gpu_failure(self.watch(job, hb_dir, attempt), since=started, kernel_log=self.kernel_log,
+                                       probe=self.gpu_probe)
         self.cleanup(job, result)
         return result
 

@@ -1,7 +1,7 @@
 """GPU-era failures under the real ``rlsup run``, on CPU: jobs that print what real GPU ranks printed
 (tests/data/gpu_errors/, recorded on an H200 or from public issues) and exit 1 as those ranks did. A CUDA OOM
-is recorded as ``cuda_oom`` and restarted; a lost GPU (uncorrectable ECC) stops rlsup with 77 and names the
-node in ``unhealthy_nodes``, its checkpoints kept; under torchrun the structured error file is read."""
+is recorded as ``cuda_oom`` and restarted; a printed lost GPU (uncorrectable ECC) that NVML's node check cannot
+confirm is ``cuda_error`` and restarted on the node; under torchrun the structured error file is read."""
 
 from __future__ import annotations
 
@@ -26,20 +26,21 @@ def test_printed_cuda_oom_is_cuda_oom_and_restarts(tmp_path: Path) -> None:
         in inc["detail"], inc
 
 
-def test_lost_gpu_exits_77_and_names_the_node(tmp_path: Path) -> None:
+def test_printed_lost_gpu_unconfirmed_restarts_on_the_node(tmp_path: Path) -> None:
+    """A printed uncorrectable ECC error alone does not exclude the node: rlsup's node check (NVML) finds
+    nothing wrong here (no GPU, or a healthy one) and no Xid was logged, so it is cuda_error, restarted on
+    this node, the detail saying why (exit 77 on a confirmed loss: tests/test_gpu_failures.py)."""
     r = run_rlsup(["run", *FAST, "--", PY, JOB, str(DATA / "cuda_ecc_uncorrectable.out"), "print"], tmp_path,
                   SLURMD_NODENAME="gpu-node-7")
-    assert r.returncode == 77, r.stdout + r.stderr
+    assert r.returncode == 0, r.stdout + r.stderr
     state_dir = tmp_path / ".rlsup"
-    assert (state_dir / "unhealthy_nodes").read_text() == "gpu-node-7\n"
+    assert not (state_dir / "unhealthy_nodes").exists() or (state_dir / "unhealthy_nodes").read_text() == ""
     (inc,) = incidents(state_dir)
-    assert (inc["reason"], inc["action"], inc["suspect_nodes"]) == ("gpu_lost", "exclude_node", ["gpu-node-7"]), inc
-    assert "uncorrectable ECC error (output): RuntimeError: CUDA error: uncorrectable ECC error encountered" \
-        in inc["detail"], inc
-    state = read_state(state_dir)
-    assert (state["state"], state["exit_code"], state["attempt"]) == ("gave_up", 77, 0), state
-    assert (tmp_path / "ckpt" / "marker").read_text() == "written before the failure\n"  # nothing else lost
-    assert "not restarting on this node" in r.stderr
+    assert (inc["reason"], inc["action"]) == ("cuda_error", "restart"), inc
+    assert "uncorrectable ECC error (output): RuntimeError: CUDA error: uncorrectable ECC error encountered; " \
+        "gpu_lost not confirmed (node check: " in inc["detail"], inc
+    assert read_state(state_dir)["state"] == "succeeded"
+    assert (tmp_path / "ckpt" / "marker").read_text() == "written before the failure\n"
 
 
 def test_torchrun_error_file_oom(tmp_path: Path) -> None:
