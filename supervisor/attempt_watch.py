@@ -142,12 +142,26 @@ class AttemptWatch:
         detail = f"{who} silent for {verdict.silent_s:.2f}s > {verdict.reason} {verdict.timeout_s:.2f}s"
         log.info(f"attempt {attempt}: hang detected: {detail}; dumping stacks")
         flight = self._flight_recorder(detector)  # first: py-spy pauses ranks; its analysis runs meanwhile
-        if self.fr_share is not None:  # other nodes' ranks dump now, before this node's kill breaks their wait
-            self.fr_share.hang(attempt, flight, f"{reason} {detail}")
+        if self.fr_share is not None:  # ask the other nodes for their dumps (they dump when the attempt ends)
+            self.fr_share.hang(attempt, flight)
         stacks = self.processes.dump_stacks(detector.directory, detector.records)
-        result = AttemptResult(attempt, reason, None, rank=verdict.rank, pid=verdict.pid, detail=detail, stacks=stacks,
-                               last_step=detector.last_step(), output_tail=job.output.tail())
-        fr = self._finish_flight(attempt, flight, detector.directory.parent) if flight is not None else None
+        if self.fr_share is not None:  # after our stacks: the peers' kills break our ranks' wait
+            self.fr_share.end(attempt, f"{reason} {detail}")
+            self.fr_share.await_peers(attempt)  # our ranks hold the peers' in the collective until they dumped
+        # Killed before the analysis is awaited: a stop (preemption) asked meanwhile finds no job to wait for.
+        # The analyser is rlsup's child, not the job's: the tree kill must spare it.
+        analyser = flight.child.pid if flight is not None and flight.child is not None else None
+        JobProcess.helpers.update([analyser] if analyser else [])
+        try:
+            killed = job.terminate_tree(0.0)
+            if killed:
+                log.info(f"attempt {attempt}: killed the hung job: {killed}")
+            result = AttemptResult(attempt, reason, None, rank=verdict.rank, pid=verdict.pid, detail=detail,
+                                   stacks=stacks, last_step=detector.last_step(), output_tail=job.output.tail())
+            fr = self._finish_flight(attempt, flight, detector.directory.parent) if flight is not None else None
+        finally:
+            if analyser:
+                JobProcess.helpers.discard(analyser)
         if fr is not None:
             result.fr_verdict = fr.text
         self._with_verdict(attempt, result)
@@ -169,11 +183,13 @@ class AttemptWatch:
             return None
 
     def _finish_flight(self, attempt: int, flight: "Analysis", attempt_dir: Path) -> "FlightVerdict | None":
-        """FR's verdict, logged first: it leads the stacks' grouping."""
-        from supervisor.flight_recorder import finish_hang_verdict
+        """FR's verdict, logged first: it leads the stacks' grouping (awaited at most HANG_ANALYSE_S, and not
+        once rlsup is asked to stop)."""
+        from supervisor.fr_exchange import HANG_ANALYSE_S, finish_analysis, save_verdict
 
         try:
-            fr = finish_hang_verdict(flight, attempt_dir)
+            fr = finish_analysis(flight, HANG_ANALYSE_S, lambda: self.stop.asked)
+            save_verdict(fr, attempt_dir)
         except Exception as e:  # noqa: BLE001 - as above
             log.warning(f"flight recorder: no verdict: {type(e).__name__}: {e}")
             return None

@@ -6,15 +6,22 @@ from its own node. So in a job of several nodes (keys under the job's signed nam
 
 1. the node that sees the hang asks for every node's dumps (``fr/<a>/want``), publishes its own ranks'
    (``fr/<a>/<node>``, :class:`~supervisor.fr_records.NodeDumps`: newest entries only, compressed,
-   bounded) and ends attempt ``a`` at once, before its stacks and its kill: the other nodes must dump
-   their ranks while they still wait in the collective, not after the dead peer broke it;
+   bounded), takes its ranks' stacks and only then ends attempt ``a`` (:meth:`FrExchange.end`), and
+   kills its job once every node's record is there (:meth:`FrExchange.await_peers`): the other nodes
+   must dump their ranks while they still wait in the collective, not after the dead peer broke it,
+   and this node's py-spy must not race the peers' kills;
 2. a node told the attempt ended (:meth:`FrExchange.peer_ended`) finds ``want`` and publishes its ranks'
    dumps before its job is killed; a node whose job ended otherwise publishes an empty record, so
    nobody waits for it;
 3. node 0 waits for every node's record (at most :data:`GATHER_S`), runs torch's analyser over all of
    them (:mod:`supervisor.flight_recorder`, in a child, at most :data:`ANALYSE_S`) and publishes the
    verdict (``fr/<a>/verdict``); every other node waits for it (the two bounds and a margin) and puts
-   it in its incident, so every node's incident names the suspect rank and its node.
+   it in its incident, so every node's incident names the suspect rank and its node;
+4. node 0 deletes the records once the verdict is out (they are up to 1 MB a node: node 0's memory, etcd's
+   quota), and the small rest of an earlier attempt's exchange (``want``, ``verdict``, a late record)
+   when the next exchange starts: by then every node has left the earlier one.
+
+Every wait also ends as soon as rlsup is asked to stop (``stopped``): a preemption's grace is short.
 
 A record that is refused (oversized, malformed: named with its node and key in the log and the verdict),
 a node that never answers, or a store that is gone leaves a verdict over what came, or this node's own
@@ -24,9 +31,10 @@ a node that never answers, or a store that is gone leaves a verdict over what ca
 from __future__ import annotations
 
 import logging
+import subprocess
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 from supervisor.control_records import RecordError
 from supervisor.coordinator import ABORT_MAX_AGE_S
@@ -43,6 +51,8 @@ log = logging.getLogger(__name__)
 GATHER_S = 15.0  # node 0's wait for every node's record
 ANALYSE_S = 60.0  # torch's analyser in its child (importing torch is most of it)
 MARGIN_S = 10.0  # the other nodes wait for the verdict this much longer than node 0 may take
+HANG_ANALYSE_S = 30.0  # the hang node's own analysis, awaited after its kill
+STOPPING = "rlsup asked to stop"
 POLL_S = 0.05
 STALE_POLL_S = 0.5  # re-reading a stale record (rare) moves it: slower
 
@@ -51,10 +61,12 @@ class FrExchange:
     """This node's part in the exchange (see the module docstring); no method raises."""
 
     def __init__(self, coordinator: "RoundCoordinator", node: int, nodes: int, node_name: str, observer: Observer,
-                 gather_s: float = GATHER_S, analyse_s: float = ANALYSE_S) -> None:
+                 gather_s: float = GATHER_S, analyse_s: float = ANALYSE_S,
+                 stopped: Callable[[], bool] = lambda: False) -> None:
         self.coordinator, self.node_name, self.observer = coordinator, node_name, observer
         self.node, self.nodes = node, nodes
         self.gather_s, self.analyse_s = gather_s, analyse_s
+        self.stopped = stopped  # rlsup's stop request: every wait here gives up at once
         self._wanted: set[int] = set()
         self._published: set[int] = set()
 
@@ -64,18 +76,48 @@ class FrExchange:
 
     # ------------------------------------------------------------ while the ranks still wait
 
-    def hang(self, attempt: int, flight: Analysis | None, why: str) -> None:
-        """This node saw the hang and took its ranks' dumps (``flight``): ask for everyone's, publish
-        ours, and end the attempt now (``why``), so the other nodes dump theirs before any kill."""
+    def hang(self, attempt: int, flight: Analysis | None) -> None:
+        """This node saw the hang and took its ranks' dumps (``flight``): ask for everyone's and publish
+        ours; :meth:`end` follows this node's stacks (the other nodes dump theirs when told)."""
         if flight is None:
             return
         try:
+            self._forget_earlier(attempt)
             self.keys.create(f"fr/{attempt}/want", str(self.node))
             self._wanted.add(attempt)
             self._publish(attempt, flight.good, flight.errors)
-            self.coordinator.end(attempt, f"node {self.node}: {why}".strip())
         except Exception as e:  # noqa: BLE001 - the hang is handled without a shared verdict
             log.warning(f"flight recorder: dumps not shared: {type(e).__name__}: {e}")
+
+    def end(self, attempt: int, why: str) -> None:
+        """End the attempt for every node (``why``) after this node's stacks and before its kill: the other
+        nodes then find ``want`` and dump their ranks while those still wait."""
+        try:
+            self.coordinator.end(attempt, f"node {self.node}: {why}".strip())
+        except Exception as e:  # noqa: BLE001 - attempt_failed ends it again and says why
+            log.warning(f"could not tell the other nodes that attempt {attempt} hung: {type(e).__name__}: {e}")
+
+    def await_peers(self, attempt: int) -> None:
+        """Where dumps were asked for: until every node's record is there (at most ``gather_s``, not once rlsup is
+        asked to stop), so that this node's kill does not break the peers' ranks out of the collective first."""
+        if attempt not in self._wanted:
+            return
+        names = [f"fr/{attempt}/{n}" for n in range(self.nodes)]
+        deadline = time.monotonic() + self.gather_s
+        try:
+            while self.keys.poll(names, None)[0] is None and time.monotonic() < deadline and not self.stopped():
+                time.sleep(POLL_S)
+        except Exception as e:  # noqa: BLE001 - the kill goes ahead; settle says what came
+            log.info(f"flight recorder: not waiting for the other nodes' dumps: {e}")
+
+    def _forget_earlier(self, attempt: int) -> None:
+        """Node 0: the keys of earlier exchanges (small, but a store may outlive many hangs)."""
+        if self.node != 0:
+            return
+        for old in sorted(a for a in self._wanted if a != attempt):
+            names = ["want", "verdict", *map(str, range(self.nodes))]
+            self.coordinator.store.delete([self.keys.key(f"fr/{old}/{n}") for n in names])
+            self._wanted.discard(old)
 
     def peer_ended(self, attempt: int, hb_dir: Path, ranks: Iterable[int]) -> None:
         """Another node ended the attempt: where it asked for dumps, take and publish ours (the job
@@ -113,6 +155,8 @@ class FrExchange:
         except Exception:  # noqa: BLE001 - no store, no exchange: the join that follows says why, once
             return
         try:
+            self._forget_earlier(attempt)
+            self._wanted.add(attempt)
             if attempt not in self._published:
                 self._publish(attempt, {}, {})  # this node's job ended before it could dump: nobody waits for it
             verdict = self._judge(attempt, attempt_dir) if self.node == 0 else self._await_verdict(attempt)
@@ -121,6 +165,8 @@ class FrExchange:
             return
         if verdict is not None:
             self._apply(attempt, verdict, result, attempt_dir)
+        elif self.stopped():
+            result.fr_verdict = f"{result.fr_verdict or 'flight recorder'} (no verdict across nodes: {STOPPING})"
 
     def _judge(self, attempt: int, attempt_dir: Path | None) -> SharedVerdict:
         """Node 0: every node's record (what came within the bound), analysed; the verdict published."""
@@ -138,32 +184,37 @@ class FrExchange:
                 run.child = start_child(run.good)
             except OSError as e:
                 log.info(f"flight recorder: analyser not started: {e}")
-        fr = run.finish(self.analyse_s)
+        fr = finish_analysis(run, self.analyse_s, self.stopped)
         if problems:
             fr.text += f" ({'; '.join(problems)})"
-        _save(fr, attempt_dir)
+        save_verdict(fr, attempt_dir)
         verdict = SharedVerdict(fr.text, fr.suspects, sorted({node_of[r] for r in fr.suspects if r in node_of}),
                                 fr.seq, fr.op)
         self.keys.set(f"fr/{attempt}/verdict", verdict.to_json())
+        try:  # read for good: only node 0 reads the records
+            self.coordinator.store.delete([self.keys.key(f"fr/{attempt}/{n}") for n in range(self.nodes)])
+        except Exception as e:  # noqa: BLE001 - the next exchange deletes them again
+            log.info(f"flight recorder: records not deleted: {e}")
         return verdict
 
     def _gather(self, attempt: int) -> tuple[list[NodeDumps], list[str]]:
         names = [f"fr/{attempt}/{n}" for n in range(self.nodes)]
         deadline = time.monotonic() + self.gather_s
-        while self.keys.poll(names, None)[0] is None and time.monotonic() < deadline:
+        while self.keys.poll(names, None)[0] is None and time.monotonic() < deadline and not self.stopped():
             time.sleep(POLL_S)  # one look whether every key exists: no record moves meanwhile
         got: dict[str, Signed] = {}
         while True:  # a record an earlier run left under the same attempt number is not this hang's
             pending = [n for n in names if n not in got]
             got.update((n, v) for n, v in zip(pending, self.keys.get_many(pending)) if self._fresh(v))
-            if len(got) == len(names) or time.monotonic() >= deadline:
+            if len(got) == len(names) or time.monotonic() >= deadline or self.stopped():
                 break
             time.sleep(STALE_POLL_S)
         records, problems = [], []
+        waited = f"({STOPPING})" if self.stopped() else f"within {self.gather_s:.0f}s"
         for node, name in enumerate(names):
             value = got.get(name)
             if value is None:
-                problems.append(f"node {node} shared no dumps within {self.gather_s:.0f}s")
+                problems.append(f"node {node} shared no dumps {waited}")
                 continue
             try:
                 records.append(NodeDumps.from_json(value.payload, node, self.keys.key(name)))
@@ -178,11 +229,12 @@ class FrExchange:
         wait_s = self.gather_s + self.analyse_s + MARGIN_S
         deadline = time.monotonic() + wait_s
         value = self.keys.get(name)
-        while not self._fresh(value) and time.monotonic() < deadline:
+        while not self._fresh(value) and time.monotonic() < deadline and not self.stopped():
             time.sleep(POLL_S)
             value = self.keys.get(name)
         if value is None or not self._fresh(value):
-            log.warning(f"flight recorder: no verdict from node 0 within {wait_s:.0f}s")
+            why = STOPPING if self.stopped() else f"within {wait_s:.0f}s"
+            log.warning(f"flight recorder: no verdict from node 0 ({why})")
             return None
         if value.node != 0:
             log.warning(f"flight recorder: refused {self.keys.key(name)}: written by node {value.node}, not node 0")
@@ -196,7 +248,7 @@ class FrExchange:
     def _apply(self, attempt: int, verdict: SharedVerdict, result: "AttemptResult", attempt_dir: Path | None) -> None:
         log.info(f"attempt {attempt}: {verdict.text}")
         if self.node != 0:
-            _save(FlightVerdict(verdict.text), attempt_dir)
+            save_verdict(FlightVerdict(verdict.text), attempt_dir)
         result.fr_verdict = verdict.text
         self.observer.flight_recorder(verdict.suspects)
         if verdict.suspects:  # FR's suspects over the stacks', as on one node
@@ -206,8 +258,28 @@ class FrExchange:
                 self.observer.suspect(node, "flight_recorder")
 
 
-def _save(fr: FlightVerdict, attempt_dir: Path | None) -> None:
-    """The verdict across nodes replaces this node's own beside the attempt (``flight_recorder.txt``)."""
+def finish_analysis(run: Analysis, cap_s: float, stopped: Callable[[], bool]) -> FlightVerdict:
+    """:meth:`Analysis.finish`, its child awaited at most ``cap_s`` and no longer once rlsup is asked to stop
+    (then killed: the verdict falls back to rlsup's own reading of the dumps and says why)."""
+    child, cut = run.child, None
+    deadline = time.monotonic() + cap_s
+    while child is not None:
+        try:  # communicate, not poll: the child's pipes are drained meanwhile (a full one would block it)
+            child.communicate(timeout=POLL_S)
+            break  # its output is kept: finish's own communicate returns it
+        except subprocess.TimeoutExpired:
+            if stopped() or time.monotonic() >= deadline:
+                cut = STOPPING if stopped() else f"analyser past {cap_s:.0f}s"
+                child.kill()
+                break
+    fr = run.finish(cap_s)  # the child has exited (or was killed): no wait left in it
+    if cut is not None:
+        fr.text += f" (torch's analyser cut short: {cut})"
+    return fr
+
+
+def save_verdict(fr: FlightVerdict, attempt_dir: Path | None) -> None:
+    """A verdict beside the attempt (``flight_recorder.txt``); the one across nodes replaces this node's own."""
     if attempt_dir is None:
         return
     try:

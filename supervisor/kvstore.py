@@ -52,6 +52,10 @@ class KVStore(Protocol):
     def add(self, key: str, amount: int) -> int:
         """Atomically add ``amount`` to the integer counter ``key`` (0 when absent); the new value."""
 
+    def delete(self, keys: Sequence[str]) -> None:
+        """Remove ``keys`` (absent ones are no error): big records read for good (a hang's FR dumps) must not
+        hold node 0's memory or etcd's quota. Never a key another node may still be waiting for."""
+
     def delete_prefix(self, prefix: str) -> None:
         """Remove every key under ``prefix`` (a finished job's keys in a store that outlives it)."""
 
@@ -103,7 +107,8 @@ class TCPKVStore:
         keys = list(keys)
         if not keys:
             return [], None
-        if self._call("check", self._store.check, keys):  # keys are never deleted here: all still there
+        # Between check and multi_get a key could go only through delete(), which spares keys still waited for.
+        if self._call("check", self._store.check, keys):
             return list(self._call("multi_get", self._store.multi_get, keys)), None
         return None, self.get(other) if other is not None else None
 
@@ -113,6 +118,10 @@ class TCPKVStore:
 
     def add(self, key: str, amount: int) -> int:
         return int(self._call("add", self._store.add, key, amount))
+
+    def delete(self, keys: Sequence[str]) -> None:
+        for key in keys:
+            self._call("delete_key", self._store.delete_key, key)
 
     def delete_prefix(self, prefix: str) -> None:
         """Nothing to do: the embedded store lives and dies with node 0's supervisor."""

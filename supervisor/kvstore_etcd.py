@@ -285,6 +285,10 @@ class EtcdKVStore:
                 pass  # the add itself is done; raising would invite the caller to add again
             return total
 
+    def delete(self, keys: Sequence[str]) -> None:
+        for key in keys:
+            self._post("delete", "kv/deleterange", {"key": _b64(key.encode())})
+
     def delete_prefix(self, prefix: str) -> None:
         """Delete every key starting with ``prefix``; an empty prefix is refused (the cluster may be shared)."""
         if not prefix:

@@ -123,7 +123,7 @@ class MultiNodeSupervisor(Supervisor):
         self._store_lost = False
         # A hang's Flight Recorder dumps meet on node 0, which judges them all (supervisor.fr_exchange).
         self.fr_exchange = FrExchange(coordinator, membership.node_rank, membership.size, self.node_name,
-                                      self.observer)
+                                      self.observer, stopped=lambda: self.stop.asked)
         self.watcher.fr_share = self.fr_exchange
         # Node 0, the planner: persistent parts that failed verification, never offered again.
         self._bad_persistent: set[tuple[int, int]] = set()

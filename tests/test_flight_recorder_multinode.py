@@ -76,6 +76,12 @@ def test_every_node_names_the_rank_that_skipped_and_its_node(tmp_path: Path, ski
     reasons = {node: incidents(cluster.node_dir(node) / ".rlsup")[0]["reason"] for node in range(NODES)}
     assert reasons == {sees: "hang", told: "peer_failure"}, reasons
     assert "ended by another node (node" in cluster.log(told), cluster.logs()
+    # The node that saw the hang read its ranks' stacks before the attempt ended for the other node (whose kill
+    # would break them out of the collective): each is a real stack, in the all-reduce it waits in.
+    stacks = incidents(cluster.node_dir(sees) / ".rlsup")[0]["stacks"]
+    for rank in range(sees * PER_NODE, (sees + 1) * PER_NODE):
+        (text,) = [t for k, t in stacks.items() if k.startswith(f"rank {rank} pid ")]
+        assert "all_reduce" in text, (rank, stacks, cluster.logs())
 
 
 def test_full_rings_through_etcd_are_cut_to_fit_and_still_name_the_rank(tmp_path: Path,

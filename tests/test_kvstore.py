@@ -160,6 +160,21 @@ def test_tcp_unavailable_after_host_closed() -> None:
     client.close()
 
 
+def test_etcd_delete_keys(etcd_cluster_clean: EtcdCluster) -> None:  # noqa: F811
+    """etcd's delete (the embedded store's: tests/test_fr_exchange_waits.py, through the FR exchange; one more
+    TCPStore server in this module's process made the next one's connects time out now and then)."""
+    _need_etcd3gw()
+    a = _etcd_store(etcd_cluster_clean)
+    for k in ("fr/1/0", "fr/1/1", "fr/1/verdict"):
+        a.set(k, b"v" * 1000)
+    a.delete(["fr/1/0", "fr/1/1", "fr/1/absent"])  # an absent key is no error
+    assert a.get_many(["fr/1/0", "fr/1/1", "fr/1/verdict"]) == [None, None, b"v" * 1000]
+    assert a.poll(["fr/1/0"], "fr/1/verdict") == (None, b"v" * 1000)  # a deleted key reads as never written
+    a.set("fr/1/0", b"again")  # and can be written again
+    assert a.get("fr/1/0") == b"again"
+    a.close()
+
+
 # ---- etcd: failover and quorum ----
 
 def test_etcd_fails_over_when_the_member_in_use_is_killed(etcd_cluster: EtcdCluster) -> None:  # noqa: F811

@@ -1,0 +1,135 @@
+"""The Flight Recorder exchange's waits give up as soon as rlsup is asked to stop (a preemption's grace is
+short), saying why in the verdict; and node 0 deletes the records it read (up to 1 MB a node) and an earlier
+exchange's keys. Through a real TCPStore; each wait is given an hour, so only the stop can end it within the
+test's deadline."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Callable
+
+from rlsup_format.heartbeat_record import fr_dump_name
+from support.ports import free_ports
+from support.waits import wait_for
+from supervisor.attempt_end import AttemptResult
+from supervisor.coordinator import RoundCoordinator, embedded_coordinator
+from supervisor.flight_recorder import Analysis, normalise, read_dump
+from supervisor.fr_exchange import FrExchange, finish_analysis
+from supervisor.fr_records import NodeDumps
+from supervisor.job_identity import JobIdentity
+from supervisor.lifecycle import EndReason
+from supervisor.observer import Observer
+
+DATA = Path(__file__).parent / "data" / "flight_recorder" / "skipped_in_other_group"  # rank 2 skipped #4
+HOUR = 3600.0
+DEADLINE_S = 30.0  # generous: the stop ends each wait within a poll
+
+
+def coordinators(nodes: int = 2) -> list[RoundCoordinator]:
+    port = free_ports(1)[0]
+    job = JobIdentity("job-w", "test")
+    return [embedded_coordinator("127.0.0.1", port, job, b"0123456789abcdef-shared", n, nodes, 10)
+            for n in range(nodes)]
+
+
+def exchange(coord: RoundCoordinator, node: int, stop: threading.Event, wait_s: float = HOUR) -> FrExchange:
+    return FrExchange(coord, node, 2, f"host{node}", Observer(), gather_s=wait_s, analyse_s=wait_s,
+                      stopped=stop.is_set)
+
+
+def in_thread(fn: Callable[[], object]) -> threading.Thread:
+    t = threading.Thread(target=fn, daemon=True)
+    t.start()
+    return t
+
+
+def raw(coord: RoundCoordinator, name: str) -> bytes | None:
+    return coord.store.get(coord.keys.key(name))
+
+
+def recorded(ranks: range) -> dict[int, dict]:
+    out = {}
+    for r in ranks:
+        dump = read_dump(DATA / fr_dump_name(r))
+        assert dump is not None
+        out[r] = normalise(dump)
+    return out
+
+
+def test_node_0_stops_gathering_when_asked_to_stop_and_says_so() -> None:
+    coords, stop = coordinators(), threading.Event()
+    coords[0].keys.create("fr/0/want", "0")
+    result = AttemptResult(0, EndReason.HANG)
+    t = in_thread(lambda: exchange(coords[0], 0, stop).settle(0, result))
+    wait_for(lambda: raw(coords[0], "fr/0/0"), DEADLINE_S, "node 0's own record (it then waits for node 1's)")
+    stop.set()
+    wait_for(lambda: not t.is_alive(), DEADLINE_S, "node 0's settle to give up on node 1")
+    assert "node 1 shared no dumps (rlsup asked to stop)" in (result.fr_verdict or ""), result.fr_verdict
+    assert raw(coords[0], "fr/0/verdict") is not None  # what came is still published
+    assert raw(coords[0], "fr/0/0") is None  # and the records read are gone
+
+
+def test_a_node_stops_awaiting_the_verdict_when_asked_to_stop_and_says_so() -> None:
+    coords, stop = coordinators(), threading.Event()
+    coords[0].keys.create("fr/0/want", "0")
+    result = AttemptResult(0, EndReason.HANG, fr_verdict="flight recorder: ranks 2, 3 wait")
+    t = in_thread(lambda: exchange(coords[1], 1, stop).settle(0, result))
+    wait_for(lambda: raw(coords[1], "fr/0/1"), DEADLINE_S, "node 1's record (it then waits for the verdict)")
+    stop.set()
+    wait_for(lambda: not t.is_alive(), DEADLINE_S, "node 1's settle to give up on the verdict")
+    assert result.fr_verdict == ("flight recorder: ranks 2, 3 wait (no verdict across nodes: rlsup asked to stop)")
+
+
+def test_the_hang_node_stops_awaiting_the_peers_records_when_asked_to_stop() -> None:
+    coords, stop = coordinators(), threading.Event()
+    ours = exchange(coords[1], 1, stop)
+    ours.hang(0, Analysis(recorded(range(2, 4)), {}, {}))
+    assert NodeDumps.from_json(coords[0].keys.get("fr/0/1").payload, 1, "k").dumps.keys() == {2, 3}
+    t = in_thread(lambda: ours.await_peers(0))  # node 0 never answers
+    stop.set()
+    wait_for(lambda: not t.is_alive(), DEADLINE_S, "await_peers to give up")
+
+
+def test_the_analysers_child_is_killed_when_rlsup_is_asked_to_stop() -> None:
+    stop = threading.Event()
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)  # an analyser that would take its whole bound
+    run = Analysis(recorded(range(4)), {}, {}, child=child)
+    verdicts = []
+    t = in_thread(lambda: verdicts.append(finish_analysis(run, HOUR, stop.is_set)))
+    stop.set()
+    wait_for(lambda: not t.is_alive(), DEADLINE_S, "finish_analysis to give up on its child")
+    assert child.returncode is not None
+    text = verdicts[0].text
+    assert text.endswith("(torch's analyser cut short: rlsup asked to stop)") and "rank 2" in text, text
+
+
+def test_node_0_deletes_an_earlier_exchange_when_the_next_one_starts() -> None:
+    coords, stop = coordinators(), threading.Event()
+    nodes = [exchange(coords[n], n, stop, wait_s=10) for n in range(2)]
+    nodes[1].hang(0, Analysis(recorded(range(2, 4)), {}, {}))
+    results = [AttemptResult(0, EndReason.HANG) for _ in range(2)]
+    t = in_thread(lambda: nodes[1].settle(0, results[1]))
+    nodes[0].settle(0, results[0])
+    wait_for(lambda: not t.is_alive(), DEADLINE_S, "node 1 to read node 0's verdict")
+    assert "rank 2" in (results[1].fr_verdict or "") and results[1].fr_verdict == results[0].fr_verdict
+    assert [raw(coords[0], f"fr/0/{n}") for n in range(2)] == [None, None]  # read for good: deleted at once
+    assert raw(coords[0], "fr/0/want") and raw(coords[0], "fr/0/verdict")  # others may still read these
+    nodes[0].hang(1, Analysis(recorded(range(0, 2)), {}, {}))  # the next hang's exchange starts
+    assert [raw(coords[0], f"fr/0/{n}") for n in ("want", "verdict")] == [None, None]
+    assert raw(coords[0], "fr/1/0") is not None
+
+
+def test_a_chatty_analyser_is_drained_while_it_is_awaited() -> None:
+    """More output than a pipe holds (torch logs to stderr): the wait reads it, so the child ends and answers."""
+    answer = '{"pg": "0", "seq": 4, "lines": ["from the child"]}'
+    code = f"import sys; sys.stderr.write('e' * 300000); sys.stdout.write('{answer}' + ' ' * 300000)"
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    run = Analysis(recorded(range(4)), {}, {}, child=child)
+    verdicts = []
+    t = in_thread(lambda: verdicts.append(finish_analysis(run, HOUR, lambda: False)))
+    wait_for(lambda: not t.is_alive(), DEADLINE_S, "the analyser's answer")
+    assert verdicts[0].analyser == ["from the child"] and "cut short" not in verdicts[0].text, verdicts[0]
