@@ -440,15 +440,5 @@ def begin_hang_verdict(hb_dir: Path, ranks: Iterable[int], node: str, wait_s: fl
     return run
 
 
-def finish_hang_verdict(run: Analysis, attempt_dir: Path) -> FlightVerdict:
-    """Wait for the analysis and keep it beside the attempt (``flight_recorder.txt``)."""
-    verdict = run.finish()
-    try:
-        (attempt_dir / ANALYSIS_FILE).write_text("\n".join([verdict.text, "", *verdict.analyser]) + "\n")
-    except OSError as e:
-        log.info("flight recorder: analysis not saved: %s", e)
-    return verdict
-
-
 if __name__ == "__main__":
     main()

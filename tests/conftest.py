@@ -64,6 +64,8 @@ FAST_MODULES: dict[str, frozenset[str]] = {
     "test_deploy_systemd.py": frozenset(),
     "test_format.py": frozenset(),
     "test_flight_recorder_analysis.py": frozenset(),  # starts a thread, not a process
+    "test_fr_exchange_waits.py": frozenset({"test_the_analysers_child_is_killed_when_rlsup_is_asked_to_stop",
+                                            "test_a_chatty_analyser_is_drained_while_it_is_awaited"}),
     "test_fr_records.py": frozenset(),  # a real TCPStore in process, torch's analyser in process
     "test_gpu_failures.py": frozenset(),
     "test_hang_detector.py": frozenset(),
