@@ -286,10 +286,39 @@ def install(pool: WarmPool, torchrun_args: Sequence[str]) -> None:
         return handler
 
     try:  # how many workers torchrun starts now (the arguments may differ from those warmed)
-        workers = determine_local_world_size(parse_args(list(torchrun_args)).nproc_per_node)
+        args = parse_args(list(torchrun_args))
+        workers = determine_local_world_size(args.nproc_per_node)
     except (Exception, SystemExit):  # noqa: BLE001 - odd arguments: warm workers are not used, torchrun reports them itself
-        workers = 0
+        args, workers = None, 0
     mp_api.get_subprocess_handler = get_subprocess_handler  # type: ignore[assignment]
+    if args is not None:
+        skip_rendezvous_skew(args)
+
+
+def skip_rendezvous_skew(args: Any) -> None:
+    """No random 0-0.3 s sleep before a single node's first rendezvous round.
+
+    torch's dynamic rendezvous sleeps ``uniform(0, 0.3)`` s before round 0 "to skew the rendezvous
+    attempts across the nodes"; a single node (``--standalone``, ``--nnodes 1``) has no other node to skew
+    against, and every restart of a warm attempt paid it (0.15 s on average, the spread of the restart
+    benchmark). Only that tuple-valued delay goes; the 1 s poll of a waiting join stays; several nodes
+    keep the skew."""
+    from torch.distributed.run import parse_min_max_nnodes
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+    try:
+        single = bool(args.standalone) or parse_min_max_nnodes(args.nnodes)[1] == 1
+    except (Exception, SystemExit):  # noqa: BLE001 - an odd --nnodes: torchrun reports it itself, the skew stays
+        return
+    delay = dynamic_rendezvous.__dict__.get("_delay")  # absent in some torch: then nothing is changed
+    if not single or not callable(delay):
+        return
+
+    def no_skew(seconds: float | tuple[float, float]) -> None:
+        if not isinstance(seconds, tuple):
+            delay(seconds)
+
+    dynamic_rendezvous._delay = no_skew  # type: ignore[attr-defined]
 
 
 def _caught_signals() -> list[int]:

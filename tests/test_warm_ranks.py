@@ -22,7 +22,7 @@ from support.procs import pid_alive, run_rlsup
 from support.waits import wait_for
 
 from supervisor.warm_launcher import Zygote, warm_spec
-from supervisor.warm_pool import WarmPool, env_difference, startup_env
+from supervisor.warm_pool import WarmPool, env_difference, skip_rendezvous_skew, startup_env
 
 PY = sys.executable
 TORCHRUN = str(Path(PY).parent / "torchrun")
@@ -210,6 +210,25 @@ def test_fit_checks() -> None:
     assert "is not the warmed" in unfit([PY, "train.py"], worker, False)  # no -u
     assert "is not the warmed" in unfit([PY, "-u", "-m", "train"], worker, False)
     assert "files" in unfit([PY, "-u", "train.py"], worker, True)
+
+
+@pytest.mark.parametrize("nodes, skewed", [(["--standalone"], False), (["--nnodes", "1"], False),
+                                            (["--nnodes", "2"], True), (["--nnodes", "1:2"], True)])
+def test_a_single_node_skips_the_rendezvous_skew(nodes: list[str], skewed: bool) -> None:
+    """The warm zygote drops torch's random 0-0.3 s sleep before round 0 on a single node only; the 1 s
+    poll of a waiting join is kept (torch's own delay is swapped for a recorder to see what reaches it)."""
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+    from torch.distributed.run import parse_args
+
+    original, asked = dynamic_rendezvous._delay, []
+    dynamic_rendezvous._delay = asked.append
+    try:
+        skip_rendezvous_skew(parse_args([*nodes, "--nproc-per-node", "2", "train.py"]))
+        dynamic_rendezvous._delay((0, 0.3))
+        dynamic_rendezvous._delay(1)
+    finally:
+        dynamic_rendezvous._delay = original
+    assert asked == ([(0, 0.3), 1] if skewed else [1])
 
 
 def _ready_warm_ranks(zygote: Zygote, n: int) -> list[int]:
