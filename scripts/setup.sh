@@ -15,7 +15,7 @@ case "${1:-}" in
 esac
 PYTHON=${PYTHON:-python3}
 if [ "$MODE" = full ]; then
-  # System tools the deploy tests use (promtool/Prometheus, SLURM+munge, systemd-analyze); root + apt only.
+  # System tools the deploy tests use (promtool/Prometheus, SLURM+munge, systemd-analyze, fuse3); root + apt only.
   bash scripts/install_system_deps.sh
 fi
 if [ ! -x .venv/bin/python ]; then

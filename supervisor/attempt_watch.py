@@ -74,7 +74,7 @@ class AttemptWatch:
                 if code != 0 and not self.stop.asked and job.output.finished is None:
                     # A failed root: its children must not train on while the output drains (a failed
                     # attempt is SIGKILLed anyway); a success or a stop keeps cleanup's SIGTERM and grace.
-                    killed = job.terminate_tree(0.0)
+                    killed = job.terminate_tree(0.0, stuck_after=self.settings.kill_grace)
                     if killed:
                         log.info(f"attempt {attempt}: job root exited with {code}; killed what it left: {killed}")
                 job.output.join(timeout=2)
@@ -153,7 +153,7 @@ class AttemptWatch:
         analyser = flight.child.pid if flight is not None and flight.child is not None else None
         JobProcess.helpers.update([analyser] if analyser else [])
         try:
-            killed = job.terminate_tree(0.0)
+            killed = job.terminate_tree(0.0, stuck_after=self.settings.kill_grace)
             if killed:
                 log.info(f"attempt {attempt}: killed the hung job: {killed}")
             result = AttemptResult(attempt, reason, None, rank=verdict.rank, pid=verdict.pid, detail=detail,

@@ -31,7 +31,7 @@ class JobStatus(_Value):
     """Lifecycle of a supervised job; :data:`TRANSITIONS` is the rule, this diagram is checked against it::
 
         INIT      -> STARTING
-        STARTING  -> RUNNING | FAILED
+        STARTING  -> RUNNING | FAILED | STOPPED | PREEMPTED
         RUNNING   -> FAILED | STOPPING | SUCCEEDED
         FAILED    -> BACKOFF | GAVE_UP
         BACKOFF   -> STARTING | STOPPED | PREEMPTED
@@ -47,7 +47,8 @@ class JobStatus(_Value):
     FAILED -> GAVE_UP: retries exhausted, a fatal exit code, too many attempts without progress, or an
     unhealthy node.
     RUNNING -> STOPPING: rlsup got SIGTERM/SIGINT or the preemption signal while the job ran; the job
-    gets ``stop_grace`` to save and exit. BACKOFF -> STOPPED | PREEMPTED: the same, between attempts.
+    gets ``stop_grace`` to save and exit. BACKOFF -> STOPPED | PREEMPTED: the same, between attempts;
+    STARTING -> STOPPED | PREEMPTED: the same before launch (in a wait for the other nodes).
     """
 
     INIT = "init"
@@ -65,7 +66,7 @@ class JobStatus(_Value):
 S = JobStatus
 TRANSITIONS: dict[JobStatus, frozenset[JobStatus]] = {
     S.INIT: frozenset({S.STARTING}),
-    S.STARTING: frozenset({S.RUNNING, S.FAILED}),
+    S.STARTING: frozenset({S.RUNNING, S.FAILED, S.STOPPED, S.PREEMPTED}),
     S.RUNNING: frozenset({S.SUCCEEDED, S.FAILED, S.STOPPING}),
     S.FAILED: frozenset({S.BACKOFF, S.GAVE_UP}),
     S.BACKOFF: frozenset({S.STARTING, S.STOPPED, S.PREEMPTED}),
@@ -128,6 +129,7 @@ class EndReason(_Value):
     NCCL_ERROR = "nccl_error"  # an NCCL error, or the watchdog's collective timeout: restarted
     CUDA_ERROR = "cuda_error"  # another CUDA error (illegal memory access, device-side assert): restarted
     GPU_LOST = "gpu_lost"  # uncorrectable ECC, fallen off the bus, device lost, a hardware Xid: exit 77
+    UNKILLABLE = "unkillable"  # a process of the attempt in state D after SIGKILL (a hung mount): exit 77
 
 
 # Reasons a launched (or abandoned) attempt fails with: each one is a restart candidate and a
@@ -135,12 +137,13 @@ class EndReason(_Value):
 ATTEMPT_FAILURES: tuple[EndReason, ...] = (
     EndReason.EXIT_CODE, EndReason.SIGNAL, EndReason.OOM, EndReason.HANG, EndReason.STARTUP_TIMEOUT,
     EndReason.SAVE_TIMEOUT, EndReason.STRAGGLER, EndReason.PEER_FAILURE, EndReason.CUDA_OOM, EndReason.NCCL_ERROR,
-    EndReason.CUDA_ERROR, EndReason.GPU_LOST)
+    EndReason.CUDA_ERROR, EndReason.GPU_LOST, EndReason.UNKILLABLE)
 # Reasons whose attempt is killed without kill_grace (stacks already saved; a stuck rank would not act).
 HUNG = frozenset({EndReason.HANG, EndReason.STARTUP_TIMEOUT, EndReason.SAVE_TIMEOUT})
 # Reasons that say this node's hardware is broken: no restart here; rlsup records the node in
 # ``unhealthy_nodes`` and exits UNHEALTHY (77) for a requeue without it, as a failed pre_launch_check does.
-EXCLUDES_NODE = frozenset({EndReason.GPU_LOST})
+# UNKILLABLE: the attempt cannot be torn down (supervisor.unkillable); a next one would run beside it.
+EXCLUDES_NODE = frozenset({EndReason.GPU_LOST, EndReason.UNKILLABLE})
 
 
 class Action(_Value):

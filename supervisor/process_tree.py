@@ -29,6 +29,7 @@ import psutil
 if TYPE_CHECKING:
     from supervisor.attempt_tree import AttemptTree
     from supervisor.leftover_processes import Ended
+    from supervisor.unkillable import StuckProcess
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
@@ -177,6 +178,7 @@ class JobProcess:
         self.pid = self.popen.pid
         self.pgid = self.pid
         self.started = time.monotonic()
+        self.stuck: "list[StuckProcess]" = []  # alive after SIGKILL and its wait (terminate_tree)
         self._known: dict[int, psutil.Process] = {}
         try:
             self._known[self.pid] = psutil.Process(self.pid)
@@ -254,10 +256,12 @@ class JobProcess:
             except (psutil.Error, OSError):
                 pass
 
-    def terminate_tree(self, grace: float) -> list[int]:
+    def terminate_tree(self, grace: float, stuck_after: float = 10.0) -> list[int]:
         """SIGTERM everything, SIGKILL what is left after ``grace``; return pids that needed SIGKILL.
         ``grace`` 0: SIGKILL at once, no SIGTERM (a crashed attempt has nothing left to save); the
-        root's cgroup, where it has one, is killed as a unit first (daemonised members included)."""
+        root's cgroup, where it has one, is killed as a unit first (daemonised members included).
+        What is still alive ``stuck_after`` seconds after the first SIGKILL is examined and left in
+        :attr:`stuck` (:mod:`supervisor.unkillable`: a process in state D on a hung mount never dies)."""
         self.refresh()
         killed = _TREE.kill_root(self.pid) if _TREE is not None and grace <= 0 else []
         if grace > 0:
@@ -271,11 +275,32 @@ class JobProcess:
             time.sleep(0.05)
         if _TREE is not None and grace > 0:
             killed += _TREE.kill_root(self.pid)
-        for _ in range(50):
+        killed += self._kill_until(time.monotonic() + max(stuck_after, 1.0))
+        try:
+            self.popen.wait(timeout=0.1 if self.stuck else 5)
+        except subprocess.TimeoutExpired:
+            pass
+        self._reap_orphans()
+        if _TREE is not None:
+            _TREE.root_ended(self.pid)
+        self.output.join(timeout=0.1 if self.stuck else 2)
+        return sorted(set(killed))
+
+    def _kill_until(self, deadline: float) -> list[int]:
+        """SIGKILL what is alive until none is or ``deadline`` passes; what outlives it goes to :attr:`stuck`."""
+        from supervisor.unkillable import examine
+
+        killed: list[int] = []
+        self.stuck = []
+        while True:
             self.refresh()
             alive = self.live_processes()
             if not alive:
-                break
+                return killed
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.stuck = examine([proc.pid for proc in alive])
+                return killed
             for proc in alive:
                 try:
                     proc.kill()
@@ -286,17 +311,8 @@ class JobProcess:
                 os.killpg(self.pgid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
-            psutil.wait_procs(alive, timeout=1.0)
+            psutil.wait_procs(alive, timeout=min(1.0, left))
             self._reap_orphans()
-        try:
-            self.popen.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            pass
-        self._reap_orphans()
-        if _TREE is not None:
-            _TREE.root_ended(self.pid)
-        self.output.join(timeout=2)
-        return sorted(set(killed))
 
     def wait_exit(self, timeout: float) -> int | None:
         try:

@@ -124,7 +124,8 @@ class Supervisor:
                 self._log(f"attempt {attempt}: not launched: {e}")
                 if pending is not None:
                     self.record_incident(pending[0])
-                resume, result = None, AttemptResult(attempt, EndReason.PEER_FAILURE, None, detail=str(e))
+                why = self.stop.reason if self.stop.asked else EndReason.PEER_FAILURE  # stopped in a wait: a stop
+                resume, result = None, AttemptResult(attempt, why, None, detail=str(e))
             else:
                 result = self._launch_and_watch(attempt, resume, pending)
             if result.reason == EndReason.SUCCESS:  # the real exit code (non-zero after a trainer's done line)
@@ -133,7 +134,7 @@ class Supervisor:
             if result.reason in (EndReason.STOPPED, EndReason.PREEMPTED):
                 self.record_incident(incident_for(result, Action.STOP))
                 return self._stopped(attempt)
-            if result.reason in EXCLUDES_NODE:  # this node's GPU broke: no restart here (supervisor.gpu_failures)
+            if result.reason in EXCLUDES_NODE:  # GPU broke, or a process in D: no restart here (gpu_failures, unkillable)
                 return self._node_lost(attempt, result)
             incident, delay = self.decide(attempt, result, resume)
             if delay is None:
@@ -401,9 +402,13 @@ class Supervisor:
         rank stuck in a collective would only turn SIGTERM into should_stop() and never act on it. What
         is left of a successful, stopped or preempted job gets SIGTERM and ``kill_grace``."""
         graceful = result.reason in (EndReason.SUCCESS, EndReason.STOPPED, EndReason.PREEMPTED)
-        killed = job.terminate_tree(self.settings.kill_grace if graceful else 0.0)
+        killed = job.terminate_tree(self.settings.kill_grace if graceful else 0.0, stuck_after=self.settings.kill_grace)
         if killed:
             self._log(f"attempt {result.attempt}: killed leftover processes {killed}")
+        from supervisor.unkillable import unkillable_result
+
+        unkillable_result(result, getattr(job, "stuck", []), self.settings.kill_grace, self._log,
+                          self.state_dir / "unkillable.json")
 
     @staticmethod
     def _log(message: str) -> None:

@@ -112,7 +112,7 @@ class FakeJob:
             return self.code
         return None
 
-    def terminate_tree(self, grace: float) -> list[int]:
+    def terminate_tree(self, grace: float, stuck_after: float = 10.0) -> list[int]:
         self.grace = grace
         alive = self.code is None
         self.code = -signal.SIGKILL if alive else self.code

@@ -1,0 +1,83 @@
+"""A checkpoint directory that stops answering mid-save (issue 32): real rlsup, torchrun (gloo, CPU) and
+examples/train_tiny.py over a FUSE mount (tests/support/sick_fs.py) told to hang.
+
+A rank whose write the mount never answers sleeps in the kernel; SIGKILL turns that into state D, and the
+attempt cannot be torn down. The contract: the hang is reported with the rank, the state D, the file and the
+mount; the node is excluded (exit 77, ``unhealthy_nodes``); nothing is launched beside the stuck rank; and
+once the mount heals the stuck process ends (the test's mount is always healed and unmounted).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from rlsup_format.manifest import latest_valid
+from supervisor.health import node_name, read_unhealthy
+from support.env import PY, TRAIN
+from support.incidents import incidents
+from support.procs import pid_alive, proc_state, start_rlsup
+from support.sick_fs import SickFs, unavailable
+from support.waits import wait_for
+
+pytestmark = pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))
+
+FAST = ["--backoff-initial", "0.05", "--backoff-max", "0.2", "--max-restarts", "5", "--poll-interval", "0.1"]
+
+
+def torchrun(*train: str) -> list[str]:
+    return [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", TRAIN, *train]
+
+
+@pytest.fixture
+def sick(tmp_path: Path):
+    with SickFs(tmp_path / "backing", tmp_path / "mnt", tmp_path / "sick") as fs:
+        yield fs
+
+
+def hung_save_run(workdir: Path, sick: SickFs, hang: dict, kill_grace: str = "2") -> tuple[int, str, dict]:
+    """Train into the sick mount until a step is valid, hang it as ``hang`` says, and wait for rlsup's end:
+    (exit code, rlsup's output, unkillable.json) with the mount still hung (the caller heals it)."""
+    proc = start_rlsup(["run", *FAST, "--checkpoint-dir", str(sick.mountpoint), "--save-timeout", "2",
+                        "--heartbeat-timeout", "30", "--kill-grace", kill_grace, "--",
+                        *torchrun("--steps", "2000", "--checkpoint-every", "5", "--step-time", "0.02")],
+                       workdir, OMP_NUM_THREADS="1")
+    try:
+        wait_for(lambda: latest_valid(sick.root, full=False), 90, "a first valid step through the mount")
+        sick.hang(**hang)
+        wait_for(lambda: sick.status()["held"], 30, "a rank's call held by the hung mount")
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    record = workdir / ".rlsup" / "unkillable.json"
+    return proc.returncode, out, json.loads(record.read_text()) if record.exists() else {}
+
+
+def test_checkpoint_dir_hung_mid_save_excludes_the_node(tmp_path: Path, sick: SickFs) -> None:
+    """Writes hang mid-save: the save outlives save_timeout, the ranks are SIGKILLed, the one in the mount's
+    write stays in state D; rlsup names it (rank, state, wchan, file, mount), exits 77 with this node in
+    unhealthy_nodes, and never launches attempt 1 beside it."""
+    code, out, record = hung_save_run(tmp_path, sick, {"ops": ("write",)})
+    stuck = record.get("processes", [])
+    try:
+        assert code == 77, out[-3000:]
+        assert stuck and all(p["state"] == "D" and p["wchan"] for p in stuck), record
+        assert all(str(sick.mountpoint) in p["mounts"] for p in stuck), record
+        assert any(path.startswith(str(sick.mountpoint) + "/") for p in stuck for path in p["paths"]), record
+        assert {p["rank"] for p in stuck} <= {0, 1} and None not in {p["rank"] for p in stuck}, record
+        assert all(proc_state(p["pid"]) == "D" for p in stuck), "the stuck ranks are still held by the mount"
+        assert read_unhealthy(tmp_path / ".rlsup") == [node_name()]
+        last = incidents(tmp_path / ".rlsup")[-1]
+        assert (last["reason"], last["action"]) == ("unkillable", "exclude_node"), last
+        assert "state D" in last["detail"] and str(sick.mountpoint) in last["detail"], last["detail"]
+        assert f"rank {stuck[0]['rank']}" in last["detail"] and "save_timeout" in last["detail"], last["detail"]
+        attempts = sorted(d.name for d in (tmp_path / ".rlsup" / "attempts").iterdir())
+        assert attempts == ["attempt_0000"], f"an attempt launched beside the unkillable one: {attempts}"
+    finally:
+        sick.close()  # heal and unmount: the stuck ranks get their answer and die
+    for p in stuck:
+        wait_for(lambda p=p: not pid_alive(p["pid"]), 30, f"stuck pid {p['pid']} to end once the mount healed")
