@@ -13,7 +13,7 @@ import signal
 import subprocess
 import urllib.request
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator, Sequence
 
 import pytest
 
@@ -35,10 +35,14 @@ class EtcdCluster:
     """``size`` etcd members on 127.0.0.1, each with its own free client and peer port and data dir.
 
     etcd's default heartbeat (100 ms) and election timeout (1000 ms) are kept so that failover times
-    measured against this cluster are the ones a real deployment sees.
+    measured against this cluster are the ones a real deployment sees. ``hosts`` (member addresses, default
+    127.0.0.1) and ``wrap`` (a member's command prefix) put members in nodes' namespaces (support.partition).
     """
 
-    def __init__(self, base_dir: Path, size: int = 3, binary: str | None = None) -> None:
+    def __init__(self, base_dir: Path, size: int = 3, binary: str | None = None, hosts: Sequence[str] | None = None,
+                 wrap: Callable[[int], list[str]] | None = None) -> None:
+        self.hosts = list(hosts or ["127.0.0.1"] * size)
+        self.wrap = wrap or (lambda i: [])
         self.binary = binary or etcd_binary()
         if self.binary is None:
             raise FileNotFoundError("etcd binary not found (Debian/Ubuntu: apt-get install etcd-server)")
@@ -48,21 +52,21 @@ class EtcdCluster:
         self.client_ports, self.peer_ports = ports[:size], ports[size:]
         self.procs: list[subprocess.Popen | None] = [None] * size
         self._initial_cluster = ",".join(
-            f"{n}=http://127.0.0.1:{p}" for n, p in zip(self.names, self.peer_ports))
+            f"{n}=http://{h}:{p}" for n, h, p in zip(self.names, self.hosts, self.peer_ports))
 
     @property
     def endpoints(self) -> list[str]:
         """The members' client addresses, ``127.0.0.1:port``, in member order."""
-        return [f"127.0.0.1:{p}" for p in self.client_ports]
+        return [f"{h}:{p}" for h, p in zip(self.hosts, self.client_ports)]
 
     def _spawn(self, i: int, state: str) -> None:
         data_dir = self.base_dir / self.names[i]
-        client = f"http://127.0.0.1:{self.client_ports[i]}"
-        peer = f"http://127.0.0.1:{self.peer_ports[i]}"
+        client = f"http://{self.hosts[i]}:{self.client_ports[i]}"
+        peer = f"http://{self.hosts[i]}:{self.peer_ports[i]}"
         log = open(self.base_dir / f"{self.names[i]}.log", "ab")
         try:
             self.procs[i] = subprocess.Popen(
-                [self.binary, "--name", self.names[i], "--data-dir", str(data_dir),
+                [*self.wrap(i), self.binary, "--name", self.names[i], "--data-dir", str(data_dir),
                  "--listen-client-urls", client, "--advertise-client-urls", client,
                  "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
                  "--initial-cluster", self._initial_cluster, "--initial-cluster-state", state,
@@ -78,7 +82,7 @@ class EtcdCluster:
         if proc is None or proc.poll() is not None:
             return False
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.client_ports[i]}/health", timeout=1) as r:
+            with urllib.request.urlopen(f"http://{self.hosts[i]}:{self.client_ports[i]}/health", timeout=1) as r:
                 return json.load(r).get("health") == "true"
         except (OSError, ValueError):
             return False
@@ -126,7 +130,7 @@ class EtcdCluster:
         for i in range(len(self.names)):
             if self.member_healthy(i):
                 body = json.dumps({"key": "AA==", "range_end": "AA=="}).encode()  # "\0".."\0": all keys
-                url = f"http://127.0.0.1:{self.client_ports[i]}/v3/kv/deleterange"
+                url = f"http://{self.hosts[i]}:{self.client_ports[i]}/v3/kv/deleterange"
                 with urllib.request.urlopen(urllib.request.Request(url, body), timeout=5):
                     return
         raise AssertionError("no healthy etcd member to wipe the cluster through")

@@ -36,12 +36,17 @@ class Cluster:
     ``rdzv``: how torchrun meets, ``c10d`` (as PyTorch documents multi-node jobs; torchrun ignores a node rank,
     rlsup pins it) or ``static`` (``--node-rank`` and a master address). ``log_name`` names each node's rlsup
     output and, by default, the final weights (``rlsup.log`` -> ``rlsup-final.pt``): two jobs in the same node
-    directories keep theirs apart. ``env``: the environment of every node (default :func:`clean_env`)."""
+    directories keep theirs apart. ``env``: the environment of every node (default :func:`clean_env`).
+    ``hosts``: each node's address (default 127.0.0.1 for all), ``wrap``: a node's command prefix (default none),
+    for nodes in network namespaces of their own (:mod:`support.partition`)."""
 
     def __init__(self, root: Path, nodes: int = NODES, rdzv: Rendezvous = "c10d", extra: Sequence[str] = (),
                  train_args: Sequence[str] | None = None, log_name: str = "rlsup.log", *,
                  scan_interval: float = 0.5, rendezvous_timeout: float = 120, env: dict[str, str] | None = None,
-                 secret: str = SECRET) -> None:
+                 secret: str = SECRET, hosts: Sequence[str] | None = None,
+                 wrap: Callable[[int], list[str]] | None = None) -> None:
+        self.hosts = list(hosts or ["127.0.0.1"] * nodes)
+        self.wrap = wrap or (lambda node: [])
         self.root, self.nodes, self.rdzv, self.log_name = root, nodes, rdzv, log_name
         self.extra = list(extra)
         self.train_args = list(train_args or TRAIN_ARGS)
@@ -63,7 +68,7 @@ class Cluster:
 
     @property
     def peers(self) -> str:
-        return ",".join(f"127.0.0.1:{p}" for p in self.repl_ports)
+        return ",".join(f"{h}:{p}" for h, p in zip(self.hosts, self.repl_ports))
 
     def node_dir(self, node: int) -> Path:
         return self.root / f"node{node}"
@@ -72,9 +77,10 @@ class Cluster:
         """torchrun as a user types it: c10d (no node rank: torchrun ignores it) or static."""
         common = [PY, "-m", "torch.distributed.run", "--nnodes", str(self.nodes), "--nproc-per-node", "1"]
         if self.rdzv == "c10d":
-            return [*common, "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{self.master_port}",
+            return [*common, "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{self.hosts[0]}:{self.master_port}",
                     "--rdzv-id", "job1"]
-        return [*common, "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(self.master_port)]
+        return [*common, "--node-rank", str(node), "--master-addr", self.hosts[0], "--master-port",
+                str(self.master_port)]
 
     def node_args(self, node: int, extra: Sequence[str] = ()) -> list[str]:
         """``rlsup run ...`` of node ``node``: the flags every node of every cluster test gets (quick restarts,
@@ -92,7 +98,7 @@ class Cluster:
         d = self.node_dir(node)
         d.mkdir(parents=True, exist_ok=True)
         with open(d / (log_name or self.log_name), "ab") as log:
-            self.procs[node] = subprocess.Popen(rlsup_cmd(*self.node_args(node, extra)), cwd=d,
+            self.procs[node] = subprocess.Popen([*self.wrap(node), *rlsup_cmd(*self.node_args(node, extra))], cwd=d,
                                                 env=self.env if self.env is not None else clean_env(), stdout=log,
                                                 stderr=subprocess.STDOUT)
         return self.procs[node]
