@@ -7,6 +7,8 @@
 #   systemd      -> systemd-analyze (tests/test_deploy_systemd.py); systemd need not be running
 #   etcd-server  -> etcd, a real 3-member cluster on 127.0.0.1 (tests/test_kvstore.py)
 #   rsync        -> the replication baseline of benchmarks/run.py (without it those rows are n/a)
+#   nftables     -> nft, one-way link cuts in the partition tests (tests/support/partition.py)
+#   iproute2     -> ip: network namespaces, veth links and a bridge for the partition tests
 #   fuse3        -> fusermount3 + libfuse3 (tests/support/sick_fs.py: the hung/failing filesystem tests, mfusepy)
 # Idempotent: a quick no-op when every tool is already on PATH. Without root or apt-get it only says
 # what is missing (the tests that need a missing tool skip themselves).
@@ -23,6 +25,8 @@ declare -A TOOL_PKG=(
   [etcd]=etcd-server
   [rsync]=rsync
   [fusermount3]=fuse3
+  [nft]=nftables
+  [ip]=iproute2
 )
 
 missing=()
