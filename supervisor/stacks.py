@@ -65,7 +65,7 @@ def _pyspy(pyspy: str, pid: int) -> str | None:
     on it, so it is read without pausing: it is not running, so that read is consistent too. A process
     stopped while the blocking read ran is read again that way."""
     stopped = process_stopped(pid)
-    text = _pyspy_run(pyspy, pid, nonblocking=stopped)
+    text = _pyspy_run(pyspy, pid, nonblocking=stopped or in_filesystem_wait(pid))
     if text is None and not stopped and process_stopped(pid):
         stopped, text = True, _pyspy_run(pyspy, pid, nonblocking=True)
     return f"{STOPPED_NOTE}\n{text}" if text is not None and stopped else text
@@ -78,6 +78,23 @@ def _pyspy_run(pyspy: str, pid: int, nonblocking: bool) -> str | None:
     except (subprocess.TimeoutExpired, OSError):
         return None
     return out.stdout if out.returncode == 0 and out.stdout.strip() else None
+
+
+#: Kernel waits a signal does not end: py-spy's pause would wait out its timeout (a rank writing to a hung
+#: FUSE mount sleeps in request_wait_answer; NFS and Lustre waits show as state D).
+FILESYSTEM_WAITS = ("request_wait_answer", "fuse_", "nfs", "rpc_wait", "ll_", "osc_", "cl_sync_io_wait")
+
+
+def in_filesystem_wait(pid: int) -> bool:
+    """Whether ``pid`` sleeps in state D or in a filesystem's wait (``/proc/PID/wchan``): read without pausing it."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            stat = fh.read()
+        with open(f"/proc/{pid}/wchan") as fh:
+            wchan = fh.read().strip()
+    except OSError:
+        return False
+    return stat[stat.rfind(b")") + 2:][:1] == b"D" or wchan.startswith(FILESYSTEM_WAITS)
 
 
 def process_stopped(pid: int) -> bool:

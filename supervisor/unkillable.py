@@ -163,12 +163,14 @@ def examine(pids: list[int], table: list[Mount] | None = None) -> list[StuckProc
         state, name = _state(pid)
         if not state or state in ("Z", "X"):
             continue
-        files = _open_files(pid)
         on: list[Mount] = []
-        for path in files:
+        placed = []
+        for path in _open_files(pid):
             m = mount_of(path, table)
             if m is not None and m.point != "/" and m not in on:
                 on.append(m)
+            placed.append((m is None or m.point == "/", path))
+        files = [path for _, path in sorted(placed)]  # the files on mounts first: those are what it waits on
         out.append(StuckProcess(pid, state, name, _read(f"/proc/{pid}/wchan").strip(), _rank(pid), files, on))
     return out
 

@@ -10,16 +10,18 @@ once the mount heals the stuck process ends (the test's mount is always healed a
 from __future__ import annotations
 
 import json
+import signal
 from pathlib import Path
 
 import pytest
 
 from rlsup_format.manifest import latest_valid
 from supervisor.health import node_name, read_unhealthy
-from support.env import PY, TRAIN
+from support.env import PY, TRAIN, clean_env
 from support.incidents import incidents
 from support.procs import pid_alive, proc_state, start_rlsup
 from support.sick_fs import SickFs, unavailable
+from support.trainers import Supervised
 from support.waits import wait_for
 
 pytestmark = pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))
@@ -42,8 +44,8 @@ def hung_save_run(workdir: Path, sick: SickFs, hang: dict, kill_grace: str = "2"
     (exit code, rlsup's output, unkillable.json) with the mount still hung (the caller heals it)."""
     proc = start_rlsup(["run", *FAST, "--checkpoint-dir", str(sick.mountpoint), "--save-timeout", "2",
                         "--heartbeat-timeout", "30", "--kill-grace", kill_grace, "--",
-                        *torchrun("--steps", "2000", "--checkpoint-every", "5", "--step-time", "0.02")],
-                       workdir, OMP_NUM_THREADS="1")
+                        *torchrun("--steps", "2000", "--checkpoint-every", "2", "--step-time", "0.02")],
+                       workdir, OMP_NUM_THREADS="1", TORCH_FR_BUFFER_SIZE="0")
     try:
         wait_for(lambda: latest_valid(sick.root, full=False), 90, "a first valid step through the mount")
         sick.hang(**hang)
@@ -81,3 +83,42 @@ def test_checkpoint_dir_hung_mid_save_excludes_the_node(tmp_path: Path, sick: Si
         sick.close()  # heal and unmount: the stuck ranks get their answer and die
     for p in stuck:
         wait_for(lambda p=p: not pid_alive(p["pid"]), 30, f"stuck pid {p['pid']} to end once the mount healed")
+
+
+def newest_local_step(ckpt: Path) -> int:
+    found = latest_valid(ckpt, full=False) if ckpt.exists() else None
+    return found.step if found is not None and found.step is not None else -1
+
+
+def test_persistent_tier_hung_training_goes_on_and_the_copy_is_named(tmp_path: Path, sick: SickFs) -> None:
+    """The persistent tier's mount hangs (every call): the tier's copy stalls in its own thread and is named
+    (the mount, the step and rank it was copying) while training, heartbeats and the run loop go on; a stop
+    once it heals, the stalled pass ends and the run stops cleanly."""
+    ckpt, state_dir = tmp_path / "ckpt", tmp_path / ".rlsup"
+    run = Supervised.start(tmp_path, [*FAST, "--checkpoint-dir", str(ckpt), "--persistent-dir", str(sick.mountpoint),
+                                      "--heartbeat-timeout", "30", "--stop-grace", "5"],
+                           torchrun("--steps", "5000", "--checkpoint-every", "2", "--step-time", "0.02"),
+                           clean_env(OMP_NUM_THREADS="1", TORCH_FR_BUFFER_SIZE="0"))
+    try:
+        wait_for(lambda: "copied to the persistent tier" in run.output(), 90, "a first persistent copy")
+        sick.hang()
+        wait_for(lambda: sick.status()["held"], 30, "the tier's next call held by the hung mount")
+        stall = wait_for(lambda: next((line for line in run.output().splitlines() if "not answering" in line), None),
+                         40, "the stalled tier copy named")
+        assert "rlsup-persistent-tier" in stall and str(sick.mountpoint) in stall, stall
+        at_stall = newest_local_step(ckpt)
+        wait_for(lambda: newest_local_step(ckpt) >= at_stall + 6, 60, "training to go on past the hung tier")
+        seen = json.loads((state_dir / "state.json").read_text()).get("last_step") or 0
+        wait_for(lambda: (json.loads((state_dir / "state.json").read_text()).get("last_step") or 0) > seen + 5, 30,
+                 "the run loop to record the ranks' new heartbeats")
+        assert run.attempt() == 0 and not run.ended()
+        sick.heal()  # the stalled copy gets its answer and ends; the tier catches up
+        wait_for(lambda: "the stalled pass ended after all" in run.output(), 30, "the stalled pass to end once healed")
+        run.proc.send_signal(signal.SIGTERM)
+        run.proc.wait(90)
+    finally:
+        sick.heal()  # rlsup's stalled thread gets its answer: the process can exit
+        if run.proc.poll() is None:
+            run.proc.kill()
+            run.proc.wait(10)
+    assert run.proc.returncode == 128 + signal.SIGTERM, run.output()[-3000:]

@@ -152,7 +152,7 @@ class PersistentTier:
         self._retained: tuple[list[int], int | None] = ([], None)  # (steps, newest complete) it last saw
         self._final = False  # flush(): the last copy ignores the cadence
         self._lock = threading.Lock()
-        self._loop = PollLoop(self.poll, "rlsup-persistent-tier", self._pass_failed)
+        self._loop = PollLoop(self.poll, "rlsup-persistent-tier", self._pass_failed, on_stall=self._stalled)
         self.copies = 0
         self.bytes_copied = 0
         self.last_error: str | None = None
@@ -181,6 +181,7 @@ class PersistentTier:
         if root is None:
             raise ValueError("no source checkpoint directory: pass source= to PersistentTier or poll()")
         local = LocalStore(root, hold_label=HOLD_LABEL)
+        self._loop.doing = f"listing {self.location}"
         with self._lock:
             self._maybe_clean(local)
             steps = self.store.steps()
@@ -227,6 +228,7 @@ class PersistentTier:
         if self._is_done(part):
             return False
         t0 = time.monotonic()
+        self._loop.doing = f"copying step {part.step} rank {part.rank} to {self.location}"
         try:
             done = copy_part(local, self.store, part.step, part.rank)
         except PartInvalid as e:  # changed or deleted locally since the scan: never persist a bad part
@@ -328,6 +330,9 @@ class PersistentTier:
     def _pass_failed(self, e: Exception) -> None:
         self.last_error = str(e)
 
+    def _stalled(self, line: str) -> None:
+        self.last_error = f"{self.location}: {line}"
+
     def stop(self, timeout: float | None = 60.0) -> None:
         """Stop the thread after its current copy (a copy in progress is finished, not torn)."""
         self._loop.stop(timeout)
@@ -339,6 +344,9 @@ class PersistentTier:
         completed or removed by a later pass. On several nodes node 0 starts the step and the others
         join only if they see it started, so there the final copy is best effort."""
         self.stop(timeout)
+        if self._loop.stuck():  # a hung store: another pass would only hang beside the first
+            log.warning("final persistent copy skipped: %s", self._loop.stalled)
+            return None
         self._final = True
         result: list[int | None] = []
 

@@ -11,18 +11,27 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from typing import Callable
 
 from supervisor.tiers.manifest_watch import ManifestWatch
 
 log = logging.getLogger(__name__)
+#: A pass that has not ended after this many seconds is named as stalled (a slow or hung store).
+STALL_S = 10.0
 
 
 class PollLoop:
     """Runs ``run_pass`` in a daemon thread named ``name``; ``on_error`` receives a failed pass's error."""
 
-    def __init__(self, run_pass: Callable[[], object], name: str, on_error: Callable[[Exception], None]) -> None:
+    def __init__(self, run_pass: Callable[[], object], name: str, on_error: Callable[[Exception], None],
+                 stall_s: float = STALL_S, on_stall: Callable[[str], None] | None = None) -> None:
         self.run_pass, self.name, self.on_error = run_pass, name, on_error
+        self.stall_s, self.on_stall = stall_s, on_stall
+        self.doing = ""  # what the pass in progress is doing now (set by the tier), for the stall line
+        self.stalls = 0  # passes named as stalled
+        self.stalled: str | None = None  # the stall line while the pass in progress is stalled
+        self._pass_started: float | None = None
         self.wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -41,19 +50,47 @@ class PollLoop:
             self._watch.start()
         self._thread = threading.Thread(target=self._loop, args=(interval,), name=self.name, daemon=True)
         self._thread.start()
+        threading.Thread(target=self._watchdog, args=(self._thread,), name=f"{self.name}-watchdog", daemon=True).start()
+
+    def _watchdog(self, thread: threading.Thread) -> None:
+        """Name a pass that has run past ``stall_s`` (once per pass), and its end when it comes."""
+        named: float | None = None
+        while thread.is_alive():
+            started = self._pass_started
+            if started is not None and named != started and time.monotonic() - started > self.stall_s:
+                named, self.stalls = started, self.stalls + 1
+                self.stalled = (f"{self.name}: a pass has not ended in {time.monotonic() - started:.0f}s "
+                                f"({self.doing or 'a pass of the tier'}): the store is slow or not answering; "
+                                "training, hang detection and metrics go on without it")
+                log.warning(self.stalled)
+                if self.on_stall is not None:
+                    self.on_stall(self.stalled)
+            elif named is not None and started != named:
+                log.info("%s: the stalled pass ended after all", self.name)
+                named, self.stalled = None, None
+            time.sleep(min(1.0, self.stall_s / 4))
+
+    def stuck(self) -> bool:
+        """Whether a pass is running and has been named stalled (its thread may never come back)."""
+        return self.stalled is not None and self._pass_started is not None
 
     def _loop(self, interval: float) -> None:
         while not self._stop.is_set():
+            self._pass_started = time.monotonic()
             try:
                 self.run_pass()
             except Exception as e:  # see the module docstring
                 self.on_error(e)
                 log.exception("%s: pass failed", self.name)
+            finally:
+                self._pass_started, self.doing = None, ""
             self.wake.wait(interval)
             self.wake.clear()
 
     def stop(self, timeout: float | None = 60.0) -> None:
-        """Stop after the pass in progress (waits at most ``timeout`` for it)."""
+        """Stop after the pass in progress (waits at most ``timeout`` for it; a stalled pass not at all)."""
+        if self.stuck():
+            timeout = 0
         self._stop.set()
         self.wake.set()
         if self._watch is not None:
