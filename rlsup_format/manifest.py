@@ -375,7 +375,11 @@ def list_step_dirs(directory: str | os.PathLike) -> list[tuple[int, Path]]:
     out = []
     for e in entries:
         m = STEP_DIR_RE.match(e.name)
-        if m and e.is_dir(follow_symlinks=False):
+        try:
+            is_dir = bool(m) and e.is_dir(follow_symlinks=False)
+        except OSError:  # EIO on one step (a failing disk or store): that step is missing, the others still count
+            continue
+        if m and is_dir:
             out.append((int(m.group(1)), Path(e.path)))
     out.sort(key=lambda t: t[0])
     return out
