@@ -102,9 +102,9 @@ def test_the_newest_line_after_the_last_traceback_decides() -> None:
 
 
 def test_policy_per_reason() -> None:
-    """A lost GPU excludes the node; OOM, NCCL and CUDA errors restart. Every reason is a failure of an attempt
-    and a pre-created metric label."""
-    assert EXCLUDES_NODE == {R.GPU_LOST}
+    """A lost GPU excludes the node (as an unkillable process does: supervisor.unkillable); OOM, NCCL and CUDA
+    errors restart. Every reason is a failure of an attempt and a pre-created metric label."""
+    assert EXCLUDES_NODE == {R.GPU_LOST, R.UNKILLABLE}
     for reason in {rule.reason for rule in RULES}:
         assert reason in ATTEMPT_FAILURES and reason.value in REASONS
 
