@@ -56,6 +56,7 @@ def cmd_run(args: argparse.Namespace, command: list[str]) -> int:
     try:
         lock = DirLock(cfg.state_dir, "run.lock", "state_dir", job.id).acquire()
     except DirInUse as e:
+        _refused(cfg, membership, job, e)
         raise ConfigError(str(e)) from e
     try:
         observer = start_metrics(cfg)
@@ -74,12 +75,16 @@ def _run_multinode(cfg: SupervisorConfig, command: list[str], membership: Member
     from supervisor.rank_pinning import PinningError
     from supervisor.transport.auth import load_secret
 
-    service = start_service(cfg, membership, observer, serve=daemon_running(Path(cfg.state_dir)) is None, job=job)
+    try:
+        service = start_service(cfg, membership, observer, serve=daemon_running(Path(cfg.state_dir)) is None, job=job)
+    except ConfigError as e:
+        _refused(cfg, membership, job, e)
+        raise
     try:
         assert service.engine is not None
-        coordinator = connect_coordinator(cfg, membership, job, load_secret(cfg.token_file))
+        secret = load_secret(cfg.token_file)
         supervisor = MultiNodeSupervisor(cfg, command, membership, service.engine, observer, job=job,
-                                         coordinator=coordinator)
+                                         connect=lambda stop: connect_coordinator(cfg, membership, job, secret, stop))
         return supervisor.run().exit_code
     except (JobClash, PinningError) as e:
         log.error("%s", e)
@@ -89,6 +94,15 @@ def _run_multinode(cfg: SupervisorConfig, command: list[str], membership: Member
         return exit_codes.FAILED
     finally:
         service.stop()
+
+
+def _refused(cfg: SupervisorConfig, membership: Membership | None, job: "JobIdentity", clash: Exception) -> None:
+    """A node of several that refuses to start (a directory or port another job holds) tells its job's other
+    nodes, so they end now instead of waiting for it (supervisor.clash_notice)."""
+    if membership is not None:
+        from supervisor.clash_notice import tell_job_refused
+
+        tell_job_refused(cfg, membership, job, str(clash))
 
 
 def identity_of(raw: SupervisorConfig, membership: Membership | None) -> "JobIdentity":

@@ -40,8 +40,15 @@ parse ends the attempt for all; no node crashes on what another wrote.
 
 A node that joins while attempt ``c`` is open (planned or based, and not ended) is a replacement for a
 lost node: it ends attempt ``c`` (its predecessor's ranks are gone anyway) and joins ``c+1``. ``abort``
-makes every node give up. The embedded store also carries ``rlsup/host``, the job it is hosted for: a
-node of another job that reaches it (same hosts, same default port) refuses to start and names both jobs.
+makes every node give up; every wait looks at it (about twice a second), so a node that refuses to start
+(a directory or port another job holds: ``abort`` then says it is a clash, and the others exit 2 as it
+does) ends its job's other nodes at once instead of leaving them to wait out ``rendezvous_timeout``. The
+embedded store also carries ``rlsup/host``, the job it is hosted for: a node of another job that reaches
+it (same hosts, same default port) refuses to start and names both jobs.
+
+Every wait here (the store's connect and reconnect, the joins, the round's waits) also asks the run's
+:class:`~supervisor.stop_request.StopRequest` at each poll: SIGTERM or the preemption signal ends it at
+once with :class:`~supervisor.stop_request.StopAsked`, never after the timeout.
 """
 
 from __future__ import annotations
@@ -52,19 +59,18 @@ import json
 import logging
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterable, Mapping, Sequence
+from typing import Callable
 
 from supervisor.control_records import (
-    PERSISTENT_HOLDER,
     FetchResult,
     NodeInventory,
     RecordError,
     RoundPlan,
-    StepHoldings,
-    TierOffer,
 )
 from supervisor.job_identity import JobIdentity
+from supervisor.round_plan import compute_plan
 from supervisor.kvstore import KVStore, StoreUnavailable, TCPKVStore
+from supervisor.stop_request import StopRequest
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +79,9 @@ WAIT_POLL_MIN_S = 0.002  # a wait polls fast at first (agreement is quick when e
 WAIT_POLL_MAX_S = 0.05  # ... and backs off to this
 HOST_KEY = "rlsup/host"
 ABORT_MAX_AGE_S = 60.0  # an abort written this long before this node started belongs to an earlier run
+ABORT_POLL_S = 0.5  # how often a wait looks at ``abort`` (one more read; the attempt's end is read every poll)
+WAIT_TELL_S = 3.0  # a wait that lasts this long says what it waits for (once), for whoever reads the log
+CONNECT_SLICE_S = 1.0  # the store's connect blocks in torch, deaf to signals: it is tried in slices this long
 
 
 class CoordinationError(RuntimeError):
@@ -84,7 +93,31 @@ class RoundEnded(CoordinationError):
 
 
 class JobClash(CoordinationError):
-    """The coordination store belongs to another job (same hosts and port): this node must not join it."""
+    """The coordination store belongs to another job (same hosts and port): this node must not join it.
+    Also raised on the nodes of a job one of whose nodes refused to start for a clash (``abort``)."""
+
+
+@dataclass(frozen=True)
+class AbortNotice:
+    """What ``abort`` says: why the job gave up, and whether a node refused to start for a clash with
+    another job (its peers then exit as it did, 2, naming the clash)."""
+
+    why: str
+    clash: bool = False
+
+    def to_payload(self) -> str:
+        return json.dumps({"why": self.why, "clash": True}) if self.clash else self.why
+
+    @classmethod
+    def from_payload(cls, payload: str) -> "AbortNotice":
+        """A plain reason (a node gave up), or the clash record; anything else is a plain reason."""
+        try:
+            d = json.loads(payload)
+        except ValueError:
+            return cls(payload)
+        if isinstance(d, dict) and isinstance(d.get("why"), str):
+            return cls(d["why"], bool(d.get("clash")))
+        return cls(payload)
 
 
 @dataclass(frozen=True)
@@ -174,17 +207,25 @@ class RoundCoordinator:
     """One node's handle on the job's attempts (see the module docstring).
 
     ``reconnect``: how to reach the store again after it was lost (the embedded store, when node 0's
-    supervisor died and a replacement hosts a new one); None for a store that does not go away."""
+    supervisor died and a replacement hosts a new one); None for a store that does not go away.
+    ``stop``: the run's stop request, asked at every poll of every wait (None: waits end only as below)."""
 
     def __init__(self, store: KVStore, job: JobIdentity, secret: bytes, node_rank: int, num_nodes: int,
-                 timeout_s: float, reconnect: Callable[[float], KVStore] | None = None) -> None:
+                 timeout_s: float, reconnect: Callable[[float], KVStore] | None = None,
+                 stop: StopRequest | None = None) -> None:
         self.job, self.secret = job, secret
         self.node_rank = node_rank
         self.num_nodes = num_nodes
         self.timeout_s = timeout_s
         self.reconnect = reconnect
+        self.stop = stop
         self.started = time.time()
         self.keys = SignedKeys(store, job, secret, node_rank)
+
+    def check_stop(self, waiting_for: str) -> None:
+        """:class:`~supervisor.stop_request.StopAsked` when rlsup was asked to stop (see the module docstring)."""
+        if self.stop is not None:
+            self.stop.check(waiting_for)
 
     @property
     def store(self) -> KVStore:
@@ -204,6 +245,7 @@ class RoundCoordinator:
         deadline = time.monotonic() + min(10.0, self.timeout_s)
         raw = self.store.get(HOST_KEY)
         while raw is None and time.monotonic() < deadline:  # node 0 sets it right after binding the port
+            self.check_stop(f"node 0 to claim the coordination store {self.describe()}")
             time.sleep(WAIT_POLL_MAX_S)
             raw = self.store.get(HOST_KEY)
         other = self.host_owner(raw)
@@ -229,7 +271,7 @@ class RoundCoordinator:
         this node would run next by its own count (used only when the store has no attempt yet)."""
         deadline = time.monotonic() + self.timeout_s
         told = False  # one line per outage, not one per reconnect try
-        while True:
+        while True:  # each wait inside asks the stop request (the reconnect's too)
             try:
                 return self._join(min_attempt)
             except StoreUnavailable as e:
@@ -277,9 +319,13 @@ class RoundCoordinator:
         return _attempt_number("base", got)
 
     def _check_abort(self) -> None:
+        """:class:`JobClash` when a node of this job refused to start for a clash, :class:`CoordinationError`
+        when one gave up; an abort older than this node's start (by :data:`ABORT_MAX_AGE_S`) is an earlier run's."""
         abort = self.keys.get("abort")
-        if abort is not None and abort.time >= self.started - ABORT_MAX_AGE_S:
-            raise CoordinationError(f"the job was aborted: {abort.payload}")
+        if abort is None or abort.time < self.started - ABORT_MAX_AGE_S:
+            return
+        notice = AbortNotice.from_payload(abort.payload)
+        raise (JobClash if notice.clash else CoordinationError)(f"the job was aborted: {notice.why}")
 
     def publish_inventory(self, attempt: int, inventory: NodeInventory) -> None:
         self.keys.set(f"inv/{attempt}/{self.node_rank}", inventory.to_json())
@@ -362,8 +408,10 @@ class RoundCoordinator:
         value = self.keys.get(f"end/{attempt}")
         return None if value is None else value.payload
 
-    def abort(self, reason: str) -> None:
-        self.keys.create("abort", reason)
+    def abort(self, reason: str, clash: bool = False) -> None:
+        """Every node of the job gives up (first writer's reason wins); ``clash``: this node refused to start
+        because another job holds what it needs (its peers exit 2 too)."""
+        self.keys.create("abort", AbortNotice(reason, clash).to_payload())
 
     def finish(self) -> None:
         """The job ended for good: a store that outlives it (etcd) forgets its keys (node 0 only)."""
@@ -389,7 +437,19 @@ class RoundCoordinator:
         poll = WAIT_POLL_MIN_S
         end_name = f"end/{attempt}" if attempt is not None else None
         got: dict[str, Signed] = {}
+        next_abort_look, tell_at = time.monotonic(), time.monotonic() + WAIT_TELL_S
         while True:
+            self.check_stop(what)
+            if tell_at is not None and time.monotonic() >= tell_at:
+                tell_at = None
+                log.info("node %d: waiting for %s (up to %.0fs, rendezvous_timeout)", self.node_rank, what,
+                         self.timeout_s)
+            if time.monotonic() >= next_abort_look:  # a node that refused to start, or gave up
+                next_abort_look = time.monotonic() + ABORT_POLL_S
+                try:
+                    self._check_abort()
+                except StoreUnavailable:
+                    pass  # the poll below says what an unreachable store means here
             pending = [n for n in names if n not in got]
             try:
                 values, ended = self.keys.poll(pending, end_name)
@@ -433,10 +493,27 @@ def _fetch_result(value: str, node: int | None) -> FetchResult:
         return FetchResult(error=str(e))
 
 
+def connect_store(host: str, port: int, wait_s: float, stop: StopRequest | None) -> KVStore:
+    """A client of the TCPStore at ``host:port``, tried for up to ``wait_s`` in slices of
+    :data:`CONNECT_SLICE_S`: torch's connect blocks in C++ where no signal handler runs, so a stop is
+    asked between slices (:class:`~supervisor.stop_request.StopAsked`) instead of after ``wait_s``."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        if stop is not None:
+            stop.check(f"the coordination store TCPStore {host}:{port} (node 0) to answer")
+        left = deadline - time.monotonic()
+        try:
+            return TCPKVStore(host, port, False, max(0.1, min(CONNECT_SLICE_S, left)))
+        except StoreUnavailable:
+            if left <= CONNECT_SLICE_S:
+                raise
+
+
 def embedded_coordinator(host: str, port: int, job: JobIdentity, secret: bytes, node_rank: int, num_nodes: int,
-                         timeout_s: float) -> RoundCoordinator:
+                         timeout_s: float, stop: StopRequest | None = None) -> RoundCoordinator:
     """Node 0 hosts a TCPStore on ``port`` and claims it for ``job``; other nodes connect (and reconnect to
-    a replacement node 0 after a loss) and refuse a store hosted for another job."""
+    a replacement node 0 after a loss) and refuse a store hosted for another job. ``stop``: every wait
+    (the connect included) ends when rlsup is asked to stop."""
     if node_rank == 0:
         try:
             store = TCPKVStore(host, port, True, timeout_s)
@@ -445,18 +522,20 @@ def embedded_coordinator(host: str, port: int, job: JobIdentity, secret: bytes, 
             raise (JobClash(f"coordinator port {port} on {host} is taken{clash}; this node is job {job}. Give each "
                             "job on these hosts its own coordinator_port") if clash is not None
                    else CoordinationError(str(e))) from e
-        coordinator = RoundCoordinator(store, job, secret, node_rank, num_nodes, timeout_s)
+        coordinator = RoundCoordinator(store, job, secret, node_rank, num_nodes, timeout_s, stop=stop)
         coordinator.claim_host()
         return coordinator
 
     def connect(wait_s: float) -> KVStore:
-        return TCPKVStore(host, port, False, wait_s)
+        return connect_store(host, port, wait_s, stop)
 
+    log.info("node %d: reaching the coordination store TCPStore %s:%d (up to %.0fs, rendezvous_timeout)",
+             node_rank, host, port, timeout_s)
     try:
         store = connect(timeout_s)
     except StoreUnavailable as e:
-        raise CoordinationError(str(e)) from e
-    coordinator = RoundCoordinator(store, job, secret, node_rank, num_nodes, timeout_s, reconnect=connect)
+        raise CoordinationError(f"{e} (waited {timeout_s:.0f}s, rendezvous_timeout)") from e
+    coordinator = RoundCoordinator(store, job, secret, node_rank, num_nodes, timeout_s, reconnect=connect, stop=stop)
     coordinator.check_host()
     return coordinator
 
@@ -474,87 +553,5 @@ def _hosted_for(host: str, port: int, job: JobIdentity, secret: bytes) -> str | 
     return f" by {other}" if other is not None else " by another node 0 of this same job (is it running twice?)"
 
 
-def compute_plan(attempt: int, inventories: Sequence[NodeInventory], persistent: Mapping[int, TierOffer] | None = None,
-                 exclude: Iterable[tuple[int, int, int]] = ()) -> RoundPlan:
-    """The newest step whose every rank part is valid somewhere, and what each node must fetch.
-
-    ``inventories``: every node's, in node order. A part is in place when its owner holds it locally (a
-    shared filesystem counts), else it must come from a replica holder, else from the persistent tier;
-    a part found nowhere makes the step unusable.
-
-    ``persistent`` (the tier's listing, step -> :class:`TierOffer`) adds the tier as the last holder
-    (:data:`PERSISTENT_HOLDER`) of the parts it lists: in place > peer > persistent. A part goes to its
-    owner as the inventories or the tier's manifests record it, else (a trainer that records no node) to
-    the node torchrun runs the rank on. ``exclude`` removes (step, rank, holder) triples that failed, so
-    a plan is never made twice with the same bad holder.
-    """
-    excluded = set(exclude)
-    # Which inventories list each step; a step's parts are read only when the steps newer than it were
-    # not usable, so the common case (the newest step is) reads one step of every inventory, not all.
-    listed: dict[int, list[tuple[int, StepHoldings]]] = {}
-    for node, inv in enumerate(inventories):
-        for step, held in inv.steps.items():
-            listed.setdefault(step, []).append((node, held))
-    tier = persistent or {}
-    for step in sorted(listed.keys() | tier.keys(), reverse=True):
-        fetch = _plan_step(step, listed.get(step, []), tier.get(step), excluded, len(inventories))
-        if fetch is not None:
-            return RoundPlan(attempt, step, fetch[0], fetch[1])
-    return RoundPlan(attempt, None, None, {})
-
-
-Fetches = dict[int, dict[int, list[int]]]  # node -> rank -> holders, as in RoundPlan.fetch
-
-
-def _plan_step(step: int, entries: list[tuple[int, StepHoldings]], offer: TierOffer | None,
-               excluded: set[tuple[int, int, int]], num_nodes: int) -> tuple[int, Fetches] | None:
-    """(world size, node -> rank -> holders) when every part of ``step`` is somewhere, else None."""
-    world_sizes = {held.world_size for _, held in entries}
-    if offer is not None:
-        world_sizes.add(offer.world_size)
-    if len(world_sizes) != 1:
-        return None  # nodes (or the tier) disagree about the job's size at this step: not usable
-    (world,) = world_sizes
-    in_place: set[int] = set()
-    for node, held in entries:  # map and set operations: this runs for every node
-        owners_here = list(held.local.values())
-        if owners_here.count(node) == len(owners_here):
-            in_place.update(held.local)
-        else:
-            in_place.update(r for r, o in held.local.items() if o == node)
-    missing = sorted(set(range(world)).difference(in_place))
-    # A part's owner: the first inventory (in node order, local before replicas) to name it, then the
-    # tier's manifests; updating from the last inventory to the first leaves the first one's word.
-    owners: dict[int, int] = {}
-    for _, held in reversed(entries):
-        owners.update(held.replicas)
-        owners.update(held.local)
-    holders: dict[int, list[int]] = {}  # only for the parts not in place
-    wanted = set(missing)
-    for node, held in entries:
-        for rank in wanted.intersection(held.replicas):
-            if not excluded or (step, rank, node) not in excluded:
-                holders.setdefault(rank, []).append(node)
-    in_tier: set[int] = set()
-    if offer is not None:
-        in_tier = {r for r in offer.ranks if (step, r, PERSISTENT_HOLDER) not in excluded}
-        for rank, owner in offer.owners.items():
-            owners.setdefault(rank, owner)
-    fetch: Fetches = {}
-    for rank in missing:
-        found = sorted(holders.get(rank, []))
-        if rank in in_tier:
-            found.append(PERSISTENT_HOLDER)
-        owner = owners.get(rank, _default_owner(rank, world, num_nodes))
-        if not found or owner is None:
-            return None
-        fetch.setdefault(owner, {})[rank] = found
-    return world, fetch
-
-
-def _default_owner(rank: int, world: int, num_nodes: int) -> int | None:
-    """The node a rank runs on when nothing records it: torchrun's contiguous blocks of
-    ``world / num_nodes`` ranks per node (None when the world does not divide evenly)."""
-    if num_nodes <= 0 or world % num_nodes:
-        return None
-    return rank // (world // num_nodes)
+__all__ = ["RoundCoordinator", "CoordinationError", "RoundEnded", "JobClash", "AbortNotice", "compute_plan",
+           "embedded_coordinator", "connect_store"]

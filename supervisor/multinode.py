@@ -16,6 +16,11 @@ in the node's inventory as parts in place, so the plan picks the newest step who
 somewhere (memory, disk, a peer's replica, the persistent tier). A node whose parts of that step are
 all in its tier resumes its ranks from there, in place; otherwise its tier's parts are copied beside
 the others in ``checkpoint_dir``. Retention of the tier waits while the nodes agree.
+
+SIGTERM and the preemption signal end every wait of the nodes' agreement at once (the store's connect,
+the joins, the round: :meth:`supervisor.stop_request.StopRequest.check`): the handlers are installed
+before the store is reached, a stop inside a round ends that attempt for the other nodes, and the run
+ends as any stop does (128+signal or 75, the attempt recorded as stopped or preempted, the tiers flushed).
 """
 
 from __future__ import annotations
@@ -23,12 +28,13 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 from supervisor.config import SupervisorConfig
 from supervisor.control_records import PERSISTENT_HOLDER, FetchResult, InventoryBuilder, NodeInventory, RoundPlan
 from supervisor.coordinator import (
     CoordinationError,
+    JobClash,
     RoundCoordinator,
     RoundEnded,
     compute_plan,
@@ -48,6 +54,7 @@ from supervisor.tiers.replication import ReplicationEngine, newest_own_step
 from supervisor.tiers.resume import ResumePoint
 from supervisor.attempt_end import AttemptResult
 from supervisor.runner import AttemptAbandoned, JobStatus, RunResult, Supervisor
+from supervisor.stop_request import StopAsked, StopRequest
 from supervisor.tiers.resume import TIER_LOCAL, TIER_MEMORY, TIER_PEER, TIER_PERSISTENT
 from rlsup_format.manifest import ManifestError, manifest_name, step_dir_name
 
@@ -56,6 +63,11 @@ log = logging.getLogger(__name__)
 # Plans per attempt: each failed try excludes at least one more (step, rank) from the persistent tier,
 # so the attempt falls back to older steps; the bound only guards against a tier that fails everything.
 PLAN_TRIES = 8
+# Node 0 of a job ended by another node's clash keeps its store up this long: a node of the *other* job that
+# shares the port and connects late reads whose store it is and refuses, instead of waiting for a store
+# that nobody will host again. A stop ends the wait at once.
+CLASH_LINGER_S = 10.0
+Connect = Callable[[StopRequest], RoundCoordinator]  # reaches the job's store; every wait asks the stop
 _TIER_ORDER = {TIER_MEMORY: -1, TIER_LOCAL: 0, TIER_PEER: 1, TIER_PERSISTENT: 2}
 
 
@@ -85,8 +97,8 @@ class CoordinatorSettings:
 
 
 def connect_coordinator(cfg: SupervisorConfig, membership: Membership, job: JobIdentity,
-                        secret: bytes) -> RoundCoordinator:
-    """This node's handle on the job's coordination store (``coordinator_backend``)."""
+                        secret: bytes, stop: StopRequest | None = None) -> RoundCoordinator:
+    """This node's handle on the job's coordination store (``coordinator_backend``); ``stop`` ends its waits."""
     s = CoordinatorSettings.from_config(cfg)
     if s.backend == "etcd":
         from supervisor.kvstore import StoreUnavailable
@@ -96,17 +108,21 @@ def connect_coordinator(cfg: SupervisorConfig, membership: Membership, job: JobI
             store = EtcdKVStore(list(s.endpoints), timeout_s=min(30.0, s.rendezvous_timeout))
         except StoreUnavailable as e:
             raise CoordinationError(str(e)) from e
-        return RoundCoordinator(store, job, secret, membership.node_rank, membership.size, s.rendezvous_timeout)
+        return RoundCoordinator(store, job, secret, membership.node_rank, membership.size, s.rendezvous_timeout,
+                                stop=stop)
     host = membership.peers[0].rpartition(":")[0]
     return embedded_coordinator(host, s.port, job, secret, membership.node_rank, membership.size,
-                                s.rendezvous_timeout)
+                                s.rendezvous_timeout, stop)
 
 
 class MultiNodeSupervisor(Supervisor):
     keeps_file_versions = False  # see Supervisor: single-file checkpoints are a single node's
     def __init__(self, cfg: SupervisorConfig, command: Sequence[str], membership: Membership,
                  engine: ReplicationEngine, observer: Observer | None = None, *, job: JobIdentity,
-                 coordinator: RoundCoordinator, processes: ProcessLayer | None = None) -> None:
+                 coordinator: RoundCoordinator | None = None, connect: Connect | None = None,
+                 processes: ProcessLayer | None = None) -> None:
+        """``coordinator``: the job's store, reached; or ``connect``, which :meth:`run` calls once the stop
+        handlers are installed (SIGTERM while the store is awaited then stops rlsup as anywhere else)."""
         master = membership.peers[0].rpartition(":")[0]
         pinned = pin_ranks(command, membership.node_rank, membership.size, master)
         # The tiers are this node's (node 0 alone starts and prunes persistent steps; the memory tier holds
@@ -115,24 +131,44 @@ class MultiNodeSupervisor(Supervisor):
                          node_rank=membership.node_rank, num_nodes=membership.size)
         self.membership = membership
         self.engine = engine
-        self.coordinator = coordinator
-        self._log(f"node {membership.node_rank} of {membership.size}, job {job}: coordination store "
-                  f"{coordinator.describe()}{' (hosted here)' if membership.node_rank == 0 and cfg.coordinator_backend == 'embedded' else ''}")
+        self._connect = connect
         if pinned.note:
             self._log(pinned.note)
         self._store_lost = False
-        # A hang's Flight Recorder dumps meet on node 0, which judges them all (supervisor.fr_exchange).
-        self.fr_exchange = FrExchange(coordinator, membership.node_rank, membership.size, self.node_name,
-                                      self.observer, stopped=lambda: self.stop.asked)
-        self.watcher.fr_share = self.fr_exchange
         # Node 0, the planner: persistent parts that failed verification, never offered again.
         self._bad_persistent: set[tuple[int, int]] = set()
+        if coordinator is not None:
+            self._use(coordinator)
+        elif connect is None:
+            raise ValueError("MultiNodeSupervisor needs a coordinator or a way to connect to one")
+
+    def _use(self, coordinator: RoundCoordinator) -> None:
+        self.coordinator = coordinator
+        hosted = self.membership.node_rank == 0 and self.cfg.coordinator_backend == "embedded"
+        self._log(f"node {self.membership.node_rank} of {self.membership.size}, job {self.job}: coordination store "
+                  f"{coordinator.describe()}{' (hosted here)' if hosted else ''}")
+        # A hang's Flight Recorder dumps meet on node 0, which judges them all (supervisor.fr_exchange).
+        self.fr_exchange = FrExchange(coordinator, self.membership.node_rank, self.membership.size, self.node_name,
+                                      self.observer, stopped=lambda: self.stop.asked)
+        self.watcher.fr_share = self.fr_exchange
 
     def first_attempt(self) -> int:
-        return self.coordinator.join(super().first_attempt())
+        return self._join(super().first_attempt())
 
     def next_attempt(self, attempt: int) -> int:
-        return self.coordinator.join(attempt + 1)
+        return self._join(attempt + 1)
+
+    def _join(self, mine: int) -> int:
+        """The attempt the nodes agree on; stopped while waiting, this node's own count: :meth:`prepare`
+        then abandons it at once and the loop records the stop."""
+        try:
+            return self.coordinator.join(mine)
+        except StopAsked as e:
+            self._log(str(e))
+            return mine
+
+    def check_health(self, attempt: int) -> AttemptResult | None:
+        return None if self.stop.asked else super().check_health(attempt)  # stopping: no pre_launch_check to wait for
 
     def record_incident(self, incident: Incident, downtime: float | None = None,
                         resume: ResumePoint | None = None) -> None:
@@ -143,7 +179,25 @@ class MultiNodeSupervisor(Supervisor):
         super().record_incident(incident, downtime, resume)
 
     def run(self) -> RunResult:
-        result = super().run()
+        # The stop handlers from before the store is reached (super().run() installs them again and puts these
+        # back): a connect that waits for node 0 is a wait like any other.
+        previous = self.stop.install()
+        try:
+            if self._connect is not None:
+                try:
+                    self._use(self._connect(self.stop))
+                except StopAsked as e:
+                    self._log(f"{e}; no attempt was started")
+                    status = JobStatus.PREEMPTED if self.stop.preempted else JobStatus.STOPPED
+                    return RunResult(e.exit_code, status, 0, [])
+                self._connect = None
+            try:
+                result = super().run()
+            except JobClash:
+                self._linger_after_clash()
+                raise
+        finally:
+            self.stop.restore(previous)
         if result.status is JobStatus.SUCCEEDED:
             try:
                 self.coordinator.finish()  # a store that outlives the job (etcd) forgets its keys
@@ -151,14 +205,31 @@ class MultiNodeSupervisor(Supervisor):
                 self._log(f"could not clear the job's coordination keys: {e}")
         return result
 
+    def _linger_after_clash(self) -> None:
+        """Node 0 of the embedded store, ended by another node's clash: see :data:`CLASH_LINGER_S`."""
+        if self.membership.node_rank == 0 and self.cfg.coordinator_backend == "embedded":
+            self.stop.wait(CLASH_LINGER_S, self.settings.poll_interval)
+
     def prepare(self, attempt: int) -> ResumePoint | None:
         """:meth:`_agree_on_attempt`; an attempt that ends meanwhile (a node failed its fetch, or died and its
-        replacement rejoined) is abandoned before launch, and every node goes to the next attempt."""
+        replacement rejoined) is abandoned before launch, and every node goes to the next attempt. A stop
+        asked before or during the round abandons it too (the loop records the stop), and ends the attempt
+        for the other nodes, which would otherwise wait for this one until ``rendezvous_timeout``."""
+        try:
+            self.stop.check(f"attempt {attempt} to start")
+        except StopAsked as e:
+            raise AttemptAbandoned(str(e)) from e
         if self.memory is not None:
             self.memory.pause_retention(True)  # the tier's steps stay as inventoried until the plan is made
         try:
             resume = self._agree_on_attempt(attempt)
         except RoundEnded as e:
+            raise AttemptAbandoned(str(e)) from e
+        except StopAsked as e:
+            try:
+                self.coordinator.end(attempt, f"node {self.membership.node_rank}: {e}")
+            except Exception as err:  # noqa: BLE001 - the store is gone: the others' own waits end on that
+                self._log(f"could not tell the other nodes that attempt {attempt} ended: {err}")
             raise AttemptAbandoned(str(e)) from e
         finally:
             if self.memory is not None:

@@ -2,7 +2,9 @@
 
 Set from signal handlers (or :meth:`StopRequest.ask`, from any other thread), polled by the run loop:
 between attempts the backoff waits on an Event the request wakes, while an attempt runs the watch
-polls it every ``poll_interval``.
+polls it every ``poll_interval``, and every wait of the nodes' coordination (the store's connect, the
+joins, the round's waits) asks :meth:`StopRequest.check` at each poll: a stop ends it with
+:class:`StopAsked`, which the run loop records as the stop it is (never a timeout, never a failure).
 """
 
 from __future__ import annotations
@@ -14,6 +16,14 @@ from typing import Any
 
 from supervisor import exit_codes
 from supervisor.lifecycle import EndReason
+
+
+class StopAsked(Exception):
+    """rlsup was asked to stop while it waited for something (the nodes, the store): the wait ends at once."""
+
+    def __init__(self, message: str, exit_code: int, reason: EndReason) -> None:
+        super().__init__(message)
+        self.exit_code, self.reason = exit_code, reason
 
 
 class StopRequest:
@@ -46,6 +56,20 @@ class StopRequest:
         while not self.asked and (left := deadline - time.monotonic()) > 0:
             self._wake.wait(min(left, poll_interval))
         return self.asked
+
+    def check(self, waiting_for: str) -> None:
+        """Raise :class:`StopAsked` when a stop was asked: the one rule every wait outside an attempt polls."""
+        if self.signum is not None:
+            raise StopAsked(f"rlsup was asked to stop ({self.describe()}) while waiting for {waiting_for}",
+                            self.exit_code(), self.reason)
+
+    def describe(self) -> str:
+        """The signal that asked, by name (``SIGTERM``; ``SIGUSR1, preemption``)."""
+        try:
+            name = signal.Signals(self.signum or signal.SIGTERM).name
+        except ValueError:
+            name = f"signal {self.signum}"
+        return f"{name}, preemption" if self.preempted else name
 
     @property
     def reason(self) -> EndReason:

@@ -1,0 +1,221 @@
+"""A stop asked while a node waits for the others ends the wait at once, in every wait of the coordination
+(in-process, through a real TCPStore): the connect to a store nobody hosts yet, node 0 waiting for the other
+nodes to join (a peer that never started), a node waiting for node 0 to open the first attempt, for the
+plan, for every node's fetch, for all to be ready, and the reconnect after node 0's store is lost. Also
+a node that refuses to start for a clash: its ``abort`` ends the others' waits, as a clash.
+
+The rendezvous timeout is 300 s everywhere; each wait must end within :data:`PROMPT_S`, a deadline on
+the wait (a thread join), never a timed assertion. The stop is asked from inside the wait, at its third
+poll (:class:`StopWhenWaiting`), so the test never guesses when the node is waiting."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import threading
+from typing import Callable
+
+import pytest
+
+from supervisor import exit_codes
+from supervisor.control_records import FetchResult, NodeInventory
+from supervisor.coordinator import (
+    CoordinationError,
+    JobClash,
+    RoundCoordinator,
+    compute_plan,
+    connect_store,
+    embedded_coordinator,
+)
+from supervisor.job_identity import JobIdentity
+from supervisor.kvstore import TCPKVStore
+from supervisor.lifecycle import EndReason
+from supervisor.stop_request import StopAsked, StopRequest
+
+JOB = JobIdentity("job-s", "test")
+SECRET = b"0123456789abcdef-shared"
+TIMEOUT_S = 300.0  # rendezvous_timeout: no wait here may come near it
+PROMPT_S = 30.0  # the deadline on each wait's end
+
+
+class StopWhenWaiting(StopRequest):
+    """The run's stop request, asked (as its signal handler would) at the third poll of a wait whose
+    description contains ``what``: the stop lands while the node is inside that wait."""
+
+    def __init__(self, what: str, signum: signal.Signals = signal.SIGTERM, preempted: bool = False,
+                 at: int = 3) -> None:
+        super().__init__(signal.SIGUSR1)
+        self.what, self.stop_signal, self.stop_preempted, self.at = what, signum, preempted, at
+        self.polls = 0
+        self.seen: list[str] = []
+
+    def check(self, waiting_for: str) -> None:
+        self.seen.append(waiting_for)
+        if self.what in waiting_for:
+            self.polls += 1
+            if self.polls == self.at:
+                self.ask(self.stop_signal, self.stop_preempted)
+        super().check(waiting_for)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def node(port: int, rank: int, stop: StopRequest | None = None, nodes: int = 2) -> RoundCoordinator:
+    return embedded_coordinator("127.0.0.1", port, JOB, SECRET, rank, nodes, TIMEOUT_S, stop)
+
+
+def ends_with(wait: Callable[[], object]) -> BaseException:
+    """Run ``wait`` in a thread; the exception it ended with (it must end within PROMPT_S)."""
+    return ends_with_later(wait)()
+
+
+def assert_stopped(e: BaseException, what: str, code: int = 128 + signal.SIGTERM,
+                   reason: EndReason = EndReason.STOPPED) -> None:
+    assert isinstance(e, StopAsked), repr(e)
+    assert e.exit_code == code and e.reason == reason, (e.exit_code, e.reason)
+    assert "asked to stop" in str(e) and what in str(e), str(e)
+
+
+def test_node_0_waiting_for_a_peer_that_never_started() -> None:
+    stop = StopWhenWaiting("every node to join")
+    leader = node(free_port(), 0, stop)
+    e = ends_with(lambda: leader.join(0))
+    assert_stopped(e, "every node to join")
+    assert "(SIGTERM)" in str(e)
+
+
+def test_a_node_waiting_for_node_0_to_open_the_first_attempt_is_preempted() -> None:
+    port = free_port()
+    leader = node(port, 0, nodes=3)  # hosts the store; node 2 never comes, so node 0 never opens the attempt
+    stop = StopWhenWaiting("node 0 to open the first attempt", signal.SIGUSR1, preempted=True)
+    member = node(port, 1, stop, nodes=3)
+    e = ends_with(lambda: member.join(0))
+    assert_stopped(e, "node 0 to open the first attempt", exit_codes.REQUEUE, EndReason.PREEMPTED)
+    assert "SIGUSR1, preemption" in str(e)
+    assert leader.store.get("rlsup/job-s/base") is None
+
+
+def test_the_round_waits_plan_fetch_and_ready() -> None:
+    port = free_port()
+    leader, member = node(port, 0), node(port, 1)
+    both: dict[int, int] = {}
+    threads = [threading.Thread(target=lambda c=c, i=i: both.__setitem__(i, c.join(0)))
+               for i, c in enumerate((leader, member))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(PROMPT_S)
+    assert both == {0: 0, 1: 0}
+
+    # The plan: node 0 never publishes it.
+    member.stop = StopWhenWaiting("the plan of attempt 0")
+    assert_stopped(ends_with(lambda: member.plan(0)), "the plan of attempt 0")
+
+    # Every node's fetch (node 0) and node 0's summary of them (node 1): nobody else publishes.
+    leader.publish_inventory(0, NodeInventory(0))
+    member.publish_inventory(0, NodeInventory(1))
+    leader.publish_plan(compute_plan(0, leader.inventories(0)))
+    leader.stop = StopWhenWaiting("every node's fetch in attempt 0")
+    assert_stopped(ends_with(lambda: leader.fetch_results(0, 0)), "every node's fetch in attempt 0")
+    member.stop = StopWhenWaiting("node 0's summary of every node's fetch")
+    assert_stopped(ends_with(lambda: member.fetch_results(0, 0)), "summary of every node's fetch in attempt 0")
+
+    # All ready: node 0 waits for node 1's mark, node 1 for node 0's "all ready".
+    leader.publish_fetch_result(0, 0, FetchResult())
+    leader.mark_ready(0)
+    leader.stop = StopWhenWaiting("all nodes ready for attempt 0")
+    assert_stopped(ends_with(lambda: leader.wait_all_ready(0)), "all nodes ready for attempt 0")
+    member.stop = StopWhenWaiting("node 0 to see all nodes ready")
+    assert_stopped(ends_with(lambda: member.wait_all_ready(0)), "node 0 to see all nodes ready for attempt 0")
+
+
+def test_the_connect_to_a_store_nobody_hosts_yet_and_the_wait_for_its_claim() -> None:
+    stop = StopWhenWaiting("to answer", at=2)  # each look is a connect of up to CONNECT_SLICE_S
+    e = ends_with(lambda: connect_store("127.0.0.1", free_port(), TIMEOUT_S, stop))
+    assert_stopped(e, "the coordination store TCPStore 127.0.0.1:")
+    stop = StopWhenWaiting("to answer", at=2)
+    e = ends_with(lambda: node(free_port(), 1, stop))  # embedded_coordinator's first connect
+    assert_stopped(e, "(node 0) to answer")
+    port = free_port()
+    unclaimed = TCPKVStore("127.0.0.1", port, True, 10)  # a store whose node 0 has not said whose it is yet
+    stop = StopWhenWaiting("node 0 to claim the coordination store")
+    assert_stopped(ends_with(lambda: node(port, 1, stop)), "node 0 to claim the coordination store")
+    unclaimed.close()
+
+
+def test_the_reconnect_wait_after_node_0_is_lost() -> None:
+    port = free_port()
+    leader = node(port, 0, nodes=1)
+    assert leader.join(0) == 0
+    stop = StopWhenWaiting("to answer")
+    member = embedded_coordinator("127.0.0.1", port, JOB, SECRET, 1, 2, TIMEOUT_S, stop)
+    leader.store.close()  # node 0's supervisor is gone, and with it the store it hosted
+    del leader
+    assert_stopped(ends_with(lambda: member.join(1)), "(node 0) to answer")
+
+
+def test_a_stop_asked_before_a_wait_ends_it_before_its_first_look() -> None:
+    stop = StopRequest(signal.SIGUSR1)
+    stop.ask(signal.SIGINT)
+    leader = node(free_port(), 0, stop)
+    assert_stopped(ends_with(lambda: leader.join(0)), "every node to join", 128 + signal.SIGINT)
+
+
+def test_a_peer_that_refused_for_a_clash_ends_the_join_waits_as_a_clash() -> None:
+    port = free_port()
+    leader = node(port, 0, nodes=3)
+    member = node(port, 1, nodes=3)
+    waiting = [ends_with_later(lambda: leader.join(0)), ends_with_later(lambda: member.join(0))]
+    refused = node(port, 2, nodes=3)  # node 2 reached the store, then refused (its state_dir is another job's)
+    refused.abort("node 2 refused to start: state_dir /x/.rlsup is in use by rlsup job 'other'", clash=True)
+    for result in waiting:
+        e = result()
+        assert isinstance(e, JobClash), repr(e)
+        assert "node 2 refused to start" in str(e) and "in use by rlsup job 'other'" in str(e), str(e)
+
+
+def test_a_plain_abort_ends_a_wait_as_a_coordination_error() -> None:
+    port = free_port()
+    leader = node(port, 0)
+    result = ends_with_later(lambda: leader.join(0))
+    node(port, 1).abort("node 1: gave up")
+    e = result()
+    assert isinstance(e, CoordinationError) and not isinstance(e, JobClash), repr(e)
+    assert "aborted: node 1: gave up" in str(e)
+
+
+def ends_with_later(wait: Callable[[], object]) -> Callable[[], BaseException]:
+    """Start ``wait`` in a thread now; the returned call waits (PROMPT_S) for the exception it ended with."""
+    out: list[BaseException] = []
+
+    def body() -> None:
+        try:
+            wait()
+        except BaseException as e:  # handed to the test
+            out.append(e)
+
+    t = threading.Thread(target=body, daemon=True)
+    t.start()
+
+    def result() -> BaseException:
+        t.join(PROMPT_S)
+        assert not t.is_alive(), f"the wait did not end within {PROMPT_S}s of the stop"
+        assert out, "the wait returned instead of ending on the stop"
+        return out[0]
+    return result
+
+
+@pytest.mark.parametrize("signum, preempted, code", [(signal.SIGTERM, False, 143), (signal.SIGUSR1, True, 75)])
+def test_the_stop_request_names_the_signal_and_the_wait(signum: signal.Signals, preempted: bool, code: int) -> None:
+    stop = StopRequest(signal.SIGUSR1)
+    stop.check("anything")  # nobody asked: nothing happens
+    stop.ask(signum, preempted)
+    with pytest.raises(StopAsked) as e:
+        stop.check("every node to join")
+    assert e.value.exit_code == code
+    assert str(e.value) == f"rlsup was asked to stop ({signum.name}{', preemption' if preempted else ''}) " \
+                           "while waiting for every node to join"
