@@ -7,18 +7,26 @@ available store whose loss of one member or of any one node stalls nobody. The c
 
 Semantics every store keeps: keys are never rewritten by the protocol except through :meth:`set`;
 :meth:`create` is atomic (the first writer wins, everyone reads the winner); :meth:`get` never blocks.
-A store that cannot be reached raises :class:`StoreUnavailable`.
+A store that cannot be reached raises :class:`StoreUnavailable`, within :data:`OP_TIMEOUT_S` even when its
+host is cut off and TCP neither answers nor resets (torch's TCPStore client then waits for ever).
 """
 
 from __future__ import annotations
 
+import threading
 from datetime import timedelta
-from typing import Literal, Protocol, Sequence
+from typing import Callable, Literal, Protocol, Sequence, TypeVar
 
 #: The stores, by the name ``coordinator_backend`` gives them (the config's choices): ``embedded``, the
 #: TCPStore node 0's supervisor hosts (:class:`TCPKVStore`), or ``etcd`` (:mod:`supervisor.kvstore_etcd`);
 #: ``multinode.connect_coordinator`` picks the store by these names.
 CoordinatorBackend = Literal["embedded", "etcd"]
+#: The longest one TCPStore operation may take. Every operation is immediate (a key is checked before it is
+#: read), so a longer one means node 0's host no longer answers: a network partition, where TCP neither
+#: answers nor resets and torch's client waits for ever, holding the run loop (hang detection, rank deaths,
+#: SIGTERM) and every other node's view of the job with it.
+OP_TIMEOUT_S = 5.0
+T = TypeVar("T")
 
 
 class StoreUnavailable(RuntimeError):
@@ -66,10 +74,14 @@ class KVStore(Protocol):
 class TCPKVStore:
     """The embedded store: torch's TCPStore, hosted when ``host_it`` (node 0's supervisor)."""
 
-    def __init__(self, host: str, port: int, host_it: bool, timeout_s: float) -> None:
+    def __init__(self, host: str, port: int, host_it: bool, timeout_s: float, op_timeout_s: float = OP_TIMEOUT_S) -> None:
         from torch.distributed import TCPStore
 
         self.host, self.port = host, port
+        # Not timeout_s: that is the connect's (a short slice, where it is retried). None on node 0, whose store
+        # is served in this process: no partition comes between them.
+        self.op_timeout_s = None if host_it else op_timeout_s
+        self._stalled = ""  # why this connection was given up (an operation got no answer in time)
         try:
             self._store = TCPStore(host, port, None, host_it, timedelta(seconds=timeout_s), wait_for_workers=False)
         except Exception as e:  # torch raises several types; all mean the same here
@@ -79,13 +91,36 @@ class TCPKVStore:
     def describe(self) -> str:
         return f"TCPStore {self.host}:{self.port}"
 
-    def _call(self, what: str, fn, *args):
-        try:
-            return fn(*args)
-        except StoreUnavailable:
-            raise
-        except Exception as e:  # DistNetworkError, DistStoreError, RuntimeError: the host is gone
-            raise StoreUnavailable(f"coordination store {self.describe()}: {what} failed: {e}") from e
+    def _call(self, what: str, fn: Callable[..., T], *args: object) -> T:
+        """``fn(*args)`` on a daemon thread, given up after ``op_timeout_s``: the connection is then dead for
+        good (its answer may still come, out of turn) and every later call fails at once; the coordinator
+        reconnects (a fresh store) where it waits for node 0 to come back."""
+        if self._stalled:
+            raise StoreUnavailable(f"coordination store {self.describe()}: {self._stalled}")
+        if self.op_timeout_s is None:
+            try:
+                return fn(*args)
+            except Exception as e:  # DistNetworkError, DistStoreError, RuntimeError: the host is gone
+                raise StoreUnavailable(f"coordination store {self.describe()}: {what} failed: {e}") from e
+        outcome: list = []
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                outcome.append((True, fn(*args)))
+            except Exception as e:  # noqa: BLE001 - DistNetworkError, DistStoreError, RuntimeError: the host is gone
+                outcome.append((False, e))
+            done.set()
+
+        threading.Thread(target=run, name=f"rlsup-store-{what}", daemon=True).start()
+        if not done.wait(self.op_timeout_s):
+            self._stalled = (f"{what} got no answer within {self.op_timeout_s:.0f}s (its host is cut off or "
+                             "stopped); this connection is given up")
+            raise StoreUnavailable(f"coordination store {self.describe()}: {self._stalled}")
+        ok, value = outcome[0]
+        if not ok:
+            raise StoreUnavailable(f"coordination store {self.describe()}: {what} failed: {value}") from value
+        return value
 
     def set(self, key: str, value: bytes) -> None:
         self._call("set", self._store.set, key, value)

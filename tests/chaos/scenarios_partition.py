@@ -41,7 +41,9 @@ EVERY = 3
 TRAIN = ["--steps", "30", "--checkpoint-every", str(EVERY), "--step-time", "0.2", "--keep-last", "100"]
 CRASH = ["--crash-at-step", "7", "--fault-rank", "1"]  # the "round" plan: node 1's rank dies, a round follows
 HEARTBEAT_S = 8  # a rank stuck in a collective with a cut peer is a hang after this long
-RENDEZVOUS_S = 120  # every wait of a round; the cut heals well before it
+RENDEZVOUS_S = 180  # every wait of a round; the cut heals well before it (node 0 cut off: the others fail it in ~110 s)
+SHORT_RENDEZVOUS_S = 40  # a cut that never heals: the nodes give up after this
+STOPPED = re.compile(r"timed out after \d+s waiting for|stayed unreachable for \d+s")
 SETTLE_S = 4.0  # after the far side failed the attempt: the heal then meets it waiting in the next round
 ROUND_HOLD_S = 10.0  # a cut during a round holds this long: the others wait for the cut node in it
 FAILED = re.compile(r"\[rlsup\] attempt (\d+) failed")
@@ -57,6 +59,7 @@ class PartitionPlan:
     direction: Direction = "both"
     during: Literal["training", "round"] = "training"
     backend: Literal["embedded", "etcd"] = "embedded"
+    heal: bool = True  # False: the cut outlasts the rendezvous timeout; every node must stop, named, losing nothing
 
 
 @dataclass
@@ -130,6 +133,20 @@ def check_resumes(cluster: Cluster, report: PartitionReport, first_after_cut: in
     return problems
 
 
+def check_named_stop(cluster: Cluster, net: Partition, report: PartitionReport) -> list[str]:
+    """A cut that outlasts the rendezvous timeout: every node stops (non-zero, the log naming what it waited
+    for), nothing of the cut step is lost, and the same command run again once healed finishes the job."""
+    codes = cluster.wait_all(timeout=SHORT_RENDEZVOUS_S + 120)
+    problems = [f"node {n} did not stop on its own (exit codes {codes})" for n, c in codes.items() if c in (0, -999)]
+    problems += [f"node {n} stopped without naming the wait it gave up" for n in range(cluster.nodes)
+                 if not STOPPED.search(cluster.log(n))]
+    problems += [f"node {n} lost its part of step {report.cut_at_step}, complete when the cut came"
+                 for n in range(cluster.nodes) if report.cut_at_step not in own_steps(cluster, n)]
+    net.heal()
+    cluster.start_all()  # the same command, as a requeue runs it
+    return problems
+
+
 def hold_cut(cluster: Cluster, report: PartitionReport, until: Callable[[], bool], timeout: float, what: str) -> None:
     """Keep the cut until ``until()`` (raises Deadline after ``timeout``), polling that nobody trains: no step
     past the one in flight when the cut came appears on any node."""
@@ -163,11 +180,14 @@ def partition_scenario(parent: Path, ref_cache: Path, plan: PartitionPlan) -> tu
                 return res, report
             etcd = EtcdCluster(sb.run / "etcd", NODES, hosts=net.addrs, wrap=net.wrap).start()
             extra += ["--coordinator-backend", "etcd", "--coordinator-endpoints", ",".join(etcd.endpoints)]
-        cluster = Cluster(sb.run, NODES, "c10d", extra, train, rendezvous_timeout=RENDEZVOUS_S, hosts=net.addrs,
-                          wrap=net.wrap, env=sandbox_env(sb, GLOO_SOCKET_IFNAME="eth0"))
+        cluster = Cluster(sb.run, NODES, "c10d", extra, train, hosts=net.addrs, wrap=net.wrap,
+                          rendezvous_timeout=RENDEZVOUS_S if plan.heal else SHORT_RENDEZVOUS_S,
+                          env=sandbox_env(sb, GLOO_SOCKET_IFNAME="eth0"))
         try:
             cluster.start_all()
             res.check(run_partition(cluster, net, plan, report, far))
+            if not plan.heal:
+                res.check(check_named_stop(cluster, net, report))
             codes = cluster.wait_all(timeout=240)
             res.check([] if codes == {n: 0 for n in range(NODES)} else [f"exit codes {codes}"])
             why_not = same_weights(cluster.node_dir(0) / cluster.out_name, ref)  # rank 0 writes the weights
@@ -210,7 +230,8 @@ def run_partition(cluster: Cluster, net: Partition, plan: PartitionPlan, report:
         problems.append("an attempt launched while the cut held: "
                         f"{[sorted(launches(cluster.log(n))) for n in range(NODES)]}")
     report.held_s = time.monotonic() - cut_at
-    net.heal()
+    if plan.heal:
+        net.heal()
     if report.trained_while_cut:
         problems.append(f"a step {report.trained_while_cut} past the one in flight was saved while cut")
     return problems

@@ -2,8 +2,9 @@
 
 One scenario runs by default (the chaos CI subset): node 2 cut off both ways while the job trains, with the
 embedded store, then healed. The others run under the soak marker (``pytest tests/chaos/test_partitions.py
---soak 1``): node 0 (the store's host) cut off, a one-way cut, a cut during a round, and the etcd backend
-with its members in the nodes' namespaces. Without root, ``ip``/``nft`` (or etcd) they skip, saying why.
+--soak 1``): node 0 (the store's host) cut off, one-way cuts, a cut during a round, the etcd backend with its
+members in the nodes' namespaces, and a cut that outlasts the rendezvous timeout (every node stops, named,
+and the same command finishes the job once healed). Without root, ``ip``/``nft`` (or etcd) they skip, saying why.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ SOAK = [
     PartitionPlan("node2_during_round", cut=(2,), during="round"),
     PartitionPlan("etcd_node2_both", cut=(2,), backend="etcd"),
     PartitionPlan("etcd_node0_both", cut=(0,), backend="etcd"),
+    PartitionPlan("node2_never_healed", cut=(2,), heal=False),
 ]
 
 
