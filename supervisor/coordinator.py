@@ -57,6 +57,7 @@ import hashlib
 import hmac
 import json
 import logging
+import socket
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -494,19 +495,24 @@ def _fetch_result(value: str, node: int | None) -> FetchResult:
 
 
 def connect_store(host: str, port: int, wait_s: float, stop: StopRequest | None) -> KVStore:
-    """A client of the TCPStore at ``host:port``, tried for up to ``wait_s`` in slices of
-    :data:`CONNECT_SLICE_S`: torch's connect blocks in C++ where no signal handler runs, so a stop is
-    asked between slices (:class:`~supervisor.stop_request.StopAsked`) instead of after ``wait_s``."""
+    """A client of the TCPStore at ``host:port``, waited for up to ``wait_s``. torch's connect blocks in C++
+    where no signal handler runs (and logs a stack trace per retry), so the port is first awaited with
+    plain connects of up to :data:`CONNECT_SLICE_S`, the stop asked between them
+    (:class:`~supervisor.stop_request.StopAsked`); torch connects once the port answers."""
     deadline = time.monotonic() + wait_s
     while True:
         if stop is not None:
             stop.check(f"the coordination store TCPStore {host}:{port} (node 0) to answer")
         left = deadline - time.monotonic()
         try:
-            return TCPKVStore(host, port, False, max(0.1, min(CONNECT_SLICE_S, left)))
-        except StoreUnavailable:
+            with socket.create_connection((host, port), timeout=max(0.1, min(CONNECT_SLICE_S, left))):
+                pass
+            return TCPKVStore(host, port, False, max(1.0, min(CONNECT_SLICE_S * 10, left)))
+        except (OSError, StoreUnavailable) as e:
             if left <= CONNECT_SLICE_S:
-                raise
+                raise e if isinstance(e, StoreUnavailable) else StoreUnavailable(
+                    f"cannot reach the coordination store TCPStore {host}:{port}: {e}") from e
+            time.sleep(min(CONNECT_SLICE_S / 4, max(0.0, deadline - time.monotonic())))
 
 
 def embedded_coordinator(host: str, port: int, job: JobIdentity, secret: bytes, node_rank: int, num_nodes: int,

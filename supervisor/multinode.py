@@ -135,6 +135,7 @@ class MultiNodeSupervisor(Supervisor):
         if pinned.note:
             self._log(pinned.note)
         self._store_lost = False
+        self._stopped_waiting: StopAsked | None = None  # the wait a stop ended before the attempt was known
         # Node 0, the planner: persistent parts that failed verification, never offered again.
         self._bad_persistent: set[tuple[int, int]] = set()
         if coordinator is not None:
@@ -164,7 +165,7 @@ class MultiNodeSupervisor(Supervisor):
         try:
             return self.coordinator.join(mine)
         except StopAsked as e:
-            self._log(str(e))
+            self._stopped_waiting = e
             return mine
 
     def check_health(self, attempt: int) -> AttemptResult | None:
@@ -208,6 +209,8 @@ class MultiNodeSupervisor(Supervisor):
     def _linger_after_clash(self) -> None:
         """Node 0 of the embedded store, ended by another node's clash: see :data:`CLASH_LINGER_S`."""
         if self.membership.node_rank == 0 and self.cfg.coordinator_backend == "embedded":
+            self._log(f"a node of this job refused to start for a clash; keeping the store up {CLASH_LINGER_S:.0f}s "
+                      "so that the other job's nodes that reach it learn whose it is")
             self.stop.wait(CLASH_LINGER_S, self.settings.poll_interval)
 
     def prepare(self, attempt: int) -> ResumePoint | None:
@@ -216,6 +219,8 @@ class MultiNodeSupervisor(Supervisor):
         asked before or during the round abandons it too (the loop records the stop), and ends the attempt
         for the other nodes, which would otherwise wait for this one until ``rendezvous_timeout``."""
         try:
+            if self._stopped_waiting is not None:
+                raise self._stopped_waiting
             self.stop.check(f"attempt {attempt} to start")
         except StopAsked as e:
             raise AttemptAbandoned(str(e)) from e

@@ -24,7 +24,7 @@ from supervisor.dir_lock import DirLock
 from supervisor.job_identity import JobIdentity
 from supervisor.membership import Membership
 from supervisor.observer import Observer
-from supervisor.tiers.replication import ReplicationEngine, ReplicationSettings
+from supervisor.tiers.replication import ReplicationEngine, ReplicationSettings, newest_own_step
 
 DAEMON_FILE = "daemon.json"
 
@@ -116,7 +116,10 @@ class NodeService:
 
     def stop(self) -> None:
         if self.engine is not None and self.serve:
-            self.engine.drain(timeout=60)
+            # The last pass copies this node's newest parts; with none (stopped or refused before any
+            # checkpoint) there is nothing to lose, and a gone peer would only hold the exit for seconds.
+            if newest_own_step(Path(self.cfg.checkpoint_dir), self.membership.node_rank) is not None:
+                self.engine.drain(timeout=60)
             self.engine.stop()
         if self.server is not None:
             self.server.stop()
