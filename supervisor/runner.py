@@ -21,6 +21,7 @@ from typing import Sequence
 from supervisor import exit_codes, log as rlsup_log
 from supervisor.attempt_end import ERROR_FILE_ENV, AttemptResult, error_file_for, with_hang_gpu_failure
 from supervisor.attempt_progress import step_reached
+from supervisor.bounded_calls import BoundedCalls
 from supervisor.attempt_watch import AttemptWatch
 from supervisor.checkpoint_sight import CheckpointSight
 from supervisor.config import SupervisorConfig
@@ -79,6 +80,7 @@ class Supervisor:
         self.watcher = AttemptWatch(self.settings, hang, AutoTimeout.from_settings(hang), self.processes, self.stop,
                                     self.record, self.sight, self.observer, self.node_name, self.peer_ended,
                                     self.refresh_checkpoint_metric)
+        self.checkpoint_reads = BoundedCalls(f"reading the checkpoint directory {self.checkpoint_dir}", 10.0)
         self.kernel_log: str | os.PathLike | None = KMSG  # a hang's lost GPU (with_hang_gpu_failure); tests: a file
         self.gpu_probe = probe_node  # NVML on this node's GPUs, to tie a hang's Xid to the job (tests: a stand-in)
 
@@ -322,8 +324,13 @@ class Supervisor:
         return point
 
     def refresh_checkpoint_metric(self) -> None:
-        """A save just ended: report the newest checkpoint. Sizes only for rlsup's own layout, so the
-        supervisor does not re-read every byte the trainer just wrote (restart selection checks all)."""
+        """A save just ended: report the newest checkpoint, read off the run loop's thread
+        (:mod:`supervisor.bounded_calls`: a hung checkpoint mount must not stop hang detection)."""
+        self.checkpoint_reads.call(self._refresh_checkpoint_metric, None)
+
+    def _refresh_checkpoint_metric(self) -> None:
+        """Sizes only for rlsup's own layout, so the supervisor does not re-read every byte the trainer just
+        wrote (restart selection checks all)."""
         from rlsup_format.manifest import latest_valid
 
         if self.settings.checkpoint_layout in ("rlsup", "auto"):

@@ -17,17 +17,35 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, TypeVar
 
 if TYPE_CHECKING:
     from supervisor.attempt_end import AttemptResult
 
 UNINTERRUPTIBLE = "D"
 _RANK_KEYS = (b"RANK", b"LOCAL_RANK")
-_ENVIRON_DEADLINE_S = 0.5
+_MEMORY_READ_DEADLINE_S = 0.5
+_AT_FDCWD = -100
+T = TypeVar("T")
+# System calls a process can sleep in on a mount, by number: "fd" (the file behind its first argument) or the
+# index of its path argument (1: relative to the directory fd in argument 0, an *at call).
+_X86_64: dict[int, "int | str"] = {
+    **dict.fromkeys((0, 1, 3, 5, 8, 17, 18, 19, 20, 40, 74, 75, 77, 217, 285, 295, 296, 326), "fd"),
+    **dict.fromkeys((2, 4, 6, 21, 76, 82, 83, 84, 85, 86, 87, 89, 90, 92, 94, 132, 137), 0),
+    **dict.fromkeys((257, 258, 259, 260, 262, 263, 264, 265, 267, 268, 269, 280, 316, 332, 437, 439), 1),
+}
+_ARM64: dict[int, "int | str"] = {
+    **dict.fromkeys((46, 47, 57, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70, 71, 80, 82, 83, 285), "fd"),
+    **dict.fromkeys((43, 45, 49), 0),
+    **dict.fromkeys((33, 34, 35, 37, 38, 48, 53, 54, 56, 78, 79, 88, 276, 291, 437, 439), 1),
+}
+_SYSCALLS = {"x86_64": _X86_64, "aarch64": _ARM64}
+#: Filesystem types that hang when a server or daemon stops answering: their mounts are named first.
+_SHARED_FS = ("fuse", "nfs", "lustre", "cifs", "smb", "ceph", "gpfs", "9p", "beegfs", "glusterfs", "afs")
 
 
 @dataclass(frozen=True)
@@ -51,6 +69,7 @@ class StuckProcess:
     name: str = ""
     wchan: str = ""
     rank: int | None = None
+    waiting_on: str = ""  # the file its system call names (waiting_on), when it sleeps in one this knows
     paths: list[str] = field(default_factory=list)  # files it holds open (fds resolved), not pipes or sockets
     mounts: list[Mount] = field(default_factory=list)  # the non-root mounts those files lie on
 
@@ -61,13 +80,15 @@ class StuckProcess:
     def describe(self) -> str:
         who = f"rank {self.rank} " if self.rank is not None else ""
         waits = f" in {self.wchan}" if self.wchan and self.wchan != "0" else ""
-        files = f" holding {', '.join(self.paths[:4])}" + (" …" if len(self.paths) > 4 else "") if self.paths else ""
+        waits += f" on {self.waiting_on}" if self.waiting_on else ""
+        there = [p for p in self.paths if any(p.startswith(m.point.rstrip("/") + "/") for m in self.mounts)]
+        files = f" holding {', '.join(there[:4])}" + (" …" if len(there) > 4 else "") if there else ""
         on = f" on {', '.join(m.describe() for m in self.mounts)}" if self.mounts else ""
         return f"{who}pid {self.pid} ({self.name}) state {self.state}{waits}{files}{on}"
 
     def as_dict(self) -> dict:
         return {"pid": self.pid, "state": self.state, "name": self.name, "wchan": self.wchan, "rank": self.rank,
-                "paths": self.paths, "mounts": [m.point for m in self.mounts]}
+                "waiting_on": self.waiting_on, "paths": self.paths, "mounts": [m.point for m in self.mounts]}
 
 
 def mounts(mountinfo: str = "/proc/self/mountinfo") -> list[Mount]:
@@ -136,23 +157,72 @@ def _open_files(pid: int) -> list[str]:
     return sorted(set(paths)) + ([cwd] if cwd and cwd not in paths else [])
 
 
-def _rank(pid: int) -> int | None:
-    """RANK (or LOCAL_RANK) from the process's environment, read in a thread that may be abandoned: the read
-    waits on the process's memory lock, which a page fault into a hung mount holds."""
-    box: list[int | None] = []
+def _bounded(read: Callable[[], T], default: T) -> T:
+    """``read()`` in a daemon thread given :data:`_MEMORY_READ_DEADLINE_S`: reads of another process's memory
+    wait on its memory lock, which a page fault into a hung mount holds; such a thread is abandoned."""
+    box: list[T] = []
 
-    def read() -> None:
+    def run() -> None:
         try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
-            box.append(next((int(env[k]) for k in _RANK_KEYS if k in env), None))
+            box.append(read())
         except (OSError, ValueError):
-            box.append(None)
+            pass
 
-    thread = threading.Thread(target=read, daemon=True, name=f"rlsup-environ-{pid}")
+    thread = threading.Thread(target=run, daemon=True, name="rlsup-proc-read")
     thread.start()
-    thread.join(_ENVIRON_DEADLINE_S)
-    return box[0] if box else None
+    thread.join(_MEMORY_READ_DEADLINE_S)
+    return box[0] if box else default
+
+
+def _rank(pid: int) -> int | None:
+    """RANK (or LOCAL_RANK) from the process's environment."""
+    def read() -> int | None:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+        return next((int(env[k]) for k in _RANK_KEYS if k in env), None)
+
+    return _bounded(read, None)
+
+
+def _string_at(pid: int, address: int) -> str | None:
+    """The NUL-terminated string at ``address`` in ``pid``'s memory."""
+    def read() -> str | None:
+        with open(f"/proc/{pid}/mem", "rb", buffering=0) as f:
+            f.seek(address)
+            raw = f.read(4096)
+        end = raw.find(b"\0")
+        return raw[:end].decode(errors="replace") if end > 0 else None
+
+    return _bounded(read, None)
+
+
+def waiting_on(pid: int) -> str:
+    """The file the system call ``pid`` sleeps in names (``/proc/<pid>/syscall``: the path argument of an
+    open, mkdir, stat, rename ... read from its memory, or the file behind the fd of a read, write or fsync);
+    "" when it is in none this knows (or on another architecture than x86-64 and arm64)."""
+    fields = _read(f"/proc/{pid}/syscall").split()
+    table = _SYSCALLS.get(platform.machine())
+    if table is None or len(fields) < 4 or not fields[0].isdigit():
+        return ""
+    kind = table.get(int(fields[0]))
+    args = [int(a, 16) for a in fields[1:7]]
+    dirfd = args[0] - (1 << 64) if args[0] >= 1 << 63 else args[0]
+    if kind == "fd":
+        return _fd_target(pid, dirfd)
+    if kind is None:
+        return ""
+    path = _string_at(pid, args[kind])
+    if not path or path.startswith("/"):
+        return path or ""
+    base = _fd_target(pid, dirfd) if kind == 1 and dirfd != _AT_FDCWD else _fd_target(pid, "cwd")
+    return os.path.join(base, path) if base else path
+
+
+def _fd_target(pid: int, fd: "int | str") -> str:
+    try:
+        return os.readlink(f"/proc/{pid}/{fd}" if fd == "cwd" else f"/proc/{pid}/fd/{fd}")
+    except OSError:
+        return ""
 
 
 def examine(pids: list[int], table: list[Mount] | None = None) -> list[StuckProcess]:
@@ -163,15 +233,16 @@ def examine(pids: list[int], table: list[Mount] | None = None) -> list[StuckProc
         state, name = _state(pid)
         if not state or state in ("Z", "X"):
             continue
-        on: list[Mount] = []
-        placed = []
-        for path in _open_files(pid):
-            m = mount_of(path, table)
-            if m is not None and m.point != "/" and m not in on:
-                on.append(m)
-            placed.append((m is None or m.point == "/", path))
-        files = [path for _, path in sorted(placed)]  # the files on mounts first: those are what it waits on
-        out.append(StuckProcess(pid, state, name, _read(f"/proc/{pid}/wchan").strip(), _rank(pid), files, on))
+        target = waiting_on(pid)
+        files = _open_files(pid)
+        held = {path: mount_of(path, table) for path in ([target] if target else []) + files}
+        suspects = [m for m in held.values() if m is not None and (m.fstype.startswith(_SHARED_FS) or
+                                                                   (target and m == held[target]))]
+        on = list(dict.fromkeys(suspects)) or list(dict.fromkeys(
+            m for m in held.values() if m is not None and m.point != "/"))
+        files.sort(key=lambda path: (held[path] not in on, path))  # those on the suspect mounts first
+        out.append(StuckProcess(pid, state, name, _read(f"/proc/{pid}/wchan").strip(), _rank(pid), target,
+                                [p for p in files if p != target], on))
     return out
 
 

@@ -19,7 +19,7 @@ from rlsup_format.manifest import latest_valid
 from supervisor.health import node_name, read_unhealthy
 from support.env import PY, TRAIN, clean_env
 from support.incidents import incidents
-from support.procs import pid_alive, proc_state, start_rlsup
+from support.procs import pid_alive, proc_state
 from support.sick_fs import SickFs, unavailable
 from support.trainers import Supervised
 from support.waits import wait_for
@@ -39,50 +39,89 @@ def sick(tmp_path: Path):
         yield fs
 
 
-def hung_save_run(workdir: Path, sick: SickFs, hang: dict, kill_grace: str = "2") -> tuple[int, str, dict]:
-    """Train into the sick mount until a step is valid, hang it as ``hang`` says, and wait for rlsup's end:
-    (exit code, rlsup's output, unkillable.json) with the mount still hung (the caller heals it)."""
-    proc = start_rlsup(["run", *FAST, "--checkpoint-dir", str(sick.mountpoint), "--save-timeout", "2",
-                        "--heartbeat-timeout", "30", "--kill-grace", kill_grace, "--",
-                        *torchrun("--steps", "2000", "--checkpoint-every", "2", "--step-time", "0.02")],
-                       workdir, OMP_NUM_THREADS="1", TORCH_FR_BUFFER_SIZE="0")
+def gave_up(state_dir: Path) -> dict | None:
+    """state.json once rlsup has given up (what a scheduler reads even while rlsup's exit waits on the kernel)."""
+    try:
+        state = json.loads((state_dir / "state.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return state if state.get("state") == "gave_up" else None
+
+
+def hung_save_run(workdir: Path, sick: SickFs, hang: dict) -> tuple[Supervised, dict, dict]:
+    """Train into the sick mount until a step is valid, hang it as ``hang`` says, and wait until rlsup gave
+    up: (the run, state.json, unkillable.json), the mount still hung (the caller heals it, then waits for
+    rlsup's exit: a thread of rlsup's own blocked in the mount holds its exit in the kernel until then)."""
+    run = Supervised.start(workdir, [*FAST, "--checkpoint-dir", str(sick.mountpoint), "--save-timeout", "2",
+                                     "--heartbeat-timeout", "30", "--kill-grace", "2"],
+                           torchrun("--steps", "2000", "--checkpoint-every", "2", "--step-time", "0.02"),
+                           clean_env(OMP_NUM_THREADS="1", TORCH_FR_BUFFER_SIZE="0"))
     try:
         wait_for(lambda: latest_valid(sick.root, full=False), 90, "a first valid step through the mount")
         sick.hang(**hang)
         wait_for(lambda: sick.status()["held"], 30, "a rank's call held by the hung mount")
-        out, _ = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
-    record = workdir / ".rlsup" / "unkillable.json"
-    return proc.returncode, out, json.loads(record.read_text()) if record.exists() else {}
+        state = wait_for(lambda: gave_up(run.state_dir), 120, "rlsup to give up on the unkillable attempt")
+    except BaseException:
+        sick.heal()
+        run.proc.kill()
+        run.proc.wait(30)
+        raise
+    record = run.state_dir / "unkillable.json"
+    return run, state, json.loads(record.read_text()) if record.exists() else {}
+
+
+def check_unkillable(workdir: Path, sick: SickFs, run: Supervised, state: dict, record: dict) -> list[dict]:
+    """The invariants of an attempt stuck in the mount, checked while it is still hung; its processes."""
+    stuck = record.get("processes", [])
+    mount = str(sick.mountpoint)
+    assert state["exit_code"] == 77, run.output()[-3000:]
+    assert stuck and all(p["state"] == "D" and p["wchan"] for p in stuck), record
+    assert all(p["mounts"] == [mount] and (p["waiting_on"] + "/").startswith(mount + "/") for p in stuck), record
+    assert None not in {p["rank"] for p in stuck} and {p["rank"] for p in stuck} <= {0, 1}, record
+    assert all(proc_state(p["pid"]) == "D" for p in stuck), "the stuck ranks are still held by the mount"
+    assert read_unhealthy(run.state_dir) == [node_name()]
+    last = incidents(run.state_dir)[-1]
+    assert (last["reason"], last["action"]) == ("unkillable", "exclude_node"), last
+    assert "state D" in last["detail"] and f"mount {mount} not answering" in last["detail"], last["detail"]
+    assert f"rank {stuck[0]['rank']}" in last["detail"] and "save_timeout" in last["detail"], last["detail"]
+    attempts = sorted(d.name for d in (run.state_dir / "attempts").iterdir())
+    assert attempts == ["attempt_0000"], f"an attempt launched beside the unkillable one: {attempts}"
+    return stuck
+
+
+def healed_end(sick: SickFs, run: Supervised, stuck: list[dict]) -> None:
+    """Heal and unmount: the stuck ranks get their answer and die, and rlsup exits 77."""
+    sick.close()
+    for p in stuck:
+        wait_for(lambda p=p: not pid_alive(p["pid"]), 30, f"stuck pid {p['pid']} to end once the mount healed")
+    assert run.proc.wait(60) == 77, run.output()[-3000:]
 
 
 def test_checkpoint_dir_hung_mid_save_excludes_the_node(tmp_path: Path, sick: SickFs) -> None:
-    """Writes hang mid-save: the save outlives save_timeout, the ranks are SIGKILLed, the one in the mount's
-    write stays in state D; rlsup names it (rank, state, wchan, file, mount), exits 77 with this node in
-    unhealthy_nodes, and never launches attempt 1 beside it."""
-    code, out, record = hung_save_run(tmp_path, sick, {"ops": ("write",)})
-    stuck = record.get("processes", [])
+    """Writes hang mid-save: the save outlives save_timeout, the ranks are SIGKILLed, the ones in the mount's
+    write stay in state D; rlsup names them (rank, state, wchan, file, mount), gives up with 77 and this node
+    in unhealthy_nodes, and never launches attempt 1 beside them."""
+    run, state, record = hung_save_run(tmp_path, sick, {"ops": ("write",)})
     try:
-        assert code == 77, out[-3000:]
-        assert stuck and all(p["state"] == "D" and p["wchan"] for p in stuck), record
-        assert all(str(sick.mountpoint) in p["mounts"] for p in stuck), record
-        assert any(path.startswith(str(sick.mountpoint) + "/") for p in stuck for path in p["paths"]), record
-        assert {p["rank"] for p in stuck} <= {0, 1} and None not in {p["rank"] for p in stuck}, record
-        assert all(proc_state(p["pid"]) == "D" for p in stuck), "the stuck ranks are still held by the mount"
-        assert read_unhealthy(tmp_path / ".rlsup") == [node_name()]
-        last = incidents(tmp_path / ".rlsup")[-1]
-        assert (last["reason"], last["action"]) == ("unkillable", "exclude_node"), last
-        assert "state D" in last["detail"] and str(sick.mountpoint) in last["detail"], last["detail"]
-        assert f"rank {stuck[0]['rank']}" in last["detail"] and "save_timeout" in last["detail"], last["detail"]
-        attempts = sorted(d.name for d in (tmp_path / ".rlsup" / "attempts").iterdir())
-        assert attempts == ["attempt_0000"], f"an attempt launched beside the unkillable one: {attempts}"
-    finally:
-        sick.close()  # heal and unmount: the stuck ranks get their answer and die
-    for p in stuck:
-        wait_for(lambda p=p: not pid_alive(p["pid"]), 30, f"stuck pid {p['pid']} to end once the mount healed")
+        stuck = check_unkillable(tmp_path, sick, run, state, record)
+    except BaseException:
+        sick.heal()
+        run.proc.kill()
+        raise
+    healed_end(sick, run, stuck)
+
+
+def test_checkpoint_dir_hung_every_call_excludes_the_node(tmp_path: Path, sick: SickFs) -> None:
+    """Every call on the checkpoint mount hangs (an NFS server gone), rlsup's own reads of it included: the
+    same verdict, reached while rlsup's single-file watcher is stalled on the mount too."""
+    run, state, record = hung_save_run(tmp_path, sick, {})
+    try:
+        stuck = check_unkillable(tmp_path, sick, run, state, record)
+    except BaseException:
+        sick.heal()
+        run.proc.kill()
+        raise
+    healed_end(sick, run, stuck)
 
 
 def newest_local_step(ckpt: Path) -> int:
@@ -122,3 +161,4 @@ def test_persistent_tier_hung_training_goes_on_and_the_copy_is_named(tmp_path: P
             run.proc.kill()
             run.proc.wait(10)
     assert run.proc.returncode == 128 + signal.SIGTERM, run.output()[-3000:]
+

@@ -60,7 +60,7 @@ class PollLoop:
             if started is not None and named != started and time.monotonic() - started > self.stall_s:
                 named, self.stalls = started, self.stalls + 1
                 self.stalled = (f"{self.name}: a pass has not ended in {time.monotonic() - started:.0f}s "
-                                f"({self.doing or 'a pass of the tier'}): the store is slow or not answering; "
+                                f"({self.doing or 'its pass'}): the store is slow or not answering; "
                                 "training, hang detection and metrics go on without it")
                 log.warning(self.stalled)
                 if self.on_stall is not None:
@@ -88,14 +88,15 @@ class PollLoop:
             self.wake.clear()
 
     def stop(self, timeout: float | None = 60.0) -> None:
-        """Stop after the pass in progress (waits at most ``timeout`` for it; a stalled pass not at all)."""
-        if self.stuck():
-            timeout = 0
+        """Stop after the pass in progress (waits at most ``timeout`` for it, and no longer once it is named
+        stalled)."""
         self._stop.set()
         self.wake.set()
         if self._watch is not None:
             self._watch.stop()
             self._watch = None
         if self._thread is not None:
-            self._thread.join(timeout)
+            deadline = None if timeout is None else time.monotonic() + timeout
+            while self._thread.is_alive() and not self.stuck() and (deadline is None or time.monotonic() < deadline):
+                self._thread.join(0.1)  # a pass named stalled meanwhile is not waited for any longer
             self._thread = None

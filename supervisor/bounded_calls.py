@@ -1,0 +1,57 @@
+"""Calls into a directory that may stop answering, made from a thread that must not stop with them.
+
+A read of a hung NFS, Lustre or FUSE mount blocks the calling thread in the kernel, and no signal gets it
+back. The run loop polls heartbeats and detects hangs; it must never be that thread. So such a call runs in a
+daemon thread given a deadline: past it the caller goes on with a default answer and the call is named once;
+while it is still blocked, later calls are not started beside it (one stuck thread per store, not one per
+poll). A thread blocked in the kernel cannot be joined or killed: it is left, and ends when the mount answers.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable, TypeVar
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class BoundedCalls:
+    """Calls named ``what`` (e.g. "reading the checkpoint directory /ckpt"), each given ``deadline_s``."""
+
+    def __init__(self, what: str, deadline_s: float) -> None:
+        self.what, self.deadline_s = what, deadline_s
+        self.blocked_since: float | None = None  # a call that outlived its deadline and has not returned yet
+        self.timeouts = 0
+
+    def call(self, fn: Callable[[], T], default: T) -> T:
+        """``fn()``, or ``default`` when it has not returned within the deadline or an earlier call is still
+        blocked. Exceptions of ``fn`` reach the caller."""
+        if self.blocked_since is not None:
+            return default
+        box: list[tuple[bool, object]] = []
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                box.append((True, fn()))
+            except BaseException as e:  # noqa: BLE001 - handed to the caller below
+                box.append((False, e))
+            finally:
+                if self.blocked_since is not None:
+                    log.info("%s answered after %.0fs", self.what, time.monotonic() - self.blocked_since)
+                    self.blocked_since = None
+                done.set()
+
+        threading.Thread(target=run, daemon=True, name="rlsup-bounded-call").start()
+        if not done.wait(self.deadline_s):
+            self.blocked_since, self.timeouts = time.monotonic(), self.timeouts + 1
+            log.warning("%s has not answered in %.0fs: the store is slow or not answering; going on without it",
+                        self.what, self.deadline_s)
+            return default
+        ok, value = box[0]
+        if not ok:
+            raise value  # type: ignore[misc]
+        return value  # type: ignore[return-value]
