@@ -333,6 +333,7 @@ class MultiNodeSupervisor(Supervisor):
                       f"({self._describe(need)})")
             self.engine.clean()  # what a killed fetch left (temp files, spooled transfers)
         for rank, holders in sorted(need.items()):
+            self.stop.check(f"step {plan.step}'s parts to be fetched")  # between parts (a part's copy runs to its end)
             tier, errors, bad = self._fetch_part(plan.step, rank, holders)
             if tier is None:
                 if bad:

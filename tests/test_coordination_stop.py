@@ -13,11 +13,16 @@ from __future__ import annotations
 import signal
 import socket
 import threading
+from pathlib import Path
 from typing import Callable
 
 import pytest
 
+from support.fake_run_loop import FakeProcesses, Recorder
+from support.waits import wait_for
+
 from supervisor import exit_codes
+from supervisor.config import SupervisorConfig
 from supervisor.control_records import FetchResult, NodeInventory
 from supervisor.coordinator import (
     CoordinationError,
@@ -29,7 +34,10 @@ from supervisor.coordinator import (
 )
 from supervisor.job_identity import JobIdentity
 from supervisor.kvstore import TCPKVStore
-from supervisor.lifecycle import EndReason
+from supervisor.lifecycle import EndReason, JobStatus
+from supervisor.membership import Membership
+from supervisor.multinode import MultiNodeSupervisor
+from supervisor.run_record import RunResult
 from supervisor.stop_request import StopAsked, StopRequest
 
 JOB = JobIdentity("job-s", "test")
@@ -219,3 +227,44 @@ def test_the_stop_request_names_the_signal_and_the_wait(signum: signal.Signals, 
     assert e.value.exit_code == code
     assert str(e.value) == f"rlsup was asked to stop ({signum.name}{', preemption' if preempted else ''}) " \
                            "while waiting for every node to join"
+
+
+class OneNodeEngine:
+    """Node 1's replication engine as the round sees it: an empty inventory, nothing to fetch."""
+
+    def inventory(self) -> NodeInventory:
+        return NodeInventory(1)
+
+
+def test_a_stop_in_a_round_is_recorded_as_a_stop_and_ends_the_attempt_for_the_others(tmp_path: Path) -> None:
+    """Node 1's whole loop (MultiNodeSupervisor over a real store, fake processes): node 0 joins but never
+    plans; SIGTERM while node 1 waits for the plan ends the run at once, 143, the attempt recorded as
+    stopped, nothing launched, and ``end/0`` tells node 0 why."""
+    port = free_port()
+    leader = node(port, 0)
+    peers = ("127.0.0.1:1", "127.0.0.1:2")
+    cfg = SupervisorConfig(checkpoint_dir=str(tmp_path / "ckpt"), state_dir=str(tmp_path / "state"), metrics_port=0,
+                           poll_interval=0.005, warm_launcher=False, peers=list(peers), node_rank=1)
+    layer, recorder = FakeProcesses(), Recorder()
+    sup = MultiNodeSupervisor(cfg, ["train"], Membership(peers, 1), OneNodeEngine(),  # type: ignore[arg-type]
+                              recorder, job=JOB, processes=layer,  # type: ignore[arg-type]
+                              connect=lambda stop: embedded_coordinator("127.0.0.1", port, JOB, SECRET, 1, 2,
+                                                                        TIMEOUT_S, stop))
+    threading.Thread(target=lambda: leader.join(0), daemon=True).start()  # node 0 joins, then never plans
+
+    def stop_once_waiting_for_the_plan() -> None:
+        wait_for(lambda: leader.store.get("rlsup/job-s/inv/0/1") is not None, PROMPT_S, "node 1's inventory")
+        sup.request_stop(signal.SIGTERM)
+
+    threading.Thread(target=stop_once_waiting_for_the_plan, daemon=True).start()
+    results: list[RunResult] = []
+    run = threading.Thread(target=lambda: results.append(sup.run()), daemon=True)
+    run.start()
+    run.join(PROMPT_S * 2)
+    assert not run.is_alive() and results, "node 1's run did not end on the stop"
+    (result,) = results
+    assert (result.exit_code, result.status) == (143, JobStatus.STOPPED)
+    assert recorder.states == ["starting", "stopped"] and layer.jobs == []
+    (incident,) = result.incidents
+    assert incident.reason == EndReason.STOPPED and "(SIGTERM) while waiting for the plan of attempt 0" in incident.detail
+    assert "node 1: rlsup was asked to stop (SIGTERM)" in (leader.ended(0) or "")
