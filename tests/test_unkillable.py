@@ -1,0 +1,115 @@
+"""In process: how an unkillable attempt is described and classified (supervisor.unkillable), and how calls into
+a store that stops answering are bounded (supervisor.bounded_calls, the tiers' PollLoop watchdog). The real
+hung mount is tests/test_hung_fs.py's."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from pathlib import Path
+
+import pytest
+
+from supervisor.attempt_end import AttemptResult
+from supervisor.bounded_calls import BoundedCalls
+from supervisor.lifecycle import EXCLUDES_NODE, EndReason
+from supervisor.tiers.poll_loop import PollLoop
+from supervisor.unkillable import Mount, StuckProcess, examine, mount_of, mounts, unkillable_result, verdict
+from support.waits import wait_for
+
+MOUNTINFO = """\
+22 1 0:21 / / rw,relatime - overlay overlay rw
+30 22 0:25 / /tmp rw,nosuid - tmpfs tmpfs rw
+41 30 0:50 / /tmp/job/ckpt rw,nosuid,nodev - fuse.sickfs sickfs rw,user_id=0
+42 22 0:51 / /mnt/with\\040space rw - nfs4 server:/export rw
+"""
+
+
+def test_mount_table_longest_point_first_and_paths_matched_by_text(tmp_path: Path) -> None:
+    info = tmp_path / "mountinfo"
+    info.write_text(MOUNTINFO)
+    table = mounts(str(info))
+    assert [m.point for m in table][:2] == ["/mnt/with space", "/tmp/job/ckpt"]
+    assert mount_of("/tmp/job/ckpt/step_000000004/rank_00000.pt", table) == Mount("/tmp/job/ckpt", "fuse.sickfs",
+                                                                                  "sickfs")
+    assert mount_of("/tmp/job/ckpt", table).point == "/tmp/job/ckpt"
+    assert mount_of("/tmp/job/ckpt2/x", table).point == "/tmp"  # a prefix of the text, not of the path
+    assert mount_of("/mnt/with space/a", table).fstype == "nfs4"
+    assert mount_of("/etc/hosts", table).point == "/"
+
+
+def stuck(state: str = "D", rank: int | None = 1) -> StuckProcess:
+    mount = Mount("/tmp/job/ckpt", "fuse.sickfs", "sickfs")
+    return StuckProcess(4242, state, "python", "request_wait_answer", rank, "/tmp/job/ckpt/step_4/rank_1.pt",
+                        ["/tmp/job/ckpt/step_4", "/tmp/job/.rlsup/rank_1.hb"], [mount])
+
+
+def test_verdict_names_the_pid_rank_state_wchan_file_and_mount() -> None:
+    line = verdict([stuck(), stuck("S", 0)], 2.0)
+    assert line.startswith("1 process unkillable (state D 2s after SIGKILL): rank 1 pid 4242 (python) state D "
+                           "in request_wait_answer on /tmp/job/ckpt/step_4/rank_1.pt")
+    assert "holding /tmp/job/ckpt/step_4 on" in line and ".hb" not in line  # files on the suspect mount only
+    assert line.endswith("; mount /tmp/job/ckpt not answering")
+
+
+def test_a_process_in_d_turns_the_attempt_unkillable_and_excludes_the_node(tmp_path: Path) -> None:
+    said: list[str] = []
+    result = AttemptResult(3, EndReason.SAVE_TIMEOUT, None, detail="rank 1 (pid 4242) silent for 2.1s")
+    record = tmp_path / "unkillable.json"
+    assert unkillable_result(result, [stuck()], 2.0, said.append, record)
+    assert result.reason == EndReason.UNKILLABLE and result.reason in EXCLUDES_NODE
+    assert result.detail.endswith("(the attempt had ended: save_timeout: rank 1 (pid 4242) silent for 2.1s)")
+    assert (result.rank, result.pid, result.suspect_ranks) == (1, 4242, [1])
+    (written,) = json.loads(record.read_text())["processes"]
+    assert (written["state"], written["mounts"], written["waiting_on"]) == ("D", ["/tmp/job/ckpt"],
+                                                                          "/tmp/job/ckpt/step_4/rank_1.pt")
+    assert any("no next attempt on this node" in line for line in said)
+
+
+def test_alive_but_not_in_d_is_only_logged() -> None:
+    said: list[str] = []
+    result = AttemptResult(0, EndReason.HANG, None)
+    assert not unkillable_result(result, [stuck("S")], 2.0, said.append)
+    assert result.reason == EndReason.HANG and "not in state D" in said[0]
+    assert not unkillable_result(result, [], 2.0, said.append) and len(said) == 1
+
+
+def test_examine_reads_a_live_process_without_touching_its_files() -> None:
+    """This process itself: alive, not in D, its cwd among its files; a gone pid is left out."""
+    (me,) = examine([os.getpid()])
+    assert me.state in ("R", "S") and not me.uninterruptible and os.getcwd() in me.paths
+    assert examine([2 ** 22 + 12345]) == []
+
+
+def test_bounded_call_returns_the_default_past_its_deadline_and_starts_none_beside_a_blocked_one() -> None:
+    calls = BoundedCalls("reading /stuck", 0.2)
+    release = threading.Event()
+    started: list[int] = []
+
+    def blocked() -> str:
+        started.append(1)
+        release.wait(30)
+        return "late"
+
+    assert calls.call(blocked, "default") == "default" and calls.timeouts == 1
+    assert calls.call(blocked, "again") == "again" and len(started) == 1  # none started beside the blocked one
+    release.set()
+    wait_for(lambda: calls.blocked_since is None, 10, "the blocked call to return")
+    assert calls.call(lambda: "quick", "default") == "quick"
+    with pytest.raises(ZeroDivisionError):
+        calls.call(lambda: 1 / 0, None)
+
+
+def test_poll_loop_names_a_stalled_pass_and_stop_does_not_wait_on_it() -> None:
+    release = threading.Event()
+    named: list[str] = []
+    loop = PollLoop(lambda: release.wait(30), "tier", lambda e: None, stall_s=0.2, on_stall=named.append)
+    loop.doing = "copying step 4 rank 0 to /mnt/tier"
+    loop.start(interval=60)
+    wait_for(lambda: named, 10, "the stalled pass named")
+    assert "copying step 4 rank 0 to /mnt/tier" in named[0] and loop.stuck() and loop.stalls == 1
+    loop.stop(timeout=30)  # returns at once: the pass is named stalled
+    assert loop.stuck()
+    release.set()
+    wait_for(lambda: not loop.stuck(), 10, "the stalled pass to end once released")
