@@ -79,6 +79,7 @@ class _Control:
                     with self.changed:
                         self._stamp, self.mode = stamp, mode
                         self.changed.notify_all()
+                        self._report()  # the mode's seq: the parent waits for it before going on
             except (OSError, ValueError):
                 pass
             time.sleep(0.02)
@@ -109,7 +110,8 @@ class _Control:
             time.sleep(float(mode.get("delay", 0.2)))
 
     def _report(self) -> None:
-        _atomic_write(self.status, {"held": len(self.held), "eio": self.eio, "paths": sorted(self.held.values())})
+        _atomic_write(self.status, {"held": len(self.held), "eio": self.eio, "paths": sorted(self.held.values()),
+                                    "seq": self.mode.get("seq", 0)})
 
 
 def _passthrough(root: str, control: _Control):
@@ -256,6 +258,7 @@ class SickFs:
         self.status_path = self.control.with_name(self.control.name + ".status")
         self.log_path = Path(control_dir) / "sick_fs.log"
         self.proc: subprocess.Popen | None = None
+        self._seq = 0
 
     def __enter__(self) -> "SickFs":
         self.start()
@@ -279,8 +282,17 @@ class SickFs:
                 raise RuntimeError(f"sick_fs did not mount {self.mountpoint}: {self.log_path.read_text()[-2000:]}")
             time.sleep(0.05)
 
-    def _set(self, mode: dict) -> None:
-        _atomic_write(self.control, mode)
+    def _set(self, mode: dict, timeout: float = 10.0) -> None:
+        """Write the mode and wait until the daemon has it in force (its status echoes the mode's seq)."""
+        self._seq += 1
+        _atomic_write(self.control, {**mode, "seq": self._seq})
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        deadline = time.monotonic() + timeout
+        while self.status().get("seq") != self._seq:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"sick_fs did not take mode {mode} within {timeout}s")
+            time.sleep(0.01)
 
     def hang(self, match: str = "", ops: tuple[str, ...] = ()) -> None:
         """Every call (on paths containing ``match``, of ``ops``) blocks until :meth:`heal`."""
@@ -307,7 +319,10 @@ class SickFs:
     def close(self) -> None:
         """Heal, unmount (lazily and by aborting the connection when a plain unmount fails), end the daemon:
         whatever the test left blocked on the mount gets its answer or ENOTCONN, never state D forever."""
-        self.heal()
+        try:
+            self.heal()
+        except RuntimeError:
+            pass  # a daemon that no longer answers: the unmount and the connection's abort below still end it
         if self.proc is not None and self.proc.poll() is None:
             deadline = time.monotonic() + 5
             while self.status().get("held") and time.monotonic() < deadline:
