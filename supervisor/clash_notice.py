@@ -22,15 +22,17 @@ import logging
 from supervisor.config import SupervisorConfig
 from supervisor.job_identity import JobIdentity
 from supervisor.membership import Membership
+from supervisor.stop_request import StopAsked, StopRequest
 
 log = logging.getLogger(__name__)
 
 NOTICE_S = 30.0  # the longest a refusing node tries to reach its job's store (never past rendezvous_timeout)
 
 
-def tell_job_refused(cfg: SupervisorConfig, membership: Membership, job: JobIdentity, reason: str) -> str | None:
-    """Publish ``abort`` (a clash) in the job's store; where it was told, or None (nothing reached, or the
-    store is another job's). Best effort and bounded: never raises."""
+def tell_job_refused(cfg: SupervisorConfig, membership: Membership, job: JobIdentity, reason: str,
+                     stop: StopRequest | None = None) -> str | None:
+    """Publish ``abort`` (a clash) in the job's store; where it was told, or None (nothing reached, the
+    store is another job's, or ``stop`` was asked meanwhile). Best effort and bounded: never raises."""
     from supervisor.coordinator import CoordinationError, RoundCoordinator, connect_store
     from supervisor.kvstore import KVStore, StoreUnavailable
     from supervisor.transport.auth import SecretError, load_secret
@@ -47,12 +49,12 @@ def tell_job_refused(cfg: SupervisorConfig, membership: Membership, job: JobIden
         elif membership.node_rank == 0:
             return None
         else:
-            store = connect_store(membership.peers[0].rpartition(":")[0], cfg.coordinator_port, wait_s, None)
-        coordinator = RoundCoordinator(store, job, secret, membership.node_rank, membership.size, wait_s)
+            store = connect_store(membership.peers[0].rpartition(":")[0], cfg.coordinator_port, wait_s, stop)
+        coordinator = RoundCoordinator(store, job, secret, membership.node_rank, membership.size, wait_s, stop=stop)
         if cfg.coordinator_backend != "etcd":
             coordinator.check_host()  # JobClash: the other job's store, not ours to write in
         coordinator.abort(why, clash=True)
-    except (SecretError, StoreUnavailable, CoordinationError, OSError, ImportError) as e:
+    except (SecretError, StoreUnavailable, CoordinationError, OSError, ImportError, StopAsked) as e:
         log.info("node %d: the job's other nodes were not told of this refusal: %s", membership.node_rank, e)
         return None
     log.warning("node %d refuses to start; told the job's other nodes through %s (they stop too)",

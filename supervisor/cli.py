@@ -21,6 +21,7 @@ from supervisor.observer import Observer
 
 if TYPE_CHECKING:
     from supervisor.job_identity import JobIdentity
+    from supervisor.stop_request import StopRequest
     from supervisor.node_service import NodeService
 
 from supervisor.membership import Membership
@@ -73,36 +74,46 @@ def _run_multinode(cfg: SupervisorConfig, command: list[str], membership: Member
     from supervisor.multinode import MultiNodeSupervisor, connect_coordinator
     from supervisor.node_service import daemon_running
     from supervisor.rank_pinning import PinningError
+    from supervisor.run_settings import signal_named
+    from supervisor.stop_request import StopRequest
     from supervisor.transport.auth import load_secret
 
+    early = StopRequest(signal_named(cfg.preempt_signal))  # from here on a signal is a stop, never a kill
+    previous = early.install()
     try:
-        service = start_service(cfg, membership, observer, serve=daemon_running(Path(cfg.state_dir)) is None, job=job)
-    except ConfigError as e:
-        _refused(cfg, membership, job, e)
-        raise
-    try:
-        assert service.engine is not None
-        secret = load_secret(cfg.token_file)
-        supervisor = MultiNodeSupervisor(cfg, command, membership, service.engine, observer, job=job,
-                                         connect=lambda stop: connect_coordinator(cfg, membership, job, secret, stop))
-        return supervisor.run().exit_code
-    except (JobClash, PinningError) as e:
-        log.error("%s", e)
-        return exit_codes.CONFIG_ERROR
-    except CoordinationError as e:
-        log.error("%s", e)
-        return exit_codes.FAILED
+        try:
+            service = start_service(cfg, membership, observer, serve=daemon_running(Path(cfg.state_dir)) is None,
+                                    job=job)
+        except ConfigError as e:
+            _refused(cfg, membership, job, e, early)
+            raise
+        try:
+            assert service.engine is not None
+            secret = load_secret(cfg.token_file)
+            supervisor = MultiNodeSupervisor(cfg, command, membership, service.engine, observer, job=job,
+                                             connect=lambda stop: connect_coordinator(cfg, membership, job, secret,
+                                                                                      stop), stopped_early=early)
+            return supervisor.run().exit_code
+        except (JobClash, PinningError) as e:
+            log.error("%s", e)
+            return exit_codes.CONFIG_ERROR
+        except CoordinationError as e:
+            log.error("%s", e)
+            return exit_codes.FAILED
+        finally:
+            service.stop()
     finally:
-        service.stop()
+        early.restore(previous)
 
 
-def _refused(cfg: SupervisorConfig, membership: Membership | None, job: "JobIdentity", clash: Exception) -> None:
+def _refused(cfg: SupervisorConfig, membership: Membership | None, job: "JobIdentity", clash: Exception,
+             stop: "StopRequest | None" = None) -> None:
     """A node of several that refuses to start (a directory or port another job holds) tells its job's other
     nodes, so they end now instead of waiting for it (supervisor.clash_notice)."""
     if membership is not None:
         from supervisor.clash_notice import tell_job_refused
 
-        tell_job_refused(cfg, membership, job, str(clash))
+        tell_job_refused(cfg, membership, job, str(clash), stop)
 
 
 def identity_of(raw: SupervisorConfig, membership: Membership | None) -> "JobIdentity":

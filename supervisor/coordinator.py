@@ -428,7 +428,9 @@ class RoundCoordinator:
         """Poll until every key holds a signed value; their payloads. Inside attempt ``attempt``, its end
         stops the wait with :class:`RoundEnded`: a node that died there never writes its keys, and its
         replacement ends the attempt on rejoin, so waiting out the timeout would only lose the job. A
-        store lost meanwhile ends the attempt too (node 0 is gone; the next join waits for it).
+        store lost meanwhile ends the attempt too (node 0 is gone; the next join waits for it). A stop asked
+        ends any wait at its next poll (:meth:`check_stop`), and so does the job's ``abort`` (looked at every
+        :data:`ABORT_POLL_S`: :class:`JobClash` when a node refused to start for a clash).
 
         A poll is one look (:meth:`KVStore.poll`: one etcd transaction, two TCPStore round trips) whatever
         the number of keys: whether every key still missing exists, and if not, whether the attempt ended.

@@ -120,9 +120,11 @@ class MultiNodeSupervisor(Supervisor):
     def __init__(self, cfg: SupervisorConfig, command: Sequence[str], membership: Membership,
                  engine: ReplicationEngine, observer: Observer | None = None, *, job: JobIdentity,
                  coordinator: RoundCoordinator | None = None, connect: Connect | None = None,
-                 processes: ProcessLayer | None = None) -> None:
+                 processes: ProcessLayer | None = None, stopped_early: StopRequest | None = None) -> None:
         """``coordinator``: the job's store, reached; or ``connect``, which :meth:`run` calls once the stop
-        handlers are installed (SIGTERM while the store is awaited then stops rlsup as anywhere else)."""
+        handlers are installed (SIGTERM while the store is awaited then stops rlsup as anywhere else).
+        ``stopped_early``: the handlers the command line installed before this node's start-up (the
+        service, this object): a stop they took is this run's."""
         master = membership.peers[0].rpartition(":")[0]
         pinned = pin_ranks(command, membership.node_rank, membership.size, master)
         # The tiers are this node's (node 0 alone starts and prunes persistent steps; the memory tier holds
@@ -132,6 +134,7 @@ class MultiNodeSupervisor(Supervisor):
         self.membership = membership
         self.engine = engine
         self._connect = connect
+        self._stopped_early = stopped_early
         if pinned.note:
             self._log(pinned.note)
         self._store_lost = False
@@ -183,6 +186,8 @@ class MultiNodeSupervisor(Supervisor):
         # The stop handlers from before the store is reached (super().run() installs them again and puts these
         # back): a connect that waits for node 0 is a wait like any other.
         previous = self.stop.install()
+        if self._stopped_early is not None and self._stopped_early.signum is not None:  # read after install: none lost
+            self.stop.note(self._stopped_early.signum, self._stopped_early.preempted)
         try:
             if self._connect is not None:
                 try:
