@@ -71,7 +71,7 @@ class SupervisorConfig:
     backoff_max: float = _opt(60.0, "Upper bound of the restart delay, seconds.")
     backoff_jitter: float = _opt(0.2, "Random +/- fraction applied to each delay so nodes do not restart in lockstep.")
     fatal_exit_codes: tuple[int, ...] = _opt((), "Exit codes that are never retried; rlsup exits with that code, except one of rlsup's own (2, 75, 76, 77) or above 125, which exits 1 (README: Exit codes).")
-    kill_grace: float = _opt(10.0, "Seconds between SIGTERM and SIGKILL when what is left of a succeeded, stopped or preempted attempt is cleaned up; a failed attempt is killed with SIGKILL at once.")
+    kill_grace: float = _opt(10.0, "Seconds between SIGTERM and SIGKILL when what is left of a succeeded, stopped or preempted attempt is cleaned up; a failed attempt is killed with SIGKILL at once. A process still alive kill_grace seconds after SIGKILL is examined: one in state D (a hung NFS/Lustre/FUSE mount) ends the run 'unkillable' with exit 77, the node in unhealthy_nodes, never a next attempt beside it.")
     stop_grace: float = _opt(60.0, "Seconds the job gets to save and exit after rlsup is asked to stop or is preempted; also the most the final copy to the persistent tier may take when the run ends.")
     heartbeat_timeout: float | None = _opt(None, "Seconds a rank that has heartbeated may stay silent; 'auto' (null) learns it from step intervals.")
     heartbeat_timeout_initial: float = _opt(600.0, "Timeout used by 'auto' until enough step intervals were seen.")
