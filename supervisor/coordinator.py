@@ -509,7 +509,7 @@ def connect_store(host: str, port: int, wait_s: float, stop: StopRequest | None)
         try:
             with socket.create_connection((host, port), timeout=max(0.1, min(CONNECT_SLICE_S, left))):
                 pass
-            return TCPKVStore(host, port, False, max(1.0, min(CONNECT_SLICE_S * 10, left)))
+            return TCPKVStore(host, port, False, max(1.0, min(CONNECT_SLICE_S * 5, left)))
         except (OSError, StoreUnavailable) as e:
             if left <= CONNECT_SLICE_S:
                 raise e if isinstance(e, StoreUnavailable) else StoreUnavailable(
