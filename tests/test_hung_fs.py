@@ -10,6 +10,8 @@ once the mount heals the stuck process ends (the test's mount is always healed a
 from __future__ import annotations
 
 import json
+import os
+import re
 import signal
 from pathlib import Path
 
@@ -17,6 +19,7 @@ import pytest
 
 from rlsup_format.manifest import latest_valid
 from supervisor.health import node_name, read_unhealthy
+from trainer_hooks.heartbeat import rank_file_name, read_record
 from support.env import PY, TRAIN, clean_env
 from support.incidents import incidents
 from support.procs import pid_alive, proc_state
@@ -131,7 +134,8 @@ def newest_local_step(ckpt: Path) -> int:
 
 def test_persistent_tier_hung_training_goes_on_and_the_copy_is_named(tmp_path: Path, sick: SickFs) -> None:
     """The persistent tier's mount hangs (every call): the tier's copy stalls in its own thread and is named
-    (the mount, the step and rank it was copying) while training, heartbeats and the run loop go on; a stop
+    (the mount, the step and rank it was copying) while training, heartbeats and the run loop go on; a rank's
+    crash restarts from the local step without reading the hung tier; a stop
     ends the run (state ``stopped``) without waiting on the stalled pass, the final copy skipped and named. rlsup's
     process exit itself waits on the kernel for its thread in the mount: it comes once the mount heals."""
     ckpt, state_dir = tmp_path / "ckpt", tmp_path / ".rlsup"
@@ -152,7 +156,14 @@ def test_persistent_tier_hung_training_goes_on_and_the_copy_is_named(tmp_path: P
         seen = json.loads((state_dir / "state.json").read_text()).get("last_step") or 0
         wait_for(lambda: (json.loads((state_dir / "state.json").read_text()).get("last_step") or 0) > seen + 5, 30,
                  "the run loop to record the ranks' new heartbeats")
-        assert run.attempt() == 0 and not run.ended()
+        # A rank dies: the restart chooses its resume without the hung tier, from this node's disk.
+        hb = run.state_dir / "attempts" / "attempt_0000" / "heartbeats" / rank_file_name(1)
+        os.kill(read_record(hb).pid, signal.SIGKILL)
+        launch = wait_for(lambda: next((line for line in run.output().splitlines() if "attempt 1: launching" in line),
+                                       None), 60, "the restart after the rank's death")
+        assert "persistent tier not consulted for the resume" in run.output()
+        assert re.search(rf"from step \d+ \({re.escape(str(ckpt))}/step_", launch), launch
+        assert run.attempt() == 1 and not run.ended()
         run.proc.send_signal(signal.SIGTERM)  # a stop with the tier still hung: never waits on the stalled pass
         wait_for(lambda: json.loads((state_dir / "state.json").read_text())["state"] == "stopped", 120,
                  "the run to stop while the tier is hung")

@@ -330,6 +330,10 @@ class PersistentTier:
     def _pass_failed(self, e: Exception) -> None:
         self.last_error = str(e)
 
+    def stalled(self) -> str | None:
+        """Why the tier is not answering (its pass in progress was named stalled), or None."""
+        return self._loop.stalled if self._loop.stuck() else None
+
     def _stalled(self, line: str) -> None:
         self.last_error = f"{self.location}: {line}"
 

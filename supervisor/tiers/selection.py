@@ -53,6 +53,9 @@ def choose_across_tiers(local_dir: str | Path, persistent: PersistentTier | None
             best = ResumePoint(in_memory[0], in_memory[1], "rlsup", TIER_MEMORY)
     if persistent is None or layout not in ("auto", "rlsup"):
         return best
+    if (stalled := persistent.stalled()) is not None:  # a hung store: reading it would hold the restart too
+        log.warning("persistent tier not consulted for the resume: %s", stalled)
+        return best
     try:
         candidates = list(iter_candidates(persistent, best.step if best else None))
     except OSError as e:
