@@ -67,7 +67,7 @@ class Partition:
     """``nodes`` network namespaces on one bridge (use as a context manager: :meth:`close` always runs)."""
 
     def __init__(self, nodes: int, hosts_dir: Path = Path("/etc/netns")) -> None:
-        tag = f"p{os.getpid() % 100000}x{next(_counter)}"
+        tag = f"p{os.getpid()}x{next(_counter)}"  # at most 14 characters with its suffixes (IFNAMSIZ: 15)
         # A subnet of its own per worker and harness, so two harnesses in one namespace never share one.
         n = (os.getpid() * 7 + next(_counter)) % 25000
         self.prefix = f"10.{100 + n // 250}.{n % 250}"
