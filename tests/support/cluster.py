@@ -8,8 +8,11 @@ resumes, where replicas land, and the uninterrupted run the results are compared
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import os
 import re
+import tempfile
 import signal
 import subprocess
 import time
@@ -17,7 +20,7 @@ from pathlib import Path
 from typing import Callable, Literal, Sequence
 
 from rlsup_format.manifest import list_step_dirs, manifest_name
-from support.env import PY, TRAIN, clean_env
+from support.env import PY, ROOT, TRAIN, clean_env
 from support.incidents import read_state
 from support.ports import free_ports
 from support.procs import kill_and_reap, processes_naming, rlsup_cmd
@@ -26,6 +29,7 @@ from support.waits import wait_for
 NODES = 3
 STEPS = 24
 TRAIN_ARGS = ["--steps", str(STEPS), "--checkpoint-every", "3", "--step-time", "0.15", "--keep-last", "100"]
+REFERENCE_CACHE = Path(tempfile.gettempdir()) / f"rlsup-test-references-{os.getuid()}"
 SECRET = "s3cret-shared-by-all-nodes\n"
 Rendezvous = Literal["c10d", "static"]
 
@@ -181,14 +185,36 @@ def job_subdir(persistent_root: Path) -> Path:
 
 
 def reference_weights(tmp: Path, nodes: int = NODES, train_args: Sequence[str] = TRAIN_ARGS) -> dict:
-    """The final weights of the same training run uninterrupted and unsupervised (``nodes`` ranks, one host)."""
+    """The final weights of the same training run uninterrupted and unsupervised (``nodes`` ranks, one host).
+
+    Run once per (nodes, arguments, trainer and hook sources, torch): several modules and workers compare with
+    the same run, and it is deterministic (that is what every bit-identical test relies on). The weights are
+    cached under the system temp directory, with a lock so two xdist workers never run it twice at once."""
     import torch
 
-    out = tmp / "reference.pt"
-    subprocess.run([PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nodes), TRAIN,
-                    *train_args, "--step-time", "0", "--checkpoint-dir", str(tmp / "ref_ckpt"), "--out", str(out)],
-                   env=clean_env(), check=True, capture_output=True, timeout=300)
+    cache = REFERENCE_CACHE / _reference_key(nodes, train_args)
+    cache.mkdir(parents=True, exist_ok=True)
+    out = cache / "reference.pt"
+    with open(cache / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not out.is_file():
+            part = cache / "reference.pt.part"
+            subprocess.run([PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nodes), TRAIN,
+                            *train_args, "--step-time", "0", "--checkpoint-dir", str(tmp / "ref_ckpt"), "--out",
+                            str(part)], env=clean_env(), check=True, capture_output=True, timeout=300)
+            os.replace(part, out)
     return torch.load(out, weights_only=True)
+
+
+def _reference_key(nodes: int, train_args: Sequence[str]) -> str:
+    """What the reference run's weights depend on: the arguments, the sources the trainer runs, torch."""
+    import torch
+
+    digest = hashlib.sha256(repr((nodes, list(train_args), torch.__version__)).encode())
+    for source in sorted([Path(TRAIN), *ROOT.joinpath("trainer_hooks").rglob("*.py"),
+                          *ROOT.joinpath("rlsup_format").rglob("*.py")]):
+        digest.update(source.read_bytes())
+    return digest.hexdigest()[:24]
 
 
 def assert_same_weights(path: Path, ref: dict) -> None:
