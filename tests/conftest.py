@@ -58,6 +58,7 @@ FAST_MODULES: dict[str, frozenset[str]] = {
     "test_config.py": frozenset({"test_replication_settings_errors_exit_2"}),  # a real rlsup daemon
     "test_config_choices.py": frozenset(),
     "test_control_records.py": frozenset(),
+    "test_coordination_stop.py": frozenset(),
     "test_coordinator.py": frozenset(),
     "test_deploy_grafana.py": frozenset({"test_metric_names_exist_in_a_real_scrape"}),  # scrapes real runs
     "test_deploy_prometheus.py": frozenset({"test_rules_read_only_exported_series"}),  # scrapes real runs
@@ -125,6 +126,7 @@ FAST_MODULES: dict[str, frozenset[str]] = {
                                      "test_straggler_alert_fires_in_a_real_prometheus"}),
     "test_transport_auth.py": frozenset(),
     "test_transport_store.py": frozenset(),
+    "test_unkillable.py": frozenset(),
     "test_unreadable_checkpoints.py": frozenset(),
 }
 
