@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
+from supervisor import exit_codes
 from supervisor.config import SupervisorConfig
 from supervisor.control_records import PERSISTENT_HOLDER, FetchResult, InventoryBuilder, NodeInventory, RoundPlan
 from supervisor.coordinator import (
@@ -44,7 +45,7 @@ from supervisor.fr_exchange import FrExchange
 from supervisor.health import mark_repeat_offender
 from supervisor.incidents import Incident
 from supervisor.job_identity import JobIdentity
-from supervisor.lifecycle import EndReason
+from supervisor.lifecycle import EndReason, route
 from supervisor.membership import Membership
 from supervisor.observer import Observer
 from supervisor.tiers.part_protocol import FetchFailed, PartError, PartStore, fetch_part
@@ -199,8 +200,10 @@ class MultiNodeSupervisor(Supervisor):
                 self._connect = None
             try:
                 result = super().run()
-            except JobClash:
-                self._linger_after_clash()
+            except CoordinationError as e:
+                self._gave_up_coordinating(e)
+                if isinstance(e, JobClash):
+                    self._linger_after_clash()
                 raise
         finally:
             self.stop.restore(previous)
@@ -210,6 +213,18 @@ class MultiNodeSupervisor(Supervisor):
             except Exception as e:  # noqa: BLE001 - the job is done; stale keys are ignored by the next run
                 self._log(f"could not clear the job's coordination keys: {e}")
         return result
+
+    def _gave_up_coordinating(self, e: CoordinationError) -> None:
+        """The nodes could not agree (a timeout, an abort, a clash): state.json says the run gave up, with the
+        exit code the command line returns, and the tiers take their final copy, as for any other give-up; a
+        later start then does not take this run for one that died mid-attempt."""
+        code = exit_codes.CONFIG_ERROR if isinstance(e, JobClash) else exit_codes.FAILED
+        try:
+            for status in route(self.state.state, JobStatus.GAVE_UP):
+                self.record.set_state(status, exit_code=code if status is JobStatus.GAVE_UP else None)
+            self._finish(code, JobStatus.GAVE_UP, self.state.attempt or 0, str(e))
+        except Exception as err:  # noqa: BLE001 - recording is best effort: the error itself must reach the command line
+            self._log(f"could not record the give-up: {err}")
 
     def _linger_after_clash(self) -> None:
         """Node 0 of the embedded store, ended by another node's clash: see :data:`CLASH_LINGER_S`."""
@@ -415,10 +430,11 @@ class MultiNodeSupervisor(Supervisor):
     def peer_ended(self, attempt: int) -> str | None:
         try:
             return self.coordinator.ended(attempt)
-        except Exception:  # noqa: BLE001 - node 0's store is gone (it finished, or it was lost): this job's own end decides
+        except Exception as e:  # noqa: BLE001 - the store is gone (node 0 finished or was lost; etcd cut off): this job's own end decides
             if not self._store_lost:
                 self._store_lost = True
-                self._log("the coordination store on node 0 is unreachable; watching this node's job only")
+                self._log(f"the coordination store {self.coordinator.describe()} is unreachable ({e}); watching this "
+                          "node's job only")
             return None
 
     def attempt_failed(self, attempt: int, result: AttemptResult) -> None:

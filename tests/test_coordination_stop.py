@@ -268,3 +268,25 @@ def test_a_stop_in_a_round_is_recorded_as_a_stop_and_ends_the_attempt_for_the_ot
     (incident,) = result.incidents
     assert incident.reason == EndReason.STOPPED and "(SIGTERM) while waiting for the plan of attempt 0" in incident.detail
     assert "node 1: rlsup was asked to stop (SIGTERM)" in (leader.ended(0) or "")
+
+
+def test_a_round_that_times_out_is_recorded_as_given_up(tmp_path: Path) -> None:
+    """Node 1's loop (as above) with a 1 s rendezvous timeout: node 0 joins and never plans. The run ends
+    with the coordination error the command line reports (exit 1), and state.json says the run gave up
+    with that code: a later start must not take it for an rlsup that died mid-attempt."""
+    import json
+
+    port = free_port()
+    leader = node(port, 0)
+    peers = ("127.0.0.1:1", "127.0.0.1:2")
+    cfg = SupervisorConfig(checkpoint_dir=str(tmp_path / "ckpt"), state_dir=str(tmp_path / "state"), metrics_port=0,
+                           poll_interval=0.005, warm_launcher=False, peers=list(peers), node_rank=1)
+    sup = MultiNodeSupervisor(cfg, ["train"], Membership(peers, 1), OneNodeEngine(),  # type: ignore[arg-type]
+                              Recorder(), job=JOB, processes=FakeProcesses(),  # type: ignore[arg-type]
+                              connect=lambda stop: embedded_coordinator("127.0.0.1", port, JOB, SECRET, 1, 2, 1.0,
+                                                                        stop))
+    threading.Thread(target=lambda: leader.join(0), daemon=True).start()  # node 0 joins, then never plans
+    with pytest.raises(CoordinationError, match="timed out after 1s waiting for the plan of attempt 0"):
+        sup.run()
+    state = json.loads((tmp_path / "state" / "state.json").read_text())
+    assert (state["state"], state["exit_code"]) == ("gave_up", exit_codes.FAILED), state
