@@ -31,6 +31,12 @@ import time
 from pathlib import Path
 
 MODES = ("ok", "hang", "eio", "slow")
+#: Every operation but ``flush`` (sent at each close of a descriptor, a forked child's close and exec included):
+#: a hang of these holds every caller, yet lets a process that forks while one of its threads holds a file
+#: open on the mount start its child (see RELIABILITY.md: that close blocks on a mount whose flush hangs).
+ALL_BUT_FLUSH = ("getattr", "access", "readdir", "readlink", "mkdir", "rmdir", "unlink", "symlink", "rename",
+                 "link", "chmod", "chown", "truncate", "utimens", "statfs", "open", "create", "read", "write",
+                 "fsync")
 
 
 def unavailable() -> str | None:
