@@ -172,7 +172,7 @@ def check_exit_codes(m: Manifest) -> None:
         else:
             (cond,) = rule["onPodConditions"]
             if cond["type"] == "DisruptionTarget" and disruption is None:
-                assert cond["status"] == "True", "the JobSet CRD requires a status"
+                assert cond["status"] == "True", "older JobSet CRDs require a status"
                 disruption = rule["action"]
     assert set(actions) == exit_codes.RESERVED, f"codes in the policy {sorted(actions)} != rlsup's own"
     assert actions == EXPECTED_ACTIONS, actions
