@@ -61,6 +61,7 @@ FAST_MODULES: dict[str, frozenset[str]] = {
     "test_coordination_stop.py": frozenset(),
     "test_coordinator.py": frozenset(),
     "test_deploy_grafana.py": frozenset({"test_metric_names_exist_in_a_real_scrape"}),  # scrapes real runs
+    "test_deploy_jobset.py": frozenset(),
     "test_deploy_prometheus.py": frozenset({"test_rules_read_only_exported_series"}),  # scrapes real runs
     "test_deploy_systemd.py": frozenset(),
     "test_format.py": frozenset(),
