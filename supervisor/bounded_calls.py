@@ -26,9 +26,10 @@ class BoundedCalls:
         self.blocked_since: float | None = None  # a call that outlived its deadline and has not returned yet
         self.timeouts = 0
 
-    def call(self, fn: Callable[[], T], default: T) -> T:
+    def call(self, fn: Callable[[], T], default: T, progress: Callable[[], object] | None = None) -> T:
         """``fn()``, or ``default`` when it has not returned within the deadline or an earlier call is still
-        blocked. Exceptions of ``fn`` reach the caller."""
+        blocked. ``progress`` (e.g. bytes copied so far): while its value changes the deadline starts again, so
+        a long copy that moves is never cut, one that stops moving is. Exceptions of ``fn`` reach the caller."""
         if self.blocked_since is not None:
             return default
         box: list[tuple[bool, object]] = []
@@ -46,7 +47,7 @@ class BoundedCalls:
                 done.set()
 
         threading.Thread(target=run, daemon=True, name="rlsup-bounded-call").start()
-        if not done.wait(self.deadline_s):
+        if not self._wait(done, progress):
             self.blocked_since, self.timeouts = time.monotonic(), self.timeouts + 1
             log.warning("%s has not answered in %.0fs: the store is slow or not answering; going on without it",
                         self.what, self.deadline_s)
@@ -55,3 +56,16 @@ class BoundedCalls:
         if not ok:
             raise value  # type: ignore[misc]
         return value  # type: ignore[return-value]
+
+    def _wait(self, done: threading.Event, progress: Callable[[], object] | None) -> bool:
+        """Whether ``done`` came before ``deadline_s`` passed without ``progress`` changing."""
+        if progress is None:
+            return done.wait(self.deadline_s)
+        seen, since = progress(), time.monotonic()
+        while not done.wait(min(1.0, self.deadline_s)):
+            now = progress()
+            if now != seen:
+                seen, since = now, time.monotonic()
+            elif time.monotonic() - since >= self.deadline_s:
+                return False
+        return True

@@ -22,6 +22,8 @@ from supervisor.health import node_name, read_unhealthy
 from trainer_hooks.heartbeat import rank_file_name, read_record
 from support.env import PY, TRAIN, clean_env
 from support.incidents import incidents
+from support.metrics import parse, try_scrape, value
+from support.ports import free_ports
 from support.procs import pid_alive, proc_state
 from support.sick_fs import ALL_BUT_FLUSH, SickFs, unavailable
 from support.trainers import Supervised
@@ -182,3 +184,43 @@ def test_persistent_tier_hung_training_goes_on_and_the_copy_is_named(tmp_path: P
                 run.proc.wait(10)
     assert run.proc.returncode == 128 + signal.SIGTERM, run.output()[-3000:]
 
+
+
+def test_persistent_tier_hung_at_the_restart_resumes_this_nodes_step(tmp_path: Path, sick: SickFs) -> None:
+    """The persistent tier's mount hangs and a rank dies at once, before the tier's pass is named stalled: the
+    restart's resume choice reads the tier in a bounded call (10 s without progress), names the tier and resumes
+    this node's own newest step from its disk; training goes on in attempt 1. The metric
+    ``rlsup_tier_stalled{tier="persistent"}`` reads 1 meanwhile."""
+    ckpt, (port,) = tmp_path / "ckpt", free_ports(1)
+    run = Supervised.start(tmp_path, [*FAST, "--checkpoint-dir", str(ckpt), "--persistent-dir", str(sick.mountpoint),
+                                      "--heartbeat-timeout", "30", "--stop-grace", "5", "--kill-grace", "2",
+                                      "--metrics-addr", "127.0.0.1"],
+                           torchrun("--steps", "5000", "--checkpoint-every", "2", "--step-time", "0.02"),
+                           clean_env(OMP_NUM_THREADS="1", TORCH_FR_BUFFER_SIZE="0", RLSUP_METRICS_PORT=str(port)))
+    try:
+        wait_for(lambda: "copied to the persistent tier" in run.output(), 90, "a first persistent copy")
+        hb = run.state_dir / "attempts" / "attempt_0000" / "heartbeats" / rank_file_name(1)
+        pid = read_record(hb).pid
+        sick.hang(ops=ALL_BUT_FLUSH)
+        os.kill(pid, signal.SIGKILL)  # the restart's resume choice meets the tier hung
+        launch = wait_for(lambda: next((line for line in run.output().splitlines() if "attempt 1: launching" in line),
+                                       None), 90, "the restart with the tier hung")
+        assert "persistent tier not consulted for the resume" in run.output(), run.output()[-3000:]
+        assert re.search(rf"from step \d+ \({re.escape(str(ckpt))}/step_", launch), launch
+        resumed = int(re.search(r"from step (\d+)", launch).group(1))
+        wait_for(lambda: newest_local_step(ckpt) > resumed + 4, 90, "attempt 1 to train on past the hung tier")
+        wait_for(lambda: value(parse(try_scrape(port) or ""), "rlsup_tier_stalled", tier="persistent") == 1, 30,
+                 "the stalled tier in rlsup's metrics")
+        assert run.attempt() == 1 and not run.ended()
+    except BaseException:
+        print(run.output()[-8000:])
+        raise
+    finally:
+        sick.heal()
+        run.proc.send_signal(signal.SIGTERM)
+        try:
+            run.proc.wait(60)
+        finally:
+            if run.proc.poll() is None:
+                run.proc.kill()
+                run.proc.wait(10)

@@ -46,8 +46,9 @@ from typing import TYPE_CHECKING, Any, Callable
 from rlsup_format.manifest import ManifestError, RankManifest, list_step_dirs, verify_step
 from rlsup_format.names import manifest_name, parse_manifest_rank
 from rlsup_format.retention import StepState, steps_to_delete
+from supervisor.bounded_calls import BoundedCalls
 from supervisor.control_records import TierOffer
-from supervisor.tiers.poll_loop import PollLoop
+from supervisor.tiers.poll_loop import STALL_S, PollLoop
 from supervisor.tiers.part_protocol import PartError, PartInvalid, PartStore, copy_part
 from supervisor.tiers.part_stores import open_store
 from supervisor.tiers.part_stores.local import LocalStore
@@ -137,7 +138,7 @@ class PersistentTier:
         s = location if isinstance(location, PersistentSettings) else PersistentSettings.make(location, **options)
         self.settings = s
         self.limiter = _limiter(s.bandwidth)
-        self.throttle = self.limiter.consume if self.limiter is not None else None
+        self.moved = 0  # bytes read or written by the tier's copies so far: a bounded read's sign of progress
         self.store: Any = open_store(s.location, self.throttle)
         self.location = self.store.location
         self.node = s.node
@@ -153,6 +154,8 @@ class PersistentTier:
         self._final = False  # flush(): the last copy ignores the cadence
         self._lock = threading.Lock()
         self._loop = PollLoop(self.poll, "rlsup-persistent-tier", self._pass_failed, on_stall=self._stalled)
+        #: The run loop's reads of the tier (a restart's resume choice): never past STALL_S without progress.
+        self.reads = BoundedCalls(f"reading the persistent tier {self.location} for the resume", STALL_S)
         self.copies = 0
         self.bytes_copied = 0
         self.last_error: str | None = None
@@ -330,9 +333,21 @@ class PersistentTier:
     def _pass_failed(self, e: Exception) -> None:
         self.last_error = str(e)
 
+    def throttle(self, n: int) -> None:
+        """Called before each chunk the tier's copies move: counts it, and waits under ``bandwidth``."""
+        self.moved += n
+        if self.limiter is not None:
+            self.limiter.consume(n)
+
     def stalled(self) -> str | None:
-        """Why the tier is not answering (its pass in progress was named stalled), or None."""
-        return self._loop.stalled if self._loop.stuck() else None
+        """Why the tier is not answering (its pass in progress was named stalled, or a read of the run loop's
+        outlived its deadline and has not returned yet), or None."""
+        if self._loop.stuck():
+            return self._loop.stalled
+        if self.reads.blocked_since is not None:
+            return (f"{self.reads.what} has not answered for {time.monotonic() - self.reads.blocked_since:.0f}s: "
+                    "the store is slow or not answering")
+        return None
 
     def _stalled(self, line: str) -> None:
         self.last_error = f"{self.location}: {line}"
