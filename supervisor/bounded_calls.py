@@ -21,8 +21,9 @@ T = TypeVar("T")
 class BoundedCalls:
     """Calls named ``what`` (e.g. "reading the checkpoint directory /ckpt"), each given ``deadline_s``."""
 
-    def __init__(self, what: str, deadline_s: float) -> None:
+    def __init__(self, what: str, deadline_s: float, prepare: Callable[[], object] | None = None) -> None:
         self.what, self.deadline_s = what, deadline_s
+        self.prepare = prepare  # run first in each call's thread (e.g. a private descriptor table)
         self.blocked_since: float | None = None  # a call that outlived its deadline and has not returned yet
         self.timeouts = 0
 
@@ -37,6 +38,8 @@ class BoundedCalls:
 
         def run() -> None:
             try:
+                if self.prepare is not None:
+                    self.prepare()
                 box.append((True, fn()))
             except BaseException as e:  # noqa: BLE001 - handed to the caller below
                 box.append((False, e))

@@ -9,6 +9,7 @@ once the mount heals the stuck process ends (the test's mount is always healed a
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -17,7 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from rlsup_format.manifest import latest_valid
+from rlsup_format.digest import copy_hashing
+from rlsup_format.manifest import SCHEMA_VERSION, RankManifest, latest_valid
+from rlsup_format.names import manifest_name, step_dir_name
 from supervisor.health import node_name, read_unhealthy
 from trainer_hooks.heartbeat import rank_file_name, read_record
 from support.env import PY, TRAIN, clean_env
@@ -25,7 +28,7 @@ from support.incidents import incidents
 from support.metrics import parse, try_scrape, value
 from support.ports import free_ports
 from support.procs import pid_alive, proc_state
-from support.sick_fs import ALL_BUT_FLUSH, SickFs, unavailable
+from support.sick_fs import SickFs, unavailable
 from support.trainers import Supervised
 from support.waits import wait_for
 
@@ -136,9 +139,10 @@ def newest_local_step(ckpt: Path) -> int:
 
 
 def test_persistent_tier_hung_training_goes_on_and_the_copy_is_named(tmp_path: Path, sick: SickFs) -> None:
-    """The persistent tier's mount hangs (every call but flush): the tier's copy stalls in its own thread and is named
-    (the mount, the step and rank it was copying) while training, heartbeats and the run loop go on; a rank's
-    crash restarts from the local step without reading the hung tier; a stop
+    """The persistent tier's mount hangs its writes and flushes: the tier's copy stalls in its own thread, in a write
+    of a tier file, and is named (the mount, the step and rank it was copying) while training, heartbeats and the
+    run loop go on; a rank's crash restarts from the local step without reading the hung tier, its launch's fork
+    not held by the file the copy holds open (each close sends a flush); a stop
     ends the run (state ``stopped``) without waiting on the stalled pass, the final copy skipped and named. rlsup's
     process exit itself waits on the kernel for its thread in the mount: it comes once the mount heals."""
     ckpt, state_dir = tmp_path / "ckpt", tmp_path / ".rlsup"
@@ -149,8 +153,8 @@ def test_persistent_tier_hung_training_goes_on_and_the_copy_is_named(tmp_path: P
                            clean_env(OMP_NUM_THREADS="1", TORCH_FR_BUFFER_SIZE="0"))
     try:
         wait_for(lambda: "copied to the persistent tier" in run.output(), 90, "a first persistent copy")
-        sick.hang(ops=ALL_BUT_FLUSH)  # flush too would hold the restart's fork (RELIABILITY.md: not fixed yet)
-        wait_for(lambda: sick.status()["held"], 30, "the tier's next call held by the hung mount")
+        sick.hang(ops=("write", "flush"))  # the copy thread held in a write, its file open: a fork must still exec
+        wait_for(lambda: sick.status()["held"], 30, "the tier's next write held by the hung mount")
         stall = wait_for(lambda: next((line for line in run.output().splitlines() if "not answering" in line), None),
                          40, "the stalled tier copy named")
         assert "rlsup-persistent-tier" in stall and str(sick.mountpoint) in stall, stall
@@ -187,7 +191,7 @@ def test_persistent_tier_hung_training_goes_on_and_the_copy_is_named(tmp_path: P
 
 
 def test_persistent_tier_hung_at_the_restart_resumes_this_nodes_step(tmp_path: Path, sick: SickFs) -> None:
-    """The persistent tier's mount hangs and a rank dies at once, before the tier's pass is named stalled: the
+    """The persistent tier's mount hangs (every call) and a rank dies at once, before the tier's pass is named stalled: the
     restart's resume choice reads the tier in a bounded call (10 s without progress), names the tier and resumes
     this node's own newest step from its disk; training goes on in attempt 1. The metric
     ``rlsup_tier_stalled{tier="persistent"}`` reads 1 meanwhile."""
@@ -201,7 +205,7 @@ def test_persistent_tier_hung_at_the_restart_resumes_this_nodes_step(tmp_path: P
         wait_for(lambda: "copied to the persistent tier" in run.output(), 90, "a first persistent copy")
         hb = run.state_dir / "attempts" / "attempt_0000" / "heartbeats" / rank_file_name(1)
         pid = read_record(hb).pid
-        sick.hang(ops=ALL_BUT_FLUSH)
+        sick.hang()  # every call, flush included: a server gone
         os.kill(pid, signal.SIGKILL)  # the restart's resume choice meets the tier hung
         launch = wait_for(lambda: next((line for line in run.output().splitlines() if "attempt 1: launching" in line),
                                        None), 90, "the restart with the tier hung")
@@ -224,3 +228,41 @@ def test_persistent_tier_hung_at_the_restart_resumes_this_nodes_step(tmp_path: P
             if run.proc.poll() is None:
                 run.proc.kill()
                 run.proc.wait(10)
+
+
+def popen_returns(within: float) -> bool:
+    """Whether ``Popen(["true"])`` from this process returns and its child ends within ``within`` seconds (a fork
+    whose child closes an inherited descriptor on a hung mount at exec does not)."""
+    import subprocess
+    import threading
+
+    done = threading.Event()
+    threading.Thread(target=lambda: (subprocess.Popen(["true"]).wait(), done.set()), daemon=True).start()
+    return done.wait(within)
+
+
+def test_a_tier_copy_held_in_a_write_never_holds_a_fork(tmp_path: Path, sick: SickFs) -> None:
+    """The tier's copy thread is held in a write of a tier file (flush held too, as on a dead NFS server): a
+    fork of this process still execs, since the tier's files are open in a descriptor table of the tier's
+    threads only (supervisor/tiers/private_files.py); the pass is named stalled. In process, a real tier."""
+    from supervisor.tiers.persistent import PersistentTier
+
+    ckpt = tmp_path / "ckpt"
+    step_dir = ckpt / step_dir_name(2)
+    step_dir.mkdir(parents=True)
+    data = bytes(range(256)) * 4096
+    (step_dir / "rank_00000.pt").write_bytes(data)
+    entry = copy_hashing(io.BytesIO(data))
+    manifest = RankManifest(SCHEMA_VERSION, 2, 1, 0, "test", {"rank_00000.pt": entry}, 1.0)
+    (step_dir / manifest_name(0)).write_text(manifest.to_json())
+    tier = PersistentTier(sick.mountpoint / "tier", source=ckpt)
+    sick.hang(ops=("write", "flush"))
+    tier.start()
+    try:
+        wait_for(lambda: sick.status()["held"], 30, "the tier's write held by the hung mount")
+        assert popen_returns(30), "a fork blocked on the tier's file held open on the hung mount"
+        wait_for(tier.stalled, 40, "the stalled copy named (10 s)")
+        assert "copying step 2 rank 0" in tier.stalled(), tier.stalled()
+    finally:
+        sick.heal()
+        tier.stop(30)

@@ -25,8 +25,10 @@ class PollLoop:
     """Runs ``run_pass`` in a daemon thread named ``name``; ``on_error`` receives a failed pass's error."""
 
     def __init__(self, run_pass: Callable[[], object], name: str, on_error: Callable[[Exception], None],
-                 stall_s: float = STALL_S, on_stall: Callable[[str], None] | None = None) -> None:
+                 stall_s: float = STALL_S, on_stall: Callable[[str], None] | None = None,
+                 on_thread_start: Callable[[], object] | None = None) -> None:
         self.run_pass, self.name, self.on_error = run_pass, name, on_error
+        self.on_thread_start = on_thread_start  # run first in the loop's thread (a private descriptor table)
         self.stall_s, self.on_stall = stall_s, on_stall
         self.doing = ""  # what the pass in progress is doing now (set by the tier), for the stall line
         self.stalls = 0  # passes named as stalled
@@ -75,6 +77,8 @@ class PollLoop:
         return self.stalled is not None and self._pass_started is not None
 
     def _loop(self, interval: float) -> None:
+        if self.on_thread_start is not None:
+            self.on_thread_start()
         while not self._stop.is_set():
             self._pass_started = time.monotonic()
             try:
