@@ -23,6 +23,7 @@ MOUNTINFO = """\
 30 22 0:25 / /tmp rw,nosuid - tmpfs tmpfs rw
 41 30 0:50 / /tmp/job/ckpt rw,nosuid,nodev - fuse.sickfs sickfs rw,user_id=0
 42 22 0:51 / /mnt/with\\040space rw - nfs4 server:/export rw
+43 22 0:52 / /mnt/données rw - lustre mgs@tcp:/fs rw
 """
 
 
@@ -36,6 +37,7 @@ def test_mount_table_longest_point_first_and_paths_matched_by_text(tmp_path: Pat
     assert mount_of("/tmp/job/ckpt", table).point == "/tmp/job/ckpt"
     assert mount_of("/tmp/job/ckpt2/x", table).point == "/tmp"  # a prefix of the text, not of the path
     assert mount_of("/mnt/with space/a", table).fstype == "nfs4"
+    assert mount_of("/mnt/données/step_4", table).fstype == "lustre"  # UTF-8 names are not escaped: kept as read
     assert mount_of("/etc/hosts", table).point == "/"
 
 
@@ -65,6 +67,18 @@ def test_a_process_in_d_turns_the_attempt_unkillable_and_excludes_the_node(tmp_p
     assert (written["state"], written["mounts"], written["waiting_on"]) == ("D", ["/tmp/job/ckpt"],
                                                                           "/tmp/job/ckpt/step_4/rank_1.pt")
     assert any("no next attempt on this node" in line for line in said)
+
+
+@pytest.mark.parametrize("ending", [EndReason.SUCCESS, EndReason.STOPPED, EndReason.PREEMPTED])
+def test_a_job_that_succeeded_or_was_stopped_keeps_its_ending(tmp_path: Path, ending: EndReason) -> None:
+    """A finished job is not requeued elsewhere, and a stop stays a stop (STOPPING -> FAILED is no transition):
+    the stuck processes are named and recorded, the ending stands."""
+    said: list[str] = []
+    result = AttemptResult(2, ending, 0 if ending == EndReason.SUCCESS else None)
+    record = tmp_path / "unkillable.json"
+    assert not unkillable_result(result, [stuck()], 2.0, said.append, record)
+    assert result.reason == ending and record.is_file()
+    assert f"the attempt had ended: {ending}, which stands" in said[0]
 
 
 def test_alive_but_not_in_d_is_only_logged() -> None:
