@@ -294,14 +294,16 @@ class RoundCoordinator:
 
     def _join(self, min_attempt: int) -> int:
         self._check_abort()
-        current = self._current_attempt()
+        current = self.current_attempt()
         if current is None:
             return self._join_fresh(min_attempt)
         if self.ended(current) is None:
             self.end(current, f"node {self.node_rank} rejoined")
         return current + 1
 
-    def _current_attempt(self) -> int | None:
+    def current_attempt(self) -> int | None:
+        """The newest attempt this store knows (planned, or the first one opened); None until the nodes' first
+        join is through."""
         names = ["round", "base"]  # the planned attempt, the first one a fresh store opened
         values = [_attempt_number(n, v) for n, v in zip(names, self.keys.get_many(names)) if v is not None]
         return max(values) if values else None

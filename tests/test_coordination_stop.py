@@ -290,3 +290,24 @@ def test_a_round_that_times_out_is_recorded_as_given_up(tmp_path: Path) -> None:
         sup.run()
     state = json.loads((tmp_path / "state" / "state.json").read_text())
     assert (state["state"], state["exit_code"]) == ("gave_up", exit_codes.FAILED), state
+
+
+@pytest.mark.parametrize("running", [False, True])
+def test_a_refusing_node_tells_a_job_still_joining_but_not_one_that_runs(tmp_path: Path, running: bool) -> None:
+    """The half clash (nobody planned yet: node 0 waits in its first join) is told; a second rlsup started for
+    a node of a job that already runs refuses alone, and the running job's next join is not aborted."""
+    from supervisor.clash_notice import tell_job_refused
+
+    port = free_port()
+    leader = node(port, 0)
+    leader.claim_host()
+    if running:
+        leader.keys.create("base", "0")  # the nodes agreed on attempt 0: the job runs
+    token = tmp_path / "token"
+    token.write_bytes(SECRET)
+    token.chmod(0o600)
+    peers = ["127.0.0.1:1", "127.0.0.1:2"]
+    cfg = SupervisorConfig(peers=peers, node_rank=1, coordinator_port=port, token_file=str(token))
+    told = tell_job_refused(cfg, Membership(tuple(peers), 1), JOB, "state_dir /x is in use by rlsup job 'job-s'")
+    assert (told is None) == running
+    assert (leader.keys.get("abort") is None) == running
