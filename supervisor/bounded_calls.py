@@ -26,15 +26,20 @@ class BoundedCalls:
         self.prepare = prepare  # run first in each call's thread (e.g. a private descriptor table)
         self.blocked_since: float | None = None  # a call that outlived its deadline and has not returned yet
         self.timeouts = 0
+        self._lock = threading.Lock()
 
-    def call(self, fn: Callable[[], T], default: T, progress: Callable[[], object] | None = None) -> T:
+    def call(self, fn: Callable[[], T], default: T, progress: Callable[[], object] | None = None,
+             on_give_up: Callable[[], object] | None = None) -> T:
         """``fn()``, or ``default`` when it has not returned within the deadline or an earlier call is still
         blocked. ``progress`` (e.g. bytes copied so far): while its value changes the deadline starts again, so
-        a long copy that moves is never cut, one that stops moving is. Exceptions of ``fn`` reach the caller."""
+        a long copy that moves is never cut, one that stops moving is. ``on_give_up``: run when the caller goes on
+        without the call (e.g. it tells a fetch that its result is no longer wanted). Exceptions of ``fn`` reach
+        the caller."""
         if self.blocked_since is not None:
             return default
         box: list[tuple[bool, object]] = []
         done = threading.Event()
+        finished: list[bool] = []  # set under the lock: the caller names the call blocked only while it runs
 
         def run() -> None:
             try:
@@ -44,14 +49,21 @@ class BoundedCalls:
             except BaseException as e:  # noqa: BLE001 - handed to the caller below
                 box.append((False, e))
             finally:
-                if self.blocked_since is not None:
-                    log.info("%s answered after %.0fs", self.what, time.monotonic() - self.blocked_since)
-                    self.blocked_since = None
+                with self._lock:
+                    finished.append(True)
+                    if self.blocked_since is not None:
+                        log.info("%s answered after %.0fs", self.what, time.monotonic() - self.blocked_since)
+                        self.blocked_since = None
                 done.set()
 
         threading.Thread(target=run, daemon=True, name="rlsup-bounded-call").start()
         if not self._wait(done, progress):
-            self.blocked_since, self.timeouts = time.monotonic(), self.timeouts + 1
+            with self._lock:  # a call that returned meanwhile has nothing left to clear this
+                if not finished:
+                    self.blocked_since = time.monotonic()
+            self.timeouts += 1
+            if on_give_up is not None:
+                on_give_up()
             log.warning("%s has not answered in %.0fs: the store is slow or not answering; going on without it",
                         self.what, self.deadline_s)
             return default

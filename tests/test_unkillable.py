@@ -115,6 +115,39 @@ def test_bounded_call_returns_the_default_past_its_deadline_and_starts_none_besi
         calls.call(lambda: 1 / 0, None)
 
 
+def test_a_call_that_returns_as_its_caller_gives_up_never_leaves_it_blocked() -> None:
+    """The worker ends between the caller's wait running out and the caller naming it blocked (the race made
+    certain: the caller's progress probe lets the call return and joins its thread before the wait ends)."""
+    calls = BoundedCalls("reading /slow", 0.05)
+    go = threading.Event()
+    worker: list[threading.Thread] = []
+
+    def call() -> str:
+        worker.append(threading.current_thread())
+        go.wait(30)
+        return "late"
+
+    probes: list[int] = []
+
+    def progress() -> int:
+        probes.append(1)
+        if len(probes) > 1:  # the caller's wait is over: let the call end before the caller names it blocked
+            go.set()
+            worker[0].join(30)
+        return 0
+
+    assert calls.call(call, "default", progress=progress) == "default" and calls.timeouts == 1
+    assert calls.blocked_since is None  # it has returned: nothing is blocked
+    assert calls.call(lambda: "quick", "default") == "quick"
+
+
+def test_calls_as_long_as_the_deadline_never_leave_it_blocked() -> None:
+    calls = BoundedCalls("reading /slow", 0.002)
+    for _ in range(300):
+        calls.call(lambda: threading.Event().wait(0.002), None)
+        wait_for(lambda: calls.blocked_since is None, 10, "a returned call to leave nothing blocked")
+
+
 def test_poll_loop_names_a_stalled_pass_and_stop_does_not_wait_on_it() -> None:
     release = threading.Event()
     named: list[str] = []
