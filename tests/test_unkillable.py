@@ -160,3 +160,25 @@ def test_poll_loop_names_a_stalled_pass_and_stop_does_not_wait_on_it() -> None:
     assert loop.stuck()
     release.set()
     wait_for(lambda: not loop.stuck(), 10, "the stalled pass to end once released")
+
+
+def test_a_new_pass_after_a_stalled_one_is_not_stuck() -> None:
+    """The stall line outlives its pass for up to a watchdog tick; the next pass must not read as stuck."""
+    releases = [threading.Event(), threading.Event()]
+    started: list[int] = []
+
+    def run_pass() -> None:
+        started.append(1)
+        if len(started) <= len(releases):
+            releases[len(started) - 1].wait(30)
+
+    named: list[str] = []
+    loop = PollLoop(run_pass, "tier", lambda e: None, stall_s=2.0, on_stall=named.append)
+    loop.start(interval=0)
+    wait_for(lambda: named, 20, "the first pass named stalled")
+    assert loop.stuck()
+    releases[0].set()
+    wait_for(lambda: len(started) == 2, 10, "the second pass to start")
+    assert not loop.stuck()  # the second pass has just started: it is not the stalled one
+    releases[1].set()
+    loop.stop(timeout=30)

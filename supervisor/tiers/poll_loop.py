@@ -34,6 +34,7 @@ class PollLoop:
         self.stalls = 0  # passes named as stalled
         self.stalled: str | None = None  # the stall line while the pass in progress is stalled
         self._pass_started: float | None = None
+        self._stalled_pass: float | None = None  # the start of the pass that ``stalled`` names
         self.wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -61,6 +62,7 @@ class PollLoop:
             started = self._pass_started
             if started is not None and named != started and time.monotonic() - started > self.stall_s:
                 named, self.stalls = started, self.stalls + 1
+                self._stalled_pass = started
                 self.stalled = (f"{self.name}: a pass has not ended in {time.monotonic() - started:.0f}s "
                                 f"({self.doing or 'its pass'}): the store is slow or not answering; "
                                 "training, hang detection and metrics go on without it")
@@ -73,8 +75,10 @@ class PollLoop:
             time.sleep(min(1.0, self.stall_s / 4))
 
     def stuck(self) -> bool:
-        """Whether a pass is running and has been named stalled (its thread may never come back)."""
-        return self.stalled is not None and self._pass_started is not None
+        """Whether the pass running now has been named stalled (its thread may never come back). A stall line
+        left from an earlier pass (the watchdog clears it within a second) does not count."""
+        started = self._pass_started
+        return self.stalled is not None and started is not None and started == self._stalled_pass
 
     def _loop(self, interval: float) -> None:
         if self.on_thread_start is not None:
