@@ -45,6 +45,7 @@ from supervisor.fr_exchange import FrExchange
 from supervisor.health import mark_repeat_offender
 from supervisor.incidents import Incident
 from supervisor.job_identity import JobIdentity
+from supervisor.kvstore import StoreUnavailable
 from supervisor.lifecycle import EndReason, route
 from supervisor.membership import Membership
 from supervisor.observer import Observer
@@ -102,7 +103,6 @@ def connect_coordinator(cfg: SupervisorConfig, membership: Membership, job: JobI
     """This node's handle on the job's coordination store (``coordinator_backend``); ``stop`` ends its waits."""
     s = CoordinatorSettings.from_config(cfg)
     if s.backend == "etcd":
-        from supervisor.kvstore import StoreUnavailable
         from supervisor.kvstore_etcd import EtcdKVStore
 
         try:
@@ -250,6 +250,8 @@ class MultiNodeSupervisor(Supervisor):
             resume = self._agree_on_attempt(attempt)
         except RoundEnded as e:
             raise AttemptAbandoned(str(e)) from e
+        except StoreUnavailable as e:  # a call outside the round's waits (they end it themselves): the next join reconnects
+            raise AttemptAbandoned(f"the coordination store {self.coordinator.describe()} is unreachable: {e}") from e
         except StopAsked as e:
             try:
                 self.coordinator.end(attempt, f"node {self.membership.node_rank}: {e}")
@@ -334,11 +336,17 @@ class MultiNodeSupervisor(Supervisor):
         plan = compute_plan(attempt, inventories, exclude=exclude)
         if self.persistent is None:
             return plan
-        try:
-            listing = self.persistent.part_listing(newer_than=plan.step, exclude=self._bad_persistent)
-        except Exception as e:  # noqa: BLE001 - an unreachable tier must not stop a restart from peers or local parts
-            self._log(f"attempt {attempt}: persistent tier {self.persistent.location} not listed: {e}")
-            listing = {}
+        tier, listing = self.persistent, None
+        if (stalled := tier.stalled()) is None:
+            try:  # a bounded read: a tier that hangs right now must not hold the round (nor a SIGTERM)
+                listing = tier.reads.call(lambda: tier.part_listing(newer_than=plan.step, exclude=self._bad_persistent),
+                                          None)
+            except Exception as e:  # noqa: BLE001 - an unreachable tier must not stop a restart from peers or local parts
+                self._log(f"attempt {attempt}: persistent tier {tier.location} not listed: {e}")
+                listing = {}
+            stalled = tier.stalled() if listing is None else None
+        if stalled is not None:
+            self._log(f"attempt {attempt}: persistent tier not consulted for the plan: {stalled}")
         if listing:
             plan = compute_plan(attempt, inventories, listing, exclude)
         self.persistent.protect(plan.step)  # retention keeps the step the nodes are about to fetch
@@ -393,11 +401,26 @@ class MultiNodeSupervisor(Supervisor):
                 tier_of[self.persistent.store] = TIER_PERSISTENT
             else:
                 errors.append("persistent tier: no persistent_dir configured on this node")
-        try:
-            used, _ = fetch_part(list(tier_of), self.engine.local_store(), step, rank, accept=self.engine.accept)
-        except FetchFailed as e:
-            return None, [*errors, str(e)], any(tier_of[s] == TIER_PERSISTENT for s in e.invalid)
-        return tier_of[used], errors, False
+        stores, local, bad = list(tier_of), self.engine.local_store(), False
+        while stores:  # in plan order; the persistent tier's copy in a bounded call of its own
+            at = next((i for i, s in enumerate(stores) if tier_of[s] == TIER_PERSISTENT), len(stores))
+            group, stores = (stores[:at], stores[at:]) if at else (stores[:1], stores[1:])
+            persistent = self.persistent if tier_of[group[0]] == TIER_PERSISTENT else None
+
+            def fetch(group: list[PartStore] = group) -> PartStore:
+                return fetch_part(group, local, step, rank, accept=self.engine.accept)[0]
+            try:
+                used = fetch() if persistent is None else persistent.reads.call(fetch, None, lambda: persistent.moved)
+            except FetchFailed as e:
+                errors.append(str(e))
+                bad = bad or any(tier_of[s] == TIER_PERSISTENT for s in e.invalid)
+                continue
+            if used is None:  # the tier stalled: its copy counts as failed, and the next plan leaves the tier out
+                errors.append(f"persistent tier: {persistent.stalled() or 'not answering'}")
+                bad = True
+                continue
+            return tier_of[used], errors, False
+        return None, errors, bad
 
     @staticmethod
     def _describe(need: dict[int, list[int]]) -> str:

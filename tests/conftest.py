@@ -117,6 +117,7 @@ FAST_MODULES: dict[str, frozenset[str]] = {
                                    "test_bad_progress_config_is_refused"}),
     "test_rank_deaths.py": frozenset(),  # real processes, but short ones (a pidfd needs a real child)
     "test_rank_pinning.py": frozenset(),
+    "test_replication_drain.py": frozenset(),
     "test_restart_policy.py": frozenset(),
     "test_run_loop.py": frozenset(),
     "test_sampler.py": frozenset(),
