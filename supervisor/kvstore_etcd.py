@@ -121,6 +121,7 @@ class _ThreadState(threading.local):
     revision: int | None = None
     polled_at: float = 0.0
     watch: "EtcdWatch | None" = None
+    watch_member: int = 0  # the member the watch is on
     watch_failed_at: float = float("-inf")
 
 
@@ -333,16 +334,17 @@ class EtcdKVStore:
         """This thread's watch covering ``keys`` from its last poll's revision: the open one, or a new one
         (None while a failed one is recent)."""
         state = self._local
-        if state.watch is not None and keys <= state.watch.keys:
+        current = self._current  # a watch on a member the calls left (cut off, say) may never report again
+        if state.watch is not None and keys <= state.watch.keys and state.watch_member == current:
             return state.watch
         self._drop_watch()
         if now - state.watch_failed_at < WATCH_RETRY_S:
             return None
         assert state.revision is not None
-        member = self._members[self._current]
+        member = self._members[current]
         watch = EtcdWatch(etcd_http.Connection(member.host, member.port, member.context), keys, _watch_ranges(keys),
                           state.revision + 1, self.watch_message_limit)
-        state.watch = watch.open(now + self.request_timeout_s)
+        state.watch, state.watch_member = watch.open(now + self.request_timeout_s), current
         with self._lock:
             self._watches.append(watch)
         return watch
