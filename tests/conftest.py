@@ -69,6 +69,7 @@ FAST_MODULES: dict[str, frozenset[str]] = {
     "test_fr_exchange_waits.py": frozenset({"test_the_analysers_child_is_killed_when_rlsup_is_asked_to_stop",
                                             "test_a_chatty_analyser_is_drained_while_it_is_awaited"}),
     "test_fr_records.py": frozenset(),  # a real TCPStore in process, torch's analyser in process
+    "test_gateway_client.py": frozenset(),
     "test_gpu_failures.py": frozenset(),
     "test_hang_detector.py": frozenset(),
     "test_house_rules.py": frozenset(),
@@ -124,6 +125,7 @@ FAST_MODULES: dict[str, frozenset[str]] = {
     "test_sd_notify.py": frozenset({"test_rlsup_daemon_speaks_the_protocol"}),
     "test_settings.py": frozenset(),
     "test_single_file.py": frozenset(),
+    "test_spares_claims.py": frozenset(),
     "test_step_writer.py": frozenset(),
     "test_stragglers.py": frozenset({"test_four_rank_job_with_a_3x_slow_rank_is_reported",
                                      "test_straggler_alert_fires_in_a_real_prometheus"}),

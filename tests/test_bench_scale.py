@@ -65,7 +65,6 @@ def test_agreement_plan_and_bytes_at_small_sizes(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(etcd_binary() is None, reason="etcd is not installed (Debian/Ubuntu package etcd-server)")
 def test_agreement_through_etcd(tmp_path: Path) -> None:
-    pytest.importorskip("etcd3gw", reason="etcd3gw is not installed (pip install -e '.[etcd]')")
     data = run_harness(tmp_path, "--only", "agreement", "--sizes", "4", "--backends", "etcd")
     (agreed,) = data["agreement"]
     assert (agreed["backend"], agreed["nodes"], agreed["baseline"]) == ("etcd", 4, None)

@@ -18,7 +18,7 @@ from support.env import BIN, PY, TRAIN
 # every one of the second that this venv holds must be refused (a refusal list derived wrongly fails here).
 CORE_IMPORTS = ("torch", "numpy", "yaml", "xxhash", "psutil", "watchdog", "prometheus_client", "aiohttp")
 EXTRA_IMPORTS = ("transformers", "trl", "accelerate", "datasets", "deepspeed", "lightning", "megatron",
-                 "nvidia_resiliency_ext", "pynvml", "ray", "verl", "etcd3gw", "s3fs", "moto", "pytest", "torchdata")
+                 "nvidia_resiliency_ext", "pynvml", "ray", "verl", "s3fs", "moto", "pytest", "torchdata")
 OURS = ("supervisor", "trainer_hooks", "rlsup_format")
 
 

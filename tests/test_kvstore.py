@@ -17,10 +17,6 @@ TIMEOUT_S = 5.0
 Connect = Callable[[], KVStore]
 
 
-def _need_etcd3gw() -> None:
-    pytest.importorskip("etcd3gw", reason="etcd3gw is not installed (pip install -e '.[etcd]')")
-
-
 def _etcd_store(cluster: EtcdCluster, first: int = 0, timeout_s: float = TIMEOUT_S, **kw) -> KVStore:
     """A client that starts on member ``first`` and knows all of them."""
     from supervisor.kvstore_etcd import EtcdKVStore
@@ -41,7 +37,6 @@ def connect(request: pytest.FixtureRequest) -> Iterator[Connect]:
             opened.append(TCPKVStore("127.0.0.1", port, False, TIMEOUT_S))
             return opened[-1]
     else:
-        _need_etcd3gw()
         cluster: EtcdCluster = request.getfixturevalue("etcd_cluster_clean")
 
         def make() -> KVStore:  # clients spread over the members, as nodes configured in different orders
@@ -163,7 +158,6 @@ def test_tcp_unavailable_after_host_closed() -> None:
 def test_etcd_delete_keys(etcd_cluster_clean: EtcdCluster) -> None:  # noqa: F811
     """etcd's delete (the embedded store's: tests/test_fr_exchange_waits.py, through the FR exchange; one more
     TCPStore server in this module's process made the next one's connects time out now and then)."""
-    _need_etcd3gw()
     a = _etcd_store(etcd_cluster_clean)
     for k in ("fr/1/0", "fr/1/1", "fr/1/verdict"):
         a.set(k, b"v" * 1000)
@@ -178,7 +172,6 @@ def test_etcd_delete_keys(etcd_cluster_clean: EtcdCluster) -> None:  # noqa: F81
 # ---- etcd: failover and quorum ----
 
 def test_etcd_fails_over_when_the_member_in_use_is_killed(etcd_cluster: EtcdCluster) -> None:  # noqa: F811
-    _need_etcd3gw()
     store = _etcd_store(etcd_cluster, timeout_s=10.0)
     other = _etcd_store(etcd_cluster, first=2)
     store.set("f/a", b"1")
@@ -207,7 +200,6 @@ def test_etcd_fails_over_when_the_member_in_use_is_killed(etcd_cluster: EtcdClus
 
 
 def test_etcd_without_quorum_raises_store_unavailable_in_time(etcd_cluster: EtcdCluster) -> None:  # noqa: F811
-    _need_etcd3gw()
     store = _etcd_store(etcd_cluster, timeout_s=1.5)
     store.set("q/a", b"1")
     etcd_cluster.kill(0)
@@ -225,7 +217,6 @@ def test_etcd_without_quorum_raises_store_unavailable_in_time(etcd_cluster: Etcd
 
 
 def test_etcd_nothing_listening_raises_naming_every_endpoint() -> None:
-    _need_etcd3gw()
     from supervisor.kvstore_etcd import EtcdKVStore
 
     endpoints = [f"127.0.0.1:{p}" for p in free_ports(2)]
@@ -240,7 +231,6 @@ def test_etcd_nothing_listening_raises_naming_every_endpoint() -> None:
 
 def test_etcd_add_lost_answer_is_not_counted_twice(etcd_cluster_clean: EtcdCluster) -> None:  # noqa: F811
     """A member that commits an add and dies before answering: the retry must find it, not add again."""
-    _need_etcd3gw()
     from supervisor import kvstore_etcd
 
     store = _etcd_store(etcd_cluster_clean)
@@ -265,7 +255,6 @@ def test_etcd_add_lost_answer_is_not_counted_twice(etcd_cluster_clean: EtcdClust
 
 
 def test_prefix_end() -> None:
-    _need_etcd3gw()
     from supervisor.kvstore_etcd import _prefix_end
 
     assert _prefix_end(b"job1/") == b"job10"
