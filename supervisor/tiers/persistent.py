@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import threading
 import time
 from dataclasses import dataclass
@@ -44,11 +45,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from rlsup_format.manifest import ManifestError, RankManifest, list_step_dirs, verify_step
-from rlsup_format.names import manifest_name, parse_manifest_rank
+from rlsup_format.names import manifest_name, parse_manifest_rank, step_dir_name
 from rlsup_format.retention import StepState, steps_to_delete
 from supervisor.bounded_calls import BoundedCalls
 from supervisor.control_records import TierOffer
-from supervisor.tiers import private_files
+from supervisor.tiers import fetch_staging, private_files
+from supervisor.tiers.fetch_staging import FetchTicket, staging_dir
 from supervisor.tiers.poll_loop import STALL_S, PollLoop
 from supervisor.tiers.part_protocol import PartError, PartInvalid, PartStore, copy_part
 from supervisor.tiers.part_stores import open_store
@@ -411,29 +413,35 @@ class PersistentTier:
                 return TierCopy(step, str(self.store.path(step)), r.size_bytes)
         return None
 
-    def fetch(self, step: int, dest_dir: str | os.PathLike) -> Path:
+    def fetch(self, step: int, dest_dir: str | os.PathLike, ticket: FetchTicket | None = None) -> Path:
         """Copy the whole ``step`` into ``dest_dir/step_N`` part by part (:func:`copy_part`); returns that
-        path. Valid local parts already there are kept. PersistentTierError when the tier's copy does
-        not verify: then nothing of it is left in ``dest_dir`` (a step directory this call created is
-        removed again; parts written without their manifest never count anyway)."""
-        return self._files(lambda: self._fetch(step, dest_dir))
+        path. The copy is made in a private staging directory and moved into place at the end, only while
+        ``ticket`` is not cancelled (:mod:`supervisor.tiers.fetch_staging`); PersistentTierError when it was,
+        or when the tier's copy does not verify: then nothing of it is left in ``dest_dir``."""
+        return self._files(lambda: self._fetch(step, dest_dir, ticket))
 
-    def _fetch(self, step: int, dest_dir: str | os.PathLike) -> Path:
-        local = LocalStore(dest_dir, self.throttle, HOLD_LABEL)
+    def _fetch(self, step: int, dest_dir: str | os.PathLike, ticket: FetchTicket | None) -> Path:
+        staged = staging_dir(dest_dir)
+        local = LocalStore(staged, self.throttle, HOLD_LABEL)
         with self._lock:
-            local.clean()  # the temp files of a fetch whose rlsup was killed
-            check = verify_step(self.store.reader(step), step, False, str(self.store.path(step)))
-            if not check.valid:
-                raise PersistentTierError(f"step {step} in {self.location} does not verify: {check.reason}")
-            created = not local.path(step).exists()
             try:
+                LocalStore(dest_dir, self.throttle, HOLD_LABEL).clean()  # what a killed fetch left
+                fetch_staging.remove_stale(dest_dir)
+                check = verify_step(self.store.reader(step), step, False, str(self.store.path(step)))
+                if not check.valid:
+                    raise PersistentTierError(f"step {step} in {self.location} does not verify: {check.reason}")
                 for rank in range(check.world_size or 0):
                     copy_part(self.store, local, step, rank, full=False)
             except (OSError, ManifestError, PartError) as e:
-                if created:
-                    local.delete(step)
+                shutil.rmtree(staged, ignore_errors=True)
                 raise PersistentTierError(f"fetching step {step} from {self.location} failed: {e}") from e
-            return local.path(step)
+            except BaseException:
+                shutil.rmtree(staged, ignore_errors=True)
+                raise
+            dest = Path(dest_dir) / step_dir_name(step)
+            if not fetch_staging.place(local.path(step), dest, ticket):
+                raise PersistentTierError(f"fetching step {step} from {self.location}: abandoned by the restart")
+            return dest
 
     def fetch_part(self, step: int, rank: int, dest_dir: str | os.PathLike) -> Path:
         """Copy ``rank``'s part of ``step`` into ``dest_dir/step_N`` and return that step directory. A

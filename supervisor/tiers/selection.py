@@ -26,6 +26,7 @@ import logging
 from pathlib import Path
 from typing import Iterator
 
+from supervisor.tiers.fetch_staging import FetchTicket
 from supervisor.tiers.memory_tier import MemoryTier
 from supervisor.tiers.persistent import PersistentTier, PersistentTierError
 from supervisor.tiers.resume import TIER_MEMORY, TIER_PERSISTENT, ResumePoint, choose_resume
@@ -67,9 +68,10 @@ def choose_across_tiers(local_dir: str | Path, persistent: PersistentTier | None
         log.warning("persistent tier %s unreadable: %s", persistent.location, e)
         return best
     for step in candidates or []:
+        ticket = FetchTicket()  # cancelled when the call gives up: a late fetch then leaves nothing behind
         try:
-            path = persistent.reads.call(lambda step=step: persistent.fetch(step, local_dir), None,
-                                         progress=lambda: persistent.moved)
+            path = persistent.reads.call(lambda step=step: persistent.fetch(step, local_dir, ticket), None,
+                                         progress=lambda: persistent.moved, on_give_up=ticket.cancel)
         except PersistentTierError as e:
             log.warning("persistent step %d not used: %s", step, e)
             continue
