@@ -301,6 +301,14 @@ class RoundCoordinator:
             self.end(current, f"node {self.node_rank} rejoined")
         return current + 1
 
+    def current_attempt(self) -> int | None:
+        """The newest attempt the store knows (planned, or opened fresh); None before the first."""
+        return self._current_attempt()
+
+    def check_abort(self) -> None:
+        """:meth:`_check_abort`, for a process that watches the job without joining it (a spare)."""
+        self._check_abort()
+
     def _current_attempt(self) -> int | None:
         names = ["round", "base"]  # the planned attempt, the first one a fresh store opened
         values = [_attempt_number(n, v) for n, v in zip(names, self.keys.get_many(names)) if v is not None]
