@@ -311,6 +311,8 @@ class MultiNodeSupervisor(Supervisor):
             self.coordinator.end(attempt, f"node {me}: no usable plan after {PLAN_TRIES} tries")
         self.coordinator.mark_ready(attempt)
         self.coordinator.wait_all_ready(attempt)
+        if self.spares is not None:  # a spare that took a rank in this round is in it now: replicate to it
+            self._follow_spares(self.spares)
         if self.persistent is not None:
             # Every node has fetched what it needed: the resumed step is local everywhere now, so the
             # tier's retention may treat it like any other step again (it used to pin it for the whole run).

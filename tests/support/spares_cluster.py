@@ -1,15 +1,17 @@
 """The multi-node harness with spare nodes: 3 job nodes of 2 ranks each plus spares, each its own ``rlsup run``
 on 127.0.0.1 in its own directory, peers listing all of them and ``--spares k``; torchrun as users type it
-(c10d, ``--nnodes 3``). Also the time from a node's loss to the first step of the next attempt."""
+(c10d, ``--nnodes 3``). Also what the nodes held when one was lost, and how long the recovery took."""
 
 from __future__ import annotations
 
 import re
 import time
+from datetime import datetime
 from pathlib import Path
 from typing import Sequence
 
-from support.cluster import Cluster, trainer_starts
+from rlsup_format.manifest import list_step_dirs, manifest_name
+from support.cluster import Cluster, replica_ns, trainer_starts
 from support.env import PY
 from support.waits import wait_for
 
@@ -22,7 +24,7 @@ class SpareCluster(Cluster):
 
     def __init__(self, root: Path, spares: int = 1, extra: Sequence[str] = (), takeover_s: float = 1.0,
                  **kw: object) -> None:
-        super().__init__(root, JOB_NODES + spares,
+        super().__init__(root, JOB_NODES + spares,  # type: ignore[arg-type]
                          extra=["--spares", str(spares), "--spare-takeover-s", str(takeover_s), *extra], **kw)
 
     def launcher(self, node: int) -> list[str]:
@@ -31,15 +33,41 @@ class SpareCluster(Cluster):
                 f"{self.hosts[0]}:{self.master_port}", "--rdzv-id", "job1"]
 
 
+def ranks_of(slot: int) -> list[int]:
+    return [slot * RANKS_PER_NODE + i for i in range(RANKS_PER_NODE)]
+
+
+def replicated(cluster: Cluster, holder: int, owner: int, step: int) -> bool:
+    """Node ``holder`` holds every part of ``owner``'s ranks at ``step``."""
+    d = replica_ns(cluster.node_dir(holder) / "replicas", owner) / f"step_{step:09d}"
+    return all((d / manifest_name(r)).exists() for r in ranks_of(owner))
+
+
+def newest_complete(cluster: Cluster, lost: int, holder: int, alive: Sequence[int]) -> int:
+    """The newest step whose every part survived ``lost``'s loss: the ``alive`` nodes' own, ``holder``'s replicas."""
+    steps = {s for s, _ in list_step_dirs(replica_ns(cluster.node_dir(holder) / "replicas", lost))
+             if replicated(cluster, holder, lost, s)}
+    for node in alive:
+        steps &= {s for s, d in list_step_dirs(cluster.node_dir(node) / "checkpoints")
+                  if all((d / manifest_name(r)).exists() for r in ranks_of(node))}
+    return max(steps, default=0)
+
+
 def took_rank(log: str) -> int | None:
     """The node rank a spare said it took (None: it took none)."""
     m = re.search(r"spare \S+: took node rank (\d+)", log)
     return int(m.group(1)) if m else None
 
 
-def first_step_after(cluster: Cluster, node: int, lost_at: float, starts_before: int, timeout: float) -> float:
-    """Seconds from ``lost_at`` (time.monotonic) until node ``node``'s rank 0 said the next attempt started
-    (every rank's first step is a collective right after it)."""
+def logged_at(log: str, pattern: str) -> float | None:
+    """The wall-clock time (epoch seconds) of the first rlsup log line matching ``pattern``."""
+    m = re.search(r"^(\S+Z) .*" + pattern, log, re.M)
+    return datetime.fromisoformat(m.group(1).replace("Z", "+00:00")).timestamp() if m else None
+
+
+def first_step_after(cluster: Cluster, node: int, starts_before: int, timeout: float) -> float:
+    """The wall-clock time at which node ``node``'s rank 0 was seen starting the next attempt (every rank's
+    first step is a collective right after it)."""
     wait_for(lambda: len(trainer_starts(cluster.log(node))) > starts_before, timeout,
-             f"node {node}'s rank 0 to start the next attempt")
-    return time.monotonic() - lost_at
+             f"node {node}'s rank 0 to start the next attempt", interval=0.05)
+    return time.time()
