@@ -43,6 +43,7 @@ from supervisor.coordinator import (
 from supervisor.fr_exchange import FrExchange
 from supervisor.health import mark_repeat_offender
 from supervisor.incidents import Incident
+from supervisor.kvstore import StoreUnavailable
 from supervisor.job_identity import JobIdentity
 from supervisor.lifecycle import EndReason
 from supervisor.membership import Membership
@@ -169,6 +170,8 @@ class MultiNodeSupervisor(Supervisor):
         """The attempt the nodes agree on; stopped while waiting, this node's own count: :meth:`prepare`
         then abandons it at once and the loop records the stop."""
         try:
+            if self.spares is not None:  # before joining: a node whose rank a spare took must not end the attempt
+                self._check_seat(self.spares)
             attempt = self.coordinator.join(mine)
         except StopAsked as e:
             self._stopped_waiting = e
@@ -176,6 +179,13 @@ class MultiNodeSupervisor(Supervisor):
         if self.spares is not None:
             self._follow_spares(self.spares)
         return attempt
+
+    def _check_seat(self, seat: SpareSeat) -> None:
+        """:func:`check_holder`; a store out of reach is the join's to wait for (it is asked again after it)."""
+        try:
+            check_holder(self.coordinator, self.membership.node_rank, seat.gen)
+        except StoreUnavailable:
+            pass
 
     def _follow_spares(self, seat: SpareSeat) -> None:
         """Refuse to go on when a spare took this node's rank (:class:`SlotTaken`); send the replicas of a
@@ -309,6 +319,8 @@ class MultiNodeSupervisor(Supervisor):
             excluded |= {(s, r, PERSISTENT_HOLDER) for s, r in bad}
         else:
             self.coordinator.end(attempt, f"node {me}: no usable plan after {PLAN_TRIES} tries")
+        if self.spares is not None:  # a spare may have taken this rank while this node was late to the round
+            check_holder(self.coordinator, me, self.spares.gen)
         self.coordinator.mark_ready(attempt)
         self.coordinator.wait_all_ready(attempt)
         if self.spares is not None:  # a spare that took a rank in this round is in it now: replicate to it

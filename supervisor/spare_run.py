@@ -62,7 +62,7 @@ class SpareRun:
                 hosted = self._host_store()
                 if hosted is None:
                     continue  # someone else hosts it now: connect to it and watch again
-                claim = try_claim(hosted, 0, self.roster.peers[self.node_rank])
+                claim = try_claim(hosted, 0, self.roster.peers[self.node_rank], 0)  # a fresh store
                 if claim is None:
                     continue
                 return claim, self._took(claim, hosted, "hosting the coordination store"), hosted

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from enum import Enum
 
 from supervisor.coordinator import CoordinationError, RoundCoordinator
@@ -114,10 +114,10 @@ def check_holder(coordinator: RoundCoordinator, slot: int, gen: int) -> None:
                         f"(claim {claim.gen}); this node must not run its ranks: restart it as a spare")
 
 
-def try_claim(coordinator: RoundCoordinator, slot: int, endpoint: str) -> Claim | None:
-    """Claim ``slot`` for ``endpoint`` (first writer wins); None when another spare won."""
-    current = newest_claim(coordinator, slot)
-    gen = (current.gen if current is not None else 0) + 1
+def try_claim(coordinator: RoundCoordinator, slot: int, endpoint: str, lost_gen: int) -> Claim | None:
+    """Claim ``slot`` for ``endpoint`` from its holder of generation ``lost_gen``, the one seen lost; None when
+    another spare claimed it first (the store's create: first writer wins, so a slot goes to one spare)."""
+    gen = lost_gen + 1
     won = coordinator.keys.create(_claim_name(slot, gen), endpoint)
     return Claim(slot, gen, endpoint) if won.payload == endpoint else None
 
@@ -131,7 +131,8 @@ class SpareWatch:
     node_rank: int  # the spare's index in ``roster.peers``
     takeover_s: float
     stop: StopRequest
-    missing_since: dict[tuple[int, int], float] | None = None
+    # (attempt, slot) -> (when it was first seen missing, its holder's claim generation then)
+    missing_since: dict[tuple[int, int], tuple[float, int]] = field(default_factory=dict)
 
     @property
     def endpoint(self) -> str:
@@ -140,7 +141,6 @@ class SpareWatch:
     def wait(self) -> Claim | None:
         """The slot this spare took, or None when the job finished (``done``). Raises
         :class:`~supervisor.stop_request.StopAsked` on a stop, :class:`StoreUnavailable` when the store is gone."""
-        self.missing_since = {}
         seen = False  # an attempt was seen: its keys gone (etcd forgets a finished job's) means the job is done
         log.info("spare %s: watching the job's %d nodes for a lost one", self.endpoint, self.roster.job_size)
         while True:
@@ -152,17 +152,18 @@ class SpareWatch:
             if current is None and seen:
                 return None
             seen = seen or current is not None
-            slot = self._lost_slot()
-            if slot is not None:
-                claim = try_claim(self.coordinator, slot, self.endpoint)
+            lost = self.lost_slot()
+            if lost is not None:
+                claim = try_claim(self.coordinator, lost[0], self.endpoint, lost[1])
                 if claim is not None:
                     return claim
-                log.info("spare %s: another spare took node rank %d", self.endpoint, slot)
+                log.info("spare %s: another spare took node rank %d", self.endpoint, lost[0])
+                self.missing_since.clear()
             time.sleep(WATCH_POLL_S)
 
-    def _lost_slot(self) -> int | None:
-        """A slot missing from the open round for ``takeover_s`` while the others are in it."""
-        assert self.missing_since is not None
+    def lost_slot(self) -> tuple[int, int] | None:
+        """(slot, generation of its holder) for a slot missing from the open round for ``takeover_s`` while
+        the others are in it; the generation is the one seen when it went missing."""
         c = self.coordinator
         current = c.current_attempt()
         if current is None or c.ended(current) is None:
@@ -176,9 +177,12 @@ class SpareWatch:
         for slot, here in enumerate(present):
             if here:
                 continue
-            since = self.missing_since.setdefault((pending, slot), now)
+            if (pending, slot) not in self.missing_since:
+                holder = newest_claim(c, slot)
+                self.missing_since[(pending, slot)] = (now, holder.gen if holder is not None else 0)
+            since, gen = self.missing_since[(pending, slot)]
             if now - since >= self.takeover_s:
-                return slot
+                return slot, gen
         return None
 
 
