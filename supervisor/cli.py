@@ -122,7 +122,7 @@ def _run_multinode(cfg: SupervisorConfig, command: list[str], membership: Member
         if roster.role(membership.node_rank) is NodeRole.WORKER:
             return run_node(roster.membership(membership.node_rank), SpareSeat(roster), None)
         spare = SpareRun(cfg, roster, membership.node_rank, job, secret, lambda view, stop: connect_coordinator(
-            cfg, view, job, secret, stop), early)
+            cfg, view, job, secret, stop), early, observer or Observer())
         try:
             return spare.run(run_node)
         except CoordinationError as e:

@@ -51,7 +51,7 @@ from supervisor.observer import Observer
 from supervisor.tiers.part_protocol import FetchFailed, PartError, PartStore, fetch_part
 from supervisor.process_tree import ProcessLayer
 from supervisor.rank_pinning import pin_ranks
-from supervisor.spares import DONE_KEY, SpareSeat, check_holder, moved_slots
+from supervisor.spares import DONE_KEY, NodeRole, SpareSeat, check_holder, moved_slots, spares_left
 from supervisor.tiers.replication import ReplicationEngine, newest_own_step
 from supervisor.tiers.resume import ResumePoint
 from supervisor.attempt_end import AttemptResult
@@ -191,9 +191,11 @@ class MultiNodeSupervisor(Supervisor):
         """Refuse to go on when a spare took this node's rank (:class:`SlotTaken`); send the replicas of a
         rank a spare took to the spare."""
         check_holder(self.coordinator, self.membership.node_rank, seat.gen)
-        for slot, claim in moved_slots(self.coordinator, self.membership.size).items():
+        moved = moved_slots(self.coordinator, self.membership.size)
+        for slot, claim in moved.items():
             if self.engine.move_peer(slot, claim.endpoint):
                 self._log(f"node rank {slot} is now the spare at {claim.endpoint}")
+        self.observer.node_role(NodeRole.WORKER.value, spares_left(seat.roster, moved))
 
     def check_health(self, attempt: int) -> AttemptResult | None:
         return None if self.stop.asked else super().check_health(attempt)  # stopping: no pre_launch_check to wait for

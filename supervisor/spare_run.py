@@ -8,6 +8,7 @@ membership; the replicas of the slot are fetched by the round as a replacement n
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -17,7 +18,9 @@ from supervisor.coordinator import CoordinationError, RoundCoordinator, embedded
 from supervisor.job_identity import JobIdentity
 from supervisor.kvstore import StoreUnavailable
 from supervisor.membership import Membership
-from supervisor.spares import Claim, Roster, SpareSeat, moved_slots, taken_over, try_claim, watch_for_slot
+from supervisor.observer import Observer
+from supervisor.spares import (Claim, NodeRole, Roster, SpareSeat, moved_slots, spares_left, taken_over, try_claim,
+                              watch_for_slot)
 from supervisor.stop_request import StopAsked, StopRequest
 
 log = logging.getLogger(__name__)
@@ -38,8 +41,10 @@ class SpareRun:
     secret: bytes
     connect: Connect
     stop: StopRequest
+    observer: Observer
 
     def run(self, run_node: RunNode) -> int:
+        self.observer.node_role(NodeRole.SPARE.value, self.roster.spares)
         try:
             taken = self._wait_for_slot()
         except StopAsked as e:
@@ -57,7 +62,8 @@ class SpareRun:
         while True:
             coordinator = self.connect(watcher_view, self.stop)
             try:
-                claim = watch_for_slot(coordinator, self.roster, self.node_rank, self.cfg.spare_takeover_s, self.stop)
+                claim, lost_at = watch_for_slot(coordinator, self.roster, self.node_rank, self.cfg.spare_takeover_s,
+                                                self.stop)
             except StoreUnavailable:
                 hosted = self._host_store()
                 if hosted is None:
@@ -65,17 +71,21 @@ class SpareRun:
                 claim = try_claim(hosted, 0, self.roster.peers[self.node_rank], 0)  # a fresh store
                 if claim is None:
                     continue
-                return claim, self._took(claim, hosted, "hosting the coordination store"), hosted
+                return claim, self._took(claim, hosted, "hosting the coordination store", None), hosted
             if claim is None:
                 return None
-            return claim, self._took(claim, coordinator, ""), None
+            return claim, self._took(claim, coordinator, "", lost_at), None
 
-    def _took(self, claim: Claim, coordinator: RoundCoordinator, how: str) -> Membership:
-        """The slot's membership; says which rank this spare took and how many spares are left."""
+    def _took(self, claim: Claim, coordinator: RoundCoordinator, how: str, lost_at: float | None) -> Membership:
+        """The slot's membership; says (log, metrics) which rank this spare took and how many spares are left."""
         moved = moved_slots(coordinator, self.roster.job_size)
-        left = max(0, self.roster.spares - sum(c.gen for c in moved.values()))
-        log.info("spare %s: took node rank %d (claim %d)%s; spares left: %d (role: worker)",
-                 self.roster.peers[self.node_rank], claim.slot, claim.gen, f", {how}" if how else "", left)
+        left = spares_left(self.roster, moved)
+        after = f" {time.time() - lost_at:.1f}s after its attempt ended" if lost_at is not None else ""
+        log.info("spare %s: took node rank %d (claim %d)%s%s; spares left: %d (role: worker)",
+                 self.roster.peers[self.node_rank], claim.slot, claim.gen, after, f", {how}" if how else "", left)
+        self.observer.node_role(NodeRole.WORKER.value, left)
+        if lost_at is not None:
+            self.observer.spare_took_over(time.time() - lost_at)
         return taken_over(self.roster, claim, moved)
 
     def _host_store(self) -> RoundCoordinator | None:

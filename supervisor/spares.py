@@ -133,6 +133,7 @@ class SpareWatch:
     stop: StopRequest
     # (attempt, slot) -> (when it was first seen missing, its holder's claim generation then)
     missing_since: dict[tuple[int, int], tuple[float, int]] = field(default_factory=dict)
+    lost_at: float | None = None  # wall-clock end of the attempt the claimed slot was lost in
 
     @property
     def endpoint(self) -> str:
@@ -182,15 +183,24 @@ class SpareWatch:
                 self.missing_since[(pending, slot)] = (now, holder.gen if holder is not None else 0)
             since, gen = self.missing_since[(pending, slot)]
             if now - since >= self.takeover_s:
+                ended = c.keys.get(f"end/{current}")
+                self.lost_at = ended.time if ended is not None else None
                 return slot, gen
         return None
 
 
+def spares_left(roster: Roster, moved: dict[int, Claim]) -> int:
+    """The roster's spares not yet used: each claim generation is one spare taken."""
+    return max(0, roster.spares - sum(c.gen for c in moved.values()))
+
+
 def watch_for_slot(coordinator: RoundCoordinator, roster: Roster, node_rank: int, takeover_s: float,
-                   stop: StopRequest) -> Claim | None:
-    """:meth:`SpareWatch.wait`, the store's loss said in words (``StoreUnavailable`` passes through)."""
+                   stop: StopRequest) -> tuple[Claim | None, float | None]:
+    """:meth:`SpareWatch.wait` and when the slot was lost (the attempt's end, wall clock), the store's loss
+    said in words (``StoreUnavailable`` passes through)."""
     try:
-        return SpareWatch(coordinator, roster, node_rank, takeover_s, stop).wait()
+        watch = SpareWatch(coordinator, roster, node_rank, takeover_s, stop)
+        return watch.wait(), watch.lost_at
     except StoreUnavailable:
         log.warning("spare %s: the coordination store %s is gone", roster.peers[node_rank], coordinator.describe())
         raise
@@ -204,4 +214,4 @@ def taken_over(roster: Roster, claim: Claim, moved: dict[int, Claim]) -> Members
 
 
 __all__ = ["NodeRole", "Roster", "Claim", "SlotTaken", "SpareWatch", "SpareSeat", "newest_claim", "moved_slots", "check_holder",
-           "try_claim", "watch_for_slot", "taken_over", "DONE_KEY"]
+           "try_claim", "spares_left", "watch_for_slot", "taken_over", "DONE_KEY"]

@@ -78,3 +78,21 @@ def test_a_slot_is_lost_only_after_the_round_waited_for_it() -> None:
     assert watch.lost_slot() is None  # node 2 is missing, but not for long yet
     time.sleep(0.35)
     assert watch.lost_slot() == (2, 0)
+
+
+def test_role_spares_left_and_takeover_are_exported() -> None:
+    from supervisor.metrics import SupervisorMetrics
+    from supervisor.spares import spares_left
+
+    m = SupervisorMetrics(job="j", node="n")
+    m.node_role(NodeRole.SPARE.value, 2)
+    assert m.registry.get_sample_value("rlsup_node_role", {"rlsup_node_role": "spare"}) == 1
+    port = free_port()
+    host = node(port, 0)
+    try_claim(host, 1, "s0:1", 0)
+    left = spares_left(ROSTER, moved_slots(host, ROSTER.job_size))
+    m.node_role(NodeRole.WORKER.value, left)
+    m.spare_took_over(1.5)
+    assert m.registry.get_sample_value("rlsup_node_role", {"rlsup_node_role": "worker"}) == 1
+    assert m.registry.get_sample_value("rlsup_spares_left") == 1
+    assert m.registry.get_sample_value("rlsup_spare_takeover_seconds") == 1.5
