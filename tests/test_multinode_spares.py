@@ -25,6 +25,9 @@ from support.waits import wait_for
 
 SPARE = JOB_NODES  # the spare's node rank in peers
 WORLD = JOB_NODES * RANKS_PER_NODE
+# RLSUP_SPARES_BALLAST_MB: extra MB each rank saves (50: the 100 MB per node of issue 31's recovery figure)
+BALLAST = ["--ballast-mb", os.environ["RLSUP_SPARES_BALLAST_MB"]] if os.environ.get("RLSUP_SPARES_BALLAST_MB") else []
+TRAIN_ARGS = ["--steps", "24", "--checkpoint-every", "3", "--step-time", "0.15", "--keep-last", "100", *BALLAST]
 LONG_ARGS = ["--steps", "48", "--checkpoint-every", "3", "--step-time", "0.15", "--keep-last", "100"]
 long_only = pytest.mark.skipif(not os.environ.get("RLSUP_SPARES_LONG"), reason="long: set RLSUP_SPARES_LONG=1")
 
@@ -71,8 +74,8 @@ def _resumed(log: str) -> list[int]:
 
 
 def test_spare_takes_node_2_after_its_loss_bit_identical(tmp_path: Path) -> None:
-    ref = reference_weights(tmp_path, nodes=WORLD)
-    cluster = SpareCluster(tmp_path)
+    ref = reference_weights(tmp_path, nodes=WORLD, train_args=TRAIN_ARGS)
+    cluster = SpareCluster(tmp_path, train_args=TRAIN_ARGS)
     complete = _run_and_lose(cluster, lost=2)
     spare_log = cluster.log(SPARE)
     assert took_rank(spare_log) == 2, spare_log[-4000:]
@@ -84,8 +87,8 @@ def test_spare_takes_node_2_after_its_loss_bit_identical(tmp_path: Path) -> None
 
 def test_spare_takes_node_0_after_its_loss_bit_identical(tmp_path: Path) -> None:
     """Node 0 hosts the embedded store and torchrun's c10d endpoint: the spare hosts the store again."""
-    ref = reference_weights(tmp_path, nodes=WORLD)
-    cluster = SpareCluster(tmp_path)
+    ref = reference_weights(tmp_path, nodes=WORLD, train_args=TRAIN_ARGS)
+    cluster = SpareCluster(tmp_path, train_args=TRAIN_ARGS)
     complete = _run_and_lose(cluster, lost=0)
     spare_log = cluster.log(SPARE)
     assert took_rank(spare_log) == 0, spare_log[-4000:]
@@ -96,9 +99,22 @@ def test_spare_takes_node_0_after_its_loss_bit_identical(tmp_path: Path) -> None
 
 @pytest.mark.soak
 @long_only
+def test_spare_takes_node_2_with_static_rendezvous(tmp_path: Path) -> None:
+    """torchrun's static rendezvous: the spare was started with ``--node-rank 3``; rlsup launches it with 2."""
+    ref = reference_weights(tmp_path, nodes=WORLD, train_args=TRAIN_ARGS)
+    cluster = SpareCluster(tmp_path, rdzv="static", train_args=TRAIN_ARGS)
+    complete = _run_and_lose(cluster, lost=2)
+    spare_log = cluster.log(SPARE)
+    assert took_rank(spare_log) == 2 and "--node-rank 2" in spare_log, spare_log[-4000:]
+    assert_same_weights(cluster.node_dir(0) / cluster.out_name, ref)
+    assert _resumed(cluster.log(0))[-1] >= complete > 0, (complete, cluster.log(0)[-4000:])
+
+
+@pytest.mark.soak
+@long_only
 def test_spare_takes_node_0_with_etcd(tmp_path: Path, etcd_cluster: EtcdCluster) -> None:  # noqa: F811
-    ref = reference_weights(tmp_path, nodes=WORLD)
-    cluster = SpareCluster(tmp_path, extra=["--coordinator-backend", "etcd",
+    ref = reference_weights(tmp_path, nodes=WORLD, train_args=TRAIN_ARGS)
+    cluster = SpareCluster(tmp_path, train_args=TRAIN_ARGS, extra=["--coordinator-backend", "etcd",
                                             "--coordinator-endpoints", ",".join(etcd_cluster.endpoints)])
     complete = _run_and_lose(cluster, lost=0)
     spare_log = cluster.log(SPARE)

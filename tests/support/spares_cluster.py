@@ -28,9 +28,15 @@ class SpareCluster(Cluster):
                          extra=["--spares", str(spares), "--spare-takeover-s", str(takeover_s), *extra], **kw)
 
     def launcher(self, node: int) -> list[str]:
-        return [PY, "-m", "torch.distributed.run", "--nnodes", str(JOB_NODES), "--nproc-per-node",
-                str(RANKS_PER_NODE), "--rdzv-backend", "c10d", "--rdzv-endpoint",
-                f"{self.hosts[0]}:{self.master_port}", "--rdzv-id", "job1"]
+        """c10d as users type it, or static with the node rank each process was started with (a spare's is 3
+        or more: rlsup rewrites it to the rank the spare takes)."""
+        common = [PY, "-m", "torch.distributed.run", "--nnodes", str(JOB_NODES), "--nproc-per-node",
+                  str(RANKS_PER_NODE)]
+        if self.rdzv == "static":
+            return [*common, "--node-rank", str(node), "--master-addr", self.hosts[0], "--master-port",
+                    str(self.master_port)]
+        return [*common, "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{self.hosts[0]}:{self.master_port}",
+                "--rdzv-id", "job1"]
 
 
 def ranks_of(slot: int) -> list[int]:
