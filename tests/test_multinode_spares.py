@@ -140,4 +140,6 @@ def test_second_loss_with_no_spare_left_waits_for_a_replacement(tmp_path: Path) 
     _run_and_lose(cluster, lost=2, more=_second_loss)
     assert took_rank(cluster.log(SPARE)) == 2, cluster.log(SPARE)[-4000:]
     assert_same_weights(cluster.node_dir(0) / cluster.out_name, ref)
-    assert _resumed(cluster.log(1))[0] >= 24, cluster.log(1)[-4000:]  # the replacement fetched from the spare
+    log1 = cluster.log(1)  # the replacement's (rank 0, which prints, is on node 0)
+    assert "fetching ranks [2, 3]" in log1 and "(from node 2)" in log1, log1[-4000:]  # from the spare
+    assert (rlsup_resumes(log1)[0] or 0) >= 24 and _resumed(cluster.log(0))[-1] >= 24, log1[-4000:]
