@@ -143,3 +143,18 @@ def test_second_loss_with_no_spare_left_waits_for_a_replacement(tmp_path: Path) 
     log1 = cluster.log(1)  # the replacement's (rank 0, which prints, is on node 0)
     assert "fetching ranks [2, 3]" in log1 and "(from node 2)" in log1, log1[-4000:]  # from the spare
     assert (rlsup_resumes(log1)[0] or 0) >= 24 and _resumed(cluster.log(0))[-1] >= 24, log1[-4000:]
+
+
+@pytest.mark.soak
+@long_only
+def test_an_unused_spare_exits_0_when_the_job_succeeds(tmp_path: Path) -> None:
+    cluster = SpareCluster(tmp_path, train_args=TRAIN_ARGS)
+    try:
+        for node in range(cluster.nodes):
+            cluster.start(node)
+        codes = cluster.wait_all(timeout=300)
+    finally:
+        cluster.kill_all()
+    assert codes == {n: 0 for n in range(cluster.nodes)}, cluster.logs()
+    assert took_rank(cluster.log(SPARE)) is None
+    assert "the job finished without needing this spare" in cluster.log(SPARE), cluster.log(SPARE)[-3000:]
