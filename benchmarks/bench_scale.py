@@ -398,9 +398,12 @@ class RequestCounter:
 
     def __init__(self) -> None:
         self.count = 0
+        self.watches = 0  # etcd watch streams opened (each a connection of its own), counted apart
         self._lock = threading.Lock()
 
     def attach(self, store: Any) -> None:
+        if hasattr(store, "wait_for_change") and not hasattr(store, "_call"):
+            self._count_watches()
         name = "_call" if hasattr(store, "_call") else "_post"
         inner = getattr(store, name)
 
@@ -411,9 +414,29 @@ class RequestCounter:
 
         setattr(store, name, counted)
 
+    def _count_watches(self) -> None:
+        from supervisor.etcd_watch import EtcdWatch
+
+        if getattr(EtcdWatch.open, "counted", False):
+            return
+        inner = EtcdWatch.open
+
+        def counted(watch: Any, *args: Any, **kwargs: Any) -> Any:
+            with self._lock:
+                self.watches += 1
+            return inner(watch, *args, **kwargs)
+
+        counted.counted = True  # type: ignore[attr-defined]
+        EtcdWatch.open = counted  # type: ignore[method-assign]
+
     def take(self) -> int:
         with self._lock:
             n, self.count = self.count, 0
+        return n
+
+    def take_watches(self) -> int:
+        with self._lock:
+            n, self.watches = self.watches, 0
         return n
 
 
@@ -476,12 +499,13 @@ def _run_round(nodes: dict[int, Any], idx: int, start_at: float, end_reason: str
     threads = [threading.Thread(target=one, args=(n, s), name=f"node{n}") for n, s in nodes.items()]
     cpu, store_cpu = time.process_time(), store_thread_cpu()
     REQUESTS.take()
+    REQUESTS.take_watches()
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     return {"nodes": out, "cpu": time.process_time() - cpu, "requests": REQUESTS.take(),
-            "store_cpu": store_thread_cpu() - store_cpu}
+            "watches": REQUESTS.take_watches(), "store_cpu": store_thread_cpu() - store_cpu}
 
 
 def _teardown(nodes: dict[int, Any]) -> None:
@@ -562,6 +586,7 @@ def measure_agreement(workers: Workers, backend: str, nodes: int, rounds: int, e
     times: list[float] = []
     cpu: list[tuple[float, float]] = []  # per round: the simulated nodes' CPU (and the embedded store's), etcd's
     requests: list[int] = []  # per round: store round trips, all nodes
+    watches: list[int] = []  # per round: etcd watch streams opened, all nodes
     store_cpu: list[float] = []  # per round: the embedded store's server thread
     capacity: dict[str, float] | None = None
     plan_ok = True
@@ -572,6 +597,7 @@ def measure_agreement(workers: Workers, backend: str, nodes: int, rounds: int, e
             got = workers.call({w: ("round", idx, start_at, f"bench: node {lost} was lost") for w in range(used)})
             cpu.append((sum(g["cpu"] for g in got.values()), (server_cpu() - server0) if server_cpu else 0.0))
             requests.append(sum(g["requests"] for g in got.values()))
+            watches.append(sum(g.get("watches", 0) for g in got.values()))
             store_cpu.append(sum(g["store_cpu"] for g in got.values()))
             results = {n: r for g in got.values() for n, r in g["nodes"].items()}
             errors = [f"node {n}: {r['error']}" for n, r in results.items() if "error" in r]
@@ -599,7 +625,7 @@ def measure_agreement(workers: Workers, backend: str, nodes: int, rounds: int, e
     return {"first": times[0], "times": times[1:], "median": statistics.median(times[1:]), "max": max(times[1:]),
             "lost": lost, "procs": used, "plan_ok": plan_ok, "cpu": statistics.median(c[0] for c in cpu[1:]),
             "server_cpu": statistics.median(c[1] for c in cpu[1:]), "requests": statistics.median(requests[1:]),
-            "store_cpu": statistics.median(store_cpu[1:]), "capacity": capacity}
+            "watches": statistics.median(watches[1:]), "store_cpu": statistics.median(store_cpu[1:]), "capacity": capacity}
 
 
 # ------------------------------------------------------------------------------------------ plan
@@ -968,6 +994,8 @@ def run(quick: bool, only: list[str], procs: int, rounds: int | None, sizes: lis
                     else:
                         cpu = f"CPU per round: nodes {r['cpu']:.2f} s, etcd members {r['server_cpu']:.2f} s"
                     cpu += f"; {r['requests']:.0f} store requests per round"
+                    if r.get("watches"):
+                        cpu += f" and {r['watches']:.0f} watches opened"
                     cap = r["capacity"]
                     if cap:
                         cpu += (f"; with every node polling at once the store answered {cap['polls'] / cap['seconds']:.0f}"

@@ -10,7 +10,9 @@ while (:data:`NOTICE_S`) and publishes the job's ``abort``, marked as a clash
 
 Which store it reaches: with etcd, the job's own keys. With the embedded store, the one on node 0's
 host and port, only when that store is hosted for this job (a store of the other job is left alone: this
-job's nodes that reach it refuse by themselves). A refusing node 0 tells nobody: the port it would host
+job's nodes that reach it refuse by themselves). Only a job with no attempt yet is told (its nodes wait in
+their first join): a second rlsup started for a node of a job that already runs refuses alone, and the
+running job goes on. A refusing node 0 tells nobody: the port it would host
 on is the other job's, whose store this job's other nodes reach and refuse; node 0 of the other job,
 ended by such a notice, keeps its store up a little (``multinode.CLASH_LINGER_S``) for them.
 """
@@ -53,6 +55,11 @@ def tell_job_refused(cfg: SupervisorConfig, membership: Membership, job: JobIden
         coordinator = RoundCoordinator(store, job, secret, membership.node_rank, membership.size, wait_s, stop=stop)
         if cfg.coordinator_backend != "etcd":
             coordinator.check_host()  # JobClash: the other job's store, not ours to write in
+        running = coordinator.current_attempt()
+        if running is not None:  # a second rlsup for a node of a running job: nobody waits for it
+            log.info("node %d: the job already runs (attempt %d): its nodes are not told of this refusal",
+                     membership.node_rank, running)
+            return None
         coordinator.abort(why, clash=True)
     except (SecretError, StoreUnavailable, CoordinationError, OSError, ImportError, StopAsked) as e:
         log.info("node %d: the job's other nodes were not told of this refusal: %s", membership.node_rank, e)

@@ -112,7 +112,7 @@ def _run_multinode(cfg: SupervisorConfig, command: list[str], membership: Member
             log.error("%s", e)
             return exit_codes.FAILED
         finally:
-            service.stop()
+            service.stop(stopped=lambda: early.asked)  # a signal after the run (its handlers are back) ends the drain
 
     try:
         secret = load_secret(cfg.token_file)

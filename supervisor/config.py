@@ -445,7 +445,7 @@ def node_membership(eff: EffectiveConfig, environ: typing.Mapping[str, str] | No
         if command == "daemon":
             raise ConfigError("rlsup daemon needs peers (key 'peers' and 'node_rank', or a SLURM allocation)")
         return None
-    if not 0 <= cfg.spares <= membership.size - 2:
+    if cfg.spares and not 0 <= cfg.spares <= membership.size - 2:  # (one peer: the membership's own error)
         raise ConfigError(f"{where('spares')}key 'spares': {cfg.spares} of {membership.size} peers leaves fewer than "
                           "2 nodes for the job")
     if membership.size < 2:

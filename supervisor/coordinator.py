@@ -294,7 +294,7 @@ class RoundCoordinator:
 
     def _join(self, min_attempt: int) -> int:
         self._check_abort()
-        current = self._current_attempt()
+        current = self.current_attempt()
         if current is None:
             return self._join_fresh(min_attempt)
         if self.ended(current) is None:
@@ -302,17 +302,15 @@ class RoundCoordinator:
         return current + 1
 
     def current_attempt(self) -> int | None:
-        """The newest attempt the store knows (planned, or opened fresh); None before the first."""
-        return self._current_attempt()
+        """The newest attempt this store knows (planned, or the first one opened); None until the nodes' first
+        join is through."""
+        names = ["round", "base"]  # the planned attempt, the first one a fresh store opened
+        values = [_attempt_number(n, v) for n, v in zip(names, self.keys.get_many(names)) if v is not None]
+        return max(values) if values else None
 
     def check_abort(self) -> None:
         """:meth:`_check_abort`, for a process that watches the job without joining it (a spare)."""
         self._check_abort()
-
-    def _current_attempt(self) -> int | None:
-        names = ["round", "base"]  # the planned attempt, the first one a fresh store opened
-        values = [_attempt_number(n, v) for n, v in zip(names, self.keys.get_many(names)) if v is not None]
-        return max(values) if values else None
 
     def _join_fresh(self, min_attempt: int) -> int:
         """No attempt in this store yet: every node proposes; node 0 publishes the largest as ``base``."""
@@ -443,12 +441,15 @@ class RoundCoordinator:
         A poll is one look (:meth:`KVStore.poll`: one etcd transaction, two TCPStore round trips) whatever
         the number of keys: whether every key still missing exists, and if not, whether the attempt ended.
         Values move and are verified once they all exist; a verified value is kept, so only a key that
-        failed verification is read again."""
+        failed verification is read again. Between polls the store's :meth:`KVStore.wait_for_change` waits:
+        etcd watches the keys and the end, and the next poll is skipped while nothing was written; the
+        abort is first looked at :data:`ABORT_POLL_S` into the wait (the join looked just before)."""
         deadline = time.monotonic() + self.timeout_s
         poll = WAIT_POLL_MIN_S
         end_name = f"end/{attempt}" if attempt is not None else None
         got: dict[str, Signed] = {}
-        next_abort_look, tell_at = time.monotonic(), time.monotonic() + WAIT_TELL_S
+        next_abort_look, tell_at = time.monotonic() + ABORT_POLL_S, time.monotonic() + WAIT_TELL_S
+        changed = True  # whether to poll: the store may know that nothing we wait for was written since the last
         while True:
             self.check_stop(what)
             if tell_at is not None and time.monotonic() >= tell_at:
@@ -462,25 +463,29 @@ class RoundCoordinator:
                 except StoreUnavailable:
                     pass  # the poll below says what an unreachable store means here
             pending = [n for n in names if n not in got]
-            try:
-                values, ended = self.keys.poll(pending, end_name)
-                if values is not None:
-                    got.update((n, v) for n, v in zip(pending, values) if v is not None)
-                    if len(got) == len(names):
-                        return [got[n].payload for n in names]
-                    ended = self.keys.get(end_name) if end_name else None  # a value did not verify
-                if ended is None and time.monotonic() > deadline:
-                    pending = [n for n, v in zip(pending, self.keys.get_many(pending)) if v is None]
-            except StoreUnavailable as e:
-                if attempt is not None and self.reconnect is not None:
-                    raise RoundEnded(f"attempt {attempt} ended while waiting for {what}: {e}") from e
-                raise CoordinationError(f"the coordination store is unreachable while waiting for {what}: {e}") from e
-            if ended is not None:
-                raise RoundEnded(f"attempt {attempt} ended while waiting for {what}: {ended.payload}")
-            if time.monotonic() > deadline and pending:
-                missing = [self.keys.key(n) for n in pending]
-                raise CoordinationError(f"timed out after {self.timeout_s:.0f}s waiting for {what}; missing {missing}")
-            time.sleep(poll)
+            if changed or time.monotonic() > deadline:
+                try:
+                    values, ended = self.keys.poll(pending, end_name)
+                    if values is not None:
+                        got.update((n, v) for n, v in zip(pending, values) if v is not None)
+                        if len(got) == len(names):
+                            return [got[n].payload for n in names]
+                        ended = self.keys.get(end_name) if end_name else None  # a value did not verify
+                    if ended is None and time.monotonic() > deadline:
+                        pending = [n for n, v in zip(pending, self.keys.get_many(pending)) if v is None]
+                except StoreUnavailable as e:
+                    if attempt is not None and self.reconnect is not None:
+                        raise RoundEnded(f"attempt {attempt} ended while waiting for {what}: {e}") from e
+                    raise CoordinationError(f"the coordination store is unreachable while waiting for {what}: "
+                                            f"{e}") from e
+                if ended is not None:
+                    raise RoundEnded(f"attempt {attempt} ended while waiting for {what}: {ended.payload}")
+                if time.monotonic() > deadline and pending:
+                    missing = [self.keys.key(n) for n in pending]
+                    raise CoordinationError(f"timed out after {self.timeout_s:.0f}s waiting for {what}; "
+                                            f"missing {missing}")
+            watched = [self.keys.key(n) for n in pending + ([end_name] if end_name else [])]
+            changed = self.store.wait_for_change(watched, poll)  # etcd: a watch; the embedded store: a sleep
             poll = min(poll * 2, WAIT_POLL_MAX_S)
 
 

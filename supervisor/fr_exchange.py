@@ -69,6 +69,9 @@ class FrExchange:
         self.stopped = stopped  # rlsup's stop request: every wait here gives up at once
         self._wanted: set[int] = set()
         self._published: set[int] = set()
+        # One gather_s per hang: when this node awaited the records before its kill, the gather after it ends
+        # where that wait did (a node cut off from the store is waited for once, not twice).
+        self._gather_ends: dict[int, float] = {}
 
     @property
     def keys(self) -> "SignedKeys":  # the coordinator's (its store is replaced when node 0's comes back)
@@ -103,7 +106,8 @@ class FrExchange:
         if attempt not in self._wanted:
             return
         names = [f"fr/{attempt}/{n}" for n in range(self.nodes)]
-        deadline = time.monotonic() + self.gather_s
+        deadline = self._gather_ends.get(attempt, time.monotonic() + self.gather_s)
+        self._gather_ends = {attempt: deadline}  # this hang's only: nothing accumulates over a long run
         try:
             while self.keys.poll(names, None)[0] is None and time.monotonic() < deadline and not self.stopped():
                 time.sleep(POLL_S)
@@ -199,7 +203,7 @@ class FrExchange:
 
     def _gather(self, attempt: int) -> tuple[list[NodeDumps], list[str]]:
         names = [f"fr/{attempt}/{n}" for n in range(self.nodes)]
-        deadline = time.monotonic() + self.gather_s
+        deadline = self._gather_ends.pop(attempt, time.monotonic() + self.gather_s)
         while self.keys.poll(names, None)[0] is None and time.monotonic() < deadline and not self.stopped():
             time.sleep(POLL_S)  # one look whether every key exists: no record moves meanwhile
         got: dict[str, Signed] = {}

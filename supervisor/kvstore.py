@@ -14,6 +14,7 @@ host is cut off and TCP neither answers nor resets (torch's TCPStore client then
 from __future__ import annotations
 
 import threading
+import time
 from datetime import timedelta
 from typing import Callable, Literal, Protocol, Sequence, TypeVar
 
@@ -54,6 +55,11 @@ class KVStore(Protocol):
         key is missing: TCPStore checks the keys, then reads ``other`` or every value; etcd does it all in
         one transaction."""
 
+    def wait_for_change(self, keys: Sequence[str], timeout: float) -> bool:
+        """Between a wait's polls: up to ``timeout`` for one of ``keys`` to be written after this thread's last
+        :meth:`poll`. False only when the store knows none was (the wait may skip its next poll); True when
+        one was or it cannot tell. The embedded store sleeps (:func:`sleep_then_poll`); etcd watches."""
+
     def create(self, key: str, value: bytes) -> bytes:
         """Set ``key`` only if absent; return the value it holds afterwards (the first writer's)."""
 
@@ -69,6 +75,12 @@ class KVStore(Protocol):
 
     def close(self) -> None:
         """Release connections (and stop hosting, for the embedded store)."""
+
+
+def sleep_then_poll(timeout: float) -> bool:
+    """:meth:`KVStore.wait_for_change` of a store that cannot watch: sleep, then poll again."""
+    time.sleep(timeout)
+    return True
 
 
 class TCPKVStore:
@@ -146,6 +158,9 @@ class TCPKVStore:
         if self._call("check", self._store.check, keys):
             return list(self._call("multi_get", self._store.multi_get, keys)), None
         return None, self.get(other) if other is not None else None
+
+    def wait_for_change(self, keys: Sequence[str], timeout: float) -> bool:
+        return sleep_then_poll(timeout)  # TCPStore's own wait blocks without a deadline we could interrupt
 
     def create(self, key: str, value: bytes) -> bytes:
         # TCPStore's compare_set with an empty expected value sets a missing key, else returns the current one.

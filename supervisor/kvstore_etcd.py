@@ -2,7 +2,10 @@
 
 The embedded store (a TCPStore on node 0) dies with node 0; etcd keeps serving while a majority of its
 members live, so losing any one node, or one etcd member, stalls nobody. We talk to etcd's gRPC
-gateway (plain HTTP/JSON, ``/v3/...``, etcd >= 3.4) through ``etcd3gw``, so no gRPC stack is needed.
+gateway (plain HTTP/JSON, ``/v3/...``, etcd >= 3.4) over keep-alive connections of our own
+(:mod:`supervisor.etcd_http`: a third of ``http.client``'s CPU per request, which is what bounds a
+round of many nodes on few cores), so no gRPC stack is needed. A wait watches its keys
+(:mod:`supervisor.etcd_watch`, :meth:`EtcdKVStore.wait_for_change`) instead of polling them.
 
 Failover: every operation goes to the member that answered last; when that member refuses, resets or
 does not answer within the per-request timeout, the same operation is retried on the next member, and
@@ -20,18 +23,25 @@ mid-request) finds its own receipt instead of adding twice.
 from __future__ import annotations
 
 import base64
-import os
+import json
+import logging
+import ssl
 import threading
 import time
 import uuid
 from typing import Any, Sequence
 
-import requests
-
+from supervisor import etcd_http
+from supervisor.etcd_watch import MAX_WATCH_MESSAGE_BYTES, EtcdWatch, WatchBroken
 from supervisor.kvstore import StoreUnavailable
+
+log = logging.getLogger(__name__)
 
 MAX_TXN_OPS = 128  # etcd's default --max-txn-ops; get_many splits larger requests into several txns
 _RETRYABLE_STATUS = (500, 503, 504, 408)  # etcd: no leader, leader changed, request timed out, stopping
+WATCH_CHECK_S = 1.0  # a waiting thread polls at least this often even when its watch tells nothing
+WATCH_RETRY_S = 1.0  # after a watch failed, a thread polls this long before it opens another
+WATCH_COALESCE_S = 0.05  # a change is told at most this long after the last poll (the longest poll interval)
 
 
 def _b64(data: bytes) -> str:
@@ -46,6 +56,15 @@ def _bytes(value: bytes | str) -> bytes:
 def _value(kv: dict[str, Any]) -> bytes:
     """A key's value from a gateway KeyValue (the gateway omits an empty value)."""
     return base64.b64decode(kv.get("value", ""))
+
+
+def _etcd_error(response: etcd_http.Response) -> str:
+    """etcd's own message in an error answer (the gateway writes ``{"error": ..., "message": ...}``)."""
+    try:
+        d = json.loads(response.body)
+        return str(d.get("message") or d.get("error") or d)
+    except (ValueError, AttributeError):
+        return response.body[:200].decode("utf-8", "replace") or "(no body)"
 
 
 def _prefix_end(prefix: bytes) -> bytes:
@@ -63,28 +82,47 @@ class _Unanswered(Exception):
     """One member did not answer (connection refused/reset, timeout, or etcd said it cannot serve now)."""
 
 
-class _ThreadLimit(threading.local):
-    """The calling thread's per-attempt limit (None: a thread that set none uses etcd3gw's own)."""
+class _Member:
+    """One member's address and its idle keep-alive connections (a store may be used from several threads)."""
 
-    timeout: float | None = None
+    def __init__(self, endpoint: str, context: ssl.SSLContext | None) -> None:
+        scheme, _, hostport = endpoint.rpartition("://")
+        host, _, port = hostport.rpartition(":")
+        if not host or not port.isdigit() or scheme not in ("", "http", "https"):
+            raise ValueError(f"etcd endpoint {endpoint!r} is not host:port")
+        if scheme == "https" and context is None:
+            context = ssl.create_default_context()
+        self.host, self.port = host.strip("[]"), int(port)
+        self.context = None if scheme == "http" else context
+        self._idle: list[etcd_http.Connection] = []
+        self._lock = threading.Lock()
+
+    def connection(self) -> etcd_http.Connection:
+        with self._lock:
+            if self._idle:
+                return self._idle.pop()
+        return etcd_http.Connection(self.host, self.port, self.context)
+
+    def keep(self, conn: etcd_http.Connection) -> None:
+        if conn.is_open:
+            with self._lock:
+                self._idle.append(conn)
+
+    def close(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.close()
 
 
-class _DeadlineSession(requests.Session):
-    """A session whose every request times out by the calling thread's own per-attempt limit.
+class _ThreadState(threading.local):
+    """A thread's last poll (the revision its watch starts after) and its open watch."""
 
-    etcd3gw fixes one timeout per client; the limit here shrinks as the call's overall deadline nears,
-    so a dead or partitioned member never holds a call past ``timeout_s``.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.local = _ThreadLimit()
-
-    def request(self, method: str | bytes, url: str | bytes, *args: Any, **kwargs: Any) -> requests.Response:
-        limit = self.local.timeout
-        if limit is not None:
-            kwargs["timeout"] = limit
-        return super().request(method, url, *args, **kwargs)
+    revision: int | None = None
+    polled_at: float = 0.0
+    watch: "EtcdWatch | None" = None
+    watch_member: int = 0  # the member the watch is on
+    watch_failed_at: float = float("-inf")
 
 
 class EtcdKVStore:
@@ -95,12 +133,11 @@ class EtcdKVStore:
     ``request_timeout_s``: how long one member may take to answer before the call tries the next
     (default: a third of ``timeout_s``, at most 2 s; etcd answers in milliseconds when healthy).
     ``ca_cert``/``cert_cert``/``cert_key``: TLS (a CA to verify the members, a client certificate).
+    Members are reached directly (no HTTP proxy), over keep-alive connections.
     """
 
     def __init__(self, endpoints: Sequence[str], timeout_s: float, *, request_timeout_s: float | None = None,
                  ca_cert: str | None = None, cert_cert: str | None = None, cert_key: str | None = None) -> None:
-        import etcd3gw  # the optional extra rlsup[etcd]; imported here so the embedded store never needs it
-
         if not endpoints:
             raise ValueError("EtcdKVStore needs at least one endpoint")
         if timeout_s <= 0:
@@ -108,28 +145,17 @@ class EtcdKVStore:
         self.endpoints = [e.strip() for e in endpoints]
         self.timeout_s = timeout_s
         self.request_timeout_s = request_timeout_s if request_timeout_s else min(2.0, timeout_s / 3)
-        self._session = _DeadlineSession()
-        # The environment (proxies, a CA bundle) is read once here, not by requests on every call: that
-        # costs a scan of os.environ and stats of ~/.netrc per request, a third of a poll's client CPU.
-        self._session.trust_env = False
-        self._session.verify = (ca_cert or os.environ.get("REQUESTS_CA_BUNDLE") or os.environ.get("CURL_CA_BUNDLE")
-                                or True)
-        if cert_cert and cert_key:
-            self._session.cert = (cert_cert, cert_key)
-        self._clients: list[Any] = []  # etcd3gw.Etcd3Client, one per member, sharing the session
-        self._proxies: list[dict[str, str]] = []  # per member, from the environment (HTTP_PROXY, NO_PROXY, ...)
-        for endpoint in self.endpoints:
-            scheme, _, hostport = endpoint.rpartition("://")
-            host, _, port = hostport.rpartition(":")
-            if not host or not port.isdigit():
-                raise ValueError(f"etcd endpoint {endpoint!r} is not host:port")
-            protocol = scheme or ("https" if ca_cert else "http")
-            # api_path given: no version probe per member (etcd >= 3.4 serves /v3/).
-            self._clients.append(etcd3gw.Etcd3Client(host=host.strip("[]"), port=int(port), protocol=protocol,
-                                                     api_path="/v3/", session=self._session))
-            self._proxies.append(requests.utils.get_environ_proxies(self._clients[-1].base_url))
+        context = None
+        if ca_cert or (cert_cert and cert_key):
+            context = ssl.create_default_context(cafile=ca_cert or None)
+            if cert_cert and cert_key:
+                context.load_cert_chain(cert_cert, cert_key)
+        self._members = [_Member(e, context) for e in self.endpoints]
         self._current = 0  # the member that answered last
         self._lock = threading.Lock()
+        self._local = _ThreadState()
+        self._watches: list[EtcdWatch] = []  # every thread's open watch, for close()
+        self.watch_message_limit = MAX_WATCH_MESSAGE_BYTES
 
     @property
     def endpoint(self) -> str:
@@ -148,8 +174,8 @@ class EtcdKVStore:
         with self._lock:
             start = self._current
         while True:
-            for step in range(len(self._clients)):
-                i = (start + step) % len(self._clients)
+            for step in range(len(self._members)):
+                i = (start + step) % len(self._members)
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     break
@@ -172,28 +198,48 @@ class EtcdKVStore:
             backoff = min(backoff * 2, 0.5)
 
     def _attempt(self, i: int, path: str, payload: dict[str, Any], timeout: float) -> dict[str, Any]:
-        from etcd3gw import exceptions
-
-        client = self._clients[i]
-        self._session.local.timeout = timeout
-        try:
-            return client.post(client.get_url(path), json=payload, proxies=self._proxies[i])
-        except (exceptions.ConnectionFailedError, exceptions.ConnectionTimeoutError,
-                exceptions.InternalServerError) as e:
-            # etcd3gw puts only the HTTP reason in str(e); etcd's own message is in detail_text.
-            raise _Unanswered(f"{type(e).__name__}: {e.detail_text or e}") from e
-        except exceptions.Etcd3Exception as e:  # 4xx: etcd refused the request itself; no member would take it
-            raise StoreUnavailable(f"coordination store {self.describe()}: {path} rejected by "
-                                   f"{self.endpoints[i]}: {e.detail_text or e}") from e
-        except (requests.RequestException, ValueError) as e:  # a broken response (body cut, not JSON)
-            raise _Unanswered(f"{type(e).__name__}: {e}") from e
-        finally:
-            self._session.local.timeout = None
+        """One POST to member ``i``. A kept connection the member closed meanwhile (it restarted) is retried
+        once on a new one; every operation is safe to repeat (see the module docstring)."""
+        member = self._members[i]
+        body = json.dumps(payload, separators=(",", ":")).encode()
+        deadline = time.monotonic() + timeout
+        while True:
+            conn = member.connection()
+            reused = conn.is_open
+            try:
+                response = conn.post(f"/v3/{path}", body, deadline)
+                break
+            except etcd_http.Closed as e:
+                if reused:
+                    continue
+                raise _Unanswered(f"{e.kind}: {e}") from e
+            except etcd_http.HTTPError as e:
+                conn.close()
+                raise _Unanswered(f"{e.kind}: {e}") from e
+        if response.status == 200:
+            member.keep(conn)
+            try:
+                result = json.loads(response.body)
+            except ValueError as e:  # a broken response (not JSON)
+                raise _Unanswered(f"an answer that is not JSON: {e}") from e
+            if not isinstance(result, dict):
+                raise _Unanswered(f"an answer that is not a JSON object: {response.body[:80]!r}")
+            return result
+        conn.close()
+        why = _etcd_error(response)
+        if response.status in _RETRYABLE_STATUS:
+            raise _Unanswered(f"HTTP {response.status}: {why}")
+        # 4xx: etcd refused the request itself; no member would take it
+        raise StoreUnavailable(f"coordination store {self.describe()}: {path} rejected by "
+                               f"{self.endpoints[i]}: HTTP {response.status}: {why}")
 
     def _txn(self, what: str, compare: list[dict[str, Any]], success: list[dict[str, Any]],
-             failure: Sequence[dict[str, Any]] = ()) -> tuple[bool, list[dict[str, Any]]]:
-        """One etcd transaction: whether the compares held, and the branch's responses."""
+             failure: Sequence[dict[str, Any]] = (), seen: list[int] | None = None) -> tuple[bool, list[dict[str, Any]]]:
+        """One etcd transaction: whether the compares held, and the branch's responses; its revision is
+        appended to ``seen`` when given."""
         result = self._post(what, "kv/txn", {"compare": compare, "success": success, "failure": list(failure)})
+        if seen is not None:
+            seen.append(int(result.get("header", {}).get("revision", 0)))
         # The gateway writes proto3 JSON: false, empty and zero fields are left out.
         return bool(result.get("succeeded", False)), result.get("responses", [])
 
@@ -219,23 +265,97 @@ class EtcdKVStore:
     def poll(self, keys: Sequence[str], other: str | None = None) -> tuple[list[bytes] | None, bytes | None]:
         """Up to :data:`MAX_TXN_OPS` keys, one transaction: compares that every key exists (create_revision
         > 0), their reads on success, the read of ``other`` on failure (nothing else moves while a key is
-        missing). More keys: a compare-only transaction per batch, stopping at the first with a key missing."""
+        missing). More keys: a compare-only transaction per batch, stopping at the first with a key missing.
+        The (first) transaction's revision is where this thread's :meth:`wait_for_change` watches from; keys
+        whose writes that watch reported are not read again."""
         keys = list(keys)
+        seen: list[int] = []
+        watch = self._local.watch  # keys its events brought need no read (they are only rewritten by a set,
+        brought = watch.values if watch is not None else {}  # which the watch would have told too)
+        rest = [k for k in keys if k not in brought]
+        try:
+            if keys and not rest:
+                return [brought[k] for k in keys], None
+            values, other_value = self._poll(rest, other, seen)
+            if values is None or len(rest) == len(keys):
+                return values, other_value
+            read = dict(zip(rest, values))
+            return [read[k] if k in read else brought[k] for k in keys], None
+        finally:
+            if seen and seen[0] > 0:
+                self._local.revision, self._local.polled_at = seen[0], time.monotonic()
+
+    def _poll(self, keys: list[str], other: str | None, seen: list[int]) -> tuple[list[bytes] | None, bytes | None]:
         compare = [{"key": _b64(k.encode()), "target": "CREATE", "result": "GREATER", "create_revision": 0}
                    for k in keys]
         if len(keys) > MAX_TXN_OPS:
-            if all(self._txn("poll", compare[i:i + MAX_TXN_OPS], [])[0] for i in range(0, len(keys), MAX_TXN_OPS)):
+            if all(self._txn("poll", compare[i:i + MAX_TXN_OPS], [], seen=seen)[0]
+                   for i in range(0, len(keys), MAX_TXN_OPS)):
                 values = self.get_many(keys)
                 if all(v is not None for v in values):  # else a key went (delete_prefix) since the compares
                     return [v for v in values if v is not None], None
             return None, self.get(other) if other is not None else None
         failure = [{"request_range": {"key": _b64(other.encode())}}] if other is not None else []
         present, responses = self._txn("poll", compare, [{"request_range": {"key": c["key"]}} for c in compare],
-                                       failure)
+                                       failure, seen=seen)
         if present:
             return [_value(r["response_range"]["kvs"][0]) for r in responses], None
         kvs = responses[0].get("response_range", {}).get("kvs", []) if failure and responses else []
         return None, _value(kvs[0]) if kvs else None
+
+    def wait_for_change(self, keys: Sequence[str], timeout: float) -> bool:
+        """Up to ``timeout`` for a write to one of ``keys`` after this thread's last :meth:`poll` (a watch from
+        its revision, kept while later waits watch no other keys); False when none came. A change is told no
+        sooner than ``timeout`` (at most :data:`WATCH_COALESCE_S`) after that poll (writes that come in a burst
+        wake one poll, not one each: node 0's wait for every node's key polls as often as before), and
+        True also means "poll anyway": no poll yet, none for :data:`WATCH_CHECK_S`, or the watch failed (for
+        :data:`WATCH_RETRY_S` this thread then sleeps and polls as the embedded store does)."""
+        state = self._local
+        now = time.monotonic()
+        if state.revision is None or now - state.polled_at >= WATCH_CHECK_S or not keys:
+            time.sleep(timeout if state.revision is None or not keys else 0)
+            return True
+        try:
+            watch = self._watch(frozenset(keys), now)
+            if watch is None:
+                time.sleep(timeout)
+                return True
+            if not watch.changed(now + timeout):
+                return False
+        except WatchBroken as e:
+            self._drop_watch()
+            state.watch_failed_at = time.monotonic()
+            log.info("etcd watch on %s failed (%s); this wait polls instead", self.endpoint, e)
+            return True
+        time.sleep(max(0.0, state.polled_at + min(timeout, WATCH_COALESCE_S) - time.monotonic()))
+        return True
+
+    def _watch(self, keys: frozenset[str], now: float) -> EtcdWatch | None:
+        """This thread's watch covering ``keys`` from its last poll's revision: the open one, or a new one
+        (None while a failed one is recent)."""
+        state = self._local
+        current = self._current  # a watch on a member the calls left (cut off, say) may never report again
+        if state.watch is not None and keys <= state.watch.keys and state.watch_member == current:
+            return state.watch
+        self._drop_watch()
+        if now - state.watch_failed_at < WATCH_RETRY_S:
+            return None
+        assert state.revision is not None
+        member = self._members[current]
+        watch = EtcdWatch(etcd_http.Connection(member.host, member.port, member.context), keys, _watch_ranges(keys),
+                          state.revision + 1, self.watch_message_limit)
+        state.watch, state.watch_member = watch.open(now + self.request_timeout_s), current
+        with self._lock:
+            self._watches.append(watch)
+        return watch
+
+    def _drop_watch(self) -> None:
+        watch, self._local.watch = self._local.watch, None
+        if watch is not None:
+            watch.close()
+            with self._lock:
+                if watch in self._watches:
+                    self._watches.remove(watch)
 
     def create(self, key: str, value: bytes) -> bytes:
         """Put-if-absent (create_revision == 0) in one transaction that reads the winner's value otherwise."""
@@ -297,4 +417,22 @@ class EtcdKVStore:
         self._post("delete_prefix", "kv/deleterange", {"key": _b64(p), "range_end": _b64(_prefix_end(p))})
 
     def close(self) -> None:
-        self._session.close()
+        with self._lock:
+            watches, self._watches = self._watches, []
+        for watch in watches:
+            watch.close()
+        for member in self._members:
+            member.close()
+
+
+def _watch_ranges(keys: frozenset[str]) -> list[tuple[bytes, bytes | None]]:
+    """Key ranges covering ``keys``, one per parent (``inv/3/0`` .. ``inv/3/127``: ``[inv/3/0, inv/3/127\\0)``),
+    so that a wait on every node's key watches one range and never its siblings' parents."""
+    groups: dict[str, list[str]] = {}
+    for key in keys:
+        groups.setdefault(key.rpartition("/")[0], []).append(key)
+    ranges: list[tuple[bytes, bytes | None]] = []
+    for members in groups.values():
+        low, high = min(members).encode(), max(members).encode()
+        ranges.append((low, None if low == high else high + b"\0"))
+    return sorted(ranges)

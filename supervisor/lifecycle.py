@@ -81,6 +81,23 @@ del S
 FINAL = frozenset(s for s, nxt in TRANSITIONS.items() if not nxt)
 
 
+def route(old: JobStatus, new: JobStatus) -> list[JobStatus]:
+    """The shortest chain of legal transitions from ``old`` to ``new`` (``new`` last; empty when ``old`` is
+    ``new`` or ``new`` cannot be reached): for a run that ends from wherever it stood (a coordination
+    failure can come in a join, before launch, or between attempts)."""
+    paths: dict[JobStatus, list[JobStatus]] = {old: []}
+    frontier = [old]
+    while frontier and new not in paths:
+        nxt = []
+        for state in frontier:
+            for following in sorted(TRANSITIONS[state], key=list(JobStatus).index):
+                if following not in paths:
+                    paths[following] = [*paths[state], following]
+                    nxt.append(following)
+        frontier = nxt
+    return paths.get(new, [])
+
+
 class IllegalTransition(RuntimeError):
     """A state change the lifecycle table does not allow (a bug in the loop, never an input error)."""
 

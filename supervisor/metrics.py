@@ -9,7 +9,7 @@ from __future__ import annotations
 import socket
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Enum, Gauge, Histogram, Info, start_http_server
 
@@ -106,6 +106,10 @@ class SupervisorMetrics(Observer):
         self.takeover = Gauge("rlsup_spare_takeover_seconds", "Last takeover by this spare: from the end of the "
                               "attempt its node was lost in to its claim of the rank (the next attempt's first "
                               "heartbeat is rlsup_resume_duration_seconds on the other nodes).", registry=r)
+        self.tier_stalled = Gauge("rlsup_tier_stalled",
+                                  "1 while a checkpoint tier's copy or read is named stalled (a hung or slow store).",
+                                  ["tier"], registry=r)
+        self.tier_stalled.labels("persistent").set(0)  # exported from the start, so an alert sees 0 before 1
         self._started = time.monotonic()
         self._ckpt_written = 0.0
         self._productive = 0.0
@@ -222,6 +226,9 @@ class SupervisorMetrics(Observer):
 
     def spare_took_over(self, seconds: float) -> None:
         self.takeover.set(seconds)
+
+    def tier(self, name: str, stalled: Callable[[], str | None]) -> None:
+        self.tier_stalled.labels(name).set_function(lambda: 1.0 if stalled() is not None else 0.0)
 
     def _goodput(self) -> float:
         wall = time.monotonic() - self._started

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
+from supervisor import exit_codes
 from supervisor.config import SupervisorConfig
 from supervisor.control_records import PERSISTENT_HOLDER, FetchResult, InventoryBuilder, NodeInventory, RoundPlan
 from supervisor.coordinator import (
@@ -45,7 +46,7 @@ from supervisor.health import mark_repeat_offender
 from supervisor.incidents import Incident
 from supervisor.kvstore import StoreUnavailable
 from supervisor.job_identity import JobIdentity
-from supervisor.lifecycle import EndReason
+from supervisor.lifecycle import EndReason, route
 from supervisor.membership import Membership
 from supervisor.observer import Observer
 from supervisor.tiers.part_protocol import FetchFailed, PartError, PartStore, fetch_part
@@ -103,7 +104,6 @@ def connect_coordinator(cfg: SupervisorConfig, membership: Membership, job: JobI
     """This node's handle on the job's coordination store (``coordinator_backend``); ``stop`` ends its waits."""
     s = CoordinatorSettings.from_config(cfg)
     if s.backend == "etcd":
-        from supervisor.kvstore import StoreUnavailable
         from supervisor.kvstore_etcd import EtcdKVStore
 
         try:
@@ -225,8 +225,10 @@ class MultiNodeSupervisor(Supervisor):
                 self._connect = None
             try:
                 result = super().run()
-            except JobClash:
-                self._linger_after_clash()
+            except CoordinationError as e:
+                self._gave_up_coordinating(e)
+                if isinstance(e, JobClash):
+                    self._linger_after_clash()
                 raise
         finally:
             self.stop.restore(previous)
@@ -238,6 +240,18 @@ class MultiNodeSupervisor(Supervisor):
             except Exception as e:  # noqa: BLE001 - the job is done; stale keys are ignored by the next run
                 self._log(f"could not clear the job's coordination keys: {e}")
         return result
+
+    def _gave_up_coordinating(self, e: CoordinationError) -> None:
+        """The nodes could not agree (a timeout, an abort, a clash): state.json says the run gave up, with the
+        exit code the command line returns, and the tiers take their final copy, as for any other give-up; a
+        later start then does not take this run for one that died mid-attempt."""
+        code = exit_codes.CONFIG_ERROR if isinstance(e, JobClash) else exit_codes.FAILED
+        try:
+            for status in route(self.state.state, JobStatus.GAVE_UP):
+                self.record.set_state(status, exit_code=code if status is JobStatus.GAVE_UP else None)
+            self._finish(code, JobStatus.GAVE_UP, self.state.attempt or 0, str(e))
+        except Exception as err:  # noqa: BLE001 - recording is best effort: the error itself must reach the command line
+            self._log(f"could not record the give-up: {err}")
 
     def _linger_after_clash(self) -> None:
         """Node 0 of the embedded store, ended by another node's clash: see :data:`CLASH_LINGER_S`."""
@@ -263,6 +277,8 @@ class MultiNodeSupervisor(Supervisor):
             resume = self._agree_on_attempt(attempt)
         except RoundEnded as e:
             raise AttemptAbandoned(str(e)) from e
+        except StoreUnavailable as e:  # a call outside the round's waits (they end it themselves): the next join reconnects
+            raise AttemptAbandoned(f"the coordination store {self.coordinator.describe()} is unreachable: {e}") from e
         except StopAsked as e:
             try:
                 self.coordinator.end(attempt, f"node {self.membership.node_rank}: {e}")
@@ -351,11 +367,17 @@ class MultiNodeSupervisor(Supervisor):
         plan = compute_plan(attempt, inventories, exclude=exclude)
         if self.persistent is None:
             return plan
-        try:
-            listing = self.persistent.part_listing(newer_than=plan.step, exclude=self._bad_persistent)
-        except Exception as e:  # noqa: BLE001 - an unreachable tier must not stop a restart from peers or local parts
-            self._log(f"attempt {attempt}: persistent tier {self.persistent.location} not listed: {e}")
-            listing = {}
+        tier, listing = self.persistent, None
+        if (stalled := tier.stalled()) is None:
+            try:  # a bounded read: a tier that hangs right now must not hold the round (nor a SIGTERM)
+                listing = tier.reads.call(lambda: tier.part_listing(newer_than=plan.step, exclude=self._bad_persistent),
+                                          None)
+            except Exception as e:  # noqa: BLE001 - an unreachable tier must not stop a restart from peers or local parts
+                self._log(f"attempt {attempt}: persistent tier {tier.location} not listed: {e}")
+                listing = {}
+            stalled = tier.stalled() if listing is None else None
+        if stalled is not None:
+            self._log(f"attempt {attempt}: persistent tier not consulted for the plan: {stalled}")
         if listing:
             plan = compute_plan(attempt, inventories, listing, exclude)
         self.persistent.protect(plan.step)  # retention keeps the step the nodes are about to fetch
@@ -410,11 +432,26 @@ class MultiNodeSupervisor(Supervisor):
                 tier_of[self.persistent.store] = TIER_PERSISTENT
             else:
                 errors.append("persistent tier: no persistent_dir configured on this node")
-        try:
-            used, _ = fetch_part(list(tier_of), self.engine.local_store(), step, rank, accept=self.engine.accept)
-        except FetchFailed as e:
-            return None, [*errors, str(e)], any(tier_of[s] == TIER_PERSISTENT for s in e.invalid)
-        return tier_of[used], errors, False
+        stores, local, bad = list(tier_of), self.engine.local_store(), False
+        while stores:  # in plan order; the persistent tier's copy in a bounded call of its own
+            at = next((i for i, s in enumerate(stores) if tier_of[s] == TIER_PERSISTENT), len(stores))
+            group, stores = (stores[:at], stores[at:]) if at else (stores[:1], stores[1:])
+            persistent = self.persistent if tier_of[group[0]] == TIER_PERSISTENT else None
+
+            def fetch(group: list[PartStore] = group) -> PartStore:
+                return fetch_part(group, local, step, rank, accept=self.engine.accept)[0]
+            try:
+                used = fetch() if persistent is None else persistent.reads.call(fetch, None, lambda: persistent.moved)
+            except FetchFailed as e:
+                errors.append(str(e))
+                bad = bad or any(tier_of[s] == TIER_PERSISTENT for s in e.invalid)
+                continue
+            if used is None:  # the tier stalled: its copy counts as failed, and the next plan leaves the tier out
+                errors.append(f"persistent tier: {persistent.stalled() or 'not answering'}")
+                bad = True
+                continue
+            return tier_of[used], errors, False
+        return None, errors, bad
 
     @staticmethod
     def _describe(need: dict[int, list[int]]) -> str:
@@ -447,10 +484,11 @@ class MultiNodeSupervisor(Supervisor):
     def peer_ended(self, attempt: int) -> str | None:
         try:
             return self.coordinator.ended(attempt)
-        except Exception:  # noqa: BLE001 - node 0's store is gone (it finished, or it was lost): this job's own end decides
+        except Exception as e:  # noqa: BLE001 - the store is gone (node 0 finished or was lost; etcd cut off): this job's own end decides
             if not self._store_lost:
                 self._store_lost = True
-                self._log("the coordination store on node 0 is unreachable; watching this node's job only")
+                self._log(f"the coordination store {self.coordinator.describe()} is unreachable ({e}); watching this "
+                          "node's job only")
             return None
 
     def attempt_failed(self, attempt: int, result: AttemptResult) -> None:

@@ -13,6 +13,7 @@ import logging
 import ssl
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import psutil
 
@@ -114,12 +115,13 @@ class NodeService:
         data = json.dumps({"pid": os.getpid(), "port": self.port, "node_rank": self.membership.node_rank})
         write_durable(state_dir / DAEMON_FILE, data.encode(), state_dir / reserved_name(Kind.TMP, DAEMON_FILE))
 
-    def stop(self) -> None:
+    def stop(self, stopped: Callable[[], bool] = lambda: False) -> None:
+        """The last replication pass (cut short once ``stopped()``), then the server, lock and clients."""
         if self.engine is not None and self.serve:
             # The last pass copies this node's newest parts; with none (stopped or refused before any
             # checkpoint) there is nothing to lose, and a gone peer would only hold the exit for seconds.
             if newest_own_step(Path(self.cfg.checkpoint_dir), self.membership.node_rank) is not None:
-                self.engine.drain(timeout=60)
+                self.engine.drain(timeout=60, stopped=stopped)
             self.engine.stop()
         if self.server is not None:
             self.server.stop()

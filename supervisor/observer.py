@@ -5,7 +5,7 @@ Keeping these as one small interface lets the loop stay free of Prometheus (and 
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 
 class Observer:
@@ -55,3 +55,7 @@ class Observer:
 
     def stragglers(self, flagged: int, ratios: Mapping[int, float]) -> None:
         """Ranks now flagged as stragglers on this node, and each rank's latest work ratio to its peers."""
+
+    def tier(self, name: str, stalled: Callable[[], str | None]) -> None:
+        """A checkpoint tier ``name`` (persistent) runs; ``stalled()`` says why it is not answering now (None:
+        it answers). Read when asked (a scrape), never from the run loop."""

@@ -74,6 +74,8 @@ class Supervisor:
         self.node_name = node_name()  # what incidents, metrics and the SLURM exclude list call this machine
         self.persistent = PersistentTier.from_config(self.cfg, node_rank, self.job.id)  # None: persistent_dir empty
         self.memory = MemoryTier.from_config(self.cfg, self.checkpoint_dir, self.job.id, node_rank, num_nodes)
+        if self.persistent is not None:
+            self.observer.tier("persistent", self.persistent.stalled)
         self.sight = CheckpointSight(self.cfg, self.checkpoint_dir, self._log,  # single-file, unreadable, steps
                                      keep_file_versions=self.keeps_file_versions)
         self.record = RunRecord(self.state_dir, self.command, self.observer, self.sight.resume_known)

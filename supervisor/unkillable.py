@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -103,9 +104,14 @@ def mounts(mountinfo: str = "/proc/self/mountinfo") -> list[Mount]:
         fields, tail = left.split(), right.split()
         if not sep or len(fields) < 5 or len(tail) < 2:
             continue
-        point = fields[4].encode().decode("unicode_escape")  # mountinfo escapes spaces as \040
+        point = unescape_octal(fields[4])  # mountinfo escapes space, tab, newline and backslash as \NNN
         found.append(Mount(point, tail[0], tail[1]))
     return sorted(found, key=lambda m: len(m.point), reverse=True)
+
+
+def unescape_octal(text: str) -> str:
+    """mountinfo's ``\\NNN`` escapes undone; every other character (UTF-8 names included) kept as it is."""
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), text)
 
 
 def mount_of(path: str, table: list[Mount]) -> Mount | None:
@@ -264,7 +270,9 @@ def unkillable_result(result: "AttemptResult", stuck: list[StuckProcess], grace:
                       say: Callable[[str], None], record: Path | None = None) -> bool:
     """An attempt whose processes outlived SIGKILL in state D ends ``unkillable`` (the node is excluded: exit
     77), its original ending kept in the detail, the stuck processes named (and written as JSON to
-    ``record``); True when it did. Processes alive but not in D are only logged."""
+    ``record``); True when it did. A job that succeeded, or was stopped or preempted, keeps its ending (a
+    finished job is not requeued elsewhere; a stop stays a stop): the processes are named and recorded only.
+    Processes alive but not in D are only logged."""
     from supervisor.lifecycle import EndReason
 
     if stuck and not uninterruptible(stuck):
@@ -274,19 +282,27 @@ def unkillable_result(result: "AttemptResult", stuck: list[StuckProcess], grace:
     if not held:
         return False
     line = verdict(stuck, grace)
+    if result.reason in (EndReason.SUCCESS, EndReason.STOPPED, EndReason.PREEMPTED):  # the job's own ending stands
+        say(f"attempt {result.attempt}: {line}; the attempt had ended: {result.reason}, which stands")
+        _write_record(record, grace, held, say)
+        return False
     say(f"attempt {result.attempt}: {line}; no next attempt on this node beside them")
     before = f"{result.reason}: {result.detail}" if result.detail else str(result.reason)
     result.reason, result.detail = EndReason.UNKILLABLE, f"{line} (the attempt had ended: {before})"
     result.suspect_ranks = sorted({*result.suspect_ranks, *(p.rank for p in held if p.rank is not None)})
     if result.rank is None:
         result.rank, result.pid = held[0].rank, held[0].pid
+    _write_record(record, grace, held, say)
+    return True
+
+
+def _write_record(record: Path | None, grace: float, held: list[StuckProcess], say: Callable[[str], None]) -> None:
     if record is not None:
         try:
             record.parent.mkdir(parents=True, exist_ok=True)
             record.write_text(json.dumps({"grace_s": grace, "processes": [p.as_dict() for p in held]}, indent=1))
         except OSError as e:
             say(f"could not write {record}: {e}")
-    return True
 
 
 __all__ = ["unkillable_result", "Mount", "StuckProcess", "mounts", "mount_of", "examine", "uninterruptible", "verdict", "UNINTERRUPTIBLE"]

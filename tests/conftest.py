@@ -61,6 +61,7 @@ FAST_MODULES: dict[str, frozenset[str]] = {
     "test_coordination_stop.py": frozenset(),
     "test_coordinator.py": frozenset(),
     "test_deploy_grafana.py": frozenset({"test_metric_names_exist_in_a_real_scrape"}),  # scrapes real runs
+    "test_deploy_jobset.py": frozenset(),
     "test_deploy_prometheus.py": frozenset({"test_rules_read_only_exported_series"}),  # scrapes real runs
     "test_deploy_systemd.py": frozenset(),
     "test_format.py": frozenset(),
@@ -68,6 +69,7 @@ FAST_MODULES: dict[str, frozenset[str]] = {
     "test_fr_exchange_waits.py": frozenset({"test_the_analysers_child_is_killed_when_rlsup_is_asked_to_stop",
                                             "test_a_chatty_analyser_is_drained_while_it_is_awaited"}),
     "test_fr_records.py": frozenset(),  # a real TCPStore in process, torch's analyser in process
+    "test_gateway_client.py": frozenset(),
     "test_gpu_failures.py": frozenset(),
     "test_hang_detector.py": frozenset(),
     "test_house_rules.py": frozenset(),
@@ -106,6 +108,7 @@ FAST_MODULES: dict[str, frozenset[str]] = {
         "test_node_lost_with_its_memory_resumes_from_disk_and_a_peer_bit_identical"}),
     "test_part_protocol.py": frozenset(),
     "test_persistent_tier.py": frozenset({"test_wiped_local_resumes_from_persistent_bit_identical"}),
+    "test_private_files.py": frozenset(),
     "test_progress.py": frozenset({"test_frozen_unmodified_trainer_is_a_hang_with_stacks",
                                    "test_rank_heartbeats_take_precedence_over_output",
                                    "test_unmodified_trainers_step_reaches_metrics_and_status",
@@ -115,15 +118,18 @@ FAST_MODULES: dict[str, frozenset[str]] = {
                                    "test_bad_progress_config_is_refused"}),
     "test_rank_deaths.py": frozenset(),  # real processes, but short ones (a pidfd needs a real child)
     "test_rank_pinning.py": frozenset(),
+    "test_replication_drain.py": frozenset(),
     "test_restart_policy.py": frozenset(),
     "test_run_loop.py": frozenset(),
     "test_sampler.py": frozenset(),
     "test_sd_notify.py": frozenset({"test_rlsup_daemon_speaks_the_protocol"}),
     "test_settings.py": frozenset(),
     "test_single_file.py": frozenset(),
+    "test_spares_claims.py": frozenset(),
     "test_step_writer.py": frozenset(),
     "test_stragglers.py": frozenset({"test_four_rank_job_with_a_3x_slow_rank_is_reported",
                                      "test_straggler_alert_fires_in_a_real_prometheus"}),
+    "test_tier_metrics.py": frozenset(),
     "test_transport_auth.py": frozenset(),
     "test_transport_store.py": frozenset(),
     "test_unkillable.py": frozenset(),
@@ -177,11 +183,12 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
 # Under pytest-xdist (`--dist loadfile`: a module stays on one worker) they are handed out first, so no worker
 # starts one of them while the others are already done: the suite's wall time is the sum over workers, not
 # the sum plus one long module at the end. A stale entry costs speed only; a missing module runs in its place.
-LONGEST_FIRST = ("chaos/test_chaos_ci.py", "test_thirdparty_trainers.py", "test_multinode_persistent.py",
-                 "test_recipe_ray.py", "test_flight_recorder_multinode.py", "test_recipe_verl.py",
-                 "test_multinode_jobs.py", "test_multinode.py", "test_multinode_memory.py", "test_layouts_hf.py",
-                 "test_stragglers.py", "test_memory_tier.py", "test_deploy_slurm.py", "test_multinode_etcd.py",
-                 "test_ddp_exact_resume.py", "test_layouts_lightning.py")
+LONGEST_FIRST = ("chaos/test_chaos_ci.py", "test_recipe_ray.py", "test_multinode_jobs.py", "test_thirdparty_trainers.py",
+                 "test_recipe_verl.py", "test_multinode_persistent.py", "test_multinode.py", "test_ddp_exact_resume.py",
+                 "test_flight_recorder_multinode.py", "test_multinode_stop.py", "test_hung_fs.py",
+                 "test_multinode_memory.py", "test_multinode_etcd.py", "chaos/test_partitions.py",
+                 "test_multinode_clash.py", "test_thirdparty_pykeen.py", "test_stragglers.py", "test_async_save.py",
+                 "test_eio_replica.py", "test_persistent_s3.py", "test_trainer_hf_run.py", "test_warm_launcher.py")
 
 
 def _longest_first(item: pytest.Item) -> int:

@@ -268,3 +268,46 @@ def test_a_stop_in_a_round_is_recorded_as_a_stop_and_ends_the_attempt_for_the_ot
     (incident,) = result.incidents
     assert incident.reason == EndReason.STOPPED and "(SIGTERM) while waiting for the plan of attempt 0" in incident.detail
     assert "node 1: rlsup was asked to stop (SIGTERM)" in (leader.ended(0) or "")
+
+
+def test_a_round_that_times_out_is_recorded_as_given_up(tmp_path: Path) -> None:
+    """Node 1's loop (as above) with a 1 s rendezvous timeout: node 0 joins and never plans. The run ends
+    with the coordination error the command line reports (exit 1), and state.json says the run gave up
+    with that code: a later start must not take it for an rlsup that died mid-attempt."""
+    import json
+
+    port = free_port()
+    leader = node(port, 0)
+    peers = ("127.0.0.1:1", "127.0.0.1:2")
+    cfg = SupervisorConfig(checkpoint_dir=str(tmp_path / "ckpt"), state_dir=str(tmp_path / "state"), metrics_port=0,
+                           poll_interval=0.005, warm_launcher=False, peers=list(peers), node_rank=1)
+    sup = MultiNodeSupervisor(cfg, ["train"], Membership(peers, 1), OneNodeEngine(),  # type: ignore[arg-type]
+                              Recorder(), job=JOB, processes=FakeProcesses(),  # type: ignore[arg-type]
+                              connect=lambda stop: embedded_coordinator("127.0.0.1", port, JOB, SECRET, 1, 2, 1.0,
+                                                                        stop))
+    threading.Thread(target=lambda: leader.join(0), daemon=True).start()  # node 0 joins, then never plans
+    with pytest.raises(CoordinationError, match="timed out after 1s waiting for the plan of attempt 0"):
+        sup.run()
+    state = json.loads((tmp_path / "state" / "state.json").read_text())
+    assert (state["state"], state["exit_code"]) == ("gave_up", exit_codes.FAILED), state
+
+
+@pytest.mark.parametrize("running", [False, True])
+def test_a_refusing_node_tells_a_job_still_joining_but_not_one_that_runs(tmp_path: Path, running: bool) -> None:
+    """The half clash (nobody planned yet: node 0 waits in its first join) is told; a second rlsup started for
+    a node of a job that already runs refuses alone, and the running job's next join is not aborted."""
+    from supervisor.clash_notice import tell_job_refused
+
+    port = free_port()
+    leader = node(port, 0)
+    leader.claim_host()
+    if running:
+        leader.keys.create("base", "0")  # the nodes agreed on attempt 0: the job runs
+    token = tmp_path / "token"
+    token.write_bytes(SECRET)
+    token.chmod(0o600)
+    peers = ["127.0.0.1:1", "127.0.0.1:2"]
+    cfg = SupervisorConfig(peers=peers, node_rank=1, coordinator_port=port, token_file=str(token))
+    told = tell_job_refused(cfg, Membership(tuple(peers), 1), JOB, "state_dir /x is in use by rlsup job 'job-s'")
+    assert (told is None) == running
+    assert (leader.keys.get("abort") is None) == running

@@ -21,7 +21,8 @@ UNIT_TESTS = sorted((PROM / "tests").glob("*.yml"))
 needs_promtool = pytest.mark.skipif(shutil.which("promtool") is None,
                                     reason="promtool not installed (scripts/install_system_deps.sh)")
 EXPECTED_ALERTS = {"RlsupJobDown", "RlsupRestartStorm", "RlsupHangDetected", "RlsupCheckpointTooOld",
-                   "RlsupReplicationLagging", "RlsupReplicationFailing", "RlsupGoodputLow", "RlsupStraggler"}
+                   "RlsupReplicationLagging", "RlsupReplicationFailing", "RlsupGoodputLow", "RlsupStraggler",
+                   "RlsupTierStalled"}
 
 
 def promtool(*args: str, cwd: Path = PROM) -> subprocess.CompletedProcess:
@@ -74,6 +75,7 @@ def test_every_alert_has_a_firing_unit_test() -> None:
     ("RlsupCheckpointTooOld", 'rlsup_job_state{rlsup_job_state="running"} == 1', "rlsup_job_state >= 0"),
     ("RlsupGoodputLow", "30m", "10m"),
     ("RlsupStraggler", "> 0", ">= 0"),  # would fire on every healthy node
+    ("RlsupTierStalled", "5m", "1m"),  # would page on a slow store's passing stall
 ])
 def test_unit_tests_catch_a_broken_rule(tmp_path: Path, alert: str, old: str, new: str) -> None:
     """The unit tests are not vacuous: each mutation of a rule makes them fail."""

@@ -9,6 +9,7 @@ once the mount heals the stuck process ends (the test's mount is always healed a
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -17,11 +18,15 @@ from pathlib import Path
 
 import pytest
 
-from rlsup_format.manifest import latest_valid
+from rlsup_format.digest import copy_hashing
+from rlsup_format.manifest import SCHEMA_VERSION, RankManifest, latest_valid
+from rlsup_format.names import manifest_name, step_dir_name
 from supervisor.health import node_name, read_unhealthy
 from trainer_hooks.heartbeat import rank_file_name, read_record
 from support.env import PY, TRAIN, clean_env
 from support.incidents import incidents
+from support.metrics import parse, try_scrape, value
+from support.ports import free_ports
 from support.procs import pid_alive, proc_state
 from support.sick_fs import SickFs, unavailable
 from support.trainers import Supervised
@@ -100,6 +105,7 @@ def healed_end(sick: SickFs, run: Supervised, stuck: list[dict]) -> None:
     assert run.proc.wait(60) == 77, run.output()[-3000:]
 
 
+@pytest.mark.chaos  # the chaos CI subset's hung-filesystem scenario (issue 32)
 def test_checkpoint_dir_hung_mid_save_excludes_the_node(tmp_path: Path, sick: SickFs) -> None:
     """Writes hang mid-save: the save outlives save_timeout, the ranks are SIGKILLed, the ones in the mount's
     write stay in state D; rlsup names them (rank, state, wchan, file, mount), gives up with 77 and this node
@@ -133,9 +139,10 @@ def newest_local_step(ckpt: Path) -> int:
 
 
 def test_persistent_tier_hung_training_goes_on_and_the_copy_is_named(tmp_path: Path, sick: SickFs) -> None:
-    """The persistent tier's mount hangs (every call): the tier's copy stalls in its own thread and is named
-    (the mount, the step and rank it was copying) while training, heartbeats and the run loop go on; a rank's
-    crash restarts from the local step without reading the hung tier; a stop
+    """The persistent tier's mount hangs its writes and flushes: the tier's copy stalls in its own thread, in a write
+    of a tier file, and is named (the mount, the step and rank it was copying) while training, heartbeats and the
+    run loop go on; a rank's crash restarts from the local step without reading the hung tier, its launch's fork
+    not held by the file the copy holds open (each close sends a flush); a stop
     ends the run (state ``stopped``) without waiting on the stalled pass, the final copy skipped and named. rlsup's
     process exit itself waits on the kernel for its thread in the mount: it comes once the mount heals."""
     ckpt, state_dir = tmp_path / "ckpt", tmp_path / ".rlsup"
@@ -146,8 +153,8 @@ def test_persistent_tier_hung_training_goes_on_and_the_copy_is_named(tmp_path: P
                            clean_env(OMP_NUM_THREADS="1", TORCH_FR_BUFFER_SIZE="0"))
     try:
         wait_for(lambda: "copied to the persistent tier" in run.output(), 90, "a first persistent copy")
-        sick.hang()
-        wait_for(lambda: sick.status()["held"], 30, "the tier's next call held by the hung mount")
+        sick.hang(ops=("write", "flush"))  # the copy thread held in a write, its file open: a fork must still exec
+        wait_for(lambda: sick.status()["held"], 30, "the tier's next write held by the hung mount")
         stall = wait_for(lambda: next((line for line in run.output().splitlines() if "not answering" in line), None),
                          40, "the stalled tier copy named")
         assert "rlsup-persistent-tier" in stall and str(sick.mountpoint) in stall, stall
@@ -168,6 +175,9 @@ def test_persistent_tier_hung_training_goes_on_and_the_copy_is_named(tmp_path: P
         wait_for(lambda: json.loads((state_dir / "state.json").read_text())["state"] == "stopped", 120,
                  "the run to stop while the tier is hung")
         wait_for(lambda: "final persistent copy skipped" in run.output(), 30, "the skipped final copy named")
+    except BaseException:
+        print(run.output()[-8000:])  # rlsup's side of the failure (pytest shows it with the failure)
+        raise
     finally:
         sick.heal()  # rlsup's stalled thread gets its answer: the process can exit
         try:
@@ -178,3 +188,81 @@ def test_persistent_tier_hung_training_goes_on_and_the_copy_is_named(tmp_path: P
                 run.proc.wait(10)
     assert run.proc.returncode == 128 + signal.SIGTERM, run.output()[-3000:]
 
+
+
+def test_persistent_tier_hung_at_the_restart_resumes_this_nodes_step(tmp_path: Path, sick: SickFs) -> None:
+    """The persistent tier's mount hangs (every call) and a rank dies at once, before the tier's pass is named stalled: the
+    restart's resume choice reads the tier in a bounded call (10 s without progress), names the tier and resumes
+    this node's own newest step from its disk; training goes on in attempt 1. The metric
+    ``rlsup_tier_stalled{tier="persistent"}`` reads 1 meanwhile."""
+    ckpt, (port,) = tmp_path / "ckpt", free_ports(1)
+    run = Supervised.start(tmp_path, [*FAST, "--checkpoint-dir", str(ckpt), "--persistent-dir", str(sick.mountpoint),
+                                      "--heartbeat-timeout", "30", "--stop-grace", "5", "--kill-grace", "2",
+                                      "--metrics-addr", "127.0.0.1"],
+                           torchrun("--steps", "5000", "--checkpoint-every", "2", "--step-time", "0.02"),
+                           clean_env(OMP_NUM_THREADS="1", TORCH_FR_BUFFER_SIZE="0", RLSUP_METRICS_PORT=str(port)))
+    try:
+        wait_for(lambda: "copied to the persistent tier" in run.output(), 90, "a first persistent copy")
+        hb = run.state_dir / "attempts" / "attempt_0000" / "heartbeats" / rank_file_name(1)
+        pid = read_record(hb).pid
+        sick.hang()  # every call, flush included: a server gone
+        os.kill(pid, signal.SIGKILL)  # the restart's resume choice meets the tier hung
+        launch = wait_for(lambda: next((line for line in run.output().splitlines() if "attempt 1: launching" in line),
+                                       None), 90, "the restart with the tier hung")
+        assert "persistent tier not consulted for the resume" in run.output(), run.output()[-3000:]
+        assert re.search(rf"from step \d+ \({re.escape(str(ckpt))}/step_", launch), launch
+        resumed = int(re.search(r"from step (\d+)", launch).group(1))
+        wait_for(lambda: newest_local_step(ckpt) > resumed + 4, 90, "attempt 1 to train on past the hung tier")
+        wait_for(lambda: value(parse(try_scrape(port) or ""), "rlsup_tier_stalled", tier="persistent") == 1, 30,
+                 "the stalled tier in rlsup's metrics")
+        assert run.attempt() == 1 and not run.ended()
+    except BaseException:
+        print(run.output()[-8000:])
+        raise
+    finally:
+        sick.heal()
+        run.proc.send_signal(signal.SIGTERM)
+        try:
+            run.proc.wait(60)
+        finally:
+            if run.proc.poll() is None:
+                run.proc.kill()
+                run.proc.wait(10)
+
+
+def popen_returns(within: float) -> bool:
+    """Whether ``Popen(["true"])`` from this process returns and its child ends within ``within`` seconds (a fork
+    whose child closes an inherited descriptor on a hung mount at exec does not)."""
+    import subprocess
+    import threading
+
+    done = threading.Event()
+    threading.Thread(target=lambda: (subprocess.Popen(["true"]).wait(), done.set()), daemon=True).start()
+    return done.wait(within)
+
+
+def test_a_tier_copy_held_in_a_write_never_holds_a_fork(tmp_path: Path, sick: SickFs) -> None:
+    """The tier's copy thread is held in a write of a tier file (flush held too, as on a dead NFS server): a
+    fork of this process still execs, since the tier's files are open in a descriptor table of the tier's
+    threads only (supervisor/tiers/private_files.py); the pass is named stalled. In process, a real tier."""
+    from supervisor.tiers.persistent import PersistentTier
+
+    ckpt = tmp_path / "ckpt"
+    step_dir = ckpt / step_dir_name(2)
+    step_dir.mkdir(parents=True)
+    data = bytes(range(256)) * 4096
+    (step_dir / "rank_00000.pt").write_bytes(data)
+    entry = copy_hashing(io.BytesIO(data))
+    manifest = RankManifest(SCHEMA_VERSION, 2, 1, 0, "test", {"rank_00000.pt": entry}, 1.0)
+    (step_dir / manifest_name(0)).write_text(manifest.to_json())
+    tier = PersistentTier(sick.mountpoint / "tier", source=ckpt)
+    sick.hang(ops=("write", "flush"))
+    tier.start()
+    try:
+        wait_for(lambda: sick.status()["held"], 30, "the tier's write held by the hung mount")
+        assert popen_returns(30), "a fork blocked on the tier's file held open on the hung mount"
+        wait_for(tier.stalled, 40, "the stalled copy named (10 s)")
+        assert "copying step 2 rank 0" in tier.stalled(), tier.stalled()
+    finally:
+        sick.heal()
+        tier.stop(30)

@@ -11,7 +11,7 @@ import pytest
 from support.env import ROOT
 
 from supervisor.lifecycle import (ATTEMPT_FAILURES, FINAL, HUNG, TRANSITIONS, Action, EndReason, IllegalTransition,
-                                  JobStatus, check_transition, diagram)
+                                  JobStatus, check_transition, diagram, route)
 
 # TRANSITIONS' values are sets: in enum order, so every pytest-xdist worker collects the same list
 LEGAL = [(old, new) for old, nexts in TRANSITIONS.items() for new in sorted(nexts, key=list(JobStatus).index)]
@@ -91,3 +91,15 @@ def test_documented_reasons_actions_and_states() -> None:
         {r.value for r in ATTEMPT_FAILURES}
     states = next(line for line in deploy.splitlines() if line.startswith("| `rlsup_job_state`"))
     assert states.split("` = ")[1].split(" |")[0].split(", ") == [s.value for s in JobStatus]
+
+
+@pytest.mark.parametrize("old", list(JobStatus))
+def test_route_to_gave_up_is_legal_and_shortest_or_empty(old: JobStatus) -> None:
+    path = route(old, JobStatus.GAVE_UP)
+    if old in FINAL or old is JobStatus.STOPPING:  # STOPPING ends only as stopped or preempted
+        assert path == []
+        return
+    assert path[-1] is JobStatus.GAVE_UP
+    for a, b in zip([old, *path], path):
+        check_transition(a, b)
+    assert route(JobStatus.STARTING, JobStatus.GAVE_UP) == [JobStatus.FAILED, JobStatus.GAVE_UP]

@@ -23,6 +23,7 @@ MOUNTINFO = """\
 30 22 0:25 / /tmp rw,nosuid - tmpfs tmpfs rw
 41 30 0:50 / /tmp/job/ckpt rw,nosuid,nodev - fuse.sickfs sickfs rw,user_id=0
 42 22 0:51 / /mnt/with\\040space rw - nfs4 server:/export rw
+43 22 0:52 / /mnt/données rw - lustre mgs@tcp:/fs rw
 """
 
 
@@ -36,6 +37,7 @@ def test_mount_table_longest_point_first_and_paths_matched_by_text(tmp_path: Pat
     assert mount_of("/tmp/job/ckpt", table).point == "/tmp/job/ckpt"
     assert mount_of("/tmp/job/ckpt2/x", table).point == "/tmp"  # a prefix of the text, not of the path
     assert mount_of("/mnt/with space/a", table).fstype == "nfs4"
+    assert mount_of("/mnt/données/step_4", table).fstype == "lustre"  # UTF-8 names are not escaped: kept as read
     assert mount_of("/etc/hosts", table).point == "/"
 
 
@@ -65,6 +67,18 @@ def test_a_process_in_d_turns_the_attempt_unkillable_and_excludes_the_node(tmp_p
     assert (written["state"], written["mounts"], written["waiting_on"]) == ("D", ["/tmp/job/ckpt"],
                                                                           "/tmp/job/ckpt/step_4/rank_1.pt")
     assert any("no next attempt on this node" in line for line in said)
+
+
+@pytest.mark.parametrize("ending", [EndReason.SUCCESS, EndReason.STOPPED, EndReason.PREEMPTED])
+def test_a_job_that_succeeded_or_was_stopped_keeps_its_ending(tmp_path: Path, ending: EndReason) -> None:
+    """A finished job is not requeued elsewhere, and a stop stays a stop (STOPPING -> FAILED is no transition):
+    the stuck processes are named and recorded, the ending stands."""
+    said: list[str] = []
+    result = AttemptResult(2, ending, 0 if ending == EndReason.SUCCESS else None)
+    record = tmp_path / "unkillable.json"
+    assert not unkillable_result(result, [stuck()], 2.0, said.append, record)
+    assert result.reason == ending and record.is_file()
+    assert f"the attempt had ended: {ending}, which stands" in said[0]
 
 
 def test_alive_but_not_in_d_is_only_logged() -> None:
@@ -101,6 +115,39 @@ def test_bounded_call_returns_the_default_past_its_deadline_and_starts_none_besi
         calls.call(lambda: 1 / 0, None)
 
 
+def test_a_call_that_returns_as_its_caller_gives_up_never_leaves_it_blocked() -> None:
+    """The worker ends between the caller's wait running out and the caller naming it blocked (the race made
+    certain: the caller's progress probe lets the call return and joins its thread before the wait ends)."""
+    calls = BoundedCalls("reading /slow", 0.05)
+    go = threading.Event()
+    worker: list[threading.Thread] = []
+
+    def call() -> str:
+        worker.append(threading.current_thread())
+        go.wait(30)
+        return "late"
+
+    probes: list[int] = []
+
+    def progress() -> int:
+        probes.append(1)
+        if len(probes) > 1:  # the caller's wait is over: let the call end before the caller names it blocked
+            go.set()
+            worker[0].join(30)
+        return 0
+
+    assert calls.call(call, "default", progress=progress) == "default" and calls.timeouts == 1
+    assert calls.blocked_since is None  # it has returned: nothing is blocked
+    assert calls.call(lambda: "quick", "default") == "quick"
+
+
+def test_calls_as_long_as_the_deadline_never_leave_it_blocked() -> None:
+    calls = BoundedCalls("reading /slow", 0.002)
+    for _ in range(300):
+        calls.call(lambda: threading.Event().wait(0.002), None)
+        wait_for(lambda: calls.blocked_since is None, 10, "a returned call to leave nothing blocked")
+
+
 def test_poll_loop_names_a_stalled_pass_and_stop_does_not_wait_on_it() -> None:
     release = threading.Event()
     named: list[str] = []
@@ -113,3 +160,25 @@ def test_poll_loop_names_a_stalled_pass_and_stop_does_not_wait_on_it() -> None:
     assert loop.stuck()
     release.set()
     wait_for(lambda: not loop.stuck(), 10, "the stalled pass to end once released")
+
+
+def test_a_new_pass_after_a_stalled_one_is_not_stuck() -> None:
+    """The stall line outlives its pass for up to a watchdog tick; the next pass must not read as stuck."""
+    releases = [threading.Event(), threading.Event()]
+    started: list[int] = []
+
+    def run_pass() -> None:
+        started.append(1)
+        if len(started) <= len(releases):
+            releases[len(started) - 1].wait(30)
+
+    named: list[str] = []
+    loop = PollLoop(run_pass, "tier", lambda e: None, stall_s=2.0, on_stall=named.append)
+    loop.start(interval=0)
+    wait_for(lambda: named, 20, "the first pass named stalled")
+    assert loop.stuck()
+    releases[0].set()
+    wait_for(lambda: len(started) == 2, 10, "the second pass to start")
+    assert not loop.stuck()  # the second pass has just started: it is not the stalled one
+    releases[1].set()
+    loop.stop(timeout=30)

@@ -194,6 +194,10 @@ def build() -> dict[str, Any]:
     b.panel("stat", "Flight Recorder suspect rank", "The rank the last hung collective's Flight Recorder verdict "
             "named, per node; -1: none named (rlsup_flight_recorder_suspect_rank).",
             [(f"max by (node) ({by_node(m('rlsup_flight_recorder_suspect_rank'))})", "{{node}}")], w=6)
+    b.panel("stat", "Tier stalled", "1 while a checkpoint tier's copy or read on this node is named stalled: a hung "
+            "or slow store; training goes on without it (rlsup_tier_stalled).",
+            [(f"max by (node, tier) ({by_node(m('rlsup_tier_stalled'))})", "{{node}} {{tier}}")], w=6,
+            options=stat_options())
 
     b.row("Replication")
     b.panel("timeseries", "Replication throughput", "Checkpoint bytes sent to each peer (rlsup_replication_bytes_total).",

@@ -46,8 +46,10 @@ from typing import TYPE_CHECKING, Any, Callable
 from rlsup_format.manifest import ManifestError, RankManifest, list_step_dirs, verify_step
 from rlsup_format.names import manifest_name, parse_manifest_rank
 from rlsup_format.retention import StepState, steps_to_delete
+from supervisor.bounded_calls import BoundedCalls
 from supervisor.control_records import TierOffer
-from supervisor.tiers.poll_loop import PollLoop
+from supervisor.tiers import private_files
+from supervisor.tiers.poll_loop import STALL_S, PollLoop
 from supervisor.tiers.part_protocol import PartError, PartInvalid, PartStore, copy_part
 from supervisor.tiers.part_stores import open_store
 from supervisor.tiers.part_stores.local import LocalStore
@@ -137,7 +139,7 @@ class PersistentTier:
         s = location if isinstance(location, PersistentSettings) else PersistentSettings.make(location, **options)
         self.settings = s
         self.limiter = _limiter(s.bandwidth)
-        self.throttle = self.limiter.consume if self.limiter is not None else None
+        self.moved = 0  # bytes read or written by the tier's copies so far: a bounded read's sign of progress
         self.store: Any = open_store(s.location, self.throttle)
         self.location = self.store.location
         self.node = s.node
@@ -152,7 +154,15 @@ class PersistentTier:
         self._retained: tuple[list[int], int | None] = ([], None)  # (steps, newest complete) it last saw
         self._final = False  # flush(): the last copy ignores the cadence
         self._lock = threading.Lock()
-        self._loop = PollLoop(self.poll, "rlsup-persistent-tier", self._pass_failed, on_stall=self._stalled)
+        # A tier on a mounted filesystem is read and written only from threads whose descriptor table is their
+        # own: a fork of rlsup's never inherits (and closes at exec) a file open on a mount that may hang.
+        shared_fs = isinstance(self.store, LocalStore)
+        enter = private_files.enter if shared_fs else None
+        self._files: Callable[[Callable[[], Any]], Any] = private_files.run if shared_fs else _call
+        self._loop = PollLoop(self.poll, "rlsup-persistent-tier", self._pass_failed, on_stall=self._stalled,
+                              on_thread_start=enter)
+        #: The run loop's reads of the tier (a restart's resume choice): never past STALL_S without progress.
+        self.reads = BoundedCalls(f"reading the persistent tier {self.location} for the resume", STALL_S, enter)
         self.copies = 0
         self.bytes_copied = 0
         self.last_error: str | None = None
@@ -330,9 +340,21 @@ class PersistentTier:
     def _pass_failed(self, e: Exception) -> None:
         self.last_error = str(e)
 
+    def throttle(self, n: int) -> None:
+        """Called before each chunk the tier's copies move: counts it, and waits under ``bandwidth``."""
+        self.moved += n
+        if self.limiter is not None:
+            self.limiter.consume(n)
+
     def stalled(self) -> str | None:
-        """Why the tier is not answering (its pass in progress was named stalled), or None."""
-        return self._loop.stalled if self._loop.stuck() else None
+        """Why the tier is not answering (its pass in progress was named stalled, or a read of the run loop's
+        outlived its deadline and has not returned yet), or None."""
+        if self._loop.stuck():
+            return self._loop.stalled
+        if self.reads.blocked_since is not None:
+            return (f"{self.reads.what} has not answered for {time.monotonic() - self.reads.blocked_since:.0f}s: "
+                    "the store is slow or not answering")
+        return None
 
     def _stalled(self, line: str) -> None:
         self.last_error = f"{self.location}: {line}"
@@ -356,7 +378,7 @@ class PersistentTier:
 
         def final() -> None:
             try:
-                result.append(self.poll())
+                result.append(self._files(self.poll))
             except Exception as e:  # noqa: BLE001 - the tier must never kill the supervisor
                 self.last_error = str(e)
                 log.warning("final persistent copy failed: %s", e)
@@ -373,10 +395,16 @@ class PersistentTier:
         return self.store.steps()
 
     def verify(self, step: int, full: bool = True) -> bool:
+        return self._files(lambda: self._verify(step, full))
+
+    def _verify(self, step: int, full: bool) -> bool:
         return verify_step(self.store.reader(step), step, full, str(self.store.path(step))).valid
 
     def latest_valid(self) -> TierCopy | None:
         """The newest step whose copy verifies in full (every checksum), or None."""
+        return self._files(self._latest_valid)
+
+    def _latest_valid(self) -> TierCopy | None:
         for step in reversed(self.store.steps()):
             r = verify_step(self.store.reader(step), step, True, str(self.store.path(step)))
             if r.valid:
@@ -388,6 +416,9 @@ class PersistentTier:
         path. Valid local parts already there are kept. PersistentTierError when the tier's copy does
         not verify: then nothing of it is left in ``dest_dir`` (a step directory this call created is
         removed again; parts written without their manifest never count anyway)."""
+        return self._files(lambda: self._fetch(step, dest_dir))
+
+    def _fetch(self, step: int, dest_dir: str | os.PathLike) -> Path:
         local = LocalStore(dest_dir, self.throttle, HOLD_LABEL)
         with self._lock:
             local.clean()  # the temp files of a fetch whose rlsup was killed
@@ -409,6 +440,9 @@ class PersistentTier:
         valid local part is kept. :class:`PersistentPartInvalid` when the tier's part is missing, torn or
         does not match (each file is checked as its bytes arrive, the manifest written last);
         :class:`PersistentTierError` for other failures."""
+        return self._files(lambda: self._fetch_part(step, rank, dest_dir))
+
+    def _fetch_part(self, step: int, rank: int, dest_dir: str | os.PathLike) -> Path:
         local = LocalStore(dest_dir, self.throttle, HOLD_LABEL)
         try:
             done = copy_part(self.store, local, step, rank, full=False)
@@ -428,6 +462,9 @@ class PersistentTier:
         Cheap: manifests read and file sizes checked, no checksums (the fetching node checks every
         byte). Newest first, down to ``newer_than`` (exclusive) or the first step whose every rank is
         offered, since nothing older could then be chosen. ``exclude``: (step, rank) known bad."""
+        return self._files(lambda: self._part_listing(newer_than, exclude))
+
+    def _part_listing(self, newer_than: int | None, exclude: Any) -> dict[int, TierOffer]:
         out: dict[int, TierOffer] = {}
         for step in reversed(self.store.steps()):
             if newer_than is not None and step <= newer_than:
@@ -463,6 +500,10 @@ def _offered_parts(store: PartStore, step: int, exclude: Any) -> dict[int, RankM
         if (m.rank, m.step) == (rank, step) and all(not reader.check(rel, e, False) for rel, e in m.files.items()):
             out[rank] = m
     return out
+
+
+def _call(fn: Callable[[], Any]) -> Any:
+    return fn()
 
 
 def _limiter(bandwidth: float) -> Any:

@@ -25,13 +25,16 @@ class PollLoop:
     """Runs ``run_pass`` in a daemon thread named ``name``; ``on_error`` receives a failed pass's error."""
 
     def __init__(self, run_pass: Callable[[], object], name: str, on_error: Callable[[Exception], None],
-                 stall_s: float = STALL_S, on_stall: Callable[[str], None] | None = None) -> None:
+                 stall_s: float = STALL_S, on_stall: Callable[[str], None] | None = None,
+                 on_thread_start: Callable[[], object] | None = None) -> None:
         self.run_pass, self.name, self.on_error = run_pass, name, on_error
+        self.on_thread_start = on_thread_start  # run first in the loop's thread (a private descriptor table)
         self.stall_s, self.on_stall = stall_s, on_stall
         self.doing = ""  # what the pass in progress is doing now (set by the tier), for the stall line
         self.stalls = 0  # passes named as stalled
         self.stalled: str | None = None  # the stall line while the pass in progress is stalled
         self._pass_started: float | None = None
+        self._stalled_pass: float | None = None  # the start of the pass that ``stalled`` names
         self.wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -59,6 +62,7 @@ class PollLoop:
             started = self._pass_started
             if started is not None and named != started and time.monotonic() - started > self.stall_s:
                 named, self.stalls = started, self.stalls + 1
+                self._stalled_pass = started
                 self.stalled = (f"{self.name}: a pass has not ended in {time.monotonic() - started:.0f}s "
                                 f"({self.doing or 'its pass'}): the store is slow or not answering; "
                                 "training, hang detection and metrics go on without it")
@@ -71,10 +75,14 @@ class PollLoop:
             time.sleep(min(1.0, self.stall_s / 4))
 
     def stuck(self) -> bool:
-        """Whether a pass is running and has been named stalled (its thread may never come back)."""
-        return self.stalled is not None and self._pass_started is not None
+        """Whether the pass running now has been named stalled (its thread may never come back). A stall line
+        left from an earlier pass (the watchdog clears it within a second) does not count."""
+        started = self._pass_started
+        return self.stalled is not None and started is not None and started == self._stalled_pass
 
     def _loop(self, interval: float) -> None:
+        if self.on_thread_start is not None:
+            self.on_thread_start()
         while not self._stop.is_set():
             self._pass_started = time.monotonic()
             try:

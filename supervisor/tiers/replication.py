@@ -26,7 +26,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 
 from rlsup_format.fileio import write_durable
@@ -50,6 +50,7 @@ log = logging.getLogger("rlsup.replication")
 #: How long a pass waits for the targets' indexes before it chains the targets that answered (the
 #: others are served in their own threads as their answers come: a dead peer delays no one).
 INDEX_WAIT_S = 5.0
+DRAIN_POLL_S = 0.1  # how often a drain looks whether rlsup was asked to stop
 
 
 @dataclass
@@ -210,11 +211,14 @@ class ReplicationEngine:
             if not (self.checkpoint_dir / step_dir_name(step)).exists():
                 self._delete(target, step)
 
-    def drain(self, timeout: float) -> None:
-        """A last pass before the process exits, so the newest checkpoint is not left unreplicated."""
+    def drain(self, timeout: float, stopped: Callable[[], bool] = lambda: False) -> None:
+        """A last pass before the process exits, so the newest checkpoint is not left unreplicated; no longer
+        than ``timeout``, and not once ``stopped()`` (a signal during the drain: the scheduler's kill is next)."""
         t = threading.Thread(target=self.sync, daemon=True)
         t.start()
-        t.join(timeout)
+        deadline = time.monotonic() + timeout
+        while t.is_alive() and not stopped() and (left := deadline - time.monotonic()) > 0:
+            t.join(min(left, DRAIN_POLL_S))
 
     def local_store(self) -> LocalStore:
         """This node's checkpoint directory as a part store (holds named for this node's replication)."""

@@ -14,6 +14,10 @@ skipped and the next older one tried. On several nodes the persistent tier is on
 coordinator's plan instead (per part, :meth:`supervisor.tiers.persistent.PersistentTier.part_listing`, and
 :mod:`supervisor.multinode`), and the resume point's ``tier`` names the farthest tier this node fetched
 from.
+
+Every read of the persistent tier here runs in ``PersistentTier.reads`` (:mod:`supervisor.bounded_calls`): a
+listing or a fetch that has not moved for ``STALL_S`` (10 s) leaves the resume to the other tiers (local, peer,
+memory) with the tier named stalled, and a read still blocked is never started twice.
 """
 
 from __future__ import annotations
@@ -56,17 +60,23 @@ def choose_across_tiers(local_dir: str | Path, persistent: PersistentTier | None
     if (stalled := persistent.stalled()) is not None:  # a hung store: reading it would hold the restart too
         log.warning("persistent tier not consulted for the resume: %s", stalled)
         return best
-    try:
-        candidates = list(iter_candidates(persistent, best.step if best else None))
+    newer_than = best.step if best else None
+    try:  # every read of the tier in a bounded call: a store that hangs right now must not hold the restart
+        candidates = persistent.reads.call(lambda: list(iter_candidates(persistent, newer_than)), None)
     except OSError as e:
         log.warning("persistent tier %s unreadable: %s", persistent.location, e)
         return best
-    for step in candidates:
+    for step in candidates or []:
         try:
-            path = persistent.fetch(step, local_dir)
+            path = persistent.reads.call(lambda step=step: persistent.fetch(step, local_dir), None,
+                                         progress=lambda: persistent.moved)
         except PersistentTierError as e:
             log.warning("persistent step %d not used: %s", step, e)
             continue
+        if path is None:
+            break
         log.info("step %d fetched from the persistent tier %s into %s", step, persistent.location, path)
         return ResumePoint(step, path, "rlsup", TIER_PERSISTENT)
+    if (stalled := persistent.stalled()) is not None:
+        log.warning("persistent tier not consulted for the resume: %s", stalled)
     return best

@@ -31,6 +31,12 @@ import time
 from pathlib import Path
 
 MODES = ("ok", "hang", "eio", "slow")
+#: Every operation but ``flush`` (sent at each close of a descriptor, a forked child's close and exec included):
+#: a hang of these holds every caller, yet lets a process that forks while one of its threads holds a file
+#: open on the mount start its child (see RELIABILITY.md: that close blocks on a mount whose flush hangs).
+ALL_BUT_FLUSH = ("getattr", "access", "readdir", "readlink", "mkdir", "rmdir", "unlink", "symlink", "rename",
+                 "link", "chmod", "chown", "truncate", "utimens", "statfs", "open", "create", "read", "write",
+                 "fsync")
 
 
 def unavailable() -> str | None:
@@ -327,12 +333,10 @@ class SickFs:
             deadline = time.monotonic() + 5
             while self.status().get("held") and time.monotonic() < deadline:
                 time.sleep(0.05)
-        if os.path.ismount(self.mountpoint):
+        if self.mounted():
             if subprocess.run(["fusermount3", "-u", str(self.mountpoint)], capture_output=True).returncode != 0:
                 self._abort_connection()
                 subprocess.run(["fusermount3", "-uz", str(self.mountpoint)], capture_output=True)
-                if os.path.ismount(self.mountpoint):
-                    subprocess.run(["umount", "-l", str(self.mountpoint)], capture_output=True)
         if self.proc is not None:
             if self.proc.poll() is None:
                 try:
@@ -341,6 +345,12 @@ class SickFs:
                     os.killpg(self.proc.pid, signal.SIGKILL)
                     self.proc.wait(10)
             self.proc = None
+        if self.mounted():  # the daemon is gone: what is left is a dead mount, removed lazily
+            subprocess.run(["umount", "-l", str(self.mountpoint)], capture_output=True)
+
+    def mounted(self) -> bool:
+        """Whether the mount is in the table (read from /proc/self/mountinfo: a stat could hang on it)."""
+        return _mount_dev(self.mountpoint) is not None
 
     def _abort_connection(self) -> None:
         """Write to the mount's ``/sys/fs/fuse/connections/<dev>/abort``: every waiting call ends (ENOTCONN)."""
@@ -355,10 +365,11 @@ class SickFs:
 
 def _mount_dev(mountpoint: Path) -> int | None:
     """The device number of ``mountpoint`` from /proc/self/mountinfo (stat would hang on a hung mount)."""
+    where = os.path.abspath(mountpoint)  # no realpath: it would stat the mount
     try:
         for line in Path("/proc/self/mountinfo").read_text().splitlines():
             fields = line.split()
-            if fields[4] == str(mountpoint):
+            if fields[4] == where:
                 major, minor = fields[2].split(":")
                 return os.makedev(int(major), int(minor))
     except (OSError, IndexError, ValueError):
