@@ -5,7 +5,7 @@ replica holders, and every node resumes from the newest step whose parts survive
 uninterrupted run; node 0 too (the spare hosts the embedded store again). The time from the loss to the next
 attempt's first step is printed with its phases (measured, never asserted).
 
-The etcd and second-loss variants are long: they run with ``RLSUP_SPARES_LONG=1`` (marked ``soak``).
+The etcd and second-loss variants are long: they run with the soak (``pytest tests/test_multinode_spares.py tests/chaos --soak 1``).
 """
 
 from __future__ import annotations
@@ -29,7 +29,11 @@ WORLD = JOB_NODES * RANKS_PER_NODE
 BALLAST = ["--ballast-mb", os.environ["RLSUP_SPARES_BALLAST_MB"]] if os.environ.get("RLSUP_SPARES_BALLAST_MB") else []
 TRAIN_ARGS = ["--steps", "24", "--checkpoint-every", "3", "--step-time", "0.15", "--keep-last", "100", *BALLAST]
 LONG_ARGS = ["--steps", "48", "--checkpoint-every", "3", "--step-time", "0.15", "--keep-last", "100"]
-long_only = pytest.mark.skipif(not os.environ.get("RLSUP_SPARES_LONG"), reason="long: set RLSUP_SPARES_LONG=1")
+@pytest.fixture
+def soak_only(request: pytest.FixtureRequest) -> None:
+    """The long variants run with the soak (as the other soak tests: the option lives in tests/chaos/conftest.py)."""
+    if not request.config.getoption("--soak", default=None):
+        pytest.skip("soak: pass --soak MINUTES with tests/chaos on the command line (tests/chaos/conftest.py)")
 
 
 def _holder(node: int) -> int:
@@ -98,7 +102,7 @@ def test_spare_takes_node_0_after_its_loss_bit_identical(tmp_path: Path) -> None
 
 
 @pytest.mark.soak
-@long_only
+@pytest.mark.usefixtures("soak_only")
 def test_spare_takes_node_2_with_static_rendezvous(tmp_path: Path) -> None:
     """torchrun's static rendezvous: the spare was started with ``--node-rank 3``; rlsup launches it with 2."""
     ref = reference_weights(tmp_path, nodes=WORLD, train_args=TRAIN_ARGS)
@@ -111,7 +115,7 @@ def test_spare_takes_node_2_with_static_rendezvous(tmp_path: Path) -> None:
 
 
 @pytest.mark.soak
-@long_only
+@pytest.mark.usefixtures("soak_only")
 def test_spare_takes_node_0_with_etcd(tmp_path: Path, etcd_cluster: EtcdCluster) -> None:  # noqa: F811
     ref = reference_weights(tmp_path, nodes=WORLD, train_args=TRAIN_ARGS)
     cluster = SpareCluster(tmp_path, train_args=TRAIN_ARGS, extra=["--coordinator-backend", "etcd",
@@ -133,7 +137,7 @@ def _second_loss(cluster: SpareCluster) -> None:
 
 
 @pytest.mark.soak
-@long_only
+@pytest.mark.usefixtures("soak_only")
 def test_second_loss_with_no_spare_left_waits_for_a_replacement(tmp_path: Path) -> None:
     ref = reference_weights(tmp_path, nodes=WORLD, train_args=LONG_ARGS)
     cluster = SpareCluster(tmp_path, train_args=LONG_ARGS)
@@ -146,7 +150,7 @@ def test_second_loss_with_no_spare_left_waits_for_a_replacement(tmp_path: Path) 
 
 
 @pytest.mark.soak
-@long_only
+@pytest.mark.usefixtures("soak_only")
 def test_an_unused_spare_exits_0_when_the_job_succeeds(tmp_path: Path) -> None:
     cluster = SpareCluster(tmp_path, train_args=TRAIN_ARGS)
     try:
