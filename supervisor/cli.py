@@ -20,6 +20,7 @@ from supervisor.incidents import read_incidents, read_state
 from supervisor.observer import Observer
 
 if TYPE_CHECKING:
+    from supervisor.coordinator import RoundCoordinator
     from supervisor.job_identity import JobIdentity
     from supervisor.stop_request import StopRequest
     from supervisor.node_service import NodeService
@@ -78,9 +79,14 @@ def _run_multinode(cfg: SupervisorConfig, command: list[str], membership: Member
     from supervisor.stop_request import StopRequest
     from supervisor.transport.auth import load_secret
 
+    from supervisor.spare_run import SpareRun
+    from supervisor.spares import NodeRole, Roster, SlotTaken, SpareSeat
+
     early = StopRequest(signal_named(cfg.preempt_signal))  # from here on a signal is a stop, never a kill
     previous = early.install()
-    try:
+
+    def run_node(membership: Membership, seat: SpareSeat | None, hosted: "RoundCoordinator | None") -> int:
+        rlsup_log.set_context(node=membership.node_rank)
         try:
             service = start_service(cfg, membership, observer, serve=daemon_running(Path(cfg.state_dir)) is None,
                                     job=job)
@@ -89,11 +95,16 @@ def _run_multinode(cfg: SupervisorConfig, command: list[str], membership: Member
             raise
         try:
             assert service.engine is not None
-            secret = load_secret(cfg.token_file)
             supervisor = MultiNodeSupervisor(cfg, command, membership, service.engine, observer, job=job,
-                                             connect=lambda stop: connect_coordinator(cfg, membership, job, secret,
-                                                                                      stop), stopped_early=early)
+                                             coordinator=hosted, stopped_early=early, spares=seat,
+                                             connect=None if hosted else lambda stop: connect_coordinator(
+                                                 cfg, membership, job, secret, stop))
+            if hosted is not None:
+                hosted.stop = supervisor.stop
             return supervisor.run().exit_code
+        except SlotTaken as e:
+            log.error("%s", e)
+            return exit_codes.UNHEALTHY
         except (JobClash, PinningError) as e:
             log.error("%s", e)
             return exit_codes.CONFIG_ERROR
@@ -102,6 +113,21 @@ def _run_multinode(cfg: SupervisorConfig, command: list[str], membership: Member
             return exit_codes.FAILED
         finally:
             service.stop(stopped=lambda: early.asked)  # a signal after the run (its handlers are back) ends the drain
+
+    try:
+        secret = load_secret(cfg.token_file)
+        if not cfg.spares:
+            return run_node(membership, None, None)
+        roster = Roster(membership.peers, cfg.spares)
+        if roster.role(membership.node_rank) is NodeRole.WORKER:
+            return run_node(roster.membership(membership.node_rank), SpareSeat(roster), None)
+        spare = SpareRun(cfg, roster, membership.node_rank, job, secret, lambda view, stop: connect_coordinator(
+            cfg, view, job, secret, stop), early, observer or Observer())
+        try:
+            return spare.run(run_node)
+        except CoordinationError as e:
+            log.error("%s", e)
+            return exit_codes.FAILED
     finally:
         early.restore(previous)
 

@@ -107,6 +107,8 @@ class SupervisorConfig:
     job_name: str = _opt("", "The job's identity: every checkpoint part, replica, coordination key and persistent copy carries it, and no job is offered another's (empty: SLURM_JOB_ID, else the checkpoint_dir). Also shown in the rlsup_info metric.")
     peers: tuple[str, ...] = _opt((), "Replication endpoints host:port of every node, in node-rank order (empty: from SLURM, else single node).")
     node_rank: int | None = _opt(None, "This node's index in peers (default: SLURM_NODEID).")
+    spares: int = _opt(0, "How many of the last peers are spare nodes: they run rlsup and hold no ranks until a node of the job is lost; then one takes the lost node's rank, fetches its parts from their holders, and every node resumes from the same step. The job runs on len(peers) - spares nodes.")
+    spare_takeover_s: float = _opt(3.0, "Seconds a node may be missing from a round (its inventory absent while the others' are there) before a spare takes its node rank; a node that arrives later is refused (exit 77) and may rejoin as a spare.")
     replication_port: int = _opt(9779, "Port of the replication endpoint when peers come from SLURM or omit a port.")
     coordinator_port: int = _opt(9780, "Port of the coordination store (torch TCPStore) hosted by node 0's supervisor (coordinator_backend embedded).")
     coordinator_backend: CoordinatorBackend = _opt("embedded", "Where the nodes agree before each attempt: embedded (a TCPStore hosted by node 0's supervisor; a replacement node 0 hosts it again) or etcd (an etcd v3 cluster, coordinator_endpoints; no node's loss stalls the others).", noun="backend")
@@ -443,10 +445,15 @@ def node_membership(eff: EffectiveConfig, environ: typing.Mapping[str, str] | No
         if command == "daemon":
             raise ConfigError("rlsup daemon needs peers (key 'peers' and 'node_rank', or a SLURM allocation)")
         return None
+    if cfg.spares and not 0 <= cfg.spares <= membership.size - 2:  # (one peer: the membership's own error)
+        raise ConfigError(f"{where('spares')}key 'spares': {cfg.spares} of {membership.size} peers leaves fewer than "
+                          "2 nodes for the job")
     if membership.size < 2:
         raise ConfigError(f"{where('peers')}key 'peers': lists a single node; leave peers empty for a single-node run")
     try:
-        replica_targets(membership.node_rank, membership.size, cfg.replication_factor, cfg.replication_jump)
+        job_size = membership.size - cfg.spares  # a spare replicates as the node whose rank it takes
+        replica_targets(min(membership.node_rank, job_size - 1), job_size, cfg.replication_factor,
+                        cfg.replication_jump)
     except MembershipError as e:
         raise ConfigError(f"{where('replication_factor', 'replication_jump')}key 'replication_factor'/"
                           f"'replication_jump': {e}") from e

@@ -308,6 +308,10 @@ class RoundCoordinator:
         values = [_attempt_number(n, v) for n, v in zip(names, self.keys.get_many(names)) if v is not None]
         return max(values) if values else None
 
+    def check_abort(self) -> None:
+        """:meth:`_check_abort`, for a process that watches the job without joining it (a spare)."""
+        self._check_abort()
+
     def _join_fresh(self, min_attempt: int) -> int:
         """No attempt in this store yet: every node proposes; node 0 publishes the largest as ``base``."""
         self.keys.set(f"join/{self.node_rank}", str(min_attempt))

@@ -99,6 +99,13 @@ class SupervisorMetrics(Observer):
                                 "The rank the last hang's Flight Recorder verdict named (-1: none named).",
                                 registry=r)
         self.fr_suspect.set(-1)
+        self.role = Enum("rlsup_node_role", "What this node process does: worker (holds a node rank) or spare.",
+                         states=["worker", "spare"], registry=r)
+        self.spares_left = Gauge("rlsup_spares_left", "The job's spare nodes not yet used (spares less ranks taken).",
+                                 registry=r)
+        self.takeover = Gauge("rlsup_spare_takeover_seconds", "Last takeover by this spare: from the end of the "
+                              "attempt its node was lost in to its claim of the rank (the next attempt's first "
+                              "heartbeat is rlsup_resume_duration_seconds on the other nodes).", registry=r)
         self.tier_stalled = Gauge("rlsup_tier_stalled",
                                   "1 while a checkpoint tier's copy or read is named stalled (a hung or slow store).",
                                   ["tier"], registry=r)
@@ -212,6 +219,13 @@ class SupervisorMetrics(Observer):
 
     def flight_recorder(self, suspects: list[int]) -> None:
         self.fr_suspect.set(min(suspects) if suspects else -1)  # a value, not a label: ranks are unbounded
+
+    def node_role(self, role: str, spares_left: int) -> None:
+        self.role.state(role)
+        self.spares_left.set(spares_left)
+
+    def spare_took_over(self, seconds: float) -> None:
+        self.takeover.set(seconds)
 
     def tier(self, name: str, stalled: Callable[[], str | None]) -> None:
         self.tier_stalled.labels(name).set_function(lambda: 1.0 if stalled() is not None else 0.0)

@@ -44,14 +44,15 @@ from supervisor.coordinator import (
 from supervisor.fr_exchange import FrExchange
 from supervisor.health import mark_repeat_offender
 from supervisor.incidents import Incident
-from supervisor.job_identity import JobIdentity
 from supervisor.kvstore import StoreUnavailable
+from supervisor.job_identity import JobIdentity
 from supervisor.lifecycle import EndReason, route
 from supervisor.membership import Membership
 from supervisor.observer import Observer
 from supervisor.tiers.part_protocol import FetchFailed, PartError, PartStore, fetch_part
 from supervisor.process_tree import ProcessLayer
 from supervisor.rank_pinning import pin_ranks
+from supervisor.spares import DONE_KEY, NodeRole, SpareSeat, check_holder, moved_slots, spares_left
 from supervisor.tiers.replication import ReplicationEngine, newest_own_step
 from supervisor.tiers.resume import ResumePoint
 from supervisor.attempt_end import AttemptResult
@@ -121,7 +122,8 @@ class MultiNodeSupervisor(Supervisor):
     def __init__(self, cfg: SupervisorConfig, command: Sequence[str], membership: Membership,
                  engine: ReplicationEngine, observer: Observer | None = None, *, job: JobIdentity,
                  coordinator: RoundCoordinator | None = None, connect: Connect | None = None,
-                 processes: ProcessLayer | None = None, stopped_early: StopRequest | None = None) -> None:
+                 processes: ProcessLayer | None = None, stopped_early: StopRequest | None = None,
+                 spares: SpareSeat | None = None) -> None:
         """``coordinator``: the job's store, reached; or ``connect``, which :meth:`run` calls once the stop
         handlers are installed (SIGTERM while the store is awaited then stops rlsup as anywhere else).
         ``stopped_early``: the handlers the command line installed before this node's start-up (the
@@ -136,6 +138,7 @@ class MultiNodeSupervisor(Supervisor):
         self.engine = engine
         self._connect = connect
         self._stopped_early = stopped_early
+        self.spares = spares  # the job has spare nodes: this node's claim on its rank is checked at every join
         if pinned.note:
             self._log(pinned.note)
         self._store_lost = False
@@ -167,10 +170,32 @@ class MultiNodeSupervisor(Supervisor):
         """The attempt the nodes agree on; stopped while waiting, this node's own count: :meth:`prepare`
         then abandons it at once and the loop records the stop."""
         try:
-            return self.coordinator.join(mine)
+            if self.spares is not None:  # before joining: a node whose rank a spare took must not end the attempt
+                self._check_seat(self.spares)
+            attempt = self.coordinator.join(mine)
         except StopAsked as e:
             self._stopped_waiting = e
             return mine
+        if self.spares is not None:
+            self._follow_spares(self.spares)
+        return attempt
+
+    def _check_seat(self, seat: SpareSeat) -> None:
+        """:func:`check_holder`; a store out of reach is the join's to wait for (it is asked again after it)."""
+        try:
+            check_holder(self.coordinator, self.membership.node_rank, seat.gen)
+        except StoreUnavailable:
+            pass
+
+    def _follow_spares(self, seat: SpareSeat) -> None:
+        """Refuse to go on when a spare took this node's rank (:class:`SlotTaken`); send the replicas of a
+        rank a spare took to the spare."""
+        check_holder(self.coordinator, self.membership.node_rank, seat.gen)
+        moved = moved_slots(self.coordinator, self.membership.size)
+        for slot, claim in moved.items():
+            if self.engine.move_peer(slot, claim.endpoint):
+                self._log(f"node rank {slot} is now the spare at {claim.endpoint}")
+        self.observer.node_role(NodeRole.WORKER.value, spares_left(seat.roster, moved))
 
     def check_health(self, attempt: int) -> AttemptResult | None:
         return None if self.stop.asked else super().check_health(attempt)  # stopping: no pre_launch_check to wait for
@@ -209,6 +234,8 @@ class MultiNodeSupervisor(Supervisor):
             self.stop.restore(previous)
         if result.status is JobStatus.SUCCEEDED:
             try:
+                if self.membership.node_rank == 0:
+                    self.coordinator.keys.set(DONE_KEY, "1")  # the spares' cue to exit
                 self.coordinator.finish()  # a store that outlives the job (etcd) forgets its keys
             except Exception as e:  # noqa: BLE001 - the job is done; stale keys are ignored by the next run
                 self._log(f"could not clear the job's coordination keys: {e}")
@@ -310,8 +337,12 @@ class MultiNodeSupervisor(Supervisor):
             excluded |= {(s, r, PERSISTENT_HOLDER) for s, r in bad}
         else:
             self.coordinator.end(attempt, f"node {me}: no usable plan after {PLAN_TRIES} tries")
+        if self.spares is not None:  # a spare may have taken this rank while this node was late to the round
+            check_holder(self.coordinator, me, self.spares.gen)
         self.coordinator.mark_ready(attempt)
         self.coordinator.wait_all_ready(attempt)
+        if self.spares is not None:  # a spare that took a rank in this round is in it now: replicate to it
+            self._follow_spares(self.spares)
         if self.persistent is not None:
             # Every node has fetched what it needed: the resumed step is local everywhere now, so the
             # tier's retention may treat it like any other step again (it used to pin it for the whole run).

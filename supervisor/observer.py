@@ -46,6 +46,13 @@ class Observer:
     def flight_recorder(self, suspects: list[int]) -> None:
         """A hang's Flight Recorder verdict named ``suspects`` (ranks; empty: it named none)."""
 
+    def node_role(self, role: str, spares_left: int) -> None:
+        """This process is a ``worker`` (holds a node rank) or a ``spare``; ``spares_left``: the job's spares
+        not yet used (its ``spares`` less the ranks they took)."""
+
+    def spare_took_over(self, seconds: float) -> None:
+        """This spare took a lost node's rank ``seconds`` after the attempt it was lost in ended."""
+
     def stragglers(self, flagged: int, ratios: Mapping[int, float]) -> None:
         """Ranks now flagged as stragglers on this node, and each rank's latest work ratio to its peers."""
 

@@ -224,6 +224,20 @@ class ReplicationEngine:
         """This node's checkpoint directory as a part store (holds named for this node's replication)."""
         return LocalStore(self.checkpoint_dir, hold_label=f"replication-node{self.me}")
 
+    def move_peer(self, node: int, endpoint: str) -> bool:
+        """Node ``node`` now answers at ``endpoint`` (a spare took its rank); True when that is news."""
+        if node == self.me or self.membership.peers[node] == endpoint:
+            return False
+        peers = list(self.membership.peers)
+        peers[node] = endpoint
+        self.membership = Membership(tuple(peers), self.membership.node_rank)
+        self._held.pop(node, None)  # the node there now holds nothing of ours
+        old = self.clients.get(node)
+        if old is not None:
+            self.clients[node] = old.moved(endpoint)
+            old.close()
+        return True
+
     def peer_store(self, node: int) -> PeerStore:
         """``node``'s copy of this node's parts (its replica namespace for this job)."""
         return PeerStore(self.clients[node], namespace_of(self.job, self.me), self.state_path.parent, f"node {node}")

@@ -108,6 +108,11 @@ class PeerClient:
     def __repr__(self) -> str:
         return f"PeerClient({self.endpoint!r})"
 
+    def moved(self, endpoint: str) -> "PeerClient":
+        """The same client for a peer at another endpoint (a spare took that node's rank)."""
+        return PeerClient(endpoint, self._secret, self.timeout, self.retries, self.backoff, self.limiter,
+                          self.ssl_context, self.pool, self.min_throughput, self.deadline_base)
+
     # ------------------------------------------------------------ plumbing
 
     def close(self) -> None:

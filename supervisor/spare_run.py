@@ -1,0 +1,113 @@
+"""``rlsup run`` on a spare node: wait for a lost node (:mod:`supervisor.spares`), then run as that node.
+
+The spare connects to the job's store as an observer (signing as its own index in ``peers``), watches the
+rounds, claims a lost slot, and hands over to the ordinary node run (``run_node``) with the slot's
+membership; the replicas of the slot are fetched by the round as a replacement node's are.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from supervisor import exit_codes
+from supervisor.config import SupervisorConfig
+from supervisor.coordinator import CoordinationError, RoundCoordinator, embedded_coordinator
+from supervisor.job_identity import JobIdentity
+from supervisor.kvstore import StoreUnavailable
+from supervisor.membership import Membership
+from supervisor.observer import Observer
+from supervisor.spares import (Claim, NodeRole, Roster, SpareSeat, moved_slots, spares_left, taken_over, try_claim,
+                              watch_for_slot)
+from supervisor.stop_request import StopAsked, StopRequest
+
+log = logging.getLogger(__name__)
+
+# (membership of the slot taken, the seat, the store when this spare hosts it) -> exit code
+RunNode = Callable[[Membership, SpareSeat, RoundCoordinator | None], int]
+Connect = Callable[[Membership, StopRequest], RoundCoordinator]
+
+
+@dataclass
+class SpareRun:
+    """One spare process: its roster place, how to reach the store, and the node run it becomes."""
+
+    cfg: SupervisorConfig
+    roster: Roster
+    node_rank: int
+    job: JobIdentity
+    secret: bytes
+    connect: Connect
+    stop: StopRequest
+    observer: Observer
+
+    def run(self, run_node: RunNode) -> int:
+        self.observer.node_role(NodeRole.SPARE.value, self.roster.spares)
+        try:
+            taken = self._wait_for_slot()
+        except StopAsked as e:
+            log.info("spare %s: %s; it took no node rank", self.roster.peers[self.node_rank], e)
+            return e.exit_code
+        if taken is None:
+            log.info("spare %s: the job finished without needing this spare", self.roster.peers[self.node_rank])
+            return exit_codes.OK
+        claim, membership, hosted = taken
+        return run_node(membership, SpareSeat(self.roster, claim.gen), hosted)
+
+    def _wait_for_slot(self) -> tuple[Claim, Membership, RoundCoordinator | None] | None:
+        """The claim, the slot's membership and (node 0 re-hosted here) the store; None: the job is done."""
+        watcher_view = Membership(self.roster.peers, self.node_rank)
+        while True:
+            coordinator = self.connect(watcher_view, self.stop)
+            try:
+                claim, lost_at = watch_for_slot(coordinator, self.roster, self.node_rank, self.cfg.spare_takeover_s,
+                                                self.stop)
+            except StoreUnavailable:
+                hosted = self._host_store()
+                if hosted is None:
+                    continue  # someone else hosts it now: connect to it and watch again
+                claim = try_claim(hosted, 0, self.roster.peers[self.node_rank], 0)  # a fresh store
+                if claim is None:
+                    continue
+                return claim, self._took(claim, hosted, "hosting the coordination store", None), hosted
+            if claim is None:
+                return None
+            return claim, self._took(claim, coordinator, "", lost_at), None
+
+    def _took(self, claim: Claim, coordinator: RoundCoordinator, how: str, lost_at: float | None) -> Membership:
+        """The slot's membership; says (log, metrics) which rank this spare took and how many spares are left."""
+        moved = moved_slots(coordinator, self.roster.job_size)
+        left = spares_left(self.roster, moved)
+        after = f" {time.time() - lost_at:.1f}s after its attempt ended" if lost_at is not None else ""
+        log.info("spare %s: took node rank %d (claim %d)%s%s; spares left: %d (role: worker)",
+                 self.roster.peers[self.node_rank], claim.slot, claim.gen, after, f", {how}" if how else "", left)
+        self.observer.node_role(NodeRole.WORKER.value, left)
+        if lost_at is not None:
+            self.observer.spare_took_over(time.time() - lost_at)
+        return taken_over(self.roster, claim, moved)
+
+    def _host_store(self) -> RoundCoordinator | None:
+        """Node 0 and its embedded store are gone: host the store on node 0's address after this spare's turn
+        (``spare_takeover_s`` for each spare before it and one more); None when it cannot (another host has it,
+        or the store is etcd, which outlives node 0: then it is only reconnected)."""
+        if self.cfg.coordinator_backend != "embedded":
+            self.stop.wait(self.cfg.spare_takeover_s, 0.1)
+            return None
+        turn = self.node_rank - self.roster.job_size + 1
+        self.stop.wait(self.cfg.spare_takeover_s * turn, 0.1)
+        host = self.roster.peers[0].rpartition(":")[0]
+        try:
+            hosted = embedded_coordinator(host, self.cfg.coordinator_port, self.job, self.secret, 0,
+                                          self.roster.job_size, self.cfg.rendezvous_timeout, self.stop)
+        except CoordinationError as e:
+            log.info("spare %s: could not host the coordination store on %s: %s", self.roster.peers[self.node_rank],
+                     host, e)
+            return None
+        log.info("spare %s: node 0's coordination store was gone for %.1fs; hosting it on %s:%d",
+                 self.roster.peers[self.node_rank], self.cfg.spare_takeover_s * turn, host, self.cfg.coordinator_port)
+        return hosted
+
+
+__all__ = ["SpareRun", "RunNode"]

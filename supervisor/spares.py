@@ -1,0 +1,217 @@
+"""Spare nodes: rlsup processes started with the job that hold no ranks until a node of the job is lost.
+
+``peers`` lists N + k endpoints and ``spares: k``: node ranks 0..N-1 are the job's *slots*, the last k
+processes are spares. A spare connects to the job's coordination store and watches the rounds. A slot is
+lost when a round waits for its inventory (every other slot's is there, and the attempt before ended) for
+``spare_takeover_s``; the spare then claims the slot with the store's atomic create
+(``claim/<slot>/<generation>``, payload its own endpoint): first writer wins, so no slot goes to two spares
+and a spare claims once. From then on the spare *is* that node rank: it starts its replication service,
+joins the round as a replacement node does (:mod:`supervisor.coordinator`: it ends nothing, the attempt
+already ended), fetches the slot's parts from their holders (replicas are keyed by the slot's node rank)
+and launches with the slot's node rank (rank pinning). Every other node reads the claims at each join and
+sends the slot's replicas to its new endpoint; the node that held the slot before and comes back late
+finds a newer claim and is refused (exit 77); it may rejoin as a spare.
+
+Node 0 lost with the embedded store: the store goes with it. A spare that finds the store gone for
+``spare_takeover_s`` (more for each spare before it) and never saw the job finish tries to host the store
+itself on node 0's address and port: only one process can bind it, which is the arbiter; this works where
+the spare can bind node 0's address (one host, or a floating address). With etcd the store outlives node
+0 and slot 0 is claimed like any other.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field, replace
+from enum import Enum
+
+from supervisor.coordinator import CoordinationError, RoundCoordinator
+from supervisor.kvstore import StoreUnavailable
+from supervisor.membership import Membership
+from supervisor.stop_request import StopRequest
+
+log = logging.getLogger(__name__)
+
+WATCH_POLL_S = 0.1
+DONE_KEY = "done"  # node 0 writes it when the job succeeded: a spare then exits 0
+
+
+class NodeRole(str, Enum):
+    """What a node process does in the job (the ``rlsup_node_role`` metric's label)."""
+
+    WORKER = "worker"  # holds a slot (a node rank 0..N-1)
+    SPARE = "spare"  # holds none yet
+
+
+class SlotTaken(CoordinationError):
+    """This node's slot was given to a spare while it was away: it must not run its ranks."""
+
+
+@dataclass(frozen=True)
+class Roster:
+    """The job's N + k peers: the first N are slots, the last ``spares`` are spare processes."""
+
+    peers: tuple[str, ...]
+    spares: int
+
+    @property
+    def job_size(self) -> int:
+        return len(self.peers) - self.spares
+
+    def role(self, node_rank: int) -> NodeRole:
+        return NodeRole.SPARE if node_rank >= self.job_size else NodeRole.WORKER
+
+    def membership(self, slot: int, endpoints: dict[int, str] | None = None) -> Membership:
+        """Slot ``slot``'s view of the job: N peers, the moved slots at their new endpoints."""
+        peers = list(self.peers[:self.job_size])
+        for s, ep in (endpoints or {}).items():
+            peers[s] = ep
+        return Membership(tuple(peers), slot)
+
+
+@dataclass(frozen=True)
+class SpareSeat:
+    """A slot holder's place in a job with spares: the roster, and the claim generation it holds the slot by."""
+
+    roster: Roster
+    gen: int = 0
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A spare's claim of a slot: generation ``gen`` (the original holder is generation 0) at ``endpoint``."""
+
+    slot: int
+    gen: int
+    endpoint: str
+
+
+def _claim_name(slot: int, gen: int) -> str:
+    return f"claim/{slot}/{gen}"
+
+
+def newest_claim(coordinator: RoundCoordinator, slot: int) -> Claim | None:
+    """The newest claim of ``slot`` (None: its original holder has it)."""
+    found: Claim | None = None
+    gen = 1
+    while (value := coordinator.keys.get(_claim_name(slot, gen))) is not None:
+        found = Claim(slot, gen, value.payload)
+        gen += 1
+    return found
+
+
+def moved_slots(coordinator: RoundCoordinator, job_size: int) -> dict[int, Claim]:
+    """Every slot a spare took, with its newest claim."""
+    return {s: c for s in range(job_size) if (c := newest_claim(coordinator, s)) is not None}
+
+
+def check_holder(coordinator: RoundCoordinator, slot: int, gen: int) -> None:
+    """:class:`SlotTaken` when a spare claimed ``slot`` after generation ``gen`` (this node's)."""
+    claim = newest_claim(coordinator, slot)
+    if claim is not None and claim.gen > gen:
+        raise SlotTaken(f"node rank {slot} was given to the spare at {claim.endpoint} while this node was away "
+                        f"(claim {claim.gen}); this node must not run its ranks: restart it as a spare")
+
+
+def try_claim(coordinator: RoundCoordinator, slot: int, endpoint: str, lost_gen: int) -> Claim | None:
+    """Claim ``slot`` for ``endpoint`` from its holder of generation ``lost_gen``, the one seen lost; None when
+    another spare claimed it first (the store's create: first writer wins, so a slot goes to one spare)."""
+    gen = lost_gen + 1
+    won = coordinator.keys.create(_claim_name(slot, gen), endpoint)
+    return Claim(slot, gen, endpoint) if won.payload == endpoint else None
+
+
+@dataclass
+class SpareWatch:
+    """A spare's wait for a lost slot (see the module docstring)."""
+
+    coordinator: RoundCoordinator
+    roster: Roster
+    node_rank: int  # the spare's index in ``roster.peers``
+    takeover_s: float
+    stop: StopRequest
+    # (attempt, slot) -> (when it was first seen missing, its holder's claim generation then)
+    missing_since: dict[tuple[int, int], tuple[float, int]] = field(default_factory=dict)
+    lost_at: float | None = None  # wall-clock end of the attempt the claimed slot was lost in
+
+    @property
+    def endpoint(self) -> str:
+        return self.roster.peers[self.node_rank]
+
+    def wait(self) -> Claim | None:
+        """The slot this spare took, or None when the job finished (``done``). Raises
+        :class:`~supervisor.stop_request.StopAsked` on a stop, :class:`StoreUnavailable` when the store is gone."""
+        seen = False  # an attempt was seen: its keys gone (etcd forgets a finished job's) means the job is done
+        log.info("spare %s: watching the job's %d nodes for a lost one", self.endpoint, self.roster.job_size)
+        while True:
+            self.stop.check("a lost node to take over")
+            self.coordinator.check_abort()
+            if self.coordinator.keys.get(DONE_KEY) is not None:
+                return None
+            current = self.coordinator.current_attempt()
+            if current is None and seen:
+                return None
+            seen = seen or current is not None
+            lost = self.lost_slot()
+            if lost is not None:
+                claim = try_claim(self.coordinator, lost[0], self.endpoint, lost[1])
+                if claim is not None:
+                    return claim
+                log.info("spare %s: another spare took node rank %d", self.endpoint, lost[0])
+                self.missing_since.clear()
+            time.sleep(WATCH_POLL_S)
+
+    def lost_slot(self) -> tuple[int, int] | None:
+        """(slot, generation of its holder) for a slot missing from the open round for ``takeover_s`` while
+        the others are in it; the generation is the one seen when it went missing."""
+        c = self.coordinator
+        current = c.current_attempt()
+        if current is None or c.ended(current) is None:
+            return None  # no round yet, or an attempt running: nobody is waiting for a node
+        pending = current + 1
+        names = [f"inv/{pending}/{s}" for s in range(self.roster.job_size)]
+        present = [v is not None for v in c.keys.get_many(names)]
+        if not any(present):
+            return None  # nobody is in the round yet
+        now = time.monotonic()
+        for slot, here in enumerate(present):
+            if here:
+                continue
+            if (pending, slot) not in self.missing_since:
+                holder = newest_claim(c, slot)
+                self.missing_since[(pending, slot)] = (now, holder.gen if holder is not None else 0)
+            since, gen = self.missing_since[(pending, slot)]
+            if now - since >= self.takeover_s:
+                ended = c.keys.get(f"end/{current}")
+                self.lost_at = ended.time if ended is not None else None
+                return slot, gen
+        return None
+
+
+def spares_left(roster: Roster, moved: dict[int, Claim]) -> int:
+    """The roster's spares not yet used: each claim generation is one spare taken."""
+    return max(0, roster.spares - sum(c.gen for c in moved.values()))
+
+
+def watch_for_slot(coordinator: RoundCoordinator, roster: Roster, node_rank: int, takeover_s: float,
+                   stop: StopRequest) -> tuple[Claim | None, float | None]:
+    """:meth:`SpareWatch.wait` and when the slot was lost (the attempt's end, wall clock), the store's loss
+    said in words (``StoreUnavailable`` passes through)."""
+    try:
+        watch = SpareWatch(coordinator, roster, node_rank, takeover_s, stop)
+        return watch.wait(), watch.lost_at
+    except StoreUnavailable:
+        log.warning("spare %s: the coordination store %s is gone", roster.peers[node_rank], coordinator.describe())
+        raise
+
+
+def taken_over(roster: Roster, claim: Claim, moved: dict[int, Claim]) -> Membership:
+    """The membership a spare runs with once it holds ``claim``'s slot."""
+    endpoints = {s: c.endpoint for s, c in moved.items()}
+    endpoints[claim.slot] = claim.endpoint
+    return replace(roster.membership(claim.slot, endpoints))
+
+
+__all__ = ["NodeRole", "Roster", "Claim", "SlotTaken", "SpareWatch", "SpareSeat", "newest_claim", "moved_slots", "check_holder",
+           "try_claim", "spares_left", "watch_for_slot", "taken_over", "DONE_KEY"]

@@ -1,0 +1,79 @@
+"""The multi-node harness with spare nodes: 3 job nodes of 2 ranks each plus spares, each its own ``rlsup run``
+on 127.0.0.1 in its own directory, peers listing all of them and ``--spares k``; torchrun as users type it
+(c10d, ``--nnodes 3``). Also what the nodes held when one was lost, and how long the recovery took."""
+
+from __future__ import annotations
+
+import re
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Sequence
+
+from rlsup_format.manifest import list_step_dirs, manifest_name
+from support.cluster import Cluster, replica_ns, trainer_starts
+from support.env import PY
+from support.waits import wait_for
+
+JOB_NODES = 3
+RANKS_PER_NODE = 2
+
+
+class SpareCluster(Cluster):
+    """:class:`Cluster` with ``spares`` more processes (node ranks 3, 4, ...) that hold no ranks at first."""
+
+    def __init__(self, root: Path, spares: int = 1, extra: Sequence[str] = (), takeover_s: float = 1.0,
+                 **kw: object) -> None:
+        super().__init__(root, JOB_NODES + spares,  # type: ignore[arg-type]
+                         extra=["--spares", str(spares), "--spare-takeover-s", str(takeover_s), *extra], **kw)
+
+    def launcher(self, node: int) -> list[str]:
+        """c10d as users type it, or static with the node rank each process was started with (a spare's is 3
+        or more: rlsup rewrites it to the rank the spare takes)."""
+        common = [PY, "-m", "torch.distributed.run", "--nnodes", str(JOB_NODES), "--nproc-per-node",
+                  str(RANKS_PER_NODE)]
+        if self.rdzv == "static":
+            return [*common, "--node-rank", str(node), "--master-addr", self.hosts[0], "--master-port",
+                    str(self.master_port)]
+        return [*common, "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{self.hosts[0]}:{self.master_port}",
+                "--rdzv-id", "job1"]
+
+
+def ranks_of(slot: int) -> list[int]:
+    return [slot * RANKS_PER_NODE + i for i in range(RANKS_PER_NODE)]
+
+
+def replicated(cluster: Cluster, holder: int, owner: int, step: int) -> bool:
+    """Node ``holder`` holds every part of ``owner``'s ranks at ``step``."""
+    d = replica_ns(cluster.node_dir(holder) / "replicas", owner) / f"step_{step:09d}"
+    return all((d / manifest_name(r)).exists() for r in ranks_of(owner))
+
+
+def newest_complete(cluster: Cluster, lost: int, holder: int, alive: Sequence[int]) -> int:
+    """The newest step whose every part survived ``lost``'s loss: the ``alive`` nodes' own, ``holder``'s replicas."""
+    steps = {s for s, _ in list_step_dirs(replica_ns(cluster.node_dir(holder) / "replicas", lost))
+             if replicated(cluster, holder, lost, s)}
+    for node in alive:
+        steps &= {s for s, d in list_step_dirs(cluster.node_dir(node) / "checkpoints")
+                  if all((d / manifest_name(r)).exists() for r in ranks_of(node))}
+    return max(steps, default=0)
+
+
+def took_rank(log: str) -> int | None:
+    """The node rank a spare said it took (None: it took none)."""
+    m = re.search(r"spare \S+: took node rank (\d+)", log)
+    return int(m.group(1)) if m else None
+
+
+def logged_at(log: str, pattern: str) -> float | None:
+    """The wall-clock time (epoch seconds) of the first rlsup log line matching ``pattern``."""
+    m = re.search(r"^(\S+Z) .*" + pattern, log, re.M)
+    return datetime.fromisoformat(m.group(1).replace("Z", "+00:00")).timestamp() if m else None
+
+
+def first_step_after(cluster: Cluster, node: int, starts_before: int, timeout: float) -> float:
+    """The wall-clock time at which node ``node``'s rank 0 was seen starting the next attempt (every rank's
+    first step is a collective right after it)."""
+    wait_for(lambda: len(trainer_starts(cluster.log(node))) > starts_before, timeout,
+             f"node {node}'s rank 0 to start the next attempt", interval=0.05)
+    return time.time()

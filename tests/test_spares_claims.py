@@ -1,0 +1,98 @@
+"""Spare nodes' claims through a real embedded store (torch TCPStore), in process: one slot goes to one spare,
+a spare claims once, the node that held the slot before is refused, and a slot is lost only when a round has
+waited for it for ``spare_takeover_s`` while the other nodes are in it."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import time
+
+import pytest
+
+from supervisor.control_records import NodeInventory
+from supervisor.coordinator import RoundCoordinator, embedded_coordinator
+from supervisor.job_identity import JobIdentity
+from supervisor.spares import (NodeRole, Roster, SlotTaken, SpareWatch, check_holder, moved_slots, newest_claim,
+                               taken_over, try_claim)
+from supervisor.stop_request import StopRequest
+
+JOB = JobIdentity("job-spares", "test")
+SECRET = b"0123456789abcdef-shared"
+ROSTER = Roster(("h0:1", "h1:1", "h2:1", "s0:1", "s1:1"), spares=2)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def node(port: int, rank: int) -> RoundCoordinator:
+    return embedded_coordinator("127.0.0.1", port, JOB, SECRET, rank, ROSTER.job_size, 10)
+
+
+def test_roster_roles_and_the_membership_a_spare_takes() -> None:
+    assert [ROSTER.role(r) for r in range(5)] == [NodeRole.WORKER] * 3 + [NodeRole.SPARE] * 2
+    assert ROSTER.membership(1).peers == ("h0:1", "h1:1", "h2:1")
+    port = free_port()
+    host = node(port, 0)
+    spare = node(port, 3)
+    claim = try_claim(spare, 2, "s0:1", 0)
+    assert claim is not None
+    m = taken_over(ROSTER, claim, moved_slots(spare, ROSTER.job_size))
+    assert (m.peers, m.node_rank) == (("h0:1", "h1:1", "s0:1"), 2)
+    del host
+
+
+def test_one_slot_goes_to_one_spare_and_the_old_holder_is_refused() -> None:
+    port = free_port()
+    host, old2, a, b = node(port, 0), node(port, 2), node(port, 3), node(port, 4)
+    check_holder(old2, 2, 0)  # nobody claimed it: the original holds it
+    won = try_claim(a, 2, "s0:1", 0)
+    lost = try_claim(b, 2, "s1:1", 0)  # the same generation: the first writer won
+    assert won is not None and won.gen == 1 and lost is None
+    claim = newest_claim(host, 2)
+    assert claim is not None and claim.endpoint == "s0:1"
+    with pytest.raises(SlotTaken, match="restart it as a spare"):
+        check_holder(old2, 2, 0)
+    check_holder(a, 2, 1)  # the spare holds it by its claim
+    again = try_claim(b, 2, "s1:1", 1)  # a later loss of the same rank: the next generation
+    assert again is not None and again.gen == 2
+    with pytest.raises(SlotTaken):
+        check_holder(a, 2, 1)
+    assert {s: c.endpoint for s, c in moved_slots(host, 3).items()} == {2: "s1:1"}
+
+
+def test_a_slot_is_lost_only_after_the_round_waited_for_it() -> None:
+    port = free_port()
+    host = node(port, 0)
+    spare = node(port, 3)
+    watch = SpareWatch(spare, ROSTER, 3, takeover_s=0.3, stop=StopRequest(signal.SIGUSR1))
+    assert watch.lost_slot() is None  # no attempt yet
+    host.keys.set("base", "0")
+    host.publish_inventory(1, NodeInventory(0, {}))
+    assert watch.lost_slot() is None  # attempt 0 runs: nobody waits for a node
+    host.end(0, "node 2 lost")
+    host.keys.set("inv/1/1", NodeInventory(1, {}).to_json())
+    assert watch.lost_slot() is None  # node 2 is missing, but not for long yet
+    time.sleep(0.35)
+    assert watch.lost_slot() == (2, 0)
+
+
+def test_role_spares_left_and_takeover_are_exported() -> None:
+    from supervisor.metrics import SupervisorMetrics
+    from supervisor.spares import spares_left
+
+    m = SupervisorMetrics(job="j", node="n")
+    m.node_role(NodeRole.SPARE.value, 2)
+    assert m.registry.get_sample_value("rlsup_node_role", {"rlsup_node_role": "spare"}) == 1
+    port = free_port()
+    host = node(port, 0)
+    try_claim(host, 1, "s0:1", 0)
+    left = spares_left(ROSTER, moved_slots(host, ROSTER.job_size))
+    m.node_role(NodeRole.WORKER.value, left)
+    m.spare_took_over(1.5)
+    assert m.registry.get_sample_value("rlsup_node_role", {"rlsup_node_role": "worker"}) == 1
+    assert m.registry.get_sample_value("rlsup_spares_left") == 1
+    assert m.registry.get_sample_value("rlsup_spare_takeover_seconds") == 1.5
