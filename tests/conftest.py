@@ -185,7 +185,7 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
 # the sum plus one long module at the end. A stale entry costs speed only; a missing module runs in its place.
 LONGEST_FIRST = ("chaos/test_chaos_ci.py", "test_recipe_ray.py", "test_multinode_jobs.py", "test_thirdparty_trainers.py",
                  "test_recipe_verl.py", "test_multinode_persistent.py", "test_multinode.py", "test_ddp_exact_resume.py",
-                 "test_flight_recorder_multinode.py", "test_multinode_stop.py", "test_hung_fs.py",
+                 "test_flight_recorder_multinode.py", "test_multinode_spares.py", "test_hung_fs.py",
                  "test_multinode_memory.py", "test_multinode_etcd.py", "chaos/test_partitions.py",
                  "test_multinode_clash.py", "test_thirdparty_pykeen.py", "test_stragglers.py", "test_async_save.py",
                  "test_eio_replica.py", "test_persistent_s3.py", "test_trainer_hf_run.py", "test_warm_launcher.py")
