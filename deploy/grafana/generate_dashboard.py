@@ -199,6 +199,17 @@ def build() -> dict[str, Any]:
             [(f"max by (node, tier) ({by_node(m('rlsup_tier_stalled'))})", "{{node}} {{tier}}")], w=6,
             options=stat_options())
 
+    b.panel("stat", "Spares left", "The job's spare nodes not yet used, per node's view (rlsup_spares_left).",
+            [(f"min by (node) ({by_node(m('rlsup_spares_left'))})", "{{node}}")], w=6, options=stat_options())
+    b.panel("table", "Node roles", "What each node process does: worker (holds a node rank) or spare "
+            "(rlsup_node_role).",
+            [(f"max by (node, rlsup_node_role) ({by_node(m('rlsup_node_role'))}) == 1", "{{node}} {{rlsup_node_role}}")],
+            w=6)
+    b.panel("stat", "Spare takeover", "A spare's last takeover: from the end of the attempt its node was lost in to "
+            "its claim of the rank (rlsup_spare_takeover_seconds).",
+            [(f"max by (node) ({by_node(m('rlsup_spare_takeover_seconds'))})", "{{node}}")], w=6, unit="s",
+            options=stat_options())
+
     b.row("Replication")
     b.panel("timeseries", "Replication throughput", "Checkpoint bytes sent to each peer (rlsup_replication_bytes_total).",
             [(f"sum by (node, peer) ({over('rate', 'rlsup_replication_bytes_total', '$__rate_interval')})", "{{node}} -> peer {{peer}}")],
