@@ -24,6 +24,7 @@ import psutil
 
 from rlsup_format.manifest import list_step_dirs, manifest_name, read_manifest, step_dir_name, verify_step_dir
 from rlsup_format.names import Kind, parse_manifest_rank, parse_reserved
+from supervisor.tiers.fetch_staging import PREFIX as STAGING_PREFIX
 
 from support.env import PY
 from support.incidents import incidents
@@ -292,10 +293,12 @@ def async_write_scenario(parent: Path, ref_cache: Path, seed: int, world: int = 
 # ------------------------------------------------------------------ persistent tier
 
 def _incoming(root: Path, pid: int | None = None) -> list[tuple[int, Path]]:
-    """(step, path) of the temp files of part copies in ``root``'s step directories (of process ``pid``
-    when given): reserved TMP names (rlsup_format.names) beside the files they become."""
+    """(step, path) of the temp files of part copies in ``root``'s step directories and in the fetch staging
+    directories beside them (of process ``pid`` when given): reserved TMP names (rlsup_format.names) beside
+    the files they become."""
     out = []
-    for step, step_dir in list_step_dirs(root):
+    roots = [root, *sorted(root.glob(STAGING_PREFIX + "*"))]  # a whole-step fetch lands in staging first
+    for step, step_dir in (entry for r in roots for entry in list_step_dirs(r)):
         for dirpath, _dirs, files in os.walk(step_dir):
             for n in files:
                 res = parse_reserved(n)
