@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from supervisor.unkillable import StuckProcess
 
 _PR_SET_PDEATHSIG = 1
+SLOW_EXIT_S = 50.0  # past kill_grace, how long a SIGKILLed process not in state D is still waited for (as before issue 32)
 _PR_SET_CHILD_SUBREAPER = 36
 _libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
 _TREE: "AttemptTree | None" = None  # this run's record and cgroups (ProcessLayer.guard_attempts); one run per process
@@ -287,11 +288,15 @@ class JobProcess:
         return sorted(set(killed))
 
     def _kill_until(self, deadline: float) -> list[int]:
-        """SIGKILL what is alive until none is or ``deadline`` passes; what outlives it goes to :attr:`stuck`."""
-        from supervisor.unkillable import examine
+        """SIGKILL what is alive until none is or ``deadline`` passes; what outlives it goes to :attr:`stuck`.
+        Past ``deadline`` only a process in state D (held by a mount: it never dies) ends the wait early; one
+        that is merely slow to die (a large process torn down on a loaded node) is waited for as long as
+        :data:`SLOW_EXIT_S` more, so that no next attempt starts beside it."""
+        from supervisor.unkillable import examine, uninterruptible
 
         killed: list[int] = []
         self.stuck = []
+        hard_deadline = deadline + SLOW_EXIT_S
         while True:
             self.refresh()
             alive = self.live_processes()
@@ -299,8 +304,11 @@ class JobProcess:
                 return killed
             left = deadline - time.monotonic()
             if left <= 0:
-                self.stuck = examine([proc.pid for proc in alive])
-                return killed
+                stuck = examine([proc.pid for proc in alive])
+                if uninterruptible(stuck) or time.monotonic() >= hard_deadline:
+                    self.stuck = stuck
+                    return killed
+                left = hard_deadline - time.monotonic()
             for proc in alive:
                 try:
                     proc.kill()
