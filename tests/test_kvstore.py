@@ -8,6 +8,7 @@ import time
 from typing import Callable, Iterator
 
 import pytest
+from support.waits import wait_for
 
 from support.ports import free_ports
 from etcd_cluster import EtcdCluster, etcd_cluster, etcd_cluster_clean, shared_etcd_cluster  # noqa: F401  (fixtures)
@@ -74,13 +75,13 @@ def _race(n: int, fn: Callable[[int], object]) -> list[object]:
 # ---- the contract, on both stores ----
 
 def test_set_get_overwrite(connect: Connect) -> None:
-    a, b = connect(), connect()
+    a, b = connect(), connect()  # TCPStore's set is not answered: another client sees it soon, not at once
     a.set("t/k", b"\x00\xffbinary")
-    assert b.get("t/k") == b"\x00\xffbinary"
+    wait_for(lambda: b.get("t/k") == b"\x00\xffbinary", TIMEOUT_S, "the value from the other client")
     b.set("t/k", b"second")
-    assert a.get("t/k") == b"second"
+    wait_for(lambda: a.get("t/k") == b"second", TIMEOUT_S, "the overwrite from the other client")
     a.set("t/empty", b"")
-    assert b.get("t/empty") == b""
+    wait_for(lambda: b.get("t/empty") == b"", TIMEOUT_S, "the empty value from the other client")
 
 
 def test_get_missing_is_none_without_blocking(connect: Connect) -> None:
