@@ -106,12 +106,10 @@ def healed_end(sick: SickFs, run: Supervised, stuck: list[dict]) -> None:
     assert run.proc.wait(60) == 77, run.output()[-3000:]
 
 
-@pytest.mark.chaos  # the chaos CI subset's hung-filesystem scenario (issue 32)
-def test_checkpoint_dir_hung_mid_save_excludes_the_node(tmp_path: Path, sick: SickFs) -> None:
-    """Writes hang mid-save: the save outlives save_timeout, the ranks are SIGKILLed, the ones in the mount's
-    write stay in state D; rlsup names them (rank, state, wchan, file, mount), gives up with 77 and this node
-    in unhealthy_nodes, and never launches attempt 1 beside them."""
-    run, state, record = hung_save_run(tmp_path, sick, {"ops": ("write",)})
+def hung_save_ends_unkillable(tmp_path: Path, sick: SickFs, hang: dict) -> None:
+    """A save hung as ``hang`` says: the invariants while it is held (healed and killed if one fails), then
+    the healed end."""
+    run, state, record = hung_save_run(tmp_path, sick, hang)
     try:
         stuck = check_unkillable(tmp_path, sick, run, state, record)
     except BaseException:
@@ -119,6 +117,14 @@ def test_checkpoint_dir_hung_mid_save_excludes_the_node(tmp_path: Path, sick: Si
         run.proc.kill()
         raise
     healed_end(sick, run, stuck)
+
+
+@pytest.mark.chaos  # the chaos CI subset's hung-filesystem scenario (issue 32)
+def test_checkpoint_dir_hung_mid_save_excludes_the_node(tmp_path: Path, sick: SickFs) -> None:
+    """Writes hang mid-save: the save outlives save_timeout, the ranks are SIGKILLed, the ones in the mount's
+    write stay in state D; rlsup names them (rank, state, wchan, file, mount), gives up with 77 and this node
+    in unhealthy_nodes, and never launches attempt 1 beside them."""
+    hung_save_ends_unkillable(tmp_path, sick, {"ops": ("write",)})
 
 
 @pytest.mark.soak
@@ -130,14 +136,7 @@ def test_checkpoint_dir_hung_every_call_excludes_the_node(tmp_path: Path, sick: 
     printed whole now), not yet understood."""
     if not request.config.getoption("--soak", default=None):
         pytest.skip("soak: pass --soak MINUTES with tests/chaos on the command line (tests/chaos/conftest.py)")
-    run, state, record = hung_save_run(tmp_path, sick, {})
-    try:
-        stuck = check_unkillable(tmp_path, sick, run, state, record)
-    except BaseException:
-        sick.heal()
-        run.proc.kill()
-        raise
-    healed_end(sick, run, stuck)
+    hung_save_ends_unkillable(tmp_path, sick, {})
 
 
 def newest_local_step(ckpt: Path) -> int:
