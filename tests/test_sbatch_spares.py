@@ -56,6 +56,7 @@ def test_spares_run_the_job_on_n_and_every_node_gets_peers_of_n_plus_k(tmp_path:
             "torchrun", "--nnodes=4", f"--node-rank={rank}", "--nproc-per-node=1", "--master-addr=n1",
             "--master-port=29500", "train.py", "--lr", "0.1"], seen  # the spare's rank 4: rlsup rewrites it
         assert seen["env"] == {"RLSUP_PEERS": "n1:9779,n2:9779,n3:9779,n4:9779,n5:9779", "RLSUP_SPARES": "1",
+                               "RLSUP_REPLICA_DIR": str(tmp_path / "job" / "rlsup-replicas" / name),
                                "MASTER_ADDR": "n1", "MASTER_PORT": "29500", "SLURM_NODEID": str(rank)}, seen
         assert (tmp_path / "job" / "rlsup-pids" / "42" / f"{name}.rc").read_text() == "0\n"
 
