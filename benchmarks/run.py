@@ -10,7 +10,8 @@ first on odd ones) and prints, as soon as a figure is done, one row per figure::
     name | rlsup median | baseline median | ratio (rlsup / baseline) | unit | note
 
 Figures (``--only`` keys): restart, hang, save, heartbeat, selection, replication, restore, footprint,
-goodput, gpu_check, flight_recorder. Jobs are 2-rank torchrun/gloo runs of ``benchmarks/jobs/bench_trainer.py``, which writes
+goodput, gpu_check, flight_recorder; and recovery (issue 31's realistic harness, benchmarks/bench_recovery.py), run
+only when named. Jobs are 2-rank torchrun/gloo runs of ``benchmarks/jobs/bench_trainer.py``, which writes
 ``time.monotonic()`` events (CLOCK_MONOTONIC is system-wide on Linux, so ranks, attempts and this script
 share one clock). Method, machine and results: BENCHMARKS.md.
 """
@@ -20,7 +21,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import contextlib
-import importlib.util
 import json
 import os
 import shutil
@@ -32,15 +32,15 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 sys.path[:0] = [str(ROOT), str(BENCH), str(ROOT / "tests")]
 
-PY = sys.executable
-BIN = Path(sys.executable).parent
-TRAINER = BENCH / "jobs" / "bench_trainer.py"
+from jobctl import (BIN, PY, alternate, events, failed, job_env, launch, log, nvrx_missing,  # noqa: E402
+                    pid_alive, stop, wait_until)
+
 FIGURES = ("restart", "hang", "hang_restart", "save", "heartbeat", "selection", "replication", "restore", "footprint", "goodput",
            "gpu_check", "flight_recorder")
 
@@ -102,10 +102,6 @@ def markdown_table(rows: list[Row]) -> str:
     return "\n".join(out) + "\n"
 
 
-def log(msg: str) -> None:
-    print(f"# {msg}", file=sys.stderr, flush=True)
-
-
 def median(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
@@ -119,125 +115,12 @@ class Ctx:
     reps: int
     work: Path
     layouts: list[str] | None = None
+    recovery_minutes: float = 5.0
+    recovery_reps: int = 1
 
     def fresh(self, name: str) -> Path:
         d = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=self.work))
         return d
-
-
-def job_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RLSUP_", "TORCHELASTIC_", "FT_"))}
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    env["PYTHONUNBUFFERED"] = "1"
-    env["RLSUP_METRICS_PORT"] = "0"
-    env["OMP_NUM_THREADS"] = "1"
-    return env
-
-
-def nvrx_missing() -> str | None:
-    """Why NVRx's ft_launcher cannot be benchmarked, or None when it can."""
-    if importlib.util.find_spec("nvidia_resiliency_ext") is None:
-        return "nvidia_resiliency_ext not importable (install: docs/nvrx.md)"
-    if not (BIN / "ft_launcher").exists() and shutil.which("ft_launcher") is None:
-        return "ft_launcher not on PATH"
-    return None
-
-
-def ft_launcher() -> str:
-    return str(BIN / "ft_launcher") if (BIN / "ft_launcher").exists() else shutil.which("ft_launcher") or "ft_launcher"
-
-
-def launch(kind: str, d: Path, trainer_args: list[str], max_restarts: int, extra: list[str] = ()) -> subprocess.Popen:
-    """Start a 2-rank job in ``d`` under ``kind`` (rlsup | torchrun | ft), in its own session."""
-    targs = [str(TRAINER), "--events", str(d / "events.jsonl"), "--checkpoint-dir", str(d / "ckpt"), *trainer_args]
-    torchrun = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2"]
-    if kind == "rlsup":
-        cmd = [PY, "-m", "supervisor.cli", "run", "--state-dir", str(d / "state"), "--checkpoint-dir",
-               str(d / "ckpt"), "--max-restarts", str(max_restarts), "--stop-grace", "2", "--kill-grace", "2",
-               *extra, "--", *torchrun, *targs]
-    elif kind == "torchrun":
-        cmd = [*torchrun, "--max-restarts", str(max_restarts), *extra, *targs]
-    elif kind == "ft":
-        cmd = [ft_launcher(), "--standalone", "--nproc-per-node", "2", "--max-restarts", str(max_restarts),
-               "--ft-enable-nic-monitor", "false", *extra, *targs]
-    else:
-        raise ValueError(kind)
-    out = open(d / "output.log", "wb")
-    try:
-        return subprocess.Popen(cmd, cwd=d, env=job_env(), stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-    finally:
-        out.close()
-
-
-def stop(proc: subprocess.Popen, grace: float = 8.0) -> None:
-    """SIGTERM the job's process group (rlsup forwards to its own job session), SIGKILL after ``grace``;
-    then SIGKILL whatever of its tree is left (torchrun's workers live in sessions of their own, and a
-    baseline torchrun killed mid-restart left them running, loading every later measurement)."""
-    import psutil
-
-    try:
-        tree = psutil.Process(proc.pid).children(recursive=True)
-    except psutil.Error:
-        tree = []
-    if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(grace)
-        except subprocess.TimeoutExpired:
-            pass
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(10)
-    for p in tree:
-        with contextlib.suppress(psutil.Error):
-            p.kill()
-
-
-def events(d: Path) -> list[dict]:
-    path = d / "events.jsonl"
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        with contextlib.suppress(ValueError):
-            out.append(json.loads(line))
-    return out
-
-
-def failed(d: Path, what: str) -> None:
-    """Say why a trial failed: the last lines of its output (the scratch directory is removed at the end)."""
-    try:
-        lines = (d / "output.log").read_text(errors="replace").splitlines()
-    except OSError:
-        lines = []
-    tail = [line for line in lines if "[rlsup]" in line or "rror" in line][-12:]
-    log(f"{what}; last output lines:\n#   " + "\n#   ".join(tail))
-
-
-def wait_until(pred: Callable[[], object], timeout: float, interval: float = 0.05) -> object:
-    deadline = time.monotonic() + timeout
-    while True:
-        v = pred()
-        if v or time.monotonic() > deadline:
-            return v
-        time.sleep(interval)
-
-
-def alternate(reps: int, kinds: list[str]) -> Iterator[tuple[int, str]]:
-    for r in range(reps):
-        for k in (kinds if r % 2 == 0 else list(reversed(kinds))):
-            yield r, k
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[-1].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
 
 
 # ------------------------------------------------------------------------------------------ 1. restart
@@ -1125,6 +1008,18 @@ def bench_flight_recorder(ctx: Ctx) -> list[Row]:
     ]
 
 
+# ------------------------------------------------------------------------------------------ recovery
+
+
+def bench_recovery(ctx: Ctx) -> list[Row]:
+    """Realistic recovery (issue 31): benchmarks/bench_recovery.py, ``--recovery-minutes`` per side, one
+    repetition unless ``--reps`` says; only with ``--only recovery`` (15 min and more)."""
+    import bench_recovery
+
+    figs = bench_recovery.run(ctx.work, ctx.recovery_minutes, reps=ctx.recovery_reps)
+    return [Row(f.name, f.rlsup, f.base, f.unit, f.note) for f in figs]
+
+
 # ------------------------------------------------------------------------------------------ main
 
 
@@ -1132,14 +1027,16 @@ BENCHES: dict[str, Callable[[Ctx], list[Row]]] = {
     "restart": bench_restart, "hang": bench_hang, "hang_restart": bench_hang_restart, "save": bench_save, "heartbeat": bench_heartbeat,
     "selection": bench_selection, "replication": bench_replication, "restore": bench_restore,
     "footprint": bench_footprint, "goodput": bench_goodput, "gpu_check": bench_gpu_check,
-    "flight_recorder": bench_flight_recorder,
+    "flight_recorder": bench_flight_recorder, "recovery": bench_recovery,
 }
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small sizes, fewer repetitions: < 5 min on 2 cores")
-    ap.add_argument("--only", default="", help=f"comma-separated subset of: {','.join(FIGURES)}")
+    ap.add_argument("--only", default="", help=f"comma-separated subset of: {','.join(FIGURES)}; and recovery "
+                    "(issue 31's realistic recovery harness, never in the default set: 15 min and more)")
+    ap.add_argument("--recovery-minutes", type=float, default=5.0, help="recovery: wall window per side")
     ap.add_argument("--reps", type=int, default=None, help="repetitions per side (default: 2 quick, 5 full)")
     ap.add_argument("--layouts", default="", help=f"selection layouts, comma-separated: {','.join(LAYOUT_KEYS)}")
     ap.add_argument("--dir", default=None, help="scratch directory (default: a temp dir; needs ~5 GB full)")
@@ -1153,7 +1050,8 @@ def main() -> int:
     if unknown or bad_layouts:
         ap.error(f"unknown figure(s) {unknown} or layout(s) {bad_layouts}")
     work = Path(tempfile.mkdtemp(prefix="rlsup-bench-run-", dir=args.dir))
-    ctx = Ctx(args.quick, args.reps or (2 if args.quick else 5), work, layouts)
+    ctx = Ctx(args.quick, args.reps or (2 if args.quick else 5), work, layouts, args.recovery_minutes,
+              args.reps or 1)
     import platform
 
     print(f"rlsup benchmarks ({'quick' if args.quick else 'full'}): {os.cpu_count()} cores, "
