@@ -14,8 +14,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,13 +24,12 @@ import pytest
 
 from support.env import ROOT, clean_env
 from support.ports import free_ports
+from support.slurm_cluster import TOOLS, Cluster
 from support.waits import wait_for
 
 SBATCH = ROOT / "deploy" / "slurm" / "rlsup.sbatch"
 TRAIN = ROOT / "examples" / "train_tiny.py"
-TOOLS = ("munged", "mungekey", "slurmctld", "slurmd", "sbatch", "scontrol", "squeue", "scancel", "srun")
 TRAIN_ARGS = ["--steps", "40", "--checkpoint-every", "5", "--step-time", "0.15"]
-CRED_EXPIRE = 10
 
 pytestmark = [
     pytest.mark.skipif(any(shutil.which(t) is None for t in TOOLS),
@@ -48,105 +45,6 @@ def test_sbatch_script_syntax() -> None:
     for directive in ("--requeue", "--signal=B:USR1@120", "--open-mode=append"):
         assert f"#SBATCH {directive}" in text
     assert "--ntasks-per-node=1 --kill-on-bad-exit=0" in text and 'scontrol requeue "$SLURM_JOB_ID"' in text
-
-
-class Cluster:
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.host = socket.gethostname()
-        self.procs: list[subprocess.Popen] = []
-        self.conf = root / "slurm.conf"
-        self.env = clean_env(SLURM_CONF=str(self.conf))
-
-    def start(self) -> None:
-        r = self.root
-        munge = r / "munge"
-        munge.mkdir(mode=0o755)  # munged refuses a socket directory others can write to
-        for d in ("state", "spool", "log"):
-            (r / d).mkdir()
-        subprocess.run(["mungekey", "--create", f"--keyfile={munge / 'munge.key'}", "--force"], check=True,
-                       capture_output=True)
-        (munge / "munge.key").chmod(0o400)
-        sock = munge / "munge.socket"
-        self._spawn(["munged", "-F", "--force", f"--socket={sock}", f"--key-file={munge / 'munge.key'}",
-                     f"--log-file={munge / 'munged.log'}", f"--pid-file={munge / 'munged.pid'}",
-                     f"--seed-file={munge / 'munged.seed'}"], "munged")
-        wait_for(sock.exists, 30, "munged's socket")
-        ctld_port, d_port = free_ports(2)
-        self.conf.write_text(f"""\
-ClusterName=rlsuptest
-SlurmctldHost={self.host}(127.0.0.1)
-SlurmctldPort={ctld_port}
-SlurmdPort={d_port}
-AuthType=auth/munge
-CredType=cred/munge
-AuthInfo=socket={sock},cred_expire={CRED_EXPIRE}
-SlurmUser=root
-SlurmdUser=root
-StateSaveLocation={r / 'state'}
-SlurmdSpoolDir={r / 'spool'}
-SlurmctldPidFile={r / 'slurmctld.pid'}
-SlurmdPidFile={r / 'slurmd.pid'}
-SlurmctldLogFile={r / 'log' / 'slurmctld.log'}
-SlurmdLogFile={r / 'log' / 'slurmd.log'}
-PlugStackConfig={r / 'plugstack.conf'}
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-JobAcctGatherType=jobacct_gather/none
-AccountingStorageType=accounting_storage/none
-SelectType=select/cons_tres
-SelectTypeParameters=CR_Core
-MpiDefault=none
-ReturnToService=2
-SchedulerParameters=sched_interval=1
-JobRequeue=1
-KillWait=10
-MinJobAge=600
-NodeName={self.host} NodeAddr=127.0.0.1 CPUs={os.cpu_count()} State=UNKNOWN
-PartitionName=test Nodes={self.host} Default=YES MaxTime=INFINITE State=UP
-""")
-        (r / "plugstack.conf").write_text("")
-        self._spawn(["slurmctld", "-D", "-i", "-f", str(self.conf)], "slurmctld")
-        self._spawn(["slurmd", "-D", "-N", self.host, "-f", str(self.conf)], "slurmd")
-        wait_for(lambda: self.run("sinfo", "-h", "-o", "%t").stdout.strip() == "idle", 60, "the node to be idle")
-
-    def _spawn(self, cmd: list[str], name: str) -> None:
-        log = open(self.root / "log" / f"{name}.out", "ab") if (self.root / "log").exists() else subprocess.DEVNULL
-        self.procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env,
-                                           start_new_session=True))
-
-    def run(self, *cmd: str, check: bool = False) -> subprocess.CompletedProcess:
-        return subprocess.run(list(cmd), capture_output=True, text=True, env=self.env, timeout=60, check=check)
-
-    def state(self, job: str) -> tuple[str, str]:
-        out = self.run("squeue", "-h", "-j", job, "-o", "%T|%r").stdout.strip()
-        if out:
-            state, _, reason = out.partition("|")
-            return state, reason
-        m = re.search(r"JobState=(\S+)", self.run("scontrol", "show", "job", job).stdout)
-        return (m.group(1) if m else "UNKNOWN"), ""
-
-    def stop(self) -> None:
-        self.run("scancel", "--full", "-u", "root")
-        try:
-            wait_for(lambda: self.run("squeue", "-h").stdout.strip() == "", 60, "jobs to end")
-        except AssertionError:
-            pass
-        for proc in reversed(self.procs):
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in reversed(self.procs):
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-
-    def logs(self) -> str:
-        out = []
-        for p in sorted((self.root / "log").glob("*")):
-            out.append(f"--- {p.name} ---\n{p.read_text(errors='replace')[-2500:]}")
-        return "\n".join(out)
 
 
 @pytest.fixture(scope="module")

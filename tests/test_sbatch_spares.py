@@ -96,6 +96,21 @@ def test_a_node_lost_with_no_spare_left_requeues_the_job(tmp_path: Path) -> None
     assert "requeue 42" in fake.scontrol_calls()
 
 
+def test_a_node_a_spare_replaced_exits_77_beside_a_job_that_succeeded_no_requeue(tmp_path: Path) -> None:
+    """n2 failed pre_launch_check (or came back after its rank was taken): 77; the spare ran its rank and every
+    other node exited 0, which rlsup does only when the job succeeded."""
+    fake, r = run_batch(tmp_path, 4, RLSUP_SPARES="1", FAKE_ENDS="n2=77")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "the job succeeded; node(s) n2 exited 77 after a spare took their rank" in r.stdout, r.stdout
+    assert fake.scontrol_calls() and not any(c.startswith(("requeue", "update")) for c in fake.scontrol_calls())
+
+
+def test_with_spares_77_without_a_success_still_requeues_without_the_node(tmp_path: Path) -> None:
+    fake, r = run_batch(tmp_path, 4, RLSUP_SPARES="1", FAKE_ENDS="n1=77,n2=77,n3=1,n4=75")
+    assert r.returncode == 0 and "rlsup exited 77" in r.stdout, r.stdout + r.stderr
+    assert "requeue 42" in fake.scontrol_calls()  # none named in unhealthy_nodes: a plain requeue
+
+
 def test_with_spares_no_progress_is_still_not_requeued(tmp_path: Path) -> None:
     fake, r = run_batch(tmp_path, 4, RLSUP_SPARES="1", FAKE_LOST="n4", FAKE_ENDS="n1=76,n2=76,n3=76")
     assert r.returncode == 76, r.stdout + r.stderr
