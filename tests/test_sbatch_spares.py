@@ -44,7 +44,7 @@ def torchrun_args(argv: list[str]) -> list[str]:
 
 
 def test_spares_run_the_job_on_n_and_every_node_gets_peers_of_n_plus_k(tmp_path: Path) -> None:
-    fake, r = run_batch(tmp_path, 5, RLSUP_SPARES="1")
+    fake, r = run_batch(tmp_path, 5, RLSUP_SPARES="01")  # as typed: a leading zero is still decimal
     assert r.returncode == 0, r.stdout + r.stderr
     (step,) = fake.sruns()
     assert "--no-kill" in step["options"] and "--nodes=5" in step["options"], step
