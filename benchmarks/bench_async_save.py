@@ -10,6 +10,8 @@ writer process; it is reported separately.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import statistics
 import sys
 import tempfile
@@ -21,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 
 from trainer_hooks.checkpoint import CheckpointManager
+from trainer_hooks.direct_save import ENV_DIRECT
 from rlsup_format.manifest import verify_step_dir
 
 
@@ -73,51 +76,74 @@ def main() -> None:
     print(f"  first async save (buffer + writer start): blocked {first[0] * 1e3:.1f} ms, on disk after {first[1] * 1e3:.0f} ms")
 
 
-def bench_memory_tier(size_mb: int = 1024, repeat: int = 3, shm: str | None = None) -> dict[str, float]:
-    """An async save of a ``size_mb`` state into rlsup's memory tier (issue 16 targets: blocked <= 0.15 s,
-    valid in memory <= 1.5 s). The tier is a directory in ``shm`` (default /dev/shm when it has room for
-    three steps, else a temp dir), set up as ``rlsup run`` does (RLSUP_MEMORY_DIR). Returns the medians in
-    seconds over ``repeat`` saves after the first (which starts the writer): ``blocked`` (time in
-    ``save()``), ``valid`` (from the call until the step verifies in memory, sizes), and the first save's
-    ``first_blocked`` and ``first_valid``."""
-    import os
-
-    need = 3 * size_mb << 20
+def _tier_dir(size_mb: int, shm: str | None) -> str | None:
+    """/dev/shm when it has room for both sides' steps and spares, else None (a temp dir on disk)."""
     if shm is None and Path("/dev/shm").is_dir():
         st = os.statvfs("/dev/shm")
-        shm = "/dev/shm" if st.f_bavail * st.f_frsize > need else None
-    keys = ("RLSUP_CHECKPOINT_DIR", "RLSUP_MEMORY_DIR", "RLSUP_MEMORY_KEEP_LAST")
+        shm = "/dev/shm" if st.f_bavail * st.f_frsize > 6 * size_mb << 20 else None
+    return shm
+
+
+def bench_memory_tier(size_mb: int = 1024, repeat: int = 5, shm: str | None = None, step_s: float = 1.0,
+                      sides: tuple[str, ...] = ("direct", "classic")) -> dict[str, dict[str, float]]:
+    """An async save of a ``size_mb`` state into rlsup's memory tier (issue 31 target: valid in memory
+    <= 1 s after the call; issue 16: blocked <= 0.15 s), one manager per side, saves alternating between
+    the sides. ``direct``: the snapshot copied straight into the step file (:mod:`trainer_hooks.direct_save`);
+    ``classic``: ``RLSUP_MEMORY_DIRECT=0``, the snapshot into a buffer, then ``torch.save`` into the tier.
+    Each side's tier is a directory in ``shm`` (default /dev/shm when it has room), set up as ``rlsup run``
+    does (RLSUP_MEMORY_DIR, keep 1 step). After each save, ``step_s`` of "training" (a sleep: the compute of
+    a GPU job) before the next. Returns per side the medians in seconds over ``repeat`` saves after the
+    first (which starts the writer): ``blocked`` (time in ``save()``), ``valid`` (from the call until the
+    step verifies in memory, sizes), the first save's ``first_blocked`` and ``first_valid``, and
+    ``direct_saves`` (how many of the timed saves went direct)."""
+    shm = _tier_dir(size_mb, shm)
+    keys = ("RLSUP_CHECKPOINT_DIR", "RLSUP_MEMORY_DIR", "RLSUP_MEMORY_KEEP_LAST", ENV_DIRECT)
     saved = {k: os.environ.get(k) for k in keys}
     state = make_state(size_mb, "cpu")
-    blocked: list[float] = []
-    valid: list[float] = []
-    with tempfile.TemporaryDirectory(prefix="rlsup-bench-mem-", dir=shm) as mem, \
-            tempfile.TemporaryDirectory(prefix="rlsup-bench-disk-") as disk:
-        os.environ.update({"RLSUP_CHECKPOINT_DIR": disk, "RLSUP_MEMORY_DIR": mem, "RLSUP_MEMORY_KEEP_LAST": "1"})
+    times: dict[str, dict[str, list[float]]] = {side: {"blocked": [], "valid": [], "direct": []} for side in sides}
+    with contextlib.ExitStack() as stack:
+        env, mgrs = {}, {}
+        for side in sides:
+            mem = stack.enter_context(tempfile.TemporaryDirectory(prefix=f"rlsup-bench-mem-{side}-", dir=shm))
+            disk = stack.enter_context(tempfile.TemporaryDirectory(prefix=f"rlsup-bench-disk-{side}-"))
+            env[side] = {"RLSUP_CHECKPOINT_DIR": disk, "RLSUP_MEMORY_DIR": mem, "RLSUP_MEMORY_KEEP_LAST": "1",
+                         ENV_DIRECT: "1" if side == "direct" else "0"}
+            os.environ.update(env[side])
+            mgrs[side] = CheckpointManager(keep_last=2, async_save=True)
         try:
-            mgr = CheckpointManager(keep_last=2, async_save=True)
             for i in range(repeat + 1):
-                step_dir = Path(mem) / f"step_{i + 1:09d}"
-                t0 = time.perf_counter()
-                mgr.save(i + 1, state)
-                blocked.append(time.perf_counter() - t0)
-                state["model"]["w"].add_(1.0)  # training goes on
-                while not verify_step_dir(step_dir, full=False).valid:
-                    time.sleep(0.002)
-                valid.append(time.perf_counter() - t0)
-                mgr.wait()
-            mgr.close()
+                for side in sides if i % 2 == 0 else tuple(reversed(sides)):
+                    os.environ.update(env[side])
+                    step_dir = Path(env[side]["RLSUP_MEMORY_DIR"]) / f"step_{i + 1:09d}"
+                    t0 = time.perf_counter()
+                    mgrs[side].save(i + 1, state)
+                    times[side]["blocked"].append(time.perf_counter() - t0)
+                    state["model"]["w"].add_(1.0)  # training goes on
+                    while not verify_step_dir(step_dir, full=False).valid:
+                        time.sleep(0.002)
+                    times[side]["valid"].append(time.perf_counter() - t0)
+                    mgrs[side].wait()
+                    times[side]["direct"].append(float(bool(mgrs[side]._async.completed[-1].result.get("direct"))))
+                    time.sleep(step_s)
         finally:
+            for mgr in mgrs.values():
+                mgr.close()
             for k, v in saved.items():
                 os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
     med = statistics.median
-    return {"blocked": med(blocked[1:]), "valid": med(valid[1:]), "first_blocked": blocked[0],
-            "first_valid": valid[0], "size_mb": float(size_mb)}
+    return {side: {"blocked": med(t["blocked"][1:]), "valid": med(t["valid"][1:]), "first_blocked": t["blocked"][0],
+                   "first_valid": t["valid"][0], "direct_saves": sum(t["direct"][1:]),
+                   "all_valid": t["valid"], "all_blocked": t["blocked"], "size_mb": float(size_mb)}
+            for side, t in times.items()}
 
 
 if __name__ == "__main__":
     if "--memory-tier" in sys.argv:
         sys.argv.remove("--memory-tier")
-        print(bench_memory_tier())
+        reps = int(sys.argv[sys.argv.index("--repeat") + 1]) if "--repeat" in sys.argv else 5
+        print(os.getloadavg())
+        for side, r in bench_memory_tier(repeat=reps).items():
+            print(side, {k: [round(x, 3) for x in v] if isinstance(v, list) else round(v, 3) for k, v in r.items()})
+        print(os.getloadavg())
     else:
         main()

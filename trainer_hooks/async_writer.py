@@ -36,6 +36,10 @@ Design, and why:
 * **Flushing.** ``wait()`` blocks until nothing is in flight; an ``atexit`` hook does the same at
   interpreter exit; a ``save()`` called while :func:`trainer_hooks.should_stop` is true (preemption)
   waits for its own write before returning, so the trainer may exit right after it.
+* **Into the memory tier** the writer builds the step in a spare file it allocated and mapped after
+  the previous save, instead of ``torch.save`` writing into fresh tmpfs pages (the cost of a save
+  there): :mod:`trainer_hooks.direct_save`. Same file, same protocol; ``RLSUP_MEMORY_DIRECT=0`` turns
+  it off.
 * **Heartbeat.** Only the blocking part (waiting for a slot, the copy) is inside ``section("save")``;
   the rank heartbeats normally while the writer works. The writer never touches heartbeat files.
 
@@ -46,9 +50,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
-import io
 import logging
-import mmap
 import os
 import pickle
 import select
@@ -69,11 +71,12 @@ import torch
 
 from rlsup_format.names import step_dir_name
 from trainer_hooks.backends import get_backend
+from trainer_hooks.direct_save import SpareKeeper, direct_enabled, rebuild_payload
+from trainer_hooks.snapshot import SnapshotBuffer, snapshot
 from trainer_hooks.step_writer import PayloadSource, RankIdentity, StepTarget, write_step
 
 log = logging.getLogger(__name__)
 
-ALIGN = 64
 _HEADER = struct.Struct("<Q")
 _IGNORED_SIGNALS = ("SIGINT", "SIGTERM", "SIGUSR1", "SIGUSR2", "SIGHUP")
 #: Seconds to wait for the writer to exit after it was asked to.
@@ -127,134 +130,16 @@ def _recv(sock: socket.socket) -> tuple[Any, list[int]] | None:
 # ------------------------------------------------------------------------- trainer side: snapshot
 
 
-def _by_reference(t: torch.Tensor) -> bool:
-    """Dense CPU/CUDA tensors go through the shared buffer; anything exotic is pickled whole."""
-    return (type(t) in (torch.Tensor, torch.nn.Parameter) and t.layout == torch.strided
-            and t.device.type in ("cpu", "cuda") and not t.is_quantized and not t.is_nested
-            and not t.is_meta)
-
-
-class _RefPickler(pickle.Pickler):
-    """Pickles the payload with every shareable tensor replaced by ("t", index); collects them."""
-
-    def __init__(self, file: io.BytesIO) -> None:
-        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
-        self.tensors: list[torch.Tensor] = []
-        self._index: dict[int, int] = {}  # id(tensor) -> index: a tensor listed twice is saved once
-
-    def persistent_id(self, obj: Any) -> Any:
-        if isinstance(obj, torch.Tensor):
-            if _by_reference(obj):
-                i = self._index.get(id(obj))
-                if i is None:
-                    i = self._index[id(obj)] = len(self.tensors)
-                    self.tensors.append(obj)
-                return ("t", i)
-            if obj.device.type != "cpu":
-                raise ValueError(f"async_save cannot snapshot a {type(obj).__name__} on {obj.device} "
-                                 f"(layout {obj.layout}); use async_save=False")
-        return None
-
-
-class _Buffer:
-    """An anonymous shared-memory region (memfd), mapped here; pinned for CUDA copies when asked."""
-
-    def __init__(self, size: int, pin: bool) -> None:
-        self.size = max(size, ALIGN)
-        self.fd = os.memfd_create("rlsup-ckpt", os.MFD_CLOEXEC)
-        try:
-            os.ftruncate(self.fd, self.size)
-            self.map = mmap.mmap(self.fd, self.size)
-        except BaseException:
-            os.close(self.fd)
-            raise
-        self.base: torch.Tensor | None = torch.frombuffer(self.map, dtype=torch.uint8)
-        self.pinned = False
-        if pin:
-            self.pin()
-
-    def pin(self) -> None:
-        if self.pinned or self.base is None:
-            return
-        try:
-            err = torch.cuda.cudart().cudaHostRegister(self.base.data_ptr(), self.size, 0)
-            self.pinned = int(getattr(err, "value", err)) == 0
-        except Exception as e:  # noqa: BLE001 - pinning is an optimisation
-            log.debug("could not pin the snapshot buffer: %s", e)
-
-    def view(self, offset: int, t: torch.Tensor) -> torch.Tensor:
-        nbytes = t.numel() * t.element_size()
-        assert self.base is not None
-        return self.base[offset:offset + nbytes].view(t.dtype).view(t.shape)
-
-    def close(self) -> None:
-        if self.pinned and self.base is not None:
-            try:
-                torch.cuda.cudart().cudaHostUnregister(self.base.data_ptr())
-            except Exception:  # noqa: BLE001
-                pass
-            self.pinned = False
-        self.base = None
-        try:
-            self.map.close()
-        except BufferError:  # a view is still referenced somewhere: the GC unmaps it later
-            pass
-        try:
-            os.close(self.fd)
-        except OSError:
-            pass
-
-
 @dataclass
 class _Job:
     job_id: int
     step: int
     step_dir: Path
-    buffer: _Buffer
+    buffer: SnapshotBuffer
     started: float
     done: bool = False
     error: str | None = None
     result: dict = field(default_factory=dict)
-
-
-def snapshot(payload: dict[str, Any], buffers: list[_Buffer]) -> tuple[bytes, list[tuple], _Buffer]:
-    """Copy ``payload`` off the live objects: (pickled skeleton, tensor table, buffer holding the bytes).
-
-    Reuses a buffer from ``buffers`` (removed from the list) when one fits, else allocates one.
-    """
-    out = io.BytesIO()
-    pickler = _RefPickler(out)
-    pickler.dump(payload)
-    tensors = pickler.tensors
-    table: list[tuple] = []
-    offset = 0
-    for t in tensors:
-        nbytes = t.numel() * t.element_size()
-        table.append((offset, nbytes, str(t.dtype).removeprefix("torch."), tuple(t.shape),
-                      isinstance(t, torch.nn.Parameter), bool(t.requires_grad)))
-        offset += (nbytes + ALIGN - 1) // ALIGN * ALIGN
-    cuda = any(t.is_cuda for t in tensors)
-    buf = None
-    for i, b in enumerate(buffers):
-        if offset <= b.size <= max(2 * offset, ALIGN):
-            buf = buffers.pop(i)
-            break
-    if buf is None:
-        buf = _Buffer(offset, pin=cuda)
-    elif cuda:
-        buf.pin()
-    devices = set()
-    with torch.no_grad():
-        for t, (off, nbytes, *_rest) in zip(tensors, table):
-            if nbytes == 0:
-                continue
-            non_blocking = t.is_cuda and buf.pinned
-            buf.view(off, t).copy_(t.detach(), non_blocking=non_blocking)
-            if non_blocking:
-                devices.add(t.device)
-    for d in devices:
-        torch.cuda.synchronize(d)
-    return out.getvalue(), table, buf
 
 
 # ----------------------------------------------------------------------------- trainer side: saver
@@ -288,7 +173,7 @@ class AsyncSaver:
         self.when_busy = when_busy
         self.keep_buffers = keep_buffers
         self.inflight: list[_Job] = []
-        self.free: list[_Buffer] = []
+        self.free: list[SnapshotBuffer] = []
         self.proc: subprocess.Popen | None = None
         self.sock: socket.socket | None = None
         self.failed: list[_Job] = []
@@ -428,7 +313,8 @@ class AsyncSaver:
             step_dir = Path(target.directory) / step_dir_name(step)
             job = _Job(self._next_id, step, step_dir, buf, time.monotonic())
             request = {"target": target, "backend": self.backend_name, "who": who, "step": step,
-                       "skeleton": skeleton, "table": table, "size": buf.size}
+                       "skeleton": skeleton, "table": table, "size": buf.size, "keep": self.keep_buffers,
+                       "direct": target.memory and direct_enabled()}
             self.inflight.append(job)
             try:
                 assert self.sock is not None
@@ -483,44 +369,29 @@ class AsyncSaver:
 # ------------------------------------------------------------------------------ writer process
 
 
-class _RefUnpickler(pickle.Unpickler):
-    def __init__(self, file: io.BytesIO, tensors: list[torch.Tensor]) -> None:
-        super().__init__(file)
-        self.tensors = tensors
-
-    def persistent_load(self, pid: Any) -> Any:
-        return self.tensors[pid[1]]
-
-
-def _rebuild(request: dict, fd: int) -> tuple[dict[str, Any], mmap.mmap]:
-    """The payload, each tensor over its own slice of the shared buffer (one storage per tensor, so
-    ``torch.save`` writes what a synchronous save would)."""
-    mm = mmap.mmap(fd, request["size"])
+def _write(request: dict, fd: int, keeper: SpareKeeper) -> tuple[str, bool]:
+    """Run the step-writing protocol (:func:`trainer_hooks.step_writer.write_step`) on the snapshot:
+    into a ready spare file when the save may be direct (:mod:`trainer_hooks.direct_save`), else with
+    ``torch.save``; returns the step directory and whether it was direct. Then a spare for the next
+    save, once the reply is sent (:meth:`SpareKeeper.after`)."""
+    mm = keeper.snapshot_map(fd, request["size"], request.get("keep", False))
     view = memoryview(mm)
-    tensors: list[torch.Tensor] = []
-    for offset, nbytes, dtype_name, shape, is_param, requires_grad in request["table"]:
-        dtype = getattr(torch, dtype_name)
-        if nbytes == 0:
-            t = torch.empty(shape, dtype=dtype)
-        else:
-            t = torch.frombuffer(view[offset:offset + nbytes], dtype=dtype).view(shape)
-        if is_param:
-            t = torch.nn.Parameter(t, requires_grad=requires_grad)
-        tensors.append(t)
-    payload = _RefUnpickler(io.BytesIO(request["skeleton"]), tensors).load()
-    return payload, mm
-
-
-def _write(request: dict, fd: int) -> str:
-    """Run the step-writing protocol (:func:`trainer_hooks.step_writer.write_step`) on the snapshot."""
-    payload, mm = _rebuild(request, fd)
-    step_dir = write_step(request["target"], request["step"], payload, request["who"], get_backend(request["backend"]))
-    del payload
+    payload = rebuild_payload(request["skeleton"], request["table"], view)
+    base = torch.frombuffer(mm, dtype=torch.uint8).data_ptr()
+    direct = keeper.backend_for(request, payload, view, base)
     try:
-        mm.close()
-    except BufferError:
-        pass
-    return str(step_dir)
+        step_dir = write_step(request["target"], request["step"], payload, request["who"],
+                              direct or get_backend(request["backend"]))
+    finally:
+        keeper.settle(direct)
+    was_direct = direct is not None
+    del payload, direct
+    if not keeper.kept(mm):
+        try:
+            mm.close()
+        except BufferError:
+            pass
+    return str(step_dir), was_direct
 
 
 def _die_with_parent(parent: int) -> None:
@@ -568,7 +439,15 @@ def writer_main(argv: list[str] | None = None) -> int:
     os.environ.pop("RLSUP_HEARTBEAT_DIR", None)  # the rank's heartbeat file belongs to the trainer
     _skip_zip_crc32()
     logging.basicConfig(level=logging.WARNING, format="rlsup-writer: %(message)s")
-    sock = socket.socket(fileno=args.fd)
+    keeper = SpareKeeper()
+    try:
+        return _serve(socket.socket(fileno=args.fd), keeper)
+    finally:
+        keeper.close()
+
+
+def _serve(sock: socket.socket, keeper: SpareKeeper) -> int:
+    """Answer the trainer's save requests until it says stop or goes away."""
     while True:
         try:
             msg = _recv(sock)
@@ -580,9 +459,10 @@ def writer_main(argv: list[str] | None = None) -> int:
         if kind == "stop":
             return 0
         t0 = time.monotonic()
+        path = None
         try:
-            path = _write(request, fds[0])
-            reply = ("done", job_id, True, {"path": path, "seconds": time.monotonic() - t0})
+            path, direct = _write(request, fds[0], keeper)
+            reply = ("done", job_id, True, {"path": path, "seconds": time.monotonic() - t0, "direct": direct})
         except BaseException as e:  # noqa: BLE001 - reported to the trainer, which raises it
             reply = ("done", job_id, False, {"error": f"{type(e).__name__}: {e}",
                                              "traceback": traceback.format_exc()})
@@ -593,6 +473,7 @@ def writer_main(argv: list[str] | None = None) -> int:
             _send(sock, reply)
         except OSError:
             return 0
+        keeper.after(request, path)
 
 
 if __name__ == "__main__":

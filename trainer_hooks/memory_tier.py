@@ -102,7 +102,8 @@ class MemoryTarget:
                         disk.directory)
             fit = Fit(False, 0, 0)
         if all_ranks_agree(fit.fits):
-            return StepTarget(self.directory, self.keep_last, disk.resume_dir, disk_keep_last=disk.keep_last)
+            return StepTarget(self.directory, self.keep_last, disk.resume_dir, disk_keep_last=disk.keep_last,
+                              memory=True)
         if fit.fits:
             log.warning("memory tier: step %d saved to %s instead of %s: another rank's part does not fit there",
                         step, disk.directory, self.directory)

@@ -117,12 +117,14 @@ class StepTarget:
     """Where steps go and which of them retention keeps (``resume_dir``: the step rlsup resumed
     from, never deleted while this attempt runs). ``disk_keep_last``: for a step written to rlsup's
     memory tier, the trainer's own ``keep_last``, recorded in the manifest so rlsup applies it to
-    ``checkpoint_dir`` after draining the step there."""
+    ``checkpoint_dir`` after draining the step there. ``memory``: the directory is rlsup's memory tier
+    (an asynchronous save there may be a direct one, :mod:`trainer_hooks.direct_save`)."""
 
     directory: Path
     keep_last: int | None = None
     resume_dir: str | None = None
     disk_keep_last: int | None = None
+    memory: bool = False
 
     def manifest_extra(self) -> dict[str, Any]:
         """What the target adds to each manifest's ``extra``."""
@@ -432,8 +434,10 @@ def clean_step_leftovers(directory: Path, step_dir: Path, rank: int) -> None:
     """Remove what killed saves left behind (:func:`rlsup_format.leftovers.clean_leftovers`): every
     rank removes staging dirs and temp manifests whose writer is a gone process of this host (a live
     one's are never touched); rank 0 also removes those older than ``STALE_AGE_S`` (writers on other
-    hosts) and steps whose deletion was interrupted."""
+    hosts) and steps whose deletion was interrupted. In ``directory`` itself: a gone writer's spare
+    file (:mod:`trainer_hooks.direct_save`)."""
     stale_age = STALE_AGE_S if rank == 0 else None
+    clean_leftovers(directory, {Kind.STAGING}, stale_age=None)  # a spare may be old and in use: by pid only
     dirs = [p for _, p in list_step_dirs(directory)]
     if step_dir not in dirs:
         dirs.append(step_dir)
