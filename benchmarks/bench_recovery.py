@@ -30,7 +30,6 @@ import os
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -40,12 +39,14 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parent
 sys.path[:0] = [str(BENCH.parent), str(BENCH)]
 
-from jobctl import BIN, alternate, events, job_env, launch, log, nvrx_missing, pid_alive, stop  # noqa: E402
+from jobctl import alternate, events, launch, log, nvrx_missing, pid_alive, stop  # noqa: E402
 from recovery_accounting import Kill, Trial, account, kill_schedule, young_cadence  # noqa: E402
 
 TRAINER = BENCH / "jobs" / "recovery_trainer.py"
 TARGET_STEP_S = 0.5
 GAP_S = (20.0, 40.0)
+#: Where each trial's logs and events are kept (RLSUP_BENCH_KEEP), else nowhere.
+KEEP = Path(os.environ["RLSUP_BENCH_KEEP"]) if os.environ.get("RLSUP_BENCH_KEEP") else None
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,8 @@ class Calibration:
 
     micro_batches: int
     step_s: float
-    torch_save_s: float
+    torch_save_s: float  # the loop blocked in a torch.save of the rank's state to disk
+    memory_save_s: float  # the loop blocked in a synchronous CheckpointManager.save into rlsup's memory tier
 
 
 @dataclass(frozen=True)
@@ -78,34 +80,47 @@ class Figure:
     note: str = ""
 
 
-def calibrate_run(work: Path, micro_batches: int, steps: int) -> list[dict]:
+def calibrate_run(work: Path, launcher: str, trainer: list[str], extra: list[str] = ()) -> list[dict]:
+    """One short job with no fault: rank 0's events."""
     d = Path(tempfile.mkdtemp(prefix="calibrate-", dir=work))
-    cmd = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2", str(TRAINER), "--events",
-           str(d / "events.jsonl"), "--checkpoint-dir", str(d / "ckpt"), "--saver", "torch", "--checkpoint-every",
-           "2", "--micro-batches", str(micro_batches), "--steps", str(steps)]
-    subprocess.run(cmd, cwd=d, env=job_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=300,
-                   check=True)
+    proc = launch(launcher, d, trainer, max_restarts=0, extra=list(extra), trainer=TRAINER)
+    try:
+        if proc.wait(300) != 0:
+            raise RuntimeError(f"calibration run {launcher} {trainer} failed: exit {proc.returncode}")
+    finally:
+        stop(proc)
     evs = [e for e in events(d) if e["rank"] == 0]
     shutil.rmtree(d, ignore_errors=True)
     return evs
 
 
-def calibrate(work: Path, micro_batches: int | None) -> Calibration:
-    """Pick the micro-batches for a ~0.5 s step (unless given) and measure the step and a torch.save."""
+def calibrate(work: Path, micro_batches: int | None, shm: Path) -> Calibration:
+    """Pick the micro-batches for a ~0.5 s step (unless given); measure the step, a torch.save, and a
+    (synchronous) save into rlsup's memory tier."""
+    def durs(evs: list[dict], ev: str) -> float:  # the first of each kind warms up
+        xs = [e["dur"] for e in evs if e["ev"] == ev]
+        return statistics.median(xs[1:] or xs)
+
     if micro_batches is None:
-        one = statistics.median(e["dur"] for e in calibrate_run(work, 1, 6)[2:] if e["ev"] == "step")
-        micro_batches = max(1, round(TARGET_STEP_S / one))  # the all-reduce and optimizer make it a bit long
-    evs = calibrate_run(work, micro_batches, 10)
-    step = statistics.median(e["dur"] for e in evs if e["ev"] == "step")
-    save = statistics.median(e["dur"] for e in evs if e["ev"] == "save")
-    return Calibration(micro_batches, step, save)
+        one = calibrate_run(work, "torchrun", ["--micro-batches", "1", "--steps", "6", "--checkpoint-every", "0"])
+        micro_batches = max(1, round(TARGET_STEP_S / durs(one, "step")))
+    mb = ["--micro-batches", str(micro_batches), "--steps", "10", "--checkpoint-every", "2"]
+    plain = calibrate_run(work, "torchrun", [*mb, "--saver", "torch"])
+    memory = calibrate_run(work, "rlsup", [*mb, "--saver", "hooks"], ["--memory-dir", str(shm), "--disk-every", "100"])
+    shutil.rmtree(shm, ignore_errors=True)
+    return Calibration(micro_batches, durs(plain, "step"), durs(plain, "save"), durs(memory, "save"))
 
 
-def sides(cal: Calibration, every: int, disk_every: int, shm: Path) -> dict[str, Side]:
+def sides(cal: Calibration, every: int, mem_every: int, disk_every: int, shm: Path) -> dict[str, Side]:
+    """rlsup with the memory tier every step and at its own Young cadence; the baselines at theirs."""
     mb = ("--micro-batches", str(cal.micro_batches))
     base = (*mb, "--saver", "torch", "--checkpoint-every", str(every))
+    memory = ("--memory-dir", str(shm), "--disk-every", str(disk_every))
     out = {"rlsup": Side("rlsup", "rlsup", (*mb, "--saver", "hooks", "--checkpoint-every", "1", "--async-save"),
-                         ("--memory-dir", str(shm), "--disk-every", str(disk_every)))}
+                         memory)}
+    if mem_every > 1:
+        out[f"rlsup/{mem_every}"] = Side(f"rlsup-every{mem_every}", "rlsup", (
+            *mb, "--saver", "hooks", "--checkpoint-every", str(mem_every), "--async-save"), memory)
     if nvrx_missing() is None:
         out["ft"] = Side("ft", "ft", base)
     out["torchrun"] = Side("torchrun", "torchrun", base)
@@ -149,6 +164,13 @@ def trial(work: Path, side: Side, window: float, schedule: list[tuple[float, int
         f"load {os.getloadavg()[0]:.2f}")
     for r in res.recoveries:
         log(f"  {r}")
+    if KEEP is not None:  # the launcher's log, rlsup's incidents and the events, for a closer look
+        dest = KEEP / d.name
+        dest.mkdir(parents=True, exist_ok=True)
+        for rel in ("output.log", "events.jsonl", "state/incidents.jsonl"):
+            with contextlib.suppress(OSError):
+                shutil.copy(d / rel, dest / rel.replace("/", "-"))
+        (dest / "kills.txt").write_text("".join(f"{k.t} {k.rank} {k.attempt}\n" for k in kills))
     shutil.rmtree(d, ignore_errors=True)
     shutil.rmtree(side.extra[1] if side.extra[:1] == ("--memory-dir",) else "/nonexistent", ignore_errors=True)
     return res
@@ -178,7 +200,8 @@ def breakdown(ts: list[Trial]) -> str:
 
 def summary(name: str, ts: list[Trial], window: float) -> str:
     return (f"{name}: goodput {'/'.join(f'{t.goodput:.3f}' for t in ts)}, useful/trained steps "
-            f"{'/'.join(f'{t.useful_steps}:{t.trained_steps}' for t in ts)}, kills {sum(t.kills for t in ts)}, "
+            f"{'/'.join(f'{t.useful_steps}:{t.trained_steps}' for t in ts)}, kills {sum(t.kills for t in ts)} "
+            f"({sum(t.kills_in_recovery for t in ts)} of an attempt still recovering), "
             f"saves blocked {med([t.save_blocked_s / window for t in ts]) or 0:.3f} of wall, step "
             f"{med([t.median_step_s for t in ts]) or 0:.3f} s; {breakdown(ts)}")
 
@@ -189,18 +212,23 @@ def figures(res: dict[str, list[Trial]], cal: Calibration, every: int, disk_ever
 
     head = (f"step {cal.step_s:.3f} s ({cal.micro_batches} micro-batches), 67 MB/rank, SIGKILL every "
             f"{GAP_S[0]:.0f}-{GAP_S[1]:.0f} s, {window / 60:.1f} min/side")
+    ours = [k for k in res if k.startswith("rlsup")]
     rows = []
     for base, label in (("ft", "ft_launcher"), ("torchrun", "torchrun")):
         if base not in res:
             rows.append(Figure(f"realistic recovery goodput vs {label}", good("rlsup"), None, "frac",
                                f"n/a: {nvrx_missing()}"))
             continue
-        rows.append(Figure(f"realistic recovery goodput ({head}): rlsup memory tier every step, disk every "
-                           f"{disk_every} vs {label}, torch.save every {every}", good("rlsup"), good(base), "frac",
-                           f"{summary('rlsup', res['rlsup'], window)} | {summary(base, res[base], window)}"))
-        rows.append(Figure(f"realistic recovery: steps redone per failure, rlsup vs {label}",
-                           pooled_redone(res["rlsup"]), pooled_redone(res[base]), "steps",
-                           f"torch.save blocks {cal.torch_save_s:.3f} s; Young cadence {every}"))
+        for mine in ours:
+            cadence = "every step" if mine == "rlsup" else f"every {mine.split('/')[1]} steps"
+            rows.append(Figure(
+                f"realistic recovery goodput ({head}): rlsup memory tier {cadence} (async), disk every {disk_every} "
+                f"vs {label}, torch.save every {every}", good(mine), good(base), "frac",
+                f"{summary(mine, res[mine], window)} | {summary(base, res[base], window)}"))
+            rows.append(Figure(f"realistic recovery: steps redone per failure, rlsup memory tier {cadence} vs {label}",
+                               pooled_redone(res[mine]), pooled_redone(res[base]), "steps",
+                               f"save blocks: torch.save {cal.torch_save_s:.3f} s, memory tier (sync) "
+                               f"{cal.memory_save_s:.3f} s"))
     return rows
 
 
@@ -208,13 +236,14 @@ def run(work: Path, minutes: float = 5.0, reps: int = 1, seed: int = 31, micro_b
         disk_every: int = 20) -> list[Figure]:
     """Calibrate, then every side ``reps`` times for ``minutes``, alternating; the table's rows."""
     window = minutes * 60
-    cal = calibrate(work, micro_batches)
+    shm = (Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())) / f"rlsup-recovery-{os.getpid()}"
+    cal = calibrate(work, micro_batches, shm)
     mtbf = sum(GAP_S) / 2
     every = young_cadence(cal.torch_save_s, mtbf, cal.step_s)
-    log(f"recovery: calibration {cal}; baselines save every {every} steps (Young, MTBF {mtbf:.0f} s); "
-        f"load {os.getloadavg()}")
-    shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
-    all_sides = sides(cal, every, disk_every, shm / f"rlsup-recovery-{os.getpid()}")
+    mem_every = young_cadence(cal.memory_save_s, mtbf, cal.step_s)
+    log(f"recovery: calibration {cal}; saves every {every} steps (torch.save), {mem_every} (memory tier) by Young, "
+        f"MTBF {mtbf:.0f} s; load {os.getloadavg()}")
+    all_sides = sides(cal, every, mem_every, disk_every, shm)
     schedule = kill_schedule(seed, window, *GAP_S, ranks=2)
     res: dict[str, list[Trial]] = {k: [] for k in all_sides}
     for _, name in alternate(reps, list(all_sides)):

@@ -11,7 +11,8 @@ together (an all-reduce per step).
 - **Goodput** = useful steps x the reference step time (one step on this machine with no save and no
   failure) / wall window. Counting steps at a fixed price, not the measured step durations, charges a
   side whose saves slow its steps down (a writer process competing for the CPU) for that slowdown.
-- Per failure: the kill -> the next training attempt's rank 0 starts (detection, teardown, failed
+- Per failure (a kill of an attempt that had trained; a kill of an attempt still recovering, e.g. one
+  retrying a refused gloo connection, is part of the failure before it): the kill -> the next training attempt's rank 0 starts (detection, teardown, failed
   restarts, relaunch, interpreter), -> rendezvous, -> restored, -> first step, the steps redone, and
   the time until the job is past the step it had reached at the kill (everything the failure cost).
 """
@@ -53,7 +54,8 @@ class Trial:
     useful_steps: int
     trained_steps: int  # every step event, redone ones included
     kills: int
-    recoveries: list[Recovery] = field(default_factory=list)
+    recoveries: list[Recovery] = field(default_factory=list)  # one per kill of an attempt that had trained
+    kills_in_recovery: int = 0  # kills of an attempt that had not trained yet: part of the failure before
     save_blocked_s: float = 0.0  # rank 0's time blocked in saves, in the window
     median_step_s: float | None = None  # measured step durations (saves excluded)
 
@@ -99,8 +101,11 @@ def account(evs: list[dict], kills: list[Kill], t0: float, t_end: float, ref_ste
     useful = steps[-1]["step"] if steps else 0
     saves = sum(e["dur"] for e in mine if e["ev"] == "save" and e["t"] >= t0)
     durs = [e["dur"] for e in steps]
+    trained = [k for k in kills if any(e["ev"] == "step" and e["attempt"] == k.attempt and e["t"] <= k.t
+                                       for e in mine)]
     return Trial(goodput=useful * ref_step_s / (t_end - t0), useful_steps=useful, trained_steps=len(steps),
-                 kills=len(kills), recoveries=[recovery_of(mine, k, t_end) for k in kills], save_blocked_s=saves,
+                 kills=len(kills), recoveries=[recovery_of(mine, k, t_end) for k in trained],
+                 kills_in_recovery=len(kills) - len(trained), save_blocked_s=saves,
                  median_step_s=statistics.median(durs) if durs else None)
 
 

@@ -68,3 +68,13 @@ def test_young_cadence_and_a_seeded_schedule() -> None:
     gaps = [y[0] - x[0] for x, y in zip([(0.0, 0)] + a, a)]
     assert all(20.0 <= g <= 40.0 for g in gaps) and a[-1][0] < 300.0 and 300.0 - a[-1][0] <= 40.0
     assert {r for _, r in a} <= {0, 1}
+
+
+def test_a_kill_of_an_attempt_that_never_trained_belongs_to_the_failure_before() -> None:
+    evs = attempt_events(0, 0.0, 0, range(1, 6))
+    evs += [ev("start", 8.0, 1), ev("rendezvous", 8.5, 1)]  # stuck, then killed by the harness at 12
+    evs += attempt_events(2, 15.0, 5, range(6, 10))
+    trial = account(evs, [Kill(6.5, 0, 0), Kill(12.0, 1, 1)], t0=0.0, t_end=30.0, ref_step_s=1.0)
+    assert trial.kills == 2 and trial.kills_in_recovery == 1
+    (r,) = trial.recoveries
+    assert r.to_start == pytest.approx(8.5) and r.failed_restarts == 1
