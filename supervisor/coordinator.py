@@ -48,18 +48,17 @@ it (same hosts, same default port) refuses to start and names both jobs.
 
 Every wait here (the store's connect and reconnect, the joins, the round's waits) also asks the run's
 :class:`~supervisor.stop_request.StopRequest` at each poll: SIGTERM or the preemption signal ends it at
-once with :class:`~supervisor.stop_request.StopAsked`, never after the timeout.
+once with :class:`~supervisor.stop_request.StopAsked`, never after the timeout. In the job's first round a
+node that reached the store and then died ends it for all within seconds (:mod:`supervisor.liveness`).
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import json
 import logging
 import socket
 import time
-from dataclasses import dataclass
+import weakref
 from typing import Callable
 
 from supervisor.control_records import (
@@ -70,7 +69,9 @@ from supervisor.control_records import (
 )
 from supervisor.job_identity import JobIdentity
 from supervisor.round_plan import compute_plan
-from supervisor.kvstore import KVStore, StoreUnavailable, TCPKVStore
+from supervisor.kvstore import OP_TIMEOUT_S, KVStore, StoreUnavailable, TCPKVStore
+from supervisor.liveness import LIVENESS_REFRESH_S, LapseWatch, LivenessBeat, live_key
+from supervisor.signed_keys import AbortKind, AbortNotice, Signed, SignedKeys
 from supervisor.stop_request import StopRequest
 
 log = logging.getLogger(__name__)
@@ -83,6 +84,7 @@ ABORT_MAX_AGE_S = 60.0  # an abort written this long before this node started be
 ABORT_POLL_S = 0.5  # how often a wait looks at ``abort`` (one more read; the attempt's end is read every poll)
 WAIT_TELL_S = 3.0  # a wait that lasts this long says what it waits for (once), for whoever reads the log
 CONNECT_SLICE_S = 1.0  # the store's connect blocks in torch, deaf to signals: it is tried in slices this long
+REACH_AGAIN_S = OP_TIMEOUT_S  # the run loop's watch of the attempt's end tries a lost store again this often
 
 
 class CoordinationError(RuntimeError):
@@ -98,110 +100,9 @@ class JobClash(CoordinationError):
     Also raised on the nodes of a job one of whose nodes refused to start for a clash (``abort``)."""
 
 
-@dataclass(frozen=True)
-class AbortNotice:
-    """What ``abort`` says: why the job gave up, and whether a node refused to start for a clash with
-    another job (its peers then exit as it did, 2, naming the clash)."""
-
-    why: str
-    clash: bool = False
-
-    def to_payload(self) -> str:
-        return json.dumps({"why": self.why, "clash": True}) if self.clash else self.why
-
-    @classmethod
-    def from_payload(cls, payload: str) -> "AbortNotice":
-        """A plain reason (a node gave up), or the clash record; anything else is a plain reason."""
-        try:
-            d = json.loads(payload)
-        except ValueError:
-            return cls(payload)
-        if isinstance(d, dict) and isinstance(d.get("why"), str):
-            return cls(d["why"], bool(d.get("clash")))
-        return cls(payload)
-
-
-@dataclass(frozen=True)
-class Signed:
-    """A verified value: who wrote it, when, and what."""
-
-    job: str
-    node: int
-    time: float
-    payload: str
-
-
-class SignedKeys:
-    """The job's namespace in a store: keys under ``rlsup/<job>/``, values signed with the job's secret."""
-
-    def __init__(self, store: KVStore, job: JobIdentity, secret: bytes, node_rank: int) -> None:
-        self.store, self.job, self.secret, self.node_rank = store, job, secret, node_rank
-        self.prefix = f"rlsup/{job.id}/"
-        self._warned: set[str] = set()
-
-    def key(self, name: str) -> str:
-        return self.prefix + name
-
-    def seal(self, full_key: str, payload: str) -> bytes:
-        body = json.dumps({"job": self.job.id, "node": self.node_rank, "time": time.time(), "v": payload})
-        mac = hmac.new(self.secret, full_key.encode() + b"\0" + body.encode(), hashlib.sha256).hexdigest()
-        return f"{mac}:{body}".encode()
-
-    def open(self, full_key: str, raw: bytes | None, quiet: bool = False) -> Signed | None:
-        """The verified value, or None (absent, or written by someone without this job's secret)."""
-        if raw is None:
-            return None
-        try:
-            mac, _, body = raw.decode().partition(":")
-            good = hmac.compare_digest(
-                mac, hmac.new(self.secret, full_key.encode() + b"\0" + body.encode(), hashlib.sha256).hexdigest())
-            d = json.loads(body) if good else None
-            if d is not None and d.get("job") == self.job.id:
-                return Signed(str(d["job"]), int(d["node"]), float(d["time"]), str(d["v"]))
-        except (UnicodeDecodeError, ValueError, KeyError, TypeError):
-            pass
-        if not quiet and full_key not in self._warned:
-            self._warned.add(full_key)
-            try:
-                claim = json.loads(raw.decode().partition(":")[2])
-                who = f" (it claims job {claim.get('job')!r}, node {claim.get('node')!r})"
-            except (UnicodeDecodeError, ValueError, AttributeError):
-                who = ""
-            log.warning("ignored %s: not signed by this job's secret (a foreign or stale writer)%s", full_key, who)
-        return None
-
-    def set(self, name: str, payload: str) -> None:
-        k = self.key(name)
-        self.store.set(k, self.seal(k, payload))
-
-    def get(self, name: str) -> Signed | None:
-        k = self.key(name)
-        return self.open(k, self.store.get(k))
-
-    def get_many(self, names: list[str]) -> list[Signed | None]:
-        keys = [self.key(n) for n in names]
-        return [self.open(k, raw) for k, raw in zip(keys, self.store.get_many(keys))]
-
-    def poll(self, names: list[str], other: str | None) -> tuple[list[Signed | None] | None, Signed | None]:
-        """:meth:`KVStore.poll`, verified: every value (None where it does not verify) once all exist, else
-        ``other``'s."""
-        keys = [self.key(n) for n in names]
-        other_key = self.key(other) if other is not None else None
-        values, other_raw = self.store.poll(keys, other_key)
-        if values is not None:
-            return [self.open(k, raw) for k, raw in zip(keys, values)], None
-        return None, self.open(other_key, other_raw) if other_key is not None else None
-
-    def create(self, name: str, payload: str) -> Signed:
-        """First signed writer wins; an unsigned squatter is overwritten (it cannot hold a key against us)."""
-        k = self.key(name)
-        sealed = self.seal(k, payload)
-        current = self.open(k, self.store.create(k, sealed))
-        if current is None:
-            self.store.set(k, sealed)
-            current = self.open(k, sealed)
-        assert current is not None
-        return current
+class PeerLost(CoordinationError):
+    """A node of the job died (or was cut off) after reaching the store and before the job's first attempt
+    (:mod:`supervisor.liveness`): every node ends, with exit 75 for a requeue."""
 
 
 class RoundCoordinator:
@@ -209,11 +110,13 @@ class RoundCoordinator:
 
     ``reconnect``: how to reach the store again after it was lost (the embedded store, when node 0's
     supervisor died and a replacement hosts a new one); None for a store that does not go away.
-    ``stop``: the run's stop request, asked at every poll of every wait (None: waits end only as below)."""
+    ``stop``: the run's stop request, asked at every poll of every wait (None: waits end only as below).
+    ``beat_store``: a store connection of its own for this node's liveness beat in the job's first round
+    (:mod:`supervisor.liveness`); None: no beat (a node that only reads the store: a spare, a notice)."""
 
     def __init__(self, store: KVStore, job: JobIdentity, secret: bytes, node_rank: int, num_nodes: int,
                  timeout_s: float, reconnect: Callable[[float], KVStore] | None = None,
-                 stop: StopRequest | None = None) -> None:
+                 stop: StopRequest | None = None, beat_store: Callable[[], KVStore] | None = None) -> None:
         self.job, self.secret = job, secret
         self.node_rank = node_rank
         self.num_nodes = num_nodes
@@ -222,6 +125,15 @@ class RoundCoordinator:
         self.stop = stop
         self.started = time.time()
         self.keys = SignedKeys(store, job, secret, node_rank)
+        # The job's first round (supervisor.liveness): None until a join tells, True from a join into a store
+        # with no attempt until the first attempt launches, False once the job has had one.
+        self.first_round: bool | None = None
+        self.lapses = LapseWatch(self.started)
+        self.refresh_s = LIVENESS_REFRESH_S
+        self.beat: LivenessBeat | None = None
+        self._beat_store = beat_store
+        self._store_lost_at: float | None = None  # when the store was lost in the first round (its bound)
+        self._reach_again_at = 0.0  # the next try of watch_end's reconnect
 
     def check_stop(self, waiting_for: str) -> None:
         """:class:`~supervisor.stop_request.StopAsked` when rlsup was asked to stop (see the module docstring)."""
@@ -279,6 +191,13 @@ class RoundCoordinator:
                 if self.reconnect is None:
                     raise CoordinationError(f"the coordination store is unreachable: {e}") from e
                 left = deadline - time.monotonic()
+                if self.first_round:  # node 0 (and its store) lost before the first attempt: not for long
+                    lost_at = self._store_lost_at = self._store_lost_at or time.monotonic()
+                    if (lapse := lost_at + self.lapses.lapse_s - time.monotonic()) <= 0:
+                        raise self._lost(f"node 0 hosted the coordination store {self.describe()}, and it has been "
+                                         f"gone for {self.lapses.lapse_s:g}s before the job's first attempt: "
+                                         f"node 0 died or lost its network ({e})") from e
+                    left = min(left, lapse)
                 if left <= 0:
                     raise CoordinationError(f"the coordination store {self.describe()} stayed unreachable for "
                                             f"{self.timeout_s:.0f}s (rendezvous_timeout): {e}") from e
@@ -289,6 +208,7 @@ class RoundCoordinator:
                 try:
                     self.keys.store = self.reconnect(left)
                     self.check_host()
+                    self._store_lost_at = None
                 except StoreUnavailable:
                     continue
 
@@ -297,6 +217,8 @@ class RoundCoordinator:
         current = self.current_attempt()
         if current is None:
             return self._join_fresh(min_attempt)
+        if not self.first_round:  # a store with attempts: a replacement node (or a later join) has no first round
+            self.end_first_round()
         if self.ended(current) is None:
             self.end(current, f"node {self.node_rank} rejoined")
         return current + 1
@@ -313,7 +235,11 @@ class RoundCoordinator:
         self._check_abort()
 
     def _join_fresh(self, min_attempt: int) -> int:
-        """No attempt in this store yet: every node proposes; node 0 publishes the largest as ``base``."""
+        """No attempt in this store yet: every node proposes; node 0 publishes the largest as ``base``. The
+        job's first round begins (unless the job had an attempt in a store that went): this node beats."""
+        if self.first_round is None:
+            self.first_round = True
+            self._start_beat()
         self.keys.set(f"join/{self.node_rank}", str(min_attempt))
         if self.node_rank == 0:
             names = [f"join/{n}" for n in range(self.num_nodes)]
@@ -326,13 +252,58 @@ class RoundCoordinator:
         return _attempt_number("base", got)
 
     def _check_abort(self) -> None:
-        """:class:`JobClash` when a node of this job refused to start for a clash, :class:`CoordinationError`
-        when one gave up; an abort older than this node's start (by :data:`ABORT_MAX_AGE_S`) is an earlier run's."""
+        """:class:`JobClash` when a node of this job refused to start for a clash, :class:`PeerLost` when one was
+        lost before the first attempt, :class:`CoordinationError` when one gave up; an abort older than this
+        node's start (by :data:`ABORT_MAX_AGE_S`) is an earlier run's."""
         abort = self.keys.get("abort")
         if abort is None or abort.time < self.started - ABORT_MAX_AGE_S:
             return
-        notice = AbortNotice.from_payload(abort.payload)
-        raise (JobClash if notice.clash else CoordinationError)(f"the job was aborted: {notice.why}")
+        raise _aborted(AbortNotice.from_payload(abort.payload))
+
+    # ------------------------------------------------------------ the first round's liveness
+
+    def _start_beat(self) -> None:
+        """This node's liveness beat (:mod:`supervisor.liveness`), until the first attempt launches; it also
+        ends when this object is collected (a test's coordinator, a run that raised)."""
+        if self._beat_store is None or self.beat is not None:
+            return
+        from supervisor.health import node_name
+
+        name = live_key(self.node_rank)
+        keys = SignedKeys(self.store, self.job, self.secret, self.node_rank)  # sealing only: writes go to the beat's store
+
+        def write(store: KVStore, payload: str) -> None:
+            store.set(keys.key(name), keys.seal(keys.key(name), payload))
+
+        self.beat = LivenessBeat(self.node_rank, node_name(), self._beat_store, write, self.refresh_s)
+        weakref.finalize(self, self.beat.stop)
+        self.beat.start()
+
+    def end_first_round(self) -> None:
+        """The job's first attempt launched (or this node joined a job that had one): no beat, no lapse rule."""
+        self.first_round = False
+        if self.beat is not None:
+            self.beat.stop()
+
+    def _look_at_beats(self) -> None:
+        """In the first round: :class:`PeerLost` (and the job's ``abort``) when a registered node's beat lapsed;
+        node 0 watches every other node, the others node 0."""
+        nodes = range(1, self.num_nodes) if self.node_rank == 0 else [0]
+        values = self.keys.get_many([live_key(n) for n in nodes])
+        lapse = self.lapses.look({n: (v.payload, v.time) if v is not None else None for n, v in zip(nodes, values)},
+                                 time.monotonic())
+        if lapse is not None:
+            raise self._lost(lapse.describe())
+
+    def _lost(self, why: str) -> CoordinationError:
+        """The job's ``abort`` for a node lost before the first attempt (first writer wins): the exception to
+        raise, from the notice that won (maybe another node's, maybe a clash)."""
+        log.error("node %d: %s; ending the job's first round for every node", self.node_rank, why)
+        try:
+            won = self.keys.create("abort", AbortNotice(f"node {self.node_rank}: {why}", AbortKind.PEER_LOST).to_payload())
+            return _aborted(AbortNotice.from_payload(won.payload))
+        except StoreUnavailable:
+            return PeerLost(f"the job's first round ended: {why}")
 
     def publish_inventory(self, attempt: int, inventory: NodeInventory) -> None:
         self.keys.set(f"inv/{attempt}/{self.node_rank}", inventory.to_json())
@@ -402,9 +373,10 @@ class RoundCoordinator:
         which the other nodes wait for."""
         if self.node_rank != 0:
             self._wait([f"ready/{attempt}/all"], f"node 0 to see all nodes ready for attempt {attempt}", attempt)
-            return
-        self._wait_all(f"ready/{attempt}", f"all nodes ready for attempt {attempt}", attempt)
-        self.keys.set(f"ready/{attempt}/all", "1")
+        else:
+            self._wait_all(f"ready/{attempt}", f"all nodes ready for attempt {attempt}", attempt)
+            self.keys.set(f"ready/{attempt}/all", "1")
+        self.end_first_round()  # every node is ready: the job's first round, if this was it, is over
 
     def end(self, attempt: int, reason: str) -> str:
         """End attempt ``attempt`` for everyone; returns the reason that won (maybe another node's)."""
@@ -415,10 +387,30 @@ class RoundCoordinator:
         value = self.keys.get(f"end/{attempt}")
         return None if value is None else value.payload
 
+    def reach_again(self) -> None:
+        """For the run loop's watch of a running attempt, after a store call failed: a store connection that
+        stalled (the operation timeout gives it up for good) is replaced, so the watch sees another node's end
+        again once the store answers instead of going blind until the next join. One bounded try
+        (:data:`CONNECT_SLICE_S`, the stop asked) every :data:`REACH_AGAIN_S`; :class:`StoreUnavailable` while
+        the store is out of reach (the job's own end decides meanwhile). A store that does not go away (etcd:
+        every call fails over by itself) has nothing to replace."""
+        if self.reconnect is None:
+            return
+        if time.monotonic() < self._reach_again_at:
+            raise StoreUnavailable(f"coordination store {self.describe()}: tried again less than "
+                                   f"{REACH_AGAIN_S:.0f}s ago")
+        self._reach_again_at = time.monotonic() + REACH_AGAIN_S
+        lost, self.keys.store = self.keys.store, self.reconnect(CONNECT_SLICE_S)
+        try:
+            self.check_host()
+        except CoordinationError as e:  # another job's store on node 0's port now: not ours to watch
+            self.keys.store = lost
+            raise StoreUnavailable(str(e)) from e
+
     def abort(self, reason: str, clash: bool = False) -> None:
         """Every node of the job gives up (first writer's reason wins); ``clash``: this node refused to start
         because another job holds what it needs (its peers exit 2 too)."""
-        self.keys.create("abort", AbortNotice(reason, clash).to_payload())
+        self.keys.create("abort", AbortNotice(reason, AbortKind.CLASH if clash else AbortKind.GAVE_UP).to_payload())
 
     def finish(self) -> None:
         """The job ended for good: a store that outlives it (etcd) forgets its keys (node 0 only)."""
@@ -449,6 +441,7 @@ class RoundCoordinator:
         end_name = f"end/{attempt}" if attempt is not None else None
         got: dict[str, Signed] = {}
         next_abort_look, tell_at = time.monotonic() + ABORT_POLL_S, time.monotonic() + WAIT_TELL_S
+        next_beat_look = time.monotonic()
         changed = True  # whether to poll: the store may know that nothing we wait for was written since the last
         while True:
             self.check_stop(what)
@@ -474,6 +467,10 @@ class RoundCoordinator:
                     if ended is None and time.monotonic() > deadline:
                         pending = [n for n, v in zip(pending, self.keys.get_many(pending)) if v is None]
                 except StoreUnavailable as e:
+                    if self.first_round and self.reconnect is not None:  # the join waits for it, not for long
+                        self._store_lost_at = self._store_lost_at or time.monotonic()
+                        if attempt is None:
+                            raise
                     if attempt is not None and self.reconnect is not None:
                         raise RoundEnded(f"attempt {attempt} ended while waiting for {what}: {e}") from e
                     raise CoordinationError(f"the coordination store is unreachable while waiting for {what}: "
@@ -484,6 +481,12 @@ class RoundCoordinator:
                     missing = [self.keys.key(n) for n in pending]
                     raise CoordinationError(f"timed out after {self.timeout_s:.0f}s waiting for {what}; "
                                             f"missing {missing}")
+            if self.first_round and time.monotonic() >= next_beat_look:  # after the poll: keys that came win
+                next_beat_look = time.monotonic() + self.refresh_s
+                try:
+                    self._look_at_beats()
+                except StoreUnavailable:
+                    pass  # the next poll says what an unreachable store means here
             watched = [self.keys.key(n) for n in pending + ([end_name] if end_name else [])]
             changed = self.store.wait_for_change(watched, poll)  # etcd: a watch; the embedded store: a sleep
             poll = min(poll * 2, WAIT_POLL_MAX_S)
@@ -499,6 +502,12 @@ def _attempt_number(name: str, value: Signed) -> int:
         raise CoordinationError(f"node {value.node} stored {name} = {value.payload[:40]!r}, not an attempt number "
                                 "(a node of another rlsup version in this job?)")
     return number
+
+
+def _aborted(notice: AbortNotice) -> CoordinationError:
+    """What a node raises on the job's ``abort``: by its kind, the exit code every node ends with."""
+    kinds: dict[AbortKind, type[CoordinationError]] = {AbortKind.CLASH: JobClash, AbortKind.PEER_LOST: PeerLost}
+    return kinds.get(notice.kind, CoordinationError)(f"the job was aborted: {notice.why}")
 
 
 def _fetch_result(value: str, node: int | None) -> FetchResult:
@@ -543,7 +552,8 @@ def embedded_coordinator(host: str, port: int, job: JobIdentity, secret: bytes, 
             raise (JobClash(f"coordinator port {port} on {host} is taken{clash}; this node is job {job}. Give each "
                             "job on these hosts its own coordinator_port") if clash is not None
                    else CoordinationError(str(e))) from e
-        coordinator = RoundCoordinator(store, job, secret, node_rank, num_nodes, timeout_s, stop=stop)
+        coordinator = RoundCoordinator(store, job, secret, node_rank, num_nodes, timeout_s, stop=stop,
+                                       beat_store=lambda: connect_store(host, port, OP_TIMEOUT_S, None))
         coordinator.claim_host()
         return coordinator
 
@@ -556,7 +566,8 @@ def embedded_coordinator(host: str, port: int, job: JobIdentity, secret: bytes, 
         store = connect(timeout_s)
     except StoreUnavailable as e:
         raise CoordinationError(f"{e} (waited {timeout_s:.0f}s, rendezvous_timeout)") from e
-    coordinator = RoundCoordinator(store, job, secret, node_rank, num_nodes, timeout_s, reconnect=connect, stop=stop)
+    coordinator = RoundCoordinator(store, job, secret, node_rank, num_nodes, timeout_s, reconnect=connect, stop=stop,
+                                   beat_store=lambda: connect_store(host, port, OP_TIMEOUT_S, None))
     coordinator.check_host()
     return coordinator
 
@@ -574,5 +585,5 @@ def _hosted_for(host: str, port: int, job: JobIdentity, secret: bytes) -> str | 
     return f" by {other}" if other is not None else " by another node 0 of this same job (is it running twice?)"
 
 
-__all__ = ["RoundCoordinator", "CoordinationError", "RoundEnded", "JobClash", "AbortNotice", "compute_plan",
-           "embedded_coordinator", "connect_store"]
+__all__ = ["RoundCoordinator", "CoordinationError", "RoundEnded", "JobClash", "PeerLost", "AbortKind", "AbortNotice",
+           "Signed", "SignedKeys", "compute_plan", "embedded_coordinator", "connect_store"]

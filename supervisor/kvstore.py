@@ -94,8 +94,15 @@ class TCPKVStore:
         # is served in this process: no partition comes between them.
         self.op_timeout_s = None if host_it else op_timeout_s
         self._stalled = ""  # why this connection was given up (an operation got no answer in time)
+
+        def connect() -> "TCPStore":
+            return TCPStore(host, port, None, host_it, timedelta(seconds=timeout_s), wait_for_workers=False)
         try:
-            self._store = TCPStore(host, port, None, host_it, timedelta(seconds=timeout_s), wait_for_workers=False)
+            # A client's connect is an operation too: a host that accepts the connection and then never answers
+            # (stopped, hung) would hold torch's handshake for ever, whatever its timeout.
+            self._store = connect() if host_it else self._bounded("connect", connect, timeout_s + 1.0)
+        except StoreUnavailable as e:  # the bounded connect: torch's own error, or no answer in time
+            raise StoreUnavailable(f"cannot reach the coordination store {self.describe()}: {e.__cause__ or e}") from e
         except Exception as e:  # torch raises several types; all mean the same here
             raise StoreUnavailable(f"cannot {'host' if host_it else 'reach'} the coordination store "
                                    f"{self.describe()}: {e}") from e
@@ -114,19 +121,23 @@ class TCPKVStore:
                 return fn(*args)
             except Exception as e:  # DistNetworkError, DistStoreError, RuntimeError: the host is gone
                 raise StoreUnavailable(f"coordination store {self.describe()}: {what} failed: {e}") from e
+        return self._bounded(what, lambda: fn(*args), self.op_timeout_s)
+
+    def _bounded(self, what: str, fn: Callable[[], T], timeout_s: float) -> T:
+        """``fn()`` on a daemon thread, given up (for good: see :meth:`_call`) after ``timeout_s``."""
         outcome: list = []
         done = threading.Event()
 
         def run() -> None:
             try:
-                outcome.append((True, fn(*args)))
+                outcome.append((True, fn()))
             except Exception as e:  # noqa: BLE001 - DistNetworkError, DistStoreError, RuntimeError: the host is gone
                 outcome.append((False, e))
             done.set()
 
         threading.Thread(target=run, name=f"rlsup-store-{what}", daemon=True).start()
-        if not done.wait(self.op_timeout_s):
-            self._stalled = (f"{what} got no answer within {self.op_timeout_s:.0f}s (its host is cut off or "
+        if not done.wait(timeout_s):
+            self._stalled = (f"{what} got no answer within {timeout_s:.0f}s (its host is cut off or "
                              "stopped); this connection is given up")
             raise StoreUnavailable(f"coordination store {self.describe()}: {self._stalled}")
         ok, value = outcome[0]

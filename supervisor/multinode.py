@@ -36,6 +36,7 @@ from supervisor.control_records import PERSISTENT_HOLDER, FetchResult, Inventory
 from supervisor.coordinator import (
     CoordinationError,
     JobClash,
+    PeerLost,
     RoundCoordinator,
     RoundEnded,
     compute_plan,
@@ -44,7 +45,7 @@ from supervisor.coordinator import (
 from supervisor.fr_exchange import FrExchange
 from supervisor.health import mark_repeat_offender
 from supervisor.incidents import Incident
-from supervisor.kvstore import StoreUnavailable
+from supervisor.kvstore import OP_TIMEOUT_S, StoreUnavailable
 from supervisor.job_identity import JobIdentity
 from supervisor.lifecycle import EndReason, route
 from supervisor.membership import Membership
@@ -111,7 +112,7 @@ def connect_coordinator(cfg: SupervisorConfig, membership: Membership, job: JobI
         except StoreUnavailable as e:
             raise CoordinationError(str(e)) from e
         return RoundCoordinator(store, job, secret, membership.node_rank, membership.size, s.rendezvous_timeout,
-                                stop=stop)
+                                stop=stop, beat_store=lambda: EtcdKVStore(list(s.endpoints), timeout_s=OP_TIMEOUT_S))
     host = membership.peers[0].rpartition(":")[0]
     return embedded_coordinator(host, s.port, job, secret, membership.node_rank, membership.size,
                                 s.rendezvous_timeout, stop)
@@ -225,6 +226,9 @@ class MultiNodeSupervisor(Supervisor):
                 self._connect = None
             try:
                 result = super().run()
+            except PeerLost as e:  # before the first attempt: nothing ran, nothing is lost; requeue the job
+                self._log(f"{e}; exiting {exit_codes.REQUEUE} so that the scheduler requeues the job")
+                return self._gave_up_coordinating(e)
             except CoordinationError as e:
                 self._gave_up_coordinating(e)
                 if isinstance(e, JobClash):
@@ -241,17 +245,20 @@ class MultiNodeSupervisor(Supervisor):
                 self._log(f"could not clear the job's coordination keys: {e}")
         return result
 
-    def _gave_up_coordinating(self, e: CoordinationError) -> None:
-        """The nodes could not agree (a timeout, an abort, a clash): state.json says the run gave up, with the
-        exit code the command line returns, and the tiers take their final copy, as for any other give-up; a
-        later start then does not take this run for one that died mid-attempt."""
-        code = exit_codes.CONFIG_ERROR if isinstance(e, JobClash) else exit_codes.FAILED
+    def _gave_up_coordinating(self, e: CoordinationError) -> RunResult:
+        """The nodes could not agree (a timeout, an abort, a clash, a node lost before the first attempt):
+        state.json says the run gave up, with the exit code the command line returns (2 for a clash, 75 for a
+        lost node: the job is requeued, 1 otherwise), and the tiers take their final copy, as for any other
+        give-up; a later start then does not take this run for one that died mid-attempt."""
+        codes = {JobClash: exit_codes.CONFIG_ERROR, PeerLost: exit_codes.REQUEUE}
+        code = next((c for kind, c in codes.items() if isinstance(e, kind)), exit_codes.FAILED)
         try:
             for status in route(self.state.state, JobStatus.GAVE_UP):
                 self.record.set_state(status, exit_code=code if status is JobStatus.GAVE_UP else None)
-            self._finish(code, JobStatus.GAVE_UP, self.state.attempt or 0, str(e))
+            return self._finish(code, JobStatus.GAVE_UP, self.state.attempt or 0, str(e))
         except Exception as err:  # noqa: BLE001 - recording is best effort: the error itself must reach the command line
             self._log(f"could not record the give-up: {err}")
+            return RunResult(code, JobStatus.GAVE_UP, self.state.attempt or 0, list(self.incidents))
 
     def _linger_after_clash(self) -> None:
         """Node 0 of the embedded store, ended by another node's clash: see :data:`CLASH_LINGER_S`."""
@@ -482,14 +489,25 @@ class MultiNodeSupervisor(Supervisor):
         return env
 
     def peer_ended(self, attempt: int) -> str | None:
+        """Another node's end of the attempt. A store that stopped answering is reached again
+        (:meth:`RoundCoordinator.reach_again`: a bounded try every few seconds), so a stall does not leave the
+        watch blind until the next join; meanwhile this node's own job decides."""
         try:
-            return self.coordinator.ended(attempt)
-        except Exception as e:  # noqa: BLE001 - the store is gone (node 0 finished or was lost; etcd cut off): this job's own end decides
-            if not self._store_lost:
-                self._store_lost = True
-                self._log(f"the coordination store {self.coordinator.describe()} is unreachable ({e}); watching this "
-                          "node's job only")
+            try:
+                ended = self.coordinator.ended(attempt)
+            except StoreUnavailable as e:
+                if not self._store_lost:
+                    self._store_lost = True
+                    self._log(f"the coordination store {self.coordinator.describe()} is unreachable ({e}); watching "
+                              "this node's job only until it answers again")
+                self.coordinator.reach_again()
+                ended = self.coordinator.ended(attempt)
+        except Exception:  # noqa: BLE001 - the store is gone (node 0 finished or was lost; etcd cut off), or a stop: the watch goes on
             return None
+        if self._store_lost:
+            self._store_lost = False
+            self._log(f"the coordination store {self.coordinator.describe()} answers again; watching the other nodes")
+        return ended
 
     def attempt_failed(self, attempt: int, result: AttemptResult) -> None:
         if result.reason != EndReason.PEER_FAILURE:
