@@ -18,10 +18,16 @@ lapse ends the round: the job's ``abort`` (a lost peer) and exit 75 on every nod
   whose beat stays the same for :data:`LIVENESS_LAPSE_S` by the watcher's own clock (no clock is compared
   across hosts) is lost.
 
-:data:`LIVENESS_LAPSE_S` is two store operation timeouts (:data:`~supervisor.kvstore.OP_TIMEOUT_S`): a beat
-that stalls once (the store's connection given up after one timeout) reconnects and writes again well
-within it, so a slow node, or a stalled connection, is never taken for a dead one. After the first attempt
+:data:`LIVENESS_LAPSE_S` is three store operation timeouts (:data:`~supervisor.kvstore.OP_TIMEOUT_S`, 15 s, as
+torch's three missed 5 s beats): a beat whose write stalls (its connection given up after one timeout) and
+whose reconnect stalls once more still writes again within it, so a slow or loaded node, or a stalled
+connection, is never taken for a dead one. After the first attempt
 nothing here runs: a lost node is replaced, or a spare takes over, as before.
+
+Why exit 75 (requeue) on the nodes that are left: nothing was launched and nothing is lost, and the nodes that
+exit are not the broken one. 77 would name *this* node in ``unhealthy_nodes`` and requeue without a healthy
+node; naming the lost one there would exclude a host whose rlsup was merely killed; 76 or 1 would end a job a
+requeue completes. A host that lost power is drained by the scheduler itself before the requeue runs.
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ from supervisor.kvstore import OP_TIMEOUT_S, KVStore
 log = logging.getLogger(__name__)
 
 LIVENESS_REFRESH_S = OP_TIMEOUT_S / 5  # how often a node beats, and how often a waiting node looks
-LIVENESS_LAPSE_S = 2 * OP_TIMEOUT_S  # a registered node whose beat stays the same this long is lost
+LIVENESS_LAPSE_S = 3 * OP_TIMEOUT_S  # a registered node whose beat stays the same this long is lost
 
 
 def live_key(node: int) -> str:
