@@ -171,6 +171,7 @@ def trial(work: Path, side: Side, window: float, schedule: list[tuple[float, int
             with contextlib.suppress(OSError):
                 shutil.copy(d / rel, dest / rel.replace("/", "-"))
         (dest / "kills.txt").write_text("".join(f"{k.t} {k.rank} {k.attempt}\n" for k in kills))
+        (dest / "window.txt").write_text(f"{t0} {t_end} {ref_step}\n")
     shutil.rmtree(d, ignore_errors=True)
     shutil.rmtree(side.extra[1] if side.extra[:1] == ("--memory-dir",) else "/nonexistent", ignore_errors=True)
     return res
@@ -217,7 +218,7 @@ def figures(res: dict[str, list[Trial]], cal: Calibration, every: int, disk_ever
     for base, label in (("ft", "ft_launcher"), ("torchrun", "torchrun")):
         if base not in res:
             rows.append(Figure(f"realistic recovery goodput vs {label}", good("rlsup"), None, "frac",
-                               f"n/a: {nvrx_missing()}"))
+                               f"n/a: {nvrx_missing() or 'side not run'}"))
             continue
         for mine in ours:
             cadence = "every step" if mine == "rlsup" else f"every {mine.split('/')[1]} steps"
@@ -233,7 +234,7 @@ def figures(res: dict[str, list[Trial]], cal: Calibration, every: int, disk_ever
 
 
 def run(work: Path, minutes: float = 5.0, reps: int = 1, seed: int = 31, micro_batches: int | None = None,
-        disk_every: int = 20) -> list[Figure]:
+        disk_every: int = 20, only: tuple[str, ...] = ()) -> list[Figure]:
     """Calibrate, then every side ``reps`` times for ``minutes``, alternating; the table's rows."""
     window = minutes * 60
     shm = (Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())) / f"rlsup-recovery-{os.getpid()}"
@@ -243,7 +244,8 @@ def run(work: Path, minutes: float = 5.0, reps: int = 1, seed: int = 31, micro_b
     mem_every = young_cadence(cal.memory_save_s, mtbf, cal.step_s)
     log(f"recovery: calibration {cal}; saves every {every} steps (torch.save), {mem_every} (memory tier) by Young, "
         f"MTBF {mtbf:.0f} s; load {os.getloadavg()}")
-    all_sides = sides(cal, every, mem_every, disk_every, shm)
+    all_sides = {k: v for k, v in sides(cal, every, mem_every, disk_every, shm).items()
+                 if not only or k.split("/")[0] + ("/k" if "/" in k else "") in only}
     schedule = kill_schedule(seed, window, *GAP_S, ranks=2)
     res: dict[str, list[Trial]] = {k: [] for k in all_sides}
     for _, name in alternate(reps, list(all_sides)):
@@ -258,11 +260,13 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=31, help="seed of the kill schedule")
     ap.add_argument("--micro-batches", type=int, default=None, help="skip the calibration of the step's size")
     ap.add_argument("--disk-every", type=int, default=20, help="rlsup's drain of the memory tier to disk")
+    ap.add_argument("--sides", default="", help="a subset of rlsup,rlsup/k,ft,torchrun (default: all)")
     ap.add_argument("--dir", default=None, help="scratch directory")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="rlsup-recovery-", dir=args.dir))
     try:
-        for f in run(work, args.minutes, args.reps, args.seed, args.micro_batches, args.disk_every):
+        for f in run(work, args.minutes, args.reps, args.seed, args.micro_batches, args.disk_every,
+                     tuple(x for x in args.sides.split(",") if x)):
             ratio = f"{f.rlsup / f.base:.2f}" if f.rlsup is not None and f.base else "n/a"
             print(f"{f.name} | {f.rlsup} | {f.base} | {ratio} | {f.unit} | {f.note}", flush=True)
     finally:

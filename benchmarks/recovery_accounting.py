@@ -77,8 +77,8 @@ def recovery_of(evs: list[dict], kill: Kill, t_end: float) -> Recovery:
     later = [e for e in evs if e["t"] > kill.t and e["attempt"] > kill.attempt]
     trained = sorted({e["attempt"] for e in later if e["ev"] == "step"})
     started = sorted({e["attempt"] for e in later if e["ev"] == "start"})
-    if not trained:
-        return Recovery(None, None, None, None, None, None, len(started))
+    if not trained:  # the newest attempt may still be coming up when the window ends: not counted failed
+        return Recovery(None, None, None, None, None, None, max(0, len(started) - 1))
     a = trained[0]
 
     def first(ev: str) -> dict | None:

@@ -52,10 +52,10 @@ def test_a_restart_that_never_trained_is_a_failed_restart_and_the_window_cuts_th
 
 
 def test_a_failure_not_recovered_inside_the_window_has_no_figures() -> None:
-    evs = attempt_events(0, 0.0, 0, range(1, 6))
+    evs = attempt_events(0, 0.0, 0, range(1, 6)) + [ev("start", 8.0, 1)]  # still starting at the end
     trial = account(evs, [Kill(6.5, 1, 0)], t0=0.0, t_end=10.0, ref_step_s=1.0)
     (r,) = trial.recoveries
-    assert r.regained is None and r.redone is None
+    assert r.regained is None and r.redone is None and r.failed_restarts == 0
     assert trial.redone_per_failure is None
     assert trial.useful_steps == 5
 
