@@ -67,6 +67,7 @@ class Side:
     launcher: str
     trainer: tuple[str, ...]
     extra: tuple[str, ...] = ()
+    label: str = ""  # rlsup's: how its trainer saves into the memory tier
 
 
 @dataclass(frozen=True)
@@ -112,15 +113,18 @@ def calibrate(work: Path, micro_batches: int | None, shm: Path) -> Calibration:
 
 
 def sides(cal: Calibration, every: int, mem_every: int, disk_every: int, shm: Path) -> dict[str, Side]:
-    """rlsup with the memory tier every step and at its own Young cadence; the baselines at theirs."""
+    """rlsup with the memory tier every step (async; sync; sync without warm ranks) and at its own Young
+    cadence; the baselines at theirs. Keys are what ``--sides`` names."""
     mb = ("--micro-batches", str(cal.micro_batches))
     base = (*mb, "--saver", "torch", "--checkpoint-every", str(every))
     memory = ("--memory-dir", str(shm), "--disk-every", str(disk_every))
-    out = {"rlsup": Side("rlsup", "rlsup", (*mb, "--saver", "hooks", "--checkpoint-every", "1", "--async-save"),
-                         memory)}
-    if mem_every > 1:
-        out[f"rlsup/{mem_every}"] = Side(f"rlsup-every{mem_every}", "rlsup", (
-            *mb, "--saver", "hooks", "--checkpoint-every", str(mem_every), "--async-save"), memory)
+    hooks = (*mb, "--saver", "hooks", "--checkpoint-every")
+    out = {"rlsup": Side("rlsup", "rlsup", (*hooks, "1", "--async-save"), memory, "every step, async"),
+           "rlsup/sync": Side("rlsup-sync", "rlsup", (*hooks, "1"), memory, "every step, sync"),
+           "rlsup/sync-cold": Side("rlsup-sync-cold", "rlsup", (*hooks, "1"), (*memory, "--warm-launcher", "false"),
+                                   "every step, sync, no warm ranks"),
+           "rlsup/k": Side(f"rlsup-every{mem_every}", "rlsup", (*hooks, str(mem_every), "--async-save"), memory,
+                           f"every {mem_every} steps, async")}
     if nvrx_missing() is None:
         out["ft"] = Side("ft", "ft", base)
     out["torchrun"] = Side("torchrun", "torchrun", base)
@@ -207,7 +211,8 @@ def summary(name: str, ts: list[Trial], window: float) -> str:
             f"{med([t.median_step_s for t in ts]) or 0:.3f} s; {breakdown(ts)}")
 
 
-def figures(res: dict[str, list[Trial]], cal: Calibration, every: int, disk_every: int, window: float) -> list[Figure]:
+def figures(res: dict[str, list[Trial]], labels: dict[str, str], cal: Calibration, every: int, disk_every: int,
+            window: float) -> list[Figure]:
     def good(name: str) -> float | None:
         return med([t.goodput for t in res.get(name, [])])
 
@@ -221,9 +226,9 @@ def figures(res: dict[str, list[Trial]], cal: Calibration, every: int, disk_ever
                                f"n/a: {nvrx_missing() or 'side not run'}"))
             continue
         for mine in ours:
-            cadence = "every step" if mine == "rlsup" else f"every {mine.split('/')[1]} steps"
+            cadence = labels[mine]
             rows.append(Figure(
-                f"realistic recovery goodput ({head}): rlsup memory tier {cadence} (async), disk every {disk_every} "
+                f"realistic recovery goodput ({head}): rlsup memory tier {cadence}, disk every {disk_every} "
                 f"vs {label}, torch.save every {every}", good(mine), good(base), "frac",
                 f"{summary(mine, res[mine], window)} | {summary(base, res[base], window)}"))
             rows.append(Figure(f"realistic recovery: steps redone per failure, rlsup memory tier {cadence} vs {label}",
@@ -245,12 +250,12 @@ def run(work: Path, minutes: float = 5.0, reps: int = 1, seed: int = 31, micro_b
     log(f"recovery: calibration {cal}; saves every {every} steps (torch.save), {mem_every} (memory tier) by Young, "
         f"MTBF {mtbf:.0f} s; load {os.getloadavg()}")
     all_sides = {k: v for k, v in sides(cal, every, mem_every, disk_every, shm).items()
-                 if not only or k.split("/")[0] + ("/k" if "/" in k else "") in only}
+                 if not only or k in only}
     schedule = kill_schedule(seed, window, *GAP_S, ranks=2)
     res: dict[str, list[Trial]] = {k: [] for k in all_sides}
     for _, name in alternate(reps, list(all_sides)):
         res[name].append(trial(work, all_sides[name], window, schedule, cal.step_s))
-    return figures(res, cal, every, disk_every, window)
+    return figures(res, {k: v.label for k, v in all_sides.items()}, cal, every, disk_every, window)
 
 
 def main() -> int:
@@ -260,7 +265,7 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=31, help="seed of the kill schedule")
     ap.add_argument("--micro-batches", type=int, default=None, help="skip the calibration of the step's size")
     ap.add_argument("--disk-every", type=int, default=20, help="rlsup's drain of the memory tier to disk")
-    ap.add_argument("--sides", default="", help="a subset of rlsup,rlsup/k,ft,torchrun (default: all)")
+    ap.add_argument("--sides", default="", help="a subset of rlsup,rlsup/sync,rlsup/sync-cold,rlsup/k,ft,torchrun (default: all)")
     ap.add_argument("--dir", default=None, help="scratch directory")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="rlsup-recovery-", dir=args.dir))
