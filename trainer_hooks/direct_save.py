@@ -26,6 +26,7 @@ while the tier keeps room for it and the next step of every rank of the node bes
 
 from __future__ import annotations
 
+import ctypes
 import io
 import logging
 import mmap
@@ -37,7 +38,7 @@ from typing import Any
 
 import torch
 
-from rlsup_format.digest import CHUNK_SIZE, FileEntry, new_hasher
+from rlsup_format.digest import FileEntry, new_hasher
 from rlsup_format.fileio import remove_path
 from rlsup_format.names import Kind, reserved_name, staging_label
 from trainer_hooks.backends.base import SaveContext
@@ -211,24 +212,41 @@ def room_for_spare(directory: Path, want: int) -> bool:
     return tier.free_bytes() >= 2 * want * ranks + MARGIN_BYTES
 
 
+#: Copy and hash a tensor this many bytes at a time: each piece is hashed while it is still in the cache.
+PIECE = 1 << 20
+
+
 def build_file(spare: Spare, layout: Layout, snapshot: memoryview, table: list[tuple]) -> FileEntry:
-    """Fill the spare: each tensor from the snapshot to its offset, the literals beside them; then the
-    xxh3-128 of the file's first ``layout.size`` bytes, read through the same mapping."""
-    dst = torch.frombuffer(spare.map, dtype=torch.uint8)
-    src = torch.frombuffer(snapshot, dtype=torch.uint8)
-    for (buf_off, nbytes, *_rest), off in zip(table, layout.offsets):
-        if off >= 0:
-            dst[off:off + nbytes].copy_(src[buf_off:buf_off + nbytes])
-    del dst, src
-    for off, data in layout.literals:
-        spare.map[off:off + len(data)] = data
+    """Fill the spare in file order, each tensor from the snapshot to its offset and the literals beside
+    them, and hash each piece as it is placed (from the spare's mapping, so the hash is of the file's
+    bytes); returns the size and xxh3-128 of the file's first ``layout.size`` bytes."""
+    pieces = [(off, data) for off, data in layout.literals]
+    pieces += [(off, entry) for entry, off in zip(table, layout.offsets) if off >= 0]
+    pieces.sort(key=lambda p: p[0])
+    dst = torch.frombuffer(spare.map, dtype=torch.uint8).data_ptr()
+    src = torch.frombuffer(snapshot, dtype=torch.uint8).data_ptr()
+    out = memoryview(spare.map)
     h = new_hasher()
-    view = memoryview(spare.map)
+    pos = 0
     try:
-        for start in range(0, layout.size, CHUNK_SIZE):
-            h.update(view[start:min(start + CHUNK_SIZE, layout.size)])
+        for off, what in pieces:
+            if off != pos:
+                raise LayoutError(f"the plan leaves bytes [{pos}, {off}) unwritten")
+            if isinstance(what, bytes):
+                out[off:off + len(what)] = what
+                h.update(what)
+                pos = off + len(what)
+                continue
+            buf_off, nbytes = what[0], what[1]
+            for start in range(0, nbytes, PIECE):
+                n = min(PIECE, nbytes - start)
+                ctypes.memmove(dst + off + start, src + buf_off + start, n)  # one thread: no pool to wake per piece
+                h.update(out[off + start:off + start + n])
+            pos = off + nbytes
+        if pos != layout.size:
+            raise LayoutError(f"the plan covers {pos} of {layout.size} bytes")
     finally:
-        view.release()
+        out.release()
     return FileEntry(layout.size, h.hexdigest())
 
 
