@@ -128,12 +128,12 @@ class RoundCoordinator:
         # The job's first round (supervisor.liveness): None until a join tells, True from a join into a store
         # with no attempt until the first attempt launches, False once the job has had one.
         self.first_round: bool | None = None
-        self.lapses = LapseWatch(self.started)
+        self.lapses = LapseWatch(self.started - ABORT_MAX_AGE_S)  # a beat older belongs to an earlier run, as an abort
         self.refresh_s = LIVENESS_REFRESH_S
         self.beat: LivenessBeat | None = None
         self._beat_store = beat_store
         self._store_lost_at: float | None = None  # when the store was lost in the first round (its bound)
-        self._reach_again_at = 0.0  # the next try of watch_end's reconnect
+        self._reach_again_at = 0.0  # reach_again's next try
 
     def check_stop(self, waiting_for: str) -> None:
         """:class:`~supervisor.stop_request.StopAsked` when rlsup was asked to stop (see the module docstring)."""

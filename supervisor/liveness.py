@@ -14,7 +14,8 @@ lapse ends the round: the job's ``abort`` (a lost peer) and exit 75 on every nod
 * **Lapse.** While it waits in that first round, node 0 looks at every other node's beat and every other
   node at node 0's (a constant number of keys, as for the rest of the round), once per refresh
   (:class:`LapseWatch`). A node is judged only once it is *registered*: its beat changed while watched, or it
-  was written after the watcher started (a beat an earlier run left in etcd is neither). A registered node
+  was written after the watcher started, less a minute (a node that beat just before the watcher came and
+  died before its next beat; a beat an earlier run left in etcd is older, as for ``abort``). A registered node
   whose beat stays the same for :data:`LIVENESS_LAPSE_S` by the watcher's own clock (no clock is compared
   across hosts) is lost.
 
@@ -130,8 +131,8 @@ class Lapse:
 
 @dataclass
 class LapseWatch:
-    """A waiting node's view of the beats it watches (see the module docstring). ``since``: the watcher's start
-    (wall clock); ``lapse_s``: how long a registered beat may stay the same."""
+    """A waiting node's view of the beats it watches (see the module docstring). ``since``: a beat written before
+    (wall clock, the writer's) belongs to an earlier run; ``lapse_s``: how long a registered beat may stay the same."""
 
     since: float
     lapse_s: float = LIVENESS_LAPSE_S
