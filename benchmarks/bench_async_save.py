@@ -94,13 +94,15 @@ def bench_memory_tier(size_mb: int = 1024, repeat: int = 5, shm: str | None = No
     does (RLSUP_MEMORY_DIR, keep 1 step). After each save, ``step_s`` of "training" (a sleep: the compute of
     a GPU job) before the next. Returns per side the medians in seconds over ``repeat`` saves after the
     first (which starts the writer): ``blocked`` (time in ``save()``), ``valid`` (from the call until the
-    step verifies in memory, sizes), the first save's ``first_blocked`` and ``first_valid``, and
-    ``direct_saves`` (how many of the timed saves went direct)."""
+    step verifies in memory, sizes), ``writer`` (the writer's own time for the request, from its receipt
+    to the manifest), the first save's ``first_blocked`` and ``first_valid``, and ``direct_saves`` (how
+    many of the timed saves went direct)."""
     shm = _tier_dir(size_mb, shm)
     keys = ("RLSUP_CHECKPOINT_DIR", "RLSUP_MEMORY_DIR", "RLSUP_MEMORY_KEEP_LAST", ENV_DIRECT)
     saved = {k: os.environ.get(k) for k in keys}
     state = make_state(size_mb, "cpu")
-    times: dict[str, dict[str, list[float]]] = {side: {"blocked": [], "valid": [], "direct": []} for side in sides}
+    times: dict[str, dict[str, list[float]]] = {side: {"blocked": [], "valid": [], "direct": [], "writer": []}
+                                                   for side in sides}
     with contextlib.ExitStack() as stack:
         env, mgrs = {}, {}
         for side in sides:
@@ -123,7 +125,9 @@ def bench_memory_tier(size_mb: int = 1024, repeat: int = 5, shm: str | None = No
                         time.sleep(0.002)
                     times[side]["valid"].append(time.perf_counter() - t0)
                     mgrs[side].wait()
-                    times[side]["direct"].append(float(bool(mgrs[side]._async.completed[-1].result.get("direct"))))
+                    result = mgrs[side]._async.completed[-1].result
+                    times[side]["direct"].append(float(bool(result.get("direct"))))
+                    times[side]["writer"].append(float(result.get("seconds", 0.0)))
                     time.sleep(step_s)
         finally:
             for mgr in mgrs.values():
@@ -133,6 +137,7 @@ def bench_memory_tier(size_mb: int = 1024, repeat: int = 5, shm: str | None = No
     med = statistics.median
     return {side: {"blocked": med(t["blocked"][1:]), "valid": med(t["valid"][1:]), "first_blocked": t["blocked"][0],
                    "first_valid": t["valid"][0], "direct_saves": sum(t["direct"][1:]),
+                   "writer": med(t["writer"][1:]), "all_writer": t["writer"],
                    "all_valid": t["valid"], "all_blocked": t["blocked"], "size_mb": float(size_mb)}
             for side, t in times.items()}
 
