@@ -129,6 +129,7 @@ FAST_MODULES: dict[str, frozenset[str]] = {
     "test_step_writer.py": frozenset(),
     "test_stragglers.py": frozenset({"test_four_rank_job_with_a_3x_slow_rank_is_reported",
                                      "test_straggler_alert_fires_in_a_real_prometheus"}),
+    "test_direct_save.py": frozenset({"test_writer_killed_while_it_builds_a_direct_step_never_leaves_a_valid_torn_one"}),
     "test_first_round_liveness.py": frozenset(),
     "test_manifest_watch.py": frozenset(),
     "test_sbatch_spares.py": frozenset(),
