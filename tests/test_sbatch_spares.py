@@ -166,7 +166,7 @@ def test_preemption_is_relayed_to_the_nodes_left_after_a_loss(tmp_path: Path) ->
     assert relay["options"][:3] == ["--overlap", "--nodelist=n1,n3,n4", "--nodes=3"], relay
     pids = tmp_path / "job" / "rlsup-pids" / "42"
     for name in ("n1", "n3", "n4"):
-        assert int((pids / f"{name}.pid").read_text()) == fake.node(name)["pid"]  # rlsup's own pid
-        assert (pids / f"{name}.rc").read_text() == "75\n"
+        assert (pids / f"{name}.rc").read_text() == "75\n"  # SIGUSR1 reached rlsup's own pid: it exited 75
+        assert not (pids / f"{name}.pid").exists()  # gone once rlsup ended: a later relay never hits a reused pid
     assert "lost node(s): n2" in out and "preempted after saving: requeueing job 42" in out, out
     assert "requeue 42" in fake.scontrol_calls()
