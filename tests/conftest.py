@@ -192,7 +192,8 @@ LONGEST_FIRST = ("chaos/test_chaos_ci.py", "test_recipe_ray.py", "test_multinode
                  "test_flight_recorder_multinode.py", "test_multinode_spares.py", "test_hung_fs.py",
                  "test_multinode_memory.py", "test_multinode_etcd.py", "chaos/test_partitions.py",
                  "test_multinode_clash.py", "test_thirdparty_pykeen.py", "test_stragglers.py", "test_async_save.py",
-                 "test_eio_replica.py", "test_persistent_s3.py", "test_trainer_hf_run.py", "test_warm_launcher.py")
+                 "test_multinode_early_death.py", "test_eio_replica.py", "test_persistent_s3.py",
+                 "test_trainer_hf_run.py", "test_direct_save.py", "test_warm_launcher.py", "test_store_stall_watch.py")
 
 
 def _longest_first(item: pytest.Item) -> int:
