@@ -379,6 +379,8 @@ class Supervisor:
             f" from step {resume.step} ({resume.path})"
         argv = self.attempt_command(resume)
         self._log(f"attempt {attempt}: launching {' '.join(argv)}{where}")
+        if self.memory is not None and self.settings.resume and (resume is None or resume.step is not None):
+            self.memory.supersede(resume.step if resume is not None else None)  # steps of an abandoned timeline
         env = self.attempt_env(attempt, resume, hb_dir)
         tail_lines = self.settings.output_tail_lines
         job = self.warm.start(attempt, env, argv, attempt_dir / "output.log", tail_lines)

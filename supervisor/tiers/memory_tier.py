@@ -20,6 +20,8 @@ This module is the supervisor's side:
   newest valid step, held steps and the step being resumed from stay.
 * **Restart selection** reads the tier like any other (:meth:`MemoryTier.newest_valid`, used by
   :func:`supervisor.tiers.selection.choose_across_tiers`): a step resumed from memory is loaded in place.
+  At launch the tier's steps newer than the resume step are removed (:meth:`MemoryTier.supersede`):
+  another timeline's, which the attempt must neither resume from nor mistake for its own saves.
 * **The end** (:meth:`MemoryTier.finish`): the newest valid memory step is drained if disk lacks it;
   after a successful run the job's directory is then removed, after a stop, preemption or give-up it
   is kept. A drain that failed never removes anything.
@@ -48,8 +50,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from rlsup_format.fileio import remove_path
+from rlsup_format.leftovers import is_stale
 from rlsup_format.manifest import ManifestError, is_held, list_step_dirs
-from rlsup_format.names import step_dir_name
+from rlsup_format.names import Kind, parse_reserved, step_dir_name
 from rlsup_format.retention import StepState, steps_to_delete
 from supervisor.control_records import InventoryBuilder, NodeInventory
 from supervisor.tiers.node_parts import NodeParts
@@ -95,6 +98,30 @@ def filesystem_type(path: Path) -> str:
         if (target == mount or target.startswith(mount.rstrip("/") + "/")) and len(mount) >= len(best):
             best, kind = mount, fields[2]
     return kind
+
+
+def being_written(step_dir: Path) -> bool:
+    """True while a live process of this host (or one that cannot be checked, for up to an hour) has a
+    staging directory or temp file in ``step_dir``: an invalid step with a writer is a save under way,
+    never a torn leftover, whatever steps are newer."""
+    try:
+        names = os.listdir(step_dir)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True  # cannot look inside: keeping it is the safe answer
+    now = time.time()
+    for name in names:
+        res = parse_reserved(name)
+        if res is None or res.kind not in (Kind.STAGING, Kind.TMP):
+            continue
+        try:
+            age = now - os.lstat(step_dir / name).st_mtime
+        except OSError:
+            continue  # finished meanwhile
+        if not is_stale(res, age):
+            return True
+    return False
 
 
 @dataclass(frozen=True)
@@ -220,6 +247,46 @@ class MemoryTier:
         """Retention keeps ``path`` (the step the next attempt resumes from, in memory or on disk)."""
         self._protected = path.resolve() if path is not None else None
 
+    def supersede(self, resume_step: int | None) -> list[int]:
+        """An attempt is launched from ``resume_step`` (None: from scratch): the tier's steps newer than it
+        belong to the abandoned timeline (several nodes resume from the newest step whole on all of them,
+        so one node may hold newer steps of its own). They are removed before the ranks start, so they are
+        never drained, resumed from or counted by retention, and a new save of the same step never finds
+        the old part "already valid" (a job resuming from data that is not its own). On several nodes the
+        parts of such steps drained to ``checkpoint_dir`` lose their manifests too (:meth:`_invalidate_on_disk`).
+        Returns the steps removed from the tier."""
+        with self._lock, self._retain_lock:  # after a drain or pruning pass under way
+            if self.settings.multi_node:
+                self._invalidate_on_disk(resume_step)
+            doomed = [step for step, _ in list_step_dirs(self.root) if resume_step is None or step > resume_step]
+            store = LocalStore(self.root, hold_label=HOLD_LABEL)
+            for step in doomed:
+                store.delete(step)  # renamed out of the step namespace first: gone at once for every reader
+            if doomed:
+                log.warning("memory tier: steps %s of an earlier attempt are newer than step %s this attempt "
+                            "resumes from: removed from %s (this attempt writes its own)",
+                            ", ".join(map(str, doomed)), resume_step, self.root)
+            if resume_step is None or (self._last_step is not None and self._last_step > resume_step):
+                self._last_step = resume_step  # the drain cadence counts from this timeline's steps
+            return doomed
+
+    def _invalidate_on_disk(self, resume_step: int | None) -> None:
+        """Several nodes: this job's valid parts of steps newer than ``resume_step`` in ``checkpoint_dir``
+        (the abandoned timeline's, drained before) lose their manifests, the protocol's way to make a part
+        invalid, so the new timeline's drain of that step rewrites them instead of keeping them as valid,
+        and no newer step on disk stops it draining. Other files and other jobs' parts are left alone."""
+        store = LocalStore(self.checkpoint_dir, hold_label=HOLD_LABEL)
+        for step, path in list_step_dirs(self.checkpoint_dir):
+            if resume_step is not None and step <= resume_step:
+                continue
+            ranks = sorted(self.parts.valid_parts(path, full=False))
+            for rank in ranks:
+                store.remove_manifest(step, rank)
+            if ranks:
+                log.warning("memory tier: step %d in %s is newer than step %s this attempt resumes from: its "
+                            "parts of ranks %s are no longer valid", step, self.checkpoint_dir, resume_step,
+                            ", ".join(map(str, ranks)))
+
     def pause_retention(self, paused: bool) -> None:
         """Several nodes: no memory step is removed while the nodes agree on the step to resume from
         (returns once a pruning pass under way is over)."""
@@ -305,7 +372,8 @@ class MemoryTier:
         which it records in each memory manifest (none recorded: keep everything); ``memory_keep_last``
         on the tier itself on several nodes. Valid = this node's parts all verify (sizes). Protected:
         ``keep`` (the step just drained, or one due but not drained) and invalid steps newer than it,
-        held steps, the resume step; where this node's ranks are unknown nothing is removed."""
+        held steps, the resume step, steps a live process is writing (:func:`being_written`); where
+        this node's ranks are unknown nothing is removed."""
         if not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 1:
             return []
         states = []
@@ -314,7 +382,8 @@ class MemoryTier:
             if parts is None and self.parts.whole(path, full=False) is not None:
                 return []  # an uneven world: which ranks are this node's is a guess; delete nothing
             protected = (step == keep or (keep is not None and step > keep and parts is None) or is_held(path)
-                         or (self._protected is not None and path.resolve() == self._protected))
+                         or (self._protected is not None and path.resolve() == self._protected)
+                         or (parts is None and being_written(path)))
             states.append(StepState(step, parts is not None, protected))
         doomed = steps_to_delete(states, keep_last)
         store = LocalStore(root, hold_label=HOLD_LABEL)
