@@ -23,7 +23,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 
 from trainer_hooks.checkpoint import CheckpointManager
-from trainer_hooks.direct_save import ENV_DIRECT
 from rlsup_format.manifest import verify_step_dir
 
 
@@ -89,7 +88,7 @@ def bench_memory_tier(size_mb: int = 1024, repeat: int = 5, shm: str | None = No
     """An async save of a ``size_mb`` state into rlsup's memory tier (issue 31 target: valid in memory
     <= 1 s after the call; issue 16: blocked <= 0.15 s), one manager per side, saves alternating between
     the sides. ``direct``: the snapshot copied straight into the step file (:mod:`trainer_hooks.direct_save`);
-    ``classic``: ``RLSUP_MEMORY_DIRECT=0``, the snapshot into a buffer, then ``torch.save`` into the tier.
+    ``classic``: ``CheckpointManager(direct_save=False)``, the snapshot into a buffer, then ``torch.save`` into the tier.
     Each side's tier is a directory in ``shm`` (default /dev/shm when it has room), set up as ``rlsup run``
     does (RLSUP_MEMORY_DIR, keep 1 step). After each save, ``step_s`` of "training" (a sleep: the compute of
     a GPU job) before the next. Returns per side the medians in seconds over ``repeat`` saves after the
@@ -98,7 +97,7 @@ def bench_memory_tier(size_mb: int = 1024, repeat: int = 5, shm: str | None = No
     to the manifest), the first save's ``first_blocked`` and ``first_valid``, and ``direct_saves`` (how
     many of the timed saves went direct)."""
     shm = _tier_dir(size_mb, shm)
-    keys = ("RLSUP_CHECKPOINT_DIR", "RLSUP_MEMORY_DIR", "RLSUP_MEMORY_KEEP_LAST", ENV_DIRECT)
+    keys = ("RLSUP_CHECKPOINT_DIR", "RLSUP_MEMORY_DIR", "RLSUP_MEMORY_KEEP_LAST")
     saved = {k: os.environ.get(k) for k in keys}
     state = make_state(size_mb, "cpu")
     times: dict[str, dict[str, list[float]]] = {side: {"blocked": [], "valid": [], "direct": [], "writer": []}
@@ -108,10 +107,9 @@ def bench_memory_tier(size_mb: int = 1024, repeat: int = 5, shm: str | None = No
         for side in sides:
             mem = stack.enter_context(tempfile.TemporaryDirectory(prefix=f"rlsup-bench-mem-{side}-", dir=shm))
             disk = stack.enter_context(tempfile.TemporaryDirectory(prefix=f"rlsup-bench-disk-{side}-"))
-            env[side] = {"RLSUP_CHECKPOINT_DIR": disk, "RLSUP_MEMORY_DIR": mem, "RLSUP_MEMORY_KEEP_LAST": "1",
-                         ENV_DIRECT: "1" if side == "direct" else "0"}
+            env[side] = {"RLSUP_CHECKPOINT_DIR": disk, "RLSUP_MEMORY_DIR": mem, "RLSUP_MEMORY_KEEP_LAST": "1"}
             os.environ.update(env[side])
-            mgrs[side] = CheckpointManager(keep_last=2, async_save=True)
+            mgrs[side] = CheckpointManager(keep_last=2, async_save=True, direct_save=side == "direct")
         try:
             for i in range(repeat + 1):
                 for side in sides if i % 2 == 0 else tuple(reversed(sides)):

@@ -38,8 +38,8 @@ Design, and why:
   waits for its own write before returning, so the trainer may exit right after it.
 * **Into the memory tier** the writer builds the step in a spare file it allocated and mapped after
   the previous save, instead of ``torch.save`` writing into fresh tmpfs pages (the cost of a save
-  there): :mod:`trainer_hooks.direct_save`. Same file, same protocol; ``RLSUP_MEMORY_DIRECT=0`` turns
-  it off.
+  there): :mod:`trainer_hooks.direct_save`. Same file, same protocol; ``CheckpointManager(...,
+  direct_save=False)`` turns it off.
 * **Heartbeat.** Only the blocking part (waiting for a slot, the copy) is inside ``section("save")``;
   the rank heartbeats normally while the writer works. The writer never touches heartbeat files.
 
@@ -71,7 +71,7 @@ import torch
 
 from rlsup_format.names import step_dir_name
 from trainer_hooks.backends import get_backend
-from trainer_hooks.direct_save import SpareKeeper, direct_enabled, rebuild_payload
+from trainer_hooks.direct_save import SpareKeeper, rebuild_payload
 from trainer_hooks.snapshot import SnapshotBuffer, snapshot
 from trainer_hooks.step_writer import PayloadSource, RankIdentity, StepTarget, write_step
 
@@ -163,7 +163,7 @@ class AsyncSaver:
     """The trainer side: snapshots, hands requests to the writer process, tracks what is in flight."""
 
     def __init__(self, backend_name: str = "torch", max_in_flight: int = 1, when_busy: str = "wait",
-                 keep_buffers: bool = True) -> None:
+                 keep_buffers: bool = True, direct_save: bool = True) -> None:
         if max_in_flight < 1:
             raise ValueError("max_in_flight must be >= 1")
         if when_busy not in ("wait", "skip"):
@@ -172,6 +172,7 @@ class AsyncSaver:
         self.max_in_flight = max_in_flight
         self.when_busy = when_busy
         self.keep_buffers = keep_buffers
+        self.direct_save = direct_save  # into the memory tier: build files in a spare (trainer_hooks.direct_save)
         self.inflight: list[_Job] = []
         self.free: list[SnapshotBuffer] = []
         self.proc: subprocess.Popen | None = None
@@ -314,7 +315,7 @@ class AsyncSaver:
             job = _Job(self._next_id, step, step_dir, buf, time.monotonic())
             request = {"target": target, "backend": self.backend_name, "who": who, "step": step,
                        "skeleton": skeleton, "table": table, "size": buf.size, "keep": self.keep_buffers,
-                       "direct": target.memory and direct_enabled()}
+                       "direct": target.memory and self.direct_save}
             self.inflight.append(job)
             try:
                 assert self.sock is not None

@@ -84,11 +84,14 @@ class CheckpointManager:
 
     def __init__(self, directory: str | os.PathLike | None = None, keep_last: int | None = None,
                  backend: str = "torch", safe_globals: tuple | list = (), async_save: bool = False,
-                 max_in_flight: int = 1, when_busy: str = "wait", keep_buffers: bool = True) -> None:
+                 max_in_flight: int = 1, when_busy: str = "wait", keep_buffers: bool = True,
+                 direct_save: bool = True) -> None:
         """``async_save=True``: :meth:`save` returns once the state is copied; a writer process writes
         it (:mod:`trainer_hooks.async_writer`). At most ``max_in_flight`` saves are in flight; a save
         beyond that waits (``when_busy="wait"``) or is skipped and returns None (``"skip"``).
-        ``keep_buffers`` keeps the snapshot buffers (pinned with CUDA) for the next save."""
+        ``keep_buffers`` keeps the snapshot buffers (pinned with CUDA) for the next save. ``direct_save``:
+        an async save into rlsup's memory tier builds each file in a ready spare (:mod:`trainer_hooks.direct_save`);
+        False: ``torch.save`` writes it (the old way, a benchmark's baseline)."""
         directory = directory if directory is not None else os.environ.get(ENV_DIR)
         if not directory:
             raise ValueError(f"no checkpoint directory: pass directory= or set {ENV_DIR}")
@@ -111,7 +114,7 @@ class CheckpointManager:
                     "(use async_save=False, or backend='torch')")
             from trainer_hooks.async_writer import AsyncSaver
 
-            self._async = AsyncSaver(backend, max_in_flight, when_busy, keep_buffers)
+            self._async = AsyncSaver(backend, max_in_flight, when_busy, keep_buffers, direct_save)
 
     # ----------------------------------------------------------------------------------- save
 

@@ -22,6 +22,8 @@ writer's setting), so that the plan reads none of the bytes it places.
 The cost: one spare file per rank in the tier between saves (a step's size). A spare is made only
 while the tier keeps room for it and the next step of every rank of the node beside it
 (:func:`room_for_spare`), so the memory tier's free-space check never sends a step to disk for it.
+``CheckpointManager(async_save=True, direct_save=False)`` saves the usual way (``torch.save`` writes
+into the tier): the baseline ``benchmarks/bench_async_save.py`` measures against.
 """
 
 from __future__ import annotations
@@ -49,8 +51,6 @@ log = logging.getLogger(__name__)
 
 #: Room a spare keeps beyond the last file's size: the pickle and RNG state vary a little from save to save.
 SPARE_SLACK = 1 << 20
-#: Set to "0" in a trainer's environment to save into the memory tier the usual way (``torch.save`` writes).
-ENV_DIRECT = "RLSUP_MEMORY_DIRECT"
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
 
@@ -66,11 +66,6 @@ class Layout:
     size: int
     literals: list[tuple[int, bytes]] = field(default_factory=list)
     offsets: list[int] = field(default_factory=list)
-
-
-def direct_enabled() -> bool:
-    """Whether this trainer's memory-tier saves may be direct (yes unless ``RLSUP_MEMORY_DIRECT=0``)."""
-    return os.environ.get(ENV_DIRECT, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def crc32_off() -> bool:
