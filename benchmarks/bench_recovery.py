@@ -2,6 +2,7 @@
 whose state is 67 MB per rank, rlsup at its best against ft_launcher and torchrun at theirs.
 
     .venv/bin/python benchmarks/bench_recovery.py --minutes 5 --reps 1
+    .venv/bin/python benchmarks/bench_recovery.py --sides rlsup/sync,ft --minutes 2.5 --reps 2
     .venv/bin/python benchmarks/run.py --only recovery          # the same, as run.py's table rows
 
 Trainer: benchmarks/jobs/recovery_trainer.py, 2 ranks (torchrun, gloo, CPU). Before the trials a plain
@@ -10,10 +11,14 @@ side) and measures the reference step time and what a torch.save of the state bl
 
 Sides (each launched by benchmarks/jobctl.py, as every figure of run.py):
 
-    rlsup     rlsup run --memory-dir /dev/shm/... --disk-every D; CheckpointManager saves every step
-              (into RAM; rlsup drains every D-th step to disk in the background)
-    ft        ft_launcher --max-restarts 1000; torch.save to disk every K steps
-    torchrun  torchrun --max-restarts 1000; the same trainer and K
+    rlsup            rlsup run --memory-dir /dev/shm/... --disk-every D; CheckpointManager(async_save=True)
+                     saves every step (into RAM; rlsup drains every D-th step to disk in the background)
+    rlsup/sync       the same, synchronous saves (the best here: the step's compute and an async
+                     writer share the host CPU; BENCHMARKS.md "Realistic recovery")
+    rlsup/sync-cold  rlsup/sync with --warm-launcher false
+    rlsup/k          async saves every k steps, k = Young's cadence for a memory-tier save's cost
+    ft               ft_launcher --max-restarts 1000; torch.save to disk every K steps
+    torchrun         torchrun --max-restarts 1000; the same trainer and K
 
 K is Young's first-order optimum, sqrt(2 x save cost x mean time between failures) / step time, from
 the calibration's save cost: the cadence that maximises the baselines' goodput given what a save costs
