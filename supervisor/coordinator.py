@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import json
 import logging
-import socket
 import time
 import weakref
 from typing import Callable
@@ -69,8 +68,8 @@ from supervisor.control_records import (
 )
 from supervisor.job_identity import JobIdentity
 from supervisor.round_plan import compute_plan
-from supervisor.kvstore import OP_TIMEOUT_S, KVStore, StoreUnavailable, TCPKVStore
-from supervisor.liveness import LIVENESS_REFRESH_S, LapseWatch, LivenessBeat, live_key
+from supervisor.kvstore import CONNECT_SLICE_S, OP_TIMEOUT_S, KVStore, StoreUnavailable, TCPKVStore, connect_store
+from supervisor.liveness import BEAT_CONNECT_S, LIVENESS_REFRESH_S, LapseWatch, LivenessBeat, live_key
 from supervisor.signed_keys import AbortKind, AbortNotice, Signed, SignedKeys
 from supervisor.stop_request import StopRequest
 
@@ -83,7 +82,6 @@ HOST_KEY = "rlsup/host"
 ABORT_MAX_AGE_S = 60.0  # an abort written this long before this node started belongs to an earlier run
 ABORT_POLL_S = 0.5  # how often a wait looks at ``abort`` (one more read; the attempt's end is read every poll)
 WAIT_TELL_S = 3.0  # a wait that lasts this long says what it waits for (once), for whoever reads the log
-CONNECT_SLICE_S = 1.0  # the store's connect blocks in torch, deaf to signals: it is tried in slices this long
 REACH_AGAIN_S = OP_TIMEOUT_S  # the run loop's watch of the attempt's end tries a lost store again this often
 
 
@@ -279,11 +277,24 @@ class RoundCoordinator:
         weakref.finalize(self, self.beat.stop)
         self.beat.start()
 
-    def end_first_round(self) -> None:
-        """The job's first attempt launched (or this node joined a job that had one): no beat, no lapse rule."""
-        self.first_round = False
+    def end_first_round(self, clear: bool = False) -> None:
+        """The job's first attempt launched (or this node joined a job that had one): no beat, no lapse rule.
+        ``clear``: this node's run ends inside that round (a stop, a give-up, an error): its beat is deleted,
+        so that a requeued run in a store that outlives it (etcd) never counts it."""
+        was, self.first_round = self.first_round, False
         if self.beat is not None:
-            self.beat.stop()
+            self.beat.stop(wait_s=OP_TIMEOUT_S if clear else 0.0)  # a write under way lands before the delete
+        if clear and was:
+            self.store.delete([self.keys.key(live_key(self.node_rank))])
+
+    def forget_first_round(self) -> None:
+        """After :class:`PeerLost` (and a linger, so that every node saw ``abort``): the job's keys go, ``abort``
+        and the beats with them, so that the requeued run in a store that outlives this one (etcd) starts a
+        fresh first round. Every node that ends so does it (node 0 may be the lost one)."""
+        self.end_first_round()
+        names = ["abort", "base", "round"] + [f"{k}/{n}" for n in range(self.num_nodes) for k in ("live", "join")]
+        self.store.delete([self.keys.key(n) for n in names])  # a store without prefix deletion (TCPStore)
+        self.store.delete_prefix(self.keys.prefix)  # etcd: every key of the round (inventories, plans) too
 
     def _look_at_beats(self) -> None:
         """In the first round: :class:`PeerLost` (and the job's ``abort``) when a registered node's beat lapsed;
@@ -387,15 +398,15 @@ class RoundCoordinator:
         value = self.keys.get(f"end/{attempt}")
         return None if value is None else value.payload
 
-    def reach_again(self) -> None:
+    def reach_again(self) -> bool:
         """For the run loop's watch of a running attempt, after a store call failed: a store connection that
         stalled (the operation timeout gives it up for good) is replaced, so the watch sees another node's end
         again once the store answers instead of going blind until the next join. One bounded try
         (:data:`CONNECT_SLICE_S`, the stop asked) every :data:`REACH_AGAIN_S`; :class:`StoreUnavailable` while
         the store is out of reach (the job's own end decides meanwhile). A store that does not go away (etcd:
-        every call fails over by itself) has nothing to replace."""
+        every call fails over by itself) has nothing to replace: False, and the caller does not ask it again."""
         if self.reconnect is None:
-            return
+            return False
         if time.monotonic() < self._reach_again_at:
             raise StoreUnavailable(f"coordination store {self.describe()}: tried again less than "
                                    f"{REACH_AGAIN_S:.0f}s ago")
@@ -406,6 +417,7 @@ class RoundCoordinator:
         except CoordinationError as e:  # another job's store on node 0's port now: not ours to watch
             self.keys.store = lost
             raise StoreUnavailable(str(e)) from e
+        return True
 
     def abort(self, reason: str, clash: bool = False) -> None:
         """Every node of the job gives up (first writer's reason wins); ``clash``: this node refused to start
@@ -518,27 +530,6 @@ def _fetch_result(value: str, node: int | None) -> FetchResult:
         return FetchResult(error=str(e))
 
 
-def connect_store(host: str, port: int, wait_s: float, stop: StopRequest | None) -> KVStore:
-    """A client of the TCPStore at ``host:port``, waited for up to ``wait_s``. torch's connect blocks in C++
-    where no signal handler runs (and logs a stack trace per retry), so the port is first awaited with
-    plain connects of up to :data:`CONNECT_SLICE_S`, the stop asked between them
-    (:class:`~supervisor.stop_request.StopAsked`); torch connects once the port answers."""
-    deadline = time.monotonic() + wait_s
-    while True:
-        if stop is not None:
-            stop.check(f"the coordination store TCPStore {host}:{port} (node 0) to answer")
-        left = deadline - time.monotonic()
-        try:
-            with socket.create_connection((host, port), timeout=max(0.1, min(CONNECT_SLICE_S, left))):
-                pass
-            return TCPKVStore(host, port, False, max(1.0, min(CONNECT_SLICE_S * 5, left)))
-        except (OSError, StoreUnavailable) as e:
-            if left <= CONNECT_SLICE_S:
-                raise e if isinstance(e, StoreUnavailable) else StoreUnavailable(
-                    f"cannot reach the coordination store TCPStore {host}:{port}: {e}") from e
-            time.sleep(min(CONNECT_SLICE_S / 4, max(0.0, deadline - time.monotonic())))
-
-
 def embedded_coordinator(host: str, port: int, job: JobIdentity, secret: bytes, node_rank: int, num_nodes: int,
                          timeout_s: float, stop: StopRequest | None = None) -> RoundCoordinator:
     """Node 0 hosts a TCPStore on ``port`` and claims it for ``job``; other nodes connect (and reconnect to
@@ -553,7 +544,7 @@ def embedded_coordinator(host: str, port: int, job: JobIdentity, secret: bytes, 
                             "job on these hosts its own coordinator_port") if clash is not None
                    else CoordinationError(str(e))) from e
         coordinator = RoundCoordinator(store, job, secret, node_rank, num_nodes, timeout_s, stop=stop,
-                                       beat_store=lambda: connect_store(host, port, OP_TIMEOUT_S, None))
+                                       beat_store=lambda: connect_store(host, port, BEAT_CONNECT_S, None))
         coordinator.claim_host()
         return coordinator
 
@@ -567,7 +558,7 @@ def embedded_coordinator(host: str, port: int, job: JobIdentity, secret: bytes, 
     except StoreUnavailable as e:
         raise CoordinationError(f"{e} (waited {timeout_s:.0f}s, rendezvous_timeout)") from e
     coordinator = RoundCoordinator(store, job, secret, node_rank, num_nodes, timeout_s, reconnect=connect, stop=stop,
-                                   beat_store=lambda: connect_store(host, port, OP_TIMEOUT_S, None))
+                                   beat_store=lambda: connect_store(host, port, BEAT_CONNECT_S, None))
     coordinator.check_host()
     return coordinator
 

@@ -13,10 +13,14 @@ host is cut off and TCP neither answers nor resets (torch's TCPStore client then
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from datetime import timedelta
-from typing import Callable, Literal, Protocol, Sequence, TypeVar
+from typing import TYPE_CHECKING, Callable, Literal, Protocol, Sequence, TypeVar
+
+if TYPE_CHECKING:
+    from supervisor.stop_request import StopRequest
 
 #: The stores, by the name ``coordinator_backend`` gives them (the config's choices): ``embedded``, the
 #: TCPStore node 0's supervisor hosts (:class:`TCPKVStore`), or ``etcd`` (:mod:`supervisor.kvstore_etcd`);
@@ -27,6 +31,7 @@ CoordinatorBackend = Literal["embedded", "etcd"]
 #: answers nor resets and torch's client waits for ever, holding the run loop (hang detection, rank deaths,
 #: SIGTERM) and every other node's view of the job with it.
 OP_TIMEOUT_S = 5.0
+CONNECT_SLICE_S = 1.0  # the store's connect blocks in torch, deaf to signals: it is tried in slices this long
 T = TypeVar("T")
 
 
@@ -189,3 +194,24 @@ class TCPKVStore:
 
     def close(self) -> None:
         self._store = None  # type: ignore[assignment]  # the TCPStore (and its server) go with the object
+
+
+def connect_store(host: str, port: int, wait_s: float, stop: StopRequest | None) -> KVStore:
+    """A client of the TCPStore at ``host:port``, waited for up to ``wait_s``. torch's connect blocks in C++
+    where no signal handler runs (and logs a stack trace per retry), so the port is first awaited with
+    plain connects of up to :data:`CONNECT_SLICE_S`, the stop asked between them
+    (:class:`~supervisor.stop_request.StopAsked`); torch connects once the port answers."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        if stop is not None:
+            stop.check(f"the coordination store TCPStore {host}:{port} (node 0) to answer")
+        left = deadline - time.monotonic()
+        try:
+            with socket.create_connection((host, port), timeout=max(0.1, min(CONNECT_SLICE_S, left))):
+                pass
+            return TCPKVStore(host, port, False, max(1.0, min(CONNECT_SLICE_S * 5, left)))
+        except (OSError, StoreUnavailable) as e:
+            if left <= CONNECT_SLICE_S:
+                raise e if isinstance(e, StoreUnavailable) else StoreUnavailable(
+                    f"cannot reach the coordination store TCPStore {host}:{port}: {e}") from e
+            time.sleep(min(CONNECT_SLICE_S / 4, max(0.0, deadline - time.monotonic())))

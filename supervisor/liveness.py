@@ -20,9 +20,16 @@ lapse ends the round: the job's ``abort`` (a lost peer) and exit 75 on every nod
   across hosts) is lost.
 
 :data:`LIVENESS_LAPSE_S` is three store operation timeouts (:data:`~supervisor.kvstore.OP_TIMEOUT_S`, 15 s, as
-torch's three missed 5 s beats): a beat whose write stalls (its connection given up after one timeout) and
-whose reconnect stalls once more still writes again within it, so a slow or loaded node, or a stalled
-connection, is never taken for a dead one. After the first attempt
+torch's three missed 5 s beats): a beat whose write stalls (its connection given up after one timeout, 5 s),
+whose reconnect stalls too (bounded by :data:`BEAT_CONNECT_S`, 2.5 s; torch's handshake with a host that
+accepts and never answers takes up to twice its timeout, 5 s) and that waits two refreshes (2 s) still writes
+again within it (12 s), so a slow or loaded node, or a stalled connection, is never taken for a dead one.
+
+A registered node whose beat *vanished* counts as silent (its last beat stays the one seen): the nodes that
+end a round for a lost peer clear its keys (:meth:`~supervisor.coordinator.RoundCoordinator.forget_first_round`,
+so that a requeued run in a store that outlives the job, etcd, never acts on this run's ``abort`` or beats),
+and a node of this run that had not yet looked still ends within the lapse. A node whose run ends otherwise
+(a stop, a give-up, a clash, rlsup's own error) deletes its own beat. After the first attempt
 nothing here runs: a lost node is replaced, or a spare takes over, as before.
 
 Why exit 75 (requeue) on the nodes that are left: nothing was launched and nothing is lost, and the nodes that
@@ -46,6 +53,7 @@ log = logging.getLogger(__name__)
 
 LIVENESS_REFRESH_S = OP_TIMEOUT_S / 5  # how often a node beats, and how often a waiting node looks
 LIVENESS_LAPSE_S = 3 * OP_TIMEOUT_S  # a registered node whose beat stays the same this long is lost
+BEAT_CONNECT_S = OP_TIMEOUT_S / 2  # a beat's reconnect to the embedded store waits this long (see the docstring)
 
 
 def live_key(node: int) -> str:
@@ -88,8 +96,11 @@ class LivenessBeat:
             self._thread = threading.Thread(target=self._run, name=f"rlsup-liveness-{self.node_rank}", daemon=True)
             self._thread.start()
 
-    def stop(self) -> None:
+    def stop(self, wait_s: float = 0.0) -> None:
+        """Ends the beat; ``wait_s``: how long to wait for a write under way (before this beat is deleted)."""
         self._stopped.set()
+        if wait_s > 0 and self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(wait_s)
 
     @property
     def running(self) -> bool:
@@ -143,10 +154,12 @@ class LapseWatch:
         """``beats``: node -> (payload, the writer's signed time) or None (no beat yet); ``now``: the watcher's
         monotonic clock. The first registered node whose beat lapsed, or None."""
         for node, beat in sorted(beats.items()):
-            if beat is None:
+            before = self.seen.get(node)
+            if beat is None:  # no beat yet; or a registered node's vanished: it stays silent since its last one
+                if before is not None and node in self.registered and now - before[1] >= self.lapse_s:
+                    return Lapse(node, Beat.from_payload(before[0]), now - before[1], self.lapse_s)
                 continue
             payload, written = beat
-            before = self.seen.get(node)
             if before is None or before[0] != payload:
                 if before is not None or written >= self.since:
                     self.registered.add(node)
@@ -157,4 +170,4 @@ class LapseWatch:
         return None
 
 
-__all__ = ["LIVENESS_REFRESH_S", "LIVENESS_LAPSE_S", "Beat", "LivenessBeat", "Lapse", "LapseWatch", "live_key"]
+__all__ = ["BEAT_CONNECT_S", "LIVENESS_REFRESH_S", "LIVENESS_LAPSE_S", "Beat", "LivenessBeat", "Lapse", "LapseWatch", "live_key"]

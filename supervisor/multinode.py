@@ -71,6 +71,9 @@ PLAN_TRIES = 8
 # shares the port and connects late reads whose store it is and refuses, instead of waiting for a store
 # that nobody will host again. A stop ends the wait at once.
 CLASH_LINGER_S = 10.0
+# A node that ends the first round for a lost peer clears its keys this long after (supervisor.liveness): by then
+# every node of the round saw ``abort`` (each looks twice a second) or ends on its own lapse rule.
+LOST_LINGER_S = 3.0
 Connect = Callable[[StopRequest], RoundCoordinator]  # reaches the job's store; every wait asks the stop
 _TIER_ORDER = {TIER_MEMORY: -1, TIER_LOCAL: 0, TIER_PEER: 1, TIER_PERSISTENT: 2}
 
@@ -228,13 +231,21 @@ class MultiNodeSupervisor(Supervisor):
                 result = super().run()
             except PeerLost as e:  # before the first attempt: nothing ran, nothing is lost; requeue the job
                 self._log(f"{e}; exiting {exit_codes.REQUEUE} so that the scheduler requeues the job")
-                return self._gave_up_coordinating(e)
+                done = self._gave_up_coordinating(e)
+                self._forget_lost_round()
+                return done
             except CoordinationError as e:
                 self._gave_up_coordinating(e)
                 if isinstance(e, JobClash):
                     self._linger_after_clash()
                 raise
+            except StopAsked:
+                raise
+            except Exception as e:
+                self._tell_peers_of_error(e)
+                raise
         finally:
+            self._leave_first_round()
             self.stop.restore(previous)
         if result.status is JobStatus.SUCCEEDED:
             try:
@@ -259,6 +270,41 @@ class MultiNodeSupervisor(Supervisor):
         except Exception as err:  # noqa: BLE001 - recording is best effort: the error itself must reach the command line
             self._log(f"could not record the give-up: {err}")
             return RunResult(code, JobStatus.GAVE_UP, self.state.attempt or 0, list(self.incidents))
+
+    def _tell_peers_of_error(self, e: Exception) -> None:
+        """rlsup's own error (a bug, a deterministic crash) ends the job for every node as a give-up (exit 1),
+        naming this node and the error: without a word its peers would take it for a node lost in the first
+        round (exit 75, requeued for ever) or wait out ``rendezvous_timeout``. A node that vanishes without a
+        word (SIGKILL, power) is still a lost one."""
+        coordinator = getattr(self, "coordinator", None)
+        if coordinator is None:
+            return
+        why = f"node {self.membership.node_rank}: rlsup failed: {type(e).__name__}: {e}"
+        self._log(f"{why}; ending the job for every node")
+        try:
+            coordinator.abort(why)
+        except Exception as err:  # noqa: BLE001 - the store is gone: the peers' own waits end on that
+            self._log(f"could not tell the other nodes: {err}")
+
+    def _leave_first_round(self) -> None:
+        """A run that ends inside the job's first round (a stop, a give-up, an error) deletes this node's beat:
+        a requeued run in a store that outlives this one (etcd) must not count it (:mod:`supervisor.liveness`)."""
+        coordinator = getattr(self, "coordinator", None)
+        if coordinator is None or not coordinator.first_round:
+            return
+        try:
+            coordinator.end_first_round(clear=True)
+        except Exception as e:  # noqa: BLE001 - the store is gone (the embedded one goes with node 0): nothing stays
+            self._log(f"could not delete this node's liveness beat: {e}")
+
+    def _forget_lost_round(self) -> None:
+        """After :class:`PeerLost`: wait :data:`LOST_LINGER_S` (every node looks at ``abort`` twice a second), then
+        clear the round's keys (:meth:`RoundCoordinator.forget_first_round`). A stop ends the wait at once."""
+        self.stop.wait(LOST_LINGER_S, self.settings.poll_interval)
+        try:
+            self.coordinator.forget_first_round()
+        except Exception as e:  # noqa: BLE001 - the store is gone: the embedded one took its keys with it
+            self._log(f"could not clear the first round's keys: {e}")
 
     def _linger_after_clash(self) -> None:
         """Node 0 of the embedded store, ended by another node's clash: see :data:`CLASH_LINGER_S`."""
@@ -500,7 +546,8 @@ class MultiNodeSupervisor(Supervisor):
                     self._store_lost = True
                     self._log(f"the coordination store {self.coordinator.describe()} is unreachable ({e}); watching "
                               "this node's job only until it answers again")
-                self.coordinator.reach_again()
+                if not self.coordinator.reach_again():  # nothing replaced (etcd): one blocking call per poll
+                    return None
                 ended = self.coordinator.ended(attempt)
         except Exception:  # noqa: BLE001 - the store is gone (node 0 finished or was lost; etcd cut off), or a stop: the watch goes on
             return None
