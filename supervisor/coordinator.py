@@ -69,7 +69,7 @@ from supervisor.control_records import (
 from supervisor.job_identity import JobIdentity
 from supervisor.round_plan import compute_plan
 from supervisor.kvstore import CONNECT_SLICE_S, OP_TIMEOUT_S, KVStore, StoreUnavailable, TCPKVStore, connect_store
-from supervisor.liveness import BEAT_CONNECT_S, LIVENESS_REFRESH_S, LapseWatch, LivenessBeat, live_key
+from supervisor.liveness import LIVENESS_REFRESH_S, LapseWatch, LivenessBeat, beat_connect, live_key
 from supervisor.signed_keys import AbortKind, AbortNotice, Signed, SignedKeys
 from supervisor.stop_request import StopRequest
 
@@ -544,7 +544,7 @@ def embedded_coordinator(host: str, port: int, job: JobIdentity, secret: bytes, 
                             "job on these hosts its own coordinator_port") if clash is not None
                    else CoordinationError(str(e))) from e
         coordinator = RoundCoordinator(store, job, secret, node_rank, num_nodes, timeout_s, stop=stop,
-                                       beat_store=lambda: connect_store(host, port, BEAT_CONNECT_S, None))
+                                       beat_store=beat_connect(host, port))
         coordinator.claim_host()
         return coordinator
 
@@ -558,7 +558,7 @@ def embedded_coordinator(host: str, port: int, job: JobIdentity, secret: bytes, 
     except StoreUnavailable as e:
         raise CoordinationError(f"{e} (waited {timeout_s:.0f}s, rendezvous_timeout)") from e
     coordinator = RoundCoordinator(store, job, secret, node_rank, num_nodes, timeout_s, reconnect=connect, stop=stop,
-                                   beat_store=lambda: connect_store(host, port, BEAT_CONNECT_S, None))
+                                   beat_store=beat_connect(host, port))
     coordinator.check_host()
     return coordinator
 

@@ -21,9 +21,10 @@ lapse ends the round: the job's ``abort`` (a lost peer) and exit 75 on every nod
 
 :data:`LIVENESS_LAPSE_S` is three store operation timeouts (:data:`~supervisor.kvstore.OP_TIMEOUT_S`, 15 s, as
 torch's three missed 5 s beats): a beat whose write stalls (its connection given up after one timeout, 5 s),
-whose reconnect stalls too (bounded by :data:`BEAT_CONNECT_S`, 2.5 s; torch's handshake with a host that
-accepts and never answers takes up to twice its timeout, 5 s) and that waits two refreshes (2 s) still writes
-again within it (12 s), so a slow or loaded node, or a stalled connection, is never taken for a dead one.
+whose reconnect to the embedded store stalls too (one try, :func:`beat_connect`: torch's handshake bounded at
+:data:`BEAT_CONNECT_S` + 1 s, 3 s; an etcd client connects within its write) and that waits two refreshes
+(2 s) still writes again within 10 s, so a slow or loaded node, or a stalled connection, is never taken for a
+dead one.
 
 A registered node whose beat *vanished* counts as silent (its last beat stays the one seen): the nodes that
 end a round for a lost peer clear its keys (:meth:`~supervisor.coordinator.RoundCoordinator.forget_first_round`,
@@ -47,13 +48,18 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable
 
-from supervisor.kvstore import OP_TIMEOUT_S, KVStore
+from supervisor.kvstore import OP_TIMEOUT_S, KVStore, TCPKVStore
 
 log = logging.getLogger(__name__)
 
 LIVENESS_REFRESH_S = OP_TIMEOUT_S / 5  # how often a node beats, and how often a waiting node looks
 LIVENESS_LAPSE_S = 3 * OP_TIMEOUT_S  # a registered node whose beat stays the same this long is lost
-BEAT_CONNECT_S = OP_TIMEOUT_S / 2  # a beat's reconnect to the embedded store waits this long (see the docstring)
+BEAT_CONNECT_S = 2.0  # a beat's reconnect to the embedded store: one try, bounded at this + 1 s (see the docstring)
+
+
+def beat_connect(host: str, port: int) -> Callable[[], KVStore]:
+    """How a beat reaches the embedded store at ``host:port``: one bounded try (the beat itself retries)."""
+    return lambda: TCPKVStore(host, port, False, BEAT_CONNECT_S)
 
 
 def live_key(node: int) -> str:
@@ -170,4 +176,4 @@ class LapseWatch:
         return None
 
 
-__all__ = ["BEAT_CONNECT_S", "LIVENESS_REFRESH_S", "LIVENESS_LAPSE_S", "Beat", "LivenessBeat", "Lapse", "LapseWatch", "live_key"]
+__all__ = ["BEAT_CONNECT_S", "beat_connect", "LIVENESS_REFRESH_S", "LIVENESS_LAPSE_S", "Beat", "LivenessBeat", "Lapse", "LapseWatch", "live_key"]
