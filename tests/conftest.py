@@ -132,6 +132,7 @@ FAST_MODULES: dict[str, frozenset[str]] = {
     "test_direct_save.py": frozenset({"test_writer_killed_while_it_builds_a_direct_step_never_leaves_a_valid_torn_one"}),
     "test_first_round_liveness.py": frozenset(),
     "test_manifest_watch.py": frozenset(),
+    "test_memory_tier_timeline.py": frozenset(),
     "test_recovery_accounting.py": frozenset(),
     "test_sbatch_spares.py": frozenset(),
     "test_tier_metrics.py": frozenset(),
