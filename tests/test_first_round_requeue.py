@@ -85,7 +85,9 @@ def test_a_requeued_run_in_etcd_is_not_ended_by_the_previous_runs_abort_or_beats
 
     second = [coord(0), coord(1)]
     joins = [in_thread(lambda c=c: c.join(0)) for c in second]
-    late = in_thread(lambda: (time.sleep(LAPSE_S * 4), coord(2).join(0))[1])  # starts after a lapse
+    # node 2 starts four lapses late: a delay it is given, not a wait for something (a stale beat of run 1's node 2,
+    # were it counted, would be judged lost meanwhile)
+    late = in_thread(lambda: (time.sleep(LAPSE_S * 4), coord(2).join(0))[1])
     assert [j() for j in joins] + [late()] == [0, 0, 0]
 
 
