@@ -272,12 +272,13 @@ class MultiNodeSupervisor(Supervisor):
             return RunResult(code, JobStatus.GAVE_UP, self.state.attempt or 0, list(self.incidents))
 
     def _tell_peers_of_error(self, e: Exception) -> None:
-        """rlsup's own error (a bug, a deterministic crash) ends the job for every node as a give-up (exit 1),
-        naming this node and the error: without a word its peers would take it for a node lost in the first
-        round (exit 75, requeued for ever) or wait out ``rendezvous_timeout``. A node that vanishes without a
-        word (SIGKILL, power) is still a lost one."""
+        """rlsup's own error (a bug, a deterministic crash) in the job's first round ends the job for every node
+        as a give-up (exit 1), naming this node and the error: without a word its peers would take it for a node
+        lost in the first round (exit 75, requeued for ever). A node that vanishes without a word (SIGKILL,
+        power) is still a lost one; so is a node whose rlsup fails once the job has run: a replacement or a spare
+        takes its place, as for any lost node."""
         coordinator = getattr(self, "coordinator", None)
-        if coordinator is None:
+        if coordinator is None or not coordinator.first_round:
             return
         why = f"node {self.membership.node_rank}: rlsup failed: {type(e).__name__}: {e}"
         self._log(f"{why}; ending the job for every node")
