@@ -131,7 +131,7 @@ FAST_MODULES: dict[str, frozenset[str]] = {
                                      "test_straggler_alert_fires_in_a_real_prometheus"}),
     "test_direct_save.py": frozenset({"test_writer_killed_while_it_builds_a_direct_step_never_leaves_a_valid_torn_one"}),
     "test_first_round_liveness.py": frozenset(),
-    "test_first_round_requeue.py": frozenset({"etcd_cluster", "etcd_cluster_clean"}),  # a real etcd server
+    "test_first_round_requeue.py": frozenset({"etcd_cluster_clean"}),  # a real etcd server
     "test_manifest_watch.py": frozenset(),
     "test_memory_tier_timeline.py": frozenset(),
     "test_recovery_accounting.py": frozenset(),
