@@ -22,7 +22,6 @@ the same script works with every launcher. Under ft_launcher it also reports to 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import time
@@ -31,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+import job_events
 import trainer_hooks
 from trainer_hooks import CheckpointManager
 
@@ -49,27 +49,8 @@ def main() -> None:
     p.add_argument("--fault-attempt", type=int, default=0)
     args = p.parse_args()
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    attempt = int(os.environ.get("RLSUP_RESTART_COUNT") or os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
-    fd = os.open(args.events, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-
-    def emit(ev: str, **kw: object) -> None:
-        kw.update(ev=ev, t=time.monotonic(), rank=rank, attempt=attempt, pid=os.getpid())
-        os.write(fd, (json.dumps(kw) + "\n").encode())
-
-    emit("start")
-    torch.set_num_threads(1)
-    if world > 1:
-        dist.init_process_group("gloo")
-    if rank == 0:
-        emit("rendezvous")
-    nvrx = None
-    if os.environ.get("FT_RANK_MONITOR_IPC_SOCKET"):
-        from nvidia_resiliency_ext.fault_tolerance import RankMonitorClient
-
-        nvrx = RankMonitorClient()
-        nvrx.init_workload_monitoring()
+    job = job_events.start(args.events)
+    rank, world, attempt, emit = job.rank, job.world, job.attempt, job.emit
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 1))
@@ -94,8 +75,7 @@ def main() -> None:
         time.sleep(args.step_time)
         step += 1
         trainer_hooks.heartbeat(step)
-        if nvrx is not None:
-            nvrx.send_heartbeat()
+        job.heartbeat()
         if rank == 0:
             emit("step", step=step, dur=time.monotonic() - t0)
         if step % args.checkpoint_every == 0:
@@ -112,12 +92,7 @@ def main() -> None:
                 while True:
                     time.sleep(1)
     ckpt.wait()
-    if nvrx is not None:
-        nvrx.shutdown_workload_monitoring()
-    if world > 1:
-        dist.barrier()
-        dist.destroy_process_group()
-    emit("done", step=step)
+    job.finish(step)
 
 
 if __name__ == "__main__":

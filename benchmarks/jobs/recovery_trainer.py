@@ -22,7 +22,6 @@ rendezvous, resumed (step), step (step, dur: compute + all-reduce + optimizer, s
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import time
@@ -32,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+import job_events
 import trainer_hooks
 from trainer_hooks import CheckpointManager
 
@@ -97,27 +97,8 @@ def parse() -> argparse.Namespace:
 
 def main() -> None:
     args = parse()
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    attempt = int(os.environ.get("RLSUP_RESTART_COUNT") or os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
-    fd = os.open(args.events, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-
-    def emit(ev: str, **kw: object) -> None:
-        kw.update(ev=ev, t=time.monotonic(), rank=rank, attempt=attempt, pid=os.getpid())
-        os.write(fd, (json.dumps(kw) + "\n").encode())
-
-    emit("start")
-    torch.set_num_threads(1)
-    if world > 1:
-        dist.init_process_group("gloo")
-    if rank == 0:
-        emit("rendezvous")
-    nvrx = None
-    if os.environ.get("FT_RANK_MONITOR_IPC_SOCKET"):
-        from nvidia_resiliency_ext.fault_tolerance import RankMonitorClient
-
-        nvrx = RankMonitorClient()
-        nvrx.init_workload_monitoring()
+    job = job_events.start(args.events)
+    rank, world, emit = job.rank, job.world, job.emit
 
     torch.manual_seed(0)
     w = args.width
@@ -148,8 +129,7 @@ def main() -> None:
         optimizer.step()
         step += 1
         trainer_hooks.heartbeat(step)
-        if nvrx is not None:
-            nvrx.send_heartbeat()
+        job.heartbeat()
         if rank == 0:
             emit("step", step=step, dur=time.monotonic() - t0)
         if args.checkpoint_every and step % args.checkpoint_every == 0:
@@ -161,12 +141,7 @@ def main() -> None:
             if rank == 0:
                 emit("save", step=step, dur=time.monotonic() - t1)
     ckpt.wait()
-    if nvrx is not None:
-        nvrx.shutdown_workload_monitoring()
-    if world > 1:
-        dist.barrier()
-        dist.destroy_process_group()
-    emit("done", step=step)
+    job.finish(step)
 
 
 if __name__ == "__main__":
