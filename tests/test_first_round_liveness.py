@@ -7,11 +7,11 @@ that ends at all ended on the rule. Also the lapse rule itself (:class:`LapseWat
 
 from __future__ import annotations
 
-import threading
 from typing import Callable
 
 from support.waits import wait_for
 
+from support import waits
 from supervisor.control_records import NodeInventory
 from supervisor.coordinator import PeerLost, RoundCoordinator, compute_plan, embedded_coordinator
 from supervisor.job_identity import JobIdentity
@@ -33,23 +33,7 @@ def node(port: int, rank: int, nodes: int = 3) -> RoundCoordinator:
 
 
 def in_thread(call: Callable[[], object]) -> Callable[[], object]:
-    """Start ``call`` now; the returned call waits (PROMPT_S) for what it returned or raised."""
-    out: list[object] = []
-
-    def body() -> None:
-        try:
-            out.append(call())
-        except BaseException as e:  # handed to the test
-            out.append(e)
-
-    t = threading.Thread(target=body, daemon=True)
-    t.start()
-
-    def result() -> object:
-        t.join(PROMPT_S)
-        assert not t.is_alive() and out, f"the wait did not end within {PROMPT_S}s"
-        return out[0]
-    return result
+    return waits.in_thread(call, PROMPT_S)
 
 
 def joined(port: int) -> list[RoundCoordinator]:

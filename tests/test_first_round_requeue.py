@@ -8,7 +8,6 @@ never a timed assertion."""
 
 from __future__ import annotations
 
-import threading
 import time
 import types
 from pathlib import Path
@@ -20,6 +19,7 @@ from etcd_cluster import EtcdCluster, etcd_cluster_clean, shared_etcd_cluster  #
 from support.fake_run_loop import FakeProcesses, Recorder
 from support.ports import free_ports
 
+from support import waits
 from supervisor.config import SupervisorConfig
 from supervisor.control_records import NodeInventory
 from supervisor.coordinator import CoordinationError, PeerLost, RoundCoordinator, embedded_coordinator
@@ -37,23 +37,7 @@ PROMPT_S = 30.0
 
 
 def in_thread(call: Callable[[], object]) -> Callable[[], object]:
-    """Start ``call`` now; the returned call waits (PROMPT_S) for what it returned or raised."""
-    out: list[object] = []
-
-    def body() -> None:
-        try:
-            out.append(call())
-        except BaseException as e:  # handed to the test
-            out.append(e)
-
-    t = threading.Thread(target=body, daemon=True)
-    t.start()
-
-    def result() -> object:
-        t.join(PROMPT_S)
-        assert not t.is_alive() and out, f"the wait did not end within {PROMPT_S}s"
-        return out[0]
-    return result
+    return waits.in_thread(call, PROMPT_S)
 
 
 def test_a_requeued_run_in_etcd_is_not_ended_by_the_previous_runs_abort_or_beats(
