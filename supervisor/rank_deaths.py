@@ -21,6 +21,9 @@ import signal
 from dataclasses import dataclass
 from typing import Iterable
 
+#: What a launcher sends the ranks left when one failed (torchrun's and ft_launcher's teardown): a rank
+#: ended by one of these is the failure's consequence far more often than its cause.
+TEARDOWN_SIGNALS = frozenset({"SIGTERM", "SIGINT", "SIGHUP"})
 #: 0-based index of ``exit_code`` among the fields after the command name in /proc/<pid>/stat.
 _EXIT_CODE_FIELD = 49  # field 52 of proc(5); fields 1-2 (pid, comm) are split off first
 
@@ -68,6 +71,15 @@ def death_from_status(rank: int, pid: int, status: int) -> RankDeath | None:
     return RankDeath(rank, pid, code, None) if code != 0 else None
 
 
+def cause_first(death: RankDeath) -> tuple[int, int]:
+    """Among ranks found dead together, the likely cause first: a signal other than a launcher's teardown
+    (SIGKILL, SIGSEGV, SIGABRT ...), then a non-zero exit (a peer failing its collective), then a teardown
+    signal; the lowest rank among equals."""
+    if death.signal is None:
+        return 1, death.rank
+    return (2 if death.signal in TEARDOWN_SIGNALS else 0), death.rank
+
+
 class RankDeathWatch:
     """pidfds for an attempt's ranks; :meth:`wait` is the run loop's sleep, cut short by a rank's death."""
 
@@ -96,17 +108,20 @@ class RankDeathWatch:
         if not readable:
             return None
         # Every rank that is gone by now, not only the first fd: when one rank is SIGKILLed its peers
-        # fail their collective and exit 1 a moment later, and the one killed by a signal is the cause.
+        # fail their collective and exit 1 a moment later, or its launcher SIGTERMs them (cause_first).
         readable, _, _ = select.select(list(self._fds), [], [], 0)
-        deaths = []
+        deaths, unknown = [], False
         for fd in readable:
             rank, pid = self._fds.pop(fd)
             status = zombie_status(pid)
             os.close(fd)
+            unknown = unknown or status is None
             death = death_from_status(rank, pid, status) if status is not None else None
             if death is not None:
                 deaths.append(death)
-        return min(deaths, key=lambda d: (d.signal is None, d.rank)) if deaths else None
+        if unknown and all(d.signal in TEARDOWN_SIGNALS for d in deaths):
+            return None  # the cause may be the rank its launcher already reaped: the launcher's report says
+        return min(deaths, key=cause_first) if deaths else None
 
     def close(self) -> None:
         for fd in self._fds:

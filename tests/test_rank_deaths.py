@@ -68,3 +68,45 @@ def test_a_reaped_rank_claims_nothing() -> None:
     watch.track([(0, proc.pid)])
     proc.wait()  # its parent reaped it first: the status is gone, the launcher's report will classify it
     assert watch.wait(1) is None
+
+
+def test_the_signalled_rank_is_named_before_the_ranks_its_launcher_terminated() -> None:
+    """ft_launcher and torchrun SIGTERM the ranks left when one dies: rank 0 ended by that teardown is not
+    the cause, rank 1 SIGKILLed is (the lower rank used to win between two signals)."""
+    terminated = spawn("import time; time.sleep(60)")
+    victim = spawn("import time; time.sleep(60)")
+    os.kill(victim.pid, signal.SIGKILL)
+    os.kill(terminated.pid, signal.SIGTERM)
+    until_zombie(terminated), until_zombie(victim)
+    watch = RankDeathWatch()
+    watch.track([(0, terminated.pid), (1, victim.pid)])
+    death = watch.wait(1)
+    assert death is not None and (death.rank, death.signal) == (1, "SIGKILL")
+    terminated.wait(), victim.wait()
+    watch.close()
+
+
+def test_only_terminated_ranks_beside_a_reaped_one_claim_nothing() -> None:
+    """The rank that failed first was reaped by its launcher before rlsup read it; the one left was ended by
+    the launcher's SIGTERM: naming it would blame the teardown, so the launcher's report decides."""
+    reaped = spawn("import sys; sys.exit(3)")
+    terminated = spawn("import time; time.sleep(60)")
+    os.kill(terminated.pid, signal.SIGTERM)
+    until_zombie(terminated)
+    watch = RankDeathWatch()
+    watch.track([(0, terminated.pid), (1, reaped.pid)])
+    reaped.wait()
+    assert watch.wait(1) is None
+    terminated.wait()
+    watch.close()
+
+
+def test_a_rank_terminated_alone_is_still_named() -> None:
+    proc = spawn("import time; time.sleep(60)")
+    os.kill(proc.pid, signal.SIGTERM)
+    until_zombie(proc)
+    watch = RankDeathWatch()
+    watch.track([(0, proc.pid)])
+    assert watch.wait(1) == RankDeath(0, proc.pid, None, "SIGTERM")
+    proc.wait()
+    watch.close()
