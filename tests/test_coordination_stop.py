@@ -19,7 +19,7 @@ from typing import Callable
 import pytest
 
 from support.fake_run_loop import FakeProcesses, Recorder
-from support.waits import wait_for
+from support.waits import in_thread, wait_for
 
 from supervisor import exit_codes
 from supervisor.config import SupervisorConfig
@@ -198,22 +198,12 @@ def test_a_plain_abort_ends_a_wait_as_a_coordination_error() -> None:
 
 def ends_with_later(wait: Callable[[], object]) -> Callable[[], BaseException]:
     """Start ``wait`` in a thread now; the returned call waits (PROMPT_S) for the exception it ended with."""
-    out: list[BaseException] = []
-
-    def body() -> None:
-        try:
-            wait()
-        except BaseException as e:  # handed to the test
-            out.append(e)
-
-    t = threading.Thread(target=body, daemon=True)
-    t.start()
+    ended = in_thread(wait, PROMPT_S)
 
     def result() -> BaseException:
-        t.join(PROMPT_S)
-        assert not t.is_alive(), f"the wait did not end within {PROMPT_S}s of the stop"
-        assert out, "the wait returned instead of ending on the stop"
-        return out[0]
+        out = ended()
+        assert isinstance(out, BaseException), f"the wait returned {out!r} instead of ending on the stop"
+        return out
     return result
 
 

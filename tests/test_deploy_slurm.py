@@ -16,7 +16,6 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Iterator
 
@@ -24,7 +23,7 @@ import pytest
 
 from support.env import ROOT, clean_env
 from support.ports import free_ports
-from support.slurm_cluster import TOOLS, Cluster
+from support.slurm_cluster import TOOLS, Cluster, running_cluster
 from support.waits import wait_for
 
 SBATCH = ROOT / "deploy" / "slurm" / "rlsup.sbatch"
@@ -49,18 +48,8 @@ def test_sbatch_script_syntax() -> None:
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
-    root = Path(tempfile.mkdtemp(prefix="rlsup-slurm-", dir="/tmp"))
-    root.chmod(0o755)
-    c = Cluster(root)
-    try:
-        c.start()
+    with running_cluster("rlsup-slurm-") as c:
         yield c
-    except BaseException:
-        print(c.logs())
-        raise
-    finally:
-        c.stop()
-        shutil.rmtree(root, ignore_errors=True)
 
 
 def submit(cluster: Cluster, job_dir: Path, master_port: int, **extra_env: str) -> str:

@@ -12,11 +12,9 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Iterator
 
@@ -25,7 +23,7 @@ import pytest
 from support.cluster import assert_same_weights, reference_weights
 from support.env import ROOT, clean_env
 from support.ports import free_ports
-from support.slurm_cluster import Cluster, missing_tools
+from support.slurm_cluster import Cluster, missing_tools, running_cluster
 from support.waits import wait_for
 
 SBATCH = ROOT / "deploy" / "slurm" / "rlsup.sbatch"
@@ -52,18 +50,8 @@ def soak_only(request: pytest.FixtureRequest) -> None:
 
 @pytest.fixture
 def cluster(soak_only: None) -> Iterator[Cluster]:
-    root = Path(tempfile.mkdtemp(prefix="rlsup-slurm-spares-", dir="/tmp"))
-    root.chmod(0o755)
-    c = Cluster(root, nodes=JOB_NODES + SPARES)
-    try:
-        c.start()
+    with running_cluster("rlsup-slurm-spares-", nodes=JOB_NODES + SPARES) as c:
         yield c
-    except BaseException:
-        print(c.logs())
-        raise
-    finally:
-        c.stop()
-        shutil.rmtree(root, ignore_errors=True)
 
 
 def submit(cluster: Cluster, job_dir: Path) -> str:

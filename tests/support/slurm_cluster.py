@@ -13,7 +13,10 @@ import shutil
 import signal
 import socket
 import subprocess
+import tempfile
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 from support.env import clean_env
 from support.ports import free_ports
@@ -144,3 +147,21 @@ PartitionName=test Nodes={node_list} Default=YES MaxTime=INFINITE State=UP
             out.append(f"--- {p.name} ---\n{p.read_text(errors='replace')[-2500:]}")
         return "\n".join(out)
 
+
+
+@contextmanager
+def running_cluster(prefix: str, nodes: int = 1) -> Iterator[Cluster]:
+    """A started cluster in its own directory under /tmp (short paths for munge's socket), its logs printed
+    when the test fails, stopped and removed after."""
+    root = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    root.chmod(0o755)
+    c = Cluster(root, nodes=nodes)
+    try:
+        c.start()
+        yield c
+    except BaseException:
+        print(c.logs())
+        raise
+    finally:
+        c.stop()
+        shutil.rmtree(root, ignore_errors=True)
