@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from supervisor.job_identity import JobIdentity
     from supervisor.stop_request import StopRequest
     from supervisor.node_service import NodeService
+    from supervisor.warm_start import WarmStarts
 
 from supervisor.membership import Membership
 
@@ -85,7 +86,8 @@ def _run_multinode(cfg: SupervisorConfig, command: list[str], membership: Member
     early = StopRequest(signal_named(cfg.preempt_signal))  # from here on a signal is a stop, never a kill
     previous = early.install()
 
-    def run_node(membership: Membership, seat: SpareSeat | None, hosted: "RoundCoordinator | None") -> int:
+    def run_node(membership: Membership, seat: SpareSeat | None, hosted: "RoundCoordinator | None",
+                 warm: "WarmStarts | None" = None) -> int:
         rlsup_log.set_context(node=membership.node_rank)
         try:
             service = start_service(cfg, membership, observer, serve=daemon_running(Path(cfg.state_dir)) is None,
@@ -96,7 +98,7 @@ def _run_multinode(cfg: SupervisorConfig, command: list[str], membership: Member
         try:
             assert service.engine is not None
             supervisor = MultiNodeSupervisor(cfg, command, membership, service.engine, observer, job=job,
-                                             coordinator=hosted, stopped_early=early, spares=seat,
+                                             coordinator=hosted, stopped_early=early, spares=seat, warm=warm,
                                              connect=None if hosted else lambda stop: connect_coordinator(
                                                  cfg, membership, job, secret, stop))
             if hosted is not None:
@@ -122,7 +124,7 @@ def _run_multinode(cfg: SupervisorConfig, command: list[str], membership: Member
         if roster.role(membership.node_rank) is NodeRole.WORKER:
             return run_node(roster.membership(membership.node_rank), SpareSeat(roster), None)
         spare = SpareRun(cfg, roster, membership.node_rank, job, secret, lambda view, stop: connect_coordinator(
-            cfg, view, job, secret, stop), early, observer or Observer())
+            cfg, view, job, secret, stop), early, observer or Observer(), command)
         try:
             return spare.run(run_node)
         except CoordinationError as e:

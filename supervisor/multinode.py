@@ -59,6 +59,7 @@ from supervisor.tiers.resume import ResumePoint
 from supervisor.attempt_end import AttemptResult
 from supervisor.runner import AttemptAbandoned, JobStatus, RunResult, Supervisor
 from supervisor.stop_request import StopAsked, StopRequest
+from supervisor.warm_start import WarmStarts
 from supervisor.tiers.resume import TIER_LOCAL, TIER_MEMORY, TIER_PEER, TIER_PERSISTENT
 from rlsup_format.manifest import ManifestError, manifest_name, step_dir_name
 
@@ -127,11 +128,12 @@ class MultiNodeSupervisor(Supervisor):
                  engine: ReplicationEngine, observer: Observer | None = None, *, job: JobIdentity,
                  coordinator: RoundCoordinator | None = None, connect: Connect | None = None,
                  processes: ProcessLayer | None = None, stopped_early: StopRequest | None = None,
-                 spares: SpareSeat | None = None) -> None:
+                 spares: SpareSeat | None = None, warm: WarmStarts | None = None) -> None:
         """``coordinator``: the job's store, reached; or ``connect``, which :meth:`run` calls once the stop
         handlers are installed (SIGTERM while the store is awaited then stops rlsup as anywhere else).
         ``stopped_early``: the handlers the command line installed before this node's start-up (the
-        service, this object): a stop they took is this run's."""
+        service, this object): a stop they took is this run's. ``warm``: a spare's launcher, armed while it
+        waited, used (and discarded at the end) instead of a fresh one: its first attempt here starts warm."""
         master = membership.peers[0].rpartition(":")[0]
         pinned = pin_ranks(command, membership.node_rank, membership.size, master)
         # The tiers are this node's (node 0 alone starts and prunes persistent steps; the memory tier holds
@@ -143,6 +145,9 @@ class MultiNodeSupervisor(Supervisor):
         self._connect = connect
         self._stopped_early = stopped_early
         self.spares = spares  # the job has spare nodes: this node's claim on its rank is checked at every join
+        if warm is not None:
+            warm.adopt(self.command, self._log)
+            self.warm = warm
         if pinned.note:
             self._log(pinned.note)
         self._store_lost = False

@@ -46,6 +46,19 @@ from supervisor.warm_start import WarmStarts
 log = logging.getLogger(__name__)
 
 
+def launch_env(settings: RunSettings) -> dict[str, str]:
+    """Every attempt's environment before its own variables (attempt, directories, resume step, memory tier).
+    All of it that acts at interpreter start or import is set here, so a warm launcher armed before any attempt
+    (a waiting spare's, :mod:`supervisor.spare_run`) starts its ranks as the attempt's own would start."""
+    from supervisor.flight_recorder import job_env as flight_recorder_env
+
+    env = dict(os.environ)
+    env.update(flight_recorder_env(env))  # PyTorch's Flight Recorder on, unless the user sized it (0: off)
+    if settings.progress or settings.progress_regex:  # progress is read from the output: as printed
+        env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
 class AttemptAbandoned(Exception):
     """Raised by :meth:`Supervisor.prepare`: the attempt is over before launch (another node ended it);
     nothing is launched, and it counts as a failed attempt (``peer_failure``) for the restart policy."""
@@ -343,8 +356,7 @@ class Supervisor:
         self.choose_resume()
 
     def attempt_env(self, attempt: int, resume: ResumePoint | None, hb_dir: Path) -> dict[str, str]:
-        env = dict(os.environ)
-        from supervisor.flight_recorder import job_env as flight_recorder_env
+        env = launch_env(self.settings)
         from supervisor.tiers.memory_tier import ENV_NAMES as MEMORY_ENV
 
         for key in ("RLSUP_RESUME_DIR", "RLSUP_RESUME_STEP", *MEMORY_ENV):
@@ -360,9 +372,6 @@ class Supervisor:
             ENV_JOB_ID: self.job.id,
         })
         env.setdefault(ERROR_FILE_ENV, str(error_file_for(hb_dir)))  # torchrun's failure report, unless the user's
-        env.update(flight_recorder_env(env))  # PyTorch's Flight Recorder on, unless the user sized it (0: off)
-        if self.settings.progress or self.settings.progress_regex:  # progress is read from the output: as printed
-            env.setdefault("PYTHONUNBUFFERED", "1")
         if self.settings.resume:
             # The step every rank must load, or empty for "start fresh": trainer_hooks never picks another
             # step on its own under rlsup (a rank quietly starting over loses the run). Not set with
@@ -427,4 +436,4 @@ class Supervisor:
         log.info(message)
 
 
-__all__ = ["Supervisor", "AttemptAbandoned", "RunResult", "JobStatus"]
+__all__ = ["Supervisor", "AttemptAbandoned", "RunResult", "JobStatus", "launch_env"]

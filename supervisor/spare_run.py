@@ -3,6 +3,11 @@
 The spare connects to the job's store as an observer (signing as its own index in ``peers``), watches the
 rounds, claims a lost slot, and hands over to the ordinary node run (``run_node``) with the slot's
 membership; the replicas of the slot are fetched by the round as a replacement node's are.
+
+While it waits, the spare holds its first attempt's warm launcher (:mod:`supervisor.warm_start`: torchrun
+imported, ``nproc_per_node`` warm ranks with torch imported), armed with the start-up environment every
+attempt gets (:func:`supervisor.runner.launch_env`), and hands it to the node run: a takeover does not pay a
+cold start (a fresh interpreter and ``import torch`` in torchrun and in every rank) after the loss.
 """
 
 from __future__ import annotations
@@ -10,7 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 from supervisor import exit_codes
 from supervisor.config import SupervisorConfig
@@ -19,14 +24,17 @@ from supervisor.job_identity import JobIdentity
 from supervisor.kvstore import StoreUnavailable
 from supervisor.membership import Membership
 from supervisor.observer import Observer
+from supervisor.run_settings import RunSettings
+from supervisor.runner import launch_env
 from supervisor.spares import (Claim, NodeRole, Roster, SpareSeat, moved_slots, spares_left, taken_over, try_claim,
                               watch_for_slot)
 from supervisor.stop_request import StopAsked, StopRequest
+from supervisor.warm_start import WarmStarts
 
 log = logging.getLogger(__name__)
 
-# (membership of the slot taken, the seat, the store when this spare hosts it) -> exit code
-RunNode = Callable[[Membership, SpareSeat, RoundCoordinator | None], int]
+# (membership of the slot taken, the seat, the store when this spare hosts it, the armed launcher) -> exit code
+RunNode = Callable[[Membership, SpareSeat, RoundCoordinator | None, WarmStarts], int]
 Connect = Callable[[Membership, StopRequest], RoundCoordinator]
 
 
@@ -42,19 +50,34 @@ class SpareRun:
     connect: Connect
     stop: StopRequest
     observer: Observer
+    command: Sequence[str] = ()  # the job's command (as typed: the node run pins it to the rank taken)
 
     def run(self, run_node: RunNode) -> int:
         self.observer.node_role(NodeRole.SPARE.value, self.roster.spares)
+        warm = self._warm_up()
         try:
-            taken = self._wait_for_slot()
-        except StopAsked as e:
-            log.info("spare %s: %s; it took no node rank", self.roster.peers[self.node_rank], e)
-            return e.exit_code
-        if taken is None:
-            log.info("spare %s: the job finished without needing this spare", self.roster.peers[self.node_rank])
-            return exit_codes.OK
-        claim, membership, hosted = taken
-        return run_node(membership, SpareSeat(self.roster, claim.gen), hosted)
+            try:
+                taken = self._wait_for_slot()
+            except StopAsked as e:
+                log.info("spare %s: %s; it took no node rank", self.roster.peers[self.node_rank], e)
+                return e.exit_code
+            if taken is None:
+                log.info("spare %s: the job finished without needing this spare", self.roster.peers[self.node_rank])
+                return exit_codes.OK
+            claim, membership, hosted = taken
+            return run_node(membership, SpareSeat(self.roster, claim.gen), hosted, warm)
+        finally:
+            warm.discard()  # every way out, errors included: the spare's launcher never outlives it
+
+    def _warm_up(self) -> WarmStarts:
+        """The first attempt's launcher, armed now (``warm_launcher`` on, a torchrun command): the loss of a node
+        is then followed by a warm start on this spare, as a restart on the other nodes is."""
+        settings = RunSettings.from_config(self.cfg)
+        warm = WarmStarts(self.command, settings.warm_launcher, settings.warm_imports,
+                          lambda line: log.info("spare %s: %s", self.roster.peers[self.node_rank], line),
+                          settings.warm_cuda)
+        warm.arm(launch_env(settings), budget_left=True)
+        return warm
 
     def _wait_for_slot(self) -> tuple[Claim, Membership, RoundCoordinator | None] | None:
         """The claim, the slot's membership and (node 0 re-hosted here) the store; None: the job is done."""

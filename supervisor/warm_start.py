@@ -21,10 +21,17 @@ class WarmStarts:
         self.command, self.enabled, self.warm_imports, self.log = list(command), enabled, tuple(warm_imports), log
         self.warm_cuda = warm_cuda
         self._zygote: Zygote | None = None
+        self._armed: list[str] = []  # the command the waiting launcher was armed for
+
+    def adopt(self, command: Sequence[str], log: Callable[[str], None]) -> None:
+        """A new owner goes on with this launcher (a spare that became a node: its command is now pinned to the
+        node rank it took). The waiting launcher keeps what it was armed for; :meth:`start` hands it the
+        attempt's own torchrun arguments, and later ones are armed for ``command``."""
+        self.command, self.log = list(command), log
 
     def arm(self, env: dict[str, str], budget_left: bool) -> None:
-        """Pre-spawn the next attempt's job root while this one runs. Not when this attempt's failure
-        would end the run anyway (``budget_left`` False: max_restarts used up)."""
+        """Pre-spawn the next attempt's job root while this one runs (or while a spare waits for a rank). Not when
+        this attempt's failure would end the run anyway (``budget_left`` False: max_restarts used up)."""
         if not self.enabled or self._zygote is not None or not budget_left:
             return
         spec = warm_spec(self.command, env)
@@ -32,6 +39,7 @@ class WarmStarts:
             return
         try:
             self._zygote = Zygote(spec, env, warm_imports=self.warm_imports, warm_cuda=self.warm_cuda)
+            self._armed = list(self.command)
         except (OSError, subprocess.SubprocessError) as e:
             self.log(f"warm launcher not started ({e}); restarts launch cold")
             return
@@ -45,7 +53,8 @@ class WarmStarts:
         if zygote is None:
             return None
         age = time.monotonic() - zygote.spawned
-        spec = warm_spec(argv, env) if argv != self.command else None  # the filled placeholders' torchrun args
+        # The attempt's torchrun args where they differ from those armed (filled placeholders, a spare's pinned rank)
+        spec = warm_spec(argv, env) if argv != self._armed else None
         try:
             job = zygote.start(spec.args if spec is not None else None, env, os.getcwd(), log_path, tail_lines)
         except Exception as e:  # noqa: BLE001 - whatever went wrong, the cold launch still can

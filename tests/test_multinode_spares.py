@@ -20,7 +20,7 @@ import pytest
 from etcd_cluster import EtcdCluster, etcd_cluster  # noqa: F401 - the fixture
 from support.cluster import assert_same_weights, reference_weights, rlsup_resumes, trainer_starts
 from support.spares_cluster import (JOB_NODES, RANKS_PER_NODE, SpareCluster, first_step_after, logged_at,
-                                    newest_complete, ranks_of, replicated, took_rank)
+                                    newest_complete, ranks_of, replicated, takeover_start, took_rank)
 from support.waits import wait_for
 
 SPARE = JOB_NODES  # the spare's node rank in peers
@@ -52,8 +52,18 @@ def _lose(cluster: SpareCluster, lost: int, watch: int, step: int) -> tuple[int,
     started = first_step_after(cluster, watch, before, 180)
     took = logged_at(cluster.log(SPARE), "took node rank")
     print(f"node {lost} lost: spare took its rank after {(took or lost_at) - lost_at:.1f}s; "
-          f"next attempt started after {started - lost_at:.1f}s")
+          f"next attempt started after {started - lost_at:.1f}s ({_phases(cluster, lost_at, 1 if lost == 0 else 0)})")
     return complete, started - lost_at
+
+
+def _phases(cluster: SpareCluster, lost_at: float, survivor: int) -> str:
+    """When (after the loss) the rlsup logs say each step of the takeover happened: measured, never asserted."""
+    spare = cluster.log(SPARE)
+    marks = [("survivor's attempt ended", logged_at(cluster.log(survivor), r"attempt \d+ failed")),
+             ("spare took the rank", logged_at(spare, "took node rank")),
+             ("spare fetching parts", logged_at(spare, r"attempt \d+: fetching ranks")),
+             ("spare launched", logged_at(spare, r"attempt \d+: launching"))]
+    return ", ".join(f"{name} +{at - lost_at:.1f}s" for name, at in marks if at is not None)
 
 
 def _run_and_lose(cluster: SpareCluster, lost: int, step: int = 9,
@@ -77,6 +87,15 @@ def _resumed(log: str) -> list[int]:
     return starts
 
 
+def _assert_started_warm(spare_log: str) -> None:
+    """The spare's first attempt as a node came from the launcher it armed while waiting: torchrun and every
+    rank warm (no cold interpreter and ``import torch`` after the loss; issue 31)."""
+    said = takeover_start(spare_log)
+    assert any("started by the warm launcher" in line for line in said), said or spare_log[-4000:]
+    assert any(f"{RANKS_PER_NODE} local rank(s) started from warm ranks" in line for line in said), said
+    assert not any("launching cold" in line for line in said), said
+
+
 def test_spare_takes_node_2_after_its_loss_bit_identical(tmp_path: Path) -> None:
     ref = reference_weights(tmp_path, nodes=WORLD, train_args=TRAIN_ARGS)
     cluster = SpareCluster(tmp_path, train_args=TRAIN_ARGS)
@@ -84,6 +103,7 @@ def test_spare_takes_node_2_after_its_loss_bit_identical(tmp_path: Path) -> None
     spare_log = cluster.log(SPARE)
     assert took_rank(spare_log) == 2, spare_log[-4000:]
     assert f"fetching ranks {ranks_of(2)}" in spare_log, spare_log[-4000:]
+    _assert_started_warm(spare_log)
     assert_same_weights(cluster.node_dir(0) / cluster.out_name, ref)
     assert _resumed(cluster.log(0))[-1] >= complete > 0, (complete, cluster.log(0)[-4000:])
     assert "node rank 2 is now the spare" in cluster.log(1), cluster.log(1)[-4000:]  # node 1 replicates to it
@@ -97,6 +117,7 @@ def test_spare_takes_node_0_after_its_loss_bit_identical(tmp_path: Path) -> None
     spare_log = cluster.log(SPARE)
     assert took_rank(spare_log) == 0, spare_log[-4000:]
     assert "hosting the coordination store" in spare_log, spare_log[-4000:]
+    _assert_started_warm(spare_log)
     assert_same_weights(cluster.node_dir(SPARE) / cluster.out_name, ref)
     assert _resumed(spare_log)[0] >= complete > 0, (complete, spare_log[-4000:])
 

@@ -65,6 +65,20 @@ def took_rank(log: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def takeover_start(log: str) -> list[str]:
+    """How the spare's first launched attempt after taking a rank started, as its log says: the warm launcher's
+    line (or why it was not used) and the warm ranks' (how many became workers, or why one launched cold)."""
+    after = log[log.find("took node rank"):]
+    launches = list(re.finditer(r"attempt (\d+): launching", after))
+    if not launches:
+        return []
+    end = launches[1].start() if len(launches) > 1 else len(after)
+    own = f"attempt {launches[0].group(1)}: "
+    return [line for line in after[launches[0].start():end].splitlines()
+            if own + "started by the warm launcher" in line or own + "warm launcher" in line
+            or "[rlsup] warm ranks: " in line]
+
+
 def logged_at(log: str, pattern: str) -> float | None:
     """The wall-clock time (epoch seconds) of the first rlsup log line matching ``pattern``."""
     m = re.search(r"^(\S+Z) .*" + pattern, log, re.M)
