@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Sequence
 
 from supervisor import exit_codes
@@ -24,6 +25,7 @@ from supervisor.job_identity import JobIdentity
 from supervisor.kvstore import StoreUnavailable
 from supervisor.membership import Membership
 from supervisor.observer import Observer
+from supervisor.process_tree import ProcessLayer
 from supervisor.run_settings import RunSettings
 from supervisor.runner import launch_env
 from supervisor.spares import (Claim, NodeRole, Roster, SpareSeat, moved_slots, spares_left, taken_over, try_claim,
@@ -54,7 +56,9 @@ class SpareRun:
 
     def run(self, run_node: RunNode) -> int:
         self.observer.node_role(NodeRole.SPARE.value, self.roster.spares)
-        warm = self._warm_up()
+        settings = RunSettings.from_config(self.cfg.resolved())
+        processes = self._guard(settings.state_dir)
+        warm = self._warm_up(settings)
         try:
             try:
                 taken = self._wait_for_slot()
@@ -68,11 +72,23 @@ class SpareRun:
             return run_node(membership, SpareSeat(self.roster, claim.gen), hosted, warm)
         finally:
             warm.discard()  # every way out, errors included: the spare's launcher never outlives it
+            processes.release_attempts()
 
-    def _warm_up(self) -> WarmStarts:
+    def _guard(self, state_dir: Path) -> ProcessLayer:
+        """Guard the attempts from before the launcher is armed, as the node run would (its cgroup, the record a
+        successor rlsup and the guardian end it from): the launcher becomes the first attempt's job root. A dead
+        predecessor's leftovers are ended first; the node run then shares this guard (``guard_attempts``)."""
+        processes = ProcessLayer()
+        leftovers = processes.end_predecessor(state_dir)
+        if leftovers is not None and leftovers[1]:
+            log.info("spare %s: a previous rlsup (pid %d) died; ended what its attempt left: %s",
+                     self.roster.peers[self.node_rank], leftovers[0], ", ".join(map(str, leftovers[1])))
+        processes.guard_attempts(state_dir)
+        return processes
+
+    def _warm_up(self, settings: RunSettings) -> WarmStarts:
         """The first attempt's launcher, armed now (``warm_launcher`` on, a torchrun command): the loss of a node
         is then followed by a warm start on this spare, as a restart on the other nodes is."""
-        settings = RunSettings.from_config(self.cfg)
         warm = WarmStarts(self.command, settings.warm_launcher, settings.warm_imports,
                           lambda line: log.info("spare %s: %s", self.roster.peers[self.node_rank], line),
                           settings.warm_cuda)

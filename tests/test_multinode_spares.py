@@ -11,6 +11,7 @@ The etcd and second-loss variants are long: they run with the soak (``pytest tes
 from __future__ import annotations
 
 import os
+import re
 import time
 from pathlib import Path
 from typing import Callable
@@ -22,6 +23,7 @@ from support.cluster import assert_same_weights, reference_weights, rlsup_resume
 from support.spares_cluster import (JOB_NODES, RANKS_PER_NODE, SpareCluster, first_step_after, logged_at,
                                     newest_complete, ranks_of, replicated, takeover_start, took_rank)
 from support.waits import wait_for
+from supervisor.tree_record import load, record_path
 
 SPARE = JOB_NODES  # the spare's node rank in peers
 WORLD = JOB_NODES * RANKS_PER_NODE
@@ -67,10 +69,12 @@ def _phases(cluster: SpareCluster, lost_at: float, survivor: int) -> str:
 
 
 def _run_and_lose(cluster: SpareCluster, lost: int, step: int = 9,
-                  more: Callable[[SpareCluster], None] = lambda c: None) -> int:
+                  more: Callable[[SpareCluster], None] = lambda c: None,
+                  waiting: Callable[[SpareCluster], None] = lambda c: None) -> int:
     try:
         for node in range(cluster.nodes):
             cluster.start(node)
+        waiting(cluster)
         complete, _ = _lose(cluster, lost, SPARE if lost == 0 else 0, step)
         more(cluster)
         codes = cluster.wait_all(timeout=300)
@@ -96,10 +100,22 @@ def _assert_started_warm(spare_log: str) -> None:
     assert not any("launching cold" in line for line in said), said
 
 
+def _launcher_guarded(cluster: SpareCluster) -> None:
+    """The waiting spare's launcher is guarded as any job root (its own cgroup, in the record a successor rlsup
+    and the guardian end it from), not a stray child that could outlive a SIGKILLed rlsup."""
+    spawned = wait_for(lambda: re.search(r"warm launcher pid (\d+) spawned", cluster.log(SPARE)), 120,
+                       "the spare's warm launcher")
+    pid = int(spawned.group(1))
+    record = load(record_path(cluster.node_dir(SPARE) / ".rlsup"))
+    roots = {r.pid: r for r in record.roots} if record is not None else {}
+    assert pid in roots, (pid, record)
+    assert record is not None and (record.cgroup is None or roots[pid].cgroup is not None), record  # no cgroup2 here: none
+
+
 def test_spare_takes_node_2_after_its_loss_bit_identical(tmp_path: Path) -> None:
     ref = reference_weights(tmp_path, nodes=WORLD, train_args=TRAIN_ARGS)
     cluster = SpareCluster(tmp_path, train_args=TRAIN_ARGS)
-    complete = _run_and_lose(cluster, lost=2)
+    complete = _run_and_lose(cluster, lost=2, waiting=_launcher_guarded)
     spare_log = cluster.log(SPARE)
     assert took_rank(spare_log) == 2, spare_log[-4000:]
     assert f"fetching ranks {ranks_of(2)}" in spare_log, spare_log[-4000:]
