@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from supervisor.job_identity import JobIdentity
     from supervisor.stop_request import StopRequest
     from supervisor.node_service import NodeService
+    from supervisor.process_tree import ProcessLayer
     from supervisor.warm_start import WarmStarts
 
 from supervisor.membership import Membership
@@ -87,7 +88,7 @@ def _run_multinode(cfg: SupervisorConfig, command: list[str], membership: Member
     previous = early.install()
 
     def run_node(membership: Membership, seat: SpareSeat | None, hosted: "RoundCoordinator | None",
-                 warm: "WarmStarts | None" = None) -> int:
+                 warm: "WarmStarts | None" = None, processes: "ProcessLayer | None" = None) -> int:
         rlsup_log.set_context(node=membership.node_rank)
         try:
             service = start_service(cfg, membership, observer, serve=daemon_running(Path(cfg.state_dir)) is None,
@@ -99,6 +100,7 @@ def _run_multinode(cfg: SupervisorConfig, command: list[str], membership: Member
             assert service.engine is not None
             supervisor = MultiNodeSupervisor(cfg, command, membership, service.engine, observer, job=job,
                                              coordinator=hosted, stopped_early=early, spares=seat, warm=warm,
+                                             processes=processes,
                                              connect=None if hosted else lambda stop: connect_coordinator(
                                                  cfg, membership, job, secret, stop))
             if hosted is not None:

@@ -367,6 +367,8 @@ class ProcessLayer:
         global _TREE
         from supervisor.attempt_tree import AttemptTree
 
+        if self._tree is not None and self._tree is _TREE:
+            return  # this layer guards the run already (a spare guards before it arms, then runs as a node)
         self.release_attempts()
         if _TREE is not None:  # another run in this process (tests, simulated nodes) guards it: never replace it,
             _TREE.shared = True  # and its close must not end this run's jobs

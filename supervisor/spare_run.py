@@ -35,8 +35,9 @@ from supervisor.warm_start import WarmStarts
 
 log = logging.getLogger(__name__)
 
-# (membership of the slot taken, the seat, the store when this spare hosts it, the armed launcher) -> exit code
-RunNode = Callable[[Membership, SpareSeat, RoundCoordinator | None, WarmStarts], int]
+# (membership of the slot taken, the seat, the store when this spare hosts it, the armed launcher, the layer that
+# guards it) -> exit code
+RunNode = Callable[[Membership, SpareSeat, RoundCoordinator | None, WarmStarts, ProcessLayer], int]
 Connect = Callable[[Membership, StopRequest], RoundCoordinator]
 
 
@@ -57,9 +58,11 @@ class SpareRun:
     def run(self, run_node: RunNode) -> int:
         self.observer.node_role(NodeRole.SPARE.value, self.roster.spares)
         settings = RunSettings.from_config(self.cfg.resolved())
-        processes = self._guard(settings.state_dir)
-        warm = self._warm_up(settings)
+        processes = ProcessLayer()
+        warm: WarmStarts | None = None
         try:
+            self._guard(processes, settings.state_dir)
+            warm = self._warm_up(settings)
             try:
                 taken = self._wait_for_slot()
             except StopAsked as e:
@@ -69,22 +72,24 @@ class SpareRun:
                 log.info("spare %s: the job finished without needing this spare", self.roster.peers[self.node_rank])
                 return exit_codes.OK
             claim, membership, hosted = taken
-            return run_node(membership, SpareSeat(self.roster, claim.gen), hosted, warm)
+            return run_node(membership, SpareSeat(self.roster, claim.gen), hosted, warm, processes)
         finally:
-            warm.discard()  # every way out, errors included: the spare's launcher never outlives it
-            processes.release_attempts()
+            try:
+                if warm is not None:
+                    warm.discard()  # every way out, errors included: the spare's launcher never outlives it
+            finally:
+                processes.release_attempts()  # the node run released it already when it ran (the same layer)
 
-    def _guard(self, state_dir: Path) -> ProcessLayer:
+    def _guard(self, processes: ProcessLayer, state_dir: Path) -> None:
         """Guard the attempts from before the launcher is armed, as the node run would (its cgroup, the record a
         successor rlsup and the guardian end it from): the launcher becomes the first attempt's job root. A dead
-        predecessor's leftovers are ended first; the node run then shares this guard (``guard_attempts``)."""
-        processes = ProcessLayer()
+        predecessor's leftovers are ended first. The node run is handed this layer, so its end (an error
+        included) ends what it left exactly as on any node."""
         leftovers = processes.end_predecessor(state_dir)
         if leftovers is not None and leftovers[1]:
             log.info("spare %s: a previous rlsup (pid %d) died; ended what its attempt left: %s",
                      self.roster.peers[self.node_rank], leftovers[0], ", ".join(map(str, leftovers[1])))
         processes.guard_attempts(state_dir)
-        return processes
 
     def _warm_up(self, settings: RunSettings) -> WarmStarts:
         """The first attempt's launcher, armed now (``warm_launcher`` on, a torchrun command): the loss of a node

@@ -55,6 +55,11 @@ class WarmStarts:
         age = time.monotonic() - zygote.spawned
         # The attempt's torchrun args where they differ from those armed (filled placeholders, a spare's pinned rank)
         spec = warm_spec(argv, env) if argv != self._armed else None
+        if argv != self._armed and spec is None:  # never run the armed arguments for another command (a pinned rank)
+            zygote.discard()
+            self.log(f"attempt {attempt}: the command is not the one warm launcher pid {zygote.pid} was armed for, "
+                     "and not a torchrun it can take; launching cold")
+            return None
         try:
             job = zygote.start(spec.args if spec is not None else None, env, os.getcwd(), log_path, tail_lines)
         except Exception as e:  # noqa: BLE001 - whatever went wrong, the cold launch still can

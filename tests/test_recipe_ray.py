@@ -136,7 +136,7 @@ def test_controller_killed_before_the_tracker_write_resumes_from_the_complete_st
 def test_frozen_worker_actor_is_a_hang_with_its_stack(workdir: Path, ray_head) -> None:
     ckpt = workdir / "ckpt"
     job = driver_cmd(ckpt, 6, "--freeze-at", "4", "--step-seconds", "0.2")
-    r = subprocess.run(recipe(ckpt, job, heartbeat_timeout="15"), cwd=workdir, env=ray_env(ray_head),
+    r = subprocess.run(recipe(ckpt, job, heartbeat_timeout="20"), cwd=workdir, env=ray_env(ray_head),
                        capture_output=True, text=True, timeout=500)
     assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-4000:])
     assert "freezing before step 4" in r.stdout  # printed by the worker actor, forwarded by Ray

@@ -152,7 +152,9 @@ def test_freeze_is_caught_as_a_hang_from_verl_output(workdir: Path) -> None:
     env = clean_env(VERL_DRIVER_FREEZE_AT="4")
     job = driver_cmd(ckpt, 6, "--step-seconds", "0.2")
     cmd = rlsup_verl(workdir, ckpt, job)
-    cmd[cmd.index("--heartbeat-timeout") + 1] = "8"
+    # After its last step the driver saves and tears down in silence: 8 s was once too short for that at load 13
+    # (a second "hang" after step 6); the freeze is still caught 15 s after step 3.
+    cmd[cmd.index("--heartbeat-timeout") + 1] = "15"
     r = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=400)
     assert_completed(r, ckpt)
     assert "freezing before step 4" in r.stdout
