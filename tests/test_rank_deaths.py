@@ -27,6 +27,21 @@ def until_zombie(proc: subprocess.Popen) -> int:
     return status
 
 
+def named_among(ranks: list[subprocess.Popen]) -> RankDeath | None:
+    """The death the watch names when ranks 0, 1, ... (``ranks``) are all found dead together (every one a
+    zombie before the watch looks); each is reaped afterwards."""
+    for proc in ranks:
+        until_zombie(proc)
+    watch = RankDeathWatch()
+    watch.track(list(enumerate(proc.pid for proc in ranks)))
+    try:
+        return watch.wait(1)
+    finally:
+        for proc in ranks:
+            proc.wait()
+        watch.close()
+
+
 def test_signal_death_is_seen_at_once_with_rank_and_signal() -> None:
     proc = spawn("import time; time.sleep(60)")
     watch = RankDeathWatch()
@@ -53,13 +68,8 @@ def test_the_rank_killed_by_a_signal_is_named_before_collateral_exits() -> None:
     collateral = spawn("import sys; sys.exit(1)")
     victim = spawn("import time; time.sleep(60)")
     os.kill(victim.pid, signal.SIGKILL)
-    until_zombie(collateral), until_zombie(victim)
-    watch = RankDeathWatch()
-    watch.track([(0, collateral.pid), (1, victim.pid)])
-    death = watch.wait(1)
+    death = named_among([collateral, victim])
     assert death is not None and (death.rank, death.signal) == (1, "SIGKILL")
-    collateral.wait(), victim.wait()
-    watch.close()
 
 
 def test_a_reaped_rank_claims_nothing() -> None:
@@ -77,13 +87,8 @@ def test_the_signalled_rank_is_named_before_the_ranks_its_launcher_terminated() 
     victim = spawn("import time; time.sleep(60)")
     os.kill(victim.pid, signal.SIGKILL)
     os.kill(terminated.pid, signal.SIGTERM)
-    until_zombie(terminated), until_zombie(victim)
-    watch = RankDeathWatch()
-    watch.track([(0, terminated.pid), (1, victim.pid)])
-    death = watch.wait(1)
+    death = named_among([terminated, victim])
     assert death is not None and (death.rank, death.signal) == (1, "SIGKILL")
-    terminated.wait(), victim.wait()
-    watch.close()
 
 
 def test_only_terminated_ranks_beside_a_reaped_one_claim_nothing() -> None:
@@ -104,9 +109,4 @@ def test_only_terminated_ranks_beside_a_reaped_one_claim_nothing() -> None:
 def test_a_rank_terminated_alone_is_still_named() -> None:
     proc = spawn("import time; time.sleep(60)")
     os.kill(proc.pid, signal.SIGTERM)
-    until_zombie(proc)
-    watch = RankDeathWatch()
-    watch.track([(0, proc.pid)])
-    assert watch.wait(1) == RankDeath(0, proc.pid, None, "SIGTERM")
-    proc.wait()
-    watch.close()
+    assert named_among([proc]) == RankDeath(0, proc.pid, None, "SIGTERM")
