@@ -68,7 +68,8 @@ from supervisor.control_records import (
 )
 from supervisor.job_identity import JobIdentity
 from supervisor.round_plan import compute_plan
-from supervisor.kvstore import CONNECT_SLICE_S, OP_TIMEOUT_S, KVStore, StoreUnavailable, TCPKVStore, connect_store
+from supervisor.kvstore import (CONNECT_SLICE_S, OP_TIMEOUT_S, KVStore, StoreGone, StoreUnavailable, TCPKVStore,
+                               connect_store)
 from supervisor.liveness import LIVENESS_REFRESH_S, LapseWatch, LivenessBeat, beat_connect, live_key
 from supervisor.signed_keys import AbortKind, AbortNotice, Signed, SignedKeys
 from supervisor.stop_request import StopRequest
@@ -531,10 +532,12 @@ def _fetch_result(value: str, node: int | None) -> FetchResult:
 
 
 def embedded_coordinator(host: str, port: int, job: JobIdentity, secret: bytes, node_rank: int, num_nodes: int,
-                         timeout_s: float, stop: StopRequest | None = None) -> RoundCoordinator:
+                         timeout_s: float, stop: StopRequest | None = None,
+                         gone_after_s: float | None = None) -> RoundCoordinator:
     """Node 0 hosts a TCPStore on ``port`` and claims it for ``job``; other nodes connect (and reconnect to
     a replacement node 0 after a loss) and refuse a store hosted for another job. ``stop``: every wait
-    (the connect included) ends when rlsup is asked to stop."""
+    (the connect included) ends when rlsup is asked to stop. ``gone_after_s``: the first connect raises
+    :class:`~supervisor.kvstore.StoreGone` once a store that answered has refused this long (a spare)."""
     if node_rank == 0:
         try:
             store = TCPKVStore(host, port, True, timeout_s)
@@ -554,7 +557,9 @@ def embedded_coordinator(host: str, port: int, job: JobIdentity, secret: bytes, 
     log.info("node %d: reaching the coordination store TCPStore %s:%d (up to %.0fs, rendezvous_timeout)",
              node_rank, host, port, timeout_s)
     try:
-        store = connect(timeout_s)
+        store = connect_store(host, port, timeout_s, stop, gone_after_s)
+    except StoreGone:
+        raise
     except StoreUnavailable as e:
         raise CoordinationError(f"{e} (waited {timeout_s:.0f}s, rendezvous_timeout)") from e
     coordinator = RoundCoordinator(store, job, secret, node_rank, num_nodes, timeout_s, reconnect=connect, stop=stop,

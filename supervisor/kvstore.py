@@ -39,6 +39,11 @@ class StoreUnavailable(RuntimeError):
     """The store cannot be reached (its host is gone, or every etcd member is down)."""
 
 
+class StoreGone(StoreUnavailable):
+    """The store's port answered while this node waited to connect, then nothing listened on it for longer than
+    the caller allows: its host was lost before this node ever got in (a spare's cue to take node 0's place)."""
+
+
 class KVStore(Protocol):
     """What the coordinator needs of a store."""
 
@@ -196,12 +201,16 @@ class TCPKVStore:
         self._store = None  # type: ignore[assignment]  # the TCPStore (and its server) go with the object
 
 
-def connect_store(host: str, port: int, wait_s: float, stop: StopRequest | None) -> KVStore:
+def connect_store(host: str, port: int, wait_s: float, stop: StopRequest | None,
+                  gone_after_s: float | None = None) -> KVStore:
     """A client of the TCPStore at ``host:port``, waited for up to ``wait_s``. torch's connect blocks in C++
     where no signal handler runs (and logs a stack trace per retry), so the port is first awaited with
     plain connects of up to :data:`CONNECT_SLICE_S`, the stop asked between them
-    (:class:`~supervisor.stop_request.StopAsked`); torch connects once the port answers."""
+    (:class:`~supervisor.stop_request.StopAsked`); torch connects once the port answers, each try bounded (a
+    resolver that does not answer torch's lookups costs one try). ``gone_after_s``: a port that answered and
+    then refuses for this long raises :class:`StoreGone` at once instead of waiting out ``wait_s``."""
     deadline = time.monotonic() + wait_s
+    answered, refused_since = False, None
     while True:
         if stop is not None:
             stop.check(f"the coordination store TCPStore {host}:{port} (node 0) to answer")
@@ -209,8 +218,14 @@ def connect_store(host: str, port: int, wait_s: float, stop: StopRequest | None)
         try:
             with socket.create_connection((host, port), timeout=max(0.1, min(CONNECT_SLICE_S, left))):
                 pass
+            answered, refused_since = True, None
             return TCPKVStore(host, port, False, max(1.0, min(CONNECT_SLICE_S * 5, left)))
         except (OSError, StoreUnavailable) as e:
+            if answered and not isinstance(e, StoreUnavailable):  # the port itself no longer answers
+                refused_since = time.monotonic() if refused_since is None else refused_since
+                if gone_after_s is not None and time.monotonic() - refused_since >= gone_after_s:
+                    raise StoreGone(f"the coordination store TCPStore {host}:{port} answered, then nothing listened "
+                                    f"on it for {gone_after_s:g}s: {e}") from e
             if left <= CONNECT_SLICE_S:
                 raise e if isinstance(e, StoreUnavailable) else StoreUnavailable(
                     f"cannot reach the coordination store TCPStore {host}:{port}: {e}") from e

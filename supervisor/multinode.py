@@ -105,8 +105,10 @@ class CoordinatorSettings:
 
 
 def connect_coordinator(cfg: SupervisorConfig, membership: Membership, job: JobIdentity,
-                        secret: bytes, stop: StopRequest | None = None) -> RoundCoordinator:
-    """This node's handle on the job's coordination store (``coordinator_backend``); ``stop`` ends its waits."""
+                        secret: bytes, stop: StopRequest | None = None,
+                        gone_after_s: float | None = None) -> RoundCoordinator:
+    """This node's handle on the job's coordination store (``coordinator_backend``); ``stop`` ends its waits;
+    ``gone_after_s``: see :func:`~supervisor.coordinator.embedded_coordinator` (etcd outlives node 0)."""
     s = CoordinatorSettings.from_config(cfg)
     if s.backend == "etcd":
         from supervisor.kvstore_etcd import EtcdKVStore
@@ -119,7 +121,7 @@ def connect_coordinator(cfg: SupervisorConfig, membership: Membership, job: JobI
                                 stop=stop, beat_store=lambda: EtcdKVStore(list(s.endpoints), timeout_s=OP_TIMEOUT_S))
     host = membership.peers[0].rpartition(":")[0]
     return embedded_coordinator(host, s.port, job, secret, membership.node_rank, membership.size,
-                                s.rendezvous_timeout, stop)
+                                s.rendezvous_timeout, stop, gone_after_s)
 
 
 class MultiNodeSupervisor(Supervisor):

@@ -38,7 +38,8 @@ log = logging.getLogger(__name__)
 # (membership of the slot taken, the seat, the store when this spare hosts it, the armed launcher, the layer that
 # guards it) -> exit code
 RunNode = Callable[[Membership, SpareSeat, RoundCoordinator | None, WarmStarts, ProcessLayer], int]
-Connect = Callable[[Membership, StopRequest], RoundCoordinator]
+# (the spare's view, the stop, gone_after_s: a store that answered and then refuses this long raises StoreGone)
+Connect = Callable[[Membership, StopRequest, float], RoundCoordinator]
 
 
 @dataclass
@@ -104,8 +105,10 @@ class SpareRun:
         """The claim, the slot's membership and (node 0 re-hosted here) the store; None: the job is done."""
         watcher_view = Membership(self.roster.peers, self.node_rank)
         while True:
-            coordinator = self.connect(watcher_view, self.stop)
             try:
+                # Inside the try: node 0 can be lost before this spare's first connect got in (a slow start, a
+                # resolver that holds torch's connect); a store that answered and then went away is that loss.
+                coordinator = self.connect(watcher_view, self.stop, self.cfg.spare_takeover_s)
                 claim, lost_at = watch_for_slot(coordinator, self.roster, self.node_rank, self.cfg.spare_takeover_s,
                                                 self.stop)
             except StoreUnavailable:

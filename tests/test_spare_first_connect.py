@@ -1,0 +1,106 @@
+"""A spare whose node 0 is lost before the spare's first connect got in (issue 31; found in a whole-suite run).
+
+Seen: a spare started while node 0's store came up; torch's client connect then hung in a reverse lookup
+(this machine's resolver drops queries) until node 0 was SIGKILLed; the spare went on waiting for the whole
+``rendezvous_timeout``, exited 1 ("cannot reach the coordination store"), and the job failed instead of the spare
+hosting the store. Here node 0 stands as a port that accepts and says nothing (torch's connect fails there as it
+did), then goes away: the spare must host the store on node 0's address and take node rank 0, and a plain connect
+must raise :class:`StoreGone` after ``gone_after_s``, not wait out its window.
+
+In process, with a real torch TCPStore and real sockets.
+"""
+
+from __future__ import annotations
+
+import signal
+import socket
+import threading
+from pathlib import Path
+
+import pytest
+
+from supervisor.config import SupervisorConfig
+from supervisor.coordinator import RoundCoordinator
+from supervisor.job_identity import JobIdentity
+from supervisor.kvstore import StoreGone, connect_store
+from supervisor.membership import Membership
+from supervisor.multinode import connect_coordinator
+from supervisor.observer import Observer
+from supervisor.process_tree import ProcessLayer
+from supervisor.spare_run import SpareRun
+from supervisor.spares import Roster, SpareSeat
+from supervisor.stop_request import StopRequest
+from supervisor.warm_start import WarmStarts
+
+JOB = JobIdentity("job-first-connect", "test")
+SECRET = b"0123456789abcdef-shared"
+WINDOW_S = 120.0  # the connect's own window (rendezvous_timeout): the store's loss must end it long before
+
+
+class SilentNode0:
+    """A listener that accepts and never answers: the port answers, torch's handshake does not complete."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.port = self.sock.getsockname()[1]
+        self.accepted = threading.Event()
+        self.held: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return  # lost
+            self.held.append(conn)
+            self.accepted.set()
+
+    def lose(self) -> None:
+        """Node 0 is SIGKILLed: its port refuses from now on."""
+        for conn in self.held:
+            conn.close()
+        self.sock.close()
+
+
+def lost_once_seen(node0: SilentNode0) -> None:
+    """Loses node 0 once a client reached its port (in a thread: the connect under test runs meanwhile)."""
+    def run() -> None:
+        if node0.accepted.wait(60):
+            node0.lose()
+    threading.Thread(target=run, daemon=True).start()
+
+
+def test_a_store_that_answered_and_went_away_raises_store_gone_not_the_whole_window() -> None:
+    node0 = SilentNode0()
+    lost_once_seen(node0)
+    with pytest.raises(StoreGone, match="answered, then nothing listened"):
+        connect_store("127.0.0.1", node0.port, WINDOW_S, None, gone_after_s=1.0)
+
+
+def test_a_spare_hosts_the_store_when_node_0_is_lost_before_its_first_connect(tmp_path: Path) -> None:
+    node0 = SilentNode0()
+    peers = [f"127.0.0.1:{p}" for p in (node0.port, 1, 2, 3)]
+    cfg = SupervisorConfig(peers=peers, node_rank=3, spares=1, coordinator_port=node0.port, spare_takeover_s=0.5,
+                           rendezvous_timeout=WINDOW_S, state_dir=str(tmp_path / "state"),
+                           checkpoint_dir=str(tmp_path / "ckpt"), metrics_port=0, warm_launcher=False)
+    taken: list[tuple[Membership, bool]] = []
+
+    def run_node(membership: Membership, seat: SpareSeat, hosted: RoundCoordinator | None, warm: WarmStarts,
+                 processes: ProcessLayer) -> int:
+        taken.append((membership, hosted is not None))
+        return 0
+
+    def connect(view: Membership, stop: StopRequest, gone_after_s: float) -> RoundCoordinator:
+        return connect_coordinator(cfg, view, JOB, SECRET, stop, gone_after_s)
+
+    lost_once_seen(node0)
+    spare = SpareRun(cfg, Roster(tuple(peers), 1), 3, JOB, SECRET, connect, StopRequest(signal.SIGUSR1), Observer())
+    assert spare.run(run_node) == 0
+    assert len(taken) == 1, taken
+    membership, hosted = taken[0]
+    assert hosted, "the spare took a slot without hosting node 0's store"
+    assert membership.node_rank == 0 and membership.peers[0] == peers[3], membership
