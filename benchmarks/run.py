@@ -10,10 +10,11 @@ first on odd ones) and prints, as soon as a figure is done, one row per figure::
     name | rlsup median | baseline median | ratio (rlsup / baseline) | unit | note
 
 Figures (``--only`` keys): restart, hang, save, heartbeat, selection, replication, restore, footprint,
-goodput, gpu_check, flight_recorder; and recovery (issue 31's realistic harness, benchmarks/bench_recovery.py), run
-only when named. Jobs are 2-rank torchrun/gloo runs of ``benchmarks/jobs/bench_trainer.py``, which writes
-``time.monotonic()`` events (CLOCK_MONOTONIC is system-wide on Linux, so ranks, attempts and this script
-share one clock). Method, machine and results: BENCHMARKS.md.
+goodput, gpu_check, flight_recorder; and recovery (issue 31's realistic harness, benchmarks/bench_recovery.py) and
+node_loss (its node-loss variant, a spare against a replacement: benchmarks/bench_node_loss.py), run only when
+named. Jobs are 2-rank torchrun/gloo runs of ``benchmarks/jobs/bench_trainer.py``, which writes
+``time.monotonic()`` events (CLOCK_MONOTONIC is system-wide on Linux, so ranks, attempts and this script share one
+clock). Method, machine and results: BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -117,6 +118,7 @@ class Ctx:
     layouts: list[str] | None = None
     recovery_minutes: float = 5.0
     recovery_reps: int = 1
+    node_loss_reps: int = 2
 
     def fresh(self, name: str) -> Path:
         d = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=self.work))
@@ -1020,6 +1022,15 @@ def bench_recovery(ctx: Ctx) -> list[Row]:
     return [Row(f.name, f.rlsup, f.base, f.unit, f.note) for f in figs]
 
 
+def bench_node_loss(ctx: Ctx) -> list[Row]:
+    """Node loss (issue 31): benchmarks/bench_node_loss.py, a spare against a replacement after 30 s and at once,
+    2 repetitions per side unless ``--reps`` says; only with ``--only node_loss`` (about 15 min)."""
+    import bench_node_loss
+
+    figs = bench_node_loss.run(ctx.work, reps=ctx.node_loss_reps)
+    return [Row(f.name, f.rlsup, f.base, f.unit, f.note) for f in figs]
+
+
 # ------------------------------------------------------------------------------------------ main
 
 
@@ -1027,7 +1038,7 @@ BENCHES: dict[str, Callable[[Ctx], list[Row]]] = {
     "restart": bench_restart, "hang": bench_hang, "hang_restart": bench_hang_restart, "save": bench_save, "heartbeat": bench_heartbeat,
     "selection": bench_selection, "replication": bench_replication, "restore": bench_restore,
     "footprint": bench_footprint, "goodput": bench_goodput, "gpu_check": bench_gpu_check,
-    "flight_recorder": bench_flight_recorder, "recovery": bench_recovery,
+    "flight_recorder": bench_flight_recorder, "recovery": bench_recovery, "node_loss": bench_node_loss,
 }
 
 
@@ -1035,7 +1046,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small sizes, fewer repetitions: < 5 min on 2 cores")
     ap.add_argument("--only", default="", help=f"comma-separated subset of: {','.join(FIGURES)}; and recovery "
-                    "(issue 31's realistic recovery harness, never in the default set: 15 min and more)")
+                    "(issue 31's realistic recovery harness, never in the default set: 15 min and more) and "
+                    "node_loss (its node-loss variant, never in the default set: about 15 min)")
     ap.add_argument("--recovery-minutes", type=float, default=5.0, help="recovery: wall window per side")
     ap.add_argument("--reps", type=int, default=None, help="repetitions per side (default: 2 quick, 5 full)")
     ap.add_argument("--layouts", default="", help=f"selection layouts, comma-separated: {','.join(LAYOUT_KEYS)}")
@@ -1051,7 +1063,7 @@ def main() -> int:
         ap.error(f"unknown figure(s) {unknown} or layout(s) {bad_layouts}")
     work = Path(tempfile.mkdtemp(prefix="rlsup-bench-run-", dir=args.dir))
     ctx = Ctx(args.quick, args.reps or (2 if args.quick else 5), work, layouts, args.recovery_minutes,
-              args.reps or 1)
+              args.reps or 1, args.reps or 2)
     import platform
 
     print(f"rlsup benchmarks ({'quick' if args.quick else 'full'}): {os.cpu_count()} cores, "
