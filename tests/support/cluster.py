@@ -31,6 +31,10 @@ STEPS = 24
 TRAIN_ARGS = ["--steps", str(STEPS), "--checkpoint-every", "3", "--step-time", "0.15", "--keep-last", "100"]
 REFERENCE_CACHE = Path(tempfile.gettempdir()) / f"rlsup-test-references-{os.getuid()}"
 SECRET = "s3cret-shared-by-all-nodes\n"
+# Attempt 0 holds after step 12 (rank 0 stops; the others wait in its next collective) until node 0 is lost: a
+# test that loses node 0 once its step 9 is replicated cannot find the job already finished on a loaded machine
+# (it did: the other nodes succeeded and the replacement waited for them in vain). The weights are TRAIN_ARGS'.
+HELD_FOR_NODE_0_LOSS = [*TRAIN_ARGS, "--hang-at-step", "12", "--fault-rank", "0"]
 Rendezvous = Literal["c10d", "static"]
 
 
@@ -42,13 +46,20 @@ class Cluster:
     output and, by default, the final weights (``rlsup.log`` -> ``rlsup-final.pt``): two jobs in the same node
     directories keep theirs apart. ``env``: the environment of every node (default :func:`clean_env`).
     ``hosts``: each node's address (default 127.0.0.1 for all), ``wrap``: a node's command prefix (default none),
-    for nodes in network namespaces of their own (:mod:`support.partition`)."""
+    for nodes in network namespaces of their own (:mod:`support.partition`).
+
+    ``warm_launcher`` (default off here, on in rlsup): these runs test replication, rounds and restores, and
+    every node run's last armed launcher goes unused, which costs as much CPU as a cold start of torchrun and
+    its ranks on every node (a quarter of a cluster test's CPU, measured: CONTRIBUTING.md "Suite time"). The
+    warm launcher across a node loss is tested where it is the subject: :mod:`support.spares_cluster` keeps
+    it on and its tests assert the warm takeover and the survivors' restarts."""
 
     def __init__(self, root: Path, nodes: int = NODES, rdzv: Rendezvous = "c10d", extra: Sequence[str] = (),
                  train_args: Sequence[str] | None = None, log_name: str = "rlsup.log", *,
                  scan_interval: float = 0.5, rendezvous_timeout: float = 120, env: dict[str, str] | None = None,
                  secret: str = SECRET, hosts: Sequence[str] | None = None,
-                 wrap: Callable[[int], list[str]] | None = None) -> None:
+                 wrap: Callable[[int], list[str]] | None = None, warm_launcher: bool = False) -> None:
+        self.warm_launcher = warm_launcher
         self.hosts = list(hosts or ["127.0.0.1"] * nodes)
         self.wrap = wrap or (lambda node: [])
         self.root, self.nodes, self.rdzv, self.log_name = root, nodes, rdzv, log_name
@@ -93,7 +104,8 @@ class Cluster:
         return ["run", "--peers", self.peers, "--node-rank", str(node), *coord, "--token-file", str(self.token),
                 "--replication-scan-interval", str(self.scan_interval), "--heartbeat-timeout", "60",
                 "--backoff-initial", "0.2", "--backoff-max", "0.5", "--rendezvous-timeout", str(self.rendezvous_timeout),
-                "--kill-grace", "3", *self.extra, *extra, "--",
+                "--kill-grace", "3", *([] if self.warm_launcher else ["--warm-launcher", "false"]),
+                *self.extra, *extra, "--",
                 *self.launcher(node), TRAIN, *self.train_args, "--out", str(self.node_dir(node) / self.out_name)]
 
     def start(self, node: int, extra: Sequence[str] = (), log_name: str | None = None) -> subprocess.Popen:

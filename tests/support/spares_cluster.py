@@ -25,7 +25,8 @@ class SpareCluster(Cluster):
     def __init__(self, root: Path, spares: int = 1, extra: Sequence[str] = (), takeover_s: float = 1.0,
                  **kw: object) -> None:
         super().__init__(root, JOB_NODES + spares,  # type: ignore[arg-type]
-                         extra=["--spares", str(spares), "--spare-takeover-s", str(takeover_s), *extra], **kw)
+                         extra=["--spares", str(spares), "--spare-takeover-s", str(takeover_s), *extra],
+                         warm_launcher=True, **kw)  # the default: its tests assert warm takeovers and restarts
 
     def launcher(self, node: int) -> list[str]:
         """c10d as users type it, or static with the node rank each process was started with (a spare's is 3
