@@ -29,6 +29,9 @@ KILL_AT = "RLSUP_TEST_KILL_AT"
 EVENTS_LOG = "RLSUP_TEST_FILE_EVENTS"
 EVENTS_UNDER = "RLSUP_TEST_EVENTS_UNDER"
 ONLY_WHERE = "RLSUP_TEST_EVENTS_ONLY_WHERE"  # "NAME": count only where os.environ[NAME] in ("", "0")
+# "EVENT\tSUFFIX\tN": SIGKILL just before the N-th EVENT on a path ending with SUFFIX (a kill point named by what
+# it is, where the index would need a recording run first)
+KILL_AT_MATCH = "RLSUP_TEST_KILL_AT_MATCH"
 
 _SITECUSTOMIZE = r'''
 import os as _os
@@ -44,6 +47,9 @@ def _rlsup_install_kill_hook():
         return
     import signal
     kill_at = int(_os.environ.get("RLSUP_TEST_KILL_AT") or 0)
+    match = _os.environ.get("RLSUP_TEST_KILL_AT_MATCH", "").split("\t")
+    match_event, match_suffix, match_n = (match[0], match[1], int(match[2])) if len(match) == 3 else ("", "", 0)
+    matched = [0]
     log_path = _os.environ.get("RLSUP_TEST_FILE_EVENTS")
     log_fd = _os.open(log_path, _os.O_WRONLY | _os.O_APPEND | _os.O_CREAT, 0o644) if log_path else None
     count = [0]
@@ -81,6 +87,10 @@ def _rlsup_install_kill_hook():
                 _os.write(log_fd, ("%d\t%d\t%s\t%s\n" % (_os.getpid(), count[0], event, "\t".join(names))).encode())
             if kill_at and count[0] == kill_at:
                 _os.kill(_os.getpid(), signal.SIGKILL)
+            if match_n and event == match_event and any(n.endswith(match_suffix) for n in names):
+                matched[0] += 1
+                if matched[0] == match_n:
+                    _os.kill(_os.getpid(), signal.SIGKILL)
         finally:
             busy[0] = False
 
@@ -165,6 +175,11 @@ def _env(base: Mapping[str, str] | None, root: Path, log: Path | None, kill_at: 
     if only_where:
         env[ONLY_WHERE] = only_where
     return env
+
+
+def kill_at_match(event: str, suffix: str, n: int) -> dict[str, str]:
+    """The environment that kills a process just before its ``n``-th ``event`` on a path ending with ``suffix``."""
+    return {KILL_AT_MATCH: f"{event}\t{suffix}\t{n}"}
 
 
 def read_events(log: Path) -> list[FileEvent]:
