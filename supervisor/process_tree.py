@@ -26,6 +26,8 @@ from typing import IO, TYPE_CHECKING, Callable, Mapping, Sequence
 
 import psutil
 
+from supervisor import proc_children
+
 if TYPE_CHECKING:
     from supervisor.attempt_tree import AttemptTree
     from supervisor.leftover_processes import Ended
@@ -191,27 +193,43 @@ class JobProcess:
     # ------------------------------------------------------------ watching
 
     def refresh(self) -> None:
-        """Remember every live descendant (ours, and orphans re-parented to us as subreaper)."""
+        """Remember every live descendant (ours, and orphans re-parented to us as subreaper). Called every
+        poll: the walk reads the job's own ``children`` files (:mod:`supervisor.proc_children`), not every
+        process on the host."""
         roots = [self.pid] + [p for p in self._orphans()]
         for pid in roots:
-            try:
-                proc = self._known.get(pid) or psutil.Process(pid)
-                self._known.setdefault(pid, proc)
-                for child in proc.children(recursive=True):
-                    self._known.setdefault(child.pid, child)
-            except psutil.Error:
+            below = proc_children.descendants(pid)
+            if below is None:  # no children files: psutil's scan, as before
+                self._remember_scanned(pid)
                 continue
+            for member in (pid, *below):
+                if member not in self._known:
+                    try:
+                        self._known[member] = psutil.Process(member)
+                    except psutil.Error:
+                        continue  # gone already
         if _TREE is not None:
             _TREE.seen(list(self._known))
         self._reap_orphans()
 
+    def _remember_scanned(self, pid: int) -> None:
+        try:
+            proc = self._known.get(pid) or psutil.Process(pid)
+            self._known.setdefault(pid, proc)
+            for child in proc.children(recursive=True):
+                self._known.setdefault(child.pid, child)
+        except psutil.Error:
+            pass
+
     def _orphans(self) -> list[int]:
         """Children of rlsup that we did not start directly: re-parented members of this job."""
-        try:
-            me = psutil.Process()
-            return [c.pid for c in me.children() if c.pid != self.pid and c.pid not in JobProcess.helpers]
-        except psutil.Error:
-            return []
+        mine = proc_children.children(os.getpid())
+        if mine is None:
+            try:
+                mine = [c.pid for c in psutil.Process().children()]
+            except psutil.Error:
+                return []
+        return [pid for pid in mine if pid != self.pid and pid not in JobProcess.helpers]
 
     def _reap_orphans(self) -> None:
         """Collect exit statuses of re-parented zombies (never the top process: Popen owns that one)."""
