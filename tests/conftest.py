@@ -109,6 +109,7 @@ FAST_MODULES: dict[str, frozenset[str]] = {
     "test_part_protocol.py": frozenset(),
     "test_persistent_tier.py": frozenset({"test_wiped_local_resumes_from_persistent_bit_identical"}),
     "test_private_files.py": frozenset(),
+    "test_proc_children.py": frozenset(),
     "test_progress.py": frozenset({"test_frozen_unmodified_trainer_is_a_hang_with_stacks",
                                    "test_rank_heartbeats_take_precedence_over_output",
                                    "test_unmodified_trainers_step_reaches_metrics_and_status",
