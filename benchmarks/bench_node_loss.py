@@ -1,9 +1,12 @@
 """Realistic recovery, node loss (issue 31): a spare node against waiting for a replacement node.
 
-    .venv/bin/python benchmarks/bench_node_loss.py                        # 3 sides x 2, alternating (~13 min)
-    .venv/bin/python benchmarks/bench_node_loss.py --reps 1               # quick: each side once (~6 min)
-    .venv/bin/python benchmarks/bench_node_loss.py --sides spare,replace --replace-delay 30
+    .venv/bin/python benchmarks/bench_node_loss.py                        # 3 sides x 2, alternating (~18 min)
+    .venv/bin/python benchmarks/bench_node_loss.py --sides spare,replace --reps 1   # quick (~6 min)
+    .venv/bin/python benchmarks/bench_node_loss.py --sides spare,replace0 --replace-delay 30 --keep /tmp/nl
     .venv/bin/python benchmarks/run.py --only node_loss --reps 2         # the same, as run.py's table rows
+
+A trial takes about 3 minutes on 2 loaded cores: the job's start (~40 s), ``--warm`` (25 s), ``--post`` (90 s)
+and the teardown. Results and method: BENCHMARKS.md, "Node loss: a spare against a replacement".
 
 Job: 3 nodes x 2 ranks on 127.0.0.1, each node its own ``rlsup run`` in its own working directory, peers
 listing every node, torchrun typed as users type it (c10d, ``--nnodes 3``). The trainer is
@@ -24,7 +27,9 @@ warm launcher, guard) are SIGKILLed at once and its directory removed. Then, for
     replace0     the same, the replacement started at once (0 s): the best case of any replacement
 
 Figures per trial (benchmarks/node_loss_accounting.py): the SIGKILL -> the first step of the next attempt on
-every node, the steps redone, and the goodput (useful step time / wall) over ``[loss - --pre, loss + --post]``.
+every node (and its phases, from the events and the rlsup logs), the steps redone (and node 2's newest step
+whose every part node 0 held at the loss: what the next attempt can resume from), and the goodput (useful step
+time / wall) over ``[loss - --pre, loss + --post]``.
 Sides alternate (A B C, C B A, ...). Every node's directory is removed when its trial ends and every process of
 the trial is SIGKILLed; ``--keep DIR`` keeps the events and the rlsup logs of the surviving nodes (small).
 """
@@ -50,6 +55,8 @@ BENCH = Path(__file__).resolve().parent
 sys.path[:0] = [str(BENCH.parent), str(BENCH)]
 
 from jobctl import PY, alternate, events, job_env, log, pid_alive  # noqa: E402
+from rlsup_format.manifest import list_step_dirs  # noqa: E402
+from rlsup_format.names import manifest_name  # noqa: E402
 from node_loss_accounting import LossFigures, loss_figures  # noqa: E402
 
 TRAINER = BENCH / "jobs" / "recovery_trainer.py"
@@ -90,6 +97,7 @@ class Trial:
     figures: LossFigures | None
     marks: dict[str, float] = field(default_factory=dict)
     median_step_s: float | None = None
+    replicated: int | None = None  # node 2's newest step whose parts node 0 held at the loss
     error: str = ""
 
 
@@ -178,6 +186,13 @@ class Job:
             time.sleep(0.2)
         log(f"node_loss: processes left after the trial: {left}")
 
+    def replicated(self, owner: int, holder: str) -> int | None:
+        """The newest step of node ``owner`` whose every part node ``holder`` holds as a replica."""
+        ranks = range(owner * RANKS_PER_NODE, (owner + 1) * RANKS_PER_NODE)
+        steps = [s for ns in (self.root / holder / "replicas").glob(f"*.node{owner}") for s, d in list_step_dirs(ns)
+                 if all((d / manifest_name(r)).exists() for r in ranks)]
+        return max(steps, default=None)
+
     def log_text(self, name: str) -> str:
         path = self.root / name / "rlsup.log"
         return path.read_text(errors="replace") if path.exists() else ""
@@ -257,6 +272,7 @@ def trial(work: Path, side: Side, st: Settings, keep: Path | None) -> Trial:
             return Trial(side.name, load, None, error=f"no first step: {tail(job)}")
         while time.monotonic() < first + st.warm:
             time.sleep(0.1)
+        replicated = job.replicated(LOST, "node0")  # node 0 holds node 2's replicas (the ring, factor 1)
         kill_wall = time.time()
         kill_t = job.lose(f"node{LOST}")
         if side.replace_after is not None:
@@ -270,7 +286,7 @@ def trial(work: Path, side: Side, st: Settings, keep: Path | None) -> Trial:
         marks.update(log_marks(job, side, kill_wall))
         steps = [e["dur"] for e in evs if e["ev"] == "step" and e["rank"] == 0 and e["t"] <= kill_t]
         figs = loss_figures(evs, kill_t, NODES, RANKS_PER_NODE, st.pre, st.post)
-        return Trial(side.name, load, figs, marks, statistics.median(steps) if steps else None)
+        return Trial(side.name, load, figs, marks, statistics.median(steps) if steps else None, replicated)
     finally:
         job.stop()
         if keep is not None:
@@ -309,7 +325,7 @@ def describe(t: Trial) -> str:
     marks = ", ".join(f"{k} +{v:.1f}" for k, v in sorted(t.marks.items(), key=lambda kv: kv[1]))
     return (f"{t.side}: load {t.load:.1f}; loss -> first step {s(f.first_step)} s (nodes started "
             f"{'/'.join(s(x) for x in f.nodes_started)}, rendezvous {s(f.rendezvous)}, restored {s(f.restored)}); "
-            f"reached {f.reached} resumed {f.resumed} redone {f.redone}; goodput {f.goodput:.3f} (before the loss "
+            f"reached {f.reached} (node 2's newest replicated {t.replicated}) resumed {f.resumed} redone {f.redone}; goodput {f.goodput:.3f} (before the loss "
             f"{f.steady_goodput:.3f}); step {t.median_step_s or 0:.3f} s; log: {marks}")
 
 

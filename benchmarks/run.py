@@ -1024,7 +1024,7 @@ def bench_recovery(ctx: Ctx) -> list[Row]:
 
 def bench_node_loss(ctx: Ctx) -> list[Row]:
     """Node loss (issue 31): benchmarks/bench_node_loss.py, a spare against a replacement after 30 s and at once,
-    2 repetitions per side unless ``--reps`` says; only with ``--only node_loss`` (about 15 min)."""
+    2 repetitions per side unless ``--reps`` says; only with ``--only node_loss`` (about 18 min)."""
     import bench_node_loss
 
     figs = bench_node_loss.run(ctx.work, reps=ctx.node_loss_reps)
@@ -1047,7 +1047,7 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="small sizes, fewer repetitions: < 5 min on 2 cores")
     ap.add_argument("--only", default="", help=f"comma-separated subset of: {','.join(FIGURES)}; and recovery "
                     "(issue 31's realistic recovery harness, never in the default set: 15 min and more) and "
-                    "node_loss (its node-loss variant, never in the default set: about 15 min)")
+                    "node_loss (its node-loss variant, never in the default set: about 18 min)")
     ap.add_argument("--recovery-minutes", type=float, default=5.0, help="recovery: wall window per side")
     ap.add_argument("--reps", type=int, default=None, help="repetitions per side (default: 2 quick, 5 full)")
     ap.add_argument("--layouts", default="", help=f"selection layouts, comma-separated: {','.join(LAYOUT_KEYS)}")
