@@ -10,7 +10,7 @@ first on odd ones) and prints, as soon as a figure is done, one row per figure::
     name | rlsup median | baseline median | ratio (rlsup / baseline) | unit | note
 
 Figures (``--only`` keys): restart, hang, save, heartbeat, selection, replication, restore, footprint,
-goodput, gpu_check, flight_recorder; and recovery (issue 31's realistic harness, benchmarks/bench_recovery.py) and
+goodput, gpu_check, flight_recorder, watch_cpu; and recovery (issue 31's realistic harness, benchmarks/bench_recovery.py) and
 node_loss (its node-loss variant, a spare against a replacement: benchmarks/bench_node_loss.py), run only when
 named. Jobs are 2-rank torchrun/gloo runs of ``benchmarks/jobs/bench_trainer.py``, which writes
 ``time.monotonic()`` events (CLOCK_MONOTONIC is system-wide on Linux, so ranks, attempts and this script share one
@@ -43,7 +43,7 @@ from jobctl import (BIN, PY, alternate, events, failed, job_env, launch, log, nv
                     pid_alive, stop, wait_until)
 
 FIGURES = ("restart", "hang", "hang_restart", "save", "heartbeat", "selection", "replication", "restore", "footprint", "goodput",
-           "gpu_check", "flight_recorder")
+           "gpu_check", "flight_recorder", "watch_cpu")
 
 
 # ------------------------------------------------------------------------------------------ output
@@ -1031,6 +1031,15 @@ def bench_node_loss(ctx: Ctx) -> list[Row]:
     return [Row(f.name, f.rlsup, f.base, f.unit, f.note) for f in figs]
 
 
+def bench_watch_cpu(ctx: Ctx) -> list[Row]:
+    """What watching a job costs: rlsup run's own CPU against torchrun's agent's (benchmarks/bench_watch_cpu.py)."""
+    import bench_watch_cpu
+
+    sides = {w.side: w for w in bench_watch_cpu.measure(ctx.reps, 10.0 if ctx.quick else 20.0)}
+    return [Row("watching a sleeping 2-rank job: the watcher's own CPU", 100 * sides["rlsup"].median,
+                100 * sides["torchrun"].median, "% of a core", "rlsup run vs torchrun's agent, same job")]
+
+
 # ------------------------------------------------------------------------------------------ main
 
 
@@ -1039,6 +1048,7 @@ BENCHES: dict[str, Callable[[Ctx], list[Row]]] = {
     "selection": bench_selection, "replication": bench_replication, "restore": bench_restore,
     "footprint": bench_footprint, "goodput": bench_goodput, "gpu_check": bench_gpu_check,
     "flight_recorder": bench_flight_recorder, "recovery": bench_recovery, "node_loss": bench_node_loss,
+    "watch_cpu": bench_watch_cpu,
 }
 
 

@@ -52,6 +52,7 @@ FAST_MODULES: dict[str, frozenset[str]] = {
                                      "test_sigkill_trainer_or_writer_never_leaves_a_valid_partial"}),
     "test_attempt_end.py": frozenset(),
     "test_backends.py": frozenset(),
+    "test_bench_node_loss.py": frozenset(),
     "test_builtin_check.py": frozenset({"test_rlsup_run_with_the_builtin_check_says_no_gpus_and_runs_the_job"}),
     "test_checkpoint_manager.py": frozenset({"test_sigkill_at_random_moments_never_loses_a_valid_checkpoint",
                                              "test_full_disk_save_error_says_no_space"}),
