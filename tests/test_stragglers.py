@@ -75,7 +75,10 @@ def test_off_and_single_rank() -> None:
 def start(workdir: Path, metrics_port: int, mode: str, steps: int) -> subprocess.Popen:
     workdir.mkdir(parents=True, exist_ok=True)
     out = open(workdir / "rlsup.log", "ab")
-    cmd = rlsup_cmd("run", "--metrics-addr", "127.0.0.1", "--straggler-window", "8", "--", PY, "-m",
+    # --warm-launcher false: these runs never restart, and arming 4 warm ranks (each importing torch) for a restart
+    # that never comes took about 15 s of CPU a run, sampled (the warm launcher is tested in tests/test_warm_*.py)
+    cmd = rlsup_cmd("run", "--metrics-addr", "127.0.0.1", "--straggler-window", "8", "--warm-launcher", "false", "--",
+                    PY, "-m",
                     "torch.distributed.run", "--standalone", "--nproc-per-node", "4", str(JOBS / "straggler_job.py"),
                     str(steps), mode)
     return subprocess.Popen(cmd, cwd=workdir, env=clean_env(RLSUP_METRICS_PORT=str(metrics_port)), stdout=out,
