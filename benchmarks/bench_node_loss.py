@@ -54,7 +54,7 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parent
 sys.path[:0] = [str(BENCH.parent), str(BENCH)]
 
-from jobctl import PY, alternate, events, job_env, log, pid_alive  # noqa: E402
+from jobctl import PY, Figure, alternate, events, job_env, log, pid_alive  # noqa: E402
 from rlsup_format.manifest import list_step_dirs  # noqa: E402
 from rlsup_format.names import manifest_name  # noqa: E402
 from node_loss_accounting import LossFigures, loss_figures  # noqa: E402
@@ -327,17 +327,6 @@ def describe(t: Trial) -> str:
             f"{'/'.join(s(x) for x in f.nodes_started)}, rendezvous {s(f.rendezvous)}, restored {s(f.restored)}); "
             f"reached {f.reached} (node 2's newest replicated {t.replicated}) resumed {f.resumed} redone {f.redone}; goodput {f.goodput:.3f} (before the loss "
             f"{f.steady_goodput:.3f}); step {t.median_step_s or 0:.3f} s; log: {marks}")
-
-
-@dataclass(frozen=True)
-class Figure:
-    """One row of the harness's table (the fields of benchmarks/run.py's Row): the spare vs a replacement."""
-
-    name: str
-    rlsup: float | None
-    base: float | None
-    unit: str
-    note: str = ""
 
 
 def figures(res: dict[str, list[Trial]], all_sides: dict[str, Side], st: Settings) -> list[Figure]:

@@ -44,7 +44,7 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parent
 sys.path[:0] = [str(BENCH.parent), str(BENCH)]
 
-from jobctl import alternate, events, launch, log, nvrx_missing, pid_alive, stop  # noqa: E402
+from jobctl import Figure, alternate, events, launch, log, nvrx_missing, pid_alive, stop  # noqa: E402
 from recovery_accounting import Kill, Trial, account, kill_schedule, young_cadence  # noqa: E402
 
 TRAINER = BENCH / "jobs" / "recovery_trainer.py"
@@ -73,17 +73,6 @@ class Side:
     trainer: tuple[str, ...]
     extra: tuple[str, ...] = ()
     label: str = ""  # rlsup's: how its trainer saves into the memory tier
-
-
-@dataclass(frozen=True)
-class Figure:
-    """One row of the harness's table (the fields of benchmarks/run.py's Row)."""
-
-    name: str
-    rlsup: float | None
-    base: float | None
-    unit: str
-    note: str = ""
 
 
 def calibrate_run(work: Path, launcher: str, trainer: list[str], extra: list[str] = ()) -> list[dict]:

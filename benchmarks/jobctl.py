@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -24,6 +25,17 @@ ROOT = BENCH.parent
 PY = sys.executable
 BIN = Path(sys.executable).parent
 TRAINER = BENCH / "jobs" / "bench_trainer.py"
+
+
+@dataclass(frozen=True)
+class Figure:
+    """One row of a harness's table (the fields of benchmarks/run.py's Row): rlsup's figure against its baseline."""
+
+    name: str
+    rlsup: float | None
+    base: float | None
+    unit: str
+    note: str = ""
 
 
 def log(msg: str) -> None:

@@ -398,6 +398,8 @@ def _validate(cfg: SupervisorConfig, origins: dict[str, str]) -> None:
         raise bad("memory_dir", f"must be a local directory (a tmpfs such as /dev/shm), not a URL: {cfg.memory_dir!r}")
     if cfg.poll_interval <= 0:
         raise bad("poll_interval", "must be > 0")
+    if cfg.spare_takeover_s <= 0:
+        raise bad("spare_takeover_s", "must be > 0 seconds (a node that misses a round by a moment is not lost)")
     if cfg.heartbeat_timeout is not None and cfg.heartbeat_timeout <= 0:
         raise bad("heartbeat_timeout", "must be > 0 seconds or 'auto'")
     if not 0 <= cfg.backoff_jitter < 1:

@@ -208,7 +208,8 @@ def connect_store(host: str, port: int, wait_s: float, stop: StopRequest | None,
     plain connects of up to :data:`CONNECT_SLICE_S`, the stop asked between them
     (:class:`~supervisor.stop_request.StopAsked`); torch connects once the port answers, each try bounded (a
     resolver that does not answer torch's lookups costs one try). ``gone_after_s``: a port that answered and
-    then refuses for this long raises :class:`StoreGone` at once instead of waiting out ``wait_s``."""
+    then refuses connections for this long (refused: not a timeout, which a stalled or cut-off host also gives)
+    raises :class:`StoreGone` at once instead of waiting out ``wait_s``."""
     deadline = time.monotonic() + wait_s
     answered, refused_since = False, None
     while True:
@@ -221,7 +222,7 @@ def connect_store(host: str, port: int, wait_s: float, stop: StopRequest | None,
             answered, refused_since = True, None
             return TCPKVStore(host, port, False, max(1.0, min(CONNECT_SLICE_S * 5, left)))
         except (OSError, StoreUnavailable) as e:
-            if answered and not isinstance(e, StoreUnavailable):  # the port itself no longer answers
+            if answered and isinstance(e, ConnectionRefusedError):  # nothing listens (a stall or timeout is not that)
                 refused_since = time.monotonic() if refused_since is None else refused_since
                 if gone_after_s is not None and time.monotonic() - refused_since >= gone_after_s:
                     raise StoreGone(f"the coordination store TCPStore {host}:{port} answered, then nothing listened "

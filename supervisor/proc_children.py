@@ -18,20 +18,25 @@ AVAILABLE = os.path.exists(f"/proc/self/task/{os.getpid()}/children")
 
 
 def children(pid: int) -> list[int] | None:
-    """The pids whose parent is ``pid`` (any of its threads); [] when ``pid`` is gone; None: no such files."""
+    """The pids whose parent is ``pid`` (any of its threads); [] when ``pid`` is gone; None: no such files, or
+    they cannot be read (the caller then walks with psutil)."""
     if not AVAILABLE:
         return None
     try:
         tids = os.listdir(f"/proc/{pid}/task")
+    except (FileNotFoundError, ProcessLookupError):
+        return []  # gone
     except OSError:
-        return []
+        return None  # cannot read it (out of descriptors, denied): the caller's psutil walk says
     found: list[int] = []
     for tid in tids:
         try:
             with open(f"/proc/{pid}/task/{tid}/children", "rb") as f:
                 found.extend(int(p) for p in f.read().split())
-        except (OSError, ValueError):
+        except (FileNotFoundError, ProcessLookupError, ValueError):
             continue  # the thread ended meanwhile
+        except OSError:
+            return None
     return found
 
 
@@ -43,7 +48,10 @@ def descendants(pid: int) -> list[int] | None:
     queue = [pid]
     seen = {pid}
     while queue:
-        for child in children(queue.pop()) or []:
+        below = children(queue.pop())
+        if below is None:
+            return None
+        for child in below:
             if child not in seen:  # a pid reused while we walked cannot loop us
                 seen.add(child)
                 out.append(child)

@@ -198,6 +198,9 @@ class JobProcess:
         process on the host."""
         roots = [self.pid] + [p for p in self._orphans()]
         for pid in roots:
+            known = self._known.get(pid)
+            if known is not None and not known.is_running():
+                continue  # reaped, and its pid may be another process's now: never walk a stranger's tree
             below = proc_children.descendants(pid)
             if below is None:  # no children files: psutil's scan, as before
                 self._remember_scanned(pid)

@@ -13,6 +13,7 @@ cold start (a fresh interpreter and ``import torch`` in torchrun and in every ra
 from __future__ import annotations
 
 import logging
+import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -141,10 +142,16 @@ class SpareRun:
         or the store is etcd, which outlives node 0: then it is only reconnected)."""
         if self.cfg.coordinator_backend != "embedded":
             self.stop.wait(self.cfg.spare_takeover_s, 0.1)
+            self.stop.check("node 0's coordination store")
             return None
         turn = self.node_rank - self.roster.job_size + 1
-        self.stop.wait(self.cfg.spare_takeover_s * turn, 0.1)
+        if self.stop.wait(self.cfg.spare_takeover_s * turn, 0.1):
+            self.stop.check("this spare's turn to host node 0's coordination store")  # raises: never host after
         host = self.roster.peers[0].rpartition(":")[0]
+        if not is_local_address(host):  # node 0's address is another machine's: only a replacement node 0 hosts it
+            log.info("spare %s: node 0's coordination store is gone and %s is not this host's address; waiting for "
+                     "a replacement node 0", self.roster.peers[self.node_rank], host)
+            return None
         try:
             hosted = embedded_coordinator(host, self.cfg.coordinator_port, self.job, self.secret, 0,
                                           self.roster.job_size, self.cfg.rendezvous_timeout, self.stop)
@@ -157,4 +164,21 @@ class SpareRun:
         return hosted
 
 
-__all__ = ["SpareRun", "RunNode"]
+def is_local_address(host: str) -> bool:
+    """Whether ``host`` names an address of this machine (binding it works): a spare may host node 0's store only
+    on node 0's own address, never serve it elsewhere while its client writes into a live node 0's."""
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return False
+    for family, kind, proto, _, addr in infos:
+        try:
+            with socket.socket(family, kind, proto) as probe:
+                probe.bind((addr[0], 0))
+            return True
+        except OSError:
+            continue
+    return False
+
+
+__all__ = ["SpareRun", "RunNode", "is_local_address"]

@@ -15,9 +15,9 @@ import json
 from pathlib import Path
 
 from rlsup_format.manifest import hash_file, list_step_dirs, manifest_name, read_manifest
-from support.cluster import (HELD_FOR_NODE_0_LOSS, NODES, Cluster, assert_resumed_at_least, assert_same_weights,
-                             lose_node_0_and_replace, reference_weights, replica_ns, replica_part, rlsup_resumes,
-                             trainer_starts)
+from support.cluster import (HELD_FOR_NODE_0_LOSS, HELD_PATIENCE, NODES, Cluster, assert_resumed_at_least,
+                             assert_same_weights, lose_node_0_and_replace, reference_weights, replica_ns, replica_part,
+                             rlsup_resumes, trainer_starts)
 from support.incidents import incidents
 from support.procs import run_rlsup
 from support.waits import wait_for
@@ -88,7 +88,7 @@ def test_node_0_lost_and_replaced_with_an_empty_disk_resumes_bit_identical(tmp_p
     fetches node 0's parts from their replicas, and the job resumes from a step at least as new as the
     newest one that was complete and replicated when node 0 died, ending bit-identical."""
     ref = reference_weights(tmp_path)
-    cluster = Cluster(tmp_path, train_args=HELD_FOR_NODE_0_LOSS)
+    cluster = Cluster(tmp_path, extra=HELD_PATIENCE, train_args=HELD_FOR_NODE_0_LOSS)
     complete = lose_node_0_and_replace(cluster)
     assert_resumed_at_least(cluster, complete, ref)
     assert "is gone; waiting" in cluster.log(1), cluster.log(1)[-3000:]  # node 1 waited for the new store

@@ -123,6 +123,9 @@ def test_spare_takes_node_2_after_its_loss_bit_identical(tmp_path: Path) -> None
     assert_same_weights(cluster.node_dir(0) / cluster.out_name, ref)
     assert _resumed(cluster.log(0))[-1] >= complete > 0, (complete, cluster.log(0)[-4000:])
     assert "node rank 2 is now the spare" in cluster.log(1), cluster.log(1)[-4000:]  # node 1 replicates to it
+    for node in (0, 1):  # the survivors' restart after the loss came from their warm launchers (rlsup's default)
+        log = cluster.log(node)
+        assert re.search(r"attempt [1-9]\d*: started by the warm launcher", log), log[-4000:]
 
 
 def test_spare_takes_node_0_after_its_loss_bit_identical(tmp_path: Path) -> None:

@@ -39,12 +39,21 @@ def test_descendants_match_psutil_for_a_three_level_tree() -> None:
 
 def test_children_forked_by_another_thread_are_found_and_a_gone_pid_has_none() -> None:
     started: list[subprocess.Popen] = []
-    t = threading.Thread(target=lambda: started.append(subprocess.Popen(["sleep", "60"])))
+    done = threading.Event()
+
+    def fork_and_stay() -> None:  # the thread lives on: its child is listed under this thread, not the main one
+        started.append(subprocess.Popen(["sleep", "60"]))
+        done.wait(60)
+
+    t = threading.Thread(target=fork_and_stay)
     t.start()
-    t.join()
     try:
+        wait_for(lambda: started, 30, "the thread's child")
         assert started[0].pid in (proc_children.children(os.getpid()) or [])
+        assert started[0].pid in (proc_children.descendants(os.getpid()) or [])
     finally:
+        done.set()
+        t.join()
         started[0].kill()
         started[0].wait()
     assert started[0].pid not in (proc_children.children(os.getpid()) or [])

@@ -96,3 +96,20 @@ def test_role_spares_left_and_takeover_are_exported() -> None:
     assert m.registry.get_sample_value("rlsup_node_role", {"rlsup_node_role": "worker"}) == 1
     assert m.registry.get_sample_value("rlsup_spares_left") == 1
     assert m.registry.get_sample_value("rlsup_spare_takeover_seconds") == 1.5
+
+
+def test_a_takeover_wait_of_zero_is_refused_naming_the_key() -> None:
+    """0 would call a node lost at its first refused connect (review finding): refused at load, the key named."""
+    from supervisor.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="spare_takeover_s"):
+        load_config(environ={}, overrides={"spare_takeover_s": 0})
+
+
+def test_a_spare_hosts_node_0s_store_only_on_an_address_of_its_own() -> None:
+    """Off node 0's host a spare cannot serve node 0's address (review finding: torch's store listens on every
+    interface while its client writes to node 0's address, a live node 0's store if it came back)."""
+    from supervisor.spare_run import is_local_address
+
+    assert is_local_address("127.0.0.1") and is_local_address("localhost")
+    assert not is_local_address("192.0.2.1")  # TEST-NET-1: never this host's

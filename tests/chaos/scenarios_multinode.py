@@ -262,7 +262,8 @@ def fetch_kill_scenario(parent: Path, ref_cache: Path, seed: int, kills: int = 1
     args = train_args(steps=steps, keep_last=100)
     ref = reference_weights(ref_cache, 2, args)
     cluster = Cluster(sb.run, 2, "static", ["--startup-timeout", "120"], args, env=sandbox_env(sb),
-                      rendezvous_timeout=rendezvous_timeout, secret=SECRET_TEXT)
+                      rendezvous_timeout=rendezvous_timeout, secret=SECRET_TEXT,
+                      warm_launcher=True)  # the chaos runs keep rlsup's defaults: the faults users meet
     peers = cluster.peers
     node_dir = [cluster.node_dir(0), cluster.node_dir(1)]
     procs = cluster.procs

@@ -182,7 +182,8 @@ def partition_scenario(parent: Path, ref_cache: Path, plan: PartitionPlan) -> tu
             extra += ["--coordinator-backend", "etcd", "--coordinator-endpoints", ",".join(etcd.endpoints)]
         cluster = Cluster(sb.run, NODES, "c10d", extra, train, hosts=net.addrs, wrap=net.wrap,
                           rendezvous_timeout=RENDEZVOUS_S if plan.heal else SHORT_RENDEZVOUS_S,
-                          env=sandbox_env(sb, GLOO_SOCKET_IFNAME="eth0"))
+                          env=sandbox_env(sb, GLOO_SOCKET_IFNAME="eth0"),
+                          warm_launcher=True)  # the chaos runs keep rlsup's defaults: the faults users meet
         try:
             cluster.start_all()
             res.check(run_partition(cluster, net, plan, report, far))
