@@ -132,16 +132,18 @@ FAST_MODULES: dict[str, frozenset[str]] = {
     "test_stragglers.py": frozenset({"test_four_rank_job_with_a_3x_slow_rank_is_reported",
                                      "test_straggler_alert_fires_in_a_real_prometheus"}),
     "test_direct_save.py": frozenset({"test_writer_killed_while_it_builds_a_direct_step_never_leaves_a_valid_torn_one"}),
-    "test_first_round_liveness.py": frozenset(),
+    "test_first_round_liveness.py": frozenset({  # waits out a real lapse (5 s)
+        "test_node_0_lost_in_the_first_round_ends_the_reconnect_wait_within_the_lapse"}),
     "test_first_round_requeue.py": frozenset({"etcd_cluster_clean"}),  # a real etcd server
     "test_manifest_watch.py": frozenset(),
     "test_memory_tier_timeline.py": frozenset(),
     "test_recovery_accounting.py": frozenset(),
     "test_sbatch_spares.py": frozenset(),
-    "test_tier_metrics.py": frozenset(),
+    "test_tier_metrics.py": frozenset({"test_a_read_that_moves_is_not_cut_one_that_stops_is"}),  # real stalls (4 s)
     "test_transport_auth.py": frozenset(),
     "test_transport_store.py": frozenset(),
-    "test_unkillable.py": frozenset(),
+    "test_unkillable.py": frozenset({  # real deadlines passing, 14 s and 2 s
+        "test_calls_as_long_as_the_deadline_never_leave_it_blocked", "test_a_new_pass_after_a_stalled_one_is_not_stuck"}),
     "test_unreadable_checkpoints.py": frozenset(),
 }
 
