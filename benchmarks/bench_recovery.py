@@ -266,8 +266,7 @@ def main() -> int:
     try:
         for f in run(work, args.minutes, args.reps, args.seed, args.micro_batches, args.disk_every,
                      tuple(x for x in args.sides.split(",") if x)):
-            ratio = f"{f.rlsup / f.base:.2f}" if f.rlsup is not None and f.base else "n/a"
-            print(f"{f.name} | {f.rlsup} | {f.base} | {ratio} | {f.unit} | {f.note}", flush=True)
+            print(f.line(), flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return 0

@@ -37,6 +37,11 @@ class Figure:
     unit: str
     note: str = ""
 
+    def line(self) -> str:
+        """The row as a harness prints it: name | rlsup | baseline | ratio | unit | note."""
+        ratio = f"{self.rlsup / self.base:.2f}" if self.rlsup is not None and self.base else "n/a"
+        return f"{self.name} | {self.rlsup} | {self.base} | {ratio} | {self.unit} | {self.note}"
+
 
 def log(msg: str) -> None:
     print(f"# {msg}", file=sys.stderr, flush=True)
