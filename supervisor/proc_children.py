@@ -41,7 +41,7 @@ def children(pid: int) -> list[int] | None:
 
 
 def descendants(pid: int) -> list[int] | None:
-    """Every pid below ``pid`` (breadth first); None where the kernel has no children files."""
+    """Every pid below ``pid``; None where the kernel has no children files or one cannot be read."""
     if not AVAILABLE:
         return None
     out: list[int] = []
