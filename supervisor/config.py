@@ -27,6 +27,7 @@ from typing import Any, Literal
 
 import yaml
 
+from supervisor.endpoint_probe import REFUSED_FOR_S
 from supervisor.kvstore import CoordinatorBackend
 from supervisor.layouts import LAYOUTS
 from supervisor.layouts.single_file import NAME as SINGLE_FILE
@@ -108,7 +109,9 @@ class SupervisorConfig:
     peers: tuple[str, ...] = _opt((), "Replication endpoints host:port of every node, in node-rank order (empty: from SLURM, else single node).")
     node_rank: int | None = _opt(None, "This node's index in peers (default: SLURM_NODEID).")
     spares: int = _opt(0, "How many of the last peers are spare nodes: they run rlsup and hold no ranks until a node of the job is lost; then one takes the lost node's rank, fetches its parts from their holders, and every node resumes from the same step. The job runs on len(peers) - spares nodes. With warm_launcher, a waiting spare holds its first attempt's warm launcher and nproc_per_node idle warm ranks (torch imported; with warm_cuda a CUDA context each), so a takeover starts warm.")
-    spare_takeover_s: float = _opt(3.0, "Seconds a node may be missing from a round (its inventory absent while the others' are there) before a spare takes its node rank; a node that arrives later is refused (exit 77) and may rejoin as a spare.")
+    spare_takeover_s: float = _opt(3.0, "Seconds a node may be missing from a round (its inventory absent while the others' are there) before a spare takes its node rank; "
+                                   f"sooner when the node's host refuses connects to its endpoint for {REFUSED_FOR_S:g} s (its rlsup is gone: nothing listens there). "
+                                   "A node that arrives later is refused (exit 77) and may rejoin as a spare.")
     replication_port: int = _opt(9779, "Port of the replication endpoint when peers come from SLURM or omit a port.")
     coordinator_port: int = _opt(9780, "Port of the coordination store (torch TCPStore) hosted by node 0's supervisor (coordinator_backend embedded).")
     coordinator_backend: CoordinatorBackend = _opt("embedded", "Where the nodes agree before each attempt: embedded (a TCPStore hosted by node 0's supervisor; a replacement node 0 hosts it again) or etcd (an etcd v3 cluster, coordinator_endpoints; no node's loss stalls the others).", noun="backend")

@@ -1,16 +1,18 @@
 """Spare nodes: rlsup processes started with the job that hold no ranks until a node of the job is lost.
 
 ``peers`` lists N + k endpoints and ``spares: k``: node ranks 0..N-1 are the job's *slots*, the last k
-processes are spares. A spare connects to the job's coordination store and watches the rounds. A slot is
-lost when a round waits for its inventory (every other slot's is there, and the attempt before ended) for
-``spare_takeover_s``; the spare then claims the slot with the store's atomic create
-(``claim/<slot>/<generation>``, payload its own endpoint): first writer wins, so no slot goes to two spares
-and a spare claims once. From then on the spare *is* that node rank: it starts its replication service,
-joins the round as a replacement node does (:mod:`supervisor.coordinator`: it ends nothing, the attempt
-already ended), fetches the slot's parts from their holders (replicas are keyed by the slot's node rank)
-and launches with the slot's node rank (rank pinning). Every other node reads the claims at each join and
-sends the slot's replicas to its new endpoint; the node that held the slot before and comes back late
-finds a newer claim and is refused (exit 77); it may rejoin as a spare.
+processes are spares. A spare connects to the job's coordination store and watches the rounds. A slot is lost
+when a round waits for its inventory (every other slot's is there, and the attempt before ended) for
+``spare_takeover_s``, or sooner when its holder's own host says its rlsup is gone: the holder's replication
+endpoint refuses connects (:mod:`supervisor.endpoint_probe`; a silent host is waited for). The spare then
+claims the slot with the store's atomic create (``claim/<slot>/<generation>``, payload its own endpoint):
+first writer wins, so no slot goes to two spares and a spare claims once. From then on the spare *is* that
+node rank: it starts its replication service, joins the round as a replacement node does
+(:mod:`supervisor.coordinator`: it ends nothing, the attempt already ended), fetches the slot's parts from
+their holders (replicas are keyed by the slot's node rank) and launches with the slot's node rank (rank
+pinning). Every other node reads the claims at each join and sends the slot's replicas to its new endpoint;
+the node that held the slot before and comes back late finds a newer claim and is refused (exit 77); it may
+rejoin as a spare.
 
 Node 0 lost with the embedded store: the store goes with it. A spare that finds the store gone for
 ``spare_takeover_s`` (more for each spare before it) and never saw the job finish tries to host the store
@@ -27,6 +29,7 @@ from dataclasses import dataclass, field, replace
 from enum import Enum
 
 from supervisor.coordinator import CoordinationError, RoundCoordinator
+from supervisor.endpoint_probe import EndpointProbe
 from supervisor.kvstore import StoreUnavailable
 from supervisor.membership import Membership
 from supervisor.stop_request import StopRequest
@@ -134,6 +137,8 @@ class SpareWatch:
     # (attempt, slot) -> (when it was first seen missing, its holder's claim generation then)
     missing_since: dict[tuple[int, int], tuple[float, int]] = field(default_factory=dict)
     lost_at: float | None = None  # wall-clock end of the attempt the claimed slot was lost in
+    probe: EndpointProbe = field(default_factory=EndpointProbe)  # a missing holder whose endpoint refuses is gone
+    endpoints: dict[int, str] = field(default_factory=dict)  # slot -> its holder's endpoint when it went missing
 
     @property
     def endpoint(self) -> str:
@@ -163,8 +168,9 @@ class SpareWatch:
             time.sleep(WATCH_POLL_S)
 
     def lost_slot(self) -> tuple[int, int] | None:
-        """(slot, generation of its holder) for a slot missing from the open round for ``takeover_s`` while
-        the others are in it; the generation is the one seen when it went missing."""
+        """(slot, generation of its holder) for a slot missing from the open round while the others are in it,
+        for ``takeover_s`` or until its holder's endpoint refuses connects; the generation is the one seen when
+        it went missing."""
         c = self.coordinator
         current = c.current_attempt()
         if current is None or c.ended(current) is None:
@@ -181,8 +187,9 @@ class SpareWatch:
             if (pending, slot) not in self.missing_since:
                 holder = newest_claim(c, slot)
                 self.missing_since[(pending, slot)] = (now, holder.gen if holder is not None else 0)
+                self.endpoints[slot] = holder.endpoint if holder is not None else self.roster.peers[slot]
             since, gen = self.missing_since[(pending, slot)]
-            if now - since >= self.takeover_s:
+            if now - since >= self.takeover_s or self.probe.gone(self.endpoints[slot]):
                 ended = c.keys.get(f"end/{current}")
                 self.lost_at = ended.time if ended is not None else None
                 return slot, gen
