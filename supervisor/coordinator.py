@@ -99,6 +99,11 @@ class JobClash(CoordinationError):
     Also raised on the nodes of a job one of whose nodes refused to start for a clash (``abort``)."""
 
 
+class NodeZeroRunning(JobClash):
+    """Node 0's coordinator port is held by a store of this same job: another node 0 hosts it (this one running
+    twice, or a spare that took node rank 0 while this one was away: the caller tells them apart)."""
+
+
 class PeerLost(CoordinationError):
     """A node of the job died (or was cut off) after reaching the store and before the job's first attempt
     (:mod:`supervisor.liveness`): every node ends, with exit 75 for a requeue."""
@@ -543,9 +548,11 @@ def embedded_coordinator(host: str, port: int, job: JobIdentity, secret: bytes, 
             store = TCPKVStore(host, port, True, timeout_s)
         except StoreUnavailable as e:
             clash = _hosted_for(host, port, job, secret)
-            raise (JobClash(f"coordinator port {port} on {host} is taken{clash}; this node is job {job}. Give each "
-                            "job on these hosts its own coordinator_port") if clash is not None
-                   else CoordinationError(str(e))) from e
+            if clash is None:
+                raise CoordinationError(str(e)) from e
+            kind = NodeZeroRunning if clash == _SAME_JOB else JobClash
+            raise kind(f"coordinator port {port} on {host} is taken{clash}; this node is job {job}. Give each "
+                       "job on these hosts its own coordinator_port") from e
         coordinator = RoundCoordinator(store, job, secret, node_rank, num_nodes, timeout_s, stop=stop,
                                        beat_store=beat_connect(host, port))
         coordinator.claim_host()
@@ -578,8 +585,11 @@ def _hosted_for(host: str, port: int, job: JobIdentity, secret: bytes) -> str | 
     if raw is None:
         return " by another program (no rlsup job record)"
     other = probe.host_owner(raw)
-    return f" by {other}" if other is not None else " by another node 0 of this same job (is it running twice?)"
+    return f" by {other}" if other is not None else _SAME_JOB
 
 
-__all__ = ["RoundCoordinator", "CoordinationError", "RoundEnded", "JobClash", "PeerLost", "AbortKind", "AbortNotice",
+_SAME_JOB = " by another node 0 of this same job (is it running twice?)"
+
+
+__all__ = ["RoundCoordinator", "CoordinationError", "RoundEnded", "JobClash", "NodeZeroRunning", "PeerLost", "AbortKind", "AbortNotice",
            "Signed", "SignedKeys", "compute_plan", "embedded_coordinator", "connect_store"]

@@ -36,6 +36,7 @@ from supervisor.control_records import PERSISTENT_HOLDER, FetchResult, Inventory
 from supervisor.coordinator import (
     CoordinationError,
     JobClash,
+    NodeZeroRunning,
     PeerLost,
     RoundCoordinator,
     RoundEnded,
@@ -45,7 +46,7 @@ from supervisor.coordinator import (
 from supervisor.fr_exchange import FrExchange
 from supervisor.health import mark_repeat_offender
 from supervisor.incidents import Incident
-from supervisor.kvstore import OP_TIMEOUT_S, StoreUnavailable
+from supervisor.kvstore import OP_TIMEOUT_S, StoreUnavailable, connect_store
 from supervisor.job_identity import JobIdentity
 from supervisor.lifecycle import EndReason, route
 from supervisor.membership import Membership
@@ -120,8 +121,24 @@ def connect_coordinator(cfg: SupervisorConfig, membership: Membership, job: JobI
         return RoundCoordinator(store, job, secret, membership.node_rank, membership.size, s.rendezvous_timeout,
                                 stop=stop, beat_store=lambda: EtcdKVStore(list(s.endpoints), timeout_s=OP_TIMEOUT_S))
     host = membership.peers[0].rpartition(":")[0]
-    return embedded_coordinator(host, s.port, job, secret, membership.node_rank, membership.size,
-                                s.rendezvous_timeout, stop, gone_after_s)
+    try:
+        return embedded_coordinator(host, s.port, job, secret, membership.node_rank, membership.size,
+                                    s.rendezvous_timeout, stop, gone_after_s)
+    except NodeZeroRunning:
+        if cfg.spares:
+            _refuse_if_taken(host, s.port, job, secret, membership, stop)
+        raise
+
+
+def _refuse_if_taken(host: str, port: int, job: JobIdentity, secret: bytes, membership: Membership,
+                     stop: StopRequest | None) -> None:
+    """Node 0 back after a spare took its rank and hosts the store on its address: :class:`SlotTaken` (exit 77,
+    it may rejoin as a spare), not a clash; nothing happens when no spare holds rank 0 (it is running twice)."""
+    try:
+        store = connect_store(host, port, OP_TIMEOUT_S, stop)
+    except StoreUnavailable:
+        return
+    check_holder(RoundCoordinator(store, job, secret, 0, membership.size, OP_TIMEOUT_S), 0, 0)
 
 
 class MultiNodeSupervisor(Supervisor):

@@ -22,6 +22,7 @@ from typing import Callable, Sequence
 from supervisor import exit_codes
 from supervisor.config import SupervisorConfig
 from supervisor.coordinator import CoordinationError, RoundCoordinator, embedded_coordinator
+from supervisor.endpoint_probe import connect_refused
 from supervisor.job_identity import JobIdentity
 from supervisor.kvstore import StoreUnavailable
 from supervisor.membership import Membership
@@ -71,7 +72,7 @@ class SpareRun:
                 log.info("spare %s: %s; it took no node rank", self.roster.peers[self.node_rank], e)
                 return e.exit_code
             if taken is None:
-                log.info("spare %s: the job finished without needing this spare", self.roster.peers[self.node_rank])
+                log.info("spare %s: the job ended without needing this spare", self.roster.peers[self.node_rank])
                 return exit_codes.OK
             claim, membership, hosted = taken
             return run_node(membership, SpareSeat(self.roster, claim.gen), hosted, warm, processes)
@@ -113,7 +114,10 @@ class SpareRun:
                 claim, lost_at = watch_for_slot(coordinator, self.roster, self.node_rank, self.cfg.spare_takeover_s,
                                                 self.stop)
             except StoreUnavailable:
-                hosted = self._host_store()
+                try:
+                    hosted = self._host_store()
+                except JobOver:
+                    return None
                 if hosted is None:
                     continue  # someone else hosts it now: connect to it and watch again
                 claim = try_claim(hosted, 0, self.roster.peers[self.node_rank], 0)  # a fresh store
@@ -139,7 +143,9 @@ class SpareRun:
     def _host_store(self) -> RoundCoordinator | None:
         """Node 0 and its embedded store are gone: host the store on node 0's address after this spare's turn
         (``spare_takeover_s`` for each spare before it and one more); None when it cannot (another host has it,
-        or the store is etcd, which outlives node 0: then it is only reconnected)."""
+        or the store is etcd, which outlives node 0: then it is only reconnected). :class:`JobOver` when every other
+        node's host refuses its endpoint too: the job ended (a spare that never reached the store cannot tell a
+        finished job from a lost node 0 by the store alone)."""
         if self.cfg.coordinator_backend != "embedded":
             self.stop.wait(self.cfg.spare_takeover_s, 0.1)
             self.stop.check("node 0's coordination store")
@@ -152,6 +158,11 @@ class SpareRun:
             log.info("spare %s: node 0's coordination store is gone and %s is not this host's address; waiting for "
                      "a replacement node 0", self.roster.peers[self.node_rank], host)
             return None
+        others = self.roster.peers[1:self.roster.job_size]
+        if others and all(connect_refused(peer) for peer in others):
+            log.info("spare %s: node 0's coordination store and every other node of the job are gone (their hosts "
+                     "refuse connects): the job ended; nothing to host the store for", self.roster.peers[self.node_rank])
+            raise JobOver()
         try:
             hosted = embedded_coordinator(host, self.cfg.coordinator_port, self.job, self.secret, 0,
                                           self.roster.job_size, self.cfg.rendezvous_timeout, self.stop)
@@ -162,6 +173,11 @@ class SpareRun:
         log.info("spare %s: node 0's coordination store was gone for %.1fs; hosting it on %s:%d",
                  self.roster.peers[self.node_rank], self.cfg.spare_takeover_s * turn, host, self.cfg.coordinator_port)
         return hosted
+
+
+class JobOver(Exception):
+    """The store and every node of the job are gone: it ended (finished, or every node stopped) without this
+    spare, which then takes no node rank rather than host a store for nobody."""
 
 
 def is_local_address(host: str) -> bool:

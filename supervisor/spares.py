@@ -15,10 +15,10 @@ the node that held the slot before and comes back late finds a newer claim and i
 rejoin as a spare.
 
 Node 0 lost with the embedded store: the store goes with it. A spare that finds the store gone for
-``spare_takeover_s`` (more for each spare before it) and never saw the job finish tries to host the store
-itself on node 0's address and port: only one process can bind it, which is the arbiter; this works where
-the spare can bind node 0's address (one host, or a floating address). With etcd the store outlives node
-0 and slot 0 is claimed like any other.
+``spare_takeover_s`` (more for each spare before it), never saw the job finish, and finds another node of the
+job still there (its endpoint not refused) tries to host the store itself on node 0's address and port: only
+one process can bind it, which is the arbiter; this works where the spare can bind node 0's address (one host,
+or a floating address). With etcd the store outlives node 0 and slot 0 is claimed like any other.
 """
 
 from __future__ import annotations

@@ -129,6 +129,7 @@ FAST_MODULES: dict[str, frozenset[str]] = {
     "test_single_file.py": frozenset(),
     "test_spares_claims.py": frozenset(),
     "test_spare_probe.py": frozenset(),
+    "test_node0_back_after_spare.py": frozenset(),
     "test_step_writer.py": frozenset(),
     "test_stragglers.py": frozenset({"test_four_rank_job_with_a_3x_slow_rank_is_reported",
                                      "test_straggler_alert_fires_in_a_real_prometheus"}),

@@ -21,6 +21,7 @@ import pytest
 
 from supervisor.config import SupervisorConfig
 from supervisor.coordinator import RoundCoordinator
+from supervisor.endpoint_probe import connect_refused
 from supervisor.job_identity import JobIdentity
 from supervisor.kvstore import StoreGone, connect_store
 from supervisor.membership import Membership
@@ -81,9 +82,17 @@ def test_a_store_that_answered_and_went_away_raises_store_gone_not_the_whole_win
         connect_store("127.0.0.1", node0.port, WINDOW_S, None, gone_after_s=1.0)
 
 
-def test_a_spare_hosts_the_store_when_node_0_is_lost_before_its_first_connect(tmp_path: Path) -> None:
-    node0 = SilentNode0()
-    peers = [f"127.0.0.1:{p}" for p in (node0.port, 1, 2, 3)]
+def survivor() -> socket.socket:
+    """A job node that is still there: its endpoint accepts (what the spare checks before it hosts)."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen(8)
+    return s
+
+
+def spare_after_node_0(tmp_path: Path, node0: SilentNode0, others: list[int]) -> tuple[int, list[tuple[Membership, bool]], list[str]]:
+    """Runs a spare (node rank 3) whose node 0 is lost once the spare reached it; nodes 1 and 2 at ``others``."""
+    peers = [f"127.0.0.1:{p}" for p in (node0.port, *others, 3)]
     cfg = SupervisorConfig(peers=peers, node_rank=3, spares=1, coordinator_port=node0.port, spare_takeover_s=0.5,
                            rendezvous_timeout=WINDOW_S, state_dir=str(tmp_path / "state"),
                            checkpoint_dir=str(tmp_path / "ckpt"), metrics_port=0, warm_launcher=False)
@@ -99,8 +108,30 @@ def test_a_spare_hosts_the_store_when_node_0_is_lost_before_its_first_connect(tm
 
     lost_once_seen(node0)
     spare = SpareRun(cfg, Roster(tuple(peers), 1), 3, JOB, SECRET, connect, StopRequest(signal.SIGUSR1), Observer())
-    assert spare.run(run_node) == 0
+    return spare.run(run_node), taken, peers
+
+
+def test_a_spare_hosts_the_store_when_node_0_is_lost_before_its_first_connect(tmp_path: Path) -> None:
+    node0 = SilentNode0()
+    with survivor() as node1, survivor() as node2:
+        code, taken, peers = spare_after_node_0(tmp_path, node0, [node1.getsockname()[1], node2.getsockname()[1]])
+    assert code == 0
     assert len(taken) == 1, taken
     membership, hosted = taken[0]
     assert hosted, "the spare took a slot without hosting node 0's store"
     assert membership.node_rank == 0 and membership.peers[0] == peers[3], membership
+
+
+def test_a_spare_hosts_nothing_when_the_whole_job_is_gone(tmp_path: Path) -> None:
+    """Node 0's store gone and nodes 1 and 2 refusing too: the job ended (review finding: the spare hosted a fresh
+    store, took node rank 0 of a job with nobody left, and exited 1 after its window). It takes no rank, exits 0."""
+    node0 = SilentNode0()
+    code, taken, _ = spare_after_node_0(tmp_path, node0, [free_port(), free_port()])
+    assert (code, taken) == (0, [])
+    assert connect_refused(f"127.0.0.1:{node0.port}"), "the spare hosted a store for nobody"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
