@@ -30,8 +30,8 @@ from supervisor.observer import Observer
 from supervisor.process_tree import ProcessLayer
 from supervisor.run_settings import RunSettings
 from supervisor.runner import launch_env
-from supervisor.spares import (Claim, NodeRole, Roster, SpareSeat, moved_slots, spares_left, taken_over, try_claim,
-                              watch_for_slot)
+from supervisor.spares import (Claim, NodeRole, Roster, SpareSeat, StoreLostBeforeFirstAttempt, moved_slots,
+                              spares_left, taken_over, try_claim, watch_for_slot)
 from supervisor.stop_request import StopAsked, StopRequest
 from supervisor.warm_start import WarmStarts
 
@@ -71,6 +71,11 @@ class SpareRun:
             except StopAsked as e:
                 log.info("spare %s: %s; it took no node rank", self.roster.peers[self.node_rank], e)
                 return e.exit_code
+            except StoreLostBeforeFirstAttempt:
+                log.info("spare %s: node 0 was lost before the job's first attempt; every node exits %d (requeue the "
+                         "job), this spare too, having taken no node rank", self.roster.peers[self.node_rank],
+                         exit_codes.REQUEUE)
+                return exit_codes.REQUEUE
             if taken is None:
                 log.info("spare %s: the job ended without needing this spare", self.roster.peers[self.node_rank])
                 return exit_codes.OK
@@ -113,6 +118,8 @@ class SpareRun:
                 coordinator = self.connect(watcher_view, self.stop, self.cfg.spare_takeover_s)
                 claim, lost_at = watch_for_slot(coordinator, self.roster, self.node_rank, self.cfg.spare_takeover_s,
                                                 self.stop)
+            except StoreLostBeforeFirstAttempt:
+                raise
             except StoreUnavailable:
                 try:
                     hosted = self._host_store()

@@ -47,6 +47,11 @@ class NodeRole(str, Enum):
     SPARE = "spare"  # holds none yet
 
 
+class StoreLostBeforeFirstAttempt(StoreUnavailable):
+    """The embedded store went away before the job's first attempt: node 0 was lost in the first round, which
+    every node answers with a requeue (exit 75, :mod:`supervisor.liveness`); a spare takes no rank then."""
+
+
 class SlotTaken(CoordinationError):
     """This node's slot was given to a spare while it was away: it must not run its ranks."""
 
@@ -137,6 +142,7 @@ class SpareWatch:
     # (attempt, slot) -> (when it was first seen missing, its holder's claim generation then)
     missing_since: dict[tuple[int, int], tuple[float, int]] = field(default_factory=dict)
     lost_at: float | None = None  # wall-clock end of the attempt the claimed slot was lost in
+    seen_attempt: bool = False  # an attempt was seen: its keys gone later (etcd forgets a finished job's) = done
     probe: EndpointProbe = field(default_factory=EndpointProbe)  # a missing holder whose endpoint refuses is gone
     endpoints: dict[int, str] = field(default_factory=dict)  # slot -> its holder's endpoint when it went missing
 
@@ -147,7 +153,6 @@ class SpareWatch:
     def wait(self) -> Claim | None:
         """The slot this spare took, or None when the job finished (``done``). Raises
         :class:`~supervisor.stop_request.StopAsked` on a stop, :class:`StoreUnavailable` when the store is gone."""
-        seen = False  # an attempt was seen: its keys gone (etcd forgets a finished job's) means the job is done
         log.info("spare %s: watching the job's %d nodes for a lost one", self.endpoint, self.roster.job_size)
         while True:
             self.stop.check("a lost node to take over")
@@ -155,9 +160,9 @@ class SpareWatch:
             if self.coordinator.keys.get(DONE_KEY) is not None:
                 return None
             current = self.coordinator.current_attempt()
-            if current is None and seen:
+            if current is None and self.seen_attempt:
                 return None
-            seen = seen or current is not None
+            self.seen_attempt = self.seen_attempt or current is not None
             lost = self.lost_slot()
             if lost is not None:
                 claim = try_claim(self.coordinator, lost[0], self.endpoint, lost[1])
@@ -204,12 +209,15 @@ def spares_left(roster: Roster, moved: dict[int, Claim]) -> int:
 def watch_for_slot(coordinator: RoundCoordinator, roster: Roster, node_rank: int, takeover_s: float,
                    stop: StopRequest) -> tuple[Claim | None, float | None]:
     """:meth:`SpareWatch.wait` and when the slot was lost (the attempt's end, wall clock), the store's loss
-    said in words (``StoreUnavailable`` passes through)."""
+    said in words (``StoreUnavailable`` passes through; :class:`StoreLostBeforeFirstAttempt` when no attempt was
+    seen)."""
+    watch = SpareWatch(coordinator, roster, node_rank, takeover_s, stop)
     try:
-        watch = SpareWatch(coordinator, roster, node_rank, takeover_s, stop)
         return watch.wait(), watch.lost_at
-    except StoreUnavailable:
+    except StoreUnavailable as e:
         log.warning("spare %s: the coordination store %s is gone", roster.peers[node_rank], coordinator.describe())
+        if not watch.seen_attempt:
+            raise StoreLostBeforeFirstAttempt(str(e)) from e
         raise
 
 
@@ -220,5 +228,5 @@ def taken_over(roster: Roster, claim: Claim, moved: dict[int, Claim]) -> Members
     return replace(roster.membership(claim.slot, endpoints))
 
 
-__all__ = ["NodeRole", "Roster", "Claim", "SlotTaken", "SpareWatch", "SpareSeat", "newest_claim", "moved_slots", "check_holder",
+__all__ = ["NodeRole", "Roster", "Claim", "SlotTaken", "StoreLostBeforeFirstAttempt", "SpareWatch", "SpareSeat", "newest_claim", "moved_slots", "check_holder",
            "try_claim", "spares_left", "watch_for_slot", "taken_over", "DONE_KEY"]

@@ -14,11 +14,14 @@ from __future__ import annotations
 
 import signal
 import socket
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
 import pytest
 
+from supervisor import exit_codes
 from supervisor.config import SupervisorConfig
 from supervisor.coordinator import RoundCoordinator
 from supervisor.endpoint_probe import connect_refused
@@ -135,3 +138,50 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+NODE_0 = """
+import sys, time
+from supervisor.coordinator import embedded_coordinator
+from supervisor.job_identity import JobIdentity
+hosted = embedded_coordinator("127.0.0.1", int(sys.argv[1]), JobIdentity("job-first-connect", "test"),
+                              b"0123456789abcdef-shared", 0, 3, 30)
+print("hosting", flush=True)
+time.sleep(600)
+"""
+
+
+def test_node_0_lost_before_the_first_attempt_the_spare_requeues_and_takes_nothing(tmp_path: Path) -> None:
+    """Node 0 hosts the store (a real process), the spare watches it, no attempt has started; node 0 is SIGKILLed.
+    Every node answers a loss in the first round with exit 75 (docs/deploy.md; review finding: the spare instead
+    hosted a fresh store and took node rank 0 within seconds). The spare must exit 75 and host nothing."""
+    port = free_port()
+    node0 = subprocess.Popen([sys.executable, "-c", NODE_0, str(port)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert node0.stdout is not None and node0.stdout.readline().strip() == "hosting"
+        with survivor() as node1, survivor() as node2:
+            peers = [f"127.0.0.1:{p}" for p in (port, node1.getsockname()[1], node2.getsockname()[1], 3)]
+            cfg = SupervisorConfig(peers=peers, node_rank=3, spares=1, coordinator_port=port, spare_takeover_s=0.5,
+                                   rendezvous_timeout=WINDOW_S, state_dir=str(tmp_path / "state"),
+                                   checkpoint_dir=str(tmp_path / "ckpt"), metrics_port=0, warm_launcher=False)
+            taken: list[Membership] = []
+
+            def run_node(membership: Membership, *_: object) -> int:
+                taken.append(membership)
+                return 0
+
+            def connect(view: Membership, stop: StopRequest, gone_after_s: float) -> RoundCoordinator:
+                assert not taken and node0.poll() is None, "the spare connected again after node 0's loss"
+                coordinator = connect_coordinator(cfg, view, JOB, SECRET, stop, gone_after_s)
+                node0.send_signal(signal.SIGKILL)  # lost once the spare watches
+                node0.wait(30)
+                return coordinator
+
+            spare = SpareRun(cfg, Roster(tuple(peers), 1), 3, JOB, SECRET, connect, StopRequest(signal.SIGUSR1),
+                             Observer())
+            assert spare.run(run_node) == exit_codes.REQUEUE
+            assert taken == []
+            assert connect_refused(f"127.0.0.1:{port}"), "the spare hosted node 0's store"
+    finally:
+        node0.kill()
+        node0.wait(30)
