@@ -1,18 +1,21 @@
-"""Whether a peer's rlsup is gone, told by its own host: a refused connect to its replication endpoint.
+"""Whether a peer's rlsup is gone, told by its own host: refused connects to its replication endpoint.
 
 A node missing from a round is either lost or slow (a long teardown, a loaded host, a stalled store
 connection); silence cannot tell them apart, so a spare waits ``spare_takeover_s`` for it. But a host that is up
-and answers a TCP connect to the node's endpoint with a refusal (RST: nothing listens on that port) says that
-the node's rlsup, which serves that port for its whole run, is no longer there: killed, crashed, or exited.
-That is evidence, not a guess, and the spare need not wait out the rest of its window for it. A timeout, an
-unreachable network or a name that does not resolve is silence: only the window decides then (a host that
-lost power answers nothing). A stopped (SIGSTOP) or hung rlsup still has its socket, whose backlog the kernel
-keeps accepting into: never called gone here.
+and answers TCP connects to the node's endpoint with refusals (RST: nothing listens on that port) says that
+nothing serves the node's replication there any more: its rlsup (or the ``rlsup daemon`` serving it) was killed,
+crashed or exited. That is evidence, not a guess, and the spare need not wait out the rest of its window for it.
+A timeout, an unreachable network or a name that does not resolve is silence: only the window decides then (a
+host that lost power answers nothing). A stopped (SIGSTOP) or hung rlsup still has its socket, whose backlog
+the kernel keeps accepting into: never called gone here. An rlsup that restarts (systemd's ``Restart=``) is
+refused for the time its start-up takes (0.5-1 s to import and bind): it loses its rank to a spare and comes
+back as a late node (exit 77), as one that restarted after the window does; its ranks were ended with it anyway.
 
 Probes run in a thread of their own, one in flight per endpoint, each bounded by :data:`PROBE_TIMEOUT_S`
-(name resolution has no timeout of its own, and a resolver that drops queries must not hold the spare's
-watch). An endpoint counts as gone once every probe for :data:`REFUSED_FOR_S` was refused: one refusal is a
-moment (a port being rebound by an rlsup that restarts at once is refused for a moment, and is welcome back).
+(name resolution has no timeout of its own, and a resolver that drops queries must not hold the caller). An
+endpoint counts as gone once at least :data:`MIN_REFUSALS` probes in a row were refused over at least
+:data:`REFUSED_FOR_S`, and no probe since has been out longer than :data:`PROBE_PENDING_S` (a probe that hangs
+is silence starting, not more of the refusal). Every address a name resolves to must refuse.
 """
 
 from __future__ import annotations
@@ -21,28 +24,41 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 PROBE_TIMEOUT_S = 1.0  # a connect that takes longer is silence, not a refusal
 REFUSED_FOR_S = 0.5  # refused without a break this long: the endpoint's rlsup is gone
+MIN_REFUSALS = 3  # ... and at least this many refusals in a row
+PROBE_PENDING_S = 0.3  # a probe out longer than this (a lost SYN, a stalled lookup) suspends the verdict
 
 
 def connect_refused(endpoint: str, timeout_s: float = PROBE_TIMEOUT_S) -> bool:
-    """True when ``host:port`` refused a TCP connect; False when it accepted, timed out or could not be
-    reached (silence)."""
+    """True when every address of ``host:port`` refused a TCP connect; False when one accepted, timed out or
+    could not be reached (silence), or the endpoint is malformed."""
     host, _, port = endpoint.rpartition(":")
     try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
-            return False
-    except ConnectionRefusedError:
-        return True
+        infos = socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)
     except (OSError, ValueError):
         return False
+    for family, kind, proto, _, address in infos:
+        try:
+            with socket.socket(family, kind, proto) as sock:
+                sock.settimeout(timeout_s)
+                sock.connect(address)
+            return False
+        except ConnectionRefusedError:
+            continue
+        except OSError:
+            return False
+    return bool(infos)
 
 
 @dataclass
 class _Probe:
-    refused_since: float | None = None  # monotonic start of the current run of refusals
-    in_flight: bool = False
+    first_refused: float | None = None  # monotonic start of the first probe of the current run of refusals
+    last_refused: float | None = None  # monotonic start of the newest refused probe
+    refusals: int = 0
+    out_since: float | None = None  # start of the probe in flight
 
 
 @dataclass
@@ -51,30 +67,55 @@ class EndpointProbe:
     docstring)."""
 
     refused_for_s: float = REFUSED_FOR_S
+    check: Callable[[str], bool] = connect_refused  # one probe: True when refused
     _probes: dict[str, _Probe] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def gone(self, endpoint: str) -> bool:
-        """Whether ``endpoint`` has refused every probe for ``refused_for_s``; starts a probe when none is in
-        flight (call it once per poll: the answer is the previous probes')."""
+        """Whether ``endpoint`` is gone by the probes so far; starts a probe when none is in flight (call it once
+        per poll)."""
+        now = time.monotonic()
         with self._lock:
             probe = self._probes.setdefault(endpoint, _Probe())
-            since = probe.refused_since
-            if not probe.in_flight:
-                probe.in_flight = True
-                threading.Thread(target=self._probe, args=(endpoint, probe), name=f"probe {endpoint}",
+            pending = probe.out_since is not None and now - probe.out_since > PROBE_PENDING_S
+            verdict = (not pending and probe.refusals >= MIN_REFUSALS and probe.first_refused is not None
+                       and probe.last_refused is not None
+                       and probe.last_refused - probe.first_refused >= self.refused_for_s)
+            if probe.out_since is None:
+                probe.out_since = now
+                threading.Thread(target=self._probe, args=(endpoint, probe, now), name=f"probe {endpoint}",
                                  daemon=True).start()
-        return since is not None and time.monotonic() - since >= self.refused_for_s
+        return verdict
 
-    def _probe(self, endpoint: str, probe: _Probe) -> None:
-        started = time.monotonic()
-        refused = connect_refused(endpoint)
+    def forget(self, endpoint: str) -> None:
+        """Drop what was seen of ``endpoint``: its node is back, or a new round asks afresh (a probe in flight
+        reports into the forgotten record, never into a new one)."""
         with self._lock:
-            if not refused:
-                probe.refused_since = None
-            elif probe.refused_since is None:
-                probe.refused_since = started
-            probe.in_flight = False
+            self._probes.pop(endpoint, None)
+
+    def _probe(self, endpoint: str, probe: _Probe, started: float) -> None:
+        refused = self.check(endpoint)
+        with self._lock:
+            if refused:
+                probe.first_refused = started if probe.first_refused is None else probe.first_refused
+                probe.last_refused = started
+                probe.refusals += 1
+            else:
+                probe.first_refused = probe.last_refused = None
+                probe.refusals = 0
+            probe.out_since = None
 
 
-__all__ = ["EndpointProbe", "connect_refused", "PROBE_TIMEOUT_S", "REFUSED_FOR_S"]
+def all_gone(endpoints: list[str], within_s: float = 4 * REFUSED_FOR_S, poll_s: float = 0.1) -> bool:
+    """Whether every one of ``endpoints`` is gone (:meth:`EndpointProbe.gone`) within ``within_s``: False as soon
+    as the deadline passes with one still answering, silent or unresolved."""
+    probe = EndpointProbe()
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        if all([probe.gone(e) for e in endpoints]):  # a list: every endpoint probed on every poll
+            return True
+        time.sleep(poll_s)
+    return False
+
+
+__all__ = ["all_gone", "EndpointProbe", "connect_refused", "PROBE_TIMEOUT_S", "REFUSED_FOR_S", "MIN_REFUSALS"]

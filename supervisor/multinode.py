@@ -138,7 +138,12 @@ def _refuse_if_taken(host: str, port: int, job: JobIdentity, secret: bytes, memb
         store = connect_store(host, port, OP_TIMEOUT_S, stop)
     except StoreUnavailable:
         return
-    check_holder(RoundCoordinator(store, job, secret, 0, membership.size, OP_TIMEOUT_S), 0, 0)
+    try:
+        check_holder(RoundCoordinator(store, job, secret, 0, membership.size, OP_TIMEOUT_S), 0, 0)
+    except StoreUnavailable:
+        return  # the holder went away meanwhile: the clash stands, as before the check
+    finally:
+        store.close()
 
 
 class MultiNodeSupervisor(Supervisor):

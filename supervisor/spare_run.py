@@ -22,9 +22,10 @@ from typing import Callable, Sequence
 from supervisor import exit_codes
 from supervisor.config import SupervisorConfig
 from supervisor.coordinator import CoordinationError, RoundCoordinator, embedded_coordinator
-from supervisor.endpoint_probe import connect_refused
+from supervisor.endpoint_probe import all_gone, connect_refused
 from supervisor.job_identity import JobIdentity
 from supervisor.kvstore import StoreUnavailable
+from supervisor.liveness import LIVENESS_LAPSE_S
 from supervisor.membership import Membership
 from supervisor.observer import Observer
 from supervisor.process_tree import ProcessLayer
@@ -57,6 +58,7 @@ class SpareRun:
     stop: StopRequest
     observer: Observer
     command: Sequence[str] = ()  # the job's command (as typed: the node run pins it to the rank taken)
+    seen_attempt: bool = False  # a watch saw an attempt of the job (kept across reconnects)
 
     def run(self, run_node: RunNode) -> int:
         self.observer.node_role(NodeRole.SPARE.value, self.roster.spares)
@@ -112,15 +114,20 @@ class SpareRun:
         """The claim, the slot's membership and (node 0 re-hosted here) the store; None: the job is done."""
         watcher_view = Membership(self.roster.peers, self.node_rank)
         while True:
+            watching = False
             try:
                 # Inside the try: node 0 can be lost before this spare's first connect got in (a slow start, a
                 # resolver that holds torch's connect); a store that answered and then went away is that loss.
                 coordinator = self.connect(watcher_view, self.stop, self.cfg.spare_takeover_s)
+                watching = True
                 claim, lost_at = watch_for_slot(coordinator, self.roster, self.node_rank, self.cfg.spare_takeover_s,
-                                                self.stop)
+                                                self.stop, self.seen_attempt)
             except StoreLostBeforeFirstAttempt:
+                if self._store_back_within(LIVENESS_LAPSE_S):
+                    continue  # a stall, not a loss: reconnect and watch again
                 raise
             except StoreUnavailable:
+                self.seen_attempt = self.seen_attempt or watching  # the watch saw an attempt (it says so by the class)
                 try:
                     hosted = self._host_store()
                 except JobOver:
@@ -134,6 +141,23 @@ class SpareRun:
             if claim is None:
                 return None
             return claim, self._took(claim, coordinator, "", lost_at), None
+
+    def _store_back_within(self, lapse_s: float) -> bool:
+        """Whether node 0's embedded store is back (or only silent: a stall) within ``lapse_s``, the time the job's
+        nodes give a peer in the first round (:mod:`supervisor.liveness`); False when its port refused all along
+        (node 0 is gone: the job is requeued, this spare with it) and with etcd (its client already retried)."""
+        if self.cfg.coordinator_backend != "embedded":
+            return False
+        store = f"{self.roster.peers[0].rpartition(':')[0]}:{self.cfg.coordinator_port}"
+        log.info("spare %s: node 0's coordination store %s went away before the job's first attempt; giving it %.0fs "
+                 "to come back", self.roster.peers[self.node_rank], store, lapse_s)
+        deadline = time.monotonic() + lapse_s
+        while time.monotonic() < deadline:
+            if not connect_refused(store):
+                return True
+            self.stop.check("node 0's coordination store to come back")
+            time.sleep(0.2)
+        return False
 
     def _took(self, claim: Claim, coordinator: RoundCoordinator, how: str, lost_at: float | None) -> Membership:
         """The slot's membership; says (log, metrics) which rank this spare took and how many spares are left."""
@@ -165,8 +189,9 @@ class SpareRun:
             log.info("spare %s: node 0's coordination store is gone and %s is not this host's address; waiting for "
                      "a replacement node 0", self.roster.peers[self.node_rank], host)
             return None
-        others = self.roster.peers[1:self.roster.job_size]
-        if others and all(connect_refused(peer) for peer in others):
+        # Every other process of the job: the slots' first holders and the spares (one may hold a slot now).
+        others = [p for i, p in enumerate(self.roster.peers) if i not in (0, self.node_rank)]
+        if others and all_gone(others):
             log.info("spare %s: node 0's coordination store and every other node of the job are gone (their hosts "
                      "refuse connects): the job ended; nothing to host the store for", self.roster.peers[self.node_rank])
             raise JobOver()

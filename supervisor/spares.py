@@ -145,6 +145,7 @@ class SpareWatch:
     seen_attempt: bool = False  # an attempt was seen: its keys gone later (etcd forgets a finished job's) = done
     probe: EndpointProbe = field(default_factory=EndpointProbe)  # a missing holder whose endpoint refuses is gone
     endpoints: dict[int, str] = field(default_factory=dict)  # slot -> its holder's endpoint when it went missing
+    holder_seen: dict[tuple[int, int], float] = field(default_factory=dict)  # (slot, claim gen) -> first seen
 
     @property
     def endpoint(self) -> str:
@@ -172,6 +173,11 @@ class SpareWatch:
                 self.missing_since.clear()
             time.sleep(WATCH_POLL_S)
 
+    def _may_probe(self, slot: int, gen: int, now: float) -> bool:
+        """Refusals count for the slot's original holder, and for a spare's claim once it has had a whole window
+        to bind its endpoint (a spare that claimed a moment ago is not listening yet: not gone)."""
+        return gen == 0 or now - self.holder_seen[(slot, gen)] >= self.takeover_s
+
     def lost_slot(self) -> tuple[int, int] | None:
         """(slot, generation of its holder) for a slot missing from the open round while the others are in it,
         for ``takeover_s`` or until its holder's endpoint refuses connects; the generation is the one seen when
@@ -188,13 +194,20 @@ class SpareWatch:
         now = time.monotonic()
         for slot, here in enumerate(present):
             if here:
+                if slot in self.endpoints:  # it came: what its endpoint did before says nothing any more
+                    self.probe.forget(self.endpoints.pop(slot))
                 continue
             if (pending, slot) not in self.missing_since:
                 holder = newest_claim(c, slot)
-                self.missing_since[(pending, slot)] = (now, holder.gen if holder is not None else 0)
+                gen = holder.gen if holder is not None else 0
+                self.missing_since[(pending, slot)] = (now, gen)
+                if slot in self.endpoints:
+                    self.probe.forget(self.endpoints[slot])  # a new round asks afresh
                 self.endpoints[slot] = holder.endpoint if holder is not None else self.roster.peers[slot]
+                self.holder_seen.setdefault((slot, gen), now)
             since, gen = self.missing_since[(pending, slot)]
-            if now - since >= self.takeover_s or self.probe.gone(self.endpoints[slot]):
+            if now - since >= self.takeover_s or (self._may_probe(slot, gen, now)
+                                                   and self.probe.gone(self.endpoints[slot])):
                 ended = c.keys.get(f"end/{current}")
                 self.lost_at = ended.time if ended is not None else None
                 return slot, gen
@@ -207,16 +220,16 @@ def spares_left(roster: Roster, moved: dict[int, Claim]) -> int:
 
 
 def watch_for_slot(coordinator: RoundCoordinator, roster: Roster, node_rank: int, takeover_s: float,
-                   stop: StopRequest) -> tuple[Claim | None, float | None]:
+                   stop: StopRequest, seen_attempt: bool = False) -> tuple[Claim | None, float | None]:
     """:meth:`SpareWatch.wait` and when the slot was lost (the attempt's end, wall clock), the store's loss
     said in words (``StoreUnavailable`` passes through; :class:`StoreLostBeforeFirstAttempt` when no attempt was
-    seen)."""
-    watch = SpareWatch(coordinator, roster, node_rank, takeover_s, stop)
+    seen, by this watch or an earlier one: ``seen_attempt``)."""
+    watch = SpareWatch(coordinator, roster, node_rank, takeover_s, stop)  # its own ``seen_attempt``: see wait()
     try:
         return watch.wait(), watch.lost_at
     except StoreUnavailable as e:
         log.warning("spare %s: the coordination store %s is gone", roster.peers[node_rank], coordinator.describe())
-        if not watch.seen_attempt:
+        if not (watch.seen_attempt or seen_attempt):
             raise StoreLostBeforeFirstAttempt(str(e)) from e
         raise
 

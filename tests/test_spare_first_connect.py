@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -182,6 +183,51 @@ def test_node_0_lost_before_the_first_attempt_the_spare_requeues_and_takes_nothi
             assert spare.run(run_node) == exit_codes.REQUEUE
             assert taken == []
             assert connect_refused(f"127.0.0.1:{port}"), "the spare hosted node 0's store"
+    finally:
+        node0.kill()
+        node0.wait(30)
+
+
+def test_node_0_stalled_before_the_first_attempt_the_spare_goes_on_watching(tmp_path: Path) -> None:
+    """Review finding: the spare gave up (exit 75) on the first store timeout before the first attempt, while the
+    job's nodes give node 0 LIVENESS_LAPSE_S; node 0 stopped (SIGSTOP) for 7 s and then resumed kept its job and
+    lost its spare. The spare must still be watching after node 0 resumes, and stop cleanly when asked."""
+    port = free_port()
+    node0 = subprocess.Popen([sys.executable, "-c", NODE_0, str(port)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert node0.stdout is not None and node0.stdout.readline().strip() == "hosting"
+        with survivor() as node1, survivor() as node2:
+            peers = [f"127.0.0.1:{p}" for p in (port, node1.getsockname()[1], node2.getsockname()[1], 3)]
+            cfg = SupervisorConfig(peers=peers, node_rank=3, spares=1, coordinator_port=port, spare_takeover_s=0.5,
+                                   rendezvous_timeout=WINDOW_S, state_dir=str(tmp_path / "state"),
+                                   checkpoint_dir=str(tmp_path / "ckpt"), metrics_port=0, warm_launcher=False)
+            connects: list[float] = []
+
+            def connect(view: Membership, stop: StopRequest, gone_after_s: float) -> RoundCoordinator:
+                coordinator = connect_coordinator(cfg, view, JOB, SECRET, stop, gone_after_s)
+                connects.append(time.monotonic())
+                return coordinator
+
+            stop = StopRequest(signal.SIGUSR1)
+            spare = SpareRun(cfg, Roster(tuple(peers), 1), 3, JOB, SECRET, connect, stop, Observer())
+            result: list[int] = []
+            runner = threading.Thread(target=lambda: result.append(spare.run(lambda *_: 0)), daemon=True)
+            runner.start()
+            deadline = time.monotonic() + 30
+            while not connects:
+                assert time.monotonic() < deadline, "the spare never reached node 0's store"
+                time.sleep(0.05)
+            node0.send_signal(signal.SIGSTOP)
+            time.sleep(7.0)  # the stall itself is the subject: the spare's store calls time out meanwhile
+            node0.send_signal(signal.SIGCONT)
+            deadline = time.monotonic() + 30
+            while len(connects) < 2:  # it reconnected after the stall and watches again
+                assert not result, f"the spare ended ({result}) during node 0's stall"
+                assert time.monotonic() < deadline, "the spare did not reconnect after node 0 resumed"
+                time.sleep(0.05)
+            stop.ask(signal.SIGTERM)
+            runner.join(30)
+            assert result and result[0] != exit_codes.REQUEUE, result
     finally:
         node0.kill()
         node0.wait(30)

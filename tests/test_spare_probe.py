@@ -12,7 +12,7 @@ from supervisor.control_records import NodeInventory
 from supervisor.coordinator import RoundCoordinator, embedded_coordinator
 from supervisor.endpoint_probe import REFUSED_FOR_S, EndpointProbe, connect_refused
 from supervisor.job_identity import JobIdentity
-from supervisor.spares import Roster, SpareWatch
+from supervisor.spares import Roster, SpareWatch, try_claim
 from supervisor.stop_request import StopRequest
 
 JOB = JobIdentity("job-spare-probe", "test")
@@ -91,3 +91,61 @@ def test_a_missing_node_whose_endpoint_accepts_waits_for_the_window() -> None:
         assert lost == (2, 0)
         assert after >= 2.0  # the window, not the probe, decided
         del host
+
+
+def test_one_refusal_then_silence_is_not_gone() -> None:
+    """Review finding: a refusal followed by a probe that hangs (a lost SYN, a stalled lookup) read as 'refused
+    for 0.5 s'. Silence suspends the verdict, and a few refusals in a row are needed."""
+    answers = iter([True])
+
+    def check(endpoint: str) -> bool:
+        refused = next(answers, None)
+        if refused is None:
+            time.sleep(2.0)  # silence: the probe hangs
+            return False
+        return refused
+
+    probe = EndpointProbe(check=check)
+    deadline = time.monotonic() + 1.5
+    while time.monotonic() < deadline:
+        assert not probe.gone("h:1")
+        time.sleep(0.05)
+
+
+def test_a_node_back_in_a_round_is_judged_afresh_in_the_next() -> None:
+    """Review finding: refusals seen while a node restarted (under REFUSED_FOR_S, then it came back) were kept,
+    and the node, listening again but a moment late in a later round, was taken at the spare's first look."""
+    port = free_port()
+    roster = Roster(("127.0.0.1:1", "127.0.0.1:1", f"127.0.0.1:{port}", "127.0.0.1:1"), spares=1)
+    host, spare = round_missing_node_2(roster)
+    watch = SpareWatch(spare, roster, 3, takeover_s=3.0, stop=StopRequest(signal.SIGUSR1))
+    deadline = time.monotonic() + REFUSED_FOR_S * 0.8
+    while time.monotonic() < deadline:  # refused, but not for long enough
+        assert watch.lost_slot() is None
+        time.sleep(0.05)
+    alive = socket.socket()
+    alive.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    alive.bind(("127.0.0.1", port))
+    alive.listen(8)
+    with alive:
+        host.keys.set("inv/1/2", NodeInventory(2, {}).to_json())  # node 2 is back in the round
+        assert watch.lost_slot() is None
+        host.keys.set("round", "1")
+        host.end(1, "a rank crashed")
+        host.keys.set("inv/2/0", NodeInventory(0, {}).to_json())
+        host.keys.set("inv/2/1", NodeInventory(1, {}).to_json())  # node 2, listening, is a moment late
+        lost, after = lost_within(watch, 10.0)
+        assert lost == (2, 0) and after >= 2.5, (lost, after)
+    del host
+
+
+def test_a_spare_that_just_claimed_a_rank_is_not_taken_for_gone() -> None:
+    """Review finding: a spare that lost a claim race probed the winner's endpoint before the winner had bound it,
+    and claimed again. A claim gets a whole window before its refusals count."""
+    roster = Roster(("127.0.0.1:1", "127.0.0.1:1", "127.0.0.1:1", "127.0.0.1:1", "127.0.0.1:1"), spares=2)
+    host, spare = round_missing_node_2(roster)
+    assert try_claim(host, 2, f"127.0.0.1:{free_port()}", 0) is not None  # spare A won, not listening yet
+    watch = SpareWatch(spare, roster, 4, takeover_s=2.0, stop=StopRequest(signal.SIGUSR1))
+    lost, after = lost_within(watch, 10.0)
+    assert lost == (2, 1) and after >= 2.0, (lost, after)
+    del host
