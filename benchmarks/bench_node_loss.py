@@ -63,8 +63,12 @@ TRAINER = BENCH / "jobs" / "recovery_trainer.py"
 NODES = 3
 RANKS_PER_NODE = 2
 LOST = 2
-WIDTH = 1536  # 2 x 1536^2 weights + momentum: 37.8 MB per rank
-STATE_MB_PER_NODE = RANKS_PER_NODE * (2 * WIDTH * WIDTH + 2 * WIDTH + 1 + WIDTH + 1) * 2 * 4 / 1e6
+WIDTH = 1536  # 2 x 1536^2 weights + momentum: 37.8 MB per rank (1768: 50 MB, 100 MB per node)
+
+
+def state_mb_per_node(width: int) -> float:
+    """The trainer's state (weights and momentum, fp32) of a node's ranks at ``width``."""
+    return RANKS_PER_NODE * (2 * width * width + 2 * width + 1 + width + 1) * 2 * 4 / 1e6
 
 
 @dataclass(frozen=True)
@@ -86,6 +90,7 @@ class Settings:
     post: float = 90.0  # ... and ends this long after it (a replacement after 30 s needs about 60 s here)
     micro_batches: int = 1
     batch: int = 128
+    width: int = WIDTH
 
 
 @dataclass
@@ -141,7 +146,7 @@ class Job:
                     str(RANKS_PER_NODE), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{self.master_port}",
                     "--rdzv-id", "nodeloss"]
         trainer = [str(TRAINER), "--events", str(self.events), "--checkpoint-dir", "checkpoints",
-                   "--width", str(WIDTH), "--batch", str(self.st.batch), "--micro-batches", str(self.st.micro_batches),
+                   "--width", str(self.st.width), "--batch", str(self.st.batch), "--micro-batches", str(self.st.micro_batches),
                    "--checkpoint-every", "1"]
         return [PY, "-m", "supervisor.cli", "run", "--peers", peers, "--node-rank", str(node), *spares,
                 "--coordinator-port", str(self.coord_port), "--token-file", str(self.token),
@@ -334,7 +339,7 @@ def figures(res: dict[str, list[Trial]], all_sides: dict[str, Side], st: Setting
     def m(name: str, get: object) -> float | None:
         return med([get(t.figures) for t in res.get(name, []) if t.figures is not None])  # type: ignore[operator]
 
-    head = (f"3 nodes x 2 ranks + c10d, {STATE_MB_PER_NODE:.0f} MB/node saved every step and replicated, "
+    head = (f"3 nodes x 2 ranks + c10d, {state_mb_per_node(st.width):.0f} MB/node saved every step and replicated, "
             f"window {st.pre:g} s before + {st.post:g} s after the loss")
     rows = []
     for base in (k for k in res if k != "spare"):
@@ -356,7 +361,7 @@ def run(work: Path, reps: int = 2, names: tuple[str, ...] = ("spare", "replace",
     unknown = [n for n in names if n not in all_sides]
     if unknown:
         raise ValueError(f"unknown side(s) {unknown}: choose from {list(all_sides)}")
-    log(f"node_loss: {STATE_MB_PER_NODE:.1f} MB of state per node, sides {list(names)}, {reps} rep(s), {st}")
+    log(f"node_loss: {state_mb_per_node(st.width):.1f} MB of state per node, sides {list(names)}, {reps} rep(s), {st}")
     res: dict[str, list[Trial]] = {n: [] for n in names}
     for _, name in alternate(reps, list(names)):
         t = trial(work, all_sides[name], st, keep)
@@ -375,13 +380,15 @@ def main() -> int:
     ap.add_argument("--pre", type=float, default=Settings.pre, help="goodput window: seconds before the loss")
     ap.add_argument("--post", type=float, default=Settings.post, help="goodput window: seconds after the loss")
     ap.add_argument("--micro-batches", type=int, default=Settings.micro_batches, help="the trainer's step size")
+    ap.add_argument("--width", type=int, default=WIDTH, help="the trainer's width (state per node: "
+                    f"{state_mb_per_node(WIDTH):.1f} MB at {WIDTH}, 100 MB at 1768)")
     ap.add_argument("--dir", default=None, help="scratch directory (default: a temp dir)")
     ap.add_argument("--keep", default=None, help="keep the events and the surviving nodes' rlsup logs here")
     args = ap.parse_args()
     if args.pre > args.warm:
         ap.error("--pre must not exceed --warm (the window would start before the job ran)")
     work = Path(tempfile.mkdtemp(prefix="rlsup-node-loss-", dir=args.dir))
-    st = Settings(args.warm, args.pre, args.post, args.micro_batches)
+    st = Settings(args.warm, args.pre, args.post, args.micro_batches, width=args.width)
     try:
         for f in run(work, args.reps, tuple(x for x in args.sides.split(",") if x), args.replace_delay, st,
                      Path(args.keep) if args.keep else None):

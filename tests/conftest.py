@@ -29,6 +29,8 @@ def pytest_configure(config: pytest.Config) -> None:
             config.issue_config_time_warning(pytest.PytestWarning(
                 f"worker {os.environ['PYTEST_XDIST_WORKER']} shares the host's loopback ({why_not}): tests on "
                 "fixed default ports may meet another worker's; run without -n, or as root"), stacklevel=2)
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False  # xdist would hand out modules by test count: see LONGEST_FIRST
 
 
 @pytest.fixture
@@ -196,16 +198,19 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
 
 
 # The longest modules, longest first (minutes each on 2 cores: `--durations` and the junit times say which).
-# Under pytest-xdist (`--dist loadfile`: a module stays on one worker) they are handed out first, so no worker
+# Under pytest-xdist (`--dist loadfile`: a module stays on one worker; its reordering by test count is turned off in
+# pytest_configure, or the many-test fast modules would go first) they are handed out first, so no worker
 # starts one of them while the others are already done: the suite's wall time is the sum over workers, not
 # the sum plus one long module at the end. A stale entry costs speed only; a missing module runs in its place.
-LONGEST_FIRST = ("chaos/test_chaos_ci.py", "test_recipe_ray.py", "test_multinode_jobs.py", "test_thirdparty_trainers.py",
-                 "test_recipe_verl.py", "test_multinode_persistent.py", "test_multinode.py", "test_ddp_exact_resume.py",
-                 "test_flight_recorder_multinode.py", "test_multinode_spares.py", "test_hung_fs.py",
-                 "test_multinode_memory.py", "test_multinode_etcd.py", "chaos/test_partitions.py",
-                 "test_multinode_clash.py", "test_thirdparty_pykeen.py", "test_stragglers.py", "test_async_save.py",
-                 "test_multinode_early_death.py", "test_eio_replica.py", "test_persistent_s3.py",
-                 "test_trainer_hf_run.py", "test_direct_save.py", "test_warm_launcher.py", "test_store_stall_watch.py")
+LONGEST_FIRST = ("chaos/test_chaos_ci.py", "test_thirdparty_trainers.py", "test_recipe_verl.py", "test_recipe_ray.py",
+                 "test_multinode_jobs.py", "test_multinode_spares.py", "test_multinode_memory.py",
+                 "test_flight_recorder_multinode.py", "chaos/test_partitions.py", "test_stragglers.py", "test_hung_fs.py",
+                 "test_multinode.py", "test_ddp_exact_resume.py", "test_multinode_early_death.py",
+                 "test_spare_first_connect.py", "test_memory_tier.py", "test_layouts_hf.py",
+                 "test_multinode_persistent.py", "test_async_save.py", "test_deploy_slurm.py", "test_supervisor_run.py",
+                 "test_multinode_etcd.py", "test_culprit.py", "test_flight_recorder.py", "test_layouts_deepspeed.py",
+                 "test_warm_ranks.py", "test_layouts_trainers_cli.py", "test_thirdparty_pykeen.py",
+                 "test_warm_launcher.py", "test_layouts_lightning.py")
 
 
 def _longest_first(item: pytest.Item) -> int:
