@@ -125,8 +125,8 @@ def _run_multinode(cfg: SupervisorConfig, command: list[str], membership: Member
         roster = Roster(membership.peers, cfg.spares)
         if roster.role(membership.node_rank) is NodeRole.WORKER:
             return run_node(roster.membership(membership.node_rank), SpareSeat(roster), None)
-        spare = SpareRun(cfg, roster, membership.node_rank, job, secret, lambda view, stop, gone_after_s: connect_coordinator(
-            cfg, view, job, secret, stop, gone_after_s), early, observer or Observer(), command)
+        spare = SpareRun(cfg, roster, membership.node_rank, job, secret, lambda view, stop, gone_after_s, wait_s: connect_coordinator(
+            cfg, view, job, secret, stop, gone_after_s, wait_s), early, observer or Observer(), command)
         try:
             return spare.run(run_node)
         except CoordinationError as e:

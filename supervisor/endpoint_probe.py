@@ -94,7 +94,10 @@ class EndpointProbe:
             self._probes.pop(endpoint, None)
 
     def _probe(self, endpoint: str, probe: _Probe, started: float) -> None:
-        refused = self.check(endpoint)
+        try:
+            refused = self.check(endpoint)
+        except Exception:  # noqa: BLE001 - a check that fails says nothing: silence; the next poll probes again
+            refused = False
         with self._lock:
             if refused:
                 probe.first_refused = started if probe.first_refused is None else probe.first_refused
@@ -106,16 +109,20 @@ class EndpointProbe:
             probe.out_since = None
 
 
-def all_gone(endpoints: list[str], within_s: float = 4 * REFUSED_FOR_S, poll_s: float = 0.1) -> bool:
-    """Whether every one of ``endpoints`` is gone (:meth:`EndpointProbe.gone`) within ``within_s``: False as soon
-    as the deadline passes with one still answering, silent or unresolved."""
+def all_gone(endpoints: list[str], within_s: float = 4 * REFUSED_FOR_S, poll_s: float = 0.1,
+             between: Callable[[], None] = lambda: None) -> bool:
+    """Whether every one of ``endpoints`` is gone (:meth:`EndpointProbe.gone`) within ``within_s``: False once
+    the deadline passes with one still answering, silent or unresolved. ``between`` runs between polls (a stop
+    request's check may raise there)."""
     probe = EndpointProbe()
     deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
+    while True:
         if all([probe.gone(e) for e in endpoints]):  # a list: every endpoint probed on every poll
             return True
+        if time.monotonic() >= deadline:
+            return False
+        between()
         time.sleep(poll_s)
-    return False
 
 
 __all__ = ["all_gone", "EndpointProbe", "connect_refused", "PROBE_TIMEOUT_S", "REFUSED_FOR_S", "MIN_REFUSALS"]

@@ -25,6 +25,8 @@ ends as any stop does (128+signal or 75, the attempt recorded as stopped or pree
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -107,10 +109,13 @@ class CoordinatorSettings:
 
 def connect_coordinator(cfg: SupervisorConfig, membership: Membership, job: JobIdentity,
                         secret: bytes, stop: StopRequest | None = None,
-                        gone_after_s: float | None = None) -> RoundCoordinator:
+                        gone_after_s: float | None = None, wait_s: float | None = None) -> RoundCoordinator:
     """This node's handle on the job's coordination store (``coordinator_backend``); ``stop`` ends its waits;
-    ``gone_after_s``: see :func:`~supervisor.coordinator.embedded_coordinator` (etcd outlives node 0)."""
+    ``gone_after_s``: see :func:`~supervisor.coordinator.embedded_coordinator` (etcd outlives node 0); ``wait_s``:
+    the connect's window and the handle's waits instead of ``rendezvous_timeout`` (a spare's bounded reconnect)."""
     s = CoordinatorSettings.from_config(cfg)
+    if wait_s is not None:
+        s = dataclasses.replace(s, rendezvous_timeout=wait_s)
     if s.backend == "etcd":
         from supervisor.kvstore_etcd import EtcdKVStore
 

@@ -21,8 +21,8 @@ from typing import Callable, Sequence
 
 from supervisor import exit_codes
 from supervisor.config import SupervisorConfig
-from supervisor.coordinator import CoordinationError, RoundCoordinator, embedded_coordinator
-from supervisor.endpoint_probe import all_gone, connect_refused
+from supervisor.coordinator import CoordinationError, JobClash, PeerLost, RoundCoordinator, embedded_coordinator
+from supervisor.endpoint_probe import all_gone
 from supervisor.job_identity import JobIdentity
 from supervisor.kvstore import StoreUnavailable
 from supervisor.liveness import LIVENESS_LAPSE_S
@@ -41,8 +41,9 @@ log = logging.getLogger(__name__)
 # (membership of the slot taken, the seat, the store when this spare hosts it, the armed launcher, the layer that
 # guards it) -> exit code
 RunNode = Callable[[Membership, SpareSeat, RoundCoordinator | None, WarmStarts, ProcessLayer], int]
-# (the spare's view, the stop, gone_after_s: a store that answered and then refuses this long raises StoreGone)
-Connect = Callable[[Membership, StopRequest, float], RoundCoordinator]
+# (the spare's view, the stop, gone_after_s: a store that answered and then refuses this long raises StoreGone,
+# wait_s: how long to wait for the store, None for rendezvous_timeout)
+Connect = Callable[[Membership, StopRequest, float, "float | None"], RoundCoordinator]
 
 
 @dataclass
@@ -59,6 +60,7 @@ class SpareRun:
     observer: Observer
     command: Sequence[str] = ()  # the job's command (as typed: the node run pins it to the rank taken)
     seen_attempt: bool = False  # a watch saw an attempt of the job (kept across reconnects)
+    first_round_lost_at: float | None = None  # monotonic: the store went away before any attempt was seen
 
     def run(self, run_node: RunNode) -> int:
         self.observer.node_role(NodeRole.SPARE.value, self.roster.spares)
@@ -73,11 +75,17 @@ class SpareRun:
             except StopAsked as e:
                 log.info("spare %s: %s; it took no node rank", self.roster.peers[self.node_rank], e)
                 return e.exit_code
-            except StoreLostBeforeFirstAttempt:
-                log.info("spare %s: node 0 was lost before the job's first attempt; every node exits %d (requeue the "
-                         "job), this spare too, having taken no node rank", self.roster.peers[self.node_rank],
+            except (StoreLostBeforeFirstAttempt, PeerLost) as e:
+                log.info("spare %s: %s: a node was lost before the job's first attempt; every node exits %d (requeue "
+                         "the job), this spare too, having taken no node rank", self.roster.peers[self.node_rank], e,
                          exit_codes.REQUEUE)
                 return exit_codes.REQUEUE
+            except JobClash as e:
+                log.error("spare %s: %s", self.roster.peers[self.node_rank], e)
+                return exit_codes.CONFIG_ERROR
+            except StoreUnavailable as e:  # after a claim (the store went away while this spare took the rank)
+                log.error("spare %s: %s", self.roster.peers[self.node_rank], e)
+                return exit_codes.FAILED
             if taken is None:
                 log.info("spare %s: the job ended without needing this spare", self.roster.peers[self.node_rank])
                 return exit_codes.OK
@@ -118,15 +126,24 @@ class SpareRun:
             try:
                 # Inside the try: node 0 can be lost before this spare's first connect got in (a slow start, a
                 # resolver that holds torch's connect); a store that answered and then went away is that loss.
-                coordinator = self.connect(watcher_view, self.stop, self.cfg.spare_takeover_s)
+                coordinator = self.connect(watcher_view, self.stop, self.cfg.spare_takeover_s, self._first_round_wait())
+                self.first_round_lost_at = None  # reached (again): whatever happened was a stall
                 watching = True
+                # etcd outlives node 0: an attempt seen by an earlier watch still counts (its keys gone = the job
+                # is done); a store a spare hosted afresh has no attempt of its own yet.
+                carried = self.seen_attempt and self.cfg.coordinator_backend != "embedded"
                 claim, lost_at = watch_for_slot(coordinator, self.roster, self.node_rank, self.cfg.spare_takeover_s,
-                                                self.stop, self.seen_attempt)
+                                                self.stop, self.seen_attempt, carried)
             except StoreLostBeforeFirstAttempt:
-                if self._store_back_within(LIVENESS_LAPSE_S):
-                    continue  # a stall, not a loss: reconnect and watch again
-                raise
-            except StoreUnavailable:
+                self.first_round_lost_at = self.first_round_lost_at or time.monotonic()
+                log.info("spare %s: the coordination store went away before the job's first attempt; giving it %.0fs "
+                         "to come back, as the job's nodes do", self.roster.peers[self.node_rank], LIVENESS_LAPSE_S)
+                continue  # reconnect within what is left of the lapse (_first_round_wait)
+            except (StoreUnavailable, CoordinationError) as e:
+                if self.first_round_lost_at is not None:  # not back within the lapse: node 0 was lost
+                    raise StoreLostBeforeFirstAttempt(str(e)) from e
+                if not isinstance(e, StoreUnavailable):
+                    raise
                 self.seen_attempt = self.seen_attempt or watching  # the watch saw an attempt (it says so by the class)
                 try:
                     hosted = self._host_store()
@@ -142,22 +159,15 @@ class SpareRun:
                 return None
             return claim, self._took(claim, coordinator, "", lost_at), None
 
-    def _store_back_within(self, lapse_s: float) -> bool:
-        """Whether node 0's embedded store is back (or only silent: a stall) within ``lapse_s``, the time the job's
-        nodes give a peer in the first round (:mod:`supervisor.liveness`); False when its port refused all along
-        (node 0 is gone: the job is requeued, this spare with it) and with etcd (its client already retried)."""
-        if self.cfg.coordinator_backend != "embedded":
-            return False
-        store = f"{self.roster.peers[0].rpartition(':')[0]}:{self.cfg.coordinator_port}"
-        log.info("spare %s: node 0's coordination store %s went away before the job's first attempt; giving it %.0fs "
-                 "to come back", self.roster.peers[self.node_rank], store, lapse_s)
-        deadline = time.monotonic() + lapse_s
-        while time.monotonic() < deadline:
-            if not connect_refused(store):
-                return True
-            self.stop.check("node 0's coordination store to come back")
-            time.sleep(0.2)
-        return False
+    def _first_round_wait(self) -> float | None:
+        """How long a connect may wait: what is left of :data:`LIVENESS_LAPSE_S` once the store went away before
+        the first attempt (None: ``rendezvous_timeout``, as any node's first connect)."""
+        if self.first_round_lost_at is None:
+            return None
+        left = LIVENESS_LAPSE_S - (time.monotonic() - self.first_round_lost_at)
+        if left <= 0:
+            raise StoreLostBeforeFirstAttempt(f"the coordination store was not back within {LIVENESS_LAPSE_S:.0f}s")
+        return left
 
     def _took(self, claim: Claim, coordinator: RoundCoordinator, how: str, lost_at: float | None) -> Membership:
         """The slot's membership; says (log, metrics) which rank this spare took and how many spares are left."""
@@ -191,7 +201,7 @@ class SpareRun:
             return None
         # Every other process of the job: the slots' first holders and the spares (one may hold a slot now).
         others = [p for i, p in enumerate(self.roster.peers) if i not in (0, self.node_rank)]
-        if others and all_gone(others):
+        if others and all_gone(others, between=lambda: self.stop.check("the job's other nodes to answer")):
             log.info("spare %s: node 0's coordination store and every other node of the job are gone (their hosts "
                      "refuse connects): the job ended; nothing to host the store for", self.roster.peers[self.node_rank])
             raise JobOver()

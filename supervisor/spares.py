@@ -196,6 +196,7 @@ class SpareWatch:
             if here:
                 if slot in self.endpoints:  # it came: what its endpoint did before says nothing any more
                     self.probe.forget(self.endpoints.pop(slot))
+                    self.missing_since.pop((pending, slot), None)
                 continue
             if (pending, slot) not in self.missing_since:
                 holder = newest_claim(c, slot)
@@ -220,11 +221,13 @@ def spares_left(roster: Roster, moved: dict[int, Claim]) -> int:
 
 
 def watch_for_slot(coordinator: RoundCoordinator, roster: Roster, node_rank: int, takeover_s: float,
-                   stop: StopRequest, seen_attempt: bool = False) -> tuple[Claim | None, float | None]:
+                   stop: StopRequest, seen_attempt: bool = False,
+                   carried: bool = False) -> tuple[Claim | None, float | None]:
     """:meth:`SpareWatch.wait` and when the slot was lost (the attempt's end, wall clock), the store's loss
     said in words (``StoreUnavailable`` passes through; :class:`StoreLostBeforeFirstAttempt` when no attempt was
-    seen, by this watch or an earlier one: ``seen_attempt``)."""
-    watch = SpareWatch(coordinator, roster, node_rank, takeover_s, stop)  # its own ``seen_attempt``: see wait()
+    seen, by this watch or an earlier one: ``seen_attempt``). ``carried``: the earlier watches' attempt counts
+    for this watch's "job done" rule too (a store that outlives node 0: etcd)."""
+    watch = SpareWatch(coordinator, roster, node_rank, takeover_s, stop, seen_attempt=carried)
     try:
         return watch.wait(), watch.lost_at
     except StoreUnavailable as e:

@@ -107,8 +107,8 @@ def spare_after_node_0(tmp_path: Path, node0: SilentNode0, others: list[int]) ->
         taken.append((membership, hosted is not None))
         return 0
 
-    def connect(view: Membership, stop: StopRequest, gone_after_s: float) -> RoundCoordinator:
-        return connect_coordinator(cfg, view, JOB, SECRET, stop, gone_after_s)
+    def connect(view: Membership, stop: StopRequest, gone_after_s: float, wait_s: float | None) -> RoundCoordinator:
+        return connect_coordinator(cfg, view, JOB, SECRET, stop, gone_after_s, wait_s)
 
     lost_once_seen(node0)
     spare = SpareRun(cfg, Roster(tuple(peers), 1), 3, JOB, SECRET, connect, StopRequest(signal.SIGUSR1), Observer())
@@ -152,42 +152,6 @@ time.sleep(600)
 """
 
 
-def test_node_0_lost_before_the_first_attempt_the_spare_requeues_and_takes_nothing(tmp_path: Path) -> None:
-    """Node 0 hosts the store (a real process), the spare watches it, no attempt has started; node 0 is SIGKILLed.
-    Every node answers a loss in the first round with exit 75 (docs/deploy.md; review finding: the spare instead
-    hosted a fresh store and took node rank 0 within seconds). The spare must exit 75 and host nothing."""
-    port = free_port()
-    node0 = subprocess.Popen([sys.executable, "-c", NODE_0, str(port)], stdout=subprocess.PIPE, text=True)
-    try:
-        assert node0.stdout is not None and node0.stdout.readline().strip() == "hosting"
-        with survivor() as node1, survivor() as node2:
-            peers = [f"127.0.0.1:{p}" for p in (port, node1.getsockname()[1], node2.getsockname()[1], 3)]
-            cfg = SupervisorConfig(peers=peers, node_rank=3, spares=1, coordinator_port=port, spare_takeover_s=0.5,
-                                   rendezvous_timeout=WINDOW_S, state_dir=str(tmp_path / "state"),
-                                   checkpoint_dir=str(tmp_path / "ckpt"), metrics_port=0, warm_launcher=False)
-            taken: list[Membership] = []
-
-            def run_node(membership: Membership, *_: object) -> int:
-                taken.append(membership)
-                return 0
-
-            def connect(view: Membership, stop: StopRequest, gone_after_s: float) -> RoundCoordinator:
-                assert not taken and node0.poll() is None, "the spare connected again after node 0's loss"
-                coordinator = connect_coordinator(cfg, view, JOB, SECRET, stop, gone_after_s)
-                node0.send_signal(signal.SIGKILL)  # lost once the spare watches
-                node0.wait(30)
-                return coordinator
-
-            spare = SpareRun(cfg, Roster(tuple(peers), 1), 3, JOB, SECRET, connect, StopRequest(signal.SIGUSR1),
-                             Observer())
-            assert spare.run(run_node) == exit_codes.REQUEUE
-            assert taken == []
-            assert connect_refused(f"127.0.0.1:{port}"), "the spare hosted node 0's store"
-    finally:
-        node0.kill()
-        node0.wait(30)
-
-
 def test_node_0_stalled_before_the_first_attempt_the_spare_goes_on_watching(tmp_path: Path) -> None:
     """Review finding: the spare gave up (exit 75) on the first store timeout before the first attempt, while the
     job's nodes give node 0 LIVENESS_LAPSE_S; node 0 stopped (SIGSTOP) for 7 s and then resumed kept its job and
@@ -203,8 +167,8 @@ def test_node_0_stalled_before_the_first_attempt_the_spare_goes_on_watching(tmp_
                                    checkpoint_dir=str(tmp_path / "ckpt"), metrics_port=0, warm_launcher=False)
             connects: list[float] = []
 
-            def connect(view: Membership, stop: StopRequest, gone_after_s: float) -> RoundCoordinator:
-                coordinator = connect_coordinator(cfg, view, JOB, SECRET, stop, gone_after_s)
+            def connect(view: Membership, stop: StopRequest, gone_after_s: float, wait_s: float | None) -> RoundCoordinator:
+                coordinator = connect_coordinator(cfg, view, JOB, SECRET, stop, gone_after_s, wait_s)
                 connects.append(time.monotonic())
                 return coordinator
 
@@ -228,6 +192,52 @@ def test_node_0_stalled_before_the_first_attempt_the_spare_goes_on_watching(tmp_
             stop.ask(signal.SIGTERM)
             runner.join(30)
             assert result and result[0] != exit_codes.REQUEUE, result
+    finally:
+        node0.kill()
+        node0.wait(30)
+
+
+def test_node_0_stalled_then_lost_before_the_first_attempt_the_spare_still_requeues(tmp_path: Path) -> None:
+    """Node 0 hosts the store (a real process), the spare watches it, no attempt has started; node 0 stops, the
+    spare's store calls fail, and node 0 is SIGKILLed as the spare reconnects. Every node answers a loss in the
+    first round with exit 75 (docs/deploy.md). Review findings: the spare hosted a fresh store and took node rank 0
+    within seconds; then, after a stall, it reconnected with its whole rendezvous window, and a node 0 killed during
+    that reconnect sent it down the same path. The lapse is one deadline from the store's first failure: the spare
+    must exit 75 and host nothing."""
+    port = free_port()
+    node0 = subprocess.Popen([sys.executable, "-c", NODE_0, str(port)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert node0.stdout is not None and node0.stdout.readline().strip() == "hosting"
+        with survivor() as node1, survivor() as node2:
+            peers = [f"127.0.0.1:{p}" for p in (port, node1.getsockname()[1], node2.getsockname()[1], 3)]
+            cfg = SupervisorConfig(peers=peers, node_rank=3, spares=1, coordinator_port=port, spare_takeover_s=0.5,
+                                   rendezvous_timeout=WINDOW_S, state_dir=str(tmp_path / "state"),
+                                   checkpoint_dir=str(tmp_path / "ckpt"), metrics_port=0, warm_launcher=False)
+            taken: list[Membership] = []
+            watching = threading.Event()
+
+            def connect(view: Membership, stop: StopRequest, gone_after_s: float, wait_s: float | None) -> RoundCoordinator:
+                if wait_s is not None and node0.poll() is None:  # the reconnect after the stall: node 0 dies now
+                    node0.send_signal(signal.SIGKILL)
+                    node0.wait(30)
+                coordinator = connect_coordinator(cfg, view, JOB, SECRET, stop, gone_after_s, wait_s)
+                watching.set()
+                return coordinator
+
+            def run_node(membership: Membership, *_: object) -> int:
+                taken.append(membership)
+                return 0
+
+            stop = StopRequest(signal.SIGUSR1)
+            spare = SpareRun(cfg, Roster(tuple(peers), 1), 3, JOB, SECRET, connect, stop, Observer())
+            result: list[int] = []
+            runner = threading.Thread(target=lambda: result.append(spare.run(run_node)), daemon=True)
+            runner.start()
+            assert watching.wait(30), "the spare never reached node 0's store"
+            node0.send_signal(signal.SIGSTOP)
+            runner.join(60)
+            assert result == [exit_codes.REQUEUE] and taken == [], (result, taken)
+            assert connect_refused(f"127.0.0.1:{port}"), "the spare hosted node 0's store"
     finally:
         node0.kill()
         node0.wait(30)
