@@ -25,10 +25,9 @@ ends as any stop does (128+signal or 75, the attempt recorded as stopped or pree
 
 from __future__ import annotations
 
-import dataclasses
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -48,7 +47,7 @@ from supervisor.coordinator import (
 from supervisor.fr_exchange import FrExchange
 from supervisor.health import mark_repeat_offender
 from supervisor.incidents import Incident
-from supervisor.kvstore import OP_TIMEOUT_S, StoreUnavailable, connect_store
+from supervisor.kvstore import OP_TIMEOUT_S, StoreUnavailable
 from supervisor.job_identity import JobIdentity
 from supervisor.lifecycle import EndReason, route
 from supervisor.membership import Membership
@@ -56,7 +55,7 @@ from supervisor.observer import Observer
 from supervisor.tiers.part_protocol import FetchFailed, PartError, PartStore, fetch_part
 from supervisor.process_tree import ProcessLayer
 from supervisor.rank_pinning import pin_ranks
-from supervisor.spares import DONE_KEY, NodeRole, SpareSeat, check_holder, moved_slots, spares_left
+from supervisor.spares import DONE_KEY, NodeRole, SpareSeat, check_holder, moved_slots, refuse_if_taken, spares_left
 from supervisor.tiers.replication import ReplicationEngine, newest_own_step
 from supervisor.tiers.resume import ResumePoint
 from supervisor.attempt_end import AttemptResult
@@ -114,8 +113,7 @@ def connect_coordinator(cfg: SupervisorConfig, membership: Membership, job: JobI
     ``gone_after_s``: see :func:`~supervisor.coordinator.embedded_coordinator` (etcd outlives node 0); ``wait_s``:
     the connect's window and the handle's waits instead of ``rendezvous_timeout`` (a spare's bounded reconnect)."""
     s = CoordinatorSettings.from_config(cfg)
-    if wait_s is not None:
-        s = dataclasses.replace(s, rendezvous_timeout=wait_s)
+    s = s if wait_s is None else replace(s, rendezvous_timeout=wait_s)
     if s.backend == "etcd":
         from supervisor.kvstore_etcd import EtcdKVStore
 
@@ -131,24 +129,8 @@ def connect_coordinator(cfg: SupervisorConfig, membership: Membership, job: JobI
                                     s.rendezvous_timeout, stop, gone_after_s)
     except NodeZeroRunning:
         if cfg.spares:
-            _refuse_if_taken(host, s.port, job, secret, membership, stop)
+            refuse_if_taken(host, s.port, job, secret, membership.size, stop)
         raise
-
-
-def _refuse_if_taken(host: str, port: int, job: JobIdentity, secret: bytes, membership: Membership,
-                     stop: StopRequest | None) -> None:
-    """Node 0 back after a spare took its rank and hosts the store on its address: :class:`SlotTaken` (exit 77,
-    it may rejoin as a spare), not a clash; nothing happens when no spare holds rank 0 (it is running twice)."""
-    try:
-        store = connect_store(host, port, OP_TIMEOUT_S, stop)
-    except StoreUnavailable:
-        return
-    try:
-        check_holder(RoundCoordinator(store, job, secret, 0, membership.size, OP_TIMEOUT_S), 0, 0)
-    except StoreUnavailable:
-        return  # the holder went away meanwhile: the clash stands, as before the check
-    finally:
-        store.close()
 
 
 class MultiNodeSupervisor(Supervisor):

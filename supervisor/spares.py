@@ -30,7 +30,8 @@ from enum import Enum
 
 from supervisor.coordinator import CoordinationError, RoundCoordinator
 from supervisor.endpoint_probe import EndpointProbe
-from supervisor.kvstore import StoreUnavailable
+from supervisor.job_identity import JobIdentity
+from supervisor.kvstore import OP_TIMEOUT_S, StoreUnavailable, connect_store
 from supervisor.membership import Membership
 from supervisor.stop_request import StopRequest
 
@@ -120,6 +121,22 @@ def check_holder(coordinator: RoundCoordinator, slot: int, gen: int) -> None:
     if claim is not None and claim.gen > gen:
         raise SlotTaken(f"node rank {slot} was given to the spare at {claim.endpoint} while this node was away "
                         f"(claim {claim.gen}); this node must not run its ranks: restart it as a spare")
+
+
+def refuse_if_taken(host: str, port: int, job: JobIdentity, secret: bytes, job_size: int,
+                    stop: StopRequest | None) -> None:
+    """Node 0 back after a spare took its rank and hosts the store on its address: :class:`SlotTaken` (exit 77,
+    it may rejoin as a spare), not a clash; nothing happens when no spare holds rank 0 (it is running twice)."""
+    try:
+        store = connect_store(host, port, OP_TIMEOUT_S, stop)
+    except StoreUnavailable:
+        return
+    try:
+        check_holder(RoundCoordinator(store, job, secret, 0, job_size, OP_TIMEOUT_S), 0, 0)
+    except StoreUnavailable:
+        return  # the holder went away meanwhile: the clash stands, as before the check
+    finally:
+        store.close()
 
 
 def try_claim(coordinator: RoundCoordinator, slot: int, endpoint: str, lost_gen: int) -> Claim | None:
@@ -244,5 +261,5 @@ def taken_over(roster: Roster, claim: Claim, moved: dict[int, Claim]) -> Members
     return replace(roster.membership(claim.slot, endpoints))
 
 
-__all__ = ["NodeRole", "Roster", "Claim", "SlotTaken", "StoreLostBeforeFirstAttempt", "SpareWatch", "SpareSeat", "newest_claim", "moved_slots", "check_holder",
+__all__ = ["NodeRole", "Roster", "Claim", "SlotTaken", "StoreLostBeforeFirstAttempt", "SpareWatch", "SpareSeat", "newest_claim", "moved_slots", "check_holder", "refuse_if_taken",
            "try_claim", "spares_left", "watch_for_slot", "taken_over", "DONE_KEY"]
