@@ -49,7 +49,9 @@ def rlsup_verl(workdir: Path, ckpt: Path, job: list[str], *flags: str) -> list[s
     """The recipe's command line."""
     return rlsup_cmd("run", *FAST, "--checkpoint-dir", str(ckpt), "--checkpoint-layout", "verl",
                      "--repair-tracker", "true", "--progress", "verl", "--startup-timeout", "300",
-                     "--heartbeat-timeout", "30", *flags, "--", *job)
+                     # The kills are SIGKILLs: no test but the freeze one wants a hang. 30 s was once too short for
+                     # the driver's silent final save and teardown with three test workers on 2 cores.
+                     "--heartbeat-timeout", "120", *flags, "--", *job)
 
 
 @pytest.fixture(scope="module")
