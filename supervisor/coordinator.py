@@ -223,6 +223,8 @@ class RoundCoordinator:
             return self._join_fresh(min_attempt)
         if not self.first_round:  # a store with attempts: a replacement node (or a later join) has no first round
             self.end_first_round()
+        elif self.ended(current) is None:  # this node proposed, then a store call failed: its own first join, retried
+            return current
         if self.ended(current) is None:
             self.end(current, f"node {self.node_rank} rejoined")
         return current + 1

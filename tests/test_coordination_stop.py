@@ -11,7 +11,6 @@ poll (:class:`StopWhenWaiting`), so the test never guesses when the node is wait
 from __future__ import annotations
 
 import signal
-import socket
 import threading
 from pathlib import Path
 from typing import Callable
@@ -39,6 +38,7 @@ from supervisor.membership import Membership
 from supervisor.multinode import MultiNodeSupervisor
 from supervisor.run_record import RunResult
 from supervisor.stop_request import StopAsked, StopRequest
+from support.ports import free_port
 
 JOB = JobIdentity("job-s", "test")
 SECRET = b"0123456789abcdef-shared"
@@ -64,12 +64,6 @@ class StopWhenWaiting(StopRequest):
             if self.polls == self.at:
                 self.ask(self.stop_signal, self.stop_preempted)
         super().check(waiting_for)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def node(port: int, rank: int, stop: StopRequest | None = None, nodes: int = 2) -> RoundCoordinator:

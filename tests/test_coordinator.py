@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import threading
 
 import pytest
@@ -10,15 +9,10 @@ import pytest
 from supervisor.control_records import PERSISTENT_HOLDER, FetchResult, NodeInventory, StepHoldings, TierOffer
 from supervisor.coordinator import CoordinationError, RoundCoordinator, compute_plan, embedded_coordinator
 from supervisor.job_identity import JobIdentity
+from support.ports import free_port
 
 JOB = JobIdentity("job-a", "test")
 SECRET = b"0123456789abcdef-shared"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def node(port: int, rank: int, nodes: int = 2, timeout_s: float = 10, job: JobIdentity = JOB,
@@ -304,3 +298,26 @@ def test_values_that_do_not_parse_never_crash_a_node(caplog: pytest.LogCaptureFi
     lone.keys.set("base", "-")
     with pytest.raises(CoordinationError, match="node 0 stored base = '-', not an attempt number"):
         lone.join()
+
+
+def test_a_store_error_in_a_nodes_first_join_does_not_end_the_first_attempt() -> None:
+    """Seen in a fast-tier run on a loaded machine: the follower proposed, its wait for ``base`` failed on a store
+    call (a timeout), and the retried join found ``base`` there and took itself for a node that rejoins: it ended
+    attempt 0 for everyone and joined attempt 1. Its own first join, retried, is the same attempt."""
+    from supervisor.kvstore import StoreUnavailable
+
+    port = free_port()
+    leader, follower = node(port, 0), node(port, 1)
+    waits = {"n": 0}
+    real_wait = follower._wait
+
+    def wait_then_fail_once(names: list[str], what: str, attempt: int | None = None) -> list[str]:
+        out = real_wait(names, what, attempt)
+        waits["n"] += 1
+        if waits["n"] == 1:
+            raise StoreUnavailable("a store call timed out (the test's)")
+        return out
+
+    follower._wait = wait_then_fail_once  # type: ignore[method-assign]
+    assert join_all([leader, follower]) == [0, 0]
+    assert waits["n"] >= 1 and leader.ended(0) is None

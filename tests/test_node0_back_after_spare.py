@@ -4,7 +4,6 @@ running twice, which it still is when no spare holds rank 0. Real TCPStores on 1
 
 from __future__ import annotations
 
-import socket
 
 import pytest
 
@@ -14,15 +13,10 @@ from supervisor.job_identity import JobIdentity
 from supervisor.membership import Membership
 from supervisor.multinode import connect_coordinator
 from supervisor.spares import SlotTaken, try_claim
+from support.ports import free_port
 
 JOB = JobIdentity("job-node0-back", "test")
 SECRET = b"0123456789abcdef-shared"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def node_0_config(port: int, spares: int) -> SupervisorConfig:

@@ -36,6 +36,7 @@ from supervisor.spare_run import SpareRun
 from supervisor.spares import Roster, SpareSeat
 from supervisor.stop_request import StopRequest
 from supervisor.warm_start import WarmStarts
+from support.ports import free_port
 
 JOB = JobIdentity("job-first-connect", "test")
 SECRET = b"0123456789abcdef-shared"
@@ -133,12 +134,6 @@ def test_a_spare_hosts_nothing_when_the_whole_job_is_gone(tmp_path: Path) -> Non
     code, taken, _ = spare_after_node_0(tmp_path, node0, [free_port(), free_port()])
     assert (code, taken) == (0, [])
     assert connect_refused(f"127.0.0.1:{node0.port}"), "the spare hosted a store for nobody"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 NODE_0 = """

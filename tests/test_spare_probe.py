@@ -14,15 +14,10 @@ from supervisor.endpoint_probe import REFUSED_FOR_S, EndpointProbe, connect_refu
 from supervisor.job_identity import JobIdentity
 from supervisor.spares import Roster, SpareWatch, try_claim
 from supervisor.stop_request import StopRequest
+from support.ports import free_port
 
 JOB = JobIdentity("job-spare-probe", "test")
 SECRET = b"0123456789abcdef-shared"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def listening() -> socket.socket:

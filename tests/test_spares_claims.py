@@ -5,7 +5,6 @@ waited for it for ``spare_takeover_s`` while the other nodes are in it."""
 from __future__ import annotations
 
 import signal
-import socket
 import time
 
 import pytest
@@ -16,16 +15,11 @@ from supervisor.job_identity import JobIdentity
 from supervisor.spares import (NodeRole, Roster, SlotTaken, SpareWatch, check_holder, moved_slots, newest_claim,
                                taken_over, try_claim)
 from supervisor.stop_request import StopRequest
+from support.ports import free_port
 
 JOB = JobIdentity("job-spares", "test")
 SECRET = b"0123456789abcdef-shared"
 ROSTER = Roster(("h0:1", "h1:1", "h2:1", "s0:1", "s1:1"), spares=2)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def node(port: int, rank: int) -> RoundCoordinator:

@@ -16,3 +16,8 @@ def free_ports(n: int) -> list[int]:
     for s in socks:
         s.close()
     return ports
+
+
+def free_port() -> int:
+    """One TCP port free on 127.0.0.1 right now."""
+    return free_ports(1)[0]
