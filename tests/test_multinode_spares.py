@@ -201,4 +201,4 @@ def test_an_unused_spare_exits_0_when_the_job_succeeds(tmp_path: Path) -> None:
         cluster.kill_all()
     assert codes == {n: 0 for n in range(cluster.nodes)}, cluster.logs()
     assert took_rank(cluster.log(SPARE)) is None
-    assert "the job finished without needing this spare" in cluster.log(SPARE), cluster.log(SPARE)[-3000:]
+    assert "the job ended without needing this spare" in cluster.log(SPARE), cluster.log(SPARE)[-3000:]
