@@ -132,6 +132,7 @@ class RoundCoordinator:
         # The job's first round (supervisor.liveness): None until a join tells, True from a join into a store
         # with no attempt until the first attempt launches, False once the job has had one.
         self.first_round: bool | None = None
+        self._proposed = False  # this join() call proposed in a fresh store (its own retries join that attempt)
         self.lapses = LapseWatch(self.started - ABORT_MAX_AGE_S)  # a beat older belongs to an earlier run, as an abort
         self.refresh_s = LIVENESS_REFRESH_S
         self.beat: LivenessBeat | None = None
@@ -187,7 +188,7 @@ class RoundCoordinator:
         """The attempt this node takes part in next (see the module docstring); ``min_attempt`` is the attempt
         this node would run next by its own count (used only when the store has no attempt yet)."""
         deadline = time.monotonic() + self.timeout_s
-        told = False  # one line per outage, not one per reconnect try
+        told, self._proposed = False, False  # one line per outage, not one per reconnect try
         while True:  # each wait inside asks the stop request (the reconnect's too)
             try:
                 return self._join(min_attempt)
@@ -221,10 +222,10 @@ class RoundCoordinator:
         current = self.current_attempt()
         if current is None:
             return self._join_fresh(min_attempt)
+        if self._proposed and self.ended(current) is None:  # this join() proposed, then a store call failed: retried
+            return current
         if not self.first_round:  # a store with attempts: a replacement node (or a later join) has no first round
             self.end_first_round()
-        elif self.ended(current) is None:  # this node proposed, then a store call failed: its own first join, retried
-            return current
         if self.ended(current) is None:
             self.end(current, f"node {self.node_rank} rejoined")
         return current + 1
@@ -246,6 +247,7 @@ class RoundCoordinator:
         if self.first_round is None:
             self.first_round = True
             self._start_beat()
+        self._proposed = True
         self.keys.set(f"join/{self.node_rank}", str(min_attempt))
         if self.node_rank == 0:
             names = [f"join/{n}" for n in range(self.num_nodes)]
