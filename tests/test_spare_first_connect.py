@@ -12,6 +12,7 @@ In process, with a real torch TCPStore and real sockets.
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import socket
 import subprocess
@@ -19,6 +20,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -95,12 +97,18 @@ def survivor() -> socket.socket:
     return s
 
 
+def spare_config(tmp_path: Path, store_port: int, others: list[int]) -> SupervisorConfig:
+    """A spare's config (node rank 3 of 3 + 1): node 0's store at ``store_port``, nodes 1 and 2 at ``others``."""
+    peers = [f"127.0.0.1:{p}" for p in (store_port, *others, 3)]
+    return SupervisorConfig(peers=peers, node_rank=3, spares=1, coordinator_port=store_port, spare_takeover_s=0.5,
+                            rendezvous_timeout=WINDOW_S, state_dir=str(tmp_path / "state"),
+                            checkpoint_dir=str(tmp_path / "ckpt"), metrics_port=0, warm_launcher=False)
+
+
 def spare_after_node_0(tmp_path: Path, node0: SilentNode0, others: list[int]) -> tuple[int, list[tuple[Membership, bool]], list[str]]:
     """Runs a spare (node rank 3) whose node 0 is lost once the spare reached it; nodes 1 and 2 at ``others``."""
-    peers = [f"127.0.0.1:{p}" for p in (node0.port, *others, 3)]
-    cfg = SupervisorConfig(peers=peers, node_rank=3, spares=1, coordinator_port=node0.port, spare_takeover_s=0.5,
-                           rendezvous_timeout=WINDOW_S, state_dir=str(tmp_path / "state"),
-                           checkpoint_dir=str(tmp_path / "ckpt"), metrics_port=0, warm_launcher=False)
+    cfg = spare_config(tmp_path, node0.port, others)
+    peers = list(cfg.peers)
     taken: list[tuple[Membership, bool]] = []
 
     def run_node(membership: Membership, seat: SpareSeat, hosted: RoundCoordinator | None, warm: WarmStarts,
@@ -147,49 +155,54 @@ time.sleep(600)
 """
 
 
-def test_node_0_stalled_before_the_first_attempt_the_spare_goes_on_watching(tmp_path: Path) -> None:
-    """Review finding: the spare gave up (exit 75) on the first store timeout before the first attempt, while the
-    job's nodes give node 0 LIVENESS_LAPSE_S; node 0 stopped (SIGSTOP) for 7 s and then resumed kept its job and
-    lost its spare. The spare must still be watching after node 0 resumes, and stop cleanly when asked."""
+@contextlib.contextmanager
+def node_0_and_two_survivors() -> Iterator[tuple[subprocess.Popen, int, list[int]]]:
+    """Node 0 hosting the job's store (a real process; its port), and nodes 1 and 2 standing as endpoints that
+    accept (their ports); all gone after."""
     port = free_port()
     node0 = subprocess.Popen([sys.executable, "-c", NODE_0, str(port)], stdout=subprocess.PIPE, text=True)
     try:
         assert node0.stdout is not None and node0.stdout.readline().strip() == "hosting"
         with survivor() as node1, survivor() as node2:
-            peers = [f"127.0.0.1:{p}" for p in (port, node1.getsockname()[1], node2.getsockname()[1], 3)]
-            cfg = SupervisorConfig(peers=peers, node_rank=3, spares=1, coordinator_port=port, spare_takeover_s=0.5,
-                                   rendezvous_timeout=WINDOW_S, state_dir=str(tmp_path / "state"),
-                                   checkpoint_dir=str(tmp_path / "ckpt"), metrics_port=0, warm_launcher=False)
-            connects: list[float] = []
-
-            def connect(view: Membership, stop: StopRequest, gone_after_s: float, wait_s: float | None) -> RoundCoordinator:
-                coordinator = connect_coordinator(cfg, view, JOB, SECRET, stop, gone_after_s, wait_s)
-                connects.append(time.monotonic())
-                return coordinator
-
-            stop = StopRequest(signal.SIGUSR1)
-            spare = SpareRun(cfg, Roster(tuple(peers), 1), 3, JOB, SECRET, connect, stop, Observer())
-            result: list[int] = []
-            runner = threading.Thread(target=lambda: result.append(spare.run(lambda *_: 0)), daemon=True)
-            runner.start()
-            deadline = time.monotonic() + 30
-            while not connects:
-                assert time.monotonic() < deadline, "the spare never reached node 0's store"
-                time.sleep(0.05)
-            node0.send_signal(signal.SIGSTOP)
-            time.sleep(7.0)  # the stall itself is the subject: the spare's store calls time out meanwhile
-            node0.send_signal(signal.SIGCONT)
-            deadline = time.monotonic() + 30
-            while len(connects) < 2:  # it reconnected after the stall and watches again
-                assert not result, f"the spare ended ({result}) during node 0's stall"
-                assert time.monotonic() < deadline, "the spare did not reconnect after node 0 resumed"
-                time.sleep(0.05)
-            stop.ask(signal.SIGTERM)
-            runner.join(30)
-            assert result and result[0] != exit_codes.REQUEUE, result
+            yield node0, port, [node1.getsockname()[1], node2.getsockname()[1]]
     finally:
         node0.kill()
         node0.wait(30)
+
+
+def test_node_0_stalled_before_the_first_attempt_the_spare_goes_on_watching(tmp_path: Path) -> None:
+    """Review finding: the spare gave up (exit 75) on the first store timeout before the first attempt, while the
+    job's nodes give node 0 LIVENESS_LAPSE_S; node 0 stopped (SIGSTOP) for 7 s and then resumed kept its job and
+    lost its spare. The spare must still be watching after node 0 resumes, and stop cleanly when asked."""
+    with node_0_and_two_survivors() as (node0, port, others):
+        cfg = spare_config(tmp_path, port, others)
+        connects: list[float] = []
+
+        def connect(view: Membership, stop: StopRequest, gone_after_s: float, wait_s: float | None) -> RoundCoordinator:
+            coordinator = connect_coordinator(cfg, view, JOB, SECRET, stop, gone_after_s, wait_s)
+            connects.append(time.monotonic())
+            return coordinator
+
+        stop = StopRequest(signal.SIGUSR1)
+        spare = SpareRun(cfg, Roster(tuple(cfg.peers), 1), 3, JOB, SECRET, connect, stop, Observer())
+        result: list[int] = []
+        runner = threading.Thread(target=lambda: result.append(spare.run(lambda *_: 0)), daemon=True)
+        runner.start()
+        deadline = time.monotonic() + 30
+        while not connects:
+            assert time.monotonic() < deadline, "the spare never reached node 0's store"
+            time.sleep(0.05)
+        node0.send_signal(signal.SIGSTOP)
+        time.sleep(7.0)  # the stall itself is the subject: the spare's store calls time out meanwhile
+        node0.send_signal(signal.SIGCONT)
+        deadline = time.monotonic() + 30
+        while len(connects) < 2:  # it reconnected after the stall and watches again
+            assert not result, f"the spare ended ({result}) during node 0's stall"
+            assert time.monotonic() < deadline, "the spare did not reconnect after node 0 resumed"
+            time.sleep(0.05)
+        stop.ask(signal.SIGTERM)
+        runner.join(30)
+        assert result and result[0] != exit_codes.REQUEUE, result
 
 
 def test_node_0_stalled_then_lost_before_the_first_attempt_the_spare_still_requeues(tmp_path: Path) -> None:
@@ -199,40 +212,30 @@ def test_node_0_stalled_then_lost_before_the_first_attempt_the_spare_still_reque
     within seconds; then, after a stall, it reconnected with its whole rendezvous window, and a node 0 killed during
     that reconnect sent it down the same path. The lapse is one deadline from the store's first failure: the spare
     must exit 75 and host nothing."""
-    port = free_port()
-    node0 = subprocess.Popen([sys.executable, "-c", NODE_0, str(port)], stdout=subprocess.PIPE, text=True)
-    try:
-        assert node0.stdout is not None and node0.stdout.readline().strip() == "hosting"
-        with survivor() as node1, survivor() as node2:
-            peers = [f"127.0.0.1:{p}" for p in (port, node1.getsockname()[1], node2.getsockname()[1], 3)]
-            cfg = SupervisorConfig(peers=peers, node_rank=3, spares=1, coordinator_port=port, spare_takeover_s=0.5,
-                                   rendezvous_timeout=WINDOW_S, state_dir=str(tmp_path / "state"),
-                                   checkpoint_dir=str(tmp_path / "ckpt"), metrics_port=0, warm_launcher=False)
-            taken: list[Membership] = []
-            watching = threading.Event()
+    with node_0_and_two_survivors() as (node0, port, others):
+        cfg = spare_config(tmp_path, port, others)
+        taken: list[Membership] = []
+        watching = threading.Event()
 
-            def connect(view: Membership, stop: StopRequest, gone_after_s: float, wait_s: float | None) -> RoundCoordinator:
-                if wait_s is not None and node0.poll() is None:  # the reconnect after the stall: node 0 dies now
-                    node0.send_signal(signal.SIGKILL)
-                    node0.wait(30)
-                coordinator = connect_coordinator(cfg, view, JOB, SECRET, stop, gone_after_s, wait_s)
-                watching.set()
-                return coordinator
+        def connect(view: Membership, stop: StopRequest, gone_after_s: float, wait_s: float | None) -> RoundCoordinator:
+            if wait_s is not None and node0.poll() is None:  # the reconnect after the stall: node 0 dies now
+                node0.send_signal(signal.SIGKILL)
+                node0.wait(30)
+            coordinator = connect_coordinator(cfg, view, JOB, SECRET, stop, gone_after_s, wait_s)
+            watching.set()
+            return coordinator
 
-            def run_node(membership: Membership, *_: object) -> int:
-                taken.append(membership)
-                return 0
+        def run_node(membership: Membership, *_: object) -> int:
+            taken.append(membership)
+            return 0
 
-            stop = StopRequest(signal.SIGUSR1)
-            spare = SpareRun(cfg, Roster(tuple(peers), 1), 3, JOB, SECRET, connect, stop, Observer())
-            result: list[int] = []
-            runner = threading.Thread(target=lambda: result.append(spare.run(run_node)), daemon=True)
-            runner.start()
-            assert watching.wait(30), "the spare never reached node 0's store"
-            node0.send_signal(signal.SIGSTOP)
-            runner.join(60)
-            assert result == [exit_codes.REQUEUE] and taken == [], (result, taken)
-            assert connect_refused(f"127.0.0.1:{port}"), "the spare hosted node 0's store"
-    finally:
-        node0.kill()
-        node0.wait(30)
+        stop = StopRequest(signal.SIGUSR1)
+        spare = SpareRun(cfg, Roster(tuple(cfg.peers), 1), 3, JOB, SECRET, connect, stop, Observer())
+        result: list[int] = []
+        runner = threading.Thread(target=lambda: result.append(spare.run(run_node)), daemon=True)
+        runner.start()
+        assert watching.wait(30), "the spare never reached node 0's store"
+        node0.send_signal(signal.SIGSTOP)
+        runner.join(60)
+        assert result == [exit_codes.REQUEUE] and taken == [], (result, taken)
+        assert connect_refused(f"127.0.0.1:{port}"), "the spare hosted node 0's store"
