@@ -49,8 +49,9 @@ class NodeRole(str, Enum):
 
 
 class StoreLostBeforeFirstAttempt(StoreUnavailable):
-    """The embedded store went away before the job's first attempt: node 0 was lost in the first round, which
-    every node answers with a requeue (exit 75, :mod:`supervisor.liveness`); a spare takes no rank then."""
+    """The coordination store went away before the job's first attempt (embedded: node 0 was lost in the first
+    round), which every node answers with a requeue (exit 75, :mod:`supervisor.liveness`) once it stays away
+    for the lapse; a spare takes no rank then."""
 
 
 class SlotTaken(CoordinationError):
