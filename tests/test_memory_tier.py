@@ -282,7 +282,9 @@ def test_rank_sigkill_resumes_from_memory_bit_identical_and_success_removes_the_
     assert proc.returncode == 0, output[-4000:]
     inc = incidents(workdir / ".rlsup")
     assert len(inc) == 1 and inc[0]["action"] == "restart", inc  # how the death is classified is not this test's
-    assert inc[0]["resumed_tier"] == "memory" and inc[0]["resumed_step"] >= 12, inc[0]
+    # One async save in flight per rank: rank 1 dies after save(13) returned, so its step 12 is complete, but
+    # rank 0 may still be writing step 12 (it passed save(12), which waited only for step 11) when it is stopped.
+    assert inc[0]["resumed_tier"] == "memory" and inc[0]["resumed_step"] >= 11, inc[0]
     assert inc[0]["resumed_from"].startswith(str(shm)), inc[0]
     assert "2 local rank(s) started from warm ranks" in output, output[-4000:]  # warm ranks on, as by default
     assert_identical(out, ref())
