@@ -491,8 +491,8 @@ class RoundCoordinator:
                 except StoreUnavailable as e:
                     if self.first_round and self.reconnect is not None:  # the join waits for it, not for long
                         self._store_lost_at = self._store_lost_at or time.monotonic()
-                        if attempt is None:
-                            raise
+                    if attempt is None and self.reconnect is not None:
+                        raise  # a join's wait (a fresh store's base): the join reconnects within its deadline
                     if attempt is not None and self.reconnect is not None:
                         raise RoundEnded(f"attempt {attempt} ended while waiting for {what}: {e}") from e
                     raise CoordinationError(f"the coordination store is unreachable while waiting for {what}: "

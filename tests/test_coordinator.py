@@ -355,3 +355,33 @@ def test_a_later_join_still_ends_an_attempt_the_node_abandoned() -> None:
     t.join(20)
     assert follower.join(1) == 1
     assert "node 1 rejoined" in (leader.ended(0) or "")
+
+
+def test_a_store_error_while_waiting_for_a_fresh_stores_base_mid_job_is_retried() -> None:
+    """Node 0 was replaced mid-job (a fresh store, no first round): a follower's wait for ``base`` that fails on
+    one store call reconnects within rendezvous_timeout and joins the attempt, as in the first round."""
+    port = free_port()
+    leader, follower = node(port, 0, timeout_s=30), node(port, 1, timeout_s=30)
+    assert join_all([leader, follower]) == [0, 0]
+    follower.end_first_round()  # as wait_all_ready does: attempt 0 ran
+    leader.end(0, "node 0: crashed")
+    leader.store.close()
+    del leader
+    import gc
+
+    gc.collect()
+    got: dict[str, object] = {}
+
+    def follower_join() -> None:
+        try:
+            got["follower"] = follower.join(1)
+        except CoordinationError as e:
+            got["follower"] = e
+
+    fail_one_poll(follower)  # its first poll is the wait for base in the replacement's store
+    t = threading.Thread(target=follower_join)
+    t.start()
+    replacement = node(port, 0, timeout_s=30)
+    assert replacement.join(0) == 1
+    t.join(30)
+    assert got == {"follower": 1}
