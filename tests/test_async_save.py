@@ -46,7 +46,7 @@ def test_save_returns_before_the_write_and_the_copy_is_a_snapshot(tmp_path: Path
     try:
         for step in (1, 2):
             expect_w = state["model"]["w"].clone()
-            writer = mgr._async.writer_pid if step == 2 else None  # step 1 starts the writer
+            writer = mgr._async.writer_pid if step == 2 else None  # stopped for the second save
             if writer is not None:
                 os.kill(writer, signal.SIGSTOP)
             saved: list[Path] = []
@@ -73,6 +73,21 @@ def test_save_returns_before_the_write_and_the_copy_is_a_snapshot(tmp_path: Path
     a, s = loaded(tmp_path / "async" / step_dir_name(1)), loaded(tmp_path / "sync" / step_dir_name(1))
     assert a.keys() == s.keys() and torch.equal(a["optim"]["m"], s["optim"]["m"])
     assert read_manifest(tmp_path / "async" / step_dir_name(1) / "manifest.rank_00000.json").extra["writer_pid"]
+
+
+def test_the_writer_starts_with_the_manager_and_writes_the_first_save(tmp_path: Path) -> None:
+    """The writer's interpreter and torch import overlap the trainer's restore: started on the first save, they
+    made the second save of every attempt wait (8-15 s on loaded cores, BENCHMARKS.md)."""
+    mgr = CheckpointManager(tmp_path / "c", async_save=True)
+    try:
+        writer = mgr._async.writer_pid
+        assert writer is not None and pid_alive(writer), "no writer process before the first save"
+        step_dir = mgr.save(1, {"x": torch.ones(3)})
+        assert step_dir is not None and mgr.wait(timeout=60)
+        assert read_manifest(step_dir / "manifest.rank_00000.json").extra["writer_pid"] == writer
+    finally:
+        mgr.close()
+    assert not pid_alive(writer), "close() leaves the writer running"
 
 
 def test_busy_skip_wait_and_writer_killed(tmp_path: Path) -> None:

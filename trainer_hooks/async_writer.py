@@ -19,8 +19,9 @@ Design, and why:
   ``/dev/shm`` (64 MB in a default Docker container). When CUDA is available the buffer is pinned
   (``cudaHostRegister``), so GPU->host copies are DMA. Buffers are kept for reuse (no page faults, no
   re-pinning on the next save) unless ``keep_buffers=False``.
-* **The writer** is one long-lived process per manager, started on the first save with
-  ``subprocess`` (``python -m trainer_hooks.async_writer``: a fresh interpreter, like the ``spawn``
+* **The writer** is one long-lived process per manager, started when the manager is built (its start-up,
+  1-2 s and much more on loaded cores, then overlaps the trainer's restore and first step; started on the
+  first save, it made the second save of every attempt wait for it), with ``subprocess`` (``python -m trainer_hooks.async_writer``: a fresh interpreter, like the ``spawn``
   start method, but it does not re-import the training script's ``__main__``, which hangs or re-runs
   scripts without an ``if __name__ == "__main__"`` guard). It is fed through a Unix socket; the
   buffer's file descriptor travels with each request (``SCM_RIGHTS``). A process and not a thread:
@@ -182,6 +183,7 @@ class AsyncSaver:
         self._next_id = 0
         self._lock = threading.RLock()
         _live_savers.add(self)
+        self._start_writer()  # its interpreter and torch import overlap the restore, not the first save
 
     # ------------------------------------------------------------------ writer process
 
