@@ -525,7 +525,12 @@ def test_readme_trainer_line_runs_as_written(tmp_path: Path, key: str) -> None:
     report = job.report()
     assert rc == 0, report
     recs = incidents(job.state_dir)
-    assert len(recs) == 1 and recs[0]["action"] == "restart", report
+    assert recs and recs[0]["action"] == "restart", report
     # it resumed from the checkpoint that existed, not from scratch (a single file names no step: path only)
     assert recs[0].get("resumed_from") and (recs[0].get("resumed_step") or key == "train.py"), report
     assert last_line in job.attempt_log(1), report
+    # Seen once in CI: TRL's script never destroys its process group, and a rank aborted in interpreter exit
+    # after training completed (gloo's threads, pytorch/pytorch#179291); rlsup restarted from the final
+    # checkpoint, as it should. Any further incident must be such a death after the trainer finished.
+    for rec in recs[1:]:
+        assert rec["action"] == "restart" and last_line in job.attempt_log(rec["attempt"]), report
