@@ -3,8 +3,8 @@
     python benchmarks/bench_async_save.py --size-mb 100 --repeat 3 [--device cuda] [--dir /fast/disk]
 
 Prints, per mode, the median time ``save()`` blocked and (async) the time until the step verified on
-disk. The first async save also allocates (and with CUDA pins) the snapshot buffer and starts the
-writer process; it is reported separately.
+disk. The first async save also allocates (and with CUDA pins) the snapshot buffer and may wait for the
+writer process, started with the manager, to finish its start-up; it is reported separately.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def main() -> None:
     print(f"  async save                 : blocked {med(blocked) * 1e3:8.1f} ms, "
           f"on disk and verified after {med(total) * 1e3:8.1f} ms  (ratio blocked/sync {med(blocked) / med(sync_t):.3f})")
     assert first is not None
-    print(f"  first async save (buffer + writer start): blocked {first[0] * 1e3:.1f} ms, on disk after {first[1] * 1e3:.0f} ms")
+    print(f"  first async save (buffer; the writer started with the manager): blocked {first[0] * 1e3:.1f} ms, on disk after {first[1] * 1e3:.0f} ms")
 
 
 def _tier_dir(size_mb: int, shm: str | None) -> str | None:
@@ -92,7 +92,7 @@ def bench_memory_tier(size_mb: int = 1024, repeat: int = 5, shm: str | None = No
     Each side's tier is a directory in ``shm`` (default /dev/shm when it has room), set up as ``rlsup run``
     does (RLSUP_MEMORY_DIR, keep 1 step). After each save, ``step_s`` of "training" (a sleep: the compute of
     a GPU job) before the next. Returns per side the medians in seconds over ``repeat`` saves after the
-    first (which starts the writer): ``blocked`` (time in ``save()``), ``valid`` (from the call until the
+    first (which allocates the buffer and may wait for the writer's start-up): ``blocked`` (time in ``save()``), ``valid`` (from the call until the
     step verifies in memory, sizes), ``writer`` (the writer's own time for the request, from its receipt
     to the manifest), the first save's ``first_blocked`` and ``first_valid``, and ``direct_saves`` (how
     many of the timed saves went direct)."""

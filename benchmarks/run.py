@@ -10,7 +10,7 @@ first on odd ones) and prints, as soon as a figure is done, one row per figure::
     name | rlsup median | baseline median | ratio (rlsup / baseline) | unit | note
 
 Figures (``--only`` keys): restart, hang, save, heartbeat, selection, replication, restore, footprint,
-goodput, gpu_check, flight_recorder, watch_cpu; and recovery (issue 31's realistic harness, benchmarks/bench_recovery.py) and
+goodput, gpu_check, flight_recorder, watch_cpu, writer_start; and recovery (issue 31's realistic harness, benchmarks/bench_recovery.py) and
 node_loss (its node-loss variant, a spare against a replacement: benchmarks/bench_node_loss.py), run only when
 named. Jobs are 2-rank torchrun/gloo runs of ``benchmarks/jobs/bench_trainer.py``, which writes
 ``time.monotonic()`` events (CLOCK_MONOTONIC is system-wide on Linux, so ranks, attempts and this script share one
@@ -43,7 +43,7 @@ from jobctl import (BIN, PY, alternate, events, failed, job_env, launch, log, nv
                     pid_alive, stop, wait_until)
 
 FIGURES = ("restart", "hang", "hang_restart", "save", "heartbeat", "selection", "replication", "restore", "footprint", "goodput",
-           "gpu_check", "flight_recorder", "watch_cpu")
+           "gpu_check", "flight_recorder", "watch_cpu", "writer_start")
 
 
 # ------------------------------------------------------------------------------------------ output
@@ -1040,6 +1040,21 @@ def bench_watch_cpu(ctx: Ctx) -> list[Row]:
                 100 * sides["torchrun"].median, "% of a core", "rlsup run vs torchrun's agent, same job")]
 
 
+def bench_writer_start(ctx: Ctx) -> list[Row]:
+    """An attempt's first async saves: the writer started with the manager vs on the first save (the way before),
+    fresh rank processes, sides alternating (benchmarks/bench_writer_start.py)."""
+    import bench_writer_start
+
+    figs = bench_writer_start.run(64 if ctx.quick else 256, ctx.reps * 2)
+    new, old = figs["prestart"], figs["lazy"]
+    note = "writer started with the manager vs on the first save; steps of 0.5 s"
+    return [Row("an attempt's second async save: blocked", new["blocked_2"], old["blocked_2"], "s", note),
+            Row("an attempt's first step valid in memory after its save call", new["valid_1"], old["valid_1"], "s",
+                note),
+            Row("manager built -> third save returned (restore, 3 steps)", new["third_save_returned"],
+                old["third_save_returned"], "s", note)]
+
+
 # ------------------------------------------------------------------------------------------ main
 
 
@@ -1048,7 +1063,7 @@ BENCHES: dict[str, Callable[[Ctx], list[Row]]] = {
     "selection": bench_selection, "replication": bench_replication, "restore": bench_restore,
     "footprint": bench_footprint, "goodput": bench_goodput, "gpu_check": bench_gpu_check,
     "flight_recorder": bench_flight_recorder, "recovery": bench_recovery, "node_loss": bench_node_loss,
-    "watch_cpu": bench_watch_cpu,
+    "watch_cpu": bench_watch_cpu, "writer_start": bench_writer_start,
 }
 
 

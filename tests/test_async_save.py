@@ -90,6 +90,74 @@ def test_the_writer_starts_with_the_manager_and_writes_the_first_save(tmp_path: 
     assert not pid_alive(writer), "close() leaves the writer running"
 
 
+def _ignores_sigterm(pid: int) -> bool:
+    status = Path(f"/proc/{pid}/status").read_text()
+    mask = int(next(ln.split()[1] for ln in status.splitlines() if ln.startswith("SigIgn:")), 16)
+    return bool(mask >> (signal.SIGTERM - 1) & 1)
+
+
+def test_the_writer_ignores_relayed_signals_before_it_imports_torch(tmp_path: Path) -> None:
+    """Started with the manager, the writer spends its first seconds importing torch, during the trainer's restore:
+    a SIGTERM that rlsup relays to the job then must not kill it, so it guards itself before that import."""
+    mgr = CheckpointManager(tmp_path / "c", async_save=True)
+    try:
+        writer = mgr._async.writer_pid
+        maps = wait_for(lambda: _ignores_sigterm(writer) and Path(f"/proc/{writer}/maps").read_text(), 60,
+                        "the writer to ignore SIGTERM", interval=0.0005)
+        assert "libtorch" not in maps, "the writer ignored SIGTERM only once torch was imported"
+        os.kill(writer, signal.SIGTERM)
+        step_dir = mgr.save(1, {"x": torch.ones(3)})
+        assert step_dir is not None and mgr.wait(timeout=60)
+        assert read_manifest(step_dir / "manifest.rank_00000.json").extra["writer_pid"] == writer
+    finally:
+        mgr.close()
+
+
+def test_closing_a_manager_that_never_saved_does_not_wait_for_its_writer(tmp_path: Path) -> None:
+    """A trainer that stops (or fails) before its first save: the writer, perhaps still importing torch, wrote
+    nothing and is ended at once, not waited for (up to 30 s, past rlsup's stop grace). Stopped here, it could
+    never answer a stop request."""
+    mgr = CheckpointManager(tmp_path / "c", async_save=True)
+    writer = mgr._async.writer_pid
+    os.kill(writer, signal.SIGSTOP)
+    closer = threading.Thread(target=mgr.close, daemon=True)
+    closer.start()
+    closer.join(timeout=10)
+    assert not closer.is_alive(), "close() waited for a writer that never wrote"
+    assert not pid_alive(writer)
+
+
+FORK_JOB = """
+import os, sys
+sys.path.insert(0, os.environ["RLSUP_ROOT"])
+import torch
+from trainer_hooks import CheckpointManager
+mgr = CheckpointManager(sys.argv[1], async_save=True)
+writer = mgr._async.writer_pid
+pid = os.fork()
+if pid == 0:
+    sys.exit(0)  # a forked helper that exits normally: its atexit hooks run
+os.waitpid(pid, 0)
+step_dir = mgr.save(1, {"x": torch.ones(3)})
+mgr.wait(timeout=60)
+print("writer", writer, mgr._async.writer_pid, flush=True)
+mgr.close()
+"""
+
+
+def test_a_forked_child_leaves_the_trainers_writer_alone(tmp_path: Path) -> None:
+    """A process forked from the trainer after the manager was built (a DataLoader worker, a helper) that exits
+    normally must not stop or kill the trainer's writer from its atexit flush."""
+    script = tmp_path / "fork_job.py"
+    script.write_text(FORK_JOB)
+    out = subprocess.run([sys.executable, str(script), str(tmp_path / "c")], env=clean_env(RLSUP_ROOT=str(ROOT)),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    _, before, after = out.stdout.split()
+    assert before == after, "the trainer's writer was ended by its forked child"
+    assert verify_step_dir(tmp_path / "c" / step_dir_name(1)).valid
+
+
 def test_busy_skip_wait_and_writer_killed(tmp_path: Path) -> None:
     state = big_state(64)
     mgr = CheckpointManager(tmp_path / "c", async_save=True, when_busy="skip", keep_last=2)

@@ -74,7 +74,7 @@ def test_reserved_names_come_from_rlsup_format_names() -> None:
 # Private names of the standard library and the frameworks rlsup drives, used on purpose: (file, expression): why.
 FOREIGN_PRIVATE_ALLOWED = {
     ("supervisor/warm_rank.py", "os._exit"): "documented: exit without cleanup in a forked child",
-    ("trainer_hooks/async_writer.py", "os._exit"): "documented: exit without cleanup in a forked child",
+    ("trainer_hooks/writer_guard.py", "os._exit"): "the writer's trainer is already gone: exit before any cleanup",
     ("supervisor/warm_rank.py", "runpy._run_module_as_main"):
         "what `python -m` itself runs: the only way to run a module as __main__ with its argv",
     ("supervisor/checkpoints_cli.py", "argparse._SubParsersAction"):

@@ -68,6 +68,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from trainer_hooks import writer_guard  # first: run as the writer, it guards the process before torch's import
+
 import torch
 
 from rlsup_format.names import step_dir_name
@@ -79,7 +81,6 @@ from trainer_hooks.step_writer import PayloadSource, RankIdentity, StepTarget, w
 log = logging.getLogger(__name__)
 
 _HEADER = struct.Struct("<Q")
-_IGNORED_SIGNALS = ("SIGINT", "SIGTERM", "SIGUSR1", "SIGUSR2", "SIGHUP")
 #: Seconds to wait for the writer to exit after it was asked to.
 STOP_TIMEOUT_S = 30.0
 
@@ -160,6 +161,17 @@ def _flush_all_at_exit() -> None:
 atexit.register(_flush_all_at_exit)
 
 
+def _forget_writers_in_child() -> None:
+    """A process forked from a trainer (a DataLoader worker, a user's ``os.fork``) does not own the trainer's
+    writers: it drops its copies of their sockets unsent, so its exit never stops them, and a save it made
+    would start a writer of its own. No lock taken: another thread may have held one at the fork."""
+    for saver in list(_live_savers):
+        saver.forget_after_fork()
+
+
+os.register_at_fork(after_in_child=_forget_writers_in_child)
+
+
 class AsyncSaver:
     """The trainer side: snapshots, hands requests to the writer process, tracks what is in flight."""
 
@@ -178,6 +190,7 @@ class AsyncSaver:
         self.free: list[SnapshotBuffer] = []
         self.proc: subprocess.Popen | None = None
         self.sock: socket.socket | None = None
+        self.writer_used = False  # whether the current writer was sent a request (one never used is killed)
         self.failed: list[_Job] = []
         self.completed: list[_Job] = []  # the last few, for tests and logs
         self._next_id = 0
@@ -207,7 +220,7 @@ class AsyncSaver:
                                          close_fds=True)
         finally:
             child_sock.close()
-        self.sock = parent_sock
+        self.sock, self.writer_used = parent_sock, False
         log.info("async checkpoint writer started (pid %d)", self.proc.pid)
 
     def _writer_gone(self, why: str) -> None:
@@ -321,6 +334,7 @@ class AsyncSaver:
             self.inflight.append(job)
             try:
                 assert self.sock is not None
+                self.writer_used = True
                 _send(self.sock, ("save", job.job_id, request), [buf.fd])
             except OSError as e:
                 self._writer_gone(f"(request not delivered: {e})")
@@ -344,12 +358,21 @@ class AsyncSaver:
         self.raise_failures()
         return True
 
+    def forget_after_fork(self) -> None:
+        """In a forked child: the writer and what is in flight are the parent's (see the module's fork hook)."""
+        if self.sock is not None:
+            self.sock.close()  # this process's copy only: nothing is sent
+        self.sock, self.proc, self.inflight, self.free = None, None, [], []
+        self._lock = threading.RLock()
+
     def close(self) -> None:
         """Flush, then stop the writer and free the buffers."""
         try:
             self.wait()
         finally:
             with self._lock:
+                if self.proc is not None and not self.writer_used:
+                    self.proc.kill()  # it wrote nothing, and may still be importing torch: no 30 s wait at a stop
                 if self.sock is not None:
                     try:
                         _send(self.sock, ("stop", 0, {}))
@@ -397,18 +420,6 @@ def _write(request: dict, fd: int, keeper: SpareKeeper) -> tuple[str, bool]:
     return str(step_dir), was_direct
 
 
-def _die_with_parent(parent: int) -> None:
-    import ctypes
-
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-    if os.getppid() != parent:
-        os._exit(1)
-
-
 def _skip_zip_crc32() -> None:
     """This process only writes steps, and every byte of a step is checked by its manifest's xxh3: the
     zip CRC32 that ``torch.save`` computes on top costs a third of a large save into memory (the files
@@ -427,18 +438,7 @@ def writer_main(argv: list[str] | None = None) -> int:
     ap.add_argument("--parent", type=int, required=True)
     ap.add_argument("--die-with-parent", action="store_true")
     args = ap.parse_args(argv)
-    if args.die_with_parent:
-        _die_with_parent(args.parent)
-    # rlsup relays stop/preemption signals to the job's process group: the trainer handles them and
-    # flushes; the writer must keep writing until it is told to stop (or its trainer is gone).
-    names = set(_IGNORED_SIGNALS)
-    preempt = os.environ.get("RLSUP_PREEMPT_SIGNAL")
-    if preempt:
-        names.add(preempt if preempt.startswith("SIG") else "SIG" + preempt)
-    for name in names:
-        signum = getattr(signal, name, None)
-        if signum is not None:
-            signal.signal(signum, signal.SIG_IGN)
+    writer_guard.guard(args.parent, args.die_with_parent)  # again, for a caller that did not run the module
     os.environ.pop("RLSUP_HEARTBEAT_DIR", None)  # the rank's heartbeat file belongs to the trainer
     _skip_zip_crc32()
     logging.basicConfig(level=logging.WARNING, format="rlsup-writer: %(message)s")
