@@ -90,22 +90,31 @@ def test_the_writer_starts_with_the_manager_and_writes_the_first_save(tmp_path: 
     assert not pid_alive(writer), "close() leaves the writer running"
 
 
-def _ignores_sigterm(pid: int) -> bool:
-    status = Path(f"/proc/{pid}/status").read_text()
-    mask = int(next(ln.split()[1] for ln in status.splitlines() if ln.startswith("SigIgn:")), 16)
-    return bool(mask >> (signal.SIGTERM - 1) & 1)
+def _guarded(pid: int) -> str | None:
+    """"gone" once the process died; its memory map once it ignores SIGTERM; else None."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+        maps = Path(f"/proc/{pid}/maps").read_text()
+    except FileNotFoundError:
+        return "gone"
+    fields = dict(ln.split(":", 1) for ln in status.splitlines() if ":" in ln)
+    if fields["State"].strip().startswith("Z"):
+        return "gone"
+    return maps if int(fields["SigIgn"], 16) >> (signal.SIGTERM - 1) & 1 else None
 
 
-def test_the_writer_ignores_relayed_signals_before_it_imports_torch(tmp_path: Path) -> None:
-    """Started with the manager, the writer spends its first seconds importing torch, during the trainer's restore:
-    a SIGTERM that rlsup relays to the job then must not kill it, so it guards itself before that import."""
+def test_the_writer_ignores_relayed_signals_from_its_start(tmp_path: Path) -> None:
+    """Started with the manager, the writer spends its first seconds starting Python and importing torch, during
+    the trainer's restore: a SIGTERM that rlsup relays to the job then must not kill it. It is sent here the moment
+    the writer exists; the writer ignores it before torch's import (blocked until then)."""
+    assert _guarded(os.getpid()) is None, "this test process ignores SIGTERM: the writer would inherit that"
     mgr = CheckpointManager(tmp_path / "c", async_save=True)
     try:
         writer = mgr._async.writer_pid
-        maps = wait_for(lambda: _ignores_sigterm(writer) and Path(f"/proc/{writer}/maps").read_text(), 60,
-                        "the writer to ignore SIGTERM", interval=0.0005)
-        assert "libtorch" not in maps, "the writer ignored SIGTERM only once torch was imported"
         os.kill(writer, signal.SIGTERM)
+        maps = wait_for(lambda: _guarded(writer), 60, "the writer to ignore SIGTERM", interval=0.0005)
+        assert maps != "gone", "a SIGTERM at the writer's start killed it"
+        assert "libtorch" not in maps, "the writer ignored SIGTERM only once torch was imported"
         step_dir = mgr.save(1, {"x": torch.ones(3)})
         assert step_dir is not None and mgr.wait(timeout=60)
         assert read_manifest(step_dir / "manifest.rank_00000.json").extra["writer_pid"] == writer

@@ -216,8 +216,9 @@ class AsyncSaver:
         if main_thread:  # PDEATHSIG follows the creating *thread*: only safe from the main thread
             cmd.append("--die-with-parent")
         try:
-            self.proc = subprocess.Popen(cmd, pass_fds=[child_fd], env=env, stdin=subprocess.DEVNULL,
-                                         close_fds=True)
+            with writer_guard.blocked_while_spawning():  # until the writer's guard ignores them
+                self.proc = subprocess.Popen(cmd, pass_fds=[child_fd], env=env, stdin=subprocess.DEVNULL,
+                                             close_fds=True)
         finally:
             child_sock.close()
         self.sock, self.writer_used = parent_sock, False
@@ -363,6 +364,7 @@ class AsyncSaver:
         if self.sock is not None:
             self.sock.close()  # this process's copy only: nothing is sent
         self.sock, self.proc, self.inflight, self.free = None, None, [], []
+        self.failed, self.completed, self.writer_used = [], [], False
         self._lock = threading.RLock()
 
     def close(self) -> None:
@@ -373,6 +375,9 @@ class AsyncSaver:
             with self._lock:
                 if self.proc is not None and not self.writer_used:
                     self.proc.kill()  # it wrote nothing, and may still be importing torch: no 30 s wait at a stop
+                    if self.sock is not None:
+                        self.sock.close()  # nothing to send to a dying peer
+                        self.sock = None
                 if self.sock is not None:
                     try:
                         _send(self.sock, ("stop", 0, {}))

@@ -3,14 +3,19 @@
 Armed at import, before the writer imports torch (1-2 s, far longer on loaded cores): the writer starts
 when its manager is built, so a stop that rlsup relays to the job's process group during the trainer's
 restore, or a SIGKILLed trainer, would otherwise find a writer still importing, unguarded. Light on
-purpose (no torch): :mod:`trainer_hooks.async_writer` imports it first.
+purpose (no torch): :mod:`trainer_hooks.async_writer` imports it first. The interpreter's own start-up
+before that import (tens of ms) is covered by :func:`blocked_while_spawning`: the trainer's thread blocks
+these signals around the spawn, the writer inherits the mask, and :func:`guard` ignores then unblocks them
+(a signal that came meanwhile is dropped).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
+from typing import Iterator
 
 WRITER_MODULE = "trainer_hooks.async_writer"
 #: rlsup relays these to the job: the trainer handles them and flushes; the writer keeps writing until told.
@@ -30,15 +35,30 @@ def die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
-def ignore_relayed_signals() -> None:
+def relayed_signals() -> set[int]:
     names = set(IGNORED_SIGNALS)
     preempt = os.environ.get("RLSUP_PREEMPT_SIGNAL")
     if preempt:
         names.add(preempt if preempt.startswith("SIG") else "SIG" + preempt)
-    for name in names:
-        signum = getattr(signal, name, None)
-        if signum is not None:
-            signal.signal(signum, signal.SIG_IGN)
+    return {signum for name in names if (signum := getattr(signal, name, None)) is not None}
+
+
+def ignore_relayed_signals() -> None:
+    signums = relayed_signals()
+    for signum in signums:
+        signal.signal(signum, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, signums)  # blocked by the spawn: pending ones are dropped
+
+
+@contextlib.contextmanager
+def blocked_while_spawning() -> Iterator[None]:
+    """Block the relayed signals in this (the trainer's) thread while the writer is spawned; one sent meanwhile
+    reaches the trainer when the block ends."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, relayed_signals())
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def guard(parent: int, with_parent: bool) -> None:
