@@ -7,7 +7,8 @@ restart crash-loops. So while the job runs, a background pass notices each new c
 ``<checkpoint_dir>/.rlsup-versions/`` (same filesystem; a dot name that globs and "newest file"
 scans skip). Before a restart :meth:`FileVersions.restore` puts the newest complete kept version
 back where the live file is torn (or, see there, missing). A kill at any byte of a save then costs
-one save interval at most.
+one save interval at most, when saves are at least :data:`PASS_INTERVAL_S` apart (a version rewritten
+before a pass saw it whole is missed, and the one before it comes back).
 
 A version is a hard link when that save made a new inode (write to a temp file, then rename: the
 old inode is never written again), else a copy: a link to a file rewritten in place would be torn

@@ -199,6 +199,10 @@ class _BarSteps:
         self.n = n
         return n
 
+    def full(self) -> bool:
+        """The bar reached its total: the training loop is over (what follows is the final save and exit)."""
+        return self.total.isdigit() and self.n >= int(self.total)
+
 
 def _n(m: re.Match[str]) -> int:
     """The printed number: the ``step`` group, else the first group."""
@@ -207,7 +211,7 @@ def _n(m: re.Match[str]) -> int:
 
 def step_reader(pattern: re.Pattern[str]) -> Callable[[re.Match[str]], int | None]:
     """How a match gives the step: the named groups ``epoch`` (with ``step`` and ``total``: Lightning's
-    bar), ``total`` (a bar over the steps), else the step group as printed."""
+    bar), ``total`` (a bar over the steps: a :class:`_BarSteps`' method), else the step group as printed."""
     if "epoch" in pattern.groupindex:
         return _EpochSteps().step
     if "total" in pattern.groupindex:
@@ -224,6 +228,12 @@ class StepTracker:
         self.read = step_reader(pattern)
         self.step = -1  # the highest training step of the attempt
         self.seen: dict[tuple[str, str], int] = {}  # each bar's (or the lines') last n
+
+    def loop_done(self) -> bool:
+        """A bar over the steps (HF's) is full: the trainer is past its training loop, in its final save and
+        exit, which no step interval paces (held to save_timeout, as trainer_hooks' exit section is)."""
+        bar = getattr(self.read, "__self__", None)
+        return isinstance(bar, _BarSteps) and bar.full()
 
     def feed(self, segment: str) -> str | None:
         match = None
@@ -291,8 +301,10 @@ class ProgressRecorder:
     def _write(self) -> None:
         self.seq += 2
         data = bytearray(RECORD_SIZE)
-        RECORD.pack_into(data, 0, self.seq, MAGIC, self.pid, self.last[0], self.last[1], SECTIONS["none"],
-                         self.alive_ns, 0, 0, 0)
+        section, since = SECTIONS["none"], self.alive_ns
+        if self.tracker.loop_done():  # the final save and exit: held to save_timeout from the last sign of life
+            section, since = SECTIONS["exit"], max(self.alive_ns, self.last[1])
+        RECORD.pack_into(data, 0, self.seq, MAGIC, self.pid, self.last[0], self.last[1], section, since, 0, 0, 0)
         struct.pack_into("<4q", data, RECORD.size, self.prev[0], self.prev[1], 0, 0)
         os.pwrite(self.fd, bytes(data), 0)  # one write: the reader's seqlock check never sees half of it
 

@@ -313,6 +313,30 @@ def test_a_redraw_of_the_same_step_is_not_a_heartbeat(tmp_path: Path) -> None:
     assert verdict is not None and verdict.reason == "heartbeat_timeout" and verdict.step == 5
 
 
+def test_a_full_training_bar_holds_the_final_save_and_exit_to_save_timeout(tmp_path: Path) -> None:
+    """Seen in CI: TRL finished its 120 steps, saved the model, and its exit took longer than the learned step
+    timeout (3 s there): a false hang killed a finished job. A full bar over the steps is the end of the training
+    loop; the silence after it is held to save_timeout, as trainer_hooks' exit section is. A bar not yet full
+    stays under the learned timeout."""
+    rec = ProgressRecorder(progress_pattern("hf", ""), tmp_path, pid=os.getpid())
+    for n in (8, 9):
+        rec.feed(f" {n * 10}%|████████  | {n}/10 [00:0{n}<00:01,  1.00it/s]")
+    running = read_record(rec.path)
+    assert running.section == "none"
+    detector = HangDetector(tmp_path, startup_timeout=600, save_timeout=600, explicit_timeout=3,
+                            auto=AutoTimeout(5, 1, 600, 5))
+    verdict = detector.check(now_ns=running.beat_ns + 4 * 10**9)
+    assert verdict is not None and verdict.reason == "heartbeat_timeout", verdict
+    rec.feed("100%|██████████| 10/10 [00:10<00:00,  1.00it/s]")
+    done = read_record(rec.path)
+    assert done.step == 10 and done.section == "exit" and done.section_ns == done.beat_ns
+    detector = HangDetector(tmp_path, startup_timeout=600, save_timeout=600, explicit_timeout=3,
+                            auto=AutoTimeout(5, 1, 600, 5))
+    assert detector.check(now_ns=done.beat_ns + 60 * 10**9) is None
+    verdict = detector.check(now_ns=done.beat_ns + 601 * 10**9)
+    assert verdict is not None and verdict.reason == "save_timeout", verdict
+
+
 def test_a_step_going_back_is_not_the_step(tmp_path: Path) -> None:
     """A lower step (another loop's line, a launcher restarting the trainer inside the attempt) neither
     replaces the highest step (what rlsup status, metrics and incidents show) nor beats; steps redone
