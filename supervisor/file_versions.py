@@ -7,8 +7,8 @@ restart crash-loops. So while the job runs, a background pass notices each new c
 ``<checkpoint_dir>/.rlsup-versions/`` (same filesystem; a dot name that globs and "newest file"
 scans skip). Before a restart :meth:`FileVersions.restore` puts the newest complete kept version
 back where the live file is torn (or, see there, missing). A kill at any byte of a save then costs
-one save interval at most, when saves are at least :data:`PASS_INTERVAL_S` apart (a version rewritten
-before a pass saw it whole is missed, and the one before it comes back).
+one save interval at most: the pass runs when a save closes the file (watchdog, inotify on Linux), and
+every :data:`PASS_INTERVAL_S` for what an event can miss.
 
 A version is a hard link when that save made a new inode (write to a temp file, then rename: the
 old inode is never written again), else a copy: a link to a file rewritten in place would be torn
@@ -116,7 +116,20 @@ class FileVersions:
     # ------------------------------------------------------------ keeping
 
     def start(self) -> None:
-        self._loop.start(PASS_INTERVAL_S)
+        """The pass every :data:`PASS_INTERVAL_S`, and at once when a tracked file is closed after a write or
+        renamed into place (watchdog): a trainer that saves more often than a pass runs still has each version
+        kept before it rewrites the file. A directory that does not exist yet is only polled."""
+        watch = self.root if self.root.is_dir() else None
+        self._loop.start(PASS_INTERVAL_S, watch=watch, wakes_on=self._a_save_ended)
+
+    def _a_save_ended(self, path: str, kind: str) -> bool:
+        if kind not in ("closed", "moved", "created"):
+            return False
+        try:
+            rel = os.path.relpath(path, self.root)
+        except ValueError:
+            return False
+        return single_file.matches(rel, self.settings.pattern)
 
     def stop(self) -> None:
         self._loop.stop(timeout=30.0)

@@ -77,6 +77,31 @@ def test_in_place_rewrites_are_copied_and_a_torn_file_gets_the_newest_back(tmp_p
     assert versions.restore() == []  # a complete file is never touched
 
 
+def test_each_save_wakes_the_pass_so_saves_faster_than_it_are_all_kept(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Seen in CI: PyKEEN saved every ~0.45 s, the pass ran every 0.5 s, and under load an epoch was rewritten
+    before a pass saw it whole: a kill then cost two epochs. A save closing the file wakes the pass (real
+    inotify), so every version is kept before the next save; the timer (an hour here) plays no part."""
+    from supervisor import file_versions
+    from support.waits import wait_for
+
+    monkeypatch.setattr(file_versions, "PASS_INTERVAL_S", 3600.0)
+    live = tmp_path / "ckpt.pt"
+    live.write_bytes(b"")
+    versions = _versions(tmp_path, keep=2)
+    versions.start()
+    try:
+        for seed in (1, 2, 3, 4):
+            with open(live, "wb") as f:  # in place, as torch.save over the old file
+                torch.save(_state(seed), f)
+            want = live.read_bytes()
+            wait_for(lambda: any(v.path.read_bytes() == want for v in versions.versions(live)), 30,
+                     f"version {seed} kept")
+    finally:
+        versions.stop()
+    assert versions.kept == 4
+
+
 def test_a_missing_file_is_put_back_and_a_writer_of_new_inodes_is_linked(tmp_path: Path) -> None:
     live = tmp_path / "ckpt.pt"
     versions = _versions(tmp_path, keep=3)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import threading
 from pathlib import Path
+from typing import Callable
 
 from watchdog.events import (DirCreatedEvent, DirDeletedEvent, DirMovedEvent, FileClosedEvent, FileCreatedEvent,
                              FileDeletedEvent, FileMovedEvent, FileSystemEvent, FileSystemEventHandler)
@@ -33,27 +34,35 @@ WAKING_EVENTS = [FileCreatedEvent, FileClosedEvent, FileMovedEvent, FileDeletedE
                  DirDeletedEvent]
 
 
-class _ManifestHandler(FileSystemEventHandler):
-    """Set ``wake`` when a manifest is created or renamed into place, or anything is deleted."""
+def manifest_or_deletion(path: str, kind: str) -> bool:
+    """The tiers' rule: a manifest created, closed or renamed into place, or anything deleted."""
+    return bool(MANIFEST_RE.match(os.path.basename(path))) or kind == "deleted"
 
-    def __init__(self, wake: threading.Event) -> None:
+
+class _ManifestHandler(FileSystemEventHandler):
+    """Set ``wake`` when ``wakes_on(path, event_type)`` says so (the path is the destination of a move)."""
+
+    def __init__(self, wake: threading.Event, wakes_on: Callable[[str, str], bool]) -> None:
         self.wake = wake
+        self.wakes_on = wakes_on
         self.events = 0  # every event handed to it (what the filter lets through costs this much Python)
 
     def on_any_event(self, event: FileSystemEvent) -> None:
         self.events += 1
         path = getattr(event, "dest_path", "") or event.src_path
-        if MANIFEST_RE.match(os.path.basename(str(path))) or event.event_type == "deleted":
+        if self.wakes_on(str(path), event.event_type):
             self.wake.set()
 
 
 class ManifestWatch:
-    """Watch ``directory`` (recursively) and set ``wake`` on manifest events, between start and stop."""
+    """Watch ``directory`` (recursively) and set ``wake`` on manifest events (or those ``wakes_on`` names),
+    between start and stop."""
 
-    def __init__(self, directory: str | os.PathLike, wake: threading.Event) -> None:
+    def __init__(self, directory: str | os.PathLike, wake: threading.Event,
+                 wakes_on: Callable[[str, str], bool] = manifest_or_deletion) -> None:
         self.directory = Path(directory)
         self.wake = wake
-        self.handler = _ManifestHandler(wake)
+        self.handler = _ManifestHandler(wake, wakes_on)
         self._observer: Observer | None = None
 
     def start(self) -> None:

@@ -43,13 +43,15 @@ class PollLoop:
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def start(self, interval: float, watch: str | os.PathLike | None = None) -> None:
-        """Start the thread (no-op while it runs); ``watch``: a directory whose new manifests wake it."""
+    def start(self, interval: float, watch: str | os.PathLike | None = None,
+              wakes_on: Callable[[str, str], bool] | None = None) -> None:
+        """Start the thread (no-op while it runs); ``watch``: a directory whose new manifests (or the events
+        ``wakes_on(path, event_type)`` names) wake it."""
         if self.running():
             return
         self._stop.clear()
         if watch is not None:
-            self._watch = ManifestWatch(watch, self.wake)
+            self._watch = ManifestWatch(watch, self.wake, wakes_on) if wakes_on else ManifestWatch(watch, self.wake)
             self._watch.start()
         self._thread = threading.Thread(target=self._loop, args=(interval,), name=self.name, daemon=True)
         self._thread.start()
