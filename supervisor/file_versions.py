@@ -120,7 +120,14 @@ class FileVersions:
         renamed into place (watchdog): a trainer that saves more often than a pass runs still has each version
         kept before it rewrites the file. A directory that does not exist yet is only polled."""
         watch = self.root if self.root.is_dir() else None
-        self._loop.start(PASS_INTERVAL_S, watch=watch, wakes_on=self._a_save_ended)
+        pattern = self.settings.pattern  # no pattern: top-level files only, so no watch on subdirectories
+        try:
+            self._loop.start(PASS_INTERVAL_S, watch=watch, wakes_on=self._a_save_ended,
+                             recursive="/" in pattern or "**" in pattern)
+        except OSError as e:  # no inotify instance or watch left (fs.inotify limits): the timer alone
+            log.warning("single-file checkpoints in %s: not watched (%s); versions are kept every %gs", self.root,
+                        e, PASS_INTERVAL_S)
+            self._loop.start(PASS_INTERVAL_S)
 
     def _a_save_ended(self, path: str, kind: str) -> bool:
         if kind not in ("closed", "moved", "created"):

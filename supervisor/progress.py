@@ -226,14 +226,27 @@ class StepTracker:
     def __init__(self, pattern: re.Pattern[str]) -> None:
         self.pattern = pattern
         self.read = step_reader(pattern)
+        bar = getattr(self.read, "__self__", None)
+        self.bar = bar if isinstance(bar, _BarSteps) else None  # a bar over the steps: its end is the loop's
+        self.loop_total = ""  # the total of the training bar once it was full; "" while the loop runs
         self.step = -1  # the highest training step of the attempt
         self.seen: dict[tuple[str, str], int] = {}  # each bar's (or the lines') last n
 
     def loop_done(self) -> bool:
-        """A bar over the steps (HF's) is full: the trainer is past its training loop, in its final save and
-        exit, which no step interval paces (held to save_timeout, as trainer_hooks' exit section is)."""
-        bar = getattr(self.read, "__self__", None)
-        return isinstance(bar, _BarSteps) and bar.full()
+        """A bar over the steps (HF's) was full: the trainer is past its training loop, in its final save and
+        exit, which no step interval paces (held to save_timeout, as trainer_hooks' exit section is). A later
+        bar of another total (an evaluation) does not end that; the same bar restarting lower (another
+        ``train()``) does."""
+        return bool(self.loop_total)
+
+    def _follow_loop_end(self) -> None:
+        bar = self.bar
+        if bar is None:
+            return
+        if bar.full():
+            self.loop_total = bar.total
+        elif bar.total == self.loop_total:
+            self.loop_total = ""
 
     def feed(self, segment: str) -> str | None:
         match = None
@@ -246,6 +259,7 @@ class StepTracker:
                 step = self.read(match)
             except (TypeError, ValueError, IndexError):
                 step = None
+            self._follow_loop_end()
         if bar is not None:
             moved = self._moved(((bar["desc"] or "").strip(), bar["total"]), int(bar["n"]))
         else:

@@ -330,11 +330,20 @@ def test_a_full_training_bar_holds_the_final_save_and_exit_to_save_timeout(tmp_p
     rec.feed("100%|██████████| 10/10 [00:10<00:00,  1.00it/s]")
     done = read_record(rec.path)
     assert done.step == 10 and done.section == "exit" and done.section_ns == done.beat_ns
+    rec.feed("  0%|          | 0/4 [00:00<?, ?it/s]")  # the final evaluation's bar, read before its escape
+    rec.feed(" 25%|██▌       | 1/4 [00:00<00:01,  2.00it/s]")
+    assert read_record(rec.path).section == "exit", "an evaluation after the last step ended the exit hold"
     detector = HangDetector(tmp_path, startup_timeout=600, save_timeout=600, explicit_timeout=3,
                             auto=AutoTimeout(5, 1, 600, 5))
     assert detector.check(now_ns=done.beat_ns + 60 * 10**9) is None
     verdict = detector.check(now_ns=done.beat_ns + 601 * 10**9)
     assert verdict is not None and verdict.reason == "save_timeout", verdict
+    (tmp_path / "again").mkdir()
+    again = ProgressRecorder(progress_pattern("hf", ""), tmp_path / "again", pid=os.getpid())
+    for line in ("100%|██████████| 10/10 [00:10<00:00,  1.00it/s]", "  0%|          | 0/10 [00:00<?, ?it/s]",
+                 " 10%|█         | 1/10 [00:01<00:09,  1.00it/s]"):  # another train() call: the same bar again
+        again.feed(line)
+    assert read_record(again.path).section == "none"
 
 
 def test_a_step_going_back_is_not_the_step(tmp_path: Path) -> None:

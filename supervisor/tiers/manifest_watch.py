@@ -59,18 +59,19 @@ class ManifestWatch:
     between start and stop."""
 
     def __init__(self, directory: str | os.PathLike, wake: threading.Event,
-                 wakes_on: Callable[[str, str], bool] = manifest_or_deletion) -> None:
+                 wakes_on: Callable[[str, str], bool] = manifest_or_deletion, recursive: bool = True) -> None:
         self.directory = Path(directory)
         self.wake = wake
         self.handler = _ManifestHandler(wake, wakes_on)
+        self.recursive = recursive
         self._observer: Observer | None = None
 
     def start(self) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)
-        self._observer = Observer()
-        self._observer.schedule(self.handler, str(self.directory), recursive=True,
-                                event_filter=WAKING_EVENTS)
-        self._observer.start()
+        observer = Observer()
+        observer.schedule(self.handler, str(self.directory), recursive=self.recursive, event_filter=WAKING_EVENTS)
+        observer.start()  # held only once started: a start that failed (inotify limits) leaves nothing to stop
+        self._observer = observer
 
     def stop(self) -> None:
         if self._observer is not None:

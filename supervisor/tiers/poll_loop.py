@@ -44,15 +44,19 @@ class PollLoop:
         return self._thread is not None and self._thread.is_alive()
 
     def start(self, interval: float, watch: str | os.PathLike | None = None,
-              wakes_on: Callable[[str, str], bool] | None = None) -> None:
+              wakes_on: Callable[[str, str], bool] | None = None, recursive: bool = True) -> None:
         """Start the thread (no-op while it runs); ``watch``: a directory whose new manifests (or the events
-        ``wakes_on(path, event_type)`` names) wake it."""
+        ``wakes_on(path, event_type)`` names) wake it. A watch that cannot start raises, and nothing started."""
         if self.running():
             return
         self._stop.clear()
         if watch is not None:
-            self._watch = ManifestWatch(watch, self.wake, wakes_on) if wakes_on else ManifestWatch(watch, self.wake)
-            self._watch.start()
+            if wakes_on is None:
+                found = ManifestWatch(watch, self.wake, recursive=recursive)
+            else:
+                found = ManifestWatch(watch, self.wake, wakes_on, recursive)
+            found.start()
+            self._watch = found
         self._thread = threading.Thread(target=self._loop, args=(interval,), name=self.name, daemon=True)
         self._thread.start()
         threading.Thread(target=self._watchdog, args=(self._thread,), name=f"{self.name}-watchdog", daemon=True).start()
