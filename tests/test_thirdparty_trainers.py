@@ -279,7 +279,7 @@ def _check_hf_run(job: Supervised, rc: int, reference: Path) -> None:
     assert len(job.kills) >= 3, report
     torn = [k for k in job.kills if k["steps_after"] and not k["steps_after"][-1][1]]
     assert torn, f"no kill left a torn newest checkpoint-N\n{report}"
-    recs = incidents(job.state_dir)
+    recs = [r for r in incidents(job.state_dir) if not _exit_abort_after_training(job, r)]
     assert len(recs) == len(job.kills), report
     for k, rec in zip(job.kills, recs):  # each restart: the newest checkpoint that was complete at the kill
         assert rec["action"] == "restart", report
@@ -296,7 +296,8 @@ def _check_hf_run(job: Supervised, rc: int, reference: Path) -> None:
     assert ref.keys() == got.keys()
     assert not [k for k in ref if not torch.equal(ref[k], got[k])], f"final weights differ\n{report}"
     state = job.status_json()["job"]
-    assert state.get("last_step") == SFT_MAX_STEPS, (state, report)  # the trainer's step, not a save bar's
+    if not any(_exit_abort_after_training(job, r) for r in incidents(job.state_dir)):  # else no step after it
+        assert state.get("last_step") == SFT_MAX_STEPS, (state, report)  # the trainer's step, not a save bar's
 
 
 def _reference(work: Path, launch: list[str]) -> subprocess.Popen:
@@ -377,6 +378,13 @@ HANG_RLSUP = ["--auto-timeout-floor", "3", "--auto-timeout-min-intervals", "5", 
 
 
 @pytest.mark.timeout(600)
+def _exit_abort_after_training(job: Supervised, rec: dict) -> bool:
+    """Seen in CI, several times: TRL's script never destroys its process group, and after training and the model's
+    save a rank aborts in interpreter exit (gloo's threads meet finalization, pytorch/pytorch#179291: "terminate
+    called without an active exception"); rlsup restarts from the final checkpoint, as it should. Not the tests'."""
+    return rec.get("signal") == "SIGABRT" and "Model saved" in job.attempt_log(rec["attempt"])
+
+
 def test_trl_sft_torchrun_sigstopped_rank_is_a_hang_with_stacks(tmp_path: Path) -> None:
     """A SIGSTOPped rank of the 2-rank run (progress from HF's own bar, ``--progress hf``) is caught as a hang
     within the learned timeout plus one step, with the stopped rank's stacks in the incident; the run then
@@ -426,9 +434,12 @@ def test_trl_sft_torchrun_sigstopped_rank_is_a_hang_with_stacks(tmp_path: Path) 
     assert "Trainer" in victim_stack or "sft" in victim_stack, victim_stack  # its Python frames, read while stopped
     assert 2 * HANG_SAVE_STEPS <= (hang.get("last_step") or -1) < HANG_MAX_STEPS, (hang, report)
     assert hang.get("resumed_step") == 2 * HANG_SAVE_STEPS or (hang.get("resumed_step") or 0) > 2 * HANG_SAVE_STEPS, hang
-    assert job.status_json()["job"].get("last_step") == HANG_MAX_STEPS, report
     offline = job.incidents_json()
-    assert [i.get("last_step") for i in offline["incidents"]] == [hang.get("last_step")], offline
+    aborts = [i for i in offline["incidents"] if _exit_abort_after_training(job, i)]
+    assert all(i.get("resumed_step") == HANG_MAX_STEPS for i in aborts), (aborts, report)
+    if not aborts:  # after such a restart the resumed attempt trains no step: its status shows none
+        assert job.status_json()["job"].get("last_step") == HANG_MAX_STEPS, report
+    assert [i.get("last_step") for i in offline["incidents"] if i not in aborts] == [hang.get("last_step")], offline
     print(f"hang caught after {silent:.2f}s of silence (learned timeout {learned:.2f}s), incident written "
           f"{hang['time'] - stopped:.2f}s after SIGSTOP; "
           f"last step {hang.get('last_step')}, resumed {hang.get('resumed_step')}")
@@ -529,9 +540,6 @@ def test_readme_trainer_line_runs_as_written(tmp_path: Path, key: str) -> None:
     # it resumed from the checkpoint that existed, not from scratch (a single file names no step: path only)
     assert recs[0].get("resumed_from") and (recs[0].get("resumed_step") or key == "train.py"), report
     assert last_line in job.attempt_log(1), report
-    # Seen once in CI: TRL's script never destroys its process group, and a rank aborted in interpreter exit
-    # after training completed and the model was saved (gloo's threads, pytorch/pytorch#179291); rlsup restarted
-    # from the final checkpoint, as it should. Only that may follow the kill's incident, only for TRL.
-    for rec in recs[1:]:
-        assert key == "trl.scripts.sft" and rec["action"] == "restart" and rec.get("signal") == "SIGABRT", report
-        assert "Model saved" in job.attempt_log(rec["attempt"]) and rec.get("resumed_step") == 20, report
+    for rec in recs[1:]:  # only TRL's abort at exit, after its last step (see _exit_abort_after_training)
+        assert key == "trl.scripts.sft" and _exit_abort_after_training(job, rec), report
+        assert rec["action"] == "restart" and rec.get("resumed_step") == 20, report
