@@ -21,7 +21,7 @@ from supervisor.hang_detector import AutoTimeout, HangDetector, HangSettings, Ha
 from supervisor.lifecycle import EndReason, JobStatus
 from supervisor.observer import Observer
 from supervisor.process_tree import JobProcess, ProcessLayer
-from supervisor.progress import registered_ranks
+from supervisor.progress import JOB_RANK, registered_ranks
 from supervisor.rank_deaths import RankDeathWatch
 from supervisor.run_record import RunRecord
 from supervisor.run_settings import RunSettings
@@ -60,9 +60,20 @@ class AttemptWatch:
             return self._poll(job, hb_dir, attempt, deaths)
         finally:
             deaths.close()
+            self.auto_timeout.persist(force=True)  # what this attempt taught, for the next rlsup too
+
+    def start_step(self) -> int | None:
+        """The step the attempt starts from, as the hang detector's first-step rule needs it: the resumed step,
+        0 for a fresh start, None where rlsup does not know (resume off: the trainer picks; a checkpoint
+        that names no step)."""
+        state = self.record.state
+        if not self.settings.resume:
+            return None
+        return 0 if state.resume_dir is None else state.resume_step
 
     def _poll(self, job: JobProcess, hb_dir: Path, attempt: int, deaths: RankDeathWatch) -> AttemptResult:
-        detector = HangDetector.from_settings(hb_dir, self.hang, self.auto_timeout, self.processes.alive)
+        detector = HangDetector.from_settings(hb_dir, self.hang, self.auto_timeout, self.processes.alive,
+                                              self.start_step())
         stragglers = self._straggler_watch(attempt)
         oom_before = self.processes.oom_kill_count()
         started = time.monotonic()  # the kernel's GPU errors from here on are this attempt's
@@ -90,9 +101,11 @@ class AttemptWatch:
                                      output_tail=job.output.tail())
             job.refresh()
             verdict = detector.check()
-            self.observer.heartbeats(detector.records, detector.timeout())
-            if self.record.heartbeats(detector.timeout(), step := detector.last_step()):
-                self.sight.step_seen(step)
+            timeout, origin = detector.timeout(), detector.origin()
+            self.observer.heartbeats(detector.records, timeout)
+            self.observer.heartbeat_timeout(origin)
+            self.record.heartbeats(timeout, detector.last_step(), origin)
+            self.auto_timeout.persist()
             if verdict is not None:
                 return self._hang(attempt, job, detector, verdict)
             slow = stragglers.poll(detector.records)
@@ -138,7 +151,9 @@ class AttemptWatch:
 
     def _hang(self, attempt: int, job: JobProcess, detector: HangDetector, verdict: HangVerdict) -> AttemptResult:
         reason = EndReason.HANG if verdict.reason == "heartbeat_timeout" else EndReason(verdict.reason)
-        who = f"rank {verdict.rank} (pid {verdict.pid})" if verdict.rank is not None else "no rank"
+        # The output's record (JOB_RANK) names the job's root, a launcher: the stuck trainer is named from its stacks
+        who = "the job's output" if verdict.rank == JOB_RANK else f"rank {verdict.rank} (pid {verdict.pid})" \
+            if verdict.rank is not None else "no rank"
         detail = f"{who} silent for {verdict.silent_s:.2f}s > {verdict.reason} {verdict.timeout_s:.2f}s"
         log.info(f"attempt {attempt}: hang detected: {detail}; dumping stacks")
         flight = self._flight_recorder(detector)  # first: py-spy pauses ranks; its analysis runs meanwhile

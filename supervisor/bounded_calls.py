@@ -5,11 +5,22 @@ back. The run loop polls heartbeats and detects hangs; it must never be that thr
 daemon thread given a deadline: past it the caller goes on with a default answer and the call is named once;
 while it is still blocked, later calls are not started beside it (one stuck thread per store, not one per
 poll). A thread blocked in the kernel cannot be joined or killed: it is left, and ends when the mount answers.
+
+Such a thread holds more than itself: once rlsup exits, a thread of its own asleep in a FUSE (or Lustre) request
+turns to state D and the kernel does not let the process end, nor its parent see the exit, until the mount
+answers (SLURM's step never ends, the exit 77 that would requeue the job elsewhere never arrives). So what touches
+the job's directories from a loop of rlsup's own runs in a child forked for the call (:func:`run_forked`;
+``BoundedCalls(forked=True)``): the thread waits on a pipe, and a child stuck in the mount is left behind,
+named by :func:`left_behind` when rlsup exits.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import pickle
+import signal
+import struct
 import threading
 import time
 from typing import Callable, TypeVar
@@ -21,9 +32,11 @@ T = TypeVar("T")
 class BoundedCalls:
     """Calls named ``what`` (e.g. "reading the checkpoint directory /ckpt"), each given ``deadline_s``."""
 
-    def __init__(self, what: str, deadline_s: float, prepare: Callable[[], object] | None = None) -> None:
+    def __init__(self, what: str, deadline_s: float, prepare: Callable[[], object] | None = None,
+                 forked: bool = False) -> None:
         self.what, self.deadline_s = what, deadline_s
         self.prepare = prepare  # run first in each call's thread (e.g. a private descriptor table)
+        self.forked = forked  # each call in a child of its own (:func:`run_forked`): its value must pickle
         self.blocked_since: float | None = None  # a call that outlived its deadline and has not returned yet
         self.timeouts = 0
         self._lock = threading.Lock()
@@ -45,7 +58,7 @@ class BoundedCalls:
             try:
                 if self.prepare is not None:
                     self.prepare()
-                box.append((True, fn()))
+                box.append((True, run_forked(fn, self.what) if self.forked else fn()))
             except BaseException as e:  # noqa: BLE001 - handed to the caller below
                 box.append((False, e))
             finally:
@@ -84,3 +97,218 @@ class BoundedCalls:
             elif time.monotonic() - since >= self.deadline_s:
                 return False
         return True
+
+
+# ------------------------------------------------------------------ calls in a forked child
+
+#: Children forked by :func:`run_forked` that have not been reaped: pid -> (label, what it does now). Not part of
+#: any job (:meth:`supervisor.process_tree.JobProcess._orphans` leaves them out); named at exit when left behind.
+_children: dict[int, list[str]] = {}
+_children_lock = threading.Lock()
+_child_out: int | None = None  # in a forked child: the pipe to the parent (notes, log records, the result)
+
+
+class ChildCallFailed(OSError):
+    """The forked call raised (its type and message), or its child ended without an answer."""
+
+
+def note(text: str) -> None:
+    """What a call running in a forked child does now (e.g. "copying step 4 rank 0"), for the parent's stall line
+    and, at exit, its list of what it left; nothing outside a child."""
+    if _child_out is not None:
+        try:
+            _send(_child_out, ("note", text))
+        except OSError:
+            pass  # a thread of the child's with a table of its own (supervisor.tiers.private_files): unsaid
+
+
+def forked_child() -> bool:
+    """Whether this process is a child of :func:`run_forked` (its changes to objects stay here)."""
+    return _child_out is not None
+
+
+def left_behind() -> list[dict]:
+    """The forked children still there (alive, or dead and not reaped because their exit waits on a mount):
+    ``pid``, ``label``, ``doing``, ``state`` (/proc's letter), ``wchan``."""
+    out = []
+    with _children_lock:
+        for pid, (label, doing) in list(_children.items()):
+            if _reaped(pid):
+                _children.pop(pid, None)
+                continue
+            state, wchan = _proc_state(pid)
+            out.append({"pid": pid, "label": label, "doing": doing, "state": state, "wchan": wchan})
+    return out
+
+
+def child_pids() -> set[int]:
+    with _children_lock:
+        return set(_children)
+
+
+def run_forked(fn: Callable[[], T], label: str, owner: object = None, keep: tuple[str, ...] = (),
+               on_note: Callable[[str], None] | None = None) -> T:
+    """``fn()`` in a child forked from the calling thread; its value (pickled) returned, its exception raised as
+    :class:`ChildCallFailed`. Why: a thread of rlsup's own blocked on a hung FUSE (or Lustre) mount sleeps in
+    state D once the process exits, and the kernel does not let the process end, nor its parent (SLURM's step,
+    the batch script) see the exit, until the mount answers; a child blocked there is simply left behind. The
+    calling thread only reads a pipe (never in D): a daemon thread waiting here dies with the process.
+
+    ``keep``: attributes of ``owner`` the call changes, copied back into the parent's ``owner`` once it
+    returned (the child's memory is its own). ``on_note``: what the child says it is doing (:func:`note`).
+    The child's log records are handled by the parent's loggers (one writer, the parent's line context)."""
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: this thread alone; never returns
+        _child_main(fn, read_end, write_end, owner, keep)
+    os.close(write_end)
+    with _children_lock:
+        _children[pid] = [label, ""]
+    answer: tuple | None = None
+    try:
+        with os.fdopen(read_end, "rb") as pipe:
+            while (message := _receive(pipe)) is not None:
+                kind, body = message
+                if kind == "note":
+                    with _children_lock:
+                        if pid in _children:
+                            _children[pid][1] = body
+                    if on_note is not None:
+                        on_note(body)
+                elif kind == "log":
+                    record = logging.makeLogRecord(body)
+                    logging.getLogger(record.name).handle(record)
+                elif kind == "done":
+                    answer = body
+                    break
+    finally:
+        _reap_soon(pid)
+    if answer is None:
+        raise ChildCallFailed(f"{label}: its child (pid {pid}) ended without an answer")
+    ok, value, kept = answer
+    for name, item in kept.items():
+        setattr(owner, name, item)
+    if not ok:
+        raise ChildCallFailed(value)
+    return value
+
+
+def _child_main(fn: Callable[[], object], read_end: int, write_end: int, owner: object,
+                keep: tuple[str, ...]) -> None:
+    global _child_out
+    code = 0
+    try:
+        os.close(read_end)
+        _child_out = write_end
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_DFL)  # a stop of the node ends it; rlsup's own handlers are the parent's
+        try:
+            signal.set_wakeup_fd(-1)  # the parent's wakeup pipe is not this process's
+        except ValueError:
+            pass
+        _close_pipes_and_sockets(keep=write_end)
+        _forward_logs()
+        try:
+            value = fn()
+            answer = (True, value, {name: getattr(owner, name) for name in keep})
+        except BaseException as e:  # noqa: BLE001 - handed to the parent as text
+            answer = (False, f"{type(e).__name__}: {e}", {name: getattr(owner, name) for name in keep})
+        try:
+            _send(write_end, ("done", answer))
+        except (pickle.PicklingError, TypeError, AttributeError) as e:
+            _send(write_end, ("done", (False, f"result not picklable: {e}", {})))
+    except BaseException:  # noqa: BLE001 - a child never returns into the parent's code
+        code = 1
+    finally:
+        os._exit(code)
+
+
+def _close_pipes_and_sockets(keep: int) -> None:
+    """The child's copies of rlsup's pipes and sockets, closed: a child left in a mount must not hold a pipe's end
+    open (its reader would never see EOF) nor a connection. Told apart by /proc's link text, never a stat (an
+    fstat of a file on a hung mount would hang here); regular files stay (a close would flush into the mount)."""
+    try:
+        fds = [int(n) for n in os.listdir("/proc/self/fd")]
+    except OSError:
+        return
+    for fd in fds:
+        if fd <= 2 or fd == keep:
+            continue
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}").startswith(("pipe:", "socket:")):
+                os.close(fd)
+        except OSError:
+            continue  # the listing's own descriptor, gone by now
+
+
+class _Forward(logging.Handler):
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            body = dict(record.__dict__, msg=record.getMessage(), args=None, exc_info=None,
+                        exc_text=self.format(record) if record.exc_info else record.exc_text)
+            body.pop("message", None)
+            _send(_child_out, ("log", body))  # type: ignore[arg-type]
+        except Exception:  # noqa: BLE001 - a log line never fails the call
+            pass
+
+
+def _forward_logs() -> None:
+    """Every logger's records to the parent, none written here (the parent's writer keeps lines whole)."""
+    handler = _Forward()
+    loggers = [logging.getLogger()] + [v for v in logging.Logger.manager.loggerDict.values()
+                                       if isinstance(v, logging.Logger)]
+    for logger in loggers:
+        for h in list(logger.handlers):
+            logger.removeHandler(h)
+    logging.getLogger().addHandler(handler)
+    for logger in loggers:
+        logger.propagate = True  # levels stay: a record is made only where the parent would make it
+
+
+def _send(fd: int, message: tuple) -> None:
+    data = pickle.dumps(message)
+    data = struct.pack("!I", len(data)) + data
+    while data:
+        data = data[os.write(fd, data):]
+
+
+def _receive(pipe) -> tuple | None:
+    head = pipe.read(4)
+    if len(head) < 4:
+        return None
+    size = struct.unpack("!I", head)[0]
+    data = pipe.read(size)
+    if len(data) < size:
+        return None
+    return pickle.loads(data)
+
+
+def _reaped(pid: int) -> bool:
+    """Reap ``pid`` if it has ended; True when it is gone (reaped now, or by someone else)."""
+    try:
+        done, _status = os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        return True
+    return done == pid
+
+
+def _reap_soon(pid: int) -> None:
+    """The child answered (or its pipe closed): reap it within a second, else keep it listed (its exit may wait
+    on a mount: it closes its files on the way out)."""
+    deadline = time.monotonic() + 1.0
+    while time.monotonic() < deadline:
+        if _reaped(pid):
+            with _children_lock:
+                _children.pop(pid, None)
+            return
+        time.sleep(0.005)
+
+
+def _proc_state(pid: int) -> tuple[str, str]:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[-1].split()[0]
+        with open(f"/proc/{pid}/wchan") as f:
+            return state, f.read().strip()
+    except (OSError, IndexError):
+        return "", ""

@@ -1,7 +1,9 @@
 """``rlsup checkpoints list|latest|verify``: the layout catalogue on the command line.
 
 ``latest`` prints the chosen path on the last line of stdout so scripts can take ``| tail -n1``;
-everything diagnostic goes to stderr.
+everything diagnostic goes to stderr. Single-file checkpoints (``--layout single-file --file GLOB``, or
+found by ``auto`` as ``rlsup run`` finds them) are read by the code ``rlsup run`` resumes with
+(:mod:`supervisor.layouts.single_file`).
 """
 
 from __future__ import annotations
@@ -12,8 +14,9 @@ import sys
 from pathlib import Path
 
 from supervisor import layouts
+from supervisor.layouts import single_file
 
-LAYOUT_CHOICES = ("auto", *layouts.LAYOUT_NAMES)
+LAYOUT_CHOICES = ("auto", *layouts.LAYOUT_NAMES, single_file.NAME)
 
 
 def _human(n: int) -> str:
@@ -27,13 +30,33 @@ def _human(n: int) -> str:
 
 def _line(r: layouts.CheckpointRecord) -> str:
     state = "valid" if r.valid else f"INVALID: {r.reason}"
-    return f"{r.step:>10}  {r.layout:<12} {_human(r.size_bytes):>10}  {r.path}  {state}"
+    step = "-" if r.step < 0 else str(r.step)  # a single file whose name holds no number
+    return f"{step:>10}  {r.layout:<12} {_human(r.size_bytes):>10}  {r.path}  {state}"
+
+
+def single_file_pattern(root: Path, layout: str, pattern: str | None) -> str | None:
+    """The ``--file`` pattern ("" for the default files) when ``root`` is read as single-file checkpoints,
+    as ``rlsup run`` reads it (``single-file``, or ``auto`` while no layout recognises it); None: a layout's
+    steps. ValueError for ``--file`` beside another layout."""
+    if layout == single_file.NAME or (layout == "auto" and layouts.detect_layout(root) == "unknown"):
+        return pattern or ""
+    if pattern:
+        raise ValueError(f"--file names single-file checkpoints, but {root} is read as layout "
+                         f"{layouts.detect_layout(root) if layout == 'auto' else layout} (pass --layout single-file)")
+    return None
+
+
+def _not_found(root: Path) -> str:
+    return (f"no checkpoints recognised in {root} (tried the layouts {', '.join(layouts.LAYOUT_NAMES)} and single "
+            f"files: top-level {', '.join('*' + s for s in single_file.SUFFIXES)}, or one per step directory; "
+            "name other files with --file GLOB)")
 
 
 def cmd_list(args: argparse.Namespace) -> int:
     root = Path(args.dir)
     try:
-        records = layouts.scan(root, args.layout)
+        pattern = single_file_pattern(root, args.layout, args.file)
+        records = layouts.scan(root, args.layout) if pattern is None else single_file.scan(root, pattern)
     except ValueError as exc:
         print(f"rlsup checkpoints: {exc}", file=sys.stderr)
         return 2
@@ -44,7 +67,7 @@ def cmd_list(args: argparse.Namespace) -> int:
 
     moved = quarantined(root)
     if not records and not moved:
-        print(f"no checkpoints recognised in {root} (layout: {layouts.detect_layout(root)})", file=sys.stderr)
+        print(_not_found(root), file=sys.stderr)
         return 0
     for r in records:
         print(_line(r))
@@ -56,6 +79,13 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 def cmd_latest(args: argparse.Namespace) -> int:
     root = Path(args.dir)
+    try:
+        pattern = single_file_pattern(root, args.layout, args.file)
+    except ValueError as exc:
+        print(f"rlsup checkpoints: {exc}", file=sys.stderr)
+        return 2
+    if pattern is not None:
+        return _latest_single_file(root, pattern)
     try:
         record = layouts.latest_valid(root, args.layout)
     except ValueError as exc:
@@ -80,8 +110,24 @@ def cmd_latest(args: argparse.Namespace) -> int:
     return 0
 
 
+def _latest_single_file(root: Path, pattern: str) -> int:
+    """The newest complete single file (what ``rlsup run`` resumes from); newer torn ones named on stderr."""
+    for torn in single_file.torn_newest(root, pattern):
+        print(f"newer but torn: {torn.path} ({torn.reason})", file=sys.stderr)
+    record = single_file.latest_valid(root, pattern)
+    if record is None:
+        found = single_file.checkpoint_files(root, pattern)
+        print(f"no valid checkpoint in {root}" if found else _not_found(root), file=sys.stderr)
+        return 1
+    print(str(record.path))
+    return 0
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
     record = layouts.verify_path(args.path)
+    path = Path(args.path)
+    if record.layout == "unknown" and path.is_file() and not path.is_symlink():  # a single-file checkpoint
+        record = single_file.record_of(path.parent, path)
     for note in record.notes:
         print(f"note: {note}", file=sys.stderr)
     if record.valid:
@@ -91,6 +137,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 1
 
 
+FILE_HELP = ("single-file checkpoints: the file(s), a name or glob relative to DIR (rlsup run's --checkpoint-file; "
+             "default: top-level *.pt/*.pth/*.ckpt/*.safetensors, else one per step directory)")
+
+
 def _add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="checkpoints_cmd", metavar="{list,latest,verify}")
     sub.required = True
@@ -98,11 +148,13 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("dir")
     p.add_argument("--layout", default="auto", choices=LAYOUT_CHOICES)
     p.add_argument("--json", action="store_true", help="machine-readable records")
+    p.add_argument("--file", default="", metavar="GLOB", help=FILE_HELP)
     p.set_defaults(func=cmd_list)
     p = sub.add_parser("latest", help="print the newest valid step's path (last stdout line); exit 1 if none")
     p.add_argument("dir")
     p.add_argument("--layout", default="auto", choices=LAYOUT_CHOICES)
     p.add_argument("--repair-tracker", action="store_true", help="point a lying tracker at the newest valid step")
+    p.add_argument("--file", default="", metavar="GLOB", help=FILE_HELP)
     p.set_defaults(func=cmd_latest)
     p = sub.add_parser("verify", help="exit 0 only when PATH is a valid checkpoint step")
     p.add_argument("path")
@@ -111,7 +163,7 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add ``checkpoints`` to the main ``rlsup`` parser."""
-    parser = subparsers.add_parser("checkpoints", help="list, pick and verify checkpoints of verl/Megatron/AReaL/DCP/rlsup")
+    parser = subparsers.add_parser("checkpoints", help="list, pick and verify checkpoints (every layout rlsup run reads, single files included)")
     _add_arguments(parser)
     return parser
 

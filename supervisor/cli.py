@@ -65,10 +65,63 @@ def cmd_run(args: argparse.Namespace, command: list[str]) -> int:
     try:
         observer = start_metrics(cfg)
         if membership is None:
-            return Supervisor(cfg, command, observer=observer, job=job).run().exit_code
-        return _run_multinode(cfg, command, membership, job, observer)
+            code = Supervisor(cfg, command, observer=observer, job=job).run().exit_code
+        else:
+            code = _run_multinode(cfg, command, membership, job, observer)
     finally:
         lock.release()
+    _say_what_is_left(Path(cfg.state_dir), code)
+    return code
+
+
+#: What ``rlsup run`` left behind as it decided to exit (supervisor.unkillable.left_at_exit), for :func:`_end_run`.
+_left: list[dict] = []
+#: Once ``rlsup run`` has decided, its process is gone within this many seconds whatever its threads, atexit
+#: handlers or executors wait on (they are abandoned; the exit code stays the decided one).
+EXIT_DEADLINE_S = 5.0
+
+
+def _say_what_is_left(state_dir: Path, code: int) -> None:
+    """Name (and record) what the run leaves: unkillable ranks, rlsup's forked calls stuck in a mount."""
+    from supervisor.bounded_calls import left_behind
+    from supervisor.unkillable import left_at_exit
+
+    left = left_at_exit(state_dir, code, left_behind(), log.warning)
+    if left is not None:
+        _left.append(left)
+
+
+def _end_run(code: int) -> None:
+    """``rlsup run`` as a program has decided ``code``: its process ends now when it leaves something behind
+    (its output flushed first), else within :data:`EXIT_DEADLINE_S` of the interpreter's own exit (which joins
+    non-daemon threads and executors and runs atexit handlers: any of them may wait on a hung mount). Either
+    way the code reaches the caller (SLURM's step, the batch script), which a process held would never do."""
+    import threading
+
+    def now() -> None:
+        for handler in {h for name in ("", "supervisor", "rlsup") for h in logging.getLogger(name).handlers}:
+            try:
+                handler.flush()
+            except Exception:  # noqa: BLE001 - nothing may stop the exit
+                pass
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(code)
+
+    if _left:
+        now()
+    stuck = [t.name for t in threading.enumerate() if t is not threading.current_thread() and not t.daemon]
+
+    def deadline() -> None:
+        time.sleep(EXIT_DEADLINE_S)
+        log.warning("exit %d: rlsup's exit waited %gs (threads %s, atexit handlers): not waiting any longer", code,
+                    EXIT_DEADLINE_S, ", ".join(stuck) or "none")
+        now()
+
+    threading.Thread(target=deadline, name="rlsup-exit-deadline", daemon=True).start()
 
 
 def _run_multinode(cfg: SupervisorConfig, command: list[str], membership: Membership, job: "JobIdentity",
@@ -246,7 +299,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     if state.get("last_step") is not None:
         print(f"last step: {state['last_step']}")
     if state.get("heartbeat_timeout_s") is not None:
-        print(f"heartbeat timeout: {state['heartbeat_timeout_s']:.1f}s")
+        how = (state.get("heartbeat_timeout_origin") or {}).get("text")
+        print(f"heartbeat timeout: {state['heartbeat_timeout_s']:.1f}s" + (f" ({how})" if how else ""))
     if state.get("resume_step") is not None:
         print(f"resumed from step {state['resume_step']} ({state['resume_dir']})")
     elif state.get("resume_dir"):
@@ -396,6 +450,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    program = argv is None  # main() as the program (rlsup, python -m supervisor.cli), not called in process
     argv = list(sys.argv[1:] if argv is None else argv)
     own, command = _split_command(argv)
     parser = build_parser()
@@ -403,7 +458,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     rlsup_log.configure(args.log_level)
     try:
         if args.cmd == "run":
-            return cmd_run(args, command)
+            code = cmd_run(args, command)
+            if program:  # an in-process caller's interpreter is never ended here
+                _end_run(code)
+            return code
         if command:
             parser.error(f"'--' and a command are only for 'rlsup run', not '{args.cmd}'")
         if args.cmd == "status":

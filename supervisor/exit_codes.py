@@ -1,10 +1,10 @@
 """Exit codes of ``rlsup run``; documented in the README so batch scripts can act on them."""
 
-OK = 0
+OK = 0  # the job succeeded (also on a node that comes back after a spare ran its rank to the end: supervisor.spares)
 FAILED = 1  # restarts exhausted and the job's own code was not usable (a signal, a hang, or one of ours below)
 CONFIG_ERROR = 2  # bad flag, environment value or config file
 REQUEUE = 75  # preempted (or asked to checkpoint and go): the job saved; requeue it (EX_TEMPFAIL)
-NO_PROGRESS = 76  # several attempts in a row made no new valid checkpoint: do NOT requeue
+NO_PROGRESS = 76  # several attempts in a row made no progress (supervisor.attempt_progress): do NOT requeue
 UNHEALTHY = 77  # this node failed pre_launch_check: requeue WITHOUT it (<state_dir>/unhealthy_nodes names it)
 
 # rlsup's own answers in 1..125: a job exiting with one of them must not be read as rlsup saying it

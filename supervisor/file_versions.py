@@ -15,6 +15,10 @@ old inode is never written again), else a copy: a link to a file rewritten in pl
 with it. A copy is kept only when the live file did not change while it was copied and the copy
 itself checks complete; a version is checked again before it is put back. Each live file's newest
 kept version is never removed.
+
+The pass and a put-back run in a child forked for each (:func:`supervisor.bounded_calls.run_forked`): on a
+checkpoint mount that stops answering mid-save, the pass stuck there is a child rlsup leaves behind, never a
+thread of its own that would hold rlsup's exit in the kernel (state D) after it decided to exit.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from urllib.parse import quote, unquote
 
 from rlsup_format.fileio import fsync_dir, fsync_file
 from rlsup_format.names import host_tag
+from supervisor.bounded_calls import run_forked
 from supervisor.layouts import detect_layout, single_file
 from supervisor.tiers.poll_loop import PollLoop
 
@@ -81,6 +86,16 @@ class Restored:
     why: str
 
 
+@dataclass(frozen=True)
+class LeftTorn:
+    """A live file that is torn with no complete kept version to put back: what is wrong with it, and why
+    no version is there (the log and the failed attempt's incident name both)."""
+
+    live: Path
+    why: str
+    no_version: str
+
+
 class FileVersions:
     """The kept versions of one checkpoint directory's single-file checkpoints."""
 
@@ -90,6 +105,7 @@ class FileVersions:
         self.store = root / single_file.VERSIONS_DIR
         self.kept = 0  # versions kept by this process: the progress rule compares it across an attempt
         self._seen: dict[Path, tuple[int, int, int]] = {}  # live file -> (ino, size, mtime_ns) last kept
+        self._missed: dict[Path, str] = {}  # live file -> why its newest complete save was not kept
         self._lock = threading.Lock()  # the background pass and the run loop's own pass never overlap
         self._loop = PollLoop(self.observe, "rlsup-file-versions", lambda e: None)
 
@@ -142,14 +158,21 @@ class FileVersions:
         self._loop.stop(timeout=30.0)
 
     def observe(self) -> int:
-        """One pass: keep each live file's new complete version; the number kept. Never raises: a
-        version that cannot be kept (no space, no permission) is logged, and the job goes on."""
+        """One pass (in a forked child): keep each live file's new complete version; the number kept. Never
+        raises: a version that cannot be kept (no space, no permission) is logged, and the job goes on."""
         with self._lock:
             try:
-                return sum(self._keep(live) for live in self.tracked())
+                return run_forked(self._observe, "rlsup-file-versions", self, ("kept", "_seen", "_missed"))
             except OSError as e:
                 log.warning("single-file checkpoints in %s: no version kept (%s)", self.root, e)
                 return 0
+
+    def _observe(self) -> int:
+        try:
+            return sum(self._keep(live) for live in self.tracked())
+        except OSError as e:
+            log.warning("single-file checkpoints in %s: no version kept (%s)", self.root, e)
+            return 0
 
     def _keep(self, live: Path) -> bool:
         try:
@@ -171,14 +194,18 @@ class FileVersions:
             after = os.stat(live)
             if (after.st_ino, after.st_size, after.st_mtime_ns) != key or not single_file.check_file(tmp).ok:
                 tmp.unlink(missing_ok=True)  # the trainer saved again while we copied: the next pass keeps it
+                self._missed[live] = (f"the trainer saved it again while rlsup copied it ({before.st_size} bytes): "
+                                      "saves closer together than a copy of it takes")
                 return False
             os.replace(tmp, self.store / name)  # a kept version appears whole or not at all
             fsync_dir(self.store)
         except OSError as e:
             tmp.unlink(missing_ok=True)
             log.warning("single-file checkpoint %s: version not kept (%s)", live, e)
+            self._missed[live] = f"keeping a version failed: {e}"
             return False
         self._seen[live] = key
+        self._missed.pop(live, None)
         self.kept += 1
         self._prune(live)
         return True
@@ -253,7 +280,7 @@ class FileVersions:
             return []  # another layout reads the directory now: not ours to touch
         with self._lock:
             try:
-                return self._restore()
+                return run_forked(self._restore, "rlsup-file-versions restore", self, ("_seen",))
             except OSError as e:
                 log.error("single-file checkpoints in %s: nothing put back (%s)", self.root, e)
                 return []
@@ -267,8 +294,7 @@ class FileVersions:
                 continue
             version = next((v for v in self.versions(live) if single_file.check_file(v.path).ok), None)
             if version is None:
-                log.error("single-file checkpoint %s is %s, and no kept version of it is complete", live, why)
-                continue
+                continue  # left torn: :meth:`left_torn` says why
             tmp = live.parent / f".rlsup-restore-{os.getpid()}-{live.name}"
             try:
                 self._materialise(version.path, tmp, link=False)
@@ -283,6 +309,38 @@ class FileVersions:
             complete_left = True
             done.append(Restored(live, version, why))
         return done
+
+    def left_torn(self) -> list[LeftTorn]:
+        """The live files that are torn with no complete kept version to put back (what :meth:`restore` has to
+        leave as it is), each with why no version is there. Read only; in a forked child, as the pass."""
+        with self._lock:
+            try:
+                return run_forked(self._left_torn, "rlsup-file-versions check")
+            except OSError as e:
+                log.warning("single-file checkpoints in %s: not checked (%s)", self.root, e)
+                return []
+
+    def _left_torn(self) -> list[LeftTorn]:
+        if self.settings.auto and self.root.is_dir() and detect_layout(self.root) != "unknown":
+            return []  # another layout reads the directory now: not ours
+        complete_left = any(single_file.check_file(p).ok for p in self.tracked())
+        out = []
+        for live in sorted({v.live for v in self.versions()} | set(self.tracked())):
+            why = self._torn(live, complete_left)
+            kept = self.versions(live)
+            if why is None or any(single_file.check_file(v.path).ok for v in kept):
+                continue
+            out.append(LeftTorn(live, why, self._no_version(live, kept)))
+        return out
+
+    def _no_version(self, live: Path, kept: list[KeptVersion]) -> str:
+        """Why no complete version of ``live`` is kept, as far as this run saw."""
+        if kept:
+            return f"its {len(kept)} kept version(s) fail the check as well"
+        if live in self._missed:
+            return f"no complete version of it was kept: {self._missed[live]}"
+        return ("no complete version of it was kept: rlsup never saw it complete in this run (torn before the "
+                "run began, or mid-save each time rlsup looked)")
 
     def _torn(self, live: Path, complete_left: bool) -> str | None:
         """Why ``live`` needs its kept version back, or None."""

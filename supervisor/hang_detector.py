@@ -1,21 +1,32 @@
-"""Decide from the ranks' heartbeat files whether an attempt is hung.
+"""Decide from the ranks' heartbeat files whether an attempt is hung, and learn the step timeout.
 
-Rules (all on CLOCK_MONOTONIC, so wall-clock jumps never look like hangs):
+Rules (all on CLOCK_MONOTONIC, so wall-clock jumps never look like hangs; docs/hangs.md says why):
 - no rank heartbeats within ``startup_timeout`` of launch: hung at startup;
 - a rank inside a ``save``/``load`` section, or exiting after its last step (``exit``, marked by
   trainer_hooks at interpreter exit), longer than ``save_timeout``: hung there;
+- a rank in its **first step** (after launch, or after a restore: communicator set-up, compilation, the
+  first batch) is held to ``startup_timeout`` too, and that step never teaches the step timeout. Ranks
+  report a step when it is done (``heartbeat(step)`` after it), so the first report ends the first step
+  unless it is not past the step the attempt started from (a progress bar drawn at 0/N or at the resumed
+  step, a heartbeat right after the restore): then the first step ends at the next report;
 - otherwise a rank silent for longer than the heartbeat timeout: hung.
-The heartbeat timeout is explicit, or learned ("auto") as nvidia-resiliency-ext does: a safety factor
-times the longest interval seen between heartbeats, with a floor, and a generous initial value until
-enough intervals were seen. What was learned carries over to later attempts.
+The heartbeat timeout is explicit, or learned ("auto", :class:`AutoTimeout`): a safety factor times the
+longest ordinary step interval, with a floor, and a generous initial value until enough intervals were
+seen. Intervals count across the attempts of a run and across rlsup restarts (``heartbeat_timeout.json``
+in the state directory). A stall the job survived is not learned: see :class:`AutoTimeout`.
 """
 
 from __future__ import annotations
 
+import json
+import logging
+import math
+import os
+import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from rlsup_format.fileio import pid_alive
 from rlsup_format.heartbeat_record import HeartbeatRecord, read_record
@@ -25,8 +36,20 @@ from supervisor.progress import JOB_RANK, job_level_only, speaking_records
 # exit after the last step (trainer_hooks marks it at exit).
 HELD_TO_SAVE_TIMEOUT = ("save", "load", "exit")
 
+#: An interval longer than this many times the ordinary step (the longest learned one; while learning,
+#: the lower median of the intervals seen) is a stall the job survived: counted, never learned.
+STALL_RATIO = 2.0
+#: This many stalls in a row on one rank are no stall but the step time changing (a slower node after a
+#: requeue, longer sequences): they are learned.
+STALLS_IN_A_ROW = 3
+#: What was learned, in the state directory: a later rlsup of the same command starts from it.
+LEARNED_FILE = "heartbeat_timeout.json"
+_SAVE_EVERY_S = 30.0  # counts alone (nothing else changed) are written at most this often
+
 if TYPE_CHECKING:
     from supervisor.config import SupervisorConfig
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -59,36 +82,216 @@ class HangVerdict:
     step: int | None
 
 
+TIMEOUT_SOURCES = ("initial", "learned", "explicit")  # TimeoutOrigin.source
+
+
+@dataclass(frozen=True)
+class TimeoutOrigin:
+    """How the heartbeat timeout in force was reached: ``rlsup status`` (state.json) and the metrics."""
+
+    source: str  # "initial" | "learned" | "explicit"
+    intervals: int  # step intervals it was learned from (initial: seen so far, of the min_intervals needed)
+    stalls: int  # intervals held as survived stalls, not learned
+    text: str  # the same in words
+
+
 @dataclass
 class AutoTimeout:
-    """Learned heartbeat timeout; survives across attempts of one supervisor."""
+    """The learned heartbeat timeout, shared by the attempts of a run and kept in ``path`` across rlsup restarts.
+
+    ``factor`` x ``basis`` (the longest ordinary step interval), at least ``floor``; ``initial`` until
+    ``min_intervals`` intervals were seen. What a stall the job survived teaches: nothing. An interval over
+    :data:`STALL_RATIO` x the ordinary step is counted as a stall and not learned (a partition, a blip of the
+    file system), because learning it would make every later hang wait ``factor`` x the stall; the timeout
+    it survived under stays in force, so a long phase that recurs (an evaluation) survives again. While
+    learning, "ordinary" is judged against the lower median of the intervals seen, so a stall among the
+    first intervals is not learned either. :data:`STALLS_IN_A_ROW` stalls in a row on one rank are the step
+    time changing, and are learned. The learned basis never goes down within a run."""
 
     factor: float
     floor: float
     initial: float
     min_intervals: int
-    intervals_seen: int = 0
-    longest_interval: float = 0.0
+    intervals_seen: int = 0  # every step interval observed (learned, held as a stall, or still learning)
+    basis: float = 0.0  # the longest ordinary interval (0: still learning)
+    learned: int = 0  # intervals that taught the basis
+    stalls: int = 0
+    longest_stall: float = 0.0  # of the stalls a later ordinary interval confirmed (see longest_held)
+    learning: list[float] = field(default_factory=list)  # the intervals seen before min_intervals
+    path: Path | None = None
+    command: list[str] = field(default_factory=list)
+    _in_a_row: dict[int, list[float]] = field(default_factory=dict, init=False, repr=False)  # stalls by rank
+    _dirty: int = field(default=0, init=False, repr=False)  # 0 clean, 1 counts changed, 2 timeout or stalls changed
+    _saved_at: float = field(default=0.0, init=False, repr=False)
 
     @classmethod
-    def from_settings(cls, s: HangSettings) -> "AutoTimeout":
-        return cls(s.auto_timeout_factor, s.auto_timeout_floor, s.heartbeat_timeout_initial,
-                   s.auto_timeout_min_intervals)
+    def from_settings(cls, s: HangSettings, path: Path | None = None,
+                      command: Sequence[str] = ()) -> "AutoTimeout":
+        """``path``: the learned file (:data:`LEARNED_FILE` in the state directory); what a previous rlsup of
+        the same ``command`` learned is loaded from it."""
+        auto = cls(s.auto_timeout_factor, s.auto_timeout_floor, s.heartbeat_timeout_initial,
+                   s.auto_timeout_min_intervals, path=path, command=list(command))
+        if path is not None:
+            auto._load()
+        return auto
 
-    def observe(self, interval_s: float) -> None:
-        if interval_s > 0:
-            self.intervals_seen += 1
-            self.longest_interval = max(self.longest_interval, interval_s)
+    def observe(self, interval_s: float, source: int = 0) -> None:
+        """One step interval of rank ``source`` (the first step and intervals holding a section excluded)."""
+        if not interval_s > 0 or not math.isfinite(interval_s):
+            return
+        self.intervals_seen += 1
+        if self.basis == 0:
+            self.learning.append(interval_s)
+            if len(self.learning) >= self.min_intervals:
+                self._finish_learning()
+            self._dirty = 2
+            return
+        if interval_s <= STALL_RATIO * self.basis:
+            self._learn([interval_s])
+            held = self._in_a_row.pop(source, [])  # the stalls before it were stalls indeed
+            self.longest_stall = max([self.longest_stall, *held])
+            return
+        self.stalls += 1
+        self._dirty = 2
+        run = self._in_a_row.setdefault(source, [])
+        run.append(interval_s)
+        if len(run) >= STALLS_IN_A_ROW:  # the step itself got longer: no stall
+            self.stalls -= len(run)
+            self._learn(run)
+            run.clear()
+
+    def _learn(self, intervals: list[float]) -> None:
+        self.learned += len(intervals)
+        self._dirty = max(self._dirty, 2 if max(intervals) > self.basis else 1)
+        self.basis = max(self.basis, *intervals)
+
+    def _finish_learning(self) -> None:
+        typical = statistics.median_low(self.learning)
+        ordinary = [i for i in self.learning if i <= STALL_RATIO * typical]
+        held = [i for i in self.learning if i > STALL_RATIO * typical]
+        self.basis, self.learned = max(ordinary), len(ordinary)
+        self.stalls += len(held)
+        self.longest_stall = max([self.longest_stall, *held])
+        self.learning = []
+
+    def longest_held(self) -> float:
+        """The longest interval held as a stall, those not yet confirmed by an ordinary one included."""
+        return max([self.longest_stall, *(i for run in self._in_a_row.values() for i in run)])
 
     def current(self) -> float:
-        if self.intervals_seen < self.min_intervals:
+        if self.basis == 0:
             return self.initial
-        return max(self.floor, self.factor * self.longest_interval)
+        return max(self.floor, self.factor * self.basis)
+
+    def origin(self, explicit: float | None = None) -> TimeoutOrigin:
+        """How the timeout in force (``explicit`` when set) was reached."""
+        stalls = f"; {self.stalls} survived stall(s) up to {self.longest_held():.1f}s not learned" if self.stalls \
+            else ""
+        if explicit is not None:
+            return TimeoutOrigin("explicit", self.learned, self.stalls, f"explicit heartbeat_timeout {explicit:g}s")
+        if self.basis == 0:
+            return TimeoutOrigin("initial", len(self.learning), self.stalls,
+                                 f"initial: {len(self.learning)} of the {self.min_intervals} step intervals needed "
+                                 f"to learn it seen{stalls}")
+        how = f"{self.factor:g} x the longest step interval {self.basis:.2f}s"
+        if self.floor > self.factor * self.basis:
+            how = f"auto_timeout_floor {self.floor:g}s (above {how})"
+        return TimeoutOrigin("learned", self.learned, self.stalls,
+                             f"learned from {self.learned} step intervals: {how}{stalls}")
+
+    # ------------------------------------------------------------ kept across rlsup restarts
+
+    def persist(self, force: bool = False) -> None:
+        """Write what was learned to ``path``: at once when the timeout or a stall changed, counts alone at
+        most every :data:`_SAVE_EVERY_S` (and with ``force``, at an attempt's end). A failed write is logged;
+        hang detection goes on."""
+        if self.path is None or not self._dirty:
+            return
+        now = time.monotonic()
+        if self._dirty < 2 and not force and now - self._saved_at < _SAVE_EVERY_S:
+            return
+        data = {"version": 1, "command": self.command, "basis": self.basis, "learning": self.learning,
+                "intervals_seen": self.intervals_seen, "learned": self.learned, "stalls": self.stalls,
+                "longest_stall": self.longest_held()}
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        try:
+            tmp.write_text(json.dumps(data, indent=1))
+            os.replace(tmp, self.path)
+        except OSError as e:
+            log.warning(f"heartbeat timeout: what was learned not written to {self.path}: {e}")
+        self._dirty, self._saved_at = 0, now
+
+    def _load(self) -> None:
+        assert self.path is not None
+        try:
+            text = self.path.read_text()
+        except FileNotFoundError:
+            return
+        except OSError as e:
+            log.warning(f"heartbeat timeout: {self.path} not read ({e}); learning the step timeout anew")
+            return
+        try:
+            data = _parse_learned(text, self.command)
+        except ValueError as e:
+            log.warning(f"heartbeat timeout: ignoring {self.path}: {e}; learning the step timeout anew")
+            return
+        self.basis, self.learning = data["basis"], data["learning"]
+        self.intervals_seen, self.learned = data["intervals_seen"], data["learned"]
+        self.stalls, self.longest_stall = data["stalls"], data["longest_stall"]
+        if self.basis == 0 and len(self.learning) >= self.min_intervals:
+            self._finish_learning()  # min_intervals lowered since
+        log.info(f"heartbeat timeout: continuing from {self.path}: {self.origin().text}")
+
+
+def _parse_learned(text: str, command: list[str]) -> dict[str, Any]:
+    """The learned file's content, checked; ValueError naming what is wrong."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"not JSON ({e})") from None
+    if not isinstance(data, dict) or data.get("version") != 1:
+        raise ValueError("not a version 1 learned-timeout record")
+
+    def number(key: str) -> float:
+        v = data.get(key)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+            raise ValueError(f"{key!r} is {v!r}, not a number >= 0")
+        return v
+
+    out: dict[str, Any] = {k: number(k) for k in ("basis", "longest_stall")}
+    for k in ("intervals_seen", "learned", "stalls"):
+        out[k] = int(number(k))
+    learning = data.get("learning")
+    if not isinstance(learning, list) or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0 for v in learning):
+        raise ValueError(f"'learning' is {learning!r}, not a list of intervals > 0")
+    out["learning"] = [float(v) for v in learning]
+    if data.get("command") != command:
+        raise ValueError(f"learned for another command ({data.get('command')!r})")
+    return out
+
+
+def _section_within(rec: HeartbeatRecord, start_ns: int, end_ns: int) -> bool:
+    """Whether ``rec`` shows a section begun or ended between ``start_ns`` and ``end_ns``, or one that lasted
+    from before ``start_ns`` (one begun after ``end_ns``, the exit after the last step, is not inside)."""
+    return start_ns < rec.section_ns <= end_ns or (rec.section != "none" and rec.section_ns <= start_ns)
+
+
+@dataclass
+class _FirstStep:
+    """A rank process's first step in the attempt: when it began to report, and whether that report ends it."""
+
+    pid: int
+    first_beat_ns: int  # its first report seen
+    counts: bool  # that report is past the step the attempt started from: the first step ended there
+    restored_ns: int = 0  # a restore (load section) ended then: the step after it is a first step again
 
 
 @dataclass
 class HangDetector:
-    """Watches one attempt's heartbeat directory."""
+    """Watches one attempt's heartbeat directory. ``start_step``: the step the attempt resumed from (0 for a
+    fresh start; None: unknown, so a rank's first report ends its first step, the output's first reading
+    does not)."""
 
     directory: Path
     startup_timeout: float
@@ -98,17 +301,23 @@ class HangDetector:
     started_ns: int = field(default_factory=time.monotonic_ns)
     records: dict[int, HeartbeatRecord] = field(default_factory=dict)
     alive: Callable[[int], bool] = field(default=lambda pid: pid_alive(pid))
+    start_step: int | None = 0
+    first_steps: dict[int, _FirstStep] = field(default_factory=dict)
 
     @classmethod
     def from_settings(cls, directory: Path, s: HangSettings, auto: AutoTimeout,
-                      alive: Callable[[int], bool] | None = None) -> "HangDetector":
+                      alive: Callable[[int], bool] | None = None, start_step: int | None = 0) -> "HangDetector":
         """One attempt's detector; ``auto`` is shared by the attempts of a run (what it learned carries over)."""
-        det = cls(directory, s.startup_timeout, s.save_timeout, s.heartbeat_timeout, auto)
+        det = cls(directory, s.startup_timeout, s.save_timeout, s.heartbeat_timeout, auto, start_step=start_step)
         det.alive = alive or det.alive
         return det
 
     def timeout(self) -> float:
         return self.explicit_timeout if self.explicit_timeout is not None else self.auto.current()
+
+    def origin(self) -> TimeoutOrigin:
+        """How :meth:`timeout` was reached."""
+        return self.auto.origin(self.explicit_timeout)
 
     def scan(self) -> dict[int, HeartbeatRecord]:
         """Read every rank file; feed new step intervals to the auto timeout."""
@@ -117,13 +326,60 @@ class HangDetector:
             if rec is None:
                 continue
             old = self.records.get(rec.rank)
+            if old is not None and old.pid != rec.pid:
+                old = None  # another process for this rank: its own first step
+            first = self._first_step(rec, old)
             if rec.rank == JOB_RANK and not job_level_only(self.records.values()):
                 pass  # ranks heartbeat themselves: their intervals, not the output's, teach the timeout
-            elif old is not None and old.pid == rec.pid and rec.beat_ns > old.beat_ns > 0 and rec.section == "none" \
-                    and old.section == "none" and rec.section_ns <= old.beat_ns:
-                self.auto.observe((rec.beat_ns - old.beat_ns) / 1e9)
+            elif first is not None and (interval := self._new_interval(rec, old, first)) is not None:
+                self.auto.observe(interval, rec.rank)
             self.records[rec.rank] = rec
         return self.records
+
+    def _first_step(self, rec: HeartbeatRecord, old: HeartbeatRecord | None) -> _FirstStep | None:
+        """Where ``rec``'s process stands with its first step (None: it has not reported a step yet)."""
+        first = self.first_steps.get(rec.rank)
+        if first is not None and first.pid != rec.pid:
+            first = None
+        if first is None and rec.beat_ns > 0:
+            # Two reports may land between two polls: the earlier one is the record's previous beat.
+            beat_ns, step = (rec.prev_beat_ns, rec.prev_step) if rec.prev_beat_ns > 0 else (rec.beat_ns, rec.step)
+            # Unknown start: a rank reports a step when it is done (trainer_hooks' convention); the output's
+            # first reading may be a bar drawn at its position before any step.
+            counts = step > self.start_step if self.start_step is not None else rec.rank != JOB_RANK
+            first = self.first_steps[rec.rank] = _FirstStep(rec.pid, beat_ns, counts)
+        if first is not None and old is not None and old.section == "load" and rec.section != "load":
+            first.restored_ns = rec.section_ns
+        return first
+
+    def in_first_step(self, rec: HeartbeatRecord) -> bool:
+        """Whether ``rec``'s rank is still in its first step (held to startup_timeout, never learned)."""
+        if rec.beat_ns == 0:
+            return True
+        first = self.first_steps.get(rec.rank)
+        if first is None or first.pid != rec.pid:
+            return False
+        return first.restored_ns > rec.beat_ns or (rec.beat_ns == first.first_beat_ns and not first.counts)
+
+    @staticmethod
+    def _new_interval(rec: HeartbeatRecord, old: HeartbeatRecord | None, first: _FirstStep) -> float | None:
+        """The step interval ``rec`` newly shows, if it may teach the timeout: one step (the last two reports),
+        no section of a rank inside it, and not the first step."""
+        if old is not None and rec.beat_ns <= old.beat_ns:
+            return None
+        if rec.prev_beat_ns > 0:
+            start = rec.prev_beat_ns
+        elif old is not None and old.beat_ns > 0:  # a writer without the previous beat's fields
+            start = old.beat_ns
+        else:
+            return None
+        if start == first.first_beat_ns and not first.counts:
+            return None
+        # A save or restore inside is timed apart. (The output's signs of life are other bars moving, PyKEEN's
+        # batch bar on every epoch: the interval counts, and a long one is a stall.)
+        if rec.rank != JOB_RANK and any(_section_within(r, start, rec.beat_ns) for r in (rec, old) if r is not None):
+            return None
+        return (rec.beat_ns - start) / 1e9
 
     def check(self, now_ns: int | None = None) -> HangVerdict | None:
         now_ns = time.monotonic_ns() if now_ns is None else now_ns
@@ -147,6 +403,10 @@ class HangDetector:
                 continue
             last = max(rec.beat_ns, rec.section_ns)  # a section that just ended counts as a sign of life
             silent = (now_ns - last) / 1e9
+            if self.in_first_step(rec):  # set-up, compilation, first batch: the startup limit, not the step's
+                if silent > self.startup_timeout and self.alive(rec.pid):
+                    return HangVerdict("startup_timeout", rec.rank, rec.pid, silent, self.startup_timeout, rec.step)
+                continue
             if silent > timeout and self.alive(rec.pid):  # an exited rank is not silent: the job is ending
                 return HangVerdict("heartbeat_timeout", rec.rank, rec.pid, silent, timeout, rec.step)
         return None
@@ -170,4 +430,3 @@ class HangDetector:
     def last_step(self) -> int | None:
         steps = [r.step for r in speaking_records(self.records).values() if r.beat_ns > 0]
         return max(steps) if steps else None
-

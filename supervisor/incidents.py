@@ -40,11 +40,16 @@ class Incident:
     resumed_from: str | None = None
     resumed_step: int | None = None
     resumed_tier: str | None = None  # local | peer | persistent
-    resume_known: bool = True  # False: rlsup cannot know the resumed step (steps lost "unknown")
+    # whether rlsup knows the step the next attempt resumed from (False: steps lost "unknown"); None: no next
+    # attempt started after this one (rlsup gave up or stopped): nothing was resumed, no steps were lost to it
+    resume_known: bool | None = None
     verdict: str = ""  # who to blame, from the grouped stacks (supervisor.stack_groups) or a health check
     fr_verdict: str = ""  # who to blame in a hung collective, from the Flight Recorder (supervisor.flight_recorder)
     suspect_ranks: list[int] = field(default_factory=list)
     suspect_nodes: list[str] = field(default_factory=list)
+    # single-file checkpoints found torn after the attempt with no complete version to put back: each
+    # {"file", "torn" (what is wrong with it), "no_version" (why none was kept)}
+    left_torn: list[dict[str, str]] = field(default_factory=list)
 
 
 @dataclass
@@ -60,6 +65,7 @@ class JobState:
     job_pid: int | None = None
     last_step: int | None = None
     heartbeat_timeout_s: float | None = None
+    heartbeat_timeout_origin: dict[str, Any] | None = None  # how it was reached (hang_detector.TimeoutOrigin)
     resume_step: int | None = None
     resume_dir: str | None = None
     resume_tier: str | None = None

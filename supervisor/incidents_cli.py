@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from supervisor.incidents import INCIDENTS, read_incidents
+from supervisor.lifecycle import Action
 from supervisor.stragglers import STRAGGLERS, read_reports
 
 
@@ -35,11 +36,17 @@ class RunSummary:
     last: float | None = None
 
 
+#: What an incident's ``action`` says of the run when no attempt followed it.
+ENDED = {**{a.value: "gave up" for a in (Action.GIVE_UP, Action.FATAL, Action.NO_PROGRESS, Action.EXCLUDE_NODE)},
+         Action.STOP.value: "stopped"}
+
+
 def steps_lost(incident: dict[str, Any]) -> int | None:
     """Steps redone after this failure: the last step a rank reported minus the step resumed from; None
-    when either is unknown (no step reported, or a checkpoint rlsup cannot read the step of)."""
+    when either is unknown (no step reported, or a checkpoint rlsup cannot read the step of), and when no
+    attempt followed (rlsup gave up or stopped: nothing was resumed, nothing redone)."""
     last, resumed = incident.get("last_step"), incident.get("resumed_step")
-    if last is None or incident.get("resume_known") is False:
+    if last is None or incident.get("resume_known") is False or incident.get("downtime_s") is None:
         return None
     return max(0, last - (resumed if resumed is not None else 0))
 
@@ -83,6 +90,11 @@ def incident_line(inc: dict[str, Any]) -> str:
         last = "?" if inc.get("last_step") is None else inc["last_step"]
         parts.append(f"steps lost unknown (step {last} -> resumed from "
                      f"{inc.get('resumed_from') or 'a checkpoint rlsup cannot read'}, step unknown)")
+    elif inc.get("downtime_s") is None and inc.get("action") in ENDED:
+        at = " (no step reported)" if inc.get("last_step") is None else f" at step {inc['last_step']}"
+        parts.append(ENDED[inc["action"]] + at)
+    for torn in inc.get("left_torn") or []:
+        parts.append(f"{torn.get('file')} left torn ({torn.get('torn')}): {torn.get('no_version')}")
     if inc.get("downtime_s") is not None:
         parts.append(f"downtime {inc['downtime_s']:.1f}s")
     line = "; ".join(parts)

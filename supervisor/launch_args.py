@@ -21,9 +21,20 @@ pass through untouched. Bash leaves these words alone too (brace expansion needs
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Sequence
 
 _OPEN = ("{resume:", "{resume?")
+#: Layouts whose trainer loads the checkpoint rlsup chose without a placeholder: rlsup's own (trainer_hooks
+#: loads ``RLSUP_RESUME_DIR``, and starts fresh when it is empty).
+STEERED_BY_ENV = ("rlsup",)
+#: Layouts whose trainer reads a tracker that rlsup points at its choice (``repair_tracker``).
+STEERED_BY_TRACKER = ("verl", "verl-legacy", "megatron", "deepspeed")
+#: The two ways to keep a trainer that picks its own checkpoint off a torn newest one (said wherever rlsup
+#: finds one, and in the hint to name the checkpoint files).
+REMEDIES = ("pass --quarantine-invalid (rlsup moves a torn newest checkpoint aside before each attempt), or put a "
+            "resume placeholder in the command so that the trainer loads rlsup's choice ('{resume:--resume {dir}}', "
+            "or '--resume={resume?{dir}:auto}'; docs in supervisor/launch_args.py)")
 
 
 class LaunchArgError(ValueError):
@@ -36,6 +47,34 @@ class ResumeFill:
 
     path: str
     step: int | None
+
+
+def has_placeholder(command: Sequence[str]) -> bool:
+    """Whether the command takes rlsup's resume point through a placeholder."""
+    return any(_find(arg, 0) >= 0 for arg in command)
+
+
+def trainer_picks_its_checkpoint(command: Sequence[str], layout: str, repair_tracker: bool) -> bool:
+    """Whether the trainer, not rlsup, picks the checkpoint it loads (a ``resume auto`` rlsup cannot steer): the
+    command has no placeholder, and ``layout`` (the chosen checkpoint's, else the directory's) is neither
+    rlsup's own, read through ``RLSUP_RESUME_DIR``, nor one whose tracker rlsup points at its choice."""
+    if has_placeholder(command) or layout in STEERED_BY_ENV:
+        return False
+    return not (repair_tracker and layout in STEERED_BY_TRACKER)
+
+
+def picks_its_own_note(torn: Sequence[tuple[Path, str]]) -> str:
+    """What the launch line adds where the trainer picks its own checkpoint: that it does, and, with a torn
+    checkpoint newer than every valid one (``torn``, newest first), that a trainer loading its newest loads
+    that one, and the two remedies."""
+    note = "; the trainer picks its own checkpoint (no {resume...} placeholder in the command, and it does not " \
+           "read RLSUP_RESUME_DIR)"
+    if not torn:
+        return note
+    path, why = torn[0]
+    more = f" (and {len(torn) - 1} more torn after the newest valid one)" if len(torn) > 1 else ""
+    return (f"{note}. WARNING: if it loads its newest, it will load {path}, which is torn ({why}){more}, not "
+            f"rlsup's choice; {REMEDIES}")
 
 
 def check(command: Sequence[str]) -> None:

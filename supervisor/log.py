@@ -33,9 +33,16 @@ after the tag.
 ``time``, ``node``, ``attempt`` (null when unknown), ``level``, ``logger`` (the component) and
 ``message``, plus ``exc`` when an exception is attached.
 
-The job's own output (the trainer's stdout and stderr) is never reformatted. The warm launcher's
-zygote, which runs in the job's interpreter and cannot import this module, writes its few lines in
-the same shape (:func:`supervisor.warm_pool.rlsup_line`; tests/test_log_lines.py parses them).
+Whole lines only: rlsup relays the job's output (on its stdout) by lines (:class:`supervisor.process_tree.
+OutputTail`), and when its stdout and stderr are one file (SLURM's one output file, a terminal, ``2>&1``: the same
+``st_dev``/``st_ino``), the relayed lines and rlsup's own go through one lock (:data:`CONSOLE`), so neither ever
+lands inside a line of the other. A progress bar left open by a ``\r`` (tqdm redraws) is ended with a newline
+before rlsup's line, so that line starts a line of its own, as ``tqdm.write`` does.
+
+The job's own output (the trainer's stdout and stderr) is never reformatted, only ended where a line
+must end (that newline, a last line's at the job's exit, the relay's cut of a line too long to hold).
+The warm launcher's zygote, which runs in the job's interpreter and cannot import this module, writes
+its few lines in the same shape (:func:`supervisor.warm_pool.rlsup_line`; tests/test_log_lines.py parses them).
 
 The context (node, attempt) is process-wide on purpose, not a contextvar: rlsup's threads (replication,
 tiers, the transport) all say which attempt they are in. Several simulated nodes in one process (the
@@ -44,15 +51,17 @@ benchmarks, tests) share one context, so the CLI sets the node, not the supervis
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
 import re
 import sys
 import threading
 import time
 import typing
 from dataclasses import dataclass, replace
-from typing import Callable, Literal
+from typing import IO, Callable, Iterator, Literal
 
 ROOTS = ("supervisor", "rlsup")
 TAG = "[rlsup]"
@@ -181,8 +190,74 @@ def parse(line: str) -> Line | None:
                 None if m["attempt"] == "-" else int(m["attempt"]), level, rest["message"], rest["logger"])
 
 
+def same_file(a: IO[str], b: IO[str]) -> bool:
+    """Whether two streams write to one file (one object, or fds with the same device and inode)."""
+    if a is b:
+        return True
+    try:
+        sa, sb = os.fstat(a.fileno()), os.fstat(b.fileno())
+    except (OSError, ValueError, AttributeError):  # io.UnsupportedOperation is both; a closed stream: ValueError
+        return False
+    return (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
+
+
+class Console:
+    """The one writer of rlsup's process for the job's relayed lines and, where they share a file, its own.
+
+    Relayed text (whole lines, cut by the relay) is always written under :attr:`lock`: several relays (a warm
+    launcher and its job, simulated nodes in one process) never mix inside a line. rlsup's own lines take the
+    lock only when stdout and stderr are one file: with two files a stalled reader of the job's output must not
+    hold rlsup's logging, and nothing can interleave anyway. Which streams are meant is read at each write
+    (``sys.stdout``/``sys.stderr`` as they are then), so a redirection later (tests, a daemon) is followed."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self._open_redraw = False  # the shared file's last relayed text ended in "\r" (a bar being redrawn)
+        self._newline_given = False  # rlsup ended that redraw's line: the job's own "\n" right after is not doubled
+
+    def relay(self, text: str, stream: IO[str] | None = None) -> None:
+        """Write the job's whole lines to ``stream`` (default: ``sys.stdout`` now), then flush."""
+        if not text:
+            return
+        out = stream if stream is not None else sys.stdout
+        with self.lock:
+            shared = same_file(out, sys.stderr)
+            if shared and self._newline_given and text.startswith("\n"):
+                text = text[1:]
+            self._newline_given = False
+            if text:
+                out.write(text)
+                out.flush()
+                if shared:
+                    self._open_redraw = text.endswith("\r")
+
+    @contextlib.contextmanager
+    def own_line(self, stream: IO[str]) -> Iterator[None]:
+        """Around one of rlsup's writes to ``stream``: under the lock, on a line of its own, when the job's
+        output goes to the same file."""
+        if not same_file(sys.stdout, stream):
+            yield
+            return
+        with self.lock:
+            if self._open_redraw:
+                stream.write("\n")
+                self._open_redraw, self._newline_given = False, True
+            yield
+
+    def after_fork(self) -> None:
+        """In a forked child (supervisor.bounded_calls): a lock another thread held at the fork stays held
+        there forever; the child gets a free one."""
+        self.lock = threading.RLock()
+
+
+#: The process's one writer (module docstring).
+CONSOLE = Console()
+os.register_at_fork(after_in_child=CONSOLE.after_fork)
+
+
 class _Stderr(logging.StreamHandler):
-    """Writes to whatever ``sys.stderr`` is at the time (the job's output goes to stdout, rlsup's here)."""
+    """Writes to whatever ``sys.stderr`` is at the time (the job's output goes to stdout, rlsup's here), through
+    :data:`CONSOLE` when the two are one file."""
 
     def __init__(self) -> None:
         logging.Handler.__init__(self)
@@ -190,6 +265,14 @@ class _Stderr(logging.StreamHandler):
     @property
     def stream(self):  # type: ignore[override]
         return sys.stderr
+
+    def emit(self, record: logging.LogRecord) -> None:
+        stream = sys.stderr
+        try:
+            with CONSOLE.own_line(stream):
+                super().emit(record)
+        except (OSError, ValueError):  # a closed or broken stderr: logging never stops rlsup
+            pass
 
 
 _handler: logging.Handler | None = None

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 from prometheus_client import CollectorRegistry, Counter, Enum, Gauge, Histogram, Info, start_http_server
 
 from supervisor import __version__
+from supervisor.hang_detector import TIMEOUT_SOURCES
 from supervisor.lifecycle import ATTEMPT_FAILURES, EndReason, JobStatus
 from supervisor.observer import Observer
 from supervisor.progress import rank_label, speaking_records
@@ -61,6 +62,7 @@ class SupervisorMetrics(Observer):
         self.last_step = Gauge("rlsup_last_step", "Newest step reported by any rank's heartbeat.", registry=r)
         self.hb_timeout = Gauge("rlsup_heartbeat_timeout_seconds", "Heartbeat timeout in force (learned or set).",
                                 registry=r)
+        self._timeout_origin_series(r)
         self.saves = Counter("rlsup_checkpoint_saves_total", "Checkpoint saves seen (save sections ended).",
                              registry=r)
         self.save_duration = Histogram("rlsup_checkpoint_save_duration_seconds", "Duration of checkpoint saves.",
@@ -121,6 +123,16 @@ class SupervisorMetrics(Observer):
         self._prev_step: tuple[int, float] | None = None
         self._saves_seen: dict[int, int] = {}  # pid -> saves counted
         self._ranks_seen: set[int] = set()
+
+    def _timeout_origin_series(self, r: CollectorRegistry) -> None:
+        """How the heartbeat timeout in force was reached (docs/hangs.md)."""
+        self.hb_timeout_source = Enum("rlsup_heartbeat_timeout_source", "How the heartbeat timeout in force was "
+                                      "reached: initial (still learning), learned, or explicit (set).",
+                                      states=list(TIMEOUT_SOURCES), registry=r)
+        self.hb_timeout_intervals = Gauge("rlsup_heartbeat_timeout_intervals", "Step intervals the learned heartbeat "
+                                          "timeout is from (while initial: those seen so far).", registry=r)
+        self.hb_stalls = Gauge("rlsup_heartbeat_stalls", "Step intervals held as stalls the job survived (a "
+                               "partition, a blip): counted, not learned into the heartbeat timeout.", registry=r)
 
     # ------------------------------------------------------------ HTTP
 
@@ -187,6 +199,11 @@ class SupervisorMetrics(Observer):
             if self._awaiting_first_beat and self._failed_at is not None:
                 self.resume_seconds.set(now - self._failed_at)
                 self._awaiting_first_beat = False
+
+    def heartbeat_timeout(self, origin: Any) -> None:
+        self.hb_timeout_source.state(origin.source)
+        self.hb_timeout_intervals.set(origin.intervals)
+        self.hb_stalls.set(origin.stalls)
 
     def downtime(self, seconds: float) -> None:
         self.downtime_total.inc(seconds)

@@ -55,7 +55,8 @@ from supervisor.observer import Observer
 from supervisor.tiers.part_protocol import FetchFailed, PartError, PartStore, fetch_part
 from supervisor.process_tree import ProcessLayer
 from supervisor.rank_pinning import pin_ranks
-from supervisor.spares import DONE_KEY, NodeRole, SpareSeat, check_holder, moved_slots, refuse_if_taken, spares_left
+from supervisor.spares import (DONE_KEY, JobEnded, JobEndWatch, NodeRole, SpareSeat, check_holder, check_seat,
+                               moved_slots, refuse_if_taken, spares_left)
 from supervisor.tiers.replication import ReplicationEngine, newest_own_step
 from supervisor.tiers.resume import ResumePoint
 from supervisor.attempt_end import AttemptResult
@@ -179,6 +180,8 @@ class MultiNodeSupervisor(Supervisor):
         self.fr_exchange = FrExchange(coordinator, self.membership.node_rank, self.membership.size, self.node_name,
                                       self.observer, stopped=lambda: self.stop.asked)
         self.watcher.fr_share = self.fr_exchange
+        seat = self.spares is not None  # a job with spares can finish without this node (supervisor.spares)
+        self.job_end = JobEndWatch.attach(coordinator, self.checkpoint_dir, self.persistent, self.job) if seat else None
 
     def first_attempt(self) -> int:
         return self._join(super().first_attempt())
@@ -191,7 +194,7 @@ class MultiNodeSupervisor(Supervisor):
         then abandons it at once and the loop records the stop."""
         try:
             if self.spares is not None:  # before joining: a node whose rank a spare took must not end the attempt
-                self._check_seat(self.spares)
+                check_seat(self.coordinator, self.membership.node_rank, self.spares.gen, self.job_end)
             attempt = self.coordinator.join(mine)
         except StopAsked as e:
             self._stopped_waiting = e
@@ -199,13 +202,6 @@ class MultiNodeSupervisor(Supervisor):
         if self.spares is not None:
             self._follow_spares(self.spares)
         return attempt
-
-    def _check_seat(self, seat: SpareSeat) -> None:
-        """:func:`check_holder`; a store out of reach is the join's to wait for (it is asked again after it)."""
-        try:
-            check_holder(self.coordinator, self.membership.node_rank, seat.gen)
-        except StoreUnavailable:
-            pass
 
     def _follow_spares(self, seat: SpareSeat) -> None:
         """Refuse to go on when a spare took this node's rank (:class:`SlotTaken`); send the replicas of a
@@ -245,6 +241,9 @@ class MultiNodeSupervisor(Supervisor):
                 self._connect = None
             try:
                 result = super().run()
+            except JobEnded as e:  # a spare ran this node's rank to the end: nothing to requeue
+                self._log(f"{e}; exiting {exit_codes.OK} (the job succeeded without this node; nothing to requeue)")
+                return self._gave_up_coordinating(e)
             except PeerLost as e:  # before the first attempt: nothing ran, nothing is lost; requeue the job
                 self._log(f"{e}; exiting {exit_codes.REQUEUE} so that the scheduler requeues the job")
                 done = self._gave_up_coordinating(e)
@@ -266,6 +265,8 @@ class MultiNodeSupervisor(Supervisor):
         if result.status is JobStatus.SUCCEEDED:
             try:
                 if self.membership.node_rank == 0:
+                    if self.job_end is not None:  # for a node cut off until now, once the store is gone with this one
+                        self.job_end.record(0, result.attempts - 1)  # the attempt that finished (attempts: a count)
                     self.coordinator.keys.set(DONE_KEY, "1")  # the spares' cue to exit
                 self.coordinator.finish()  # a store that outlives the job (etcd) forgets its keys
             except Exception as e:  # noqa: BLE001 - the job is done; stale keys are ignored by the next run
@@ -273,11 +274,11 @@ class MultiNodeSupervisor(Supervisor):
         return result
 
     def _gave_up_coordinating(self, e: CoordinationError) -> RunResult:
-        """The nodes could not agree (a timeout, an abort, a clash, a node lost before the first attempt):
-        state.json says the run gave up, with the exit code the command line returns (2 for a clash, 75 for a
-        lost node: the job is requeued, 1 otherwise), and the tiers take their final copy, as for any other
-        give-up; a later start then does not take this run for one that died mid-attempt."""
-        codes = {JobClash: exit_codes.CONFIG_ERROR, PeerLost: exit_codes.REQUEUE}
+        """The nodes could not agree (a timeout, an abort, a clash, a node lost before the first attempt, the job
+        over without this node): state.json says the run gave up, with the command line's exit code (2: a clash, 75:
+        a lost node, the job is requeued, 0: the job finished without this node, 1 otherwise); the tiers take their
+        final copy, as for any other give-up; a later start then does not take this run for one that died mid-attempt."""
+        codes = {JobClash: exit_codes.CONFIG_ERROR, PeerLost: exit_codes.REQUEUE, JobEnded: exit_codes.OK}
         code = next((c for kind, c in codes.items() if isinstance(e, kind)), exit_codes.FAILED)
         try:
             for status in route(self.state.state, JobStatus.GAVE_UP):
@@ -567,7 +568,7 @@ class MultiNodeSupervisor(Supervisor):
                     return None
                 ended = self.coordinator.ended(attempt)
         except Exception:  # noqa: BLE001 - the store is gone (node 0 finished or was lost; etcd cut off), or a stop: the watch goes on
-            return None
+            return self.job_end.over() if self.job_end is not None else None  # it finished without this node?
         if self._store_lost:
             self._store_lost = False
             self._log(f"the coordination store {self.coordinator.describe()} answers again; watching the other nodes")

@@ -22,6 +22,9 @@ class Observer:
     def heartbeats(self, records: Mapping[int, Any], timeout_s: float) -> None:
         """Latest heartbeat records by rank, and the heartbeat timeout in force."""
 
+    def heartbeat_timeout(self, origin: Any) -> None:
+        """How the heartbeat timeout in force was reached (a :class:`supervisor.hang_detector.TimeoutOrigin`)."""
+
     def downtime(self, seconds: float) -> None:
         """Time from an attempt's failure to the next attempt's launch."""
 

@@ -15,6 +15,7 @@ import codecs
 import collections
 import ctypes
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -26,7 +27,9 @@ from typing import IO, TYPE_CHECKING, Callable, Mapping, Sequence
 
 import psutil
 
+from supervisor.bounded_calls import child_pids
 from supervisor import proc_children
+from supervisor.log import CONSOLE
 
 if TYPE_CHECKING:
     from supervisor.attempt_tree import AttemptTree
@@ -66,9 +69,47 @@ def _child_setup(cgroup: str | None) -> Callable[[], None]:
     return setup
 
 
+MAX_LINE = 65536  # characters the relay holds for one line without an end; then it is passed on as a line
+_SEGMENT = re.compile(r"[^\r\n]*[\r\n]")
+
+
+class WholeLines:
+    """Cuts the job's output into what may be passed on now: everything up to its last line end (``\n``, or
+    the ``\r`` of a progress bar's redraw), at once; the rest is held until its end comes. A line longer than
+    ``limit`` without an end is passed on in pieces of ``limit``, each ended by a newline (memory stays
+    bounded); :meth:`end` ends what is held at the job's exit. Why: with ``PYTHONUNBUFFERED=1`` ``print``
+    writes the text and the newline separately, and rlsup's own line written between the two would land
+    inside the job's (supervisor.log)."""
+
+    def __init__(self, limit: int = MAX_LINE) -> None:
+        if limit < 1:
+            raise ValueError(f"line limit must be at least 1 character, got {limit}")
+        self.limit = limit
+        self.held = ""  # the line begun and not yet ended
+
+    def feed(self, text: str) -> str:
+        """The whole lines ``text`` completes (each with its end), or ""."""
+        cut = max(text.rfind("\n"), text.rfind("\r")) + 1
+        if cut:
+            out, self.held = self.held + text[:cut], text[cut:]
+        else:
+            out, self.held = "", self.held + text
+        while len(self.held) >= self.limit:
+            out += self.held[:self.limit] + "\n"
+            self.held = self.held[self.limit:]
+        return out
+
+    def end(self) -> str:
+        """What is held, ended by a newline (the job has exited), or ""."""
+        out, self.held = (self.held + "\n" if self.held else ""), ""
+        return out
+
+
 @dataclass
 class OutputTail:
-    """Tees the job's output to our stdout and a log file, and keeps the last lines for incidents."""
+    """Relays the job's output to our stdout by whole lines (:class:`WholeLines`, through
+    :data:`supervisor.log.CONSOLE`), copies it to a log file as it comes, and keeps the last lines for
+    incidents."""
 
     lines: int
     log_path: Path
@@ -77,6 +118,7 @@ class OutputTail:
     finished: str | None = None  # the line in which the trainer said its run is done (supervisor.progress)
     _tail: collections.deque = field(init=False)
     _thread: threading.Thread | None = field(init=False, default=None)
+    _line_last: str = field(init=False, default="")  # the current line's last redraw (what the tail keeps of it)
 
     def __post_init__(self) -> None:
         self._tail = collections.deque(maxlen=max(self.lines, 1))
@@ -86,50 +128,49 @@ class OutputTail:
         self._thread.start()
 
     def _pump(self, stream: IO[bytes]) -> None:
-        """Tee chunks as they arrive; complete lines go to the tail, and every segment ended by ``\n``
-        or ``\r`` (a progress bar's redraw) to :attr:`on_segment` at once."""
+        """Read whatever the pipe holds; pass on the whole lines at once (a redraw's ``\r`` ends one), and
+        hand every segment ended by ``\n`` or ``\r`` to :attr:`on_segment`, the redraw not yet ended too."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         decode = codecs.getincrementaldecoder("utf-8")(errors="replace").decode
         read = getattr(stream, "read1", None) or stream.read  # whatever the pipe holds, not a whole line
-        pending, fed = "", 0
-        with open(self.log_path, "ab") as log:
-            for raw in iter(lambda: read(65536), b""):
-                log.write(raw)
-                log.flush()
-                text = decode(raw)
-                self._echo(text)
-                pending += text
-                fed = self._segments(pending, fed)
-                if fed < len(pending) and self.on_segment is not None:
-                    self._segments(pending[fed:] + "\n", 0)  # a redraw not yet ended (tqdm ends it with the next)
-                *lines, pending = pending.split("\n")
-                fed = max(0, fed - sum(len(line) + 1 for line in lines))
-                for line in lines:
-                    self._tail.append(line.rstrip("\r").rsplit("\r", 1)[-1])
-            if pending:  # the last line, without a newline
-                self._segments(pending + "\n", fed)
-                self._tail.append(pending.rstrip("\r").rsplit("\r", 1)[-1])
+        cutter = WholeLines()
+        try:
+            with open(self.log_path, "ab") as log:
+                for raw in iter(lambda: read(65536), b""):
+                    log.write(raw)
+                    log.flush()
+                    self._pass_on(cutter.feed(decode(raw)))
+                    if cutter.held:
+                        self._feed(cutter.held)  # a redraw not yet ended (tqdm ends it with the next)
+        finally:  # the job's exit (or a broken pipe): its last line, ended, before anything rlsup says next
+            self._pass_on(cutter.feed(decode(b"", True)) + cutter.end())  # a character cut at the end: U+FFFD
+            if self._line_last:
+                self._tail.append(self._line_last)
 
-    def _segments(self, text: str, fed: int) -> int:
-        """Hand ``text[fed:]``'s complete segments to on_segment; the new offset."""
-        callback = self.on_segment
-        while True:
-            ends = [i for i in (text.find("\n", fed), text.find("\r", fed)) if i >= 0]
-            if not ends:
-                return fed
-            end = min(ends)
-            if callback is not None and end > fed:
-                try:
-                    callback(text[fed:end])
-                except Exception:  # noqa: BLE001 - a bad pattern never stops the output
-                    pass
-            fed = end + 1
+    def _pass_on(self, whole: str) -> None:
+        """Relay whole lines; each segment to on_segment, each line's last redraw to the tail."""
+        if not whole:
+            return
+        self._echo(whole)
+        for match in _SEGMENT.finditer(whole):
+            segment = match.group()[:-1]
+            if segment:
+                self._feed(segment)
+                self._line_last = segment
+            if match.group()[-1] == "\n":
+                self._tail.append(self._line_last)
+                self._line_last = ""
+
+    def _feed(self, segment: str) -> None:
+        if self.on_segment is not None:
+            try:
+                self.on_segment(segment)
+            except Exception:  # noqa: BLE001 - a bad pattern never stops the output
+                pass
 
     def _echo(self, text: str) -> None:
-        echo = self.echo or sys.stdout
         try:
-            echo.write(text)
-            echo.flush()
+            CONSOLE.relay(text, self.echo)
         except (OSError, ValueError):
             pass
 
@@ -232,7 +273,8 @@ class JobProcess:
                 mine = [c.pid for c in psutil.Process().children()]
             except psutil.Error:
                 return []
-        return [pid for pid in mine if pid != self.pid and pid not in JobProcess.helpers]
+        own = child_pids()  # rlsup's forked calls (supervisor.bounded_calls): never a member of the job
+        return [pid for pid in mine if pid != self.pid and pid not in JobProcess.helpers and pid not in own]
 
     def _reap_orphans(self) -> None:
         """Collect exit statuses of re-parented zombies (never the top process: Popen owns that one)."""

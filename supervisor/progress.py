@@ -21,7 +21,8 @@ with ``\\r`` and ends its line only when done). What counts (:class:`StepTracker
   another bar of the same shape) is never a step; when it moves the job is doing something else
   (saving, evaluating, preparing data): that is a **sign of life**, written as the end of a section
   (``section_ns``, as ``trainer_hooks`` marks one), so a long evaluation is not taken for a hang while
-  a hang inside it still is, and the interval around it does not teach the learned timeout.
+  a hang inside it still is; the interval around it, when long, is a stall the learned timeout does not
+  learn (:class:`supervisor.hang_detector.AutoTimeout`).
 """
 
 from __future__ import annotations

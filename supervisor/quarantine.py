@@ -29,9 +29,7 @@ class Quarantined:
 def quarantine_torn(root: Path, layout: str = "auto", pattern: str = "") -> list[Quarantined]:
     """Rename every torn checkpoint newer than the newest valid one under ``root`` (a layout's steps, or
     single-file checkpoints when no layout recognises it); what was moved."""
-    torn = [(r.path, r.reason) for r in layouts.torn_newest(root, layout)]
-    if not torn and layouts.detect_layout(root) == "unknown" and layout in ("auto", single_file.NAME):
-        torn = _torn_files(root, pattern)
+    torn = torn_newest(root, layout, pattern)
     moved = []
     stamp = int(time.time())
     for path, reason in torn:
@@ -47,21 +45,13 @@ def quarantine_torn(root: Path, layout: str = "auto", pattern: str = "") -> list
     return moved
 
 
-def _torn_files(root: Path, pattern: str) -> list[tuple[Path, str]]:
-    """Single-file checkpoints newer than the newest complete one that fail the format check."""
-    def mtime(path: Path) -> int:
-        try:
-            return path.stat().st_mtime_ns
-        except OSError:
-            return 0
-
-    files = sorted(single_file.tracked_files(root, pattern), key=mtime, reverse=True)
-    torn = []
-    for path in files:
-        check = single_file.check_file(path)
-        if check.ok:
-            break
-        torn.append((path, check.reason))
+def torn_newest(root: Path, layout: str = "auto", pattern: str = "") -> list[tuple[Path, str]]:
+    """(path, why) of every torn checkpoint newer than the newest valid one, newest first: a layout's steps,
+    or single-file checkpoints when no layout recognises ``root`` (what :func:`quarantine_torn` moves, and
+    what the launch line warns of where the trainer picks its own)."""
+    torn = [(Path(r.path), r.reason) for r in layouts.torn_newest(root, layout)]
+    if not torn and layouts.detect_layout(root) == "unknown" and layout in ("auto", single_file.NAME):
+        torn = [(r.path, r.reason) for r in single_file.torn_newest(root, pattern)]
     return torn
 
 

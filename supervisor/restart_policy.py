@@ -90,14 +90,18 @@ class RestartPolicy:
 
 
 def give_up_code(action: Action, result: "AttemptResult", max_no_progress: int) -> tuple[int, str]:
-    """rlsup's exit code when it gives up after ``result``, and the line that says why."""
+    """rlsup's exit code when it gives up after ``result``, and the line that says why, with the step the last
+    attempt reached (``result.last_step``: :func:`supervisor.attempt_progress.step_reached`), never a resume."""
     from supervisor import exit_codes
 
+    at = "" if result.last_step is None else f" at step {result.last_step}"
     if action == Action.NO_PROGRESS:
-        return exit_codes.NO_PROGRESS, f"giving up: {max_no_progress} attempts in a row made no new valid checkpoint"
+        return exit_codes.NO_PROGRESS, (f"giving up{at}: {max_no_progress} attempts in a row made no progress (no "
+                                        "newer valid checkpoint, nor a step past the highest an earlier attempt "
+                                        "reached)")
     code = exit_codes.for_job_code(result.exit_code)
     mapped = f" (the job's exit code {result.exit_code} is one of rlsup's own: exiting {code})" \
         if result.exit_code in exit_codes.RESERVED else ""
     if action == Action.FATAL:
-        return code, f"exit code {result.exit_code} is fatal: not retrying{mapped}"
-    return code, f"giving up after {result.attempt + 1} attempts{mapped}"
+        return code, f"exit code {result.exit_code} is fatal: not retrying{at}{mapped}"
+    return code, f"giving up after {result.attempt + 1} attempts{at}{mapped}"

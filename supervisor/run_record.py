@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from supervisor.attempt_end import AttemptResult
+from supervisor.file_versions import LeftTorn
 from supervisor.incidents import Incident, JobState, append_incident, publish_state, read_state, write_state
 from supervisor.lifecycle import FINAL, Action, EndReason, JobStatus, check_transition
 from supervisor.observer import Observer
@@ -35,13 +36,15 @@ class RunResult:
     incidents: list[Incident]
 
 
-def incident_for(result: AttemptResult, action: Action) -> Incident:
-    """The incident line of an ended attempt and what rlsup did about it."""
+def incident_for(result: AttemptResult, action: Action, left_torn: Sequence[LeftTorn] = ()) -> Incident:
+    """The incident line of an ended attempt and what rlsup did about it; ``left_torn``: the single-file
+    checkpoints the attempt left torn with no version to put back (the next attempt meets them)."""
     return Incident(time=time.time(), attempt=result.attempt, reason=result.reason, exit_code=result.exit_code,
                     signal=result.signal, rank=result.rank, pid=result.pid, detail=result.detail,
                     output_tail=result.output_tail, stacks=result.stacks, last_step=result.last_step,
                     action=action, verdict=result.verdict, suspect_ranks=result.suspect_ranks,
-                    suspect_nodes=result.suspect_nodes, fr_verdict=result.fr_verdict)
+                    suspect_nodes=result.suspect_nodes, fr_verdict=result.fr_verdict,
+                    left_torn=[{"file": str(t.live), "torn": t.why, "no_version": t.no_version} for t in left_torn])
 
 
 class RunRecord:
@@ -59,14 +62,19 @@ class RunRecord:
     # ------------------------------------------------------------ state.json
 
     def set_state(self, status: JobStatus, *, attempt: int | None = None, resume: ResumePoint | None = None,
-                  job_pid: int | None = None, exit_code: int | None = None) -> None:
+                  job_pid: int | None = None, exit_code: int | None = None, last_step: int | None = None) -> None:
         """Move to ``status`` (IllegalTransition if the lifecycle table does not allow it), with its details."""
         self.state.state = check_transition(self.state.state, status)
-        self.update_state(attempt=attempt, resume=resume, job_pid=job_pid, exit_code=exit_code, changed=True)
+        self.update_state(attempt=attempt, resume=resume, job_pid=job_pid, exit_code=exit_code, last_step=last_step,
+                          changed=True)
 
     def update_state(self, *, attempt: int | None = None, resume: ResumePoint | None = None,
-                     job_pid: int | None = None, exit_code: int | None = None, changed: bool = False) -> None:
-        """Details of the current state (state.json); the observer hears of state changes only."""
+                     job_pid: int | None = None, exit_code: int | None = None, last_step: int | None = None,
+                     changed: bool = False) -> None:
+        """Details of the current state (state.json); the observer hears of state changes only. ``last_step``:
+        the step the attempt reached as it ended (its last beats, read after the last poll)."""
+        if last_step is not None:
+            self.state.last_step = last_step
         if attempt is not None:
             self.state.attempt = attempt
             self.state.resume_step = resume.step if resume else None
@@ -80,10 +88,17 @@ class RunRecord:
         if changed:
             self.observer.state(self.state.state.value)
 
-    def heartbeats(self, timeout_s: float, last_step: int | None) -> bool:
+    def heartbeats(self, timeout_s: float, last_step: int | None, origin: Any = None) -> bool:
         """What the running attempt's heartbeats say; True when ``last_step`` moved (state.json is then
-        published, so ``rlsup status`` follows the steps)."""
+        published, so ``rlsup status`` follows the steps, and how the timeout was reached: ``origin``, a
+        :class:`supervisor.hang_detector.TimeoutOrigin`)."""
         self.state.heartbeat_timeout_s = timeout_s
+        how = None if origin is None else {"source": origin.source, "intervals": origin.intervals,
+                                           "stalls": origin.stalls, "text": origin.text}
+        if self.state.heartbeat_timeout_origin != how:
+            self.state.heartbeat_timeout_origin = how
+            if self.state.last_step == last_step:
+                publish_state(self.state_dir, self.state)
         if self.state.last_step == last_step:
             return False
         self.state.last_step = last_step
@@ -99,7 +114,8 @@ class RunRecord:
 
     def add(self, incident: Incident, downtime: float | None = None, resume: ResumePoint | None = None) -> None:
         """Append ``incident``; with ``downtime`` (the next attempt has started) the time lost and where it
-        resumed from."""
+        resumed from. Without, nothing followed it (rlsup gave up or stopped): it claims no resume, and
+        ``resume_known`` stays None."""
         incident.downtime_s = None if downtime is None else round(downtime, 3)
         if resume is not None:
             incident.resumed_from, incident.resumed_step = str(resume.path), resume.step

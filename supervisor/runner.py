@@ -26,7 +26,7 @@ from supervisor.attempt_watch import AttemptWatch
 from supervisor.checkpoint_sight import CheckpointSight
 from supervisor.config import SupervisorConfig
 from supervisor.gpu_failures import KMSG, probe_node
-from supervisor.hang_detector import AutoTimeout, HangSettings
+from supervisor.hang_detector import LEARNED_FILE, AutoTimeout, HangSettings
 from supervisor.health import node_name
 from supervisor.incidents import Incident, JobState
 from supervisor.job_identity import ENV_JOB_ID, JobIdentity, job_identity
@@ -92,10 +92,12 @@ class Supervisor:
         self.sight = CheckpointSight(self.cfg, self.checkpoint_dir, self._log,  # single-file, unreadable, steps
                                      keep_file_versions=self.keeps_file_versions)
         self.record = RunRecord(self.state_dir, self.command, self.observer, self.sight.resume_known)
-        self.watcher = AttemptWatch(self.settings, hang, AutoTimeout.from_settings(hang), self.processes, self.stop,
+        learned = AutoTimeout.from_settings(hang, self.state_dir / LEARNED_FILE, self.command)  # across rlsup restarts
+        self.watcher = AttemptWatch(self.settings, hang, learned, self.processes, self.stop,
                                     self.record, self.sight, self.observer, self.node_name, self.peer_ended,
                                     self.refresh_checkpoint_metric)
-        self.checkpoint_reads = BoundedCalls(f"reading the checkpoint directory {self.checkpoint_dir}", 10.0)
+        self.checkpoint_reads = BoundedCalls(f"reading the checkpoint directory {self.checkpoint_dir}", 10.0,
+                                             forked=True)  # a read stuck in a hung mount never holds rlsup's exit
         self.kernel_log: str | os.PathLike | None = KMSG  # a hang's lost GPU (with_hang_gpu_failure); tests: a file
         self.gpu_probe = probe_node  # NVML on this node's GPUs, to tie a hang's Xid to the job (tests: a stand-in)
 
@@ -146,7 +148,7 @@ class Supervisor:
             else:
                 result = self._launch_and_watch(attempt, resume, pending)
             if result.reason == EndReason.SUCCESS:  # the real exit code (non-zero after a trainer's done line)
-                self.record.set_state(JobStatus.SUCCEEDED, exit_code=result.exit_code or 0)
+                self.record.set_state(JobStatus.SUCCEEDED, exit_code=result.exit_code or 0, last_step=result.last_step)
                 return self._finish(exit_codes.OK, JobStatus.SUCCEEDED, attempt, result.detail)
             if result.reason in (EndReason.STOPPED, EndReason.PREEMPTED):
                 self.record_incident(incident_for(result, Action.STOP))
@@ -157,7 +159,7 @@ class Supervisor:
             if delay is None:
                 code, why = give_up_code(incident.action, result, self.policy.settings.max_no_progress_attempts)
                 self._log(why)
-                self.record.set_state(JobStatus.GAVE_UP, exit_code=code)
+                self.record.set_state(JobStatus.GAVE_UP, exit_code=code, last_step=result.last_step)
                 return self._finish(code, JobStatus.GAVE_UP, attempt)
             pending = (incident, result.ended)
             self.record.set_state(JobStatus.BACKOFF)
@@ -196,11 +198,11 @@ class Supervisor:
         self.record.set_state(JobStatus.FAILED)
         self.attempt_failed(attempt, result)
         newest = self.progress_marker()
-        progress = self.sight.judge(result.last_step, newest, resume)  # supervisor.attempt_progress
         result.last_step = step_reached(result.last_step, resume.step if resume else None, newest)
+        progress = self.sight.judge(result.last_step, newest, resume)  # supervisor.attempt_progress
         decision = self.policy.decide(result.exit_code, progress.progressed)
         self.observer.attempt_failed(result.reason, result.last_step)
-        incident = incident_for(result, decision.action)
+        incident = incident_for(result, decision.action, self.sight.left_torn)
         if not decision.restart:
             self.give_up(f"node gave up after attempt {attempt}: {decision.action}")
             self.record_incident(incident)
@@ -341,19 +343,22 @@ class Supervisor:
     def refresh_checkpoint_metric(self) -> None:
         """A save just ended: report the newest checkpoint, read off the run loop's thread
         (:mod:`supervisor.bounded_calls`: a hung checkpoint mount must not stop hang detection)."""
-        self.checkpoint_reads.call(self._refresh_checkpoint_metric, None)
+        found = self.checkpoint_reads.call(self._newest_checkpoint, None)
+        if found is not None:
+            self.observer.checkpoint(*found)
 
-    def _refresh_checkpoint_metric(self) -> None:
-        """Sizes only for rlsup's own layout, so the supervisor does not re-read every byte the trainer just
+    def _newest_checkpoint(self) -> tuple[int, float] | None:
+        """(step, mtime) of the newest checkpoint, read in a forked child (its value is all that comes back).
+        Sizes only for rlsup's own layout, so the supervisor does not re-read every byte the trainer just
         wrote (restart selection checks all)."""
         from rlsup_format.manifest import latest_valid
 
         if self.settings.checkpoint_layout in ("rlsup", "auto"):
             result = latest_valid(self.checkpoint_dir, full=False)
             if result is not None and result.step is not None:
-                self.observer.checkpoint(result.step, result.path.stat().st_mtime)
-                return
-        self.choose_resume()
+                return result.step, result.path.stat().st_mtime
+        point = self.choose_resume()
+        return (point.step, point.path.stat().st_mtime) if point is not None and point.step is not None else None
 
     def attempt_env(self, attempt: int, resume: ResumePoint | None, hb_dir: Path) -> dict[str, str]:
         env = launch_env(self.settings)
@@ -387,7 +392,9 @@ class Supervisor:
         where = "" if resume is None else f" from {resume.path}" if resume.step is None else \
             f" from step {resume.step} ({resume.path})"
         argv = self.attempt_command(resume)
-        self._log(f"attempt {attempt}: launching {' '.join(argv)}{where}")
+        # Where the trainer picks its own checkpoint: said, with a torn newest one it would load (bounded: a hung mount)
+        note = self.checkpoint_reads.call(lambda: self.sight.launch_note(self.command, resume), "")
+        self._log(f"attempt {attempt}: launching {' '.join(argv)}{where}{note}")
         if self.memory is not None and self.settings.resume and (resume is None or resume.step is not None):
             self.memory.supersede(resume.step if resume is not None else None)  # steps of an abandoned timeline
         env = self.attempt_env(attempt, resume, hb_dir)

@@ -14,6 +14,17 @@ pinning). Every other node reads the claims at each join and sends the slot's re
 the node that held the slot before and comes back late finds a newer claim and is refused (exit 77); it may
 rejoin as a spare.
 
+A node cut off until after the job finished (its rank taken by a spare, the others done) comes back to find the
+store gone with node 0. Before it waits for a store nobody will host again, and long before it would ask for a
+requeue, it looks for the job's end: node 0 (whoever holds node rank 0) writes :class:`JobEnd`, the durable form of
+``done``, before it sets ``done``, into the places every node can read (the checkpoint directory, which the SLURM
+recipe shares, and a persistent tier on a file system, shared by design: :func:`job_end_places`), and a node whose
+store is gone reads them (:class:`JobEndWatch`: in the watch of its attempt, and between a join's reconnect tries;
+each read a bounded call in a child of its own, at most every :data:`JOB_END_LOOK_S`). A record signed with the
+job's secret and written after this node reached the store is this run's: the node exits 0 (:class:`JobEnded`:
+the job finished), never 75. A record of an earlier run of the same job (older than that) is ignored. A node back
+while the store still answers reads its last word, ``done``, before it joins (:func:`check_seat`), and exits 0 too.
+
 Node 0 lost with the embedded store: the store goes with it. A spare that finds the store gone for
 ``spare_takeover_s`` (more for each spare before it), never saw the job finish, and finds another node of the
 job still there (its endpoint not refused) tries to host the store itself on node 0's address and port: only
@@ -23,22 +34,36 @@ or a floating address). With etcd the store outlives node 0 and slot 0 is claime
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import json
 import logging
 import time
 from dataclasses import dataclass, field, replace
 from enum import Enum
+from pathlib import Path
+from typing import TYPE_CHECKING
 
+from rlsup_format.fileio import write_durable
+from rlsup_format.names import Kind, reserved_name
+from supervisor.bounded_calls import BoundedCalls
 from supervisor.coordinator import CoordinationError, RoundCoordinator
 from supervisor.endpoint_probe import EndpointProbe
 from supervisor.job_identity import JobIdentity
-from supervisor.kvstore import OP_TIMEOUT_S, StoreUnavailable, connect_store
+from supervisor.kvstore import OP_TIMEOUT_S, KVStore, StoreUnavailable, connect_store
 from supervisor.membership import Membership
 from supervisor.stop_request import StopRequest
+from supervisor.tiers.part_stores.local import LocalStore
+
+if TYPE_CHECKING:
+    from supervisor.tiers.persistent import PersistentTier
 
 log = logging.getLogger(__name__)
 
 WATCH_POLL_S = 0.1
 DONE_KEY = "done"  # node 0 writes it when the job succeeded: a spare then exits 0
+JOB_END_LOOK_S = 2.0  # a node whose store is gone reads the places of :class:`JobEnd` at most this often
+JOB_END_READ_S = 5.0  # one read of a place (a hung mount is abandoned, and not read again while it hangs)
 
 
 class NodeRole(str, Enum):
@@ -52,6 +77,11 @@ class StoreLostBeforeFirstAttempt(StoreUnavailable):
     """The coordination store went away before the job's first attempt (embedded: node 0 was lost in the first
     round), which every node answers with a requeue (exit 75, :mod:`supervisor.liveness`) once it stays away
     for the lapse; a spare takes no rank then."""
+
+
+class JobEnded(CoordinationError):
+    """The store is gone (or says ``done``) and the job finished without this node, a spare having run its rank:
+    nothing is left to join; the node exits 0, never for a requeue (see the module docstring)."""
 
 
 class SlotTaken(CoordinationError):
@@ -114,6 +144,20 @@ def newest_claim(coordinator: RoundCoordinator, slot: int) -> Claim | None:
 def moved_slots(coordinator: RoundCoordinator, job_size: int) -> dict[int, Claim]:
     """Every slot a spare took, with its newest claim."""
     return {s: c for s in range(job_size) if (c := newest_claim(coordinator, s)) is not None}
+
+
+def check_seat(coordinator: RoundCoordinator, slot: int, gen: int, job_end: "JobEndWatch | None" = None) -> None:
+    """Before a join: :class:`JobEnded` when the store says the job finished (its last word, ``done``) or, a store
+    that forgot the job's keys (etcd), ``job_end``'s record does; :class:`SlotTaken` as :func:`check_holder`; a
+    store out of reach is the join's to wait for."""
+    if job_end is not None and (over := job_end.over()) is not None:
+        raise JobEnded(over)
+    try:
+        if coordinator.keys.get(DONE_KEY) is not None:
+            raise JobEnded(f"the coordination store {coordinator.describe()} says the job finished without this node")
+        check_holder(coordinator, slot, gen)
+    except StoreUnavailable:
+        pass
 
 
 def check_holder(coordinator: RoundCoordinator, slot: int, gen: int) -> None:
@@ -233,6 +277,160 @@ class SpareWatch:
         return None
 
 
+@dataclass(frozen=True)
+class JobEnd:
+    """Node ``node`` saw job ``job`` finish in attempt ``attempt`` at ``at`` (wall clock): the durable form of
+    :data:`DONE_KEY`, for a node that comes back after the store went with the job (see the module docstring)."""
+
+    job: str
+    node: int
+    attempt: int
+    at: float
+
+    def describe(self) -> str:
+        when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.at))
+        return f"node {self.node} recorded the job finished in attempt {self.attempt} at {when}"
+
+    def seal(self, secret: bytes) -> bytes:
+        body = json.dumps({"job": self.job, "node": self.node, "attempt": self.attempt, "at": self.at},
+                          sort_keys=True)
+        return json.dumps({"body": body, "mac": _mac(secret, body)}).encode()
+
+    @classmethod
+    def open(cls, raw: bytes, job: JobIdentity, secret: bytes) -> "JobEnd | None":
+        """The record in ``raw`` when it is whole, signed with ``secret`` and for ``job``; None otherwise."""
+        try:
+            outer = json.loads(raw)
+            body = outer["body"]
+            if not hmac.compare_digest(str(outer["mac"]), _mac(secret, body)):
+                return None
+            d = json.loads(body)
+            end = cls(str(d["job"]), int(d["node"]), int(d["attempt"]), float(d["at"]))
+        except (ValueError, KeyError, TypeError):
+            return None
+        return end if end.job == job.id else None
+
+
+def _mac(secret: bytes, body: str) -> str:
+    return hmac.new(secret, b"rlsup-job-end\0" + body.encode(), hashlib.sha256).hexdigest()
+
+
+def job_end_name(job: JobIdentity) -> str:
+    """The record's file name in each place (hidden, like rlsup's other files beside the job's)."""
+    return f".rlsup-job-end.{job.id}.json"
+
+
+def job_end_places(checkpoint_dir: Path, persistent_root: Path | None) -> tuple[Path, ...]:
+    """Where :class:`JobEnd` is written and looked for: the checkpoint directory (shared by every node in the SLURM
+    recipe) and the persistent tier's directory for this job when the tier is a file system (an object store is
+    not written: a node reads what its own file systems show it)."""
+    return (checkpoint_dir,) if persistent_root is None else (checkpoint_dir, persistent_root)
+
+
+def write_job_end(places: tuple[Path, ...], end: JobEnd, secret: bytes, job: JobIdentity) -> list[str]:
+    """Write ``end`` into every place, each in a bounded call (a hung mount is left behind); the errors, in words."""
+    errors = []
+    data = end.seal(secret)
+    for place in places:
+        def write(place: Path = place) -> bool:
+            place.mkdir(parents=True, exist_ok=True)
+            write_durable(place / job_end_name(job), data, place / reserved_name(Kind.TMP, "job-end"))
+            return True
+        try:
+            if not BoundedCalls(f"writing the job's end to {place}", JOB_END_READ_S, forked=True).call(write, False):
+                errors.append(f"{place}: not answering")
+        except OSError as e:
+            errors.append(f"{place}: {e}")
+    return errors
+
+
+@dataclass
+class JobEndLookout:
+    """A node's look for :class:`JobEnd` once its store is gone (see the module docstring): a record of this run
+    (written at or after ``since``, when this node reached the store, by node 0's wall clock: hosts' clocks agree
+    to far better than a job's length) in any of ``places``."""
+
+    places: tuple[Path, ...]
+    job: JobIdentity
+    secret: bytes
+    since: float
+    every_s: float = JOB_END_LOOK_S
+    _next: float = 0.0
+    _reads: dict[Path, BoundedCalls] = field(default_factory=dict)
+    _found: JobEnd | None = None  # once found, the end stays found (no more reads)
+
+    def look(self) -> JobEnd | None:
+        """The job's end when a place records it; None when none does, or the last look was under ``every_s`` ago."""
+        now = time.monotonic()
+        if self._found is not None or now < self._next:
+            return self._found
+        self._next = now + self.every_s
+        for place in self.places:
+            reads = self._reads.setdefault(place, BoundedCalls(f"reading the job's end in {place}", JOB_END_READ_S,
+                                                               forked=True))  # a hung mount never holds rlsup's exit
+            try:
+                raw = reads.call(lambda place=place: _read(place / job_end_name(self.job)), None)
+            except OSError as e:
+                log.info("could not read the job's end in %s: %s", place, e)
+                continue
+            end = JobEnd.open(raw, self.job, self.secret) if raw is not None else None
+            if end is not None and end.at >= self.since:
+                self._found = end
+                return end
+        return None
+
+
+@dataclass
+class JobEndWatch:
+    """A slot holder's side of :class:`JobEnd` (the run loop's by composition): node 0 records the end; every node
+    whose store is gone looks for it, in the watch of its attempt and between a join's reconnect tries."""
+
+    lookout: JobEndLookout
+
+    @classmethod
+    def attach(cls, coordinator: RoundCoordinator, checkpoint_dir: Path, persistent: "PersistentTier | None",
+               job: JobIdentity) -> "JobEndWatch":
+        """The watch for the job of ``coordinator``; a join's wait for a lost store then reconnects in slices of
+        :data:`JOB_END_LOOK_S` and ends with :class:`JobEnded` once a record says the job finished. ``persistent``:
+        the node's persistent tier (or None); read and written when it is a file system."""
+        tier = persistent.store if persistent is not None else None
+        places = job_end_places(checkpoint_dir, tier.root if isinstance(tier, LocalStore) else None)
+        watch = cls(JobEndLookout(places, job, coordinator.secret, coordinator.started))
+        if coordinator.reconnect is not None:
+            reconnect = coordinator.reconnect
+
+            def reconnect_unless_ended(wait_s: float) -> KVStore:
+                if (over := watch.over()) is not None:
+                    raise JobEnded(f"the coordination store {coordinator.describe()} is gone and {over}")
+                return reconnect(min(wait_s, JOB_END_LOOK_S))
+            coordinator.reconnect = reconnect_unless_ended
+        return watch
+
+    def over(self) -> str | None:
+        """The job's end in words when a record says it finished without this node; None otherwise."""
+        end = self.lookout.look()
+        return None if end is None else f"{end.describe()}: it finished without this node"
+
+    def record(self, node: int, attempt: int) -> None:
+        """Node 0, the job succeeded: the record, before ``done`` (the store goes with this node)."""
+        lookout = self.lookout
+        errors = write_job_end(lookout.places, JobEnd(lookout.job.id, node, attempt, time.time()), lookout.secret,
+                               lookout.job)
+        written = [str(p) for p in lookout.places if not any(e.startswith(f"{p}:") for e in errors)]
+        if written:
+            log.info("the job's end recorded in %s (for a node that comes back after it)", ", ".join(written))
+        if errors:
+            log.warning("could not record the job's end in %s", "; ".join(errors))
+
+
+def _read(path: Path) -> bytes | None:
+    try:
+        with open(path, "rb") as f:
+            return f.read(64 * 1024)
+    except FileNotFoundError:
+        return None
+
+
 def spares_left(roster: Roster, moved: dict[int, Claim]) -> int:
     """The roster's spares not yet used: each claim generation is one spare taken."""
     return max(0, roster.spares - sum(c.gen for c in moved.values()))
@@ -262,5 +460,6 @@ def taken_over(roster: Roster, claim: Claim, moved: dict[int, Claim]) -> Members
     return replace(roster.membership(claim.slot, endpoints))
 
 
-__all__ = ["NodeRole", "Roster", "Claim", "SlotTaken", "StoreLostBeforeFirstAttempt", "SpareWatch", "SpareSeat", "newest_claim", "moved_slots", "check_holder", "refuse_if_taken",
+__all__ = ["NodeRole", "Roster", "Claim", "JobEnd", "JobEndLookout", "JobEndWatch", "JobEnded", "check_seat",
+           "job_end_places", "write_job_end", "SlotTaken", "StoreLostBeforeFirstAttempt", "SpareWatch", "SpareSeat", "newest_claim", "moved_slots", "check_holder", "refuse_if_taken",
            "try_claim", "spares_left", "watch_for_slot", "taken_over", "DONE_KEY"]

@@ -131,11 +131,34 @@ def group_stacks(stacks: dict[str, str], node: str = "") -> StackVerdict:
 
 
 def add_verdict(result: "AttemptResult", node: str) -> None:
-    """Fill ``result``'s verdict and suspects from its stacks (taken on this node, ``node``)."""
+    """Fill ``result``'s verdict and suspects from its stacks (taken on this node, ``node``). A hang seen in the
+    job's output (rank :data:`~supervisor.progress.JOB_RANK`, whose pid is the job's root: the torchrun agent,
+    a CLI parent) is blamed on the stuck trainer process the stacks name (:func:`name_stuck_process`)."""
+    from supervisor.progress import JOB_RANK
+
     grouped = group_stacks(result.stacks, node=node)
     result.verdict = grouped.describe()
     result.suspect_ranks = grouped.suspects
     result.suspect_nodes = [node] if grouped.suspects else []
+    if result.rank == JOB_RANK:
+        name_stuck_process(result, grouped.suspects, node)
+
+
+def name_stuck_process(result: "AttemptResult", suspects: list[int], node: str) -> None:
+    """``result``'s rank and pid become the stuck trainer's (:func:`supervisor.stacks.culprit`), or None where the
+    stacks single out none: never the launcher whose output went silent. Its verdict and detail lead with it."""
+    from supervisor.stacks import culprit
+
+    found = culprit(result.stacks, suspects)
+    result.rank, result.pid = (found.rank, found.pid) if found is not None else (None, None)
+    if found is None:
+        return
+    where = f" on node {node}" if node else ""
+    stuck = f"stuck: {found.describe()}{where}"
+    result.verdict = f"{stuck}; {result.verdict}" if result.verdict else stuck
+    result.detail = f"{result.detail}; {stuck}" if result.detail else stuck
+    if found.rank is not None and found.singled_out and not result.suspect_ranks:
+        result.suspect_ranks, result.suspect_nodes = [found.rank], [node] if node else []
 
 
 def _ranks_text(ranks: list[int]) -> str:

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import re
 import shutil
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
@@ -29,7 +31,7 @@ def dump_stacks(hb_dir: Path, records: Mapping[int, HeartbeatRecord], wait_s: fl
     records = dict(records)
     job = records.pop(JOB_RANK, None)  # the output's record: its pid never registered a stack handler
     if job is not None and job_level_only(records.values()):
-        return job_tree_stacks(pyspy, job.pid)
+        return job_tree_stacks(pyspy, job.pid, hb_dir)
     for rank, rec in sorted(records.items()):
         key = f"rank {rank} pid {rec.pid}"
         if pyspy and (text := _pyspy(pyspy, rec.pid)):
@@ -113,10 +115,14 @@ def find_pyspy() -> str | None:
     return shutil.which("py-spy") or (str(beside) if beside.exists() else None)
 
 
-def job_tree_stacks(pyspy: str | None, root_pid: int) -> dict[str, str]:
+def job_tree_stacks(pyspy: str | None, root_pid: int, hb_dir: Path | None = None) -> dict[str, str]:
     """py-spy stacks of every Python process of a job that does not heartbeat itself (an unmodified
-    trainer read through ``progress``): keyed by its ``RANK`` when its environment has one. A Ray
-    driver's actors on this node are added (:func:`outside_ray_workers`). Dumps run side by side."""
+    trainer read through ``progress``), keyed by what each one is (:func:`tree_roles`): a rank as ``rank R pid
+    P`` as far as any source tells its number, a launcher (the torchrun agent, a CLI that runs the trainer as
+    its child) as ``launcher pid P (...)``, a trainer's own worker as ``pid P (helper of pid Q)``. A Ray
+    driver's actors on this node are added (:func:`outside_ray_workers`). Dumps run side by side; a stopped
+    process's text starts with :data:`STOPPED_NOTE` and one in a filesystem's wait with
+    :data:`FILESYSTEM_NOTE` whether or not py-spy could read it (:func:`culprit` reads them)."""
     import psutil
 
     try:
@@ -125,31 +131,203 @@ def job_tree_stacks(pyspy: str | None, root_pid: int) -> dict[str, str]:
         outside = outside_ray_workers(tree, root.uids().real)
     except psutil.Error:
         return {f"job pid {root_pid}": "(process gone)"}
-    keyed = [k for k in map(_key_in_tree, tree) if k is not None]
+    keyed = [(role.pid, role.key()) for role in tree_roles(tree, hb_dir)]
     keyed += [(p.pid, f"pid {p.pid} ({title})") for p, title in outside]  # never a rank of this job
     with concurrent.futures.ThreadPoolExecutor(max_workers=8) as pool:
         texts = list(pool.map(lambda k: _pyspy(pyspy, k[0]) if pyspy else None, keyed))
-    out = {key: text or ("(no stack: py-spy is not installed)" if pyspy is None else "(py-spy could not read it)")
-           for (_, key), text in zip(keyed, texts)}
+    out = {}
+    for (pid, key), text in zip(keyed, texts):
+        text = text or ("(no stack: py-spy is not installed)" if pyspy is None else "(py-spy could not read it)")
+        out[key] = _with_state_note(pid, text)
     return out or {f"job pid {root_pid}": "(no Python process in the job)"}
 
 
-def _key_in_tree(proc) -> tuple[int, str] | None:
-    """(pid, key) of a Python process of the job's own tree; None for anything py-spy cannot read."""
+#: The first line of the stacks of a process asleep in a filesystem's wait (state D, a FUSE/NFS/Lustre wchan).
+FILESYSTEM_NOTE = "(process asleep in the kernel: state D or a filesystem's wait)"
+
+
+def _with_state_note(pid: int, text: str) -> str:
+    """``text`` led by why the process does not move, where its state says (py-spy's own read adds the
+    stopped note already)."""
+    if text.startswith((STOPPED_NOTE, FILESYSTEM_NOTE)):
+        return text
+    if process_stopped(pid):
+        return f"{STOPPED_NOTE}\n{text}"
+    if in_filesystem_wait(pid):
+        return f"{FILESYSTEM_NOTE}\n{text}"
+    return text
+
+
+@dataclass(frozen=True)
+class TreeRole:
+    """One Python process of a job's tree: what it is, and its rank with where that number came from."""
+
+    pid: int
+    kind: str  # "trainer" | "launcher" | "helper"
+    title: str  # the first words of its command line (or its Ray title)
+    rank: int | None = None
+    rank_from: str = ""  # "RANK", "LOCAL_RANK", "cmdline", "warm rank record", "the job's only process"
+    parent: int | None = None
+
+    def key(self) -> str:
+        if self.kind == "launcher":
+            return f"launcher pid {self.pid} ({self.title})"
+        if self.kind == "helper":
+            return f"pid {self.pid} (helper of pid {self.parent}: {self.title})"
+        if self.rank is not None:
+            return f"rank {self.rank} pid {self.pid}"
+        return f"pid {self.pid} ({self.title})"
+
+
+#: A trainer's own workers, never the trainer: multiprocessing's children (DataLoader workers spawned, the
+#: resource tracker) and torch's compile workers. A forked worker is told by its command line, its parent's.
+_HELPER_MARKS = ("from multiprocessing.", "--multiprocessing-fork", "_inductor/compile_worker", "_inductor.compile_worker")
+#: Launchers by their command line (a launcher whose ranks have exited, or not started yet, has no Python child):
+#: torchrun (and the warm launcher's zygote that becomes it), accelerate's and DeepSpeed's launchers.
+_LAUNCHER_NAMES = ("torchrun", "warm_launcher.py", "accelerate", "deepspeed")
+_LAUNCHER_MODULES = ("torch.distributed.run", "torch.distributed.launch", "accelerate.commands.launch",
+                     "deepspeed.launcher.runner")
+_CMDLINE_RANK = re.compile(r"^--local[_-]rank(?:=(\d+))?$")
+
+
+def tree_roles(tree: list, hb_dir: Path | None = None) -> list[TreeRole]:
+    """What each Python process of the job's tree is (``tree``: psutil processes, the job's root first). A
+    launcher is a Python process with a Python child that is not its helper (torchrun's agent, ``trl sft``
+    running the trainer as a child): it never holds a rank, so a hang never names it while its trainer is
+    known. A trainer's rank comes from its environment (``RANK``; ``LOCAL_RANK`` on one node), the warm rank's
+    own record (a warm-started rank's ``/proc/PID/environ`` is the one it was spawned with: no ``RANK``), or
+    its command line (``--local_rank N`` on one node); a job's only trainer, outside any distributed world
+    (no ``WORLD_SIZE``, or 1), is rank 0."""
     import psutil
 
+    info: dict[int, tuple[list[str], dict[str, str], int]] = {}
+    for proc in tree:
+        try:
+            cmd, env, ppid = proc.cmdline(), proc.environ(), proc.ppid()
+        except psutil.Error:
+            continue
+        if cmd and ("python" in os.path.basename(cmd[0]) or is_ray_worker(cmd[0])):
+            info[proc.pid] = (cmd, env, ppid)  # py-spy reads Python processes (a Ray worker is one under its title)
+
+    def helper(pid: int) -> bool:
+        cmd, _, ppid = info[pid]
+        return ppid in info and (cmd == info[ppid][0] or any(m in arg for arg in cmd for m in _HELPER_MARKS))
+
+    helpers = {pid for pid in info if helper(pid)}
+    launchers = {info[pid][2] for pid in info if pid not in helpers and info[pid][2] in info}
+    launchers |= {pid for pid in info if pid not in helpers and _launcher_command(info[pid][0])}
+    warm = _warm_rank_records(hb_dir)
+    roles = []
+    for pid, (cmd, env, ppid) in info.items():
+        title = cmd[0].split()[0] if is_ray_worker(cmd[0]) else " ".join(cmd[:3])
+        if pid in helpers:
+            roles.append(TreeRole(pid, "helper", title, parent=ppid))
+        elif pid in launchers:
+            roles.append(TreeRole(pid, "launcher", title))
+        else:
+            rank, source = _rank_of(cmd, env, warm.get(pid))
+            roles.append(TreeRole(pid, "trainer", title, rank, source))
+    trainers = [r for r in roles if r.kind == "trainer"]
+    if len(trainers) == 1 and trainers[0].rank is None and info[trainers[0].pid][1].get("WORLD_SIZE", "1") == "1":
+        only = trainers[0]
+        roles[roles.index(only)] = TreeRole(only.pid, only.kind, only.title, 0, "the job's only process")
+    return roles
+
+
+def _launcher_command(cmd: list[str]) -> bool:
+    """Whether a command line is a known launcher's (the interpreter, then its script or ``-m`` module)."""
+    head = cmd[1:4]
+    return any(os.path.basename(a) in _LAUNCHER_NAMES or a in _LAUNCHER_MODULES for a in head)
+
+
+def _one_node(env: Mapping[str, str]) -> bool:
+    """Whether a local rank is the rank: the world is this node's (torchrun sets both sizes)."""
+    return env.get("WORLD_SIZE") in (None, env.get("LOCAL_WORLD_SIZE"))
+
+
+def _rank_of(cmd: list[str], env: Mapping[str, str], warm: int | None) -> tuple[int | None, str]:
+    """A process's rank and where it came from, or (None, "")."""
+    if env.get("RANK", "").isdigit():
+        return int(env["RANK"]), "RANK"
+    if warm is not None:
+        return warm, "warm rank record"
+    if env.get("LOCAL_RANK", "").isdigit() and _one_node(env):
+        return int(env["LOCAL_RANK"]), "LOCAL_RANK"
+    for i, arg in enumerate(cmd):
+        m = _CMDLINE_RANK.match(arg)
+        if m and _one_node(env):
+            value = m.group(1) if m.group(1) is not None else (cmd[i + 1] if i + 1 < len(cmd) else "")
+            if value.isdigit():
+                return int(value), "cmdline"
+    return None, ""
+
+
+def _warm_rank_records(hb_dir: Path | None) -> dict[int, int]:
+    """{pid: rank} from the warm ranks' own records in the attempt's heartbeat directory
+    (:func:`supervisor.warm_rank.record_rank`)."""
+    import json
+
+    from supervisor.warm_rank import RANK_RECORD_GLOB
+
+    out: dict[int, int] = {}
+    if hb_dir is None:
+        return out
     try:
-        cmd = proc.cmdline()
-        rank = proc.environ().get("RANK")
-    except psutil.Error:
-        return None
-    if not cmd or not ("python" in os.path.basename(cmd[0]) or is_ray_worker(cmd[0])):
-        return None  # py-spy reads Python processes (a Ray worker is one under its own title)
-    if rank is not None:
-        return proc.pid, f"rank {rank} pid {proc.pid}"
-    if is_ray_worker(cmd[0]):
-        return proc.pid, f"pid {proc.pid} ({cmd[0].split()[0]})"
-    return proc.pid, f"pid {proc.pid} ({' '.join(cmd[:3])})"
+        paths = list(hb_dir.glob(RANK_RECORD_GLOB))
+    except OSError:
+        return out
+    for path in paths:
+        try:
+            data = json.loads(path.read_text())
+            out[int(data["pid"])] = int(data["rank"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return out
+
+
+@dataclass(frozen=True)
+class Culprit:
+    """The process a hang is blamed on, read from one incident's stacks: its pid, its rank where a source told
+    it, and why it (stopped, in a filesystem's wait, the one rank the stacks single out, the job's only trainer)."""
+
+    pid: int
+    rank: int | None
+    why: str
+    singled_out: bool = True  # its state or the stacks set it apart (not merely the only trainer)
+
+    def describe(self) -> str:
+        who = f"rank {self.rank} (pid {self.pid})" if self.rank is not None else f"pid {self.pid}"
+        return f"{who}: {self.why}"
+
+
+_RANK_KEY = re.compile(r"^rank (\d+) pid (\d+)$")
+_TRAINER_KEY = re.compile(r"^pid (\d+) \((?!helper of )")
+
+
+def culprit(stacks: Mapping[str, str], suspects: list[int] | None = None) -> Culprit | None:
+    """Who a job-level hang is blamed on, from :func:`job_tree_stacks`' keys and notes; never a launcher or a
+    helper. First a trainer process that is stopped, then one asleep in a filesystem's wait, then the one rank
+    the stacks' grouping singles out (``suspects``), then the job's only trainer process; None where several
+    trainers are equally likely (nobody is named rather than the wrong one)."""
+    trainers: list[tuple[int, int | None, str]] = []  # (pid, rank, text)
+    for key, text in stacks.items():
+        if m := _RANK_KEY.match(key):
+            trainers.append((int(m.group(2)), int(m.group(1)), text))
+        elif m := _TRAINER_KEY.match(key):
+            trainers.append((int(m.group(1)), None, text))
+    trainers.sort(key=lambda t: (t[1] is None, t[1] if t[1] is not None else 0, t[0]))
+    for note, why in ((STOPPED_NOTE, "stopped (SIGSTOP, or a debugger holds it)"),
+                      (FILESYSTEM_NOTE, "asleep in the kernel (state D or a filesystem's wait)")):
+        held = [t for t in trainers if t[2].startswith(note)]
+        if held:
+            return Culprit(held[0][0], held[0][1], why)
+    if suspects and len(suspects) == 1:
+        named = [t for t in trainers if t[1] == suspects[0]]
+        if len(named) == 1:
+            return Culprit(named[0][0], named[0][1], "the one rank the stacks single out")
+    if len(trainers) == 1:
+        return Culprit(trainers[0][0], trainers[0][1], "the job's only trainer process", singled_out=False)
+    return None
 
 
 #: How Ray titles its worker processes: ``ray::<Actor>.<method>``, ``ray::<Actor>`` or ``ray::<task>``.

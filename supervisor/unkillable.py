@@ -46,6 +46,8 @@ _ARM64: dict[int, "int | str"] = {
 }
 _SYSCALLS = {"x86_64": _X86_64, "aarch64": _ARM64}
 #: Filesystem types that hang when a server or daemon stops answering: their mounts are named first.
+#: Kernel functions a caller sleeps in while a FUSE daemon or a network filesystem's server has not answered.
+_REMOTE_WAIT = re.compile(r"fuse|request_wait_answer|nfs|rpc_wait|ptlrpc|lustre|cifs|smb|ceph|9p")
 _SHARED_FS = ("fuse", "nfs", "lustre", "cifs", "smb", "ceph", "gpfs", "9p", "beegfs", "glusterfs", "afs")
 
 
@@ -305,4 +307,75 @@ def _write_record(record: Path | None, grace: float, held: list[StuckProcess], s
             say(f"could not write {record}: {e}")
 
 
-__all__ = ["unkillable_result", "Mount", "StuckProcess", "mounts", "mount_of", "examine", "uninterruptible", "verdict", "UNINTERRUPTIBLE"]
+def _thread_names() -> dict[int, str]:
+    return {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
+
+
+def held_threads(table: list[Mount] | None = None) -> list[dict]:
+    """This process's own threads asleep in a system call on a file of a shared mount (FUSE, NFS, Lustre ...),
+    or in state D: ``tid``, ``name`` (the Python thread's), ``state``, ``wchan``, ``waiting_on``, ``mount``.
+    Such a thread holds the process's exit in the kernel until its mount answers: rlsup moves whatever touches
+    the job's directories into forked children (:mod:`supervisor.bounded_calls`), and names any left here."""
+    table = mounts() if table is None else table
+    names, me = _thread_names(), threading.get_native_id()
+    out = []
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        return []
+    for tid in tids:
+        if tid == me:
+            continue
+        state, _name = _state(tid)
+        target = waiting_on(tid)
+        mount = mount_of(target, table) if target else None
+        on_shared = mount is not None and mount.fstype.startswith(_SHARED_FS)
+        wchan = _read(f"/proc/{tid}/wchan").strip()
+        if on_shared or (state == UNINTERRUPTIBLE and _REMOTE_WAIT.search(wchan)):  # a local disk's D passes
+            out.append({"tid": tid, "name": names.get(tid, "?"), "state": state, "wchan": wchan,
+                        "waiting_on": target, "mount": mount.point if mount is not None else ""})
+    return out
+
+
+def left_at_exit(state_dir: Path, code: int, helpers: list[dict], say: Callable[[str], None]) -> dict | None:
+    """What rlsup leaves behind as it exits with ``code``: the attempt's processes found unkillable that are
+    still alive (``unkillable.json``), its own forked calls still there (``helpers``: ``pid``, ``label``,
+    ``doing``, ``state``), and its own threads asleep on a mount (:func:`held_threads`). Said in one line
+    that names the mounts, and written into ``unkillable.json`` under ``exit``; None when nothing is left."""
+    record_path = state_dir / "unkillable.json"
+    try:
+        record = json.loads(record_path.read_text())
+    except (OSError, ValueError):
+        record = {}
+    table = mounts()
+    ranks = [p for p in record.get("processes", []) if _state(p["pid"])[0] not in ("", "Z", "X")]
+    for h in helpers:
+        h["mounts"] = sorted({m.point for path in _open_files(h["pid"]) + [waiting_on(h["pid"])]
+                              if path and (m := mount_of(path, table)) is not None and m.point != "/"})
+    threads = held_threads(table)
+    if not (ranks or helpers or threads):
+        return None
+    named = sorted({m for p in ranks for m in p.get("mounts", [])} | {m for h in helpers for m in h["mounts"]}
+                   | {t["mount"] for t in threads if t["mount"]})
+    parts = [f"rank {p['rank']} pid {p['pid']} (state {_state(p['pid'])[0]})" for p in ranks]
+    parts += [f"rlsup's helper pid {h['pid']} ({h['label']}{': ' + h['doing'] if h['doing'] else ''}, "
+              f"state {h['state'] or '?'})" for h in helpers]
+    parts += [f"rlsup's own thread {t['name']} (tid {t['tid']}, {t['wchan'] or t['state']}"
+              f"{' on ' + t['waiting_on'] if t['waiting_on'] else ''}): this process's exit waits for its mount"
+              for t in threads]
+    where = f" on mount{'s' if len(named) != 1 else ''} {', '.join(named)}" if named else ""
+    say(f"exit {code}: left behind{where} (not answering): {'; '.join(parts)}; the scheduler's node cleanup "
+        "ends them once the mount answers or the node is rebooted")
+    record["exit"] = {"code": code, "mounts": named, "ranks": [p["pid"] for p in ranks], "helpers": helpers,
+                      "threads": threads}
+    try:
+        state_dir.mkdir(parents=True, exist_ok=True)
+        tmp = record_path.with_name(f".{record_path.name}.{os.getpid()}")
+        tmp.write_text(json.dumps(record, indent=1))
+        os.replace(tmp, record_path)
+    except OSError as e:
+        say(f"could not write {record_path}: {e}")
+    return record["exit"]
+
+
+__all__ = ["left_at_exit", "held_threads", "unkillable_result", "Mount", "StuckProcess", "mounts", "mount_of", "examine", "uninterruptible", "verdict", "UNINTERRUPTIBLE"]

@@ -35,6 +35,11 @@ import sys
 from typing import Any
 
 READY = b"R"
+#: The warm rank's own record of the rank it became, in the attempt's heartbeat directory: its
+#: ``/proc/PID/environ`` stays the one it was spawned with (no ``RANK``), so this is where rlsup reads the
+#: number of a hung warm-started rank (:func:`supervisor.stacks.tree_roles`).
+RANK_RECORD = "warm_rank.{pid}.json"
+RANK_RECORD_GLOB = "warm_rank.*.json"
 #: Parts of torch that torch imports lazily on first use and nearly every trainer reaches at once: the
 #: first optimizer built imports the compiler stack, ``torch._dynamo`` (1.5 s of a 2-core restart).
 #: Imported ahead like torch itself; a torch without them is simply not warmed further.
@@ -168,6 +173,24 @@ def _become(message: dict, torch_state: Any, layout: tuple[str, str, list[str]])
     sys.argv = ["-m" if mode == "module" else target, *rest]
     _reseed(torch_state)
     _rearm_imports()
+    _record_rank()
+
+
+def _record_rank() -> None:
+    """Write :data:`RANK_RECORD` (pid, RANK, LOCAL_RANK) where rlsup's attempt keeps its heartbeats; nothing
+    where the worker has no rank or no such directory (a warm rank outside rlsup), or it cannot be written."""
+    directory, rank = os.environ.get("RLSUP_HEARTBEAT_DIR"), os.environ.get("RANK", "")
+    if not directory or not rank.isdigit() or not os.path.isdir(directory):
+        return
+    pid = os.getpid()
+    path = os.path.join(directory, RANK_RECORD.format(pid=pid))
+    tmp = f"{path}.tmp"
+    try:
+        with open(tmp, "w") as fh:
+            json.dump({"pid": pid, "rank": int(rank), "local_rank": os.environ.get("LOCAL_RANK")}, fh)
+        os.replace(tmp, path)  # whole or not at all
+    except OSError:
+        pass
 
 
 def _default_signals(caught: list[int]) -> None:

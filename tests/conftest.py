@@ -78,7 +78,10 @@ FAST_MODULES: dict[str, frozenset[str]] = {
     "test_house_rules.py": frozenset(),
     "test_import_side_effects.py": frozenset(),
     "test_kvstore.py": frozenset({"[etcd]", "etcd_cluster", "etcd_cluster_clean"}),  # real etcd servers
-    "test_launch_args.py": frozenset(),
+    "test_launch_args.py": frozenset({  # rlsup run around a trainer that picks its newest step itself
+        "test_torn_newest_step_under_a_trainer_that_picks_it_is_named_with_both_remedies",
+        "test_with_quarantine_invalid_the_trainer_picking_latest_finishes",
+        "test_with_the_placeholder_the_trainer_loads_rlsups_choice_and_finishes"}),
     "test_layouts_areal.py": frozenset(),
     "test_layouts_dcp.py": frozenset(),
     "test_layouts_deepspeed.py": frozenset({"real"}),  # the real DeepSpeed runs (module fixture)
@@ -96,7 +99,8 @@ FAST_MODULES: dict[str, frozenset[str]] = {
     "test_layouts_verl.py": frozenset(),
     "test_lifecycle.py": frozenset(),
     "test_log_lines.py": frozenset(),
-    "test_logging.py": frozenset({"test_persistent_tier_line_reaches_rlsup_stderr"}),
+    "test_logging.py": frozenset({"test_persistent_tier_line_reaches_rlsup_stderr",
+                                  "test_rlsup_logging_between_the_jobs_text_and_newline_never_cuts_a_line"}),
     "test_manifest.py": frozenset(),
     "test_memory_tier.py": frozenset({"test_rank_sigkill_resumes_from_memory_bit_identical_and_success_removes_the_dir",
                                       "test_rlsup_sigkilled_successor_resumes_from_memory_bit_identical",
@@ -113,6 +117,7 @@ FAST_MODULES: dict[str, frozenset[str]] = {
     "test_persistent_tier.py": frozenset({"test_wiped_local_resumes_from_persistent_bit_identical"}),
     "test_private_files.py": frozenset(),
     "test_proc_children.py": frozenset(),
+    "test_progress_rule.py": frozenset(),
     "test_progress.py": frozenset({"test_frozen_unmodified_trainer_is_a_hang_with_stacks",
                                    "test_rank_heartbeats_take_precedence_over_output",
                                    "test_unmodified_trainers_step_reaches_metrics_and_status",
@@ -130,6 +135,9 @@ FAST_MODULES: dict[str, frozenset[str]] = {
     "test_settings.py": frozenset(),
     "test_single_file.py": frozenset(),
     "test_spares_claims.py": frozenset(),
+    "test_multinode_job_end.py": frozenset({  # a store's loss waited out (10 s); real nodes (a spare scenario)
+        "test_a_join_waiting_for_a_lost_store_ends_when_the_job_s_end_is_found",
+        "test_a_node_cut_off_until_after_the_job_finished_exits_0"}),
     "test_spare_probe.py": frozenset({  # each waits out a real takeover window (1.2-1.5 s)
         "test_a_missing_node_whose_endpoint_accepts_waits_for_the_window",
         "test_a_node_back_in_a_round_is_judged_afresh_in_the_next",

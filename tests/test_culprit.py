@@ -4,6 +4,7 @@ Real processes throughout: torchrun with four gloo ranks, a real failing health 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -118,3 +119,102 @@ def test_incidents_json_and_missing_file(workdir: Path) -> None:
     missing = subprocess.run([PY, "-m", "supervisor.cli", "incidents", str(workdir / "nope")], capture_output=True,
                              text=True, timeout=60)
     assert missing.returncode == 1 and "no incidents.jsonl" in missing.stderr
+
+
+# ------------------------------------------------------------ a hang seen in the output names the stuck trainer
+
+def _hangs(workdir: Path) -> list[dict]:
+    return [i for i in incidents(workdir / ".rlsup") if i["reason"] == "hang"]
+
+
+def test_a_sigstopped_torchrun_rank_is_named_with_its_rank_cold_and_warm_started(workdir: Path) -> None:
+    """No trainer_hooks: the hang is seen in the output (the job-level record, whose pid is torchrun's agent).
+    Rank 1 stops itself in attempt 0 (cold: its RANK is in /proc/PID/environ) and in attempt 1 (started by the
+    warm launcher: its environ is the warm rank's, the rank comes from the warm rank's own record)."""
+    # 10 s: the job's own end (the ranks' exit, then the agent's) is not paced by steps, and the warm launcher armed
+    # beside each attempt slows it on a loaded machine; a tighter timeout took it for a hang
+    r = run_rlsup(["run", *FAST, "--heartbeat-timeout", "10", "--progress-regex", r"^step (\d+)", "--", PY, "-m",
+                   "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                   str(JOBS / "stopped_rank_job.py"), "ranks", "0,1"], workdir, timeout=300)
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert "attempt 1: started by the warm launcher" in r.stderr, r.stderr[-3000:]
+    stopped = [int(p) for p in re.findall(r"rank 1 pid (\d+) stopping", r.stdout)]
+    hangs = _hangs(workdir)
+    assert len(stopped) == 2 and len(hangs) == 2, (stopped, hangs)
+    for inc, pid in zip(hangs, stopped):
+        assert (inc["rank"], inc["pid"]) == (1, pid), inc  # the stopped rank, never torchrun's agent
+        assert inc["verdict"].startswith(f"stuck: rank 1 (pid {pid}): stopped"), inc["verdict"]
+        assert inc["suspect_ranks"] == [1] and f"rank 1 pid {pid}" in inc["stacks"], list(inc["stacks"])
+        assert any(key.startswith("launcher pid ") for key in inc["stacks"]), list(inc["stacks"])
+
+
+def test_a_hung_trainer_run_as_a_child_is_named_not_its_cli_parent(workdir: Path) -> None:
+    """One process whose Python runs the trainer as a child (one-process ``trl sft``): the child is the culprit,
+    rank 0 (the job's only trainer, in no distributed world)."""
+    r = run_rlsup(["run", *FAST, "--heartbeat-timeout", "6", "--warm-launcher", "false", "--progress-regex",
+                   r"^step (\d+)", "--", PY, str(JOBS / "stopped_rank_job.py"), "child"], workdir, timeout=180)
+    assert r.returncode == 0, r.stderr[-4000:]
+    launcher = int(re.findall(r"launcher pid (\d+)", r.stdout)[0])
+    trainer = int(re.findall(r"trainer pid (\d+)", r.stdout)[0])
+    (inc,) = _hangs(workdir)
+    assert (inc["rank"], inc["pid"]) == (0, trainer) and inc["pid"] != launcher, inc
+    assert f"stuck: rank 0 (pid {trainer}): the job's only trainer process" in inc["detail"], inc["detail"]
+    assert "stuck_here" in inc["stacks"][f"rank 0 pid {trainer}"], inc["stacks"]
+    assert f"launcher pid {launcher} (" in " ".join(inc["stacks"]), list(inc["stacks"])
+
+
+def test_the_culprit_is_a_stopped_or_singled_out_trainer_never_a_launcher_or_helper() -> None:
+    from supervisor.stacks import FILESYSTEM_NOTE, STOPPED_NOTE, culprit
+
+    stopped = f"{STOPPED_NOTE}\n" + PYSPY
+    base = {"launcher pid 10 (python -m torch.distributed.run)": stopped, "rank 0 pid 11": PYSPY,
+            "pid 13 (helper of pid 11: python train.py)": stopped}
+    assert culprit(base) is not None and culprit(base).pid == 11  # the only trainer; the stopped others are not ones
+    assert culprit(base).singled_out is False
+    two = {**base, "rank 1 pid 12": stopped}
+    assert (culprit(two).rank, culprit(two).pid, culprit(two).why.startswith("stopped")) == (1, 12, True)
+    fs = {**base, "rank 1 pid 12": f"{FILESYSTEM_NOTE}\n" + PYSPY}
+    assert culprit(fs).pid == 12 and "filesystem" in culprit(fs).why
+    running = {**base, "rank 1 pid 12": PYSPY}
+    assert culprit(running) is None  # two trainers, nothing sets one apart: nobody is named
+    assert culprit(running, suspects=[1]).pid == 12
+    assert culprit({"pid 20 (python train.py)": PYSPY}).rank is None  # no source told its rank
+
+
+def test_tree_roles_read_ranks_from_the_environment_the_warm_record_and_the_command_line(tmp_path: Path) -> None:
+    """Real processes: a CLI parent running three trainers (one with RANK in its environment, one whose rank only
+    its warm-rank record tells, one with --local_rank), one of them with a forked worker."""
+    import psutil
+
+    from supervisor.stacks import tree_roles
+    from supervisor.warm_rank import RANK_RECORD
+    from support.waits import wait_for
+
+    child = ("import os, sys, time\n"
+             "if sys.argv[1] == 'fork' and os.fork() == 0:\n"
+             "    time.sleep(60)\n"
+             "time.sleep(60)\n")
+    parent = (f"import os, subprocess, sys, time\nc = {child!r}\n"
+              "env = dict(os.environ, RANK='0', WORLD_SIZE='3')\n"
+              "ps = [subprocess.Popen([sys.executable, '-c', c, 'fork'], env=env),\n"
+              "      subprocess.Popen([sys.executable, '-c', c, 'warm'], env=dict(os.environ, WORLD_SIZE='3')),\n"
+              "      subprocess.Popen([sys.executable, '-c', c, 'x', '--local_rank=2'])]\n"
+              "time.sleep(60)\n")
+    proc = subprocess.Popen([PY, "-c", parent])
+    try:
+        root = psutil.Process(proc.pid)
+        wait_for(lambda: len(root.children(recursive=True)) == 4, 30, "three trainers and a forked worker")
+        tree = [root, *root.children(recursive=True)]
+        warm = next(p for p in root.children() if "warm" in p.cmdline())
+        (tmp_path / RANK_RECORD.format(pid=warm.pid)).write_text(json.dumps({"pid": warm.pid, "rank": 1}))
+        roles = {r.pid: r for r in tree_roles(tree, tmp_path)}
+        assert roles[proc.pid].kind == "launcher" and roles[proc.pid].key().startswith(f"launcher pid {proc.pid} (")
+        by_rank = {r.rank: r for r in roles.values() if r.kind == "trainer"}
+        assert {k: v.rank_from for k, v in by_rank.items()} == {0: "RANK", 1: "warm rank record", 2: "cmdline"}
+        (helper,) = [r for r in roles.values() if r.kind == "helper"]
+        assert helper.parent == by_rank[0].pid and "helper of pid" in helper.key()
+    finally:
+        for p in psutil.Process(proc.pid).children(recursive=True):
+            p.kill()
+        proc.kill()
+        proc.wait(10)

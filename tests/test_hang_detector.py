@@ -1,11 +1,19 @@
-"""HangDetector's timeouts on real heartbeat files (written in the trainer_hooks record format)."""
+"""HangDetector's timeouts on real heartbeat files (written in the trainer_hooks record format), and how the step
+timeout is learned: across attempts and rlsup restarts, never from a first step or a survived stall."""
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 from pathlib import Path
 
-from supervisor.hang_detector import AutoTimeout, HangDetector
+import pytest
+
+from rlsup_format.heartbeat_record import EXTRA, EXTRA_OFFSET
+from supervisor.hang_detector import (LEARNED_FILE, STALL_RATIO, STALLS_IN_A_ROW, AutoTimeout, HangDetector,
+                                      HangSettings, TimeoutOrigin)
+from supervisor.progress import JOB_RANK
 from trainer_hooks.heartbeat import MAGIC, RECORD, RECORD_SIZE, SECTIONS, rank_file_name
 
 S = 1_000_000_000
@@ -48,8 +56,8 @@ def test_a_long_first_restore_is_held_to_save_timeout_not_startup(tmp_path: Path
 
 def test_silence_after_heartbeats_is_a_hang(tmp_path: Path) -> None:
     d = detector(tmp_path)
-    write_record(tmp_path, 0, beat_ns=1_002 * S)
-    write_record(tmp_path, 1, beat_ns=1_006 * S)
+    write_record(tmp_path, 0, beat_ns=1_002 * S, step=1)  # step 1 done (a fresh start counts from 0)
+    write_record(tmp_path, 1, beat_ns=1_006 * S, step=1)
     assert d.check(now_ns=1_006 * S) is None
     verdict = d.check(now_ns=1_008 * S)
     assert verdict is not None and verdict.reason == "heartbeat_timeout" and verdict.rank == 0
@@ -74,3 +82,249 @@ def test_last_step_is_the_ranks_once_they_beat_beside_the_output(tmp_path: Path)
     write_record(tmp_path, 0, beat_ns=1_002 * S, step=4)
     d.scan()
     assert d.last_step() == 4
+
+
+# ---------------------------------------------------------------- the learned timeout (issue 41)
+
+class Writer:
+    """A rank's heartbeat file as trainer_hooks writes it (previous beat included), on an injected clock."""
+
+    def __init__(self, directory: Path, rank: int = 0, pid: int | None = None) -> None:
+        self.path, self.rank, self.pid = directory / rank_file_name(rank), rank, pid or os.getpid()
+        self.step, self.beat_ns, self.prev = -1, 0, (-1, 0)
+        self.section, self.section_ns = "none", 0
+
+    def beat(self, step: int, at_s: float) -> None:
+        self.prev = (self.step, self.beat_ns)
+        self.step, self.beat_ns = step, int(at_s * S)
+        self._write()
+
+    def enter(self, section: str, at_s: float) -> None:
+        self.section, self.section_ns = section, int(at_s * S)
+        self._write()
+
+    def _write(self) -> None:
+        data = bytearray(RECORD_SIZE)
+        RECORD.pack_into(data, 0, 2, MAGIC, self.pid, self.step, self.beat_ns, SECTIONS[self.section],
+                         self.section_ns, 0, 0, 0)
+        EXTRA.pack_into(data, EXTRA_OFFSET, self.prev[0], self.prev[1], 0, 0)
+        self.path.write_bytes(bytes(data))
+
+
+def attempt_dir(root: Path, attempt: int) -> Path:
+    d = root / f"attempt_{attempt}"
+    d.mkdir()
+    return d
+
+
+def settings(**kw: float) -> HangSettings:
+    base = dict(startup_timeout=60, save_timeout=100, heartbeat_timeout=None, heartbeat_timeout_initial=600,
+                auto_timeout_factor=5, auto_timeout_floor=1, auto_timeout_min_intervals=3)
+    return HangSettings(**{**base, **kw})
+
+
+def run_steps(det: HangDetector, w: Writer, steps: list[tuple[int, float]]) -> None:
+    """Each report, then a poll right after it (as rlsup's 0.1 s polls see steps slower than that)."""
+    for step, at in steps:
+        w.beat(step, at)
+        assert det.check(now_ns=int(at * S) + 1) is None
+
+
+def test_intervals_count_across_attempts_and_a_hang_in_the_third_is_caught_within_the_learned_timeout(
+        tmp_path: Path) -> None:
+    """Each attempt reports two steps (one interval): no attempt alone sees min_intervals (3), the run does. The
+    third attempt's SIGSTOP-like silence is caught at the learned 5 x 1 s, not the initial 600 s."""
+    s = settings()
+    auto = AutoTimeout.from_settings(s)
+    for attempt in range(3):
+        det = HangDetector.from_settings(attempt_dir(tmp_path, attempt), s, auto, alive=lambda pid: True)
+        t0 = 1_000.0 * (attempt + 1)
+        w = Writer(det.directory)
+        run_steps(det, w, [(1, t0 + 1), (2, t0 + 2)])
+        if attempt < 2:
+            assert det.timeout() == 600 and det.origin().source == "initial"
+    assert det.timeout() == 5.0 and det.origin() == TimeoutOrigin(
+        "learned", 3, 0, "learned from 3 step intervals: 5 x the longest step interval 1.00s")
+    assert det.check(now_ns=int((t0 + 2 + 4.9) * S)) is None
+    verdict = det.check(now_ns=int((t0 + 2 + 5.1) * S))
+    assert verdict is not None and (verdict.reason, verdict.timeout_s, verdict.step) == ("heartbeat_timeout", 5.0, 2)
+
+
+def test_two_reports_between_polls_teach_one_step_not_their_sum(tmp_path: Path) -> None:
+    """Steps faster than the poll: the record's previous beat gives the last step's own interval."""
+    auto = AutoTimeout(5, 0.1, 600, 1)
+    det = HangDetector(tmp_path, 60, 100, None, auto)
+    w = Writer(tmp_path)
+    w.beat(1, 10.0)
+    det.check(now_ns=int(10.01 * S))
+    w.beat(2, 10.3)
+    w.beat(3, 10.6)  # polled only now: 0.6 s since the last poll's beat, 0.3 s the step
+    det.check(now_ns=int(10.61 * S))
+    assert auto.basis == pytest.approx(0.3) and auto.intervals_seen == 1
+
+
+@pytest.mark.parametrize("shape", ["bar drawn at 0 before the first step", "heartbeat right after the restore",
+                                   "output's first line, start unknown"])
+def test_a_first_step_20s_long_does_not_raise_the_timeout_and_is_held_to_startup(tmp_path: Path, shape: str) -> None:
+    """Communicator set-up, compilation, the first batch: the first step after a launch or restore is not a
+    step interval. 20 s of it neither teaches the timeout (5 x 1 s steps: 5 s, not 100 s) nor is a hang at the
+    learned 5 s: it is held to startup_timeout (60 s), as a save is held to save_timeout."""
+    start, rank = {"bar drawn at 0 before the first step": (0, JOB_RANK),
+                   "heartbeat right after the restore": (40, 0),
+                   "output's first line, start unknown": (None, JOB_RANK)}[shape]
+    s = settings(auto_timeout_min_intervals=5)
+    auto = AutoTimeout.from_settings(s)
+    auto.basis = 1.0  # learned in earlier attempts: 5 s in force
+    first = start if start is not None else 7  # its first reading: the step it starts from
+    det = HangDetector.from_settings(tmp_path, s, auto, alive=lambda pid: True, start_step=start)
+    w = Writer(tmp_path, rank)
+    run_steps(det, w, [(first, 100.0)])
+    assert det.check(now_ns=int(119 * S)) is None  # 19 s into the first step: no hang at 5 s
+    run_steps(det, w, [(first + 1, 120.0)] + [(first + 1 + i, 120.0 + i) for i in range(1, 6)])
+    assert (det.timeout(), auto.basis, auto.stalls) == (5.0, 1.0, 0), "the first step taught the timeout"
+    # A first step that never ends is a startup_timeout, rank named.
+    det = HangDetector.from_settings(attempt_dir(tmp_path, 1), s, auto, alive=lambda pid: True, start_step=start)
+    w = Writer(det.directory, rank)
+    run_steps(det, w, [(first, 200.0)])
+    assert det.check(now_ns=int(259 * S)) is None
+    verdict = det.check(now_ns=int(261 * S))
+    assert verdict is not None and (verdict.reason, verdict.rank, verdict.timeout_s) == ("startup_timeout", rank, 60)
+
+
+def test_the_step_after_a_restore_inside_the_attempt_is_a_first_step(tmp_path: Path) -> None:
+    s = settings()
+    auto = AutoTimeout.from_settings(s)
+    auto.basis = 1.0
+    det = HangDetector.from_settings(tmp_path, s, auto, alive=lambda pid: True)
+    w = Writer(tmp_path)
+    run_steps(det, w, [(1, 10.0), (2, 11.0)])
+    w.enter("load", 11.5)
+    assert det.check(now_ns=int(12 * S)) is None
+    w.enter("none", 30.0)  # restored (18.5 s, held to save_timeout); the next step compiles again
+    assert det.check(now_ns=int(45 * S)) is None  # 15 s > 5 s: no hang, it is a first step
+    run_steps(det, w, [(3, 50.0), (4, 51.0)])
+    assert auto.basis == 1.0 and auto.stalls == 0
+    verdict = det.check(now_ns=int(57 * S))
+    assert verdict is not None and verdict.reason == "heartbeat_timeout"
+
+
+def test_what_a_survived_stall_teaches_nothing(tmp_path: Path) -> None:
+    """docs/hangs.md: a stall the job survived (a partition, a blip) is counted, never learned; one among the
+    first intervals neither; the same long interval STALLS_IN_A_ROW times in a row on a rank is the step
+    getting longer, and is learned."""
+    auto = AutoTimeout(5, 1, 600, 5)
+    for interval in (1.0, 90.0, 1.0, 1.1, 1.0):  # node cut off for 90 s while the timeout was still the initial
+        auto.observe(interval, 0)
+    assert (auto.current(), auto.stalls, auto.longest_stall) == (5.5, 1, 90.0)
+    assert auto.origin().text == ("learned from 4 step intervals: 5 x the longest step interval 1.10s; "
+                                  "1 survived stall(s) up to 90.0s not learned")
+    for rank in range(4):  # a later blip: every rank of the node sees it once, then steps on as before
+        auto.observe(4.0, rank)
+    for rank in range(4):
+        auto.observe(1.0, rank)
+    assert auto.current() == 5.5 and auto.stalls == 5
+    for _ in range(STALLS_IN_A_ROW - 1):
+        auto.observe(3.0, 0)
+    assert auto.current() == 5.5 and auto.stalls == 7
+    assert auto.origin().text.endswith("; 7 survived stall(s) up to 90.0s not learned")
+    auto.observe(3.0, 0)  # rank 0's steps now take 3 s, three in a row: that is the step, not a stall
+    assert auto.current() == 15.0 and auto.stalls == 5 and auto.longest_held() == 90.0
+    auto.observe(1.0, 1)
+    assert auto.current() == 15.0  # never down
+
+
+def test_a_long_interval_with_the_outputs_other_bars_moving_is_a_stall_not_a_lesson(tmp_path: Path) -> None:
+    """The output's signs of life (an evaluation bar, PyKEEN's batch bar inside every epoch) do not stop an
+    interval from counting: PyKEEN learns its epoch, and an evaluation's long interval is a stall."""
+    auto = AutoTimeout(5, 1, 600, 3)
+    det = HangDetector(tmp_path, 60, 100, None, auto, alive=lambda pid: True)
+    w = Writer(tmp_path, JOB_RANK)
+    for step in range(1, 5):
+        w.enter("none", 10.0 * step + 5)  # the batch bar moved mid-epoch
+        run_steps(det, w, [(step, 10.0 * step + 10)])
+    assert auto.basis == 10.0 and auto.learned == 3
+    w.enter("none", 100.0)  # a 60 s evaluation, its bar moving
+    run_steps(det, w, [(5, 110.0)])
+    assert auto.basis == 10.0 and auto.stalls == 1
+
+
+def test_the_docs_state_the_stall_rule_the_code_has() -> None:
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "hangs.md").read_text()
+    assert f"{STALL_RATIO:g} x" in doc and f"{STALLS_IN_A_ROW} in a row" in doc, "docs/hangs.md: stall rule stale"
+
+
+def test_the_learned_timeout_survives_an_rlsup_restart_and_a_bad_file_is_ignored(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    s = settings()
+    path, command = tmp_path / LEARNED_FILE, ["python", "train.py"]
+    auto = AutoTimeout.from_settings(s, path, command)
+    for interval in (1.0, 1.2, 1.1, 50.0):
+        auto.observe(interval)
+        auto.persist()
+    again = AutoTimeout.from_settings(s, path, command)  # the next rlsup of this command
+    assert (again.current(), again.origin()) == (6.0, auto.origin()) and again.stalls == 1
+    path.unlink()
+    partial = AutoTimeout.from_settings(s, path, command)
+    partial.observe(1.0)  # still learning: one of the three needed seen
+    partial.persist()
+    resumed = AutoTimeout.from_settings(s, path, command)
+    assert resumed.origin().text == "initial: 1 of the 3 step intervals needed to learn it seen"
+    resumed.observe(1.0)
+    resumed.observe(1.0)
+    assert resumed.current() == 5.0 and resumed.origin().intervals == 3
+    assert AutoTimeout.from_settings(s, path, ["python", "other.py"]).current() == 600  # another job's
+    for bad in ("{not json", json.dumps({"version": 1, "command": command, "basis": -1}),
+                json.dumps({"version": 2}), "[]"):
+        path.write_text(bad)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="supervisor.hang_detector"):
+            fresh = AutoTimeout.from_settings(s, path, command)
+        assert fresh.current() == 600 and fresh.origin().source == "initial"
+        (rec,) = [r for r in caplog.records if r.levelno == logging.WARNING]
+        assert str(path) in rec.getMessage() and "ignoring" in rec.getMessage(), rec.getMessage()
+        fresh.observe(1.0)
+        fresh.persist()
+        assert json.loads(path.read_text())["learning"] == [1.0]  # replaced by a good one
+
+
+def test_metrics_show_how_the_timeout_was_reached() -> None:
+    from supervisor.metrics import SupervisorMetrics
+
+    m = SupervisorMetrics(node="n")
+    auto = AutoTimeout(5, 1, 600, 2)
+    m.heartbeat_timeout(auto.origin())
+    assert m.registry.get_sample_value("rlsup_heartbeat_timeout_source",
+                                       {"rlsup_heartbeat_timeout_source": "initial"}) == 1
+    for interval in (1.0, 1.0, 9.0):
+        auto.observe(interval)
+    m.heartbeat_timeout(auto.origin())
+    assert m.registry.get_sample_value("rlsup_heartbeat_timeout_source",
+                                       {"rlsup_heartbeat_timeout_source": "learned"}) == 1
+    assert m.registry.get_sample_value("rlsup_heartbeat_timeout_intervals") == 2
+    assert m.registry.get_sample_value("rlsup_heartbeat_stalls") == 1
+    m.heartbeat_timeout(auto.origin(explicit=30.0))
+    assert m.registry.get_sample_value("rlsup_heartbeat_timeout_source",
+                                       {"rlsup_heartbeat_timeout_source": "explicit"}) == 1
+
+
+def test_the_last_steps_interval_counts_when_the_rank_exits_right_after_it(tmp_path: Path) -> None:
+    """An attempt that reports its second step and exits before the next poll (trainer_hooks marks the exit) still
+    teaches that step; a save inside an interval does not."""
+    auto = AutoTimeout(5, 0.1, 600, 1)
+    det = HangDetector(tmp_path, 60, 100, None, auto)
+    w = Writer(tmp_path)
+    w.beat(1, 10.0)
+    det.scan()
+    w.beat(2, 11.0)
+    w.enter("exit", 11.001)
+    det.scan()
+    assert auto.basis == 1.0 and auto.intervals_seen == 1
+    w = Writer(attempt_dir(tmp_path, 1), pid=os.getpid() + 1)
+    det = HangDetector(w.path.parent, 60, 100, None, auto)
+    w.beat(1, 20.0)
+    w.enter("save", 20.1)
+    det.scan()
+    w.enter("none", 29.0)
+    w.beat(2, 30.0)
+    det.scan()
+    assert auto.intervals_seen == 1, "an interval with a save in it was learned"

@@ -75,6 +75,9 @@ def test_reserved_names_come_from_rlsup_format_names() -> None:
 FOREIGN_PRIVATE_ALLOWED = {
     ("supervisor/warm_rank.py", "os._exit"): "documented: exit without cleanup in a forked child",
     ("trainer_hooks/writer_guard.py", "os._exit"): "the writer's trainer is already gone: exit before any cleanup",
+    ("supervisor/bounded_calls.py", "os._exit"): "documented: a forked call's child never runs its parent's cleanup",
+    ("supervisor/cli.py", "os._exit"):
+        "documented: rlsup run has decided; its exit never waits on threads or handlers held by a hung mount",
     ("supervisor/warm_rank.py", "runpy._run_module_as_main"):
         "what `python -m` itself runs: the only way to run a module as __main__ with its argv",
     ("supervisor/checkpoints_cli.py", "argparse._SubParsersAction"):

@@ -4,7 +4,10 @@ examples/train_tiny.py over a FUSE mount (tests/support/sick_fs.py) told to hang
 A rank whose write the mount never answers sleeps in the kernel; SIGKILL turns that into state D, and the
 attempt cannot be torn down. The contract: the hang is reported with the rank, the state D, the file and the
 mount; the node is excluded (exit 77, ``unhealthy_nodes``); nothing is launched beside the stuck rank; and
-once the mount heals the stuck process ends (the test's mount is always healed and unmounted).
+rlsup's own process exits 77 within 30 s of that verdict with the mount still hung (issue 41): nothing of its own
+is held by the mount (its passes over the job's directories run in forked children, left behind and named with
+the ranks in ``unkillable.json``'s ``exit``), so the code reaches the batch script. Once the mount heals the
+stuck processes end (the test's mounts are always healed and unmounted).
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ import json
 import os
 import re
 import signal
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -28,7 +33,7 @@ from support.incidents import incidents
 from support.metrics import parse, try_scrape, value
 from support.ports import free_ports
 from support.procs import pid_alive, proc_state
-from support.sick_fs import SickFs, unavailable
+from support.sick_fs import ALL_BUT_FLUSH, SickFs, unavailable
 from support.trainers import Supervised
 from support.waits import wait_for
 
@@ -48,7 +53,7 @@ def sick(tmp_path: Path):
 
 
 def gave_up(state_dir: Path) -> dict | None:
-    """state.json once rlsup has given up (what a scheduler reads even while rlsup's exit waits on the kernel)."""
+    """state.json once rlsup has given up (written before rlsup's process ends)."""
     try:
         state = json.loads((state_dir / "state.json").read_text())
     except (OSError, ValueError):
@@ -56,16 +61,26 @@ def gave_up(state_dir: Path) -> dict | None:
     return state if state.get("state") == "gave_up" else None
 
 
-def hung_save_run(workdir: Path, sick: SickFs, hang: dict) -> tuple[Supervised, dict, dict]:
-    """Train into the sick mount until a step is valid, hang it as ``hang`` says, and wait until rlsup gave
-    up: (the run, state.json, unkillable.json), the mount still hung (the caller heals it, then waits for
-    rlsup's exit: a thread of rlsup's own blocked in the mount holds its exit in the kernel until then)."""
+@pytest.fixture
+def sick_tier(tmp_path: Path):
+    """A second sick mount (the persistent tier's)."""
+    with SickFs(tmp_path / "tier_backing", tmp_path / "tier_mnt", tmp_path / "tier_sick") as fs:
+        yield fs
+
+
+def hung_save_run(workdir: Path, sick: SickFs, hang: dict, extra: tuple[str, ...] = (),
+                  before_hang=None) -> tuple[Supervised, dict, dict]:
+    """Train into the sick mount until a step is valid (then ``before_hang()``), hang it as ``hang`` says, and
+    wait until rlsup gave up: (the run, state.json, unkillable.json), the mount still hung (the caller heals
+    it)."""
     run = Supervised.start(workdir, [*FAST, "--checkpoint-dir", str(sick.mountpoint), "--save-timeout", "2",
-                                     "--heartbeat-timeout", "30", "--kill-grace", "2"],
+                                     "--heartbeat-timeout", "30", "--kill-grace", "2", *extra],
                            torchrun("--steps", "2000", "--checkpoint-every", "2", "--step-time", "0.02"),
                            clean_env(OMP_NUM_THREADS="1", TORCH_FR_BUFFER_SIZE="0"))
     try:
         wait_for(lambda: latest_valid(sick.root, full=False), 90, "a first valid step through the mount")
+        if before_hang is not None:
+            before_hang(run)
         sick.hang(**hang)
         wait_for(lambda: sick.status()["held"], 30, "a rank's call held by the hung mount")
         state = wait_for(lambda: gave_up(run.state_dir), 120, "rlsup to give up on the unkillable attempt")
@@ -98,33 +113,99 @@ def check_unkillable(workdir: Path, sick: SickFs, run: Supervised, state: dict, 
     return stuck
 
 
-def healed_end(sick: SickFs, run: Supervised, stuck: list[dict]) -> None:
-    """Heal and unmount: the stuck ranks get their answer and die, and rlsup exits 77."""
+#: How soon after the verdict rlsup's process must be gone, whatever the mount holds (issue 41).
+EXIT_AFTER_VERDICT_S = 30.0
+
+
+def exits_while_hung(run: Supervised, mounts: list[str], stuck: list[dict]) -> dict:
+    """With the mount(s) still hung: rlsup's process exits 77 within EXIT_AFTER_VERDICT_S of the verdict (the
+    last incident's time), waited on, and its ``exit`` record names the mounts and what it left (the stuck
+    ranks, by pid); the record."""
+    verdict = incidents(run.state_dir)[-1]["time"]
+    try:
+        code = run.proc.wait(max(0.1, verdict + EXIT_AFTER_VERDICT_S - time.time()))
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"rlsup still running {time.time() - verdict:.0f}s after the verdict, the mount hung "
+                             f"(threads: {sorted(os.listdir(f'/proc/{run.proc.pid}/task'))})\n"
+                             + run.output()[-3000:]) from None
+    assert code == 77, run.output()[-3000:]
+    assert not pid_alive(run.proc.pid)
+    left = json.loads((run.state_dir / "unkillable.json").read_text()).get("exit")
+    assert left is not None and left["code"] == 77, run.output()[-3000:]
+    assert set(mounts) <= set(left["mounts"]), left
+    assert set(left["ranks"]) == {p["pid"] for p in stuck if pid_alive(p["pid"])}, left
+    assert left["threads"] == [], f"a thread of rlsup's own held by a mount: {left['threads']}"
+    return left
+
+
+def healed_end(sick: SickFs, stuck: list[dict]) -> None:
+    """Heal and unmount: the stuck ranks get their answer and die."""
     sick.close()
     for p in stuck:
         wait_for(lambda p=p: not pid_alive(p["pid"]), 30, f"stuck pid {p['pid']} to end once the mount healed")
-    assert run.proc.wait(60) == 77, run.output()[-3000:]
 
 
-def hung_save_ends_unkillable(tmp_path: Path, sick: SickFs, hang: dict) -> None:
-    """A save hung as ``hang`` says: the invariants while it is held (healed and killed if one fails), then
-    the healed end."""
+def hung_save_ends_unkillable(tmp_path: Path, sick: SickFs, hang: dict) -> dict:
+    """A save hung as ``hang`` says: the invariants while it is held, rlsup's exit while it is held, then the
+    healed end (healed, and rlsup killed, whatever fails); what rlsup's exit record says it left."""
     run, state, record = hung_save_run(tmp_path, sick, hang)
     try:
         stuck = check_unkillable(tmp_path, sick, run, state, record)
+        left = exits_while_hung(run, [str(sick.mountpoint)], stuck)
     except BaseException:
         sick.heal()
-        run.proc.kill()
+        if run.proc.poll() is None:
+            run.proc.kill()
         raise
-    healed_end(sick, run, stuck)
+    healed_end(sick, stuck)
+    return left
 
 
 @pytest.mark.chaos  # the chaos CI subset's hung-filesystem scenario (issue 32)
 def test_checkpoint_dir_hung_mid_save_excludes_the_node(tmp_path: Path, sick: SickFs) -> None:
     """Writes hang mid-save: the save outlives save_timeout, the ranks are SIGKILLed, the ones in the mount's
     write stay in state D; rlsup names them (rank, state, wchan, file, mount), gives up with 77 and this node
-    in unhealthy_nodes, and never launches attempt 1 beside them."""
+    in unhealthy_nodes, never launches attempt 1 beside them, and its process is gone within 30 s of the
+    verdict with the mount still hung."""
     hung_save_ends_unkillable(tmp_path, sick, {"ops": ("write",)})
+
+
+def test_checkpoint_dir_hung_rlsup_exits_leaving_its_own_pass(tmp_path: Path, sick: SickFs) -> None:
+    """Every call but flush hangs mid-save (a server gone), rlsup's own reads of the directory included: its
+    single-file pass is held in the mount too. rlsup exits 77 within 30 s of the verdict all the same, the mount
+    still hung, naming the mount, the stuck ranks and its own pass it left behind (a forked child, in the
+    mount); none of its own threads is held there."""
+    left = hung_save_ends_unkillable(tmp_path, sick, {"ops": ALL_BUT_FLUSH})
+    passes = [h for h in left["helpers"] if h["label"] == "rlsup-file-versions"]
+    assert passes and all(h["mounts"] == [str(sick.mountpoint)] for h in passes), left
+
+
+def test_persistent_tier_hung_too_rlsup_exits_leaving_its_copy(tmp_path: Path, sick: SickFs,
+                                                              sick_tier: SickFs) -> None:
+    """The persistent tier's mount hangs with a copy held in it, then the checkpoint mount mid-save: rlsup
+    gives up (77) on the unkillable ranks and exits within 30 s, both mounts still hung, its final copy skipped;
+    its exit record names both mounts and the tier's copy it left behind (a forked child)."""
+    def hang_the_tier(run: Supervised) -> None:
+        wait_for(lambda: "copied to the persistent tier" in run.output(), 90, "a first persistent copy")
+        sick_tier.hang(ops=ALL_BUT_FLUSH)
+        wait_for(lambda: sick_tier.status()["held"], 30, "the tier's next pass held by its hung mount")
+
+    run, state, record = hung_save_run(tmp_path, sick, {"ops": ("write",)},
+                                       ("--persistent-dir", str(sick_tier.mountpoint)), hang_the_tier)
+    try:
+        stuck = check_unkillable(tmp_path, sick, run, state, record)
+        left = exits_while_hung(run, [str(sick.mountpoint), str(sick_tier.mountpoint)], stuck)
+        copies = [h for h in left["helpers"] if h["label"] == "rlsup-persistent-tier"]
+        assert copies and str(sick_tier.mountpoint) in copies[0]["mounts"], left
+    except BaseException:
+        print(run.output()[-8000:])
+        sick.heal()
+        sick_tier.heal()
+        if run.proc.poll() is None:
+            run.proc.kill()
+        raise
+    sick_tier.close()
+    healed_end(sick, stuck)
 
 
 @pytest.mark.soak
@@ -149,8 +230,8 @@ def test_persistent_tier_hung_training_goes_on_and_the_copy_is_named(tmp_path: P
     of a tier file, and is named (the mount, the step and rank it was copying) while training, heartbeats and the
     run loop go on; a rank's crash restarts from the local step without reading the hung tier, its launch's fork
     not held by the file the copy holds open (each close sends a flush); a stop
-    ends the run (state ``stopped``) without waiting on the stalled pass, the final copy skipped and named. rlsup's
-    process exit itself waits on the kernel for its thread in the mount: it comes once the mount heals."""
+    ends the run (state ``stopped``) without waiting on the stalled pass, the final copy skipped and named (the
+    pass, a forked child, is left in the mount: rlsup's exit does not wait for it)."""
     ckpt, state_dir = tmp_path / "ckpt", tmp_path / ".rlsup"
     run = Supervised.start(tmp_path, [*FAST, "--checkpoint-dir", str(ckpt), "--persistent-dir", str(sick.mountpoint),
                                       "--heartbeat-timeout", "30", "--stop-grace", "5",
@@ -185,7 +266,7 @@ def test_persistent_tier_hung_training_goes_on_and_the_copy_is_named(tmp_path: P
         print(run.output()[-8000:])  # rlsup's side of the failure (pytest shows it with the failure)
         raise
     finally:
-        sick.heal()  # rlsup's stalled thread gets its answer: the process can exit
+        sick.heal()  # the stalled pass (rlsup's forked child) gets its answer
         try:
             run.proc.wait(60)
         finally:

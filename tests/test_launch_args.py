@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -53,3 +56,102 @@ def test_rlsup_run_refuses_it_before_launching(tmp_path: Path, monkeypatch: pyte
     code = main(["run", "--", "python", "-c", "pass", "{resume:--resume_from_checkpoint", "{dir}}"])
     assert code == 2 and "launch command: word 4 ('{resume:--resume_from_checkpoint')" in capsys.readouterr().err
     assert not (tmp_path / ".rlsup").exists()  # nothing launched, nothing recorded
+
+
+# ------------------------------------------------------------ a trainer that picks "latest" itself (end to end)
+
+def _litgpt_tree(out: Path) -> None:
+    """Steps 10 and 20 complete, step 30 torn (a save killed halfway), as step_dir_job.py writes them."""
+    import os
+
+    import torch
+
+    for i, it in enumerate((10, 20, 30)):
+        path = out / f"step-{it:08d}" / "lit_model.pth"
+        path.parent.mkdir(parents=True)
+        torch.save({"model": torch.full((8,), float(it)), "iter_num": it}, path)
+        os.utime(path, (1_000 + i, 1_000 + i))
+    torn = out / "step-00000030" / "lit_model.pth"
+    data = torn.read_bytes()
+    torn.write_bytes(data[: len(data) // 2])
+
+
+def _run_step_dir_job(tmp_path: Path, *rlsup_args: str, resume: str = "auto") -> "subprocess.CompletedProcess[str]":
+    from support.env import JOBS
+    from support.procs import run_rlsup
+
+    return run_rlsup(["run", "--checkpoint-dir", "out", "--metrics-port", "0", "--backoff-initial", "0.05",
+                      "--backoff-max", "0.1", *rlsup_args, "--", sys.executable, str(JOBS / "step_dir_job.py"), "out",
+                      "--iters", "40", "--save-every", "10", f"--resume={resume}"], tmp_path, timeout=180)
+
+
+def _launch_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if re.search(r"attempt \d+: launching ", line)]
+
+
+def test_torn_newest_step_under_a_trainer_that_picks_it_is_named_with_both_remedies(tmp_path: Path) -> None:
+    _litgpt_tree(tmp_path / "out")
+    r = _run_step_dir_job(tmp_path, "--max-restarts", "0")
+    assert r.returncode != 0, r.stderr[-3000:]  # the trainer loaded the torn step, as litgpt did
+    (line,) = _launch_lines(r.stderr)
+    chosen, torn = tmp_path / "out" / "step-00000020" / "lit_model.pth", tmp_path / "out" / "step-00000030" / "lit_model.pth"
+    assert f"from {chosen}; the trainer picks its own checkpoint" in line, line  # rlsup's choice, and who picks
+    assert f"WARNING: if it loads its newest, it will load {torn}, which is torn (" in line, line
+    assert "--quarantine-invalid" in line and "{resume:--resume {dir}}" in line, line  # the two remedies
+
+
+def test_with_quarantine_invalid_the_trainer_picking_latest_finishes(tmp_path: Path) -> None:
+    _litgpt_tree(tmp_path / "out")
+    r = _run_step_dir_job(tmp_path, "--max-restarts", "0", "--quarantine-invalid")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resumed from out/step-00000020/lit_model.pth at iter 20" in r.stdout, r.stdout[-2000:]
+    (line,) = _launch_lines(r.stderr)
+    assert "the trainer picks its own checkpoint" in line and "WARNING" not in line, line  # nothing torn is left
+    assert [p.name for p in (tmp_path / "out" / "step-00000030").iterdir() if ".rlsup-invalid-" in p.name]
+
+
+def test_with_the_placeholder_the_trainer_loads_rlsups_choice_and_finishes(tmp_path: Path) -> None:
+    _litgpt_tree(tmp_path / "out")
+    r = _run_step_dir_job(tmp_path, "--max-restarts", "0", resume="{resume?{dir}:auto}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    chosen = tmp_path / "out" / "step-00000020" / "lit_model.pth"
+    assert f"resumed from {chosen} at iter 20" in r.stdout, r.stdout[-2000:]
+    (line,) = _launch_lines(r.stderr)
+    assert "picks its own" not in line and f"--resume={chosen}" in line, line  # rlsup steers: nothing to warn of
+
+
+def test_who_picks_the_checkpoint() -> None:
+    from supervisor.launch_args import has_placeholder, picks_its_own_note, trainer_picks_its_checkpoint
+
+    assert has_placeholder(HF) and has_placeholder(NANOGPT) and not has_placeholder(["python", "x.py", "${resume:a}"])
+    assert trainer_picks_its_checkpoint(["python", "x.py", "--resume", "auto"], "single-file", False)
+    assert trainer_picks_its_checkpoint(["python", "x.py"], "hf", True)
+    assert not trainer_picks_its_checkpoint(["python", "x.py"], "rlsup", False)  # trainer_hooks: RLSUP_RESUME_DIR
+    assert not trainer_picks_its_checkpoint(["python", "x.py"], "verl", True)  # the tracker rlsup points
+    assert trainer_picks_its_checkpoint(["python", "x.py"], "verl", False)
+    assert not trainer_picks_its_checkpoint(NANOGPT, "single-file", False)
+    assert "WARNING" not in picks_its_own_note([])
+    note = picks_its_own_note([(Path("/c/step-3"), "cut"), (Path("/c/step-2"), "cut")])
+    assert "/c/step-3, which is torn (cut) (and 1 more" in note and "--quarantine-invalid" in note
+
+
+def test_the_launch_line_claims_nothing_where_nothing_tells_who_picks(tmp_path: Path) -> None:
+    """A fresh start beside an empty directory (a trainer_hooks trainer reads RLSUP_RESUME_DIR, a plain one may
+    save nothing): no note. A torn single file there, or a step of a layout rlsup cannot steer: the note."""
+    import torch
+
+    from supervisor.checkpoint_sight import CheckpointSight
+    from supervisor.config import SupervisorConfig
+    from supervisor.tiers.resume import ResumePoint
+
+    out = tmp_path / "out"
+    out.mkdir()
+    sight = CheckpointSight(SupervisorConfig(checkpoint_dir=str(out)).resolved(), out, lambda line: None)
+    plain = ["python", "train.py"]
+    assert sight.launch_note(plain, None) == ""
+    assert sight.launch_note(plain, ResumePoint(3, out / "step_000000003", "rlsup")) == ""
+    torch.save({"x": 1}, out / "ckpt.pt")
+    (out / "ckpt.pt").write_bytes((out / "ckpt.pt").read_bytes()[:40])
+    note = sight.launch_note(plain, None)
+    assert "picks its own checkpoint" in note and f"will load {out / 'ckpt.pt'}, which is torn" in note, note
+    assert sight.launch_note([*plain, "--init_from={resume?resume:scratch}"], None) == ""  # the placeholder steers

@@ -73,7 +73,7 @@ def test_frozen_unmodified_trainer_is_a_hang_with_stacks(workdir: Path) -> None:
     assert r.returncode == 0, r.stderr[-3000:]
     assert "training done" in r.stdout
     (inc,) = incidents(workdir / ".rlsup")
-    assert inc["reason"] == "hang" and inc["rank"] == JOB_RANK and inc["last_step"] == 11, inc
+    assert inc["reason"] == "hang" and inc["rank"] == 0 and inc["last_step"] == 11, inc  # the job's only process
     silent, timeout = _silence(inc["detail"])
     assert timeout == 2.0 and timeout <= silent < timeout + 1.5, inc["detail"]  # the learned timeout (floor)
     (stack,) = inc["stacks"].values()
@@ -82,7 +82,7 @@ def test_frozen_unmodified_trainer_is_a_hang_with_stacks(workdir: Path) -> None:
 
 
 def _silence(detail: str) -> tuple[float, float]:
-    """(silent, timeout) from 'rank -1 (pid P) silent for 2.10s > heartbeat_timeout 2.00s'."""
+    """(silent, timeout) from "the job's output silent for 2.10s > heartbeat_timeout 2.00s; stuck: ..."."""
     silent = float(detail.split("silent for ")[1].split("s")[0])
     timeout = float(detail.split("heartbeat_timeout ")[1].split("s")[0])
     return silent, timeout
@@ -173,7 +173,7 @@ def test_no_progress_guard_stops_an_unmodified_trainer_that_hangs_at_the_same_po
     assert r.returncode == 76, r.stderr[-3000:]
     inc = incidents(workdir / ".rlsup")
     assert [i["reason"] for i in inc] == ["hang"] * len(inc) and inc[-1]["action"] == "no_progress", inc
-    assert all(i["last_step"] == 3 and i["rank"] == JOB_RANK for i in inc), inc
+    assert all(i["last_step"] == 3 and i["rank"] == 0 for i in inc), inc  # the stuck process, not the output's -1
 
 
 def test_areal_done_line_is_its_last_step_only() -> None:
@@ -390,16 +390,16 @@ def test_the_evaluation_bar_is_not_the_training_bar() -> None:
     assert tracker.feed(" 50%|█████     | 4/8 [00:00<00:00, 34.65it/s]") == "alive" and tracker.step == 10
 
 
-def test_a_sign_of_life_keeps_a_long_evaluation_from_being_a_hang_but_teaches_nothing(tmp_path: Path) -> None:
+def test_a_sign_of_life_keeps_a_long_evaluation_from_being_a_hang(tmp_path: Path) -> None:
     """An evaluation longer than the heartbeat timeout is not a hang while its bar moves; a hang inside it
-    still is; the interval around it does not teach the learned timeout."""
+    still is. (What the interval around it teaches, a stall when it is long: tests/test_hang_detector.py.)"""
     auto = AutoTimeout(5, 1, 600, 1)
     detector = HangDetector(tmp_path, startup_timeout=600, save_timeout=600, explicit_timeout=None, auto=auto)
     rec = ProgressRecorder(progress_pattern("hf", ""), tmp_path, pid=os.getpid())
     for s in (1, 2):
         rec.feed(f" {s * 10}%|█         | {s}/10 [00:0{s}<00:09,  1.00it/s]")
         detector.check()
-    learned = (auto.intervals_seen, auto.longest_interval)
+    assert auto.basis > 0  # learned from the interval 1 -> 2
     beat = read_record(rec.path).beat_ns
     for n in range(1, 9):  # a long evaluation: its bar moves
         rec.feed(f" {n * 12}%|█         | {n}/8 [00:0{n}<00:09,  1.00it/s]\x1b[A")
@@ -408,12 +408,6 @@ def test_a_sign_of_life_keeps_a_long_evaluation_from_being_a_hang_but_teaches_no
     timeout = detector.timeout()
     assert detector.check(now_ns=record.section_ns + int(timeout * 10**9) - 10**6) is None
     assert detector.check(now_ns=record.section_ns + int(timeout * 10**9) + 10**9) is not None
-    rec.feed(" 30%|█         | 3/10 [00:03<00:09,  1.00it/s]")
-    detector.check()
-    assert (auto.intervals_seen, auto.longest_interval) == learned  # the interval with the evaluation in it
-    rec.feed(" 40%|█         | 4/10 [00:04<00:09,  1.00it/s]")
-    detector.check()
-    assert auto.intervals_seen == learned[0] + 1  # the next one counts
 
 
 def test_before_the_first_step_a_sign_of_life_restarts_the_startup_clock(tmp_path: Path) -> None:
@@ -478,7 +472,7 @@ def test_a_bar_redrawn_at_a_stuck_step_is_caught_as_a_hang(workdir: Path) -> Non
     r = run_rlsup(["run", *FAST, "--progress", "hf", "--heartbeat-timeout", "2", "--max-restarts", "0", "--",
                    PY, str(script)], workdir, timeout=120)
     (inc,) = incidents(workdir / ".rlsup")
-    assert inc["reason"] == "hang" and inc["rank"] == JOB_RANK and inc["last_step"] == 3, (inc, r.stderr[-2000:])
+    assert inc["reason"] == "hang" and inc["rank"] == 0 and inc["last_step"] == 3, (inc, r.stderr[-2000:])
     silent, timeout = _silence(inc["detail"])
     assert timeout == 2.0 and timeout <= silent < timeout + 1.5, inc["detail"]
 

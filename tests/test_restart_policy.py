@@ -82,3 +82,21 @@ def test_settings_from_config() -> None:
                            backoff_jitter=0.1, fatal_exit_codes=[3, 4], max_no_progress_attempts=2)
     assert RestartPolicy.from_config(cfg).settings == RestartSettings(7, 5.0, 0.5, 2.0, 0.1, (3, 4), 2)
     assert RestartSettings() == RestartSettings.from_config(SupervisorConfig())  # defaults agree
+
+
+@pytest.mark.parametrize(("action", "code", "step", "says"), [
+    (Action.NO_PROGRESS, 76, 5, "giving up at step 5: 2 attempts in a row made no progress"),
+    (Action.NO_PROGRESS, 76, None, "giving up: 2 attempts in a row made no progress"),  # none reported: none named
+    (Action.GIVE_UP, 1, 120, "giving up after 4 attempts at step 120"),
+    (Action.FATAL, 42, 7, "exit code 42 is fatal: not retrying at step 7"),
+])
+def test_the_give_up_line_names_the_step_reached_never_a_resume(action: Action, code: int, step: int | None,
+                                                                 says: str) -> None:
+    from supervisor.attempt_end import AttemptResult
+    from supervisor.lifecycle import EndReason
+    from supervisor.restart_policy import give_up_code
+
+    result = AttemptResult(3, EndReason.EXIT_CODE if action == Action.FATAL else EndReason.SIGNAL,
+                           42 if action == Action.FATAL else None, last_step=step)
+    got_code, line = give_up_code(action, result, 2)
+    assert got_code == code and line.startswith(says) and "resum" not in line

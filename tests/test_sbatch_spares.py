@@ -105,6 +105,25 @@ def test_a_node_a_spare_replaced_exits_77_beside_a_job_that_succeeded_no_requeue
     assert fake.scontrol_calls() and not any(c.startswith(("requeue", "update")) for c in fake.scontrol_calls())
 
 
+@pytest.mark.parametrize("late", ["0", "75", "1"])
+def test_a_node_cut_off_until_after_the_job_ended_never_requeues_it(tmp_path: Path, late: str) -> None:
+    """Issue 41: n3 was cut off, the spare n4 ran its rank and the job finished; n3 came back to a store gone with
+    the job. rlsup now exits 0 there (a record says the job finished: tests/test_multinode_job_end.py); an rlsup
+    that asked for a requeue (75), or gave up waiting (1), beside the others' 0 must not requeue a finished job."""
+    fake, r = run_batch(tmp_path, 4, RLSUP_SPARES="1", FAKE_ENDS=f"n3={late}")
+    assert r.returncode == 0 and "rlsup exited 0" in r.stdout, r.stdout + r.stderr
+    assert not any(c.startswith(("requeue", "update")) for c in fake.scontrol_calls()), fake.scontrol_calls()
+    if late != "0":
+        assert f"the job succeeded (a node exited 0); not requeueing it for node(s) n3 ({late})" in r.stdout, r.stdout
+
+
+def test_a_success_beside_a_lost_node_and_a_requeue_request_is_not_requeued(tmp_path: Path) -> None:
+    fake, r = run_batch(tmp_path, 4, RLSUP_SPARES="1", FAKE_LOST="n2", FAKE_ENDS="n3=75")
+    assert r.returncode == 0 and "rlsup exited 0" in r.stdout, r.stdout + r.stderr
+    assert "lost node(s): n2" in r.stdout and "requeueing job" not in r.stdout, r.stdout
+    assert not any(c.startswith("requeue") for c in fake.scontrol_calls()), fake.scontrol_calls()
+
+
 def test_with_spares_77_without_a_success_still_requeues_without_the_node(tmp_path: Path) -> None:
     fake, r = run_batch(tmp_path, 4, RLSUP_SPARES="1", FAKE_ENDS="n1=77,n2=77,n3=1,n4=75")
     assert r.returncode == 0 and "rlsup exited 77" in r.stdout, r.stdout + r.stderr

@@ -235,3 +235,33 @@ def test_quarantine_leaves_data_files_beside_checkpoints_alone(tmp_path: Path) -
     (tmp_path / "meta.pkl").write_bytes(b"(dp0\n.")  # a protocol-0 pickle
     assert quarantine_torn(tmp_path) == []
     assert _versions(tmp_path).tracked() == [tmp_path / "ckpt.pt"]
+
+
+def test_litgpt_step_files_are_found_by_auto_read_newest_first_and_never_kept_aside(tmp_path: Path) -> None:
+    """litgpt's one file per step directory: found where no top-level file is, newest by mtime, the number in the
+    directory's name only a label, the torn newest quarantined as a file (litgpt's ``step-*/*.pth`` then skips
+    it), and no version copied (each file is written once)."""
+    for i, it in enumerate((10, 20, 30)):
+        path = tmp_path / f"step-{it:08d}" / "lit_model.pth"
+        path.parent.mkdir()
+        torch.save(_state(it), path)
+        os.utime(path, (1_000 + i, 1_000 + i))
+    (tmp_path / ".hidden-7").mkdir()
+    torch.save(_state(7), tmp_path / ".hidden-7" / "x.pt")  # a dot directory is never a step's
+    torn = tmp_path / "step-00000030" / "lit_model.pth"
+    torn.write_bytes(torn.read_bytes()[:50])
+    files = single_file.checkpoint_files(tmp_path, "")
+    assert files == [tmp_path / f"step-{it:08d}" / "lit_model.pth" for it in (10, 20, 30)]
+    assert single_file.tracked_files(tmp_path, "") == []  # versions: top-level files only
+    assert [(r.step, r.valid) for r in single_file.scan(tmp_path, "")] == [(10, True), (20, True), (30, False)]
+    assert single_file.latest_valid(tmp_path, "").path == tmp_path / "step-00000020" / "lit_model.pth"
+    assert [r.path for r in single_file.torn_newest(tmp_path, "")] == [torn]
+    assert single_file.step_in_name(tmp_path, tmp_path / "ckpt.pt") is None
+    assert single_file.step_in_name(tmp_path, tmp_path / "ckpt_100.pt") == 100
+    torch.save(_state(1), tmp_path / "ckpt.pt")  # a top-level file: it is the checkpoint, step files are not
+    assert single_file.checkpoint_files(tmp_path, "") == [tmp_path / "ckpt.pt"]
+    (tmp_path / "ckpt.pt").unlink()
+    (moved,) = quarantine_torn(tmp_path)
+    assert moved.source == torn and moved.target.parent == torn.parent and not torn.exists()
+    assert single_file.torn_newest(tmp_path, "") == []
+    assert _versions(tmp_path, keep=2).observe() == 0

@@ -182,3 +182,96 @@ def test_a_new_pass_after_a_stalled_one_is_not_stuck() -> None:
     assert not loop.stuck()  # the second pass has just started: it is not the stalled one
     releases[1].set()
     loop.stop(timeout=30)
+
+
+class _Counter:
+    def __init__(self) -> None:
+        self.kept = 0
+        self.seen: dict[str, int] = {}
+
+
+def test_a_forked_call_returns_its_value_its_changes_its_notes_and_log_lines(caplog: pytest.LogCaptureFixture) -> None:
+    """run_forked: the value, the named attributes of the owner (the child's memory is its own), the notes and
+    the child's log records come back; the child is reaped, and is never a member of a job."""
+    import logging
+
+    from supervisor.bounded_calls import child_pids, left_behind, note, run_forked
+
+    owner, notes = _Counter(), []
+
+    def work() -> int:
+        owner.kept += 2
+        owner.seen["ckpt.pt"] = os.getpid()
+        note("copying ckpt.pt")
+        logging.getLogger("supervisor.file_versions").warning("kept in pid %d", os.getpid())
+        return 41 + 1
+
+    with caplog.at_level(logging.INFO):
+        assert run_forked(work, "test-pass", owner, ("kept", "seen"), on_note=notes.append) == 42
+    child = owner.seen["ckpt.pt"]
+    assert owner.kept == 2 and child != os.getpid() and notes == ["copying ckpt.pt"]
+    assert f"kept in pid {child}" in caplog.text
+    assert child not in child_pids() and left_behind() == []
+
+
+def test_a_forked_call_raises_what_failed_and_an_unpicklable_value_is_an_error() -> None:
+    from supervisor.bounded_calls import ChildCallFailed, run_forked
+
+    def fails() -> None:
+        raise FileNotFoundError(2, "No such file", "/ckpt/x")
+
+    with pytest.raises(ChildCallFailed, match="FileNotFoundError"):
+        run_forked(fails, "test-pass")
+    with pytest.raises(ChildCallFailed, match="not picklable"):
+        run_forked(lambda: threading.Lock(), "test-pass")
+
+
+def test_a_forked_call_that_never_returns_is_left_behind_named_and_its_thread_is_free() -> None:
+    """A forked bounded call past its deadline: the caller goes on with the default, the child stays listed (pid,
+    label, what it does) until it ends, and the thread that waited for it only ever read a pipe."""
+    import signal
+    import time
+
+    from supervisor.bounded_calls import left_behind, note
+
+    calls = BoundedCalls("reading /ckpt (test)", 0.5, forked=True)
+
+    def stuck() -> None:
+        note("listing /ckpt")
+        time.sleep(60)
+
+    assert calls.call(stuck, "default") == "default" and calls.blocked_since is not None
+    left = wait_for(lambda: [h for h in left_behind() if h["label"] == "reading /ckpt (test)"], 10, "the child")
+    assert left[0]["doing"] == "listing /ckpt" and left[0]["state"] in ("S", "R"), left
+    os.kill(left[0]["pid"], signal.SIGKILL)
+    wait_for(lambda: calls.blocked_since is None, 10, "the blocked call to be over once its child ended")
+    wait_for(lambda: not [h for h in left_behind() if h["label"] == "reading /ckpt (test)"], 10, "the child reaped")
+
+
+def test_what_rlsup_leaves_at_exit_is_said_once_and_recorded(tmp_path: Path) -> None:
+    """left_at_exit: the recorded stuck processes still alive and the forked calls still there are named in one
+    line with their mounts, and written under unkillable.json's ``exit``; nothing left: no line, no record."""
+    import subprocess
+    import sys
+
+    from supervisor.unkillable import held_threads, left_at_exit
+
+    said: list[str] = []
+    assert left_at_exit(tmp_path, 0, [], said.append) is None and said == []
+    assert not (tmp_path / "unkillable.json").exists()
+    rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (tmp_path / "unkillable.json").write_text(json.dumps({"grace_s": 2, "processes": [
+            {"pid": rank.pid, "rank": 1, "state": "D", "mounts": ["/ckpt"]},
+            {"pid": 2 ** 22 + 7, "rank": 0, "state": "D", "mounts": ["/ckpt"]}]}))  # gone since: not named
+        helper = {"pid": rank.pid, "label": "rlsup-file-versions", "doing": "", "state": "S", "wchan": ""}
+        left = left_at_exit(tmp_path, 77, [helper], said.append)
+    finally:
+        rank.kill()
+        rank.wait()
+    record = json.loads((tmp_path / "unkillable.json").read_text())
+    assert record["exit"] == left and left["code"] == 77 and left["ranks"] == [rank.pid], left
+    assert left["mounts"] == ["/ckpt"] and left["helpers"][0]["label"] == "rlsup-file-versions"
+    assert record["processes"][0]["pid"] == rank.pid  # the verdict's own record stays
+    assert len(said) == 1 and "exit 77: left behind on mount /ckpt" in said[0] and f"rank 1 pid {rank.pid}" in said[0]
+    assert held_threads() == []  # this process: no thread asleep on a shared mount

@@ -1,9 +1,9 @@
 """A job whose checkpoints rlsup cannot read is never harmed (issue 28): the run loop, in process.
 
 The rule (supervisor/attempt_progress.py): with entries in checkpoint_dir that no layout reads, an attempt
-made progress when the trainer's own step moved past the one it started from; incidents then say the
-steps lost are unknown instead of counting from scratch. An empty directory keeps the old rule: a job
-that fails before its first save, every time, is a crash loop.
+made progress when the trainer's own step passed the highest step an earlier attempt reached; incidents then
+say the steps lost are unknown instead of counting from scratch. An empty directory keeps the old rule: a
+job that fails before its first save, every time, is a crash loop.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ def test_steps_that_move_beside_unreadable_checkpoints_are_progress(tmp_path: Pa
     assert result.exit_code == exit_codes.OK and len(layer.jobs) == 5  # never 76, never backed off 5 s
     said = [r.getMessage() for r in caplog.records if "no layout recognises" in r.getMessage()]
     assert len(said) == 1 and "weights.npz" in said[0] and "--checkpoint-layout" in said[0]
+    assert "--checkpoint-file" in said[0] and "--quarantine-invalid" in said[0] and "{resume:" in said[0]  # both remedies
     recorded = incidents(tmp_path / "state")
     assert [i["action"] for i in recorded] == ["restart"] * 4
     assert all(i["resume_known"] is False and steps_lost(i) is None for i in recorded)
@@ -45,7 +46,7 @@ def test_steps_that_move_beside_unreadable_checkpoints_are_progress(tmp_path: Pa
     assert "steps lost unknown" in incident_line(recorded[0])
     assert "downtime" in report(tmp_path / "state", recorded) and ", steps lost unknown" in report(
         tmp_path / "state", recorded)  # never "0 steps lost"
-    assert "unknown for 4 more" in report(tmp_path / "state", [{"last_step": 9, "resumed_step": 4}, *recorded])
+    assert "unknown for 4 more" in report(tmp_path / "state", [{"last_step": 9, "resumed_step": 4, "downtime_s": 1.0}, *recorded])
 
 
 def test_a_trainer_that_starts_over_and_fails_at_the_same_step_is_not_progress(tmp_path: Path) -> None:
@@ -66,26 +67,31 @@ def test_an_empty_checkpoint_dir_keeps_the_crash_loop_rule(tmp_path: Path) -> No
     sup, layer, _ = make(tmp_path, *[Attempt(exit_code=1, exit_at=4)] * 3, max_no_progress_attempts=2,
                          max_restarts=10)
     assert sup.run().exit_code == exit_codes.NO_PROGRESS and len(layer.jobs) == 2
-    assert all(i.get("resume_known", True) for i in incidents(tmp_path / "state"))
+    assert all(i.get("resume_known") is not False for i in incidents(tmp_path / "state"))
 
 
 @pytest.mark.parametrize("evidence, verdict", [
-    (AttemptEvidence(newest_step=10, resumed_step=10, first_step=10, last_step=90, unreadable=True),
+    (AttemptEvidence(newest_step=10, resumed_step=10, last_step=90, unreadable=True),
      (False, ProgressBasis.CHECKPOINT)),  # a readable layout wins over printed steps
     (AttemptEvidence(newest_step=20, resumed_step=10), (True, ProgressBasis.CHECKPOINT)),
     (AttemptEvidence(new_file_versions=1), (True, ProgressBasis.FILE_VERSION)),
-    (AttemptEvidence(new_file_versions=1, first_step=20, last_step=20), (False, ProgressBasis.FILE_VERSION)),
-    (AttemptEvidence(new_file_versions=1, first_step=20, last_step=40, high_water=30),
-     (True, ProgressBasis.FILE_VERSION)),
-    (AttemptEvidence(new_file_versions=0, first_step=5, last_step=50, unreadable=True),
-     (False, ProgressBasis.FILE_VERSION)),
-    (AttemptEvidence(first_step=50, last_step=80, unreadable=True), (True, ProgressBasis.TRAINER_STEP)),
-    (AttemptEvidence(first_step=50, last_step=50, unreadable=True), (False, ProgressBasis.TRAINER_STEP)),
-    (AttemptEvidence(first_step=50, last_step=70, high_water=80, unreadable=True),
+    (AttemptEvidence(new_file_versions=1, last_step=20), (True, ProgressBasis.FILE_VERSION)),  # the first attempt
+    (AttemptEvidence(new_file_versions=1, last_step=20, high_water=20),
+     (False, ProgressBasis.FILE_VERSION)),  # a re-save at the step an earlier attempt reached
+    (AttemptEvidence(new_file_versions=1, last_step=21, high_water=20),
+     (True, ProgressBasis.FILE_VERSION)),  # PyKEEN: one line, at its first save, past the mark (issue 41)
+    (AttemptEvidence(new_file_versions=1, last_step=40, high_water=30), (True, ProgressBasis.FILE_VERSION)),
+    (AttemptEvidence(new_file_versions=1, last_step=25, high_water=30),
+     (False, ProgressBasis.FILE_VERSION)),  # nanoGPT re-saved the step it resumed from, and fell short
+    (AttemptEvidence(new_file_versions=0, last_step=50, unreadable=True), (False, ProgressBasis.FILE_VERSION)),
+    (AttemptEvidence(last_step=80, unreadable=True), (True, ProgressBasis.TRAINER_STEP)),
+    (AttemptEvidence(last_step=50, high_water=50, unreadable=True), (False, ProgressBasis.TRAINER_STEP)),
+    (AttemptEvidence(last_step=70, high_water=80, unreadable=True),
      (False, ProgressBasis.TRAINER_STEP)),  # below what an earlier attempt reached
-    (AttemptEvidence(first_step=50, last_step=90, high_water=80, unreadable=True),
-     (True, ProgressBasis.TRAINER_STEP)),
-    (AttemptEvidence(first_step=0, last_step=80), (False, ProgressBasis.CHECKPOINT)),
+    (AttemptEvidence(last_step=90, high_water=80, unreadable=True), (True, ProgressBasis.TRAINER_STEP)),
+    (AttemptEvidence(last_step=51, high_water=50, unreadable=True),
+     (True, ProgressBasis.TRAINER_STEP)),  # first line = last line, past the mark: progress
+    (AttemptEvidence(last_step=80), (False, ProgressBasis.CHECKPOINT)),
     (AttemptEvidence(unreadable=True), (False, ProgressBasis.NOTHING)),
 ])
 def test_one_rule_for_progress(evidence: AttemptEvidence, verdict: tuple[bool, ProgressBasis]) -> None:

@@ -1,9 +1,11 @@
 """Single-file checkpoints: one file the trainer saves whole each time, usually over the old one
 (nanoGPT's ``out/ckpt.pt``, ``model.safetensors``, a script's ``*.ckpt``).
 
-Nothing names a step here, so this module answers two questions only: which files are the
-checkpoint (:func:`tracked_files`), and whether one is complete (:func:`check_file`), judged from its
-format alone: a ``torch.save`` zip through its central directory, a safetensors file through its
+Nothing in the file names a step, so this module answers: which files are the checkpoint
+(:func:`tracked_files`: those rewritten in place, whose versions are kept; :func:`checkpoint_files`: those
+plus, found by ``auto``, litgpt's one file per step directory), which one is newest and complete
+(:func:`scan`, :func:`latest_valid`, :func:`torn_newest`: what ``rlsup run`` resumes from and what
+``rlsup checkpoints`` lists), and whether one is complete (:func:`check_file`), judged from its format alone: a ``torch.save`` zip through its central directory, a safetensors file through its
 header against the file's size, a pickle (plain, or torch's legacy format) by reading its opcodes to
 each STOP without running any of them. A save killed at any byte fails the check. Keeping complete
 versions aside and putting one back is :mod:`supervisor.file_versions`' job.
@@ -15,11 +17,12 @@ import fnmatch
 import io
 import os
 import pickletools
+import re
 import struct
 from pathlib import Path
 
 from supervisor.layouts.files import check_safetensors, check_zip
-from supervisor.layouts.record import Check
+from supervisor.layouts.record import Check, CheckpointRecord
 
 NAME = "single-file"
 #: Suffixes auto-detection takes for a checkpoint file (an explicit ``checkpoint_file`` may name any file).
@@ -31,6 +34,7 @@ VERSIONS_DIR = ".rlsup-versions"
 #: The suffix a quarantined torn checkpoint gets (no trainer's own "latest" logic matches it).
 INVALID_MARK = ".rlsup-invalid"
 _PICKLE_PROTO = 0x80
+_LAST_NUMBER = re.compile(r"(\d+)\D*$")
 _LEGACY_PICKLES = 5  # torch's legacy format: magic, protocol, sys_info, the object, the storage keys
 
 
@@ -54,6 +58,102 @@ def tracked_files(root: Path, pattern: str) -> list[Path]:
             continue
         out.append(path)
     return sorted(out)
+
+
+def step_dir_files(root: Path) -> list[Path]:
+    """One checkpoint file per step directory (litgpt's ``step-00000070/lit_model.pth``): the files with a
+    checkpoint suffix directly inside a top-level directory whose name holds a number. Each is written once,
+    in a new directory, so its versions are not kept (:mod:`supervisor.file_versions` keeps versions of a
+    file rewritten in place only: a copy of a file never written again would buy nothing and double the
+    disk)."""
+    try:
+        dirs = [d for d in root.iterdir() if _LAST_NUMBER.search(d.name) and not _ours_to_skip(Path(d.name))
+                and not d.is_symlink() and d.is_dir()]
+    except OSError:
+        return []
+    out = []
+    for d in dirs:
+        try:
+            out.extend(p for p in d.iterdir() if p.suffix in SUFFIXES and not _ours_to_skip(Path(d.name, p.name))
+                       and not p.is_symlink() and p.is_file())
+        except OSError:
+            continue
+    return sorted(out)
+
+
+def checkpoint_files(root: Path, pattern: str) -> list[Path]:
+    """The single-file checkpoints rlsup reads under ``root``: those ``pattern`` matches; with ``pattern``
+    empty, the top-level files :func:`tracked_files` takes, or where there are none, litgpt's shape
+    (:func:`step_dir_files`). Callers take ``auto`` only while no other layout recognises ``root``."""
+    return tracked_files(root, pattern) or ([] if pattern else step_dir_files(root))
+
+
+def step_in_name(root: Path, path: Path) -> int | None:
+    """The last number in the name of ``path``'s directory under ``root`` (``step-00000070``), else in the
+    file's own stem (``ckpt_100.pt``); None where neither has one (nanoGPT's ``ckpt.pt``). A label for the
+    listing, never what a resume claims (the trainer's own steps may count otherwise)."""
+    try:
+        rel = path.relative_to(root)
+    except ValueError:
+        rel = Path(path.name)
+    for name in (*reversed(rel.parts[:-1]), rel.stem):
+        m = _LAST_NUMBER.search(name)
+        if m:
+            return int(m.group(1))
+    return None
+
+
+def _mtime_ns(path: Path) -> int:
+    try:
+        return path.stat().st_mtime_ns
+    except OSError:
+        return 0
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def newest_first(files: list[Path]) -> list[Path]:
+    """Newest save first: by modification time, as a "newest file wins" trainer picks (one order for the
+    resume choice, the listing, the quarantine and the launch line's warning)."""
+    return sorted(files, key=lambda p: (_mtime_ns(p), str(p)), reverse=True)
+
+
+def record_of(root: Path, path: Path) -> CheckpointRecord:
+    """One file as a catalogue record (step: the number in its name, -1 where it has none)."""
+    return CheckpointRecord.of_check(check_file(path), step=step_in_name(root, path), layout=NAME, path=path,
+                                     size_bytes=_size(path))
+
+
+def scan(root: Path, pattern: str) -> list[CheckpointRecord]:
+    """Every single-file checkpoint under ``root``, checked, oldest first (``rlsup checkpoints list``)."""
+    return [record_of(root, p) for p in reversed(newest_first(checkpoint_files(root, pattern)))]
+
+
+def latest_valid(root: Path, pattern: str) -> CheckpointRecord | None:
+    """The newest complete file, checking newest first and stopping at the first complete one (what
+    ``rlsup run`` resumes from and ``rlsup checkpoints latest`` names)."""
+    for path in newest_first(checkpoint_files(root, pattern)):
+        record = record_of(root, path)
+        if record.valid:
+            return record
+    return None
+
+
+def torn_newest(root: Path, pattern: str) -> list[CheckpointRecord]:
+    """The files newer than the newest complete one that fail the check, newest first: what a trainer that
+    loads its newest file itself would wrongly load."""
+    torn = []
+    for path in newest_first(checkpoint_files(root, pattern)):
+        record = record_of(root, path)
+        if record.valid:
+            break
+        torn.append(record)
+    return torn
 
 
 def matches(rel: str, pattern: str) -> bool:

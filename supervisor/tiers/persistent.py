@@ -130,6 +130,11 @@ class PersistentSettings:
         return IDLE_WAKE_S
 
 
+#: What a pass of :meth:`PersistentTier.poll` changes: copied back from the child a forked pass ran in.
+_PASS_STATE = ("_done", "_last_step", "_last_time", "_retain_due", "_retained", "_last_clean", "copies",
+               "bytes_copied", "last_error", "moved", "_final")
+
+
 class PersistentTier:
     """Copies this node's valid parts to the tier and offers them back; see the module docstring.
 
@@ -161,8 +166,10 @@ class PersistentTier:
         shared_fs = isinstance(self.store, LocalStore)
         enter = private_files.enter if shared_fs else None
         self._files: Callable[[Callable[[], Any]], Any] = private_files.run if shared_fs else _call
+        # On a mount, each pass runs in a forked child (a copy stuck in a hung mount never holds rlsup's exit);
+        # _PASS_STATE is what a pass changes. Not for an object store: its client's threads are not in a child.
         self._loop = PollLoop(self.poll, "rlsup-persistent-tier", self._pass_failed, on_stall=self._stalled,
-                              on_thread_start=enter)
+                              on_thread_start=enter, owner=self, keep=_PASS_STATE if shared_fs else None)
         #: The run loop's reads of the tier (a restart's resume choice): never past STALL_S without progress.
         self.reads = BoundedCalls(f"reading the persistent tier {self.location} for the resume", STALL_S, enter)
         self.copies = 0
@@ -380,7 +387,9 @@ class PersistentTier:
 
         def final() -> None:
             try:
-                result.append(self._files(self.poll))
+                # a forked pass (a tier on a mount) is a process of its own: no private table needed in it
+                result.append(self._loop.call(self.poll if self._loop.keep is not None else  # type: ignore[arg-type]
+                                              lambda: self._files(self.poll)))
             except Exception as e:  # noqa: BLE001 - the tier must never kill the supervisor
                 self.last_error = str(e)
                 log.warning("final persistent copy failed: %s", e)

@@ -14,6 +14,7 @@ import threading
 import time
 from typing import Callable
 
+from supervisor.bounded_calls import forked_child, note, run_forked
 from supervisor.tiers.manifest_watch import ManifestWatch
 
 log = logging.getLogger(__name__)
@@ -26,11 +27,15 @@ class PollLoop:
 
     def __init__(self, run_pass: Callable[[], object], name: str, on_error: Callable[[Exception], None],
                  stall_s: float = STALL_S, on_stall: Callable[[str], None] | None = None,
-                 on_thread_start: Callable[[], object] | None = None) -> None:
+                 on_thread_start: Callable[[], object] | None = None, owner: object = None,
+                 keep: tuple[str, ...] | None = None) -> None:
         self.run_pass, self.name, self.on_error = run_pass, name, on_error
         self.on_thread_start = on_thread_start  # run first in the loop's thread (a private descriptor table)
         self.stall_s, self.on_stall = stall_s, on_stall
-        self.doing = ""  # what the pass in progress is doing now (set by the tier), for the stall line
+        # keep: each pass runs in a child forked for it (supervisor.bounded_calls.run_forked), so a pass stuck in
+        # a hung mount never holds rlsup's own exit; these attributes of ``owner`` are what a pass changes.
+        self.owner, self.keep = owner, keep
+        self._doing = ""
         self.stalls = 0  # passes named as stalled
         self.stalled: str | None = None  # the stall line while the pass in progress is stalled
         self._pass_started: float | None = None
@@ -39,6 +44,26 @@ class PollLoop:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._watch: ManifestWatch | None = None
+
+    @property
+    def doing(self) -> str:
+        """What the pass in progress is doing now (set by the tier), for the stall line."""
+        return self._doing
+
+    @doing.setter
+    def doing(self, text: str) -> None:
+        self._doing = text
+        if forked_child():
+            note(text)  # the parent's loop sees it (a forked pass)
+
+    def call(self, fn: Callable[[], object]) -> object:
+        """``fn()`` as a pass runs: in a forked child when the loop forks its passes."""
+        if self.keep is None or forked_child():
+            return fn()
+        return run_forked(fn, self.name, self.owner, self.keep, on_note=self._noted)
+
+    def _noted(self, text: str) -> None:
+        self._doing = text
 
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
@@ -92,12 +117,12 @@ class PollLoop:
         while not self._stop.is_set():
             self._pass_started = time.monotonic()
             try:
-                self.run_pass()
+                self.call(self.run_pass)
             except Exception as e:  # see the module docstring
                 self.on_error(e)
                 log.exception("%s: pass failed", self.name)
             finally:
-                self._pass_started, self.doing = None, ""
+                self._pass_started, self._doing = None, ""
             self.wake.wait(interval)
             self.wake.clear()
 

@@ -83,6 +83,7 @@ def describe_unreadable(checkpoint_dir: Path, layout: str, single_file_tracked: 
     found, what was tried, how to tell rlsup. Decisions then rest on the trainer's own steps
     (:mod:`supervisor.attempt_progress`)."""
     from supervisor import layouts
+    from supervisor.launch_args import REMEDIES
     from supervisor.layouts import single_file
 
     if unset_and_missing and not checkpoint_dir.exists():
@@ -101,10 +102,12 @@ def describe_unreadable(checkpoint_dir: Path, layout: str, single_file_tracked: 
     shown = ", ".join(entries[:5]) + (f", ... ({len(entries)} in all)" if len(entries) > 5 else "")
     if layout == single_file.NAME:
         return (f"checkpoint_dir {checkpoint_dir} holds {shown}, but no complete single-file checkpoint matches "
-                "checkpoint_file; set --checkpoint-file to the file the trainer saves (a name or glob)")
+                "checkpoint_file; set --checkpoint-file to the file the trainer saves (a name or glob). Where the "
+                f"trainer then picks its own checkpoint (resume auto), to keep it off a torn newest one: {REMEDIES}")
     tried = ", ".join((*layouts.LAYOUT_NAMES, single_file.NAME))
     return (f"checkpoint_dir {checkpoint_dir} holds {shown}, which no layout recognises (tried: {tried}); rlsup "
             "cannot choose the resume point, so the trainer resumes on its own, and whether an attempt made "
             "progress is judged from the trainer's own steps (trainer_hooks heartbeats or --progress); steps lost "
             "are reported as unknown. Tell rlsup with --checkpoint-layout NAME, or --checkpoint-file GLOB for a "
-            "checkpoint saved as one file (docs/layouts.md)")
+            "checkpoint saved as one file (docs/layouts.md). Where the trainer then picks its own checkpoint (resume "
+            f"auto), to keep it off a torn newest one: {REMEDIES}")
