@@ -10,9 +10,10 @@ first on odd ones) and prints, as soon as a figure is done, one row per figure::
     name | rlsup median | baseline median | ratio (rlsup / baseline) | unit | note
 
 Figures (``--only`` keys): restart, hang, save, heartbeat, selection, replication, restore, footprint,
-goodput, gpu_check, flight_recorder, watch_cpu, writer_start; and recovery (issue 31's realistic harness, benchmarks/bench_recovery.py) and
-node_loss (its node-loss variant, a spare against a replacement: benchmarks/bench_node_loss.py), run only when
-named. Jobs are 2-rank torchrun/gloo runs of ``benchmarks/jobs/bench_trainer.py``, which writes
+goodput, gpu_check, flight_recorder, watch_cpu, writer_start; and recovery (issue 31's realistic harness, benchmarks/bench_recovery.py),
+node_loss (its node-loss variant, a spare against a replacement: benchmarks/bench_node_loss.py) and overhead (issue
+41: what rlsup costs when nothing fails, benchmarks/bench_overhead.py), run only when named. Jobs are 2-rank
+torchrun/gloo runs of ``benchmarks/jobs/bench_trainer.py``, which writes
 ``time.monotonic()`` events (CLOCK_MONOTONIC is system-wide on Linux, so ranks, attempts and this script share one
 clock). Method, machine and results: BENCHMARKS.md.
 """
@@ -1031,6 +1032,17 @@ def bench_node_loss(ctx: Ctx) -> list[Row]:
     return [Row(f.name, f.rlsup, f.base, f.unit, f.note) for f in figs]
 
 
+def bench_overhead(ctx: Ctx) -> list[Row]:
+    """No faults (issue 41): the same trainer and save cadence under bare torchrun, rlsup's defaults and rlsup's
+    memory tier, sides alternating (benchmarks/bench_overhead.py); only with ``--only overhead`` (about 12 min full,
+    4 min quick)."""
+    import bench_overhead
+
+    s = bench_overhead.Settings(reps=ctx.reps, **({"steps": 120, "skip": 40} if ctx.quick else {}))
+    figs, _ = bench_overhead.run(ctx.work, s)
+    return [Row(f.name, f.rlsup, f.base, f.unit, f.note) for f in figs]
+
+
 def bench_watch_cpu(ctx: Ctx) -> list[Row]:
     """What watching a job costs: rlsup run's own CPU against torchrun's agent's (benchmarks/bench_watch_cpu.py)."""
     import bench_watch_cpu
@@ -1063,7 +1075,7 @@ BENCHES: dict[str, Callable[[Ctx], list[Row]]] = {
     "selection": bench_selection, "replication": bench_replication, "restore": bench_restore,
     "footprint": bench_footprint, "goodput": bench_goodput, "gpu_check": bench_gpu_check,
     "flight_recorder": bench_flight_recorder, "recovery": bench_recovery, "node_loss": bench_node_loss,
-    "watch_cpu": bench_watch_cpu, "writer_start": bench_writer_start,
+    "watch_cpu": bench_watch_cpu, "writer_start": bench_writer_start, "overhead": bench_overhead,
 }
 
 
@@ -1072,7 +1084,8 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="small sizes, fewer repetitions: < 5 min on 2 cores")
     ap.add_argument("--only", default="", help=f"comma-separated subset of: {','.join(FIGURES)}; and recovery "
                     "(issue 31's realistic recovery harness, never in the default set: 15 min and more) and "
-                    "node_loss (its node-loss variant, never in the default set: about 18 min)")
+                    "node_loss (its node-loss variant, never in the default set: about 18 min) and overhead (no "
+                    "faults: rlsup's price against bare torchrun, never in the default set: about 12 min)")
     ap.add_argument("--recovery-minutes", type=float, default=5.0, help="recovery: wall window per side")
     ap.add_argument("--reps", type=int, default=None, help="repetitions per side (default: 2 quick, 5 full)")
     ap.add_argument("--layouts", default="", help=f"selection layouts, comma-separated: {','.join(LAYOUT_KEYS)}")

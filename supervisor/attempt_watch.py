@@ -155,6 +155,7 @@ class AttemptWatch:
         who = "the job's output" if verdict.rank == JOB_RANK else f"rank {verdict.rank} (pid {verdict.pid})" \
             if verdict.rank is not None else "no rank"
         detail = f"{who} silent for {verdict.silent_s:.2f}s > {verdict.reason} {verdict.timeout_s:.2f}s"
+        detail += f" ({verdict.note})" if verdict.note else ""  # startup: no report yet, or the first step
         log.info(f"attempt {attempt}: hang detected: {detail}; dumping stacks")
         flight = self._flight_recorder(detector)  # first: py-spy pauses ranks; its analysis runs meanwhile
         if self.fr_share is not None:  # ask the other nodes for their dumps (they dump when the attempt ends)

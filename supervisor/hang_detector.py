@@ -6,14 +6,16 @@ Rules (all on CLOCK_MONOTONIC, so wall-clock jumps never look like hangs; docs/h
   trainer_hooks at interpreter exit), longer than ``save_timeout``: hung there;
 - a rank in its **first step** (after launch, or after a restore: communicator set-up, compilation, the
   first batch) is held to ``startup_timeout`` too, and that step never teaches the step timeout. Ranks
-  report a step when it is done (``heartbeat(step)`` after it), so the first report ends the first step
-  unless it is not past the step the attempt started from (a progress bar drawn at 0/N or at the resumed
-  step, a heartbeat right after the restore): then the first step ends at the next report;
+  report a step when it is done (``heartbeat(step)`` after it), so the first step ends at the first report
+  past the step the attempt started from (the resumed step; where rlsup does not know it, the highest step
+  an earlier attempt reported): a progress bar drawn at 0/N and then at the resumed step, or a heartbeat
+  right after the restore, is a position, not a step. At the latest it ends at the
+  :data:`FIRST_STEP_REPORTS`-th report (a start that the trainer's steps never pass is no start);
 - otherwise a rank silent for longer than the heartbeat timeout: hung.
 The heartbeat timeout is explicit, or learned ("auto", :class:`AutoTimeout`): a safety factor times the
 longest ordinary step interval, with a floor, and a generous initial value until enough intervals were
 seen. Intervals count across the attempts of a run and across rlsup restarts (``heartbeat_timeout.json``
-in the state directory). A stall the job survived is not learned: see :class:`AutoTimeout`.
+in the state directory). A stall the job survived is not learned unless it recurs: see :class:`AutoTimeout`.
 """
 
 from __future__ import annotations
@@ -42,8 +44,18 @@ STALL_RATIO = 2.0
 #: This many stalls in a row on one rank are no stall but the step time changing (a slower node after a
 #: requeue, longer sequences): they are learned.
 STALLS_IN_A_ROW = 3
+#: A stall on a rank that survived a stall of about the same length before (the longer at most this many
+#: times the shorter), ordinary steps between, is a recurring phase (a periodic evaluation): both are learned.
+RECUR_RATIO = 1.5
+#: A rank process's first step ends at the latest at its report number this (2 positions drawn before it).
+FIRST_STEP_REPORTS = 3
 #: What was learned, in the state directory: a later rlsup of the same command starts from it.
 LEARNED_FILE = "heartbeat_timeout.json"
+LEARNED_VERSION = 2
+#: Launcher arguments that change from one allocation to the next (head node, port, rendezvous id, this
+#: node's rank): not part of the learned file's key, so a requeue onto other nodes keeps what was learned.
+PLACEMENT_ARGS = ("--master-addr", "--master-port", "--rdzv-endpoint", "--rdzv-id", "--rdzv-conf", "--node-rank",
+                  "--local-addr")
 _SAVE_EVERY_S = 30.0  # counts alone (nothing else changed) are written at most this often
 
 if TYPE_CHECKING:
@@ -80,6 +92,10 @@ class HangVerdict:
     silent_s: float
     timeout_s: float
     step: int | None
+    note: str = ""  # startup_timeout: NO_REPORT_YET or the first step; a hang of a rank that survived as long
+
+
+NO_REPORT_YET = "no step reported yet"
 
 
 TIMEOUT_SOURCES = ("initial", "learned", "explicit")  # TimeoutOrigin.source
@@ -100,13 +116,15 @@ class AutoTimeout:
     """The learned heartbeat timeout, shared by the attempts of a run and kept in ``path`` across rlsup restarts.
 
     ``factor`` x ``basis`` (the longest ordinary step interval), at least ``floor``; ``initial`` until
-    ``min_intervals`` intervals were seen. What a stall the job survived teaches: nothing. An interval over
-    :data:`STALL_RATIO` x the ordinary step is counted as a stall and not learned (a partition, a blip of the
-    file system), because learning it would make every later hang wait ``factor`` x the stall; the timeout
-    it survived under stays in force, so a long phase that recurs (an evaluation) survives again. While
+    ``min_intervals`` intervals were seen. What a stall the job survived teaches: nothing, once. An interval
+    over :data:`STALL_RATIO` x the ordinary step is counted as a stall and not learned (a partition, a blip of
+    the file system), because learning it would make every later hang wait ``factor`` x the stall. While
     learning, "ordinary" is judged against the lower median of the intervals seen, so a stall among the
-    first intervals is not learned either. :data:`STALLS_IN_A_ROW` stalls in a row on one rank are the step
-    time changing, and are learned. The learned basis never goes down within a run."""
+    first intervals is not learned either. A stall is kept (``survived``, by rank): when the same rank
+    survives one of about the same length again (:data:`RECUR_RATIO`), ordinary steps between, it is a
+    recurring phase (a periodic evaluation) and both are learned. :data:`STALLS_IN_A_ROW` stalls in a row on
+    one rank are the step time changing, and are learned. The learned basis never goes down within a run.
+    A phase longer than the timeout in force never survives to recur (docs/hangs.md: mark it)."""
 
     factor: float
     floor: float
@@ -116,8 +134,10 @@ class AutoTimeout:
     basis: float = 0.0  # the longest ordinary interval (0: still learning)
     learned: int = 0  # intervals that taught the basis
     stalls: int = 0
-    longest_stall: float = 0.0  # of the stalls a later ordinary interval confirmed (see longest_held)
+    survived: dict[int, list[float]] = field(default_factory=dict)  # by rank: stalls survived, not learned
     learning: list[float] = field(default_factory=list)  # the intervals seen before min_intervals
+    learning_ranks: list[int] = field(default_factory=list)  # whose each of ``learning`` is
+    step_reached: int | None = None  # the highest step any attempt reported (an unknown start's stand-in)
     path: Path | None = None
     command: list[str] = field(default_factory=list)
     _in_a_row: dict[int, list[float]] = field(default_factory=dict, init=False, repr=False)  # stalls by rank
@@ -130,7 +150,7 @@ class AutoTimeout:
         """``path``: the learned file (:data:`LEARNED_FILE` in the state directory); what a previous rlsup of
         the same ``command`` learned is loaded from it."""
         auto = cls(s.auto_timeout_factor, s.auto_timeout_floor, s.heartbeat_timeout_initial,
-                   s.auto_timeout_min_intervals, path=path, command=list(command))
+                   s.auto_timeout_min_intervals, path=path, command=learned_key(command))
         if path is not None:
             auto._load()
         return auto
@@ -142,6 +162,7 @@ class AutoTimeout:
         self.intervals_seen += 1
         if self.basis == 0:
             self.learning.append(interval_s)
+            self.learning_ranks.append(source)
             if len(self.learning) >= self.min_intervals:
                 self._finish_learning()
             self._dirty = 2
@@ -149,16 +170,37 @@ class AutoTimeout:
         if interval_s <= STALL_RATIO * self.basis:
             self._learn([interval_s])
             held = self._in_a_row.pop(source, [])  # the stalls before it were stalls indeed
-            self.longest_stall = max([self.longest_stall, *held])
+            if held:
+                self.survived.setdefault(source, []).extend(held)
+            return
+        self._dirty = 2
+        if self._recurred(interval_s, source):
             return
         self.stalls += 1
-        self._dirty = 2
         run = self._in_a_row.setdefault(source, [])
         run.append(interval_s)
         if len(run) >= STALLS_IN_A_ROW:  # the step itself got longer: no stall
             self.stalls -= len(run)
             self._learn(run)
             run.clear()
+
+    def _recurred(self, interval_s: float, source: int) -> bool:
+        """Learn ``interval_s`` with the stalls ``source`` survived before of about its length, if any: the
+        same long phase once more on one rank is a recurring phase (an evaluation), not a stall."""
+        before = self.survived.get(source, [])
+        again = [s for s in before if max(s, interval_s) <= RECUR_RATIO * min(s, interval_s)]
+        if not again:
+            return False
+        self.stalls -= len(again)
+        self.survived[source] = [s for s in before if s not in again]
+        self._learn([*again, interval_s])
+        return True
+
+    def reached(self, step: int | None) -> None:
+        """A step an attempt reported: the next attempts' start where rlsup does not know where they resume."""
+        if step is not None and (self.step_reached is None or step > self.step_reached):
+            self.step_reached = step
+            self._dirty = max(self._dirty, 1)
 
     def _learn(self, intervals: list[float]) -> None:
         self.learned += len(intervals)
@@ -167,16 +209,19 @@ class AutoTimeout:
 
     def _finish_learning(self) -> None:
         typical = statistics.median_low(self.learning)
+        ranks = self.learning_ranks if len(self.learning_ranks) == len(self.learning) else [0] * len(self.learning)
         ordinary = [i for i in self.learning if i <= STALL_RATIO * typical]
-        held = [i for i in self.learning if i > STALL_RATIO * typical]
         self.basis, self.learned = max(ordinary), len(ordinary)
-        self.stalls += len(held)
-        self.longest_stall = max([self.longest_stall, *held])
-        self.learning = []
+        held = [(rank, i) for rank, i in zip(ranks, self.learning) if i > STALL_RATIO * typical]
+        self.learning, self.learning_ranks = [], []
+        for rank, i in held:  # stalls, but where the same rank's recurs among them, a recurring phase
+            if not self._recurred(i, rank):
+                self.stalls += 1
+                self.survived.setdefault(rank, []).append(i)
 
     def longest_held(self) -> float:
         """The longest interval held as a stall, those not yet confirmed by an ordinary one included."""
-        return max([self.longest_stall, *(i for run in self._in_a_row.values() for i in run)])
+        return max([0.0, *(i for held in (*self.survived.values(), *self._in_a_row.values()) for i in held)])
 
     def current(self) -> float:
         if self.basis == 0:
@@ -210,9 +255,12 @@ class AutoTimeout:
         now = time.monotonic()
         if self._dirty < 2 and not force and now - self._saved_at < _SAVE_EVERY_S:
             return
-        data = {"version": 1, "command": self.command, "basis": self.basis, "learning": self.learning,
-                "intervals_seen": self.intervals_seen, "learned": self.learned, "stalls": self.stalls,
-                "longest_stall": self.longest_held()}
+        survived = {str(rank): held for rank, held in self.survived.items() if held}
+        for rank, run in self._in_a_row.items():  # stalls not yet confirmed by an ordinary interval: kept too
+            survived.setdefault(str(rank), []).extend(run)
+        data = {"version": LEARNED_VERSION, "command": self.command, "basis": self.basis, "learning": self.learning,
+                "learning_ranks": self.learning_ranks, "intervals_seen": self.intervals_seen, "learned": self.learned,
+                "stalls": self.stalls, "survived": survived, "step_reached": self.step_reached}
         tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
         try:
             tmp.write_text(json.dumps(data, indent=1))
@@ -235,9 +283,9 @@ class AutoTimeout:
         except ValueError as e:
             log.warning(f"heartbeat timeout: ignoring {self.path}: {e}; learning the step timeout anew")
             return
-        self.basis, self.learning = data["basis"], data["learning"]
+        self.basis, self.learning, self.learning_ranks = data["basis"], data["learning"], data["learning_ranks"]
         self.intervals_seen, self.learned = data["intervals_seen"], data["learned"]
-        self.stalls, self.longest_stall = data["stalls"], data["longest_stall"]
+        self.stalls, self.survived, self.step_reached = data["stalls"], data["survived"], data["step_reached"]
         if self.basis == 0 and len(self.learning) >= self.min_intervals:
             self._finish_learning()  # min_intervals lowered since
         log.info(f"heartbeat timeout: continuing from {self.path}: {self.origin().text}")
@@ -249,8 +297,8 @@ def _parse_learned(text: str, command: list[str]) -> dict[str, Any]:
         data = json.loads(text)
     except json.JSONDecodeError as e:
         raise ValueError(f"not JSON ({e})") from None
-    if not isinstance(data, dict) or data.get("version") != 1:
-        raise ValueError("not a version 1 learned-timeout record")
+    if not isinstance(data, dict) or data.get("version") != LEARNED_VERSION:
+        raise ValueError(f"not a version {LEARNED_VERSION} learned-timeout record")
 
     def number(key: str) -> float:
         v = data.get(key)
@@ -258,16 +306,61 @@ def _parse_learned(text: str, command: list[str]) -> dict[str, Any]:
             raise ValueError(f"{key!r} is {v!r}, not a number >= 0")
         return v
 
-    out: dict[str, Any] = {k: number(k) for k in ("basis", "longest_stall")}
+    out: dict[str, Any] = {"basis": number("basis")}
     for k in ("intervals_seen", "learned", "stalls"):
         out[k] = int(number(k))
     learning = data.get("learning")
-    if not isinstance(learning, list) or not all(
-            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0 for v in learning):
+    if not isinstance(learning, list) or not all(_is_interval(v) for v in learning):
         raise ValueError(f"'learning' is {learning!r}, not a list of intervals > 0")
     out["learning"] = [float(v) for v in learning]
+    ranks = data.get("learning_ranks")
+    if not isinstance(ranks, list) or len(ranks) != len(learning) or not all(_is_int(r) for r in ranks):
+        raise ValueError(f"'learning_ranks' is {ranks!r}, not a rank for each of 'learning'")
+    out["learning_ranks"] = list(ranks)
+    survived = data.get("survived")
+    if not isinstance(survived, dict) or not all(
+            _is_int(_int_or_none(k)) and isinstance(v, list) and all(_is_interval(i) for i in v)
+            for k, v in survived.items()):
+        raise ValueError(f"'survived' is {survived!r}, not stall intervals > 0 by rank")
+    out["survived"] = {int(k): [float(i) for i in v] for k, v in survived.items()}
+    reached = data.get("step_reached")
+    if reached is not None and not _is_int(reached):
+        raise ValueError(f"'step_reached' is {reached!r}, not a step")
+    out["step_reached"] = reached
     if data.get("command") != command:
         raise ValueError(f"learned for another command ({data.get('command')!r})")
+    return out
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_interval(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+
+
+def _int_or_none(text: str) -> int | None:
+    try:
+        return int(text)
+    except ValueError:
+        return None
+
+
+def learned_key(command: Sequence[str]) -> list[str]:
+    """The command as the learned file's key: without the launcher's :data:`PLACEMENT_ARGS` (either spelling,
+    ``--arg value`` or ``--arg=value``), which a requeue onto other nodes changes. ``{resume...}``
+    placeholders stay as written (rlsup keys on the command before it fills them)."""
+    names = {*PLACEMENT_ARGS, *(a.replace("-", "_").replace("__", "--", 1) for a in PLACEMENT_ARGS)}
+    out: list[str] = []
+    skip = False
+    for arg in command:
+        if skip:
+            skip = False
+        elif arg in names:
+            skip = True
+        elif arg.split("=", 1)[0] not in names or "=" not in arg:
+            out.append(arg)
     return out
 
 
@@ -279,19 +372,20 @@ def _section_within(rec: HeartbeatRecord, start_ns: int, end_ns: int) -> bool:
 
 @dataclass
 class _FirstStep:
-    """A rank process's first step in the attempt: when it began to report, and whether that report ends it."""
+    """A rank process's first step in the attempt: the reports seen, and the one that ended it."""
 
     pid: int
-    first_beat_ns: int  # its first report seen
-    counts: bool  # that report is past the step the attempt started from: the first step ended there
+    reports: int = 0  # its reports seen (two landing between polls: both, from the record's previous beat)
+    seen_ns: int = 0  # the newest report seen
+    ended_ns: int = 0  # the report that ended the first step (0: not yet)
     restored_ns: int = 0  # a restore (load section) ended then: the step after it is a first step again
 
 
 @dataclass
 class HangDetector:
-    """Watches one attempt's heartbeat directory. ``start_step``: the step the attempt resumed from (0 for a
-    fresh start; None: unknown, so a rank's first report ends its first step, the output's first reading
-    does not)."""
+    """Watches one attempt's heartbeat directory. ``start_step``: the step the attempt starts from, as far as
+    rlsup knows (the resumed step, 0 for a fresh start; else the highest step an earlier attempt reported;
+    None: neither, so a rank's first report ends its first step, the output's first reading does not)."""
 
     directory: Path
     startup_timeout: float
@@ -307,8 +401,11 @@ class HangDetector:
     @classmethod
     def from_settings(cls, directory: Path, s: HangSettings, auto: AutoTimeout,
                       alive: Callable[[int], bool] | None = None, start_step: int | None = 0) -> "HangDetector":
-        """One attempt's detector; ``auto`` is shared by the attempts of a run (what it learned carries over)."""
-        det = cls(directory, s.startup_timeout, s.save_timeout, s.heartbeat_timeout, auto, start_step=start_step)
+        """One attempt's detector; ``auto`` is shared by the attempts of a run (what it learned carries over).
+        ``start_step`` None (rlsup does not know where the trainer resumes: a single file, ``resume: false``):
+        the highest step an earlier attempt reported stands in for it."""
+        start = start_step if start_step is not None else auto.step_reached
+        det = cls(directory, s.startup_timeout, s.save_timeout, s.heartbeat_timeout, auto, start_step=start)
         det.alive = alive or det.alive
         return det
 
@@ -334,6 +431,7 @@ class HangDetector:
             elif first is not None and (interval := self._new_interval(rec, old, first)) is not None:
                 self.auto.observe(interval, rec.rank)
             self.records[rec.rank] = rec
+        self.auto.reached(self.last_step())
         return self.records
 
     def _first_step(self, rec: HeartbeatRecord, old: HeartbeatRecord | None) -> _FirstStep | None:
@@ -342,15 +440,27 @@ class HangDetector:
         if first is not None and first.pid != rec.pid:
             first = None
         if first is None and rec.beat_ns > 0:
-            # Two reports may land between two polls: the earlier one is the record's previous beat.
-            beat_ns, step = (rec.prev_beat_ns, rec.prev_step) if rec.prev_beat_ns > 0 else (rec.beat_ns, rec.step)
-            # Unknown start: a rank reports a step when it is done (trainer_hooks' convention); the output's
-            # first reading may be a bar drawn at its position before any step.
-            counts = step > self.start_step if self.start_step is not None else rec.rank != JOB_RANK
-            first = self.first_steps[rec.rank] = _FirstStep(rec.pid, beat_ns, counts)
-        if first is not None and old is not None and old.section == "load" and rec.section != "load":
+            first = self.first_steps[rec.rank] = _FirstStep(rec.pid)
+        if first is None:
+            return None
+        # Two reports may land between two polls: the earlier one is the record's previous beat.
+        for beat_ns, step in ((rec.prev_beat_ns, rec.prev_step), (rec.beat_ns, rec.step)):
+            if beat_ns > first.seen_ns:
+                first.reports, first.seen_ns = first.reports + 1, beat_ns
+                if not first.ended_ns and self._ends_first_step(rec.rank, step, first.reports):
+                    first.ended_ns = beat_ns
+        if old is not None and old.section == "load" and rec.section != "load":
             first.restored_ns = rec.section_ns
         return first
+
+    def _ends_first_step(self, rank: int, step: int, reports: int) -> bool:
+        """Whether a rank's report number ``reports`` (of ``step``) ends its first step: it is past the start
+        (before it: a bar drawn at 0/N, then at the resumed step; a heartbeat right after the restore), or the
+        :data:`FIRST_STEP_REPORTS`-th. Unknown start: a rank reports a step when it is done (trainer_hooks'
+        convention), so its first report; the output's first reading may be a bar drawn before any step."""
+        if self.start_step is not None:
+            return step > self.start_step or reports >= FIRST_STEP_REPORTS
+        return rank != JOB_RANK or reports >= 2
 
     def in_first_step(self, rec: HeartbeatRecord) -> bool:
         """Whether ``rec``'s rank is still in its first step (held to startup_timeout, never learned)."""
@@ -359,7 +469,7 @@ class HangDetector:
         first = self.first_steps.get(rec.rank)
         if first is None or first.pid != rec.pid:
             return False
-        return first.restored_ns > rec.beat_ns or (rec.beat_ns == first.first_beat_ns and not first.counts)
+        return first.restored_ns > rec.beat_ns or not first.ended_ns
 
     @staticmethod
     def _new_interval(rec: HeartbeatRecord, old: HeartbeatRecord | None, first: _FirstStep) -> float | None:
@@ -373,7 +483,7 @@ class HangDetector:
             start = old.beat_ns
         else:
             return None
-        if start == first.first_beat_ns and not first.counts:
+        if not first.ended_ns or start < first.ended_ns:  # the first step, or a position before it
             return None
         # A save or restore inside is timed apart. (The output's signs of life are other bars moving, PyKEEN's
         # batch bar on every epoch: the interval counts, and a long one is a stall.)
@@ -399,17 +509,31 @@ class HangDetector:
                 # Registered (a section ran) but never beat: covered by the startup rule.
                 silent = (now_ns - max(self.started_ns, rec.section_ns)) / 1e9
                 if silent > self.startup_timeout:
-                    return HangVerdict("startup_timeout", rec.rank, rec.pid, silent, self.startup_timeout, None)
+                    return HangVerdict("startup_timeout", rec.rank, rec.pid, silent, self.startup_timeout, None,
+                                       note=NO_REPORT_YET)
                 continue
             last = max(rec.beat_ns, rec.section_ns)  # a section that just ended counts as a sign of life
             silent = (now_ns - last) / 1e9
             if self.in_first_step(rec):  # set-up, compilation, first batch: the startup limit, not the step's
                 if silent > self.startup_timeout and self.alive(rec.pid):
-                    return HangVerdict("startup_timeout", rec.rank, rec.pid, silent, self.startup_timeout, rec.step)
+                    first = self.first_steps.get(rec.rank)
+                    after = "a restore" if first is not None and first.restored_ns > rec.beat_ns else "launch"
+                    return HangVerdict("startup_timeout", rec.rank, rec.pid, silent, self.startup_timeout, rec.step,
+                                       note=f"first step after {after} too long (last report: step {rec.step})")
                 continue
             if silent > timeout and self.alive(rec.pid):  # an exited rank is not silent: the job is ending
-                return HangVerdict("heartbeat_timeout", rec.rank, rec.pid, silent, timeout, rec.step)
+                return HangVerdict("heartbeat_timeout", rec.rank, rec.pid, silent, timeout, rec.step,
+                                   note=self._survived_note(rec.rank, timeout))
         return None
+
+    def _survived_note(self, rank: int, timeout: float) -> str:
+        """Where ``rank`` once survived a stall longer than ``timeout``: a recurring phase (an unmarked
+        evaluation) is a hang each time it comes back, and the incident says how to tell rlsup."""
+        longer = [s for s in self.auto.survived.get(rank, []) if s > timeout]
+        if not longer or self.explicit_timeout is not None:
+            return ""
+        return (f"this rank survived a {max(longer):.1f}s stall before, not learned: if that is a recurring phase "
+                "(an evaluation), mark it or set auto_timeout_floor above it (docs/hangs.md)")
 
     def _check_startup(self, now_ns: int, records: dict[int, HeartbeatRecord]) -> HangVerdict | None:
         """Before any rank heartbeated. A rank inside a save/load section (the first restore of a large
@@ -424,7 +548,7 @@ class HangDetector:
         since = max([self.started_ns] + [r.section_ns for r in records.values()])
         silent = (now_ns - since) / 1e9
         if silent > self.startup_timeout:
-            return HangVerdict("startup_timeout", None, None, silent, self.startup_timeout, None)
+            return HangVerdict("startup_timeout", None, None, silent, self.startup_timeout, None, note=NO_REPORT_YET)
         return None
 
     def last_step(self) -> int | None:

@@ -67,8 +67,8 @@ def picks_its_own_note(torn: Sequence[tuple[Path, str]]) -> str:
     """What the launch line adds where the trainer picks its own checkpoint: that it does, and, with a torn
     checkpoint newer than every valid one (``torn``, newest first), that a trainer loading its newest loads
     that one, and the two remedies."""
-    note = "; the trainer picks its own checkpoint (no {resume...} placeholder in the command, and it does not " \
-           "read RLSUP_RESUME_DIR)"
+    note = "; the trainer picks its own checkpoint (no {resume...} placeholder in the command: rlsup cannot " \
+           "steer it unless it reads RLSUP_RESUME_DIR)"
     if not torn:
         return note
     path, why = torn[0]

@@ -133,7 +133,9 @@ class EndReason(_Value):
     SIGNAL = "signal"  # the job (or the torchrun worker that failed first) died by a signal
     OOM = "oom"  # SIGKILL while the kernel's OOM-kill count rose
     HANG = "hang"  # a rank silent past the heartbeat timeout; stacks dumped
-    STARTUP_TIMEOUT = "startup_timeout"  # no rank heartbeated within startup_timeout
+    # no rank reported a step within startup_timeout of launch, or a rank's first step after the launch or a
+    # restore outlasted it (the incident's detail says which)
+    STARTUP_TIMEOUT = "startup_timeout"
     SAVE_TIMEOUT = "save_timeout"  # a rank in a save/load section (or its exit) past save_timeout
     STRAGGLER = "straggler"  # a rank stayed straggler_factor slower than its peers (straggler_action: restart)
     PEER_FAILURE = "peer_failure"  # another node ended the attempt (multi-node)

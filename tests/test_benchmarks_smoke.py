@@ -30,3 +30,23 @@ def test_run_quick_selection_and_heartbeat_prints_table(tmp_path: Path) -> None:
         float(r[1])  # rlsup median is a number
         float(r[2])  # baseline median is a number
     assert not list(tmp_path.iterdir()), "the scratch directory was not cleaned up"
+
+
+def test_overhead_runs_every_side_and_prints_its_rows(tmp_path: Path) -> None:
+    """benchmarks/bench_overhead.py at a tiny size: each side (bare torchrun, rlsup, rlsup + memory tier) runs its
+    trainer to the end with no fault, and every row has both medians."""
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_overhead.py"), "--steps", "40", "--skip", "10",
+         "--every", "10", "--width", "64", "--micro-batches", "1", "--reps", "1", "--dir", str(tmp_path)],
+        cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [line.split(" | ") for line in out.stdout.splitlines() if line.startswith("no faults")]
+    assert len(rows) == 8, out.stdout
+    assert "trial(s) failed" not in out.stdout, out.stderr[-3000:]
+    for name, rlsup, base, _ratio, unit, _note in rows:
+        if unit != "% of a core":  # CPU needs the steady window's end seen before the job exits
+            assert float(rlsup) > 0 and float(base) > 0, (name, rlsup, base)
+    names = [r[0] for r in rows]
+    assert any("rlsup defaults vs bare torchrun" in n for n in names), names
+    assert any("rlsup memory tier vs bare torchrun" in n for n in names), names
+    assert not list(tmp_path.iterdir()), "the scratch directory was not cleaned up"

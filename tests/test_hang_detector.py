@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 from rlsup_format.heartbeat_record import EXTRA, EXTRA_OFFSET
-from supervisor.hang_detector import (LEARNED_FILE, STALL_RATIO, STALLS_IN_A_ROW, AutoTimeout, HangDetector,
-                                      HangSettings, TimeoutOrigin)
+from supervisor.hang_detector import (FIRST_STEP_REPORTS, LEARNED_FILE, NO_REPORT_YET, RECUR_RATIO, STALL_RATIO,
+                                      STALLS_IN_A_ROW, AutoTimeout, HangDetector, HangSettings, TimeoutOrigin,
+                                      learned_key)
 from supervisor.progress import JOB_RANK
 from trainer_hooks.heartbeat import MAGIC, RECORD, RECORD_SIZE, SECTIONS, rank_file_name
 
@@ -208,29 +209,63 @@ def test_the_step_after_a_restore_inside_the_attempt_is_a_first_step(tmp_path: P
     assert verdict is not None and verdict.reason == "heartbeat_timeout"
 
 
-def test_what_a_survived_stall_teaches_nothing(tmp_path: Path) -> None:
-    """docs/hangs.md: a stall the job survived (a partition, a blip) is counted, never learned; one among the
-    first intervals neither; the same long interval STALLS_IN_A_ROW times in a row on a rank is the step
-    getting longer, and is learned."""
+def test_what_a_survived_stall_teaches(tmp_path: Path) -> None:
+    """docs/hangs.md: a stall the job survived once (a partition, a blip) is counted, not learned, one among the
+    first intervals neither; the same rank surviving one of about its length again, ordinary steps between (a
+    periodic evaluation), is a recurring phase and is learned; STALLS_IN_A_ROW in a row on a rank are the step
+    getting longer, and are learned."""
     auto = AutoTimeout(5, 1, 600, 5)
     for interval in (1.0, 90.0, 1.0, 1.1, 1.0):  # node cut off for 90 s while the timeout was still the initial
         auto.observe(interval, 0)
-    assert (auto.current(), auto.stalls, auto.longest_stall) == (5.5, 1, 90.0)
+    assert (auto.current(), auto.stalls, auto.longest_held()) == (5.5, 1, 90.0)
     assert auto.origin().text == ("learned from 4 step intervals: 5 x the longest step interval 1.10s; "
                                   "1 survived stall(s) up to 90.0s not learned")
     for rank in range(4):  # a later blip: every rank of the node sees it once, then steps on as before
         auto.observe(4.0, rank)
     for rank in range(4):
         auto.observe(1.0, rank)
-    assert auto.current() == 5.5 and auto.stalls == 5
+    auto.observe(50.0, 0)  # rank 0 cut off again, 50 s: not about its 90 s (more than RECUR_RATIO apart)
+    assert 90 / 50 > RECUR_RATIO and auto.current() == 5.5 and auto.stalls == 6
     for _ in range(STALLS_IN_A_ROW - 1):
-        auto.observe(3.0, 0)
-    assert auto.current() == 5.5 and auto.stalls == 7
-    assert auto.origin().text.endswith("; 7 survived stall(s) up to 90.0s not learned")
-    auto.observe(3.0, 0)  # rank 0's steps now take 3 s, three in a row: that is the step, not a stall
-    assert auto.current() == 15.0 and auto.stalls == 5 and auto.longest_held() == 90.0
+        auto.observe(12.0, 5)
+    assert auto.current() == 5.5 and auto.stalls == 8
+    assert auto.origin().text.endswith("; 8 survived stall(s) up to 90.0s not learned")
+    auto.observe(12.0, 5)  # rank 5's steps now take 12 s, three in a row: that is the step, not a stall
+    assert auto.current() == 60.0 and auto.stalls == 6 and auto.longest_held() == 90.0
     auto.observe(1.0, 1)
-    assert auto.current() == 15.0  # never down
+    assert auto.current() == 60.0  # never down
+
+    # A 4 s evaluation every 100 steps, unmarked: survived once (a stall), survived again on the same rank with
+    # ordinary steps between: a recurring phase, learned, so its third time is no hang.
+    auto = AutoTimeout(5, 1, 600, 3)
+    for interval in (1.0, 1.0, 1.0, 4.0, *[1.0] * 99, 4.4):
+        auto.observe(interval, 0)
+    assert auto.current() == 22.0 and auto.stalls == 0 and auto.learned == 104
+    # While learning too: two evaluations among the first intervals (held as stalls) are learned at once.
+    auto = AutoTimeout(5, 1, 600, 6)
+    for interval in (1.0, 4.0, 1.0, 1.0, 3.8, 1.0):
+        auto.observe(interval, 0)
+    assert auto.current() == 20.0 and auto.stalls == 0
+    # On another rank each, or one in a row with the first: stalls (a partition gives each rank one).
+    auto = AutoTimeout(5, 1, 600, 3)
+    for interval, rank in ((1.0, 0), (1.0, 0), (1.0, 0), (4.0, 0), (4.0, 1), (1.0, 0), (1.0, 1)):
+        auto.observe(interval, rank)
+    assert auto.current() == 5.0 and auto.stalls == 2
+
+
+def test_a_phase_longer_than_the_learned_timeout_is_a_hang_and_the_incident_says_it_survived_once(
+        tmp_path: Path) -> None:
+    """docs/hangs.md: a 60 s evaluation survived under the initial timeout while learning is a stall; the learned
+    timeout (5 x 1 s) is below it, so when it recurs it is a hang, never learned: the verdict says the rank
+    survived as long before and how to mark it."""
+    auto = AutoTimeout(5, 1, 600, 3)
+    det = HangDetector(tmp_path, 60, 100, None, auto, alive=lambda pid: True)
+    w = Writer(tmp_path)
+    run_steps(det, w, [(1, 10.0), (2, 11.0), (3, 71.0), (4, 72.0), (5, 73.0)])
+    assert (auto.current(), auto.stalls) == (5.0, 1)
+    verdict = det.check(now_ns=int(78.1 * S))
+    assert verdict is not None and verdict.reason == "heartbeat_timeout"
+    assert verdict.note.startswith("this rank survived a 60.0s stall before, not learned"), verdict.note
 
 
 def test_a_long_interval_with_the_outputs_other_bars_moving_is_a_stall_not_a_lesson(tmp_path: Path) -> None:
@@ -251,6 +286,8 @@ def test_a_long_interval_with_the_outputs_other_bars_moving_is_a_stall_not_a_les
 def test_the_docs_state_the_stall_rule_the_code_has() -> None:
     doc = (Path(__file__).resolve().parents[1] / "docs" / "hangs.md").read_text()
     assert f"{STALL_RATIO:g} x" in doc and f"{STALLS_IN_A_ROW} in a row" in doc, "docs/hangs.md: stall rule stale"
+    assert f"**{RECUR_RATIO:g} x** the shorter" in doc, "docs/hangs.md: recurrence rule stale"
+    assert f"**{FIRST_STEP_REPORTS}rd report**" in doc, "docs/hangs.md: first-step rule stale"
 
 
 def test_the_learned_timeout_survives_an_rlsup_restart_and_a_bad_file_is_ignored(
@@ -273,8 +310,8 @@ def test_the_learned_timeout_survives_an_rlsup_restart_and_a_bad_file_is_ignored
     resumed.observe(1.0)
     assert resumed.current() == 5.0 and resumed.origin().intervals == 3
     assert AutoTimeout.from_settings(s, path, ["python", "other.py"]).current() == 600  # another job's
-    for bad in ("{not json", json.dumps({"version": 1, "command": command, "basis": -1}),
-                json.dumps({"version": 2}), "[]"):
+    for bad in ("{not json", json.dumps({"version": 2, "command": command, "basis": -1}),
+                json.dumps({"version": 1}), "[]"):
         path.write_text(bad)
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="supervisor.hang_detector"):
@@ -328,3 +365,129 @@ def test_the_last_steps_interval_counts_when_the_rank_exits_right_after_it(tmp_p
     w.beat(2, 30.0)
     det.scan()
     assert auto.intervals_seen == 1, "an interval with a save in it was learned"
+
+
+# ---------------------------------------------------------------- review of issue 41's first-step rule
+
+def learned_auto() -> tuple[HangSettings, AutoTimeout]:
+    s = settings(auto_timeout_min_intervals=3)
+    auto = AutoTimeout.from_settings(s)
+    auto.basis = 1.0  # learned before: 5 s in force
+    return s, auto
+
+
+def test_a_bar_drawn_at_0_then_at_the_resumed_step_does_not_end_the_first_step(tmp_path: Path) -> None:
+    """HF/TRL: resumed from step 70, the bar is drawn at 0/N, then jumps to 70 before the first step: the first
+    step (20 s, 70 -> 71) is held to startup_timeout, not the learned 5 s, and teaches nothing."""
+    s, auto = learned_auto()
+    det = HangDetector.from_settings(tmp_path, s, auto, alive=lambda pid: True, start_step=70)
+    w = Writer(tmp_path, JOB_RANK)
+    run_steps(det, w, [(0, 100.0), (70, 101.0)])
+    assert det.check(now_ns=int(120 * S)) is None, "the resumed position ended the first step"
+    run_steps(det, w, [(71, 121.0), (72, 122.0), (73, 123.0)])
+    assert (auto.basis, auto.stalls, auto.intervals_seen) == (1.0, 0, 2)
+    verdict = det.check(now_ns=int(128.1 * S))  # past the first step: the learned timeout holds
+    assert verdict is not None and (verdict.reason, verdict.timeout_s) == ("heartbeat_timeout", 5.0)
+
+
+def test_a_start_the_reports_never_pass_ends_the_first_step_at_its_third_report(tmp_path: Path) -> None:
+    """A trainer whose heartbeat counts from 0 in each attempt (or a start above where it really resumed) is
+    not held to startup_timeout for the whole attempt: the FIRST_STEP_REPORTS-th report ends its first step."""
+    s, auto = learned_auto()
+    det = HangDetector.from_settings(tmp_path, s, auto, alive=lambda pid: True, start_step=40)
+    w = Writer(tmp_path)
+    run_steps(det, w, [(step, 100.0 + step) for step in range(FIRST_STEP_REPORTS)])
+    assert det.in_first_step(det.records[0]) is False
+    run_steps(det, w, [(FIRST_STEP_REPORTS, 100.0 + FIRST_STEP_REPORTS)])
+    assert auto.intervals_seen == 1  # the interval after the report that ended it
+    verdict = det.check(now_ns=int((100 + FIRST_STEP_REPORTS + 5.1) * S))
+    assert verdict is not None and verdict.reason == "heartbeat_timeout"
+
+
+def test_an_unknown_start_is_the_highest_step_an_earlier_attempt_reported(tmp_path: Path) -> None:
+    """PyKEEN: one file rewritten in place (rlsup cannot tell where an attempt resumes) and its epoch printed
+    only at each save. Past the first attempt, a report beyond the highest step earlier attempts reported ends
+    the first step: a hang after it is caught at the timeout in force, not at startup_timeout, and each attempt's
+    interval after it teaches. Before any report, startup_timeout still holds; launch -> first report teaches
+    nothing."""
+    s = settings(auto_timeout_min_intervals=3, startup_timeout=60)
+    auto = AutoTimeout.from_settings(s)
+    for attempt in range(4):  # each attempt prints two epochs: 2a+1 and 2a+2
+        det = HangDetector.from_settings(attempt_dir(tmp_path, attempt), s, auto, alive=lambda pid: True,
+                                         start_step=None)
+        t0 = 1_000.0 * (attempt + 1)
+        det.started_ns = int(t0 * S)
+        assert det.check(now_ns=int((t0 + 59) * S)) is None
+        w = Writer(det.directory, JOB_RANK)
+        run_steps(det, w, [(2 * attempt + 1, t0 + 59.5), (2 * attempt + 2, t0 + 60.5)])
+    assert auto.intervals_seen == 3 and auto.current() == 5.0, "attempts 1-3 taught their interval"
+    # Startup: no report within startup_timeout is a startup_timeout, however much was learned.
+    det = HangDetector.from_settings(attempt_dir(tmp_path, 4), s, auto, alive=lambda pid: True, start_step=None)
+    det.started_ns = 5_000 * S
+    verdict = det.check(now_ns=5_060_100_000_000)
+    assert verdict is not None and (verdict.reason, verdict.note) == ("startup_timeout", NO_REPORT_YET)
+    # One print per attempt: the print past epoch 8 ends the first step; a hang after it waits 5 s, not 60 s.
+    det = HangDetector.from_settings(attempt_dir(tmp_path, 5), s, auto, alive=lambda pid: True, start_step=None)
+    det.started_ns = 6_000 * S
+    w = Writer(det.directory, JOB_RANK)
+    run_steps(det, w, [(8, 6_001.0)])  # bar drawn at the resumed epoch: a position
+    assert det.check(now_ns=6_030 * S) is None
+    run_steps(det, w, [(9, 6_040.0)])  # its first epoch done (39 s, held to startup_timeout, not learned)
+    assert auto.basis == 1.0
+    verdict = det.check(now_ns=int(6_045.1 * S))
+    assert verdict is not None and (verdict.reason, verdict.timeout_s) == ("heartbeat_timeout", 5.0)
+
+
+def test_a_startup_timeout_says_whether_a_step_was_reported(tmp_path: Path) -> None:
+    s, auto = learned_auto()
+    det = HangDetector.from_settings(tmp_path, s, auto, alive=lambda pid: True, start_step=0)
+    det.started_ns = 100 * S
+    verdict = det.check(now_ns=161 * S)
+    assert verdict is not None and (verdict.reason, verdict.rank, verdict.note) == ("startup_timeout", None,
+                                                                                    NO_REPORT_YET)
+    w = Writer(tmp_path, 3)
+    w.beat(0, 110.0)  # a heartbeat before the first step: a position
+    verdict = det.check(now_ns=171 * S)
+    assert verdict is not None and verdict.reason == "startup_timeout" and verdict.rank == 3
+    assert verdict.note == "first step after launch too long (last report: step 0)", verdict.note
+    run_steps(det, w, [(1, 171.0), (2, 172.0)])
+    w.enter("load", 172.5)
+    det.check(now_ns=173 * S)
+    w.enter("none", 180.0)
+    verdict = det.check(now_ns=241 * S)
+    assert verdict is not None and verdict.note == "first step after a restore too long (last report: step 2)"
+
+
+def test_what_was_learned_is_kept_across_a_requeue_onto_other_nodes(tmp_path: Path) -> None:
+    """torchrun's head node, port, rendezvous id and node rank change with the allocation: not part of the key."""
+    s = settings()
+    path = tmp_path / LEARNED_FILE
+    here = ["torchrun", "--nnodes", "2", "--node-rank", "0", "--master-addr", "n01", "--master-port=29500",
+            "--rdzv-endpoint", "n01:29400", "--rdzv_id=771", "train.py", "--resume={resume?{dir}:none}"]
+    there = ["torchrun", "--nnodes", "2", "--node_rank=1", "--master_addr", "n07", "--master-port", "29511",
+             "--rdzv_endpoint=n07:29400", "--rdzv-id", "772", "train.py", "--resume={resume?{dir}:none}"]
+    assert learned_key(here) == learned_key(there) == ["torchrun", "--nnodes", "2", "train.py",
+                                                       "--resume={resume?{dir}:none}"]
+    auto = AutoTimeout.from_settings(s, path, here)
+    for interval in (1.0, 1.0, 1.0):
+        auto.observe(interval)
+    auto.reached(9)
+    auto.persist()
+    again = AutoTimeout.from_settings(s, path, there)
+    assert (again.current(), again.step_reached) == (5.0, 9)
+    other = AutoTimeout.from_settings(s, path, [*learned_key(there)[:-2], "eval.py", "--resume=x"])
+    assert other.current() == 600 and other.step_reached is None
+
+
+def test_survived_stalls_and_the_step_reached_survive_an_rlsup_restart(tmp_path: Path) -> None:
+    s = settings()
+    path = tmp_path / LEARNED_FILE
+    auto = AutoTimeout.from_settings(s, path, ["python", "train.py"])
+    for interval in (1.0, 1.0, 1.0, 4.0, 1.0):
+        auto.observe(interval, 2)
+    auto.reached(5)
+    auto.persist()
+    again = AutoTimeout.from_settings(s, path, ["python", "train.py"])
+    assert (again.survived, again.stalls, again.step_reached) == ({2: [4.0]}, 1, 5)
+    again.observe(4.2, 2)  # the same phase once more, after the requeue: learned
+    assert again.current() == 21.0 and again.stalls == 0
