@@ -1,6 +1,9 @@
 """Exit codes of ``rlsup run``; documented in the README so batch scripts can act on them."""
 
-OK = 0  # the job succeeded (also on a node that comes back after a spare ran its rank to the end: supervisor.spares)
+# OK, from any node, means the job succeeded (the SLURM recipe answers 0 for the job once one node exited 0): also a
+# node back after a spare ran its rank to the end, or an idle spare, each only once it saw this run finish
+# (supervisor.spares); an idle spare that saw every node stop without that exits FAILED, which requeues nothing.
+OK = 0  # the job succeeded
 FAILED = 1  # restarts exhausted and the job's own code was not usable (a signal, a hang, or one of ours below)
 CONFIG_ERROR = 2  # bad flag, environment value or config file
 REQUEUE = 75  # preempted (or asked to checkpoint and go): the job saved; requeue it (EX_TEMPFAIL)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -31,9 +31,11 @@ from supervisor.observer import Observer
 from supervisor.process_tree import ProcessLayer
 from supervisor.run_settings import RunSettings
 from supervisor.runner import launch_env
-from supervisor.spares import (Claim, NodeRole, Roster, SpareSeat, StoreLostBeforeFirstAttempt, moved_slots,
-                              spares_left, taken_over, try_claim, watch_for_slot)
+from supervisor.spares import (Claim, JobEnd, JobEndLookout, NodeRole, Roster, SpareSeat, StoreLostBeforeFirstAttempt,
+                              job_end_places, moved_slots, spares_left, taken_over, try_claim, watch_for_slot)
 from supervisor.stop_request import StopAsked, StopRequest
+from supervisor.tiers.part_stores.fsspec_store import is_url
+from supervisor.tiers.persistent import PersistentSettings
 from supervisor.warm_start import WarmStarts
 
 log = logging.getLogger(__name__)
@@ -61,10 +63,13 @@ class SpareRun:
     command: Sequence[str] = ()  # the job's command (as typed: the node run pins it to the rank taken)
     seen_attempt: bool = False  # a watch saw an attempt of the job (kept across reconnects)
     first_round_lost_at: float | None = None  # monotonic: the store went away before any attempt was seen
+    started: float = field(default_factory=time.time)  # wall clock: a JobEnd record older than this is an earlier run's
+    places: tuple[Path, ...] = ()  # where node 0 records the job's end (set by run(): supervisor.spares.JobEnd)
 
     def run(self, run_node: RunNode) -> int:
         self.observer.node_role(NodeRole.SPARE.value, self.roster.spares)
         settings = RunSettings.from_config(self.cfg.resolved())
+        self.places = self._job_end_places(settings.checkpoint_dir)
         processes = ProcessLayer()
         warm: WarmStarts | None = None
         try:
@@ -83,6 +88,11 @@ class SpareRun:
             except JobClash as e:
                 log.error("spare %s: %s", self.roster.peers[self.node_rank], e)
                 return exit_codes.CONFIG_ERROR
+            except JobOver as e:  # exit 0 is the job's success, from every node: not this spare's to say
+                log.warning("spare %s: %s; this spare took no node rank and saw no sign that the job finished (no "
+                            "'done', no record of its end in %s): exit %d", self.roster.peers[self.node_rank], e,
+                            ", ".join(map(str, self.places)) or "-", exit_codes.FAILED)
+                return exit_codes.FAILED
             except StoreUnavailable as e:  # after a claim (the store went away while this spare took the rank)
                 log.error("spare %s: %s", self.roster.peers[self.node_rank], e)
                 return exit_codes.FAILED
@@ -148,6 +158,10 @@ class SpareRun:
                 try:
                     hosted = self._host_store()
                 except JobOver:
+                    end = self._job_end()
+                    if end is None:
+                        raise  # every node stopped, and none recorded that the job finished: not a success
+                    log.info("spare %s: %s", self.roster.peers[self.node_rank], end.describe())
                     return None
                 if hosted is None:
                     continue  # someone else hosts it now: connect to it and watch again
@@ -158,6 +172,18 @@ class SpareRun:
             if claim is None:
                 return None
             return claim, self._took(claim, coordinator, "", lost_at), None
+
+    def _job_end_places(self, checkpoint_dir: Path) -> tuple[Path, ...]:
+        """Where node 0 records the job's end, as a slot holder's :class:`~supervisor.spares.JobEndWatch` reads
+        them: the checkpoint directory, and the persistent tier's directory for the job when it is local."""
+        tier = PersistentSettings.from_config(self.cfg, self.node_rank, self.job.id)
+        local = tier is not None and not is_url(tier.location)
+        return job_end_places(checkpoint_dir, Path(tier.location.removeprefix("file://")) if local else None)
+
+    def _job_end(self) -> JobEnd | None:
+        """Node 0's record that this run of the job finished (written after this spare started), or None; each
+        place read in a bounded call (a hung mount is left behind)."""
+        return JobEndLookout(self.places, self.job, self.secret, self.started, every_s=0.0).look()
 
     def _first_round_wait(self) -> float | None:
         """How long a connect may wait: what is left of :data:`LIVENESS_LAPSE_S` once the store went away before
@@ -204,7 +230,7 @@ class SpareRun:
         if others and all_gone(others, between=lambda: self.stop.check("the job's other nodes to answer")):
             log.info("spare %s: node 0's coordination store and every other node of the job are gone (their hosts "
                      "refuse connects): the job ended; nothing to host the store for", self.roster.peers[self.node_rank])
-            raise JobOver()
+            raise JobOver("node 0's coordination store and every other node of the job are gone")
         try:
             hosted = embedded_coordinator(host, self.cfg.coordinator_port, self.job, self.secret, 0,
                                           self.roster.job_size, self.cfg.rendezvous_timeout, self.stop)
@@ -219,7 +245,8 @@ class SpareRun:
 
 class JobOver(Exception):
     """The store and every node of the job are gone: it ended (finished, or every node stopped) without this
-    spare, which then takes no node rank rather than host a store for nobody."""
+    spare, which then takes no node rank rather than host a store for nobody. The spare exits 0 only when a
+    :class:`~supervisor.spares.JobEnd` record says this run finished; otherwise 1 (see :mod:`supervisor.spares`)."""
 
 
 def is_local_address(host: str) -> bool:

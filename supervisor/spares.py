@@ -23,7 +23,15 @@ store is gone reads them (:class:`JobEndWatch`: in the watch of its attempt, and
 each read a bounded call in a child of its own, at most every :data:`JOB_END_LOOK_S`). A record signed with the
 job's secret and written after this node reached the store is this run's: the node exits 0 (:class:`JobEnded`:
 the job finished), never 75. A record of an earlier run of the same job (older than that) is ignored. A node back
-while the store still answers reads its last word, ``done``, before it joins (:func:`check_seat`), and exits 0 too.
+while the store still answers reads its last word, ``done``, before it joins (:func:`check_seat`), and exits 0 too;
+``done`` is held to the same rule (:func:`job_done`: signed by node 0 after this node reached the store), so a
+``done`` an earlier run left in a store that outlives jobs (etcd, when node 0 could not clear the keys) ends no
+node of a later run.
+
+Exit 0 means the job succeeded, from every node (the SLURM recipe answers 0 for the job once one node exited 0): an
+idle spare exits 0 only when it saw the job finish (``done``, etcd's keys cleared by node 0 after ``done``, or a
+:class:`JobEnd` record of this run); one that found the store and every other node gone with no such sign (the job's
+nodes gave up, or were all lost) exits 1 (:data:`supervisor.exit_codes.FAILED`), which requeues nothing by itself.
 
 Node 0 lost with the embedded store: the store goes with it. A spare that finds the store gone for
 ``spare_takeover_s`` (more for each spare before it), never saw the job finish, and finds another node of the
@@ -146,14 +154,22 @@ def moved_slots(coordinator: RoundCoordinator, job_size: int) -> dict[int, Claim
     return {s: c for s in range(job_size) if (c := newest_claim(coordinator, s)) is not None}
 
 
+def job_done(coordinator: RoundCoordinator) -> bool:
+    """Whether the store says this run of the job finished: ``done`` written (by node 0's clock) at or after this
+    node reached the store, as a :class:`JobEnd` record must be; an older ``done`` is an earlier run's (the key is
+    the job's, not the run's)."""
+    done = coordinator.keys.get(DONE_KEY)
+    return done is not None and done.time >= coordinator.started
+
+
 def check_seat(coordinator: RoundCoordinator, slot: int, gen: int, job_end: "JobEndWatch | None" = None) -> None:
-    """Before a join: :class:`JobEnded` when the store says the job finished (its last word, ``done``) or, a store
-    that forgot the job's keys (etcd), ``job_end``'s record does; :class:`SlotTaken` as :func:`check_holder`; a
-    store out of reach is the join's to wait for."""
+    """Before a join: :class:`JobEnded` when the store says this run finished (its last word, ``done``:
+    :func:`job_done`) or, a store that forgot the job's keys (etcd), ``job_end``'s record does; :class:`SlotTaken`
+    as :func:`check_holder`; a store out of reach is the join's to wait for."""
     if job_end is not None and (over := job_end.over()) is not None:
         raise JobEnded(over)
     try:
-        if coordinator.keys.get(DONE_KEY) is not None:
+        if job_done(coordinator):
             raise JobEnded(f"the coordination store {coordinator.describe()} says the job finished without this node")
         check_holder(coordinator, slot, gen)
     except StoreUnavailable:
@@ -220,7 +236,7 @@ class SpareWatch:
         while True:
             self.stop.check("a lost node to take over")
             self.coordinator.check_abort()
-            if self.coordinator.keys.get(DONE_KEY) is not None:
+            if job_done(self.coordinator):
                 return None
             current = self.coordinator.current_attempt()
             if current is None and self.seen_attempt:
@@ -460,6 +476,6 @@ def taken_over(roster: Roster, claim: Claim, moved: dict[int, Claim]) -> Members
     return replace(roster.membership(claim.slot, endpoints))
 
 
-__all__ = ["NodeRole", "Roster", "Claim", "JobEnd", "JobEndLookout", "JobEndWatch", "JobEnded", "check_seat",
+__all__ = ["NodeRole", "Roster", "Claim", "JobEnd", "JobEndLookout", "JobEndWatch", "JobEnded", "check_seat", "job_done",
            "job_end_places", "write_job_end", "SlotTaken", "StoreLostBeforeFirstAttempt", "SpareWatch", "SpareSeat", "newest_claim", "moved_slots", "check_holder", "refuse_if_taken",
            "try_claim", "spares_left", "watch_for_slot", "taken_over", "DONE_KEY"]

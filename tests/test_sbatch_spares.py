@@ -16,6 +16,7 @@ import pytest
 from support.env import ROOT, clean_env
 from support.fake_slurm import FakeSlurm, install
 from support.waits import wait_for
+from supervisor import exit_codes
 
 SBATCH = ROOT / "deploy" / "slurm" / "rlsup.sbatch"
 
@@ -122,6 +123,19 @@ def test_a_success_beside_a_lost_node_and_a_requeue_request_is_not_requeued(tmp_
     assert r.returncode == 0 and "rlsup exited 0" in r.stdout, r.stdout + r.stderr
     assert "lost node(s): n2" in r.stdout and "requeueing job" not in r.stdout, r.stdout
     assert not any(c.startswith("requeue") for c in fake.scontrol_calls()), fake.scontrol_calls()
+
+
+@pytest.mark.parametrize("ends,answer", [("n1=76,n2=1,n3=1", 76), ("n1=1,n2=1,n3=1", 1)])
+def test_nodes_that_gave_up_beside_an_idle_spare_are_not_a_success(tmp_path: Path, ends: str, answer: int) -> None:
+    """Review finding (issue 41): the job's nodes gave up (76, 1) and the idle spare n4 found the store and every
+    node gone. It exited 0 then, and the script (once a node exited 0, the answer is 0) said the job succeeded. A
+    spare that saw no sign of the job's end now exits 1 (tests/test_spare_first_connect.py): the nodes' answer
+    stands, nothing is requeued for a job that makes no progress, and no success is claimed."""
+    idle_spare = exit_codes.FAILED
+    fake, r = run_batch(tmp_path, 4, RLSUP_SPARES="1", FAKE_ENDS=f"{ends},n4={idle_spare}")
+    assert r.returncode == answer and f"rlsup exited {answer}" in r.stdout, r.stdout + r.stderr
+    assert "succeeded" not in r.stdout, r.stdout
+    assert not any(c.startswith(("requeue", "update")) for c in fake.scontrol_calls()), fake.scontrol_calls()
 
 
 def test_with_spares_77_without_a_success_still_requeues_without_the_node(tmp_path: Path) -> None:

@@ -20,7 +20,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import pytest
 
@@ -35,7 +35,7 @@ from supervisor.multinode import connect_coordinator
 from supervisor.observer import Observer
 from supervisor.process_tree import ProcessLayer
 from supervisor.spare_run import SpareRun
-from supervisor.spares import Roster, SpareSeat
+from supervisor.spares import JobEnd, Roster, SpareSeat, write_job_end
 from supervisor.stop_request import StopRequest
 from supervisor.warm_start import WarmStarts
 from support.ports import free_port
@@ -74,10 +74,12 @@ class SilentNode0:
         self.sock.close()
 
 
-def lost_once_seen(node0: SilentNode0) -> None:
-    """Loses node 0 once a client reached its port (in a thread: the connect under test runs meanwhile)."""
+def lost_once_seen(node0: SilentNode0, before: Callable[[], None] = lambda: None) -> None:
+    """Loses node 0 once a client reached its port (in a thread: the connect under test runs meanwhile), after
+    ``before`` (what node 0 did last)."""
     def run() -> None:
         if node0.accepted.wait(60):
+            before()
             node0.lose()
     threading.Thread(target=run, daemon=True).start()
 
@@ -105,8 +107,10 @@ def spare_config(tmp_path: Path, store_port: int, others: list[int]) -> Supervis
                             checkpoint_dir=str(tmp_path / "ckpt"), metrics_port=0, warm_launcher=False)
 
 
-def spare_after_node_0(tmp_path: Path, node0: SilentNode0, others: list[int]) -> tuple[int, list[tuple[Membership, bool]], list[str]]:
-    """Runs a spare (node rank 3) whose node 0 is lost once the spare reached it; nodes 1 and 2 at ``others``."""
+def spare_after_node_0(tmp_path: Path, node0: SilentNode0, others: list[int], before: Callable[[], None] = lambda: None
+                       ) -> tuple[int, list[tuple[Membership, bool]], list[str]]:
+    """Runs a spare (node rank 3) whose node 0 is lost once the spare reached it, after ``before``; nodes 1 and 2
+    at ``others``."""
     cfg = spare_config(tmp_path, node0.port, others)
     peers = list(cfg.peers)
     taken: list[tuple[Membership, bool]] = []
@@ -119,7 +123,7 @@ def spare_after_node_0(tmp_path: Path, node0: SilentNode0, others: list[int]) ->
     def connect(view: Membership, stop: StopRequest, gone_after_s: float, wait_s: float | None) -> RoundCoordinator:
         return connect_coordinator(cfg, view, JOB, SECRET, stop, gone_after_s, wait_s)
 
-    lost_once_seen(node0)
+    lost_once_seen(node0, before)
     spare = SpareRun(cfg, Roster(tuple(peers), 1), 3, JOB, SECRET, connect, StopRequest(signal.SIGUSR1), Observer())
     return spare.run(run_node), taken, peers
 
@@ -137,11 +141,32 @@ def test_a_spare_hosts_the_store_when_node_0_is_lost_before_its_first_connect(tm
 
 def test_a_spare_hosts_nothing_when_the_whole_job_is_gone(tmp_path: Path) -> None:
     """Node 0's store gone and nodes 1 and 2 refusing too: the job ended (review finding: the spare hosted a fresh
-    store, took node rank 0 of a job with nobody left, and exited 1 after its window). It takes no rank, exits 0."""
+    store, took node rank 0 of a job with nobody left, and exited 1 after its window). It takes no rank. Nothing
+    says the job finished (its nodes may have given up: 76, 1), so it exits 1, never 0, which the SLURM recipe reads
+    as the job's success (review finding, issue 41); tests/test_sbatch_spares.py has what the script answers."""
     node0 = SilentNode0()
     code, taken, _ = spare_after_node_0(tmp_path, node0, [free_port(), free_port()])
-    assert (code, taken) == (0, [])
+    assert (code, taken) == (exit_codes.FAILED, [])
     assert connect_refused(f"127.0.0.1:{node0.port}"), "the spare hosted a store for nobody"
+
+
+def test_a_spare_that_finds_the_job_s_end_recorded_exits_0(tmp_path: Path) -> None:
+    """As above, but node 0 recorded the job's end (supervisor.spares.JobEnd) in the shared checkpoint directory
+    before it went: the job finished without the spare, which exits 0."""
+    node0 = SilentNode0()
+
+    def record_end() -> None:
+        write_job_end((tmp_path / "ckpt",), JobEnd(JOB.id, 0, 2, time.time()), SECRET, JOB)
+
+    code, taken, _ = spare_after_node_0(tmp_path, node0, [free_port(), free_port()], record_end)
+    assert (code, taken) == (exit_codes.OK, [])
+
+
+def test_a_spare_takes_an_earlier_run_s_record_for_nothing(tmp_path: Path) -> None:
+    """A record of an earlier run of the same job (written before this spare started) is not this run's end."""
+    write_job_end((tmp_path / "ckpt",), JobEnd(JOB.id, 0, 2, time.time() - 60), SECRET, JOB)
+    code, taken, _ = spare_after_node_0(tmp_path, SilentNode0(), [free_port(), free_port()])
+    assert (code, taken) == (exit_codes.FAILED, [])
 
 
 NODE_0 = """

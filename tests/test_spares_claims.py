@@ -12,8 +12,8 @@ import pytest
 from supervisor.control_records import NodeInventory
 from supervisor.coordinator import RoundCoordinator, embedded_coordinator
 from supervisor.job_identity import JobIdentity
-from supervisor.spares import (NodeRole, Roster, SlotTaken, SpareWatch, check_holder, moved_slots, newest_claim,
-                               taken_over, try_claim)
+from supervisor.spares import (DONE_KEY, JobEnded, NodeRole, Roster, SlotTaken, SpareWatch, check_holder, check_seat,
+                               job_done, moved_slots, newest_claim, taken_over, try_claim)
 from supervisor.stop_request import StopRequest
 from support.ports import free_port
 
@@ -72,6 +72,28 @@ def test_a_slot_is_lost_only_after_the_round_waited_for_it() -> None:
     assert watch.lost_slot() is None  # node 2 is missing, but not for long yet
     time.sleep(0.35)
     assert watch.lost_slot() == (2, 0)
+
+
+def test_a_done_left_by_an_earlier_run_ends_no_node_of_this_one() -> None:
+    """Review finding (issue 41): ``done`` said "the job finished" whenever it was in the store, so one an earlier run
+    of the same job left in a store that outlives jobs (etcd, node 0's clear failed) made every node of a new run
+    exit 0 at its first join, and an idle spare with it. Only a ``done`` written after the node reached the store
+    counts, as for the JobEnd record."""
+    port = free_port()
+    earlier = node(port, 0)  # the earlier run's node 0, into the store both runs share
+    earlier.keys.set(DONE_KEY, "1")
+    stale = earlier.keys.get(DONE_KEY)
+    assert stale is not None
+    while time.time() <= stale.time:  # this run's nodes reach the store after the earlier run's last word
+        time.sleep(0.001)
+    node1, spare = node(port, 1), node(port, 3)
+    assert not job_done(node1) and not job_done(spare)
+    check_seat(node1, 1, 0)  # no JobEnded: the node joins this run
+    earlier.keys.set(DONE_KEY, "1")  # written now (this run's node 0, signing as rank 0 too): the job finished
+    assert job_done(node1) and job_done(spare)
+    with pytest.raises(JobEnded, match="says the job finished without this node"):
+        check_seat(node1, 1, 0)
+    del earlier
 
 
 def test_role_spares_left_and_takeover_are_exported() -> None:
