@@ -33,32 +33,52 @@ class BoundedCalls:
     """Calls named ``what`` (e.g. "reading the checkpoint directory /ckpt"), each given ``deadline_s``."""
 
     def __init__(self, what: str, deadline_s: float, prepare: Callable[[], object] | None = None,
-                 forked: bool = False) -> None:
+                 forked: bool = False, label: str = "") -> None:
         self.what, self.deadline_s = what, deadline_s
+        self.label = label or what  # a forked call's child, as rlsup's exit line and record name it
         self.prepare = prepare  # run first in each call's thread (e.g. a private descriptor table)
         self.forked = forked  # each call in a child of its own (:func:`run_forked`): its value must pickle
         self.blocked_since: float | None = None  # a call that outlived its deadline and has not returned yet
         self.timeouts = 0
+        self._moved_at: float | None = None  # the call being waited for: when its progress last changed
         self._lock = threading.Lock()
 
+    def quiet_for(self) -> float:
+        """Seconds since the call now waited for last moved (0 when none is): what another caller that waits for
+        it (e.g. on a lock it holds) goes by."""
+        moved = self._moved_at
+        return 0.0 if moved is None else time.monotonic() - moved
+
     def call(self, fn: Callable[[], T], default: T, progress: Callable[[], object] | None = None,
-             on_give_up: Callable[[], object] | None = None) -> T:
+             on_give_up: Callable[[], object] | None = None, owner: object = None,
+             keep: tuple[str, ...] = ()) -> T:
         """``fn()``, or ``default`` when it has not returned within the deadline or an earlier call is still
         blocked. ``progress`` (e.g. bytes copied so far): while its value changes the deadline starts again, so
-        a long copy that moves is never cut, one that stops moving is. ``on_give_up``: run when the caller goes on
-        without the call (e.g. it tells a fetch that its result is no longer wanted). Exceptions of ``fn`` reach
-        the caller."""
+        a long copy that moves is never cut, one that stops moving is (a forked call without one: its child's
+        read and write counts). ``on_give_up``: run when the caller goes on without the call (e.g. it tells a
+        fetch that its result is no longer wanted). ``owner``/``keep`` (forked calls): as :func:`run_forked`,
+        copied back only when the caller got the answer in time (a late answer changes nothing). Exceptions of
+        ``fn`` reach the caller."""
         if self.blocked_since is not None:
             return default
         box: list[tuple[bool, object]] = []
         done = threading.Event()
         finished: list[bool] = []  # set under the lock: the caller names the call blocked only while it runs
+        child: list[int] = []  # the forked call's pid, once forked
+        if self.forked and progress is None:
+            progress = lambda: _io_moved(child[0]) if child else None  # noqa: E731 - read off /proc, never the mount
+        kept: dict[str, object] = {}
 
         def run() -> None:
             try:
                 if self.prepare is not None:
                     self.prepare()
-                box.append((True, run_forked(fn, self.what) if self.forked else fn()))
+                if self.forked:
+                    value, changed = _run_forked(fn, self.label, owner, keep, None, child.append)
+                    kept.update(changed)
+                    box.append((True, value))
+                else:
+                    box.append((True, fn()))
             except BaseException as e:  # noqa: BLE001 - handed to the caller below
                 box.append((False, e))
             finally:
@@ -83,20 +103,26 @@ class BoundedCalls:
         ok, value = box[0]
         if not ok:
             raise value  # type: ignore[misc]
+        for name, item in kept.items():
+            setattr(owner, name, item)
         return value  # type: ignore[return-value]
 
     def _wait(self, done: threading.Event, progress: Callable[[], object] | None) -> bool:
         """Whether ``done`` came before ``deadline_s`` passed without ``progress`` changing."""
-        if progress is None:
-            return done.wait(self.deadline_s)
-        seen, since = progress(), time.monotonic()
-        while not done.wait(min(1.0, self.deadline_s)):
-            now = progress()
-            if now != seen:
-                seen, since = now, time.monotonic()
-            elif time.monotonic() - since >= self.deadline_s:
-                return False
-        return True
+        self._moved_at = time.monotonic()
+        try:
+            if progress is None:
+                return done.wait(self.deadline_s)
+            seen = progress()
+            while not done.wait(min(0.25, self.deadline_s)):
+                now = progress()
+                if now != seen:
+                    seen, self._moved_at = now, time.monotonic()
+                elif time.monotonic() - self._moved_at >= self.deadline_s:
+                    return False
+            return True
+        finally:
+            self._moved_at = None
 
 
 # ------------------------------------------------------------------ calls in a forked child
@@ -106,6 +132,8 @@ class BoundedCalls:
 _children: dict[int, list[str]] = {}
 _children_lock = threading.Lock()
 _child_out: int | None = None  # in a forked child: the pipe to the parent (notes, log records, the result)
+#: After its answer a child is waited for this long before the call returns (it is reaped later if not by then).
+REAP_WAIT_S = 1.0
 
 
 class ChildCallFailed(OSError):
@@ -156,50 +184,68 @@ def run_forked(fn: Callable[[], T], label: str, owner: object = None, keep: tupl
 
     ``keep``: attributes of ``owner`` the call changes, copied back into the parent's ``owner`` once it
     returned (the child's memory is its own). ``on_note``: what the child says it is doing (:func:`note`).
-    The child's log records are handled by the parent's loggers (one writer, the parent's line context)."""
+    The child's log records are handled by the parent's loggers (one writer, the parent's line context).
+
+    The child may take no lock another thread of the parent can hold at the fork (it would stay held there
+    forever): a lock it needs is taken by the caller around this call (``PollLoop(hold=...)``), and the child,
+    :func:`forked_child`, leaves it alone."""
+    value, kept = _run_forked(fn, label, owner, keep, on_note)
+    for name, item in kept.items():
+        setattr(owner, name, item)
+    return value
+
+
+def _run_forked(fn: Callable[[], T], label: str, owner: object, keep: tuple[str, ...],
+                on_note: Callable[[str], None] | None,
+                on_fork: Callable[[int], object] | None = None) -> tuple[T, dict[str, object]]:
+    """:func:`run_forked`'s work: the value and the ``keep`` attributes' new values (not applied)."""
     read_end, write_end = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: this thread alone; never returns
-        _child_main(fn, read_end, write_end, owner, keep)
-    os.close(write_end)
-    with _children_lock:
+    with _children_lock:  # registered before anyone can see the pid (process_tree's orphans read child_pids())
+        pid = os.fork()
+        if pid == 0:  # the child: this thread alone; never returns
+            _child_main(fn, read_end, write_end, owner, keep)
         _children[pid] = [label, ""]
+    os.close(write_end)
+    if on_fork is not None:
+        on_fork(pid)
+    reaped = threading.Event()
+    threading.Thread(target=_reap, args=(pid, reaped), daemon=True, name="rlsup-forked-call-reaper").start()
     answer: tuple | None = None
-    try:
-        with os.fdopen(read_end, "rb") as pipe:
-            while (message := _receive(pipe)) is not None:
-                kind, body = message
-                if kind == "note":
-                    with _children_lock:
-                        if pid in _children:
-                            _children[pid][1] = body
-                    if on_note is not None:
-                        on_note(body)
-                elif kind == "log":
-                    record = logging.makeLogRecord(body)
-                    logging.getLogger(record.name).handle(record)
-                elif kind == "done":
-                    answer = body
-                    break
-    finally:
-        _reap_soon(pid)
+    with os.fdopen(read_end, "rb") as pipe:
+        while (message := _receive(pipe)) is not None:
+            kind, body = message
+            if kind == "note":
+                with _children_lock:
+                    if pid in _children:
+                        _children[pid][1] = body
+                if on_note is not None:
+                    on_note(body)
+            elif kind == "log":
+                record = logging.makeLogRecord(body)
+                logging.getLogger(record.name).handle(record)
+            elif kind == "done":
+                answer = body
+                break
+    # The child answered (or its pipe closed): it is reaped within a second, else stays listed (its exit may
+    # wait on a mount: it closes its files on the way out).
+    reaped.wait(REAP_WAIT_S)
     if answer is None:
         raise ChildCallFailed(f"{label}: its child (pid {pid}) ended without an answer")
     ok, value, kept = answer
-    for name, item in kept.items():
-        setattr(owner, name, item)
     if not ok:
         raise ChildCallFailed(value)
-    return value
+    return value, kept
 
 
 def _child_main(fn: Callable[[], object], read_end: int, write_end: int, owner: object,
                 keep: tuple[str, ...]) -> None:
-    global _child_out
+    global _child_out, _children, _children_lock
     code = 0
     try:
+        _children, _children_lock = {}, threading.Lock()  # the parent's, held at the fork, are not this process's
         os.close(read_end)
         _child_out = write_end
+        _quiet_stdio()
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, signal.SIG_DFL)  # a stop of the node ends it; rlsup's own handlers are the parent's
         try:
@@ -221,6 +267,23 @@ def _child_main(fn: Callable[[], object], read_end: int, write_end: int, owner: 
         code = 1
     finally:
         os._exit(code)
+
+
+def _quiet_stdio() -> None:
+    """/dev/null onto 0, 1 and 2: a child left in a mount must not hold rlsup's stdout and stderr open after
+    rlsup exited (``| tee``, a subprocess capture or srun's I/O would wait for their EOF forever). What the
+    child says travels over its pipe (:func:`note`, its log records)."""
+    try:
+        null = os.open(os.devnull, os.O_RDWR)
+    except OSError:
+        return
+    for fd in (0, 1, 2):
+        try:
+            os.dup2(null, fd)
+        except OSError:
+            pass
+    if null > 2:
+        os.close(null)
 
 
 def _close_pipes_and_sockets(keep: int) -> None:
@@ -292,16 +355,27 @@ def _reaped(pid: int) -> bool:
     return done == pid
 
 
-def _reap_soon(pid: int) -> None:
-    """The child answered (or its pipe closed): reap it within a second, else keep it listed (its exit may wait
-    on a mount: it closes its files on the way out)."""
-    deadline = time.monotonic() + 1.0
-    while time.monotonic() < deadline:
-        if _reaped(pid):
-            with _children_lock:
-                _children.pop(pid, None)
-            return
-        time.sleep(0.005)
+def _reap(pid: int, reaped: threading.Event) -> None:
+    """Wait for ``pid``'s exit (a blocking waitpid: no polling, no SIGCHLD), then unlist it. A child whose exit
+    waits on a mount keeps this daemon thread waiting (in S, not D): it dies with the process."""
+    try:
+        os.waitpid(pid, 0)
+    except ChildProcessError:
+        pass  # reaped by someone else (left_behind's check)
+    except OSError:
+        return
+    with _children_lock:
+        _children.pop(pid, None)
+    reaped.set()
+
+
+def _io_moved(pid: int) -> int | None:
+    """The bytes ``pid`` has read and written so far (/proc/PID/io: read off the kernel, never the mount)."""
+    try:
+        with open(f"/proc/{pid}/io") as f:
+            return sum(int(line.split()[1]) for line in f if line.startswith(("rchar", "wchar")))
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _proc_state(pid: int) -> tuple[str, str]:

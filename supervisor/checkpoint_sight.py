@@ -15,7 +15,9 @@ from typing import TYPE_CHECKING, Callable, Sequence
 from supervisor.attempt_progress import AttemptEvidence, AttemptProgress, judge
 from supervisor.config import DEFAULT_CHECKPOINT_DIR
 from supervisor.file_versions import FileVersions, LeftTorn
+from supervisor.launch_args import picks_its_own_note, trainer_picks_its_checkpoint
 from supervisor.layouts import detect_layout, single_file
+from supervisor.quarantine import quarantine_torn, torn_newest  # at the top: launch_note runs in a forked child
 from supervisor.tiers.resume import ResumePoint, describe_unreadable
 
 if TYPE_CHECKING:
@@ -61,8 +63,6 @@ class CheckpointSight:
             if not self._torn_checked:  # before the first attempt (after a failed one, judge has checked)
                 self.check_torn()
         if self.cfg.quarantine_invalid and self.cfg.resume:
-            from supervisor.quarantine import quarantine_torn
-
             for moved in quarantine_torn(self.checkpoint_dir, self.cfg.checkpoint_layout, self.cfg.checkpoint_file):
                 self.log(f"quarantined {moved.source.name} ({moved.reason}) as {moved.target.name}; "
                          "put it back with mv only if you know it is good")
@@ -109,10 +109,8 @@ class CheckpointSight:
         """What the launch line adds after rlsup's choice: where the trainer picks its own checkpoint, that it
         does, and a torn checkpoint newer than every valid one that it would load if it takes its newest
         (:func:`supervisor.launch_args.picks_its_own_note`). Empty where rlsup steers the trainer, or with
-        ``resume`` off (the trainer chooses by the user's word)."""
-        from supervisor.launch_args import picks_its_own_note, trainer_picks_its_checkpoint
-        from supervisor.quarantine import torn_newest
-
+        ``resume`` off (the trainer chooses by the user's word). Runs in a forked child (no import here: a
+        module lock another thread held at the fork would stay held)."""
         if not self.cfg.resume:
             return ""
         try:

@@ -10,7 +10,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from supervisor import __version__, exit_codes
 from supervisor import log as rlsup_log
@@ -79,6 +79,8 @@ _left: list[dict] = []
 #: Once ``rlsup run`` has decided, its process is gone within this many seconds whatever its threads, atexit
 #: handlers or executors wait on (they are abandoned; the exit code stays the decided one).
 EXIT_DEADLINE_S = 5.0
+#: What rlsup's last writes get before it exits anyway (a stalled stdout or stderr never holds the exit).
+FLUSH_DEADLINE_S = 1.0
 
 
 def _say_what_is_left(state_dir: Path, code: int) -> None:
@@ -93,12 +95,21 @@ def _say_what_is_left(state_dir: Path, code: int) -> None:
 
 def _end_run(code: int) -> None:
     """``rlsup run`` as a program has decided ``code``: its process ends now when it leaves something behind
-    (its output flushed first), else within :data:`EXIT_DEADLINE_S` of the interpreter's own exit (which joins
-    non-daemon threads and executors and runs atexit handlers: any of them may wait on a hung mount). Either
-    way the code reaches the caller (SLURM's step, the batch script), which a process held would never do."""
+    (its output flushed first, for at most :data:`FLUSH_DEADLINE_S`), else within :data:`EXIT_DEADLINE_S` of the
+    interpreter's own exit (which joins non-daemon threads and executors and runs atexit handlers: any of them
+    may wait on a hung mount). Either way the code reaches the caller (SLURM's step, the batch script), which a
+    process held would never do. What ends it takes no lock and waits on no write: a stalled stdout or stderr
+    (a reader that stopped reading) may be what holds the exit."""
     import threading
 
-    def now() -> None:
+    def bounded(work: Callable[[], object], deadline: float) -> None:
+        """``work()`` in a daemon thread given ``deadline``: a write blocked on a full pipe is left (os._exit
+        ends it with the process)."""
+        thread = threading.Thread(target=work, name="rlsup-exit-write", daemon=True)
+        thread.start()
+        thread.join(deadline)
+
+    def flush() -> None:
         for handler in {h for name in ("", "supervisor", "rlsup") for h in logging.getLogger(name).handlers}:
             try:
                 handler.flush()
@@ -109,17 +120,24 @@ def _end_run(code: int) -> None:
                 stream.flush()
             except (OSError, ValueError):
                 pass
-        os._exit(code)
 
     if _left:
-        now()
+        bounded(flush, FLUSH_DEADLINE_S)
+        os._exit(code)
     stuck = [t.name for t in threading.enumerate() if t is not threading.current_thread() and not t.daemon]
 
     def deadline() -> None:
         time.sleep(EXIT_DEADLINE_S)
-        log.warning("exit %d: rlsup's exit waited %gs (threads %s, atexit handlers): not waiting any longer", code,
-                    EXIT_DEADLINE_S, ", ".join(stuck) or "none")
-        now()
+        text = (f"exit {code}: rlsup's exit waited {EXIT_DEADLINE_S:g}s (threads {', '.join(stuck) or 'none'}, "
+                "atexit handlers): not waiting any longer")
+        try:  # formatted as rlsup's lines are (a format takes no lock), written to fd 2 itself: no lock, no buffer
+            handler = next(iter(logging.getLogger("supervisor").handlers))
+            text = handler.format(logging.LogRecord(log.name, logging.WARNING, __file__, 0, text, None, None))
+        except Exception:  # noqa: BLE001 - nothing may stop the exit
+            text = f"rlsup: {text}"
+        line = (text + "\n").encode(errors="replace")
+        bounded(lambda: os.write(2, line), FLUSH_DEADLINE_S)
+        os._exit(code)
 
     threading.Thread(target=deadline, name="rlsup-exit-deadline", daemon=True).start()
 
@@ -384,8 +402,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
     result = Supervisor(cfg, command, observer=start_metrics(cfg)).run()
     print(f"[rlsup demo] finished: {result.status.value}, {result.attempts} attempt(s), exit {result.exit_code}")
     for inc in result.incidents:
-        print(f"[rlsup demo] incident: attempt {inc.attempt} {inc.reason} ({inc.detail}); "
-              f"resumed from step {inc.resumed_step} after {inc.downtime_s}s")
+        # a resume only where a next attempt started (downtime known); after giving up nothing was resumed
+        after = (f"resumed from step {inc.resumed_step} after {inc.downtime_s}s" if inc.downtime_s is not None
+                 else f"{inc.action.value}, nothing resumed")
+        print(f"[rlsup demo] incident: attempt {inc.attempt} {inc.reason} ({inc.detail}); {after}")
     hint = f"{this_rlsup()} status --state-dir {shlex.quote(str(cfg.state_dir))}"
     print(f"[rlsup demo] state: {cfg.state_dir} (try: {hint})")
     return result.exit_code

@@ -16,9 +16,15 @@ with it. A copy is kept only when the live file did not change while it was copi
 itself checks complete; a version is checked again before it is put back. Each live file's newest
 kept version is never removed.
 
-The pass and a put-back run in a child forked for each (:func:`supervisor.bounded_calls.run_forked`): on a
-checkpoint mount that stops answering mid-save, the pass stuck there is a child rlsup leaves behind, never a
-thread of its own that would hold rlsup's exit in the kernel (state D) after it decided to exit.
+The pass and a put-back run in a child forked for each (:class:`supervisor.bounded_calls.BoundedCalls`,
+forked): on a checkpoint mount that stops answering mid-save, the pass stuck there is a child rlsup leaves
+behind, never a thread of its own that would hold rlsup's exit in the kernel (state D) after it decided to
+exit. Each call is abandoned once its child has moved no byte for :data:`CALL_DEADLINE_S`, and the run loop's
+own calls (a restore, the check after an attempt) wait for the background pass only while it moves: a stuck
+mount costs the run loop that long once, then its calls answer "nothing" at once until the mount answers.
+While a pass finds nothing to keep (another layout reads the directory, no single file in it), the next one
+runs when a watched save wakes it or :data:`IDLE_RECHECK_S` later, so rlsup does not fork twice a second for
+nothing.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import os
 import shutil
 import stat
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -35,7 +42,7 @@ from urllib.parse import quote, unquote
 
 from rlsup_format.fileio import fsync_dir, fsync_file
 from rlsup_format.names import host_tag
-from supervisor.bounded_calls import run_forked
+from supervisor.bounded_calls import BoundedCalls
 from supervisor.layouts import detect_layout, single_file
 from supervisor.tiers.poll_loop import PollLoop
 
@@ -44,6 +51,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 PASS_INTERVAL_S = 0.5
+#: A call into the directory (a forked child) abandoned once it has read or written nothing for this long.
+CALL_DEADLINE_S = 10.0
+#: After a pass that found nothing to keep: the next one on a watched save, else this many seconds later.
+IDLE_RECHECK_S = 5.0
 _SEP = "--"  # <mtime_ns, 20 digits>--<path relative to checkpoint_dir, percent-encoded>
 
 
@@ -106,8 +117,14 @@ class FileVersions:
         self.kept = 0  # versions kept by this process: the progress rule compares it across an attempt
         self._seen: dict[Path, tuple[int, int, int]] = {}  # live file -> (ino, size, mtime_ns) last kept
         self._missed: dict[Path, str] = {}  # live file -> why its newest complete save was not kept
-        self._lock = threading.Lock()  # the background pass and the run loop's own pass never overlap
-        self._loop = PollLoop(self.observe, "rlsup-file-versions", lambda e: None)
+        self._lock = threading.Lock()  # the background pass and the run loop's own calls never overlap
+        self._calls = BoundedCalls(f"single-file checkpoints in {root}", CALL_DEADLINE_S, forked=True,
+                                   label="rlsup-file-versions")
+        self._loop = PollLoop(self._background_pass, "rlsup-file-versions", lambda e: None)
+        self._tracking = True  # whether the last pass found a file to keep (its child says)
+        self._idle_since: float | None = None  # when the last pass found none (the parent's clock)
+        self._woken = False  # a watched save since that pass
+        self._wait_said = False  # the run loop went on without a call: said once until one answers again
 
     @classmethod
     def from_config(cls, cfg: "SupervisorConfig", root: Path) -> "FileVersions | None":
@@ -117,7 +134,11 @@ class FileVersions:
     # ------------------------------------------------------------ which files
 
     def tracked(self) -> list[Path]:
-        """The live checkpoint files now (auto: only while no other layout recognises the directory)."""
+        """The live checkpoint files now (auto: only while no other layout recognises the directory); read in
+        a forked call (none while the directory does not answer)."""
+        return self._run_loop_call(self._tracked, [], "listing")
+
+    def _tracked(self) -> list[Path]:
         if not self.root.is_dir():
             return []
         if self.settings.auto and detect_layout(self.root) != "unknown":
@@ -126,7 +147,7 @@ class FileVersions:
 
     def newest_valid(self) -> Path | None:
         """The newest complete live file (what a restart resumes from), or None."""
-        valid = [p for p in self.tracked() if single_file.check_file(p).ok]
+        valid = [p for p in self._tracked() if single_file.check_file(p).ok]
         return max(valid, key=_mtime, default=None)
 
     # ------------------------------------------------------------ keeping
@@ -135,7 +156,7 @@ class FileVersions:
         """The pass every :data:`PASS_INTERVAL_S`, and at once when a tracked file is closed after a write or
         renamed into place (watchdog): a trainer that saves more often than a pass runs still has each version
         kept before it rewrites the file. A directory that does not exist yet is only polled."""
-        watch = self.root if self.root.is_dir() else None
+        watch = self.root if self._calls.call(self.root.is_dir, False) else None
         pattern = self.settings.pattern  # no pattern: top-level files only, so no watch on subdirectories
         try:
             self._loop.start(PASS_INTERVAL_S, watch=watch, wakes_on=self._a_save_ended,
@@ -152,7 +173,10 @@ class FileVersions:
             rel = os.path.relpath(path, self.root)
         except ValueError:
             return False
-        return single_file.matches(rel, self.settings.pattern)
+        if not single_file.matches(rel, self.settings.pattern):
+            return False
+        self._woken = True
+        return True
 
     def stop(self) -> None:
         self._loop.stop(timeout=30.0)
@@ -160,19 +184,55 @@ class FileVersions:
     def observe(self) -> int:
         """One pass (in a forked child): keep each live file's new complete version; the number kept. Never
         raises: a version that cannot be kept (no space, no permission) is logged, and the job goes on."""
+        return self._run_loop_call(self._observe, 0, "keeping versions", _PASS_STATE)
+
+    def _background_pass(self) -> int:
+        """The loop's pass: as :meth:`observe`, skipped while the last one found nothing to keep and no watched
+        save woke it since (up to :data:`IDLE_RECHECK_S`): decided here, from what that pass's child said, with
+        no look at the directory from rlsup's own process."""
+        if (not self._tracking and self._idle_since is not None and not self._woken
+                and time.monotonic() - self._idle_since < IDLE_RECHECK_S):
+            return 0
+        self._woken = False
         with self._lock:
-            try:
-                return run_forked(self._observe, "rlsup-file-versions", self, ("kept", "_seen", "_missed"))
-            except OSError as e:
-                log.warning("single-file checkpoints in %s: no version kept (%s)", self.root, e)
-                return 0
+            kept = self._forked(self._observe, 0, _PASS_STATE)
+        self._idle_since = None if self._tracking else time.monotonic()
+        return kept
 
     def _observe(self) -> int:
         try:
-            return sum(self._keep(live) for live in self.tracked())
+            tracked = self._tracked()
+            self._tracking = bool(tracked)
+            return sum(self._keep(live) for live in tracked)
         except OSError as e:
             log.warning("single-file checkpoints in %s: no version kept (%s)", self.root, e)
             return 0
+
+    def _forked(self, fn, default, keep: tuple[str, ...] = ()):  # type: ignore[no-untyped-def]
+        """``fn()`` in a forked, bounded call (:attr:`_calls`); ``keep``: what it changes of this object."""
+        try:
+            return self._calls.call(fn, default, owner=self, keep=keep)
+        except OSError as e:
+            log.warning("single-file checkpoints in %s: %s failed (%s)", self.root, getattr(fn, "__name__", "a call"),
+                        e)
+            return default
+
+    def _run_loop_call(self, fn, default, doing: str, keep: tuple[str, ...] = ()):  # type: ignore[no-untyped-def]
+        """A call of the run loop's: it waits for the background pass while that pass moves (a copy of a large
+        file), and goes on with ``default`` once it does not (a mount that stopped answering), said once."""
+        while not self._lock.acquire(timeout=0.5):
+            if self._calls.quiet_for() > CALL_DEADLINE_S + 2.0:
+                if not self._wait_said:
+                    self._wait_said = True
+                    log.warning("single-file checkpoints in %s: the background pass has moved nothing for %.0fs "
+                                "(the directory is slow or not answering); going on without %s", self.root,
+                                self._calls.quiet_for(), doing)
+                return default
+        try:
+            self._wait_said = False
+            return self._forked(fn, default, keep)
+        finally:
+            self._lock.release()
 
     def _keep(self, live: Path) -> bool:
         try:
@@ -276,18 +336,13 @@ class FileVersions:
         and no complete checkpoint file is left (a save that deletes before it writes): a file the trainer
         removed itself, or one a user removed to start over, stays gone. A complete live file, or one that
         cannot be read just now (a filesystem error is not a torn save), is never touched."""
-        if self.settings.auto and self.root.is_dir() and detect_layout(self.root) != "unknown":
-            return []  # another layout reads the directory now: not ours to touch
-        with self._lock:
-            try:
-                return run_forked(self._restore, "rlsup-file-versions restore", self, ("_seen",))
-            except OSError as e:
-                log.error("single-file checkpoints in %s: nothing put back (%s)", self.root, e)
-                return []
+        return self._run_loop_call(self._restore, [], "putting back torn files", ("_seen",))
 
     def _restore(self) -> list[Restored]:
+        if self.settings.auto and self.root.is_dir() and detect_layout(self.root) != "unknown":
+            return []  # another layout reads the directory now: not ours to touch
         done = []
-        complete_left = any(single_file.check_file(p).ok for p in self.tracked())
+        complete_left = any(single_file.check_file(p).ok for p in self._tracked())
         for live in sorted({v.live for v in self.versions()}):
             why = self._torn(live, complete_left)
             if why is None:
@@ -313,19 +368,15 @@ class FileVersions:
     def left_torn(self) -> list[LeftTorn]:
         """The live files that are torn with no complete kept version to put back (what :meth:`restore` has to
         leave as it is), each with why no version is there. Read only; in a forked child, as the pass."""
-        with self._lock:
-            try:
-                return run_forked(self._left_torn, "rlsup-file-versions check")
-            except OSError as e:
-                log.warning("single-file checkpoints in %s: not checked (%s)", self.root, e)
-                return []
+        return self._run_loop_call(self._left_torn, [], "checking for torn files")
 
     def _left_torn(self) -> list[LeftTorn]:
         if self.settings.auto and self.root.is_dir() and detect_layout(self.root) != "unknown":
             return []  # another layout reads the directory now: not ours
-        complete_left = any(single_file.check_file(p).ok for p in self.tracked())
+        tracked = self._tracked()
+        complete_left = any(single_file.check_file(p).ok for p in tracked)
         out = []
-        for live in sorted({v.live for v in self.versions()} | set(self.tracked())):
+        for live in sorted({v.live for v in self.versions()} | set(tracked)):
             why = self._torn(live, complete_left)
             kept = self.versions(live)
             if why is None or any(single_file.check_file(v.path).ok for v in kept):
@@ -364,6 +415,10 @@ class FileVersions:
             return str(live.relative_to(self.root))
         except ValueError:
             return live.name
+
+
+#: What a pass changes of a :class:`FileVersions` (copied back from its child).
+_PASS_STATE = ("kept", "_seen", "_missed", "_tracking")
 
 
 def _mtime(path: Path) -> int:

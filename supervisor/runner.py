@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Sequence
 
+from rlsup_format.manifest import latest_valid
 from supervisor import exit_codes, log as rlsup_log
 from supervisor.attempt_end import ERROR_FILE_ENV, AttemptResult, error_file_for, with_hang_gpu_failure
 from supervisor.attempt_progress import step_reached
@@ -332,13 +333,20 @@ class Supervisor:
         return point.step if point is not None else None
 
     def choose_resume(self) -> ResumePoint | None:
+        point, chosen = self._resume_point()
+        if chosen is not None:  # a layout's step (the single-file fallback sets no metric)
+            self.observer.checkpoint(chosen.step, chosen.path.stat().st_mtime)
+        return point
+
+    def _resume_point(self) -> tuple[ResumePoint | None, ResumePoint | None]:
+        """:meth:`choose_resume` without the metric, safe in a forked child (no lock of the observer's): the point,
+        and the same when a layout chose it (None for the single-file fallback, which names no step)."""
         if not self.settings.resume:
-            return None
+            return None, None
         point = choose_resume(self.checkpoint_dir, self.settings.checkpoint_layout, self.job.id)
         if point is None:
-            return self.sight.resume_fallback()  # a single-file checkpoint, which names no step
-        self.observer.checkpoint(point.step, point.path.stat().st_mtime)
-        return point
+            return self.sight.resume_fallback(), None
+        return point, point
 
     def refresh_checkpoint_metric(self) -> None:
         """A save just ended: report the newest checkpoint, read off the run loop's thread
@@ -348,16 +356,15 @@ class Supervisor:
             self.observer.checkpoint(*found)
 
     def _newest_checkpoint(self) -> tuple[int, float] | None:
-        """(step, mtime) of the newest checkpoint, read in a forked child (its value is all that comes back).
-        Sizes only for rlsup's own layout, so the supervisor does not re-read every byte the trainer just
-        wrote (restart selection checks all)."""
-        from rlsup_format.manifest import latest_valid
-
+        """(step, mtime) of the newest checkpoint, read in a forked child (its value is all that comes back; the
+        parent sets the metric: the observer's locks may be held at the fork). Sizes only for rlsup's own
+        layout, so the supervisor does not re-read every byte the trainer just wrote (restart selection checks
+        all)."""
         if self.settings.checkpoint_layout in ("rlsup", "auto"):
             result = latest_valid(self.checkpoint_dir, full=False)
             if result is not None and result.step is not None:
                 return result.step, result.path.stat().st_mtime
-        point = self.choose_resume()
+        point = self._resume_point()[0]
         return (point.step, point.path.stat().st_mtime) if point is not None and point.step is not None else None
 
     def attempt_env(self, attempt: int, resume: ResumePoint | None, hb_dir: Path) -> dict[str, str]:

@@ -75,6 +75,7 @@ class StuckProcess:
     waiting_on: str = ""  # the file its system call names (waiting_on), when it sleeps in one this knows
     paths: list[str] = field(default_factory=list)  # files it holds open (fds resolved), not pipes or sockets
     mounts: list[Mount] = field(default_factory=list)  # the non-root mounts those files lie on
+    start_time: int | None = None  # /proc/<pid>/stat's starttime: tells this process from a later one of its pid
 
     @property
     def uninterruptible(self) -> bool:
@@ -91,7 +92,8 @@ class StuckProcess:
 
     def as_dict(self) -> dict:
         return {"pid": self.pid, "state": self.state, "name": self.name, "wchan": self.wchan, "rank": self.rank,
-                "waiting_on": self.waiting_on, "paths": self.paths, "mounts": [m.point for m in self.mounts]}
+                "waiting_on": self.waiting_on, "paths": self.paths, "mounts": [m.point for m in self.mounts],
+                "start_time": self.start_time}
 
 
 def mounts(mountinfo: str = "/proc/self/mountinfo") -> list[Mount]:
@@ -140,6 +142,16 @@ def _state(pid: int) -> tuple[str, str]:
     name = text[text.find("(") + 1:text.rfind(")")]
     rest = text[text.rfind(")") + 1:].split()
     return (rest[0] if rest else ""), name
+
+
+def start_time(pid: int) -> int | None:
+    """When ``pid`` started (clock ticks since boot, /proc/<pid>/stat's field 22); None when gone. A pid is reused
+    once its process is gone: only the pid and this together name one process."""
+    rest = _read(f"/proc/{pid}/stat").rpartition(")")[2].split()
+    try:
+        return int(rest[19])  # rest[0] is field 3 (the state)
+    except (IndexError, ValueError):
+        return None
 
 
 def _open_files(pid: int) -> list[str]:
@@ -250,7 +262,7 @@ def examine(pids: list[int], table: list[Mount] | None = None) -> list[StuckProc
             m for m in held.values() if m is not None and m.point != "/"))
         files.sort(key=lambda path: (held[path] not in on, path))  # those on the suspect mounts first
         out.append(StuckProcess(pid, state, name, _read(f"/proc/{pid}/wchan").strip(), _rank(pid), target,
-                                [p for p in files if p != target], on))
+                                [p for p in files if p != target], on, start_time(pid)))
     return out
 
 
@@ -339,16 +351,19 @@ def held_threads(table: list[Mount] | None = None) -> list[dict]:
 
 def left_at_exit(state_dir: Path, code: int, helpers: list[dict], say: Callable[[str], None]) -> dict | None:
     """What rlsup leaves behind as it exits with ``code``: the attempt's processes found unkillable that are
-    still alive (``unkillable.json``), its own forked calls still there (``helpers``: ``pid``, ``label``,
-    ``doing``, ``state``), and its own threads asleep on a mount (:func:`held_threads`). Said in one line
-    that names the mounts, and written into ``unkillable.json`` under ``exit``; None when nothing is left."""
+    still alive (``unkillable.json``: the same process, by pid and start time; a record of an earlier run's, or
+    one without a start time, names no process whose pid was reused since), its own forked calls still there
+    (``helpers``: ``pid``, ``label``, ``doing``, ``state``), and its own threads asleep on a mount
+    (:func:`held_threads`). Said in one line that names the mounts and each one's state (a helper merely busy is
+    not said to be stuck), and written into ``unkillable.json`` under ``exit``; None when nothing is left."""
     record_path = state_dir / "unkillable.json"
     try:
         record = json.loads(record_path.read_text())
     except (OSError, ValueError):
         record = {}
     table = mounts()
-    ranks = [p for p in record.get("processes", []) if _state(p["pid"])[0] not in ("", "Z", "X")]
+    ranks = [p for p in record.get("processes", []) if p.get("start_time") is not None
+             and _state(p["pid"])[0] not in ("", "Z", "X") and start_time(p["pid"]) == p["start_time"]]
     for h in helpers:
         h["mounts"] = sorted({m.point for path in _open_files(h["pid"]) + [waiting_on(h["pid"])]
                               if path and (m := mount_of(path, table)) is not None and m.point != "/"})
@@ -357,15 +372,17 @@ def left_at_exit(state_dir: Path, code: int, helpers: list[dict], say: Callable[
         return None
     named = sorted({m for p in ranks for m in p.get("mounts", [])} | {m for h in helpers for m in h["mounts"]}
                    | {t["mount"] for t in threads if t["mount"]})
-    parts = [f"rank {p['rank']} pid {p['pid']} (state {_state(p['pid'])[0]})" for p in ranks]
+    states = [_state(p["pid"])[0] for p in ranks] + [h["state"] for h in helpers] + [t["state"] for t in threads]
+    parts = [f"rank {p['rank']} pid {p['pid']} ({_state_words(_state(p['pid'])[0])})" for p in ranks]
     parts += [f"rlsup's helper pid {h['pid']} ({h['label']}{': ' + h['doing'] if h['doing'] else ''}, "
-              f"state {h['state'] or '?'})" for h in helpers]
+              f"{_state_words(h['state'])})" for h in helpers]
     parts += [f"rlsup's own thread {t['name']} (tid {t['tid']}, {t['wchan'] or t['state']}"
               f"{' on ' + t['waiting_on'] if t['waiting_on'] else ''}): this process's exit waits for its mount"
               for t in threads]
     where = f" on mount{'s' if len(named) != 1 else ''} {', '.join(named)}" if named else ""
-    say(f"exit {code}: left behind{where} (not answering): {'; '.join(parts)}; the scheduler's node cleanup "
-        "ends them once the mount answers or the node is rebooted")
+    held = " (not answering)" if where and UNINTERRUPTIBLE in states else ""
+    say(f"exit {code}: left behind{where}{held}: {'; '.join(parts)}; the scheduler's node cleanup ends them once "
+        "they are done, the mount answers or the node is rebooted")
     record["exit"] = {"code": code, "mounts": named, "ranks": [p["pid"] for p in ranks], "helpers": helpers,
                       "threads": threads}
     try:
@@ -378,4 +395,13 @@ def left_at_exit(state_dir: Path, code: int, helpers: list[dict], say: Callable[
     return record["exit"]
 
 
-__all__ = ["left_at_exit", "held_threads", "unkillable_result", "Mount", "StuckProcess", "mounts", "mount_of", "examine", "uninterruptible", "verdict", "UNINTERRUPTIBLE"]
+def _state_words(state: str) -> str:
+    """A process's /proc state letter as the exit line says it: what it is doing, not a guess that it is stuck."""
+    if state == UNINTERRUPTIBLE:
+        return "state D: waiting in the kernel, on its mount"
+    if state in ("R", "S"):
+        return f"state {state}: busy, not held by the kernel"
+    return f"state {state or '?'}"
+
+
+__all__ = ["left_at_exit", "start_time", "held_threads", "unkillable_result", "Mount", "StuckProcess", "mounts", "mount_of", "examine", "uninterruptible", "verdict", "UNINTERRUPTIBLE"]

@@ -254,24 +254,139 @@ def test_what_rlsup_leaves_at_exit_is_said_once_and_recorded(tmp_path: Path) -> 
     import subprocess
     import sys
 
-    from supervisor.unkillable import held_threads, left_at_exit
+    from supervisor.unkillable import held_threads, left_at_exit, start_time
 
     said: list[str] = []
     assert left_at_exit(tmp_path, 0, [], said.append) is None and said == []
     assert not (tmp_path / "unkillable.json").exists()
     rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    reused = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
+        started = start_time(rank.pid)
+        assert started is not None and started == start_time(rank.pid)
         (tmp_path / "unkillable.json").write_text(json.dumps({"grace_s": 2, "processes": [
-            {"pid": rank.pid, "rank": 1, "state": "D", "mounts": ["/ckpt"]},
-            {"pid": 2 ** 22 + 7, "rank": 0, "state": "D", "mounts": ["/ckpt"]}]}))  # gone since: not named
+            {"pid": rank.pid, "rank": 1, "state": "D", "mounts": ["/ckpt"], "start_time": started},
+            {"pid": 2 ** 22 + 7, "rank": 0, "state": "D", "mounts": ["/ckpt"], "start_time": 1},  # gone since
+            # its pid now another process's (a later start), or a record without a start time: not named
+            {"pid": reused.pid, "rank": 2, "state": "D", "mounts": ["/other"], "start_time": start_time(reused.pid) - 1},
+            {"pid": reused.pid, "rank": 3, "state": "D", "mounts": ["/other"]}]}))
         helper = {"pid": rank.pid, "label": "rlsup-file-versions", "doing": "", "state": "S", "wchan": ""}
         left = left_at_exit(tmp_path, 77, [helper], said.append)
     finally:
-        rank.kill()
-        rank.wait()
+        for proc in (rank, reused):
+            proc.kill()
+            proc.wait()
     record = json.loads((tmp_path / "unkillable.json").read_text())
     assert record["exit"] == left and left["code"] == 77 and left["ranks"] == [rank.pid], left
     assert left["mounts"] == ["/ckpt"] and left["helpers"][0]["label"] == "rlsup-file-versions"
     assert record["processes"][0]["pid"] == rank.pid  # the verdict's own record stays
     assert len(said) == 1 and "exit 77: left behind on mount /ckpt" in said[0] and f"rank 1 pid {rank.pid}" in said[0]
+    assert "rank 2" not in said[0] and "rank 3" not in said[0]
+    # each named with the state it is in: the helper merely busy (S) is not said to be stuck (the rank, alive
+    # again in S here, neither); nothing in D, so nothing "not answering"
+    assert "state S: busy" in said[0] and "not answering" not in said[0], said[0]
     assert held_threads() == []  # this process: no thread asleep on a shared mount
+
+
+def test_a_forked_call_left_behind_does_not_hold_rlsups_output_open() -> None:
+    """A child left in a mount outlives rlsup: it must not hold rlsup's stdout and stderr (a ``| tee``, a
+    subprocess capture or srun's I/O waits for their EOF). rlsup exits; its pipes reach EOF at once."""
+    import signal
+    import subprocess
+    import sys
+
+    from support.env import ROOT
+
+    script = ("import time\n"
+              "from supervisor.bounded_calls import BoundedCalls, left_behind\n"
+              "calls = BoundedCalls('reading /ckpt (test)', 0.3, forked=True)\n"
+              "assert calls.call(lambda: time.sleep(60), 'default') == 'default'\n"
+              "print(left_behind()[0]['pid'], flush=True)\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    try:
+        out, _err = proc.communicate(timeout=30)  # EOF on both: nothing else holds them
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _err = proc.communicate()
+        raise AssertionError("rlsup's output stayed open after it exited: its forked call holds it") from None
+    finally:
+        for pid in [int(w) for w in (out or b"").split() if w.isdigit()]:
+            try:
+                os.kill(pid, signal.SIGKILL)  # the child left behind
+            except ProcessLookupError:
+                pass
+    assert proc.returncode == 0 and out.split(), out
+
+
+def test_rlsups_exit_is_not_held_by_a_stalled_stderr() -> None:
+    """``rlsup run`` has decided its code while one of its log lines is stalled (stderr's reader stopped reading;
+    the writing thread holds the logging locks): the exit deadline ends the process with that code all the same
+    (it takes no logging lock and waits on no write on the way)."""
+    import subprocess
+    import sys
+
+    from support.env import ROOT
+
+    script = ("import logging\n"
+              "from supervisor import cli, log\n"
+              "log.configure()\n"
+              "cli.EXIT_DEADLINE_S = 0.5\n"
+              "cli._end_run(3)\n"
+              "logging.getLogger('supervisor.test').warning('x' * 50_000_000)\n")  # nobody reads: never ends
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    try:
+        code = proc.wait(timeout=30)  # stderr is never read
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise AssertionError("rlsup's exit waited on its stalled stderr") from None
+    finally:
+        for pipe in (proc.stdout, proc.stderr):
+            pipe.close()  # type: ignore[union-attr]
+    assert code == 3
+
+
+_FORK_WATCH: list = []  # set while the registration test runs: its at-fork hook (os.register_at_fork stays)
+
+
+def _after_fork_in_parent() -> None:
+    if _FORK_WATCH:
+        _FORK_WATCH[0]()
+
+
+os.register_at_fork(after_in_parent=_after_fork_in_parent)
+
+
+def test_a_forked_call_is_one_of_rlsups_own_before_anyone_can_list_it() -> None:
+    """process_tree takes a child of rlsup's that it did not start for a member of the job unless child_pids()
+    names it: the child is registered before any other thread can list it (the fork happens under the lock
+    child_pids() takes). Here a thread lists rlsup's children right after the fork, before run_forked goes on."""
+    import psutil
+
+    from supervisor.bounded_calls import child_pids, run_forked
+
+    seen: list[tuple[set[int], set[int]]] = []
+    listed = threading.Event()
+
+    def look() -> None:
+        children = {c.pid for c in psutil.Process().children()}
+        seen.append((children, child_pids()))
+        listed.set()
+
+    def hook() -> None:
+        _FORK_WATCH.clear()
+        threading.Thread(target=look, daemon=True).start()
+        listed.wait(0.5)  # the forking thread holds on here (where a pid is listed and not yet registered)
+
+    before = {c.pid for c in psutil.Process().children()}
+    _FORK_WATCH.append(hook)
+    try:
+        run_forked(lambda: listed.wait(2), "test-pass")  # the child's copy of ``listed`` is never set: 2 s
+    finally:
+        _FORK_WATCH.clear()
+    wait_for(lambda: seen, 10, "the listing thread")
+    children, own = seen[0]
+    new = children - before
+    assert new and new <= own, (new, own)

@@ -35,6 +35,7 @@ the tier's reads and writes together (:class:`supervisor.transport.client.Bandwi
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -47,7 +48,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from rlsup_format.manifest import ManifestError, RankManifest, list_step_dirs, verify_step
 from rlsup_format.names import manifest_name, parse_manifest_rank, step_dir_name
 from rlsup_format.retention import StepState, steps_to_delete
-from supervisor.bounded_calls import BoundedCalls
+from supervisor.bounded_calls import BoundedCalls, forked_child
 from supervisor.control_records import TierOffer
 from supervisor.tiers import fetch_staging, private_files
 from supervisor.tiers.fetch_staging import FetchTicket, staging_dir
@@ -131,8 +132,11 @@ class PersistentSettings:
 
 
 #: What a pass of :meth:`PersistentTier.poll` changes: copied back from the child a forked pass ran in.
-_PASS_STATE = ("_done", "_last_step", "_last_time", "_retain_due", "_retained", "_last_clean", "copies",
-               "bytes_copied", "last_error", "moved", "_final")
+#: What the parent changes meanwhile is never among them (:meth:`PersistentTier.protect`, ``_fetched``).
+_PASS_STATE = ("_done", "_last_step", "_last_time", "_retain_due", "_retained", "_retained_protect", "_last_clean",
+               "copies", "bytes_copied", "last_error", "moved", "_final")
+#: How long :meth:`PersistentTier.protect` waits for a pass in progress (whose retention read the old step).
+PROTECT_WAIT_S = STALL_S
 
 
 class PersistentTier:
@@ -155,7 +159,10 @@ class PersistentTier:
         self._last_step: int | None = None  # the step node 0 last started (the cadence counts from it)
         self._last_time: float | None = None
         self._done: set[tuple[int, int, float]] = set()  # (step, rank, manifest created) known in the tier
+        self._fetched: list[tuple[int, int, float]] = []  # fetch_part's parts, taken into _done by the next pass
         self._protected: set[int] = set()  # steps a restore is using: retention leaves them alone
+        self._protect_changes = 0  # protect() calls; a pass whose retention has not seen the last one retains
+        self._retained_protect = 0  # ... the count the last retention saw
         self._last_clean: float | None = None
         self._retain_due = True  # retention runs after a write, a change of steps or of the protected step
         self._retained: tuple[list[int], int | None] = ([], None)  # (steps, newest complete) it last saw
@@ -168,8 +175,10 @@ class PersistentTier:
         self._files: Callable[[Callable[[], Any]], Any] = private_files.run if shared_fs else _call
         # On a mount, each pass runs in a forked child (a copy stuck in a hung mount never holds rlsup's exit);
         # _PASS_STATE is what a pass changes. Not for an object store: its client's threads are not in a child.
+        # The parent holds _lock across a forked pass (hold=): fetch and protect wait for it, and its copy-back.
         self._loop = PollLoop(self.poll, "rlsup-persistent-tier", self._pass_failed, on_stall=self._stalled,
-                              on_thread_start=enter, owner=self, keep=_PASS_STATE if shared_fs else None)
+                              on_thread_start=enter, owner=self, keep=_PASS_STATE if shared_fs else None,
+                              hold=self._lock if shared_fs else None)
         #: The run loop's reads of the tier (a restart's resume choice): never past STALL_S without progress.
         self.reads = BoundedCalls(f"reading the persistent tier {self.location} for the resume", STALL_S, enter)
         self.copies = 0
@@ -201,7 +210,9 @@ class PersistentTier:
             raise ValueError("no source checkpoint directory: pass source= to PersistentTier or poll()")
         local = LocalStore(root, hold_label=HOLD_LABEL)
         self._loop.doing = f"listing {self.location}"
-        with self._lock:
+        # a forked pass: its parent holds _lock for it (this copy of the lock may have been taken at the fork)
+        with contextlib.nullcontext() if forked_child() else self._lock:
+            self._done.update(self._fetched[:])  # parts a restore fetched (and checked) since the last pass
             self._maybe_clean(local)
             steps = self.store.steps()
             if self._last_step is None and steps:
@@ -219,7 +230,8 @@ class PersistentTier:
                         copied = step
             if started is not None and all(self._is_done(p) for p in own[started]):
                 self._last_step, self._last_time = started, self._clock()
-            if self.node == 0 and (copied is not None or self._retain_due or (steps, floor) != self._retained):
+            if self.node == 0 and (copied is not None or self._retain_due or (steps, floor) != self._retained
+                                   or self._retained_protect != self._protect_changes):
                 self._retain()
                 self._retained = (self.store.steps(), floor)
             return copied
@@ -322,19 +334,28 @@ class PersistentTier:
         """Node 0: :func:`rlsup_format.retention.steps_to_delete` over the tier (sizes checked). Run
         after a pass that wrote, when the tier's steps or its newest complete step changed, or when the
         protected step changed: not on every quiet pass (an object store charges each listing)."""
-        self._retain_due = False
+        self._retain_due, self._retained_protect = False, self._protect_changes
         if self.settings.keep_last is None:
             return
-        states = [StepState(s, self.verify(s, full=False), s in self._protected) for s in self.store.steps()]
+        protected = set(self._protected)
+        states = [StepState(s, self.verify(s, full=False), s in protected) for s in self.store.steps()]
         for step in steps_to_delete(states, self.settings.keep_last):
             log.info("persistent tier retention removes step %d", step)
             self.store.delete(step)
             self._done = {d for d in self._done if d[0] != step}
 
     def protect(self, step: int | None) -> None:
-        """Keep ``step`` from retention (the step a restore is using); replaces the previous one."""
-        self._protected = set() if step is None else {step}
-        self._retain_due = True
+        """Keep ``step`` from retention (the step a restore is using); replaces the previous one. Waits (at most
+        :data:`PROTECT_WAIT_S`: a pass stuck in a hung mount is not waited for) for a pass in progress, whose
+        retention read the protected step before this call: once this returns, no pass removes ``step``. Never
+        a pass's state: a pass's copy-back does not undo it."""
+        held = self._lock.acquire(timeout=PROTECT_WAIT_S)
+        try:
+            self._protected = set() if step is None else {step}
+            self._protect_changes += 1
+        finally:
+            if held:
+                self._lock.release()
 
     # ---------------------------------------------------------------- background thread
 
@@ -468,7 +489,8 @@ class PersistentTier:
         except (OSError, ManifestError, PartError) as e:
             raise PersistentTierError(f"fetching step {step} rank {rank} from {self.location} failed: {e}") from e
         if done.written:  # every byte of the tier's copy just passed its checksum: the local part is persisted
-            self._done.add((step, rank, done.manifest.created))
+            # not _done itself: a forked pass in progress copies its own _done back over this one's
+            self._fetched.append((step, rank, done.manifest.created))
         return local.path(step)
 
     def part_listing(self, newer_than: int | None = None,

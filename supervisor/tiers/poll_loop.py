@@ -28,13 +28,16 @@ class PollLoop:
     def __init__(self, run_pass: Callable[[], object], name: str, on_error: Callable[[Exception], None],
                  stall_s: float = STALL_S, on_stall: Callable[[str], None] | None = None,
                  on_thread_start: Callable[[], object] | None = None, owner: object = None,
-                 keep: tuple[str, ...] | None = None) -> None:
+                 keep: tuple[str, ...] | None = None, hold: threading.Lock | None = None) -> None:
         self.run_pass, self.name, self.on_error = run_pass, name, on_error
         self.on_thread_start = on_thread_start  # run first in the loop's thread (a private descriptor table)
         self.stall_s, self.on_stall = stall_s, on_stall
         # keep: each pass runs in a child forked for it (supervisor.bounded_calls.run_forked), so a pass stuck in
         # a hung mount never holds rlsup's own exit; these attributes of ``owner`` are what a pass changes.
         self.owner, self.keep = owner, keep
+        # hold: the owner's lock, taken here around a forked pass (never in its child: a lock another thread
+        # held at the fork stays held there forever), so what else takes it waits for the pass and its copy-back
+        self.hold = hold
         self._doing = ""
         self.stalls = 0  # passes named as stalled
         self.stalled: str | None = None  # the stall line while the pass in progress is stalled
@@ -60,7 +63,10 @@ class PollLoop:
         """``fn()`` as a pass runs: in a forked child when the loop forks its passes."""
         if self.keep is None or forked_child():
             return fn()
-        return run_forked(fn, self.name, self.owner, self.keep, on_note=self._noted)
+        if self.hold is None:
+            return run_forked(fn, self.name, self.owner, self.keep, on_note=self._noted)
+        with self.hold:
+            return run_forked(fn, self.name, self.owner, self.keep, on_note=self._noted)
 
     def _noted(self, text: str) -> None:
         self._doing = text
