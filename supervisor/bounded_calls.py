@@ -16,17 +16,21 @@ named by :func:`left_behind` when rlsup exits.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import pickle
 import signal
 import struct
+import sys
 import threading
 import time
 from typing import Callable, TypeVar
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+_PR_SET_PDEATHSIG = 1
+_libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
 
 
 class BoundedCalls:
@@ -200,9 +204,11 @@ def _run_forked(fn: Callable[[], T], label: str, owner: object, keep: tuple[str,
                 on_fork: Callable[[int], object] | None = None) -> tuple[T, dict[str, object]]:
     """:func:`run_forked`'s work: the value and the ``keep`` attributes' new values (not applied)."""
     read_end, write_end = os.pipe()
+    parent = os.getpid()
     with _children_lock:  # registered before anyone can see the pid (process_tree's orphans read child_pids())
         pid = os.fork()
         if pid == 0:  # the child: this thread alone; never returns
+            _die_with(parent)
             _child_main(fn, read_end, write_end, owner, keep)
         _children[pid] = [label, ""]
     os.close(write_end)
@@ -267,6 +273,14 @@ def _child_main(fn: Callable[[], object], read_end: int, write_end: int, owner: 
         code = 1
     finally:
         os._exit(code)
+
+
+def _die_with(parent: int) -> None:
+    """A child ends with rlsup (PR_SET_PDEATHSIG: SIGKILL when the forking thread, which waits for the child's
+    answer, or rlsup itself ends): a copy rlsup was killed in the middle of is cut off as before, never finished
+    by an orphan beside the next rlsup. A child asleep in a hung mount takes the SIGKILL when the mount answers."""
+    if _libc is not None and _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0 and os.getppid() != parent:
+        os._exit(1)  # rlsup ended between the fork and the prctl
 
 
 def _quiet_stdio() -> None:

@@ -115,3 +115,24 @@ def test_hash_own_file_equals_the_streamed_hash(tmp_path: Path) -> None:
         path = tmp_path / f"f{size}"
         path.write_bytes(os.urandom(size))
         assert hash_own_file(path) == hash_file(path), size
+
+
+def test_a_zombie_writer_is_gone_so_its_leftovers_are_stale() -> None:
+    """A writer killed with its parent waits as a zombie until something reaps it (an init that reaps late):
+    its hold markers and temp files must be cleanable meanwhile (chaos: a stale hold pinned a step forever)."""
+    from rlsup_format.fileio import pid_alive
+
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    try:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:  # until the child has ended (a zombie: not reaped yet)
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                if f.read().rsplit(b")", 1)[1][1:2] == b"Z":
+                    break
+            time.sleep(0.01)
+        assert not pid_alive(pid)
+        assert pid_alive(os.getpid())
+    finally:
+        os.waitpid(pid, 0)

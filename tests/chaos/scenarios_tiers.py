@@ -294,17 +294,25 @@ def async_write_scenario(parent: Path, ref_cache: Path, seed: int, world: int = 
 
 def _incoming(root: Path, pid: int | None = None) -> list[tuple[int, Path]]:
     """(step, path) of the temp files of part copies in ``root``'s step directories and in the fetch staging
-    directories beside them (of process ``pid`` when given): reserved TMP names (rlsup_format.names) beside
-    the files they become."""
+    directories beside them (of process ``pid`` or a child of its when given: rlsup copies on a mount from a child
+    forked per pass): reserved TMP names (rlsup_format.names) beside the files they become."""
+    writers = None if pid is None else {pid, *_children_of(pid)}
     out = []
     roots = [root, *sorted(root.glob(STAGING_PREFIX + "*"))]  # a whole-step fetch lands in staging first
     for step, step_dir in (entry for r in roots for entry in list_step_dirs(r)):
         for dirpath, _dirs, files in os.walk(step_dir):
             for n in files:
                 res = parse_reserved(n)
-                if res is not None and res.kind is Kind.TMP and (pid is None or res.pid == pid):
+                if res is not None and res.kind is Kind.TMP and (writers is None or res.pid in writers):
                     out.append((step, Path(dirpath) / n))
     return out
+
+
+def _children_of(pid: int) -> set[int]:
+    try:
+        return {c.pid for c in psutil.Process(pid).children()}
+    except psutil.Error:
+        return set()
 
 
 def _lacks_a_manifest(step_dir: Path) -> bool:
@@ -367,11 +375,15 @@ def persistent_copy_scenario(parent: Path, ref_cache: Path, seed: int,
                 if any(r.step >= steps - 2 for r in recs.values()):
                     return None  # training nearly over
             if _incoming(root, pid) and (moment == "mid_fetch" or valid_steps(dest, full=False)):
-                if freeze(pid):
+                # the pass's child writing the temp files (forked per pass on a mount), frozen with rlsup so the
+                # copy stays in flight; never rlsup's other children (the guardian must see rlsup die)
+                copiers = {w for _, t in _incoming(root, pid) if (w := parse_reserved(t.name).pid) != pid}
+                if freeze(pid) and all(freeze(c) for c in copiers):
                     inc = _incoming(root, pid)
                     if inc and (moment == "mid_fetch" or valid_steps(dest)):
                         return inc[0]
-                    thaw(pid)
+                for p in (pid, *copiers):
+                    thaw(p)
             time.sleep(0.001)
         return None
 
