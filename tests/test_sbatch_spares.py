@@ -203,3 +203,13 @@ def test_preemption_is_relayed_to_the_nodes_left_after_a_loss(tmp_path: Path) ->
         assert not (pids / f"{name}.pid").exists()  # gone once rlsup ended: a later relay never hits a reused pid
     assert "lost node(s): n2" in out and "preempted after saving: requeueing job 42" in out, out
     assert "requeue 42" in fake.scontrol_calls()
+
+
+@pytest.mark.parametrize("late", ["75", "77"])
+def test_without_spares_a_requeue_beside_a_node_that_exited_0_is_not_a_requeue(tmp_path: Path, late: str) -> None:
+    """Issue 41: the script never requeues a job one of whose nodes exited 0 (rlsup exits 0 only when it saw the
+    job succeed), with or without spares; srun's answer alone (the highest code) would requeue it."""
+    fake, r = run_batch(tmp_path, 3, FAKE_ENDS=f"n3={late}")
+    assert r.returncode == 0 and "rlsup exited 0" in r.stdout, r.stdout + r.stderr
+    assert f"not requeueing it for a node that exited {late}" in r.stdout, r.stdout
+    assert not any(c.startswith(("requeue", "update")) for c in fake.scontrol_calls()), fake.scontrol_calls()
