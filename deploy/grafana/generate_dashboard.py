@@ -139,6 +139,14 @@ def build() -> dict[str, Any]:
             [(f"max by (node, local_rank) ({by_node(m('rlsup_heartbeat_age_seconds'))})", "{{node}} rank {{local_rank}}"),
              (f"max by (node) ({by_node(m('rlsup_heartbeat_timeout_seconds'))})", "{{node}} timeout")],
             unit="s", w=12, options=ts)
+    b.panel("timeseries", "How the heartbeat timeout was reached", "Step intervals the timeout is learned from "
+            "(rlsup_heartbeat_timeout_intervals), stalls survived and not learned (rlsup_heartbeat_stalls), and 1 "
+            "where the timeout is learned (rlsup_heartbeat_timeout_source: initial, learned or explicit).",
+            [(f"max by (node) ({by_node(m('rlsup_heartbeat_timeout_intervals'))})", "{{node}} intervals"),
+             (f"max by (node) ({by_node(m('rlsup_heartbeat_stalls'))})", "{{node}} stalls"),
+             (f"max by (node, rlsup_heartbeat_timeout_source) ({by_node(m('rlsup_heartbeat_timeout_source'))}) == 1",
+              "{{node}} {{rlsup_heartbeat_timeout_source}}")],
+            w=12, options=ts)
     b.panel("timeseries", "Goodput over time", "rlsup_goodput_ratio over time.",
             [(f"min by (node) ({by_node(m('rlsup_goodput_ratio'))})", "{{node}}")], unit="percentunit", w=12,
             options=ts, extra_field={"min": 0, "max": 1})
