@@ -19,7 +19,7 @@ from support.cluster import Cluster, assert_same_weights, reference_weights, rls
 
 SHORT = ["--steps", "9", "--checkpoint-every", "3", "--step-time", "0.05", "--keep-last", "100"]
 # Job A must outlive every other job's refusal (CI once saw a loaded machine finish A's 40 steps first).
-LONG = ["--steps", "100", "--checkpoint-every", "5", "--step-time", "0.2", "--keep-last", "100"]
+LONG = ["--steps", "100", "--checkpoint-every", "5", "--step-time", "0.5", "--keep-last", "100"]  # A outlives B, C, D and E under load
 
 
 def like(cluster: Cluster, other: Cluster) -> Cluster:
