@@ -119,8 +119,10 @@ class RankDeathWatch:
             death = death_from_status(rank, pid, status) if status is not None else None
             if death is not None:
                 deaths.append(death)
-        if unknown and all(d.signal in TEARDOWN_SIGNALS for d in deaths):
-            return None  # the cause may be the rank its launcher already reaped: the launcher's report says
+        if unknown and all(cause_first(d)[0] > 0 for d in deaths):
+            # The cause may be the rank its launcher already reaped (its status is gone): a peer's exit 1 or
+            # a teardown signal is a consequence, so the launcher's report says who failed.
+            return None
         return min(deaths, key=cause_first) if deaths else None
 
     def close(self) -> None:

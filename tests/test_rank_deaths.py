@@ -106,6 +106,21 @@ def test_only_terminated_ranks_beside_a_reaped_one_claim_nothing() -> None:
     watch.close()
 
 
+def test_a_peer_exit_beside_a_reaped_rank_claims_nothing() -> None:
+    """CI saw it: rank 1 SIGKILLed and reaped by ft_launcher before rlsup looked, rank 0 failing its
+    collective a moment later (exit 1): rank 0's exit is the consequence, so the launcher's report decides."""
+    reaped = spawn("import time; time.sleep(60)")
+    peer = spawn("import sys; sys.exit(1)")
+    until_zombie(peer)
+    watch = RankDeathWatch()
+    watch.track([(0, peer.pid), (1, reaped.pid)])
+    os.kill(reaped.pid, signal.SIGKILL)
+    reaped.wait()
+    assert watch.wait(1) is None
+    peer.wait()
+    watch.close()
+
+
 def test_a_rank_terminated_alone_is_still_named() -> None:
     proc = spawn("import time; time.sleep(60)")
     os.kill(proc.pid, signal.SIGTERM)

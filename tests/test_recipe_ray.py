@@ -37,6 +37,10 @@ pytest.importorskip("verl.utils.checkpoint.fsdp_checkpoint_manager", reason="ver
 
 TRACKER = "latest_checkpointed_iteration.txt"
 DRIVER = JOBS / "verl_ray_driver.py"
+# The head's start (up to 180 s on a loaded CI machine, counted in the first test's setup) plus a run of up to
+# 500 s: above the suite's 300 s default, which CI once hit while the head was still starting.
+pytestmark = pytest.mark.timeout(800)
+
 FAST = ["--backoff-initial", "0.05", "--backoff-max", "0.2", "--kill-grace", "5"]
 RAY = Path(sys.executable).parent / "ray"
 

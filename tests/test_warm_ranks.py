@@ -234,9 +234,11 @@ def test_a_single_node_skips_the_rendezvous_skew(nodes: list[str], skewed: bool)
 def _ready_warm_ranks(zygote: Zygote, n: int) -> list[int]:
     assert zygote.wait_ready(120)
     assert len(zygote.warm_pids) == n
+    script = [str(Path(__file__).parent.parent / "supervisor" / "warm_rank.py")]
     for pid in zygote.warm_pids:
-        cmdline = psutil.Process(pid).cmdline()
-        assert cmdline[2:3] == [str(Path(__file__).parent.parent / "supervisor" / "warm_rank.py")], (cmdline, psutil.Process(pid).status(), zygote.alive())
+        # The zygote says ready once its own imports are done; a warm rank may still be inside its execve
+        # (an empty cmdline under load), so its cmdline is waited for.
+        wait_for(lambda: psutil.Process(pid).cmdline()[2:3] == script, 60, f"warm rank {pid} to run warm_rank.py")
     return list(zygote.warm_pids)
 
 

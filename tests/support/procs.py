@@ -53,8 +53,14 @@ def freeze(pid: int, timeout: float = 5.0) -> bool:
     try:
         wait_for(lambda: proc_state(pid) in ("T", "t", "Z", "X", None), timeout, f"pid {pid} to stop", interval=0.001)
     except Deadline:
+        # Still inside a syscall (an fsync on a busy disk): the SIGSTOP stays pending and would stop it later,
+        # with nobody left to thaw it (a writer stopped after its write looks like a hang to rlsup).
+        thaw(pid)
         return False
-    return proc_state(pid) in ("T", "t")
+    if proc_state(pid) in ("T", "t"):
+        return True
+    thaw(pid)
+    return False
 
 
 def thaw(pid: int) -> None:
