@@ -148,7 +148,7 @@ class Job:
         trainer = [str(TRAINER), "--events", str(self.events), "--checkpoint-dir", "checkpoints",
                    "--width", str(self.st.width), "--batch", str(self.st.batch), "--micro-batches", str(self.st.micro_batches),
                    "--checkpoint-every", "1"]
-        return [PY, "-m", "supervisor.cli", "run", "--peers", peers, "--node-rank", str(node), *spares,
+        return [PY, "-m", "supervisor.cli.main", "run", "--peers", peers, "--node-rank", str(node), *spares,
                 "--coordinator-port", str(self.coord_port), "--token-file", str(self.token),
                 "--max-restarts", "100", "--", *torchrun, *trainer]
 

@@ -72,11 +72,11 @@ for _p in (str(ROOT), str(BENCH), str(ROOT / "tests")):
 
 from run import HEADER, Row, markdown_table, print_row  # noqa: E402
 from supervisor.config import SupervisorConfig  # noqa: E402
-from supervisor.control_records import NodeInventory, RoundPlan, StepHoldings  # noqa: E402
-from supervisor.coordinator import RoundCoordinator, compute_plan  # noqa: E402
+from supervisor.tiers.holdings import NodeInventory, RoundPlan, StepHoldings  # noqa: E402
+from supervisor.cluster.coordinator import RoundCoordinator, compute_plan  # noqa: E402
 from supervisor.job_identity import JobIdentity  # noqa: E402
 from supervisor.membership import Membership, replica_targets  # noqa: E402
-from supervisor.multinode import MultiNodeSupervisor, connect_coordinator  # noqa: E402
+from supervisor.cluster.multinode import MultiNodeSupervisor, connect_coordinator  # noqa: E402
 
 SECRET = b"bench-scale-secret-bench-scale-secret"
 RANKS = 8  # ranks per node
@@ -354,7 +354,7 @@ def _worker_main(conn: Any, worker: int) -> None:
 
 
 def _connect_pool(port: int, mine: list[int]) -> dict[int, Any]:
-    from supervisor.kvstore import TCPKVStore
+    from supervisor.cluster.kvstore import TCPKVStore
 
     pool = connect_all(mine, lambda n: TCPKVStore("127.0.0.1", port, n == 0, TIMEOUT_S))
     for store in pool.values():
@@ -415,7 +415,7 @@ class RequestCounter:
         setattr(store, name, counted)
 
     def _count_watches(self) -> None:
-        from supervisor.etcd_watch import EtcdWatch
+        from supervisor.cluster.etcd_watch import EtcdWatch
 
         if getattr(EtcdWatch.open, "counted", False):
             return
@@ -658,7 +658,7 @@ def measure_node0(nodes: int, reps: int = 5) -> dict[str, Any]:
     values it reads (each verified, HMAC and job, as the coordinator does, then parsed): every inventory,
     the plan, every fetch result and their union, every ready mark. The rest of a round is constant per
     node, so this is the part of agreement that grows with N wherever the nodes run."""
-    from supervisor.coordinator import FetchResult, SignedKeys
+    from supervisor.cluster.coordinator import FetchResult, SignedKeys
 
     keys = SignedKeys(None, JobIdentity("model", "bench_scale"), SECRET, 0)  # type: ignore[arg-type]
 

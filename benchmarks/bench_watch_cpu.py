@@ -82,7 +82,7 @@ def measure(reps: int = 3, window_s: float = 20.0, rlsup_root: Path = ROOT) -> l
     with tempfile.TemporaryDirectory(prefix="rlsup-watch-cpu-") as tmp:
         script = Path(tmp) / "sleeper.py"
         script.write_text(SLEEPER)
-        sides = {"rlsup": [PY, "-m", "supervisor.cli", "run", "--metrics-port", "0", "--warm-launcher", "false", "--",
+        sides = {"rlsup": [PY, "-m", "supervisor.cli.main", "run", "--metrics-port", "0", "--warm-launcher", "false", "--",
                            *torchrun_cmd(script)],
                  "torchrun": torchrun_cmd(script)}
         for rep in range(reps):

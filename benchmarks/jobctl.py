@@ -75,7 +75,7 @@ def launch(kind: str, d: Path, trainer_args: list[str], max_restarts: int, extra
     targs = [str(trainer), "--events", str(d / "events.jsonl"), "--checkpoint-dir", str(d / "ckpt"), *trainer_args]
     torchrun = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2"]
     if kind == "rlsup":
-        cmd = [PY, "-m", "supervisor.cli", "run", "--state-dir", str(d / "state"), "--checkpoint-dir",
+        cmd = [PY, "-m", "supervisor.cli.main", "run", "--state-dir", str(d / "state"), "--checkpoint-dir",
                str(d / "ckpt"), "--max-restarts", str(max_restarts), "--stop-grace", "2", "--kill-grace", "2",
                *extra, "--", *torchrun, *targs]
     elif kind == "torchrun":

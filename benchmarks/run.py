@@ -716,7 +716,7 @@ def bench_footprint(ctx: Ctx) -> list[Row]:
             nd = d / f"node{node}"
             nd.mkdir()
             daemons.append(subprocess.Popen(
-                [PY, "-m", "supervisor.cli", "daemon", "--peers", peers, "--node-rank", str(node), "--token-file",
+                [PY, "-m", "supervisor.cli.main", "daemon", "--peers", peers, "--node-rank", str(node), "--token-file",
                  str(token), "--replication-factor", "1", "--replication-scan-interval", "30"],
                 cwd=nd, env=job_env(), stdout=open(nd / "daemon.log", "wb"), stderr=subprocess.STDOUT))
         if not wait_until(lambda: all((d / f"node{n}" / ".rlsup" / "daemon.json").exists() for n in range(2)), 60):
@@ -942,8 +942,8 @@ def bench_gpu_check(ctx: Ctx) -> list[Row]:
     """``pre_launch_check: builtin`` (NVML in process) vs a command check (a shell, as every site check
     runs): ``nvidia-smi`` where it exists, else ``true``, the floor of any command. On a CPU node the
     builtin takes its "no GPUs: skipped" path."""
-    from supervisor.gpu_health import check_gpus
-    from supervisor.health import run_check
+    from supervisor.diagnosis.gpu_health import check_gpus
+    from supervisor.run.node_health import run_check
 
     calls = 20 if ctx.quick else 100
     command = "nvidia-smi" if shutil.which("nvidia-smi") else "true"
@@ -971,7 +971,7 @@ def bench_flight_recorder(ctx: Ctx) -> list[Row]:
     most) with FR on (and rlsup's FR thread waiting) vs off, one torchrun per side (torch reads the
     variable once per process), sides alternating; then one dump of a full ring, and rlsup's verdict on
     the four recorded dumps of tests/data (torch's analyser in its child process, torch import included)."""
-    from supervisor.flight_recorder import analyse, read_dump
+    from supervisor.diagnosis.flight_recorder import analyse, read_dump
 
     job = BENCH / "jobs" / "bench_fr_collectives.py"
     blocks, per_block = (5, 1000) if ctx.quick else (9, 2000)

@@ -132,7 +132,7 @@ class BoundedCalls:
 # ------------------------------------------------------------------ calls in a forked child
 
 #: Children forked by :func:`run_forked` that have not been reaped: pid -> (label, what it does now). Not part of
-#: any job (:meth:`supervisor.process_tree.JobProcess._orphans` leaves them out); named at exit when left behind.
+#: any job (:meth:`supervisor.processes.job.JobProcess._orphans` leaves them out); named at exit when left behind.
 _children: dict[int, list[str]] = {}
 _children_lock = threading.Lock()
 _child_out: int | None = None  # in a forked child: the pipe to the parent (notes, log records, the result)

@@ -27,21 +27,21 @@ from typing import Any, Literal
 
 import yaml
 
-from supervisor.endpoint_probe import REFUSED_FOR_S
-from supervisor.kvstore import CoordinatorBackend
+from supervisor.cluster.endpoint_probe import REFUSED_FOR_S
+from supervisor.cluster.kvstore import CoordinatorBackend
 from supervisor.layouts import LAYOUTS
 from supervisor.layouts.single_file import NAME as SINGLE_FILE
 from supervisor.log import LogFormat
 from supervisor.membership import Membership, MembershipError, from_config, replica_targets
-from supervisor.progress import PRESETS
-from supervisor.stragglers import StragglerAction
+from supervisor.diagnosis.step_reports import PRESETS
+from supervisor.diagnosis.stragglers import StragglerAction
 
 ENV_PREFIX = "RLSUP_"
 DEFAULT_CHECKPOINT_DIR = "checkpoints"
 #: checkpoint_layout's choices: the layout catalogue's own names (one list, never written twice).
 LAYOUT_CHOICES = ("auto", *LAYOUTS, SINGLE_FILE)
 LayoutChoice = Literal[LAYOUT_CHOICES]  # type: ignore[valid-type]  # built from the catalogue at import
-#: progress's choices: off (empty) or a preset's name (supervisor.progress.PRESETS).
+#: progress's choices: off (empty) or a preset's name (supervisor.diagnosis.step_reports.PRESETS).
 PROGRESS_CHOICES = ("", *PRESETS)
 ProgressChoice = Literal[PROGRESS_CHOICES]  # type: ignore[valid-type]
 
@@ -420,7 +420,7 @@ def _validate(cfg: SupervisorConfig, origins: dict[str, str]) -> None:
         raise bad("checkpoint_file", f"must be relative to checkpoint_dir, without '..': {cfg.checkpoint_file!r}")
     if cfg.file_versions_keep < 0 or cfg.file_versions_max_bytes < 0:
         raise bad("file_versions_keep" if cfg.file_versions_keep < 0 else "file_versions_max_bytes", "must be >= 0")
-    from supervisor.progress import progress_pattern
+    from supervisor.diagnosis.step_reports import progress_pattern
 
     try:  # the preset's name is checked above; here the regular expression (the preset's, or progress_regex)
         progress_pattern(cfg.progress, cfg.progress_regex)

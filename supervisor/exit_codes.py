@@ -2,12 +2,12 @@
 
 # OK, from any node, means the job succeeded (the SLURM recipe answers 0 for the job once one node exited 0): also a
 # node back after a spare ran its rank to the end, or an idle spare, each only once it saw this run finish
-# (supervisor.spares); an idle spare that saw every node stop without that exits FAILED, which requeues nothing.
+# (supervisor.cluster.spares); an idle spare that saw every node stop without that exits FAILED, which requeues nothing.
 OK = 0  # the job succeeded
 FAILED = 1  # restarts exhausted and the job's own code was not usable (a signal, a hang, or one of ours below)
 CONFIG_ERROR = 2  # bad flag, environment value or config file
 REQUEUE = 75  # preempted (or asked to checkpoint and go): the job saved; requeue it (EX_TEMPFAIL)
-NO_PROGRESS = 76  # several attempts in a row made no progress (supervisor.attempt_progress): do NOT requeue
+NO_PROGRESS = 76  # several attempts in a row made no progress (supervisor.run.progress_rule): do NOT requeue
 UNHEALTHY = 77  # this node failed pre_launch_check: requeue WITHOUT it (<state_dir>/unhealthy_nodes names it)
 
 # rlsup's own answers in 1..125: a job exiting with one of them must not be read as rlsup saying it

@@ -2,7 +2,7 @@
 
 Standard library only (like supervisord's ``states.py``): ``rlsup status``, metrics and the docs
 can import it without the run loop. Every state change of a run (the run loop's, through
-:meth:`supervisor.run_record.RunRecord.set_state`) goes through :func:`check_transition`; a change the
+:meth:`supervisor.run.record.RunRecord.set_state`) goes through :func:`check_transition`; a change the
 table does not list raises :class:`IllegalTransition`, so a new path through the loop has to be added
 here, on purpose.
 """
@@ -143,7 +143,7 @@ class EndReason(_Value):
     PREEMPTED = "preempted"  # rlsup got the preemption signal
     SUPERVISOR_LOST = "supervisor_lost"  # a previous rlsup died while the job ran; found at start
     UNHEALTHY = "unhealthy"  # this node failed pre_launch_check; nothing was launched
-    # GPU-era failures, told apart by their text (supervisor.gpu_failures):
+    # GPU-era failures, told apart by their text (supervisor.diagnosis.gpu_failures):
     CUDA_OOM = "cuda_oom"  # torch.OutOfMemoryError / "CUDA out of memory": restarted like any failure
     NCCL_ERROR = "nccl_error"  # an NCCL error, or the watchdog's collective timeout: restarted
     CUDA_ERROR = "cuda_error"  # another CUDA error (illegal memory access, device-side assert): restarted
@@ -161,7 +161,7 @@ ATTEMPT_FAILURES: tuple[EndReason, ...] = (
 HUNG = frozenset({EndReason.HANG, EndReason.STARTUP_TIMEOUT, EndReason.SAVE_TIMEOUT})
 # Reasons that say this node's hardware is broken: no restart here; rlsup records the node in
 # ``unhealthy_nodes`` and exits UNHEALTHY (77) for a requeue without it, as a failed pre_launch_check does.
-# UNKILLABLE: the attempt cannot be torn down (supervisor.unkillable); a next one would run beside it.
+# UNKILLABLE: the attempt cannot be torn down (supervisor.diagnosis.unkillable); a next one would run beside it.
 EXCLUDES_NODE = frozenset({EndReason.GPU_LOST, EndReason.UNKILLABLE})
 
 

@@ -6,9 +6,17 @@ the way ``scontrol show hostnames`` does, ``SLURM_NODEID``, and the fixed ``repl
 
 from __future__ import annotations
 
+import os
 import re
+import socket
 from dataclasses import dataclass
 from typing import Mapping
+
+
+def node_name() -> str:
+    """This machine as the scheduler names it (SLURM's node name), else its host name: the one name every
+    metric label, incident and exclude list uses."""
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 
 
 class MembershipError(ValueError):

@@ -23,7 +23,7 @@ class Observer:
         """Latest heartbeat records by rank, and the heartbeat timeout in force."""
 
     def heartbeat_timeout(self, origin: Any) -> None:
-        """How the heartbeat timeout in force was reached (a :class:`supervisor.hang_detector.TimeoutOrigin`)."""
+        """How the heartbeat timeout in force was reached (a :class:`supervisor.diagnosis.hang_detector.TimeoutOrigin`)."""
 
     def downtime(self, seconds: float) -> None:
         """Time from an attempt's failure to the next attempt's launch."""

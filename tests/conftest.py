@@ -154,6 +154,7 @@ FAST_MODULES: dict[str, frozenset[str]] = {
     "test_memory_tier_timeline.py": frozenset(),
     "test_recovery_accounting.py": frozenset(),
     "test_sbatch_spares.py": frozenset(),
+    "test_node_name.py": frozenset(),
     "test_tier_metrics.py": frozenset({"test_a_read_that_moves_is_not_cut_one_that_stops_is"}),  # real stalls (4 s)
     "test_transport_auth.py": frozenset(),
     "test_transport_store.py": frozenset(),

@@ -1,11 +1,11 @@
-"""supervisor.attempt_end: how an ending is classified, from the launcher's exit and its report (torchrun's
+"""supervisor.diagnosis.outcome: how an ending is classified, from the launcher's exit and its report (torchrun's
 "Root Cause" block, NVRx ft_launcher's agent line), and from a rank seen dead by rlsup itself."""
 
 from __future__ import annotations
 
-from supervisor.attempt_end import classify_exit, from_rank_death, torchrun_root_cause
+from supervisor.diagnosis.outcome import classify_exit, from_rank_death, torchrun_root_cause
 from supervisor.lifecycle import EndReason
-from supervisor.rank_deaths import RankDeath
+from supervisor.diagnosis.rank_deaths import RankDeath
 
 TORCHRUN_REPORT = """\
 torch.distributed.elastic.multiprocessing.errors.ChildFailedError:

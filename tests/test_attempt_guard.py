@@ -25,8 +25,8 @@ from support.ports import free_ports
 from support.procs import pid_alive, run_rlsup, start_rlsup
 from support.waits import wait_for
 from supervisor import exit_codes
-from supervisor.attempt_cgroup import create_run_cgroup, remove_cgroup
-from supervisor.tree_record import load, record_path
+from supervisor.processes.cgroup import create_run_cgroup, remove_cgroup
+from supervisor.processes.tree_record import load, record_path
 
 PY = sys.executable
 FAST = ["--backoff-initial", "0.05", "--backoff-max", "0.2", "--kill-grace", "2", "--poll-interval", "0.05"]
@@ -123,8 +123,8 @@ DRIVER = """\
 import logging, sys
 sys.path.insert(0, {root!r})
 from supervisor.config import SupervisorConfig
-from supervisor.process_tree import ProcessLayer
-from supervisor.runner import Supervisor
+from supervisor.processes.job import ProcessLayer
+from supervisor.run.loop import Supervisor
 logging.basicConfig(level=logging.INFO)
 cfg = SupervisorConfig(checkpoint_dir={ckpt!r}, state_dir={state!r}, metrics_port=0, poll_interval=0.05)
 layer = ProcessLayer(cgroups={cgroups!r}, guardian={guardian!r})

@@ -1,7 +1,7 @@
 """``pre_launch_check: builtin`` (issue 30): rlsup's own NVML check of this node's GPUs before every attempt.
 
 NVML cannot run here (no GPU), so the decision is fed NVML-like answers through a reader object passed in
-(:class:`FakeNvml`, the same questions :class:`supervisor.gpu_health.PynvmlReader` asks pynvml); the
+(:class:`FakeNvml`, the same questions :class:`supervisor.diagnosis.gpu_health.PynvmlReader` asks pynvml); the
 real reader runs on a GPU machine (tests/gpu/test_gpu.py). ``rlsup run`` with the builtin check runs
 for real: on this CPU node it says "no GPUs: skipped" and the job runs to its end.
 """
@@ -18,8 +18,8 @@ from support.procs import run_rlsup
 
 from supervisor import exit_codes
 from supervisor.config import load_config
-from supervisor.gpu_health import NvmlError, asked_gpus, check_gpus, evaluate, gpu_device_files
-from supervisor.health import BUILTIN, check_node
+from supervisor.diagnosis.gpu_health import NvmlError, asked_gpus, check_gpus, evaluate, gpu_device_files
+from supervisor.run.node_health import BUILTIN, check_node
 from supervisor.lifecycle import EndReason
 
 PY = sys.executable
@@ -39,7 +39,7 @@ class Gpu:
 
 @dataclass
 class FakeNvml:
-    """NVML-like answers for :func:`evaluate` (an :class:`~supervisor.gpu_health.NvmlReader`)."""
+    """NVML-like answers for :func:`evaluate` (an :class:`~supervisor.diagnosis.gpu_health.NvmlReader`)."""
 
     gpus: list[Gpu] = field(default_factory=list)
     count_error: str = ""

@@ -1,6 +1,6 @@
 """Config: precedence flag > env > file > default; bad keys and types exit 2 naming key, file and line.
 
-``load_config`` is a pure function, so the CLI is called in this process (``supervisor.cli.main``: the same
+``load_config`` is a pure function, so the CLI is called in this process (``supervisor.cli.main.main``: the same
 parsing, the same exit codes, rlsup's lines on the captured stderr); one test starts ``rlsup`` as a process, for
 what only a process shows (the exit status and stderr of a real ``rlsup daemon``, no traceback).
 """
@@ -17,7 +17,7 @@ from support.env import ROOT
 from support.procs import run_rlsup
 
 from supervisor import log as rlsup_log
-from supervisor.cli import main
+from supervisor.cli.main import main
 from supervisor.config import reference_markdown
 
 Rlsup = Callable[..., "tuple[int, str, str]"]

@@ -17,11 +17,13 @@ from typing import Callable
 
 import pytest
 
-from supervisor import config, layouts, log, progress
+from supervisor import config, layouts, log
+
+from supervisor.diagnosis import step_reports as progress
 from supervisor.config import ConfigError, load_config
-from supervisor.kvstore import CoordinatorBackend
+from supervisor.cluster.kvstore import CoordinatorBackend
 from supervisor.layouts import single_file
-from supervisor.stragglers import StragglerAction
+from supervisor.diagnosis.stragglers import StragglerAction
 
 #: key -> the names the code dispatches on, read from the code that dispatches.
 DISPATCH: dict[str, Callable[[], tuple[str, ...]]] = {
@@ -111,7 +113,7 @@ def test_preempt_signal_accepts_every_signal_the_signal_module_names() -> None:
 
 
 def test_log_level_flag_takes_the_levels_the_logging_setup_knows() -> None:
-    from supervisor.cli import build_parser
+    from supervisor.cli.main import build_parser
 
     assert f"--log-level {{{','.join(log.LEVELS)}}}" in build_parser().format_usage()
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from supervisor.control_records import (
+from supervisor.tiers.holdings import (
     PERSISTENT_HOLDER,
     FetchResult,
     InventoryBuilder,

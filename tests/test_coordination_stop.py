@@ -22,8 +22,8 @@ from support.waits import in_thread, wait_for
 
 from supervisor import exit_codes
 from supervisor.config import SupervisorConfig
-from supervisor.control_records import FetchResult, NodeInventory
-from supervisor.coordinator import (
+from supervisor.tiers.holdings import FetchResult, NodeInventory
+from supervisor.cluster.coordinator import (
     CoordinationError,
     JobClash,
     RoundCoordinator,
@@ -32,11 +32,11 @@ from supervisor.coordinator import (
     embedded_coordinator,
 )
 from supervisor.job_identity import JobIdentity
-from supervisor.kvstore import TCPKVStore
+from supervisor.cluster.kvstore import TCPKVStore
 from supervisor.lifecycle import EndReason, JobStatus
 from supervisor.membership import Membership
-from supervisor.multinode import MultiNodeSupervisor
-from supervisor.run_record import RunResult
+from supervisor.cluster.multinode import MultiNodeSupervisor
+from supervisor.run.record import RunResult
 from supervisor.stop_request import StopAsked, StopRequest
 from support.ports import free_port
 
@@ -280,7 +280,7 @@ def test_a_round_that_times_out_is_recorded_as_given_up(tmp_path: Path) -> None:
 def test_a_refusing_node_tells_a_job_still_joining_but_not_one_that_runs(tmp_path: Path, running: bool) -> None:
     """The half clash (nobody planned yet: node 0 waits in its first join) is told; a second rlsup started for
     a node of a job that already runs refuses alone, and the running job's next join is not aborted."""
-    from supervisor.clash_notice import tell_job_refused
+    from supervisor.cluster.clash_notice import tell_job_refused
 
     port = free_port()
     leader = node(port, 0)

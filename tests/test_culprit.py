@@ -14,8 +14,8 @@ from support.incidents import incidents
 from support.procs import run_rlsup
 
 from supervisor import exit_codes
-from supervisor.health import UNHEALTHY_NODES, node_name
-from supervisor.stack_groups import group_stacks, main_thread
+from supervisor.run.node_health import UNHEALTHY_NODES, node_name
+from supervisor.diagnosis.stack_groups import group_stacks, main_thread
 
 PY = sys.executable
 FAST = ["--backoff-initial", "0.05", "--backoff-max", "0.2", "--kill-grace", "2"]
@@ -72,11 +72,11 @@ def test_four_rank_hang_names_the_rank_stuck_elsewhere(workdir: Path) -> None:
     assert inc["verdict"].startswith("ranks 0-2 wait in `") and "rank 3 is in `load_batch` (odd_rank_out_job.py:" \
         in inc["verdict"] and inc["verdict"].endswith(f"suspect rank 3 on node {node_name()}")
     assert f"suspect rank 3 on node {node_name()}" in r.stderr  # the log leads with it
-    status = subprocess.run([PY, "-m", "supervisor.cli", "status"], cwd=workdir, capture_output=True, text=True,
+    status = subprocess.run([PY, "-m", "supervisor.cli.main", "status"], cwd=workdir, capture_output=True, text=True,
                             timeout=60)
     assert "suspect rank 3" in status.stdout, status.stdout
 
-    triage = subprocess.run([PY, "-m", "supervisor.cli", "incidents", str(workdir / ".rlsup")], capture_output=True,
+    triage = subprocess.run([PY, "-m", "supervisor.cli.main", "incidents", str(workdir / ".rlsup")], capture_output=True,
                             text=True, timeout=60)
     assert triage.returncode == 0, triage.stderr
     assert "1 incident(s)" in triage.stdout and "1 restart(s)" in triage.stdout, triage.stdout
@@ -108,7 +108,7 @@ def test_pre_launch_check_timeout_and_pass(workdir: Path) -> None:
 def test_incidents_json_and_missing_file(workdir: Path) -> None:
     r = run_rlsup(["run", *FAST, "--", PY, str(JOBS / "exit_codes_job.py"), "3,3,0"], workdir)
     assert r.returncode == 0, r.stderr
-    out = subprocess.run([PY, "-m", "supervisor.cli", "incidents", "--json", str(workdir / ".rlsup" / "incidents.jsonl")],
+    out = subprocess.run([PY, "-m", "supervisor.cli.main", "incidents", "--json", str(workdir / ".rlsup" / "incidents.jsonl")],
                          capture_output=True, text=True, timeout=60)
     data = json.loads(out.stdout)
     assert data["summary"]["incidents"] == 2 and data["summary"]["restarts"] == 2
@@ -116,7 +116,7 @@ def test_incidents_json_and_missing_file(workdir: Path) -> None:
     first, second = data["incidents"]  # a one-node job: its node failing again is named by no one
     assert first["suspect_nodes"] == [] and second["suspect_nodes"] == [] and second["verdict"] == ""
     assert data["summary"]["suspect_nodes"] == {}
-    missing = subprocess.run([PY, "-m", "supervisor.cli", "incidents", str(workdir / "nope")], capture_output=True,
+    missing = subprocess.run([PY, "-m", "supervisor.cli.main", "incidents", str(workdir / "nope")], capture_output=True,
                              text=True, timeout=60)
     assert missing.returncode == 1 and "no incidents.jsonl" in missing.stderr
 
@@ -164,7 +164,7 @@ def test_a_hung_trainer_run_as_a_child_is_named_not_its_cli_parent(workdir: Path
 
 
 def test_the_culprit_is_a_stopped_or_singled_out_trainer_never_a_launcher_or_helper() -> None:
-    from supervisor.stacks import FILESYSTEM_NOTE, STOPPED_NOTE, culprit
+    from supervisor.diagnosis.stacks import FILESYSTEM_NOTE, STOPPED_NOTE, culprit
 
     stopped = f"{STOPPED_NOTE}\n" + PYSPY
     base = {"launcher pid 10 (python -m torch.distributed.run)": stopped, "rank 0 pid 11": PYSPY,
@@ -186,8 +186,8 @@ def test_tree_roles_read_ranks_from_the_environment_the_warm_record_and_the_comm
     its warm-rank record tells, one with --local_rank), one of them with a forked worker."""
     import psutil
 
-    from supervisor.stacks import tree_roles
-    from supervisor.warm_rank import RANK_RECORD
+    from supervisor.diagnosis.stacks import tree_roles
+    from supervisor.launch.warm_rank import RANK_RECORD
     from support.waits import wait_for
 
     child = ("import os, sys, time\n"

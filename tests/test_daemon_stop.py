@@ -41,7 +41,7 @@ WRAPPER = textwrap.dedent("""
 
     sys.settrace(tracer)
     sys.argv = ["rlsup", *sys.argv[1:]]
-    runpy.run_module("supervisor.cli", run_name="__main__")
+    runpy.run_module("supervisor.cli.main", run_name="__main__")
 """)
 
 

@@ -25,10 +25,10 @@ import yaml
 
 from support.env import ROOT
 from supervisor import exit_codes
-from supervisor.cli import build_parser
+from supervisor.cli.main import build_parser
 from supervisor.config import ConfigError, EffectiveConfig, load_config, node_membership
 from supervisor.membership import Membership
-from supervisor.run_settings import signal_named
+from supervisor.run.settings import signal_named
 
 MANIFEST = ROOT / "deploy" / "kubernetes" / "rlsup-jobset.yaml"
 PROMETHEUS = ROOT / "deploy" / "prometheus" / "prometheus.yml"

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from support.env import ROOT
-from supervisor.metrics import REASONS, STATES
+from supervisor.cli.metrics import REASONS, STATES
 from support.metrics import exported_names
 
 PROM = ROOT / "deploy" / "prometheus"

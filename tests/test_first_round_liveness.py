@@ -1,4 +1,4 @@
-"""The job's first round and its liveness rule (supervisor.liveness), in-process over a real TCPStore: a node
+"""The job's first round and its liveness rule (supervisor.cluster.liveness), in-process over a real TCPStore: a node
 that reached the store and then died before the first attempt ends every other node's wait promptly, naming
 it, as a lost peer (exit 75 on every node); a node that is merely slow (its beat goes on) is never failed;
 node 0's embedded store gone in the first round ends the others' reconnect wait within the lapse. Beats and
@@ -12,11 +12,11 @@ from typing import Callable
 from support.waits import wait_for
 
 from support import waits
-from supervisor.control_records import NodeInventory
-from supervisor.coordinator import PeerLost, RoundCoordinator, compute_plan, embedded_coordinator
+from supervisor.tiers.holdings import NodeInventory
+from supervisor.cluster.coordinator import PeerLost, RoundCoordinator, compute_plan, embedded_coordinator
 from supervisor.job_identity import JobIdentity
-from supervisor.liveness import Beat, LapseWatch
-from supervisor.signed_keys import AbortKind, AbortNotice
+from supervisor.cluster.liveness import Beat, LapseWatch
+from supervisor.cluster.signed_keys import AbortKind, AbortNotice
 from support.ports import free_ports
 
 JOB = JobIdentity("job-l", "test")

@@ -1,4 +1,4 @@
-"""The job's first round (supervisor.liveness) across runs and errors, in-process: a requeued run in a store
+"""The job's first round (supervisor.cluster.liveness) across runs and errors, in-process: a requeued run in a store
 that outlives the job (a real etcd) is not ended by the previous run's ``abort`` or beats; rlsup's own error
 ends the job for every node as a give-up (exit 1), not as a lost node (75, requeued for ever); the run loop's
 watch of a peer's end makes one store call per poll where nothing can be reconnected (etcd).
@@ -21,13 +21,13 @@ from support.ports import free_ports
 
 from support import waits
 from supervisor.config import SupervisorConfig
-from supervisor.control_records import NodeInventory
-from supervisor.coordinator import CoordinationError, PeerLost, RoundCoordinator, embedded_coordinator
+from supervisor.tiers.holdings import NodeInventory
+from supervisor.cluster.coordinator import CoordinationError, PeerLost, RoundCoordinator, embedded_coordinator
 from supervisor.job_identity import JobIdentity
-from supervisor.kvstore import KVStore, StoreUnavailable
-from supervisor.liveness import LapseWatch
+from supervisor.cluster.kvstore import KVStore, StoreUnavailable
+from supervisor.cluster.liveness import LapseWatch
 from supervisor.membership import Membership
-from supervisor.multinode import MultiNodeSupervisor
+from supervisor.cluster.multinode import MultiNodeSupervisor
 
 JOB = JobIdentity("job-q", "test")
 SECRET = b"0123456789abcdef-requeue"
@@ -45,7 +45,7 @@ def test_a_requeued_run_in_etcd_is_not_ended_by_the_previous_runs_abort_or_beats
     """Run 1: node 2 joins, then dies before the first attempt; nodes 0 and 1 end the round (PeerLost) and clear
     its keys as the run loop does after its linger. Run 2 (the requeue, seconds later, same etcd): every node healthy,
     node 2 starting later than a lapse: all three join attempt 0, nobody is aborted or judged lost."""
-    from supervisor.kvstore_etcd import EtcdKVStore
+    from supervisor.cluster.kvstore_etcd import EtcdKVStore
 
     def store() -> KVStore:
         return EtcdKVStore(etcd_cluster_clean.endpoints, 10.0)

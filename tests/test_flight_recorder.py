@@ -14,8 +14,8 @@ from support.incidents import incidents
 from support.procs import run_rlsup
 
 from rlsup_format.heartbeat_record import fr_dump_name
-from supervisor.flight_recorder import ANALYSIS_FILE
-from supervisor.health import node_name
+from supervisor.diagnosis.flight_recorder import ANALYSIS_FILE
+from supervisor.membership import node_name
 
 PY = sys.executable
 # --warm-launcher false: what is tested happens in attempt 0, which starts cold anyway; the launcher armed beside
@@ -49,10 +49,10 @@ def test_flight_recorder_names_the_rank_that_skipped_a_collective(workdir: Path)
     analysis = (attempt / ANALYSIS_FILE).read_text()
     assert analysis.startswith(expected) and "missing ranks: {2}" in analysis, analysis  # torch's own report
 
-    status = subprocess.run([PY, "-m", "supervisor.cli", "status"], cwd=workdir, capture_output=True, text=True,
+    status = subprocess.run([PY, "-m", "supervisor.cli.main", "status"], cwd=workdir, capture_output=True, text=True,
                             timeout=60)
     assert expected in status.stdout, status.stdout
-    triage = subprocess.run([PY, "-m", "supervisor.cli", "incidents", str(workdir / ".rlsup")], capture_output=True,
+    triage = subprocess.run([PY, "-m", "supervisor.cli.main", "incidents", str(workdir / ".rlsup")], capture_output=True,
                             text=True, timeout=60)
     assert expected in triage.stdout and f"suspect nodes: {node} (1x)" in triage.stdout, triage.stdout
 

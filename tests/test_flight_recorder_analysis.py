@@ -17,8 +17,8 @@ from support.metrics import parse, value
 from support.waits import wait_for
 
 from rlsup_format.heartbeat_record import fr_dump_name
-from supervisor.flight_recorder import Analysis, analyse, collect_dumps, first_failure, job_env, read_dump, request_dumps
-from supervisor.metrics import SupervisorMetrics
+from supervisor.diagnosis.flight_recorder import Analysis, analyse, collect_dumps, first_failure, job_env, read_dump, request_dumps
+from supervisor.cli.metrics import SupervisorMetrics
 from trainer_hooks import flight_recorder as rank_side
 
 DATA = Path(__file__).parent / "data" / "flight_recorder"

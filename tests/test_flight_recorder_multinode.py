@@ -21,7 +21,7 @@ from support.env import JOBS, PY, clean_env
 from support.incidents import incidents
 
 from rlsup_format.heartbeat_record import fr_dump_name
-from supervisor.flight_recorder import ANALYSIS_FILE
+from supervisor.diagnosis.flight_recorder import ANALYSIS_FILE
 
 NODES, PER_NODE = 2, 2
 
@@ -116,6 +116,6 @@ def assert_every_node_says(cluster: FrCluster, skipper: int, expected: str) -> N
         assert analysis.startswith(expected), (node, analysis)
     node0 = (cluster.node_dir(0) / ".rlsup" / "attempts" / "attempt_0000" / ANALYSIS_FILE).read_text()
     assert f"missing ranks: {{{skipper}}}" in node0, node0  # torch's own report, over both nodes' dumps
-    status = subprocess.run([PY, "-m", "supervisor.cli", "status"], cwd=cluster.node_dir(1), capture_output=True,
+    status = subprocess.run([PY, "-m", "supervisor.cli.main", "status"], cwd=cluster.node_dir(1), capture_output=True,
                             text=True, timeout=60, env=clean_env())
     assert expected in status.stdout, status.stdout + status.stderr

@@ -14,11 +14,11 @@ from typing import Callable
 from rlsup_format.heartbeat_record import fr_dump_name
 from support.ports import free_ports
 from support.waits import wait_for
-from supervisor.attempt_end import AttemptResult
-from supervisor.coordinator import RoundCoordinator, embedded_coordinator
-from supervisor.flight_recorder import Analysis, normalise, read_dump
-from supervisor.fr_exchange import FrExchange, finish_analysis
-from supervisor.fr_records import NodeDumps
+from supervisor.diagnosis.outcome import AttemptResult
+from supervisor.cluster.coordinator import RoundCoordinator, embedded_coordinator
+from supervisor.diagnosis.flight_recorder import Analysis, normalise, read_dump
+from supervisor.cluster.fr_exchange import FrExchange, finish_analysis
+from supervisor.diagnosis.fr_records import NodeDumps
 from supervisor.job_identity import JobIdentity
 from supervisor.lifecycle import EndReason
 from supervisor.observer import Observer

@@ -1,4 +1,4 @@
-"""The Flight Recorder records nodes share (supervisor.fr_records): recorded dumps of a real 4-rank hang survive
+"""The Flight Recorder records nodes share (supervisor.diagnosis.fr_records): recorded dumps of a real 4-rank hang survive
 the trip and still name the rank; a ring too big for the store is cut to its newest entries; an oversized,
 malformed or inflating record is refused naming the node and the key; and through a real TCPStore, node 0's
 verdict says which node's record it refused, and the other node reads that verdict."""
@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 
 from rlsup_format.heartbeat_record import fr_dump_name
-from supervisor.attempt_end import AttemptResult
-from supervisor.control_records import RecordError
-from supervisor.coordinator import embedded_coordinator
-from supervisor.flight_recorder import Analysis, normalise, read_dump
-from supervisor.fr_exchange import FrExchange
-from supervisor.fr_records import MAX_INFLATED_BYTES, NodeDumps, SharedVerdict, aligned
+from supervisor.diagnosis.outcome import AttemptResult
+from supervisor.tiers.holdings import RecordError
+from supervisor.cluster.coordinator import embedded_coordinator
+from supervisor.diagnosis.flight_recorder import Analysis, normalise, read_dump
+from supervisor.cluster.fr_exchange import FrExchange
+from supervisor.diagnosis.fr_records import MAX_INFLATED_BYTES, NodeDumps, SharedVerdict, aligned
 from supervisor.job_identity import JobIdentity
 from supervisor.lifecycle import EndReason
 from supervisor.observer import Observer

@@ -1,4 +1,4 @@
-"""The etcd gateway client (supervisor.etcd_http, supervisor.etcd_watch) against a scripted HTTP server on a
+"""The etcd gateway client (supervisor.cluster.etcd_http, supervisor.cluster.etcd_watch) against a scripted HTTP server on a
 real socket: answers the gateway never writes (no length, junk chunks, oversized headers or messages, a
 stream cut short, JSON that is not a watch message) are refused with a clear error and never taken as
 "no change"; a message split over two writes, with a read timing out between them, is still read whole."""
@@ -13,10 +13,10 @@ from typing import Iterator
 
 import pytest
 
-from supervisor import etcd_http
-from supervisor.etcd_watch import EtcdWatch, WatchBroken
-from supervisor.kvstore import StoreUnavailable
-from supervisor.kvstore_etcd import EtcdKVStore
+from supervisor.cluster import etcd_http
+from supervisor.cluster.etcd_watch import EtcdWatch, WatchBroken
+from supervisor.cluster.kvstore import StoreUnavailable
+from supervisor.cluster.kvstore_etcd import EtcdKVStore
 
 STREAM_HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
 

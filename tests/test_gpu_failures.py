@@ -1,4 +1,4 @@
-"""supervisor.gpu_failures and its use in supervisor.attempt_end: GPU-era failures (CUDA OOM, NCCL error or
+"""supervisor.diagnosis.gpu_failures and its use in supervisor.diagnosis.outcome: GPU-era failures (CUDA OOM, NCCL error or
 timeout, CUDA error, a GPU lost) told apart by the texts real jobs print (tests/data/gpu_errors/, each file's
 source in its README: recorded on an H200, or from public issue threads), the structured error file instead of
 the output, the output after its last traceback, newest line first, a text's lost GPU confirmed by NVML's node
@@ -15,15 +15,15 @@ import pytest
 
 from support.fake_run_loop import Attempt, incidents, make
 from supervisor import exit_codes
-from supervisor.attempt_end import (AttemptResult, classify_exit, from_rank_death, read_error_file,
+from supervisor.diagnosis.outcome import (AttemptResult, classify_exit, from_rank_death, read_error_file,
                                     with_hang_gpu_failure)
-from supervisor.gpu_failures import (RULES, GpuProbe, classify_text, find_gpu_failure, kernel_gpu_failure,
+from supervisor.diagnosis.gpu_failures import (RULES, GpuProbe, classify_text, find_gpu_failure, kernel_gpu_failure,
                                      pci_address, probe_node)
-from supervisor.gpu_health import NvmlError, job_bus_ids
-from supervisor.health import read_unhealthy
+from supervisor.diagnosis.gpu_health import NvmlError, job_bus_ids
+from supervisor.run.node_health import read_unhealthy
 from supervisor.lifecycle import ATTEMPT_FAILURES, EXCLUDES_NODE, EndReason
-from supervisor.metrics import REASONS
-from supervisor.rank_deaths import RankDeath
+from supervisor.cli.metrics import REASONS
+from supervisor.diagnosis.rank_deaths import RankDeath
 
 DATA = Path(__file__).resolve().parent / "data" / "gpu_errors"
 R = EndReason
@@ -102,7 +102,7 @@ def test_the_newest_line_after_the_last_traceback_decides() -> None:
 
 
 def test_policy_per_reason() -> None:
-    """A lost GPU excludes the node (as an unkillable process does: supervisor.unkillable); OOM, NCCL and CUDA
+    """A lost GPU excludes the node (as an unkillable process does: supervisor.diagnosis.unkillable); OOM, NCCL and CUDA
     errors restart. Every reason is a failure of an attempt and a pre-created metric label."""
     assert EXCLUDES_NODE == {R.GPU_LOST, R.UNKILLABLE}
     for reason in {rule.reason for rule in RULES}:

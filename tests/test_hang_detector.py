@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from rlsup_format.heartbeat_record import EXTRA, EXTRA_OFFSET
-from supervisor.hang_detector import (FIRST_STEP_REPORTS, LEARNED_FILE, NO_REPORT_YET, RECUR_RATIO, STALL_RATIO,
+from supervisor.diagnosis.hang_detector import (FIRST_STEP_REPORTS, LEARNED_FILE, NO_REPORT_YET, RECUR_RATIO, STALL_RATIO,
                                       STALLS_IN_A_ROW, AutoTimeout, HangDetector, HangSettings, TimeoutOrigin,
                                       learned_key)
-from supervisor.progress import JOB_RANK
+from supervisor.diagnosis.step_reports import JOB_RANK
 from trainer_hooks.heartbeat import MAGIC, RECORD, RECORD_SIZE, SECTIONS, rank_file_name
 
 S = 1_000_000_000
@@ -314,7 +314,7 @@ def test_the_learned_timeout_survives_an_rlsup_restart_and_a_bad_file_is_ignored
                 json.dumps({"version": 1}), "[]"):
         path.write_text(bad)
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="supervisor.hang_detector"):
+        with caplog.at_level(logging.WARNING, logger="supervisor.diagnosis.hang_detector"):
             fresh = AutoTimeout.from_settings(s, path, command)
         assert fresh.current() == 600 and fresh.origin().source == "initial"
         (rec,) = [r for r in caplog.records if r.levelno == logging.WARNING]
@@ -325,7 +325,7 @@ def test_the_learned_timeout_survives_an_rlsup_restart_and_a_bad_file_is_ignored
 
 
 def test_metrics_show_how_the_timeout_was_reached() -> None:
-    from supervisor.metrics import SupervisorMetrics
+    from supervisor.cli.metrics import SupervisorMetrics
 
     m = SupervisorMetrics(node="n")
     auto = AutoTimeout(5, 1, 600, 2)

@@ -26,7 +26,8 @@ import pytest
 from rlsup_format.digest import copy_hashing
 from rlsup_format.manifest import SCHEMA_VERSION, RankManifest, latest_valid
 from rlsup_format.names import manifest_name, step_dir_name
-from supervisor.health import node_name, read_unhealthy
+from supervisor.membership import node_name
+from supervisor.run.node_health import read_unhealthy
 from trainer_hooks.heartbeat import rank_file_name, read_record
 from support.env import PY, TRAIN, clean_env
 from support.incidents import incidents

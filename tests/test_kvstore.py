@@ -12,7 +12,7 @@ from support.waits import wait_for
 
 from support.ports import free_ports
 from etcd_cluster import EtcdCluster, etcd_cluster, etcd_cluster_clean, shared_etcd_cluster  # noqa: F401  (fixtures)
-from supervisor.kvstore import KVStore, StoreUnavailable, TCPKVStore
+from supervisor.cluster.kvstore import KVStore, StoreUnavailable, TCPKVStore
 
 TIMEOUT_S = 5.0
 Connect = Callable[[], KVStore]
@@ -20,7 +20,7 @@ Connect = Callable[[], KVStore]
 
 def _etcd_store(cluster: EtcdCluster, first: int = 0, timeout_s: float = TIMEOUT_S, **kw) -> KVStore:
     """A client that starts on member ``first`` and knows all of them."""
-    from supervisor.kvstore_etcd import EtcdKVStore
+    from supervisor.cluster.kvstore_etcd import EtcdKVStore
 
     eps = cluster.endpoints
     return EtcdKVStore(eps[first:] + eps[:first], timeout_s, **kw)
@@ -218,7 +218,7 @@ def test_etcd_without_quorum_raises_store_unavailable_in_time(etcd_cluster: Etcd
 
 
 def test_etcd_nothing_listening_raises_naming_every_endpoint() -> None:
-    from supervisor.kvstore_etcd import EtcdKVStore
+    from supervisor.cluster.kvstore_etcd import EtcdKVStore
 
     endpoints = [f"127.0.0.1:{p}" for p in free_ports(2)]
     store = EtcdKVStore(endpoints, timeout_s=0.5)
@@ -232,7 +232,7 @@ def test_etcd_nothing_listening_raises_naming_every_endpoint() -> None:
 
 def test_etcd_add_lost_answer_is_not_counted_twice(etcd_cluster_clean: EtcdCluster) -> None:  # noqa: F811
     """A member that commits an add and dies before answering: the retry must find it, not add again."""
-    from supervisor import kvstore_etcd
+    from supervisor.cluster import kvstore_etcd
 
     store = _etcd_store(etcd_cluster_clean)
     assert store.add("r/n", 5) == 5
@@ -256,7 +256,7 @@ def test_etcd_add_lost_answer_is_not_counted_twice(etcd_cluster_clean: EtcdClust
 
 
 def test_prefix_end() -> None:
-    from supervisor.kvstore_etcd import _prefix_end
+    from supervisor.cluster.kvstore_etcd import _prefix_end
 
     assert _prefix_end(b"job1/") == b"job10"
     assert _prefix_end(b"a\xff") == b"b"

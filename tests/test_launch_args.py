@@ -1,4 +1,4 @@
-"""The resume placeholders of the launch command (supervisor/launch_args.py), as users type them."""
+"""The resume placeholders of the launch command (supervisor/run/launch_args.py), as users type them."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.cli import main
-from supervisor.launch_args import LaunchArgError, ResumeFill, check, expand
+from supervisor.cli.main import main
+from supervisor.run.launch_args import LaunchArgError, ResumeFill, check, expand
 
 HF = ["torchrun", "--nproc-per-node", "2", "run_clm.py", "--output_dir", "out",
       "{resume:--resume_from_checkpoint={dir}}"]
@@ -121,7 +121,7 @@ def test_with_the_placeholder_the_trainer_loads_rlsups_choice_and_finishes(tmp_p
 
 
 def test_who_picks_the_checkpoint() -> None:
-    from supervisor.launch_args import has_placeholder, picks_its_own_note, trainer_picks_its_checkpoint
+    from supervisor.run.launch_args import has_placeholder, picks_its_own_note, trainer_picks_its_checkpoint
 
     assert has_placeholder(HF) and has_placeholder(NANOGPT) and not has_placeholder(["python", "x.py", "${resume:a}"])
     assert trainer_picks_its_checkpoint(["python", "x.py", "--resume", "auto"], "single-file", False)
@@ -140,7 +140,7 @@ def test_the_launch_line_claims_nothing_where_nothing_tells_who_picks(tmp_path: 
     save nothing): no note. A torn single file there, or a step of a layout rlsup cannot steer: the note."""
     import torch
 
-    from supervisor.checkpoint_sight import CheckpointSight
+    from supervisor.run.checkpoint_sight import CheckpointSight
     from supervisor.config import SupervisorConfig
     from supervisor.tiers.resume import ResumePoint
 

@@ -1,4 +1,4 @@
-"""``rlsup checkpoints list|latest|verify`` through ``python -m supervisor.checkpoints_cli`` and the real
+"""``rlsup checkpoints list|latest|verify`` through ``python -m supervisor.cli.checkpoints`` and the real
 CLI: layouts' steps and single-file checkpoints (nanoGPT's ``out/ckpt.pt``, litgpt's ``step-*/lit_model.pth``)."""
 
 from __future__ import annotations
@@ -13,13 +13,13 @@ from rlsup_format.names import parse_reserved
 
 from layout_builders import verl_fsdp_step, write_tracker
 
-from supervisor import checkpoints_cli
+from supervisor.cli import checkpoints as checkpoints_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def run(*argv: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "supervisor.checkpoints_cli", "checkpoints", *argv],
+    return subprocess.run([sys.executable, "-m", "supervisor.cli.checkpoints", "checkpoints", *argv],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
 
 
@@ -83,8 +83,8 @@ def test_register_adds_subcommand() -> None:
 
 
 def _cli(*argv: str) -> subprocess.CompletedProcess[str]:
-    """The real ``rlsup`` entry point (``python -m supervisor.cli``), as a user runs it."""
-    return subprocess.run([sys.executable, "-m", "supervisor.cli", "checkpoints", *argv], cwd=ROOT,
+    """The real ``rlsup`` entry point (``python -m supervisor.cli.main``), as a user runs it."""
+    return subprocess.run([sys.executable, "-m", "supervisor.cli.main", "checkpoints", *argv], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
 
 
@@ -145,7 +145,7 @@ def test_litgpt_step_tree_names_the_newest_complete_file_not_the_torn_newest(tmp
 
 def test_checkpoints_latest_is_what_rlsup_run_resumes_from(tmp_path: Path) -> None:
     """One code for both: the run's resume choice over the same litgpt tree names the same file."""
-    from supervisor.checkpoint_sight import CheckpointSight
+    from supervisor.run.checkpoint_sight import CheckpointSight
     from supervisor.config import SupervisorConfig
 
     out = tmp_path / "out"

@@ -31,7 +31,7 @@ STEPS = 3
 
 
 def cli(*argv: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "supervisor.checkpoints_cli", "checkpoints", *argv],
+    return subprocess.run([sys.executable, "-m", "supervisor.cli.checkpoints", "checkpoints", *argv],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
 
 

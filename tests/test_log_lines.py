@@ -20,7 +20,7 @@ import pytest
 from supervisor import log as rlsup_log
 from supervisor.config import ConfigError, load_config
 from supervisor.log import LineContext, LineFormatter
-from supervisor.process_tree import MAX_LINE, OutputTail, WholeLines
+from supervisor.processes.job import MAX_LINE, OutputTail, WholeLines
 
 T0 = datetime(2026, 11, 25, 15, 53, 31, 125000, tzinfo=timezone.utc).timestamp()  # .125: exact in binary
 
@@ -35,7 +35,7 @@ class Clock:
         return self.now
 
 
-def record(message: str, level: int = logging.INFO, name: str = "supervisor.runner", *args: object,
+def record(message: str, level: int = logging.INFO, name: str = "supervisor.run.loop", *args: object,
            exc_info: object = None) -> logging.LogRecord:
     return logging.LogRecord(name, level, __file__, 1, message, args, exc_info)  # type: ignore[arg-type]
 
@@ -135,13 +135,13 @@ def test_configure_switches_format_on_the_one_handler(capsys: pytest.CaptureFixt
     try:
         handler = rlsup_log.configure("INFO", "json")
         ctx(node=0, attempt=1)
-        logging.getLogger("supervisor.runner").info("attempt 1: launching job")
+        logging.getLogger("supervisor.run.loop").info("attempt 1: launching job")
         assert json.loads(capsys.readouterr().err)["attempt"] == 1
         assert rlsup_log.configure("INFO") is handler  # the format stays; one handler
         logging.getLogger("rlsup.transport").info("still json")
         assert json.loads(capsys.readouterr().err)["logger"] == "rlsup.transport"
         rlsup_log.configure("INFO", "text")
-        logging.getLogger("supervisor.runner").info("back to text")
+        logging.getLogger("supervisor.run.loop").info("back to text")
         assert rlsup_log.parse(capsys.readouterr().err) is not None
         with pytest.raises(ValueError, match="unknown log format 'xml'"):
             rlsup_log.configure("INFO", "xml")
@@ -174,7 +174,7 @@ def test_log_format_key_is_validated_from_the_formatters_names() -> None:
 
 def test_the_warm_launchers_lines_have_the_same_shape(monkeypatch: pytest.MonkeyPatch) -> None:
     """The zygote cannot import supervisor.log: its own copy of the shape must still parse."""
-    from supervisor.warm_pool import rlsup_line
+    from supervisor.launch.warm_pool import rlsup_line
 
     monkeypatch.setenv("RLSUP_NODE_RANK", "1")
     monkeypatch.setenv("RLSUP_RESTART_COUNT", "2")
@@ -256,7 +256,7 @@ def test_progress_bar_redraws_are_passed_on_at_each_carriage_return(tmp_path: Pa
     assert echo.writes == ["\r", " 10%|#         | 1/10\r", " 20%|##        | 2/10\r", "100%|##########| 10/10\n"]
     assert "".join(echo.writes) == "".join(bars)
     assert tail.tail() == ["100%|##########| 10/10"]
-    # progress parsing still sees each redraw as soon as it is read, before its end (supervisor.progress)
+    # progress parsing still sees each redraw as soon as it is read, before its end (supervisor.diagnosis.step_reports)
     assert seen[0] == " 10%|#         | 1/10" and "100%|##########| 10/10" in seen
 
 

@@ -110,6 +110,6 @@ def test_log_format_json_gives_one_object_per_line(tmp_path: Path) -> None:
     assert all(rlsup_log.LINE.match(f"{o['time']} n0 a0 [rlsup] x") and o["node"] == 0 for o in objects), objects
     launches = [o for o in objects if o["message"].startswith("attempt ") and ": launching " in o["message"]]
     assert [(o["attempt"], o["message"].split(":")[0]) for o in launches] == [(0, "attempt 0"), (1, "attempt 1")]
-    assert any(o["level"] == "info" and o["logger"] == "supervisor.runner" and "failed" in o["message"]
+    assert any(o["level"] == "info" and o["logger"] == "supervisor.run.loop" and "failed" in o["message"]
                for o in objects), objects
     assert r.stdout.splitlines().count("job line") == 2, r.stdout  # the job's own lines, as written

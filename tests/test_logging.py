@@ -40,7 +40,7 @@ def test_every_component_logger_reaches_stderr_once(channel, capsys: pytest.Capt
     channel("INFO")  # configuring twice adds no second handler
     logging.getLogger("supervisor.tiers.persistent").info("step %d copied to the persistent tier %s", 3, "/p")
     logging.getLogger("rlsup.replication").warning("replication to node %s failed: %s", 1, "refused")
-    logging.getLogger("supervisor.runner").debug("not shown at INFO")
+    logging.getLogger("supervisor.run.loop").debug("not shown at INFO")
     err = [line.split(" ", 3)[3] for line in capsys.readouterr().err.splitlines()]  # after time, node, attempt
     assert err == ["[rlsup] step 3 copied to the persistent tier /p",
                    "[rlsup] warning: replication to node 1 failed: refused"]

@@ -7,7 +7,7 @@ may wait out the rendezvous timeout (300 s here): every node has exited, or its 
 :data:`FIRST_MINUTE_S` (a deadline on a wait, not a timed assertion).
 
 Before the fix, job C's node 0 waited alone for a node 1 that had already refused. Now a node that
-refuses tells its job's other nodes through the job's store (supervisor.clash_notice), and they exit 2
+refuses tells its job's other nodes through the job's store (supervisor.cluster.clash_notice), and they exit 2
 too. The default run does it once; ``--soak`` (tests/chaos/conftest.py's option) repeats it 10 times.
 """
 

@@ -1,6 +1,6 @@
 """A finished job stays finished (issue 41, item 7): a node cut off until after its job ended, its rank run to the
 end by a spare, comes back to a store gone with the job. It learns that the job finished (node 0's record,
-:class:`supervisor.spares.JobEnd`) and exits 0, never 75 (a requeue of a job that succeeded).
+:class:`supervisor.cluster.spares.JobEnd`) and exits 0, never 75 (a requeue of a job that succeeded).
 
 The record's rules are tested here in process (fast); the scenario end to end with real nodes (3 job nodes of 2
 ranks and 1 spare on 127.0.0.1, node 2's rlsup and everything under it SIGSTOPped until the others are done) is
@@ -22,10 +22,10 @@ from rlsup_format.manifest import manifest_name
 from support.spares_cluster import SpareCluster, ranks_of, took_rank
 from support.waits import wait_for
 from supervisor import exit_codes
-from supervisor.coordinator import embedded_coordinator
+from supervisor.cluster.coordinator import embedded_coordinator
 from supervisor.job_identity import JobIdentity
 from supervisor.transport.auth import load_secret
-from supervisor.spares import (JobEnd, JobEnded, JobEndLookout, JobEndWatch, job_end_name, job_end_places,
+from supervisor.cluster.spares import (JobEnd, JobEnded, JobEndLookout, JobEndWatch, job_end_name, job_end_places,
                                write_job_end)
 
 JOB = JobIdentity("job-end-test", "test")

@@ -10,12 +10,12 @@ from pathlib import Path
 from support.fake_run_loop import ATTEMPT, Attempt, FakeProcesses, Recorder, incidents
 
 from supervisor.config import SupervisorConfig
-from supervisor.control_records import FetchResult, NodeInventory, RoundPlan
-from supervisor.coordinator import RoundEnded
+from supervisor.tiers.holdings import FetchResult, NodeInventory, RoundPlan
+from supervisor.cluster.coordinator import RoundEnded
 from supervisor.job_identity import job_identity
 from supervisor.lifecycle import JobStatus
 from supervisor.membership import Membership
-from supervisor.multinode import MultiNodeSupervisor
+from supervisor.cluster.multinode import MultiNodeSupervisor
 
 PEERS = ("127.0.0.1:1", "127.0.0.1:2")
 
@@ -156,7 +156,7 @@ def test_giving_up_is_told_to_the_other_nodes(tmp_path: Path) -> None:
 
 def test_a_node_failing_again_is_named_on_a_multi_node_job(tmp_path: Path) -> None:
     """The repeat-offender rule is the multi-node engine's (a one-node job names no node: test_small_faults)."""
-    from supervisor.health import node_name
+    from supervisor.membership import node_name
 
     sup, _, _ = make(tmp_path, FakeCoordinator(), Attempt(exit_code=3), Attempt(exit_code=3), Attempt(exit_code=0))
     assert sup.run().exit_code == 0

@@ -22,7 +22,7 @@ from support.cluster import Cluster, assert_same_weights, reference_weights, rep
 from support.incidents import incidents
 from support.waits import wait_for
 from rlsup_format.manifest import list_step_dirs, manifest_name
-from supervisor.control_records import StepHoldings
+from supervisor.tiers.holdings import StepHoldings
 from supervisor.tiers.memory_tier import MemorySettings, MemoryTier, job_memory_dir
 from supervisor.tiers.node_parts import NodeParts
 from trainer_hooks.backends import get_backend

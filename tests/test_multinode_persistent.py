@@ -26,7 +26,7 @@ from rlsup_format.manifest import hash_file, manifest_name, step_dir_name, verif
 from rlsup_format.names import host_tag
 from support.cluster import Cluster, assert_same_weights, job_subdir, reference_weights
 from support.waits import wait_for
-from supervisor.control_records import TierOffer
+from supervisor.tiers.holdings import TierOffer
 from supervisor.tiers.persistent import PersistentPartInvalid, PersistentTier
 from trainer_hooks import CheckpointManager
 

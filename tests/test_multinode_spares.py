@@ -23,7 +23,7 @@ from support.cluster import assert_same_weights, reference_weights, rlsup_resume
 from support.spares_cluster import (JOB_NODES, RANKS_PER_NODE, SpareCluster, first_step_after, logged_at,
                                     newest_complete, ranks_of, replicated, takeover_start, took_rank)
 from support.waits import wait_for
-from supervisor.tree_record import load, record_path
+from supervisor.processes.tree_record import load, record_path
 
 SPARE = JOB_NODES  # the spare's node rank in peers
 WORLD = JOB_NODES * RANKS_PER_NODE

@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 
 from supervisor.config import SupervisorConfig, load_config
-from supervisor.coordinator import NodeZeroRunning, embedded_coordinator
+from supervisor.cluster.coordinator import NodeZeroRunning, embedded_coordinator
 from supervisor.job_identity import JobIdentity
 from supervisor.membership import Membership
-from supervisor.multinode import connect_coordinator
-from supervisor.spares import SlotTaken, try_claim
+from supervisor.cluster.multinode import connect_coordinator
+from supervisor.cluster.spares import SlotTaken, try_claim
 from support.ports import free_port
 
 JOB = JobIdentity("job-node0-back", "test")

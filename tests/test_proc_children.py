@@ -1,4 +1,4 @@
-"""supervisor/proc_children.py: the job's tree read from the kernel's per-thread ``children`` files gives what
+"""supervisor/processes/children.py: the job's tree read from the kernel's per-thread ``children`` files gives what
 psutil's scan of every process gives (the watch uses it every poll), children forked by any thread included."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import threading
 import psutil
 import pytest
 
-from supervisor import proc_children
+from supervisor.processes import children as proc_children
 from support.waits import wait_for
 
 pytestmark = pytest.mark.skipif(not proc_children.AVAILABLE, reason="this kernel has no /proc/PID/task/TID/children")

@@ -19,9 +19,9 @@ from support.ports import free_ports
 from support.procs import run_rlsup, start_rlsup
 from support.waits import wait_for
 from rlsup_format.heartbeat_record import read_record
-from supervisor.hang_detector import AutoTimeout, HangDetector
-from supervisor.process_tree import OutputTail
-from supervisor.progress import (JOB_RANK, PRESETS, ProgressRecorder, StepTracker, not_training_markdown,
+from supervisor.diagnosis.hang_detector import AutoTimeout, HangDetector
+from supervisor.processes.job import OutputTail
+from supervisor.diagnosis.step_reports import (JOB_RANK, PRESETS, ProgressRecorder, StepTracker, not_training_markdown,
                                  presets_markdown, progress_pattern)
 
 PY = sys.executable
@@ -114,7 +114,7 @@ def test_presets_and_ignored_bars_are_documented_as_the_code_has_them() -> None:
     """docs/progress.md's preset table and list of ignored bars are the ones generated from the code."""
     doc = (Path(__file__).resolve().parents[1] / "docs" / "progress.md").read_text()
     assert presets_markdown() in doc and not_training_markdown() in doc, (
-        "docs/progress.md is stale: paste supervisor.progress.presets_markdown() and not_training_markdown()")
+        "docs/progress.md is stale: paste supervisor.diagnosis.step_reports.presets_markdown() and not_training_markdown()")
 
 
 def test_the_progress_key_names_every_preset() -> None:
@@ -212,7 +212,7 @@ def test_metrics_follow_the_ranks_once_they_beat_beside_the_output() -> None:
     import time
 
     from rlsup_format.heartbeat_record import HeartbeatRecord
-    from supervisor.metrics import SupervisorMetrics
+    from supervisor.cli.metrics import SupervisorMetrics
 
     m = SupervisorMetrics("job")
     now = time.monotonic_ns()

@@ -1,6 +1,6 @@
 """Issue 41's progress rule and the record after giving up, in process: the real run loop, file versions,
 progress rule, restart policy and incidents over the fake process layer, around a fake trainer of PyKEEN's
-shape (supervisor/attempt_progress.py says the rule).
+shape (supervisor/run/progress_rule.py says the rule).
 
 PyKEEN resumes from its one checkpoint file by itself, rewrites it in place after each epoch and prints its
 progress only at that save: an attempt killed right after its first save reports one step, its first and its
@@ -21,9 +21,9 @@ import pytest
 
 from supervisor import exit_codes
 from supervisor.config import SupervisorConfig
-from supervisor.incidents_cli import incident_line, steps_lost
+from supervisor.cli.incidents import incident_line, steps_lost
 from supervisor.lifecycle import HUNG, JobStatus
-from supervisor.runner import Supervisor
+from supervisor.run.loop import Supervisor
 
 from support.fake_run_loop import Attempt, FakeJob, FakeProcesses, Recorder
 from support.incidents import incidents, read_state
@@ -179,7 +179,7 @@ def test_a_torn_file_with_no_version_to_put_back_is_named_with_why(tmp_path: Pat
 def test_an_incident_no_attempt_followed_claims_no_resume() -> None:
     """As rlsup wrote a give-up before issue 41 (``resume_known`` true, no resumed step, no downtime): the
     listing said "5 steps lost (step 5 -> resumed from scratch)" although nothing was resumed."""
-    from supervisor.incidents_cli import summarize
+    from supervisor.cli.incidents import summarize
 
     legacy = {"time": 0, "attempt": 5, "reason": "signal", "action": "no_progress", "last_step": 5,
               "resume_known": True, "resumed_step": None, "downtime_s": None}
@@ -198,7 +198,7 @@ def test_saves_closer_than_a_copy_leave_a_torn_file_named_with_that_reason(tmp_p
     kept; a kill then tears the file: what rlsup could not put back says why."""
     import shutil
 
-    from supervisor.file_versions import FileVersions, FileVersionSettings
+    from supervisor.run.file_versions import FileVersions, FileVersionSettings
 
     live = tmp_path / "ckpt.pt"
     data = pickle.dumps({"epoch": 1, "weights": list(range(1000))})

@@ -1,4 +1,4 @@
-"""supervisor.rank_deaths with real processes: a rank's death is seen through its pidfd and classified
+"""supervisor.diagnosis.rank_deaths with real processes: a rank's death is seen through its pidfd and classified
 from the zombie's exit status; a clean exit is not a death; the rank killed by a signal is named before
 peers that exited 1 after it."""
 
@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 from support.waits import wait_for
-from supervisor.rank_deaths import RankDeath, RankDeathWatch, zombie_status
+from supervisor.diagnosis.rank_deaths import RankDeath, RankDeathWatch, zombie_status
 
 PY = sys.executable
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from supervisor.rank_pinning import FT_LAUNCHER_NOTE, PinningError, pin_ranks
+from supervisor.launch.rank_pinning import FT_LAUNCHER_NOTE, PinningError, pin_ranks
 
 SCRIPT = ["train.py", "--steps", "5", "--node-rank", "7"]  # the script's own arguments are never touched
 

@@ -9,7 +9,7 @@ import pytest
 
 from supervisor.config import SupervisorConfig
 from supervisor.lifecycle import Action
-from supervisor.restart_policy import RestartPolicy, RestartSettings
+from supervisor.run.restart_policy import RestartPolicy, RestartSettings
 
 BASE = RestartSettings(max_restarts=3, restart_window=0.0, backoff_initial=1.0, backoff_max=8.0, backoff_jitter=0.0,
                        fatal_exit_codes=(42,), max_no_progress_attempts=0)
@@ -92,9 +92,9 @@ def test_settings_from_config() -> None:
 ])
 def test_the_give_up_line_names_the_step_reached_never_a_resume(action: Action, code: int, step: int | None,
                                                                  says: str) -> None:
-    from supervisor.attempt_end import AttemptResult
+    from supervisor.diagnosis.outcome import AttemptResult
     from supervisor.lifecycle import EndReason
-    from supervisor.restart_policy import give_up_code
+    from supervisor.run.restart_policy import give_up_code
 
     result = AttemptResult(3, EndReason.EXIT_CODE if action == Action.FATAL else EndReason.SIGNAL,
                            42 if action == Action.FATAL else None, last_step=step)

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 
 from supervisor import exit_codes
-from supervisor.incidents import read_state
+from supervisor.run.incidents import read_state
 from supervisor.lifecycle import IllegalTransition, JobStatus
-from supervisor.progress import JOB_RANK
+from supervisor.diagnosis.step_reports import JOB_RANK
 
 
 from support.fake_run_loop import ATTEMPT, Attempt, incidents, make

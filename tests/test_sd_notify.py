@@ -1,4 +1,4 @@
-"""supervisor.sd_notify against real AF_UNIX datagram sockets (path and abstract namespace)."""
+"""supervisor.cli.sd_notify against real AF_UNIX datagram sockets (path and abstract namespace)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from support.env import ROOT
-from supervisor import sd_notify
+from supervisor.cli import sd_notify
 
 
 @pytest.fixture
@@ -50,7 +50,7 @@ def test_abstract_namespace(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_from_a_child_process(path_socket: socket.socket) -> None:
     """The way systemd sees it: another process, environment inherited."""
-    code = "from supervisor import sd_notify; import sys; sys.exit(0 if sd_notify.ready() else 1)"
+    code = "from supervisor.cli import sd_notify; import sys; sys.exit(0 if sd_notify.ready() else 1)"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     assert subprocess.run([sys.executable, "-c", code], env=env, timeout=60).returncode == 0
     assert path_socket.recv(4096) == b"READY=1"

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from supervisor.config import ConfigError, SupervisorConfig, load_config, to_yaml
-from supervisor.hang_detector import AutoTimeout, HangDetector, HangSettings
-from supervisor.metrics import MetricsSettings
+from supervisor.diagnosis.hang_detector import AutoTimeout, HangDetector, HangSettings
+from supervisor.cli.metrics import MetricsSettings
 
 
 def test_loaded_config_cannot_change() -> None:
@@ -54,7 +54,7 @@ def test_metrics_settings() -> None:
 
 
 def test_coordinator_settings() -> None:
-    from supervisor.multinode import CoordinatorSettings
+    from supervisor.cluster.multinode import CoordinatorSettings
 
     cfg = SupervisorConfig(coordinator_backend="etcd", coordinator_endpoints=["e1:2379", "e2:2379"],
                            coordinator_port=1234, rendezvous_timeout=9.0)

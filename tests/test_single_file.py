@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from supervisor import layouts
-from supervisor.file_versions import FileVersions, FileVersionSettings
+from supervisor.run.file_versions import FileVersions, FileVersionSettings
 from supervisor.layouts import single_file
-from supervisor.quarantine import quarantine_torn, quarantined
+from supervisor.run.quarantine import quarantine_torn, quarantined
 
 from hf_builders import hf_step
 
@@ -82,7 +82,7 @@ def test_each_save_wakes_the_pass_so_saves_faster_than_it_are_all_kept(tmp_path:
     """Seen in CI: PyKEEN saved every ~0.45 s, the pass ran every 0.5 s, and under load an epoch was rewritten
     before a pass saw it whole: a kill then cost two epochs. A save closing the file wakes the pass (real
     inotify), so every version is kept before the next save; the timer (an hour here) plays no part."""
-    from supervisor import file_versions
+    from supervisor.run import file_versions
     from support.waits import wait_for
 
     monkeypatch.setattr(file_versions, "PASS_INTERVAL_S", 3600.0)
@@ -275,7 +275,7 @@ def test_a_background_pass_stuck_in_the_directory_never_holds_the_run_loops_call
     import threading
     import time
 
-    from supervisor import file_versions
+    from supervisor.run import file_versions
     from supervisor.bounded_calls import child_pids
     from support.waits import wait_for
 
@@ -328,7 +328,7 @@ def test_a_directory_with_nothing_to_keep_costs_no_fork_per_pass_and_a_save_stil
     when a watched save wakes it (or IDLE_RECHECK_S later), not a forked child twice a second for nothing."""
     import threading
 
-    from supervisor import file_versions
+    from supervisor.run import file_versions
     from support.waits import wait_for
 
     versions = _versions(tmp_path)

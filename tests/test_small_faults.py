@@ -19,11 +19,11 @@ from support.incidents import incidents
 from support.ports import free_ports
 from support.procs import run_rlsup
 from support.waits import wait_for
-from supervisor.attempt_end import ERROR_FILE_NAME, accelerate_child_exit, classify_exit
-from supervisor.health import mark_repeat_offender
-from supervisor.incidents import Incident
+from supervisor.diagnosis.outcome import ERROR_FILE_NAME, accelerate_child_exit, classify_exit
+from supervisor.run.node_health import mark_repeat_offender
+from supervisor.run.incidents import Incident
 from supervisor.lifecycle import Action, EndReason
-from supervisor.stacks import STOPPED_NOTE, find_pyspy, job_tree_stacks, process_stopped
+from supervisor.diagnosis.stacks import STOPPED_NOTE, find_pyspy, job_tree_stacks, process_stopped
 
 PY = sys.executable
 ACCELERATE = [PY, "-m", "accelerate.commands.launch", "--num_machines", "1", "--mixed_precision", "no",

@@ -26,18 +26,18 @@ import pytest
 
 from supervisor import exit_codes
 from supervisor.config import SupervisorConfig
-from supervisor.coordinator import RoundCoordinator
-from supervisor.endpoint_probe import connect_refused
+from supervisor.cluster.coordinator import RoundCoordinator
+from supervisor.cluster.endpoint_probe import connect_refused
 from supervisor.job_identity import JobIdentity
-from supervisor.kvstore import StoreGone, connect_store
+from supervisor.cluster.kvstore import StoreGone, connect_store
 from supervisor.membership import Membership
-from supervisor.multinode import connect_coordinator
+from supervisor.cluster.multinode import connect_coordinator
 from supervisor.observer import Observer
-from supervisor.process_tree import ProcessLayer
-from supervisor.spare_run import SpareRun
-from supervisor.spares import JobEnd, Roster, SpareSeat, write_job_end
+from supervisor.processes.job import ProcessLayer
+from supervisor.cluster.spare_run import SpareRun
+from supervisor.cluster.spares import JobEnd, Roster, SpareSeat, write_job_end
 from supervisor.stop_request import StopRequest
-from supervisor.warm_start import WarmStarts
+from supervisor.launch.warm_start import WarmStarts
 from support.ports import free_port
 
 JOB = JobIdentity("job-first-connect", "test")
@@ -151,7 +151,7 @@ def test_a_spare_hosts_nothing_when_the_whole_job_is_gone(tmp_path: Path) -> Non
 
 
 def test_a_spare_that_finds_the_job_s_end_recorded_exits_0(tmp_path: Path) -> None:
-    """As above, but node 0 recorded the job's end (supervisor.spares.JobEnd) in the shared checkpoint directory
+    """As above, but node 0 recorded the job's end (supervisor.cluster.spares.JobEnd) in the shared checkpoint directory
     before it went: the job finished without the spare, which exits 0."""
     node0 = SilentNode0()
 
@@ -171,7 +171,7 @@ def test_a_spare_takes_an_earlier_run_s_record_for_nothing(tmp_path: Path) -> No
 
 NODE_0 = """
 import sys, time
-from supervisor.coordinator import embedded_coordinator
+from supervisor.cluster.coordinator import embedded_coordinator
 from supervisor.job_identity import JobIdentity
 hosted = embedded_coordinator("127.0.0.1", int(sys.argv[1]), JobIdentity("job-first-connect", "test"),
                               b"0123456789abcdef-shared", 0, 3, 30)

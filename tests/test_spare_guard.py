@@ -1,4 +1,4 @@
-"""A spare's guard and launcher (supervisor/spare_run.py, issue 31), with real processes.
+"""A spare's guard and launcher (supervisor/cluster/spare_run.py, issue 31), with real processes.
 
 - The spare guards its attempts before it arms the launcher, then hands the same ``ProcessLayer`` to its node run:
   the node run's ``guard_attempts`` keeps that guard (the launcher, already a recorded root, stays alive), and its
@@ -16,9 +16,9 @@ from support.env import PY, clean_env
 from support.procs import pid_alive
 from support.waits import wait_for
 
-from supervisor.process_tree import ProcessLayer, spawn_job_root
-from supervisor.tree_record import load, record_path
-from supervisor.warm_start import WarmStarts
+from supervisor.processes.job import ProcessLayer, spawn_job_root
+from supervisor.processes.tree_record import load, record_path
+from supervisor.launch.warm_start import WarmStarts
 
 
 def test_the_node_run_keeps_the_spares_guard_and_its_release_ends_what_is_left(tmp_path: Path) -> None:

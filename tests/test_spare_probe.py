@@ -8,11 +8,11 @@ import signal
 import socket
 import time
 
-from supervisor.control_records import NodeInventory
-from supervisor.coordinator import RoundCoordinator, embedded_coordinator
-from supervisor.endpoint_probe import REFUSED_FOR_S, EndpointProbe, connect_refused
+from supervisor.tiers.holdings import NodeInventory
+from supervisor.cluster.coordinator import RoundCoordinator, embedded_coordinator
+from supervisor.cluster.endpoint_probe import REFUSED_FOR_S, EndpointProbe, connect_refused
 from supervisor.job_identity import JobIdentity
-from supervisor.spares import Roster, SpareWatch, try_claim
+from supervisor.cluster.spares import Roster, SpareWatch, try_claim
 from supervisor.stop_request import StopRequest
 from support.ports import free_port
 

@@ -9,10 +9,10 @@ import time
 
 import pytest
 
-from supervisor.control_records import NodeInventory
-from supervisor.coordinator import RoundCoordinator, embedded_coordinator
+from supervisor.tiers.holdings import NodeInventory
+from supervisor.cluster.coordinator import RoundCoordinator, embedded_coordinator
 from supervisor.job_identity import JobIdentity
-from supervisor.spares import (DONE_KEY, JobEnded, NodeRole, Roster, SlotTaken, SpareWatch, check_holder, check_seat,
+from supervisor.cluster.spares import (DONE_KEY, JobEnded, NodeRole, Roster, SlotTaken, SpareWatch, check_holder, check_seat,
                                job_done, moved_slots, newest_claim, taken_over, try_claim)
 from supervisor.stop_request import StopRequest
 from support.ports import free_port
@@ -97,8 +97,8 @@ def test_a_done_left_by_an_earlier_run_ends_no_node_of_this_one() -> None:
 
 
 def test_role_spares_left_and_takeover_are_exported() -> None:
-    from supervisor.metrics import SupervisorMetrics
-    from supervisor.spares import spares_left
+    from supervisor.cli.metrics import SupervisorMetrics
+    from supervisor.cluster.spares import spares_left
 
     m = SupervisorMetrics(job="j", node="n")
     m.node_role(NodeRole.SPARE.value, 2)
@@ -125,7 +125,7 @@ def test_a_takeover_wait_of_zero_is_refused_naming_the_key() -> None:
 def test_a_spare_hosts_node_0s_store_only_on_an_address_of_its_own() -> None:
     """Off node 0's host a spare cannot serve node 0's address (review finding: torch's store listens on every
     interface while its client writes to node 0's address, a live node 0's store if it came back)."""
-    from supervisor.spare_run import is_local_address
+    from supervisor.cluster.spare_run import is_local_address
 
     assert is_local_address("127.0.0.1") and is_local_address("localhost")
     assert not is_local_address("192.0.2.1")  # TEST-NET-1: never this host's

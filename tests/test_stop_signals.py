@@ -25,8 +25,8 @@ import psutil
 import pytest
 
 from support.env import ROOT, clean_env
-from supervisor import process_tree
-from supervisor.process_tree import JobProcess
+from supervisor.processes import job as process_tree
+from supervisor.processes.job import JobProcess
 
 PY = sys.executable
 
@@ -92,7 +92,7 @@ def test_rlsup_stop_handler_survives_sigterm_inside_its_backoff_wait(tmp_path: P
         import threading, time
         sys.path.insert(0, {str(ROOT)!r})
         from supervisor.config import SupervisorConfig
-        from supervisor.runner import Supervisor
+        from supervisor.run.loop import Supervisor
 
         cfg = SupervisorConfig(checkpoint_dir="ckpt", state_dir="state", metrics_port=0, poll_interval=0.02,
                                backoff_initial=30.0, backoff_max=30.0, backoff_jitter=0.0, warm_launcher=False,

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from supervisor.kvstore import StoreUnavailable, TCPKVStore
+from supervisor.cluster.kvstore import StoreUnavailable, TCPKVStore
 from support.partition import Partition, why_unavailable
 from support.ports import free_ports
 from support.waits import wait_for

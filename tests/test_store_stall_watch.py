@@ -25,16 +25,16 @@ from support.ports import free_ports
 from support.waits import wait_for
 
 from supervisor.config import SupervisorConfig
-from supervisor.control_records import NodeInventory
-from supervisor.coordinator import RoundCoordinator, embedded_coordinator
+from supervisor.tiers.holdings import NodeInventory
+from supervisor.cluster.coordinator import RoundCoordinator, embedded_coordinator
 from supervisor.job_identity import JobIdentity
-from supervisor.kvstore import OP_TIMEOUT_S, StoreUnavailable, TCPKVStore
+from supervisor.cluster.kvstore import OP_TIMEOUT_S, StoreUnavailable, TCPKVStore
 from supervisor.membership import Membership
-from supervisor.multinode import MultiNodeSupervisor
+from supervisor.cluster.multinode import MultiNodeSupervisor
 
 JOB = JobIdentity("job-w", "test")
 SECRET = b"0123456789abcdef-stall-watch"
-HOST = ("import sys, time; from supervisor.coordinator import embedded_coordinator; "
+HOST = ("import sys, time; from supervisor.cluster.coordinator import embedded_coordinator; "
         "from supervisor.job_identity import JobIdentity; "
         f"c = embedded_coordinator('127.0.0.1', int(sys.argv[1]), JobIdentity('job-w', 'test'), {SECRET!r}, 0, 2, 60.0); "
         "print('up', flush=True); time.sleep(300)")

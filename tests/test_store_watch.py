@@ -10,8 +10,8 @@ import pytest
 
 from etcd_cluster import EtcdCluster, etcd_cluster, etcd_cluster_clean, shared_etcd_cluster  # noqa: F401  (fixtures)
 from support.ports import free_ports
-from supervisor.kvstore import TCPKVStore
-from supervisor.kvstore_etcd import EtcdKVStore
+from supervisor.cluster.kvstore import TCPKVStore
+from supervisor.cluster.kvstore_etcd import EtcdKVStore
 
 KEYS = ["w/plan/1", "w/end/1"]
 LONG_S = 60.0  # a wait this long only ends on a write (or a broken watch): the test never waits it out

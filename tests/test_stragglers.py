@@ -19,8 +19,8 @@ from support.metrics import (PROM_DIR, http_get, live_prometheus, log_of, parse,
 from support.procs import kill_and_reap, rlsup_cmd
 from support.waits import wait_for
 from rlsup_format.heartbeat_record import HeartbeatRecord
-from supervisor.health import node_name
-from supervisor.stragglers import STRAGGLERS, StragglerDetector
+from supervisor.membership import node_name
+from supervisor.diagnosis.stragglers import STRAGGLERS, StragglerDetector
 
 PY = sys.executable
 MS = 1_000_000

@@ -222,7 +222,7 @@ def _rank_proc(workdir: Path, script: str) -> Callable[["psutil.Process"], bool]
                 return False
         # not rlsup's own children forked per call (their cmdline is rlsup's, which names the script): short-lived
         return script in cmd and not any(w in cmd for w in ("torch.distributed.run", "torchrun", "warm_launcher",
-                                                             "/bin/trl ", "supervisor.cli", "bin/rlsup "))
+                                                             "/bin/trl ", "supervisor.cli.main", "bin/rlsup "))
 
     return match
 

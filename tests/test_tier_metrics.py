@@ -9,7 +9,7 @@ from pathlib import Path
 from prometheus_client import generate_latest
 
 from supervisor.lifecycle import EndReason
-from supervisor.metrics import SupervisorMetrics
+from supervisor.cli.metrics import SupervisorMetrics
 from supervisor.tiers.persistent import PersistentTier
 from support.metrics import parse, value
 from support.waits import wait_for

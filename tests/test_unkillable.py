@@ -1,4 +1,4 @@
-"""In process: how an unkillable attempt is described and classified (supervisor.unkillable), and how calls into
+"""In process: how an unkillable attempt is described and classified (supervisor.diagnosis.unkillable), and how calls into
 a store that stops answering are bounded (supervisor.bounded_calls, the tiers' PollLoop watchdog). The real
 hung mount is tests/test_hung_fs.py's."""
 
@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.attempt_end import AttemptResult
+from supervisor.diagnosis.outcome import AttemptResult
 from supervisor.bounded_calls import BoundedCalls
 from supervisor.lifecycle import EXCLUDES_NODE, EndReason
 from supervisor.tiers.poll_loop import PollLoop
-from supervisor.unkillable import Mount, StuckProcess, examine, mount_of, mounts, unkillable_result, verdict
+from supervisor.diagnosis.unkillable import Mount, StuckProcess, examine, mount_of, mounts, unkillable_result, verdict
 from support.waits import wait_for
 
 MOUNTINFO = """\
@@ -203,7 +203,7 @@ def test_a_forked_call_returns_its_value_its_changes_its_notes_and_log_lines(cap
         owner.kept += 2
         owner.seen["ckpt.pt"] = os.getpid()
         note("copying ckpt.pt")
-        logging.getLogger("supervisor.file_versions").warning("kept in pid %d", os.getpid())
+        logging.getLogger("supervisor.run.file_versions").warning("kept in pid %d", os.getpid())
         return 41 + 1
 
     with caplog.at_level(logging.INFO):
@@ -254,7 +254,7 @@ def test_what_rlsup_leaves_at_exit_is_said_once_and_recorded(tmp_path: Path) -> 
     import subprocess
     import sys
 
-    from supervisor.unkillable import held_threads, left_at_exit, start_time
+    from supervisor.diagnosis.unkillable import held_threads, left_at_exit, start_time
 
     said: list[str] = []
     assert left_at_exit(tmp_path, 0, [], said.append) is None and said == []
@@ -329,7 +329,7 @@ def test_rlsups_exit_is_not_held_by_a_stalled_stderr() -> None:
     from support.env import ROOT
 
     script = ("import logging\n"
-              "from supervisor import cli, log\n"
+              "from supervisor import log\nfrom supervisor.cli import main as cli\n"
               "log.configure()\n"
               "cli.EXIT_DEADLINE_S = 0.5\n"
               "cli._end_run(3)\n"

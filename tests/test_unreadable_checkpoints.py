@@ -1,6 +1,6 @@
 """A job whose checkpoints rlsup cannot read is never harmed (issue 28): the run loop, in process.
 
-The rule (supervisor/attempt_progress.py): with entries in checkpoint_dir that no layout reads, an attempt
+The rule (supervisor/run/progress_rule.py): with entries in checkpoint_dir that no layout reads, an attempt
 made progress when the trainer's own step passed the highest step an earlier attempt reached; incidents then
 say the steps lost are unknown instead of counting from scratch. An empty directory keeps the old rule: a
 job that fails before its first save, every time, is a crash loop.
@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from supervisor import exit_codes
-from supervisor.attempt_progress import AttemptEvidence, ProgressBasis, judge
-from supervisor.incidents_cli import incident_line, report, steps_lost
+from supervisor.run.progress_rule import AttemptEvidence, ProgressBasis, judge
+from supervisor.cli.incidents import incident_line, report, steps_lost
 
 from support.incidents import incidents
 from support.fake_run_loop import Attempt, make
@@ -121,6 +121,6 @@ def test_a_default_checkpoint_dir_that_never_appears_falls_back_to_the_trainers_
 ])
 def test_the_step_an_attempt_reached(printed: int | None, resumed: int | None, newest: int | None,
                                      reached: int | None) -> None:
-    from supervisor.attempt_progress import step_reached
+    from supervisor.run.progress_rule import step_reached
 
     assert step_reached(printed, resumed, newest) == reached

@@ -21,7 +21,7 @@ from support.env import clean_env
 from support.procs import pid_alive, run_rlsup, start_rlsup
 from support.waits import wait_for
 
-from supervisor.warm_launcher import warm_spec
+from supervisor.launch.warm_launcher import warm_spec
 
 PY = sys.executable
 TORCHRUN = str(Path(PY).parent / "torchrun")
@@ -63,9 +63,9 @@ sys.exit(1 if attempt == 0 and Path(sys.argv[2]).exists() else 0)
 
 
 def _job_children(rlsup_pid: int) -> list[int]:
-    """rlsup's children but its guardian (supervisor.attempt_guard, one per run, never part of a job)."""
+    """rlsup's children but its guardian (supervisor.processes.guardian, one per run, never part of a job)."""
     return [c.pid for c in psutil.Process(rlsup_pid).children()
-            if not any("supervisor.attempt_guard" in arg for arg in c.cmdline())]
+            if not any("supervisor.processes.guardian" in arg for arg in c.cmdline())]
 
 
 def _zygotes(rlsup_pid: int) -> list[psutil.Process]:
@@ -74,7 +74,7 @@ def _zygotes(rlsup_pid: int) -> list[psutil.Process]:
     try:
         for child in psutil.Process(rlsup_pid).children():
             try:
-                if any(arg.endswith("supervisor/warm_launcher.py") for arg in child.cmdline()):
+                if any(arg.endswith("supervisor/launch/warm_launcher.py") for arg in child.cmdline()):
                     out.append(child)
             except psutil.Error:
                 continue
@@ -113,7 +113,7 @@ def test_restart_starts_from_the_prespawned_launcher(workdir: Path) -> None:
     for rank in (0, 1):
         cold, warm = info[f"rank{rank}.attempt0.json"], info[f"rank{rank}.attempt1.json"]
         assert cold["agent_cmdline"][1:3] == [TORCHRUN, "--standalone"], cold  # the console script
-        assert warm["agent_cmdline"][1].endswith("supervisor/warm_launcher.py"), warm
+        assert warm["agent_cmdline"][1].endswith("supervisor/launch/warm_launcher.py"), warm
         # attempt 1's torchrun agent is the zygote spawned during attempt 0
         assert warm["agent"] == spawned[0]
         assert warm["restart_count"] == "1" and cold["restart_count"] == "0"
@@ -199,7 +199,7 @@ def test_waiting_zygote_dies_with_rlsup(workdir: Path, sig: int) -> None:
         proc.communicate(timeout=60)
     assert proc.returncode == (-signal.SIGKILL if sig == signal.SIGKILL else 128 + signal.SIGTERM)
     wait_for(lambda: not pid_alive(zygote.pid), 10, "the warm launcher to die with rlsup")
-    # torchrun's workers do not die with their agent; rlsup's guardian ends them (supervisor.attempt_guard)
+    # torchrun's workers do not die with their agent; rlsup's guardian ends them (supervisor.processes.guardian)
     if rank_pid is not None:
         wait_for(lambda: not pid_alive(rank_pid), 5, "the rank to die with rlsup")
 
@@ -256,7 +256,7 @@ def test_zygote_runs_torchrun_like_the_console_script(workdir: Path) -> None:
     cold = subprocess.run([TORCHRUN, "--standalone", "--nproc-per-node", "1", str(script)], cwd=workdir, env=env,
                           capture_output=True, text=True, timeout=120)
     assert "Root Cause" in cold.stderr and "exitcode  : 3" in cold.stderr
-    from supervisor.warm_launcher import Zygote
+    from supervisor.launch.warm_launcher import Zygote
 
     for mode, launcher in (("script", [TORCHRUN]), ("module", [PY, "-m", "torch.distributed.run"])):
         spec = warm_spec(launcher, env, str(workdir))
@@ -277,7 +277,7 @@ def test_zygote_runs_torchrun_like_the_console_script(workdir: Path) -> None:
 
 def test_zygote_that_cannot_import_torchrun_is_not_used(workdir: Path) -> None:
     """An interpreter without torch: the zygote exits, start() says so (None: launch cold), its error is kept."""
-    from supervisor.warm_launcher import WarmSpec, Zygote
+    from supervisor.launch.warm_launcher import WarmSpec, Zygote
 
     base = getattr(sys, "_base_executable", "")
     if not base or subprocess.run([base, "-c", "import torch"], capture_output=True).returncode == 0:

@@ -21,8 +21,8 @@ from support.env import clean_env
 from support.procs import pid_alive, run_rlsup
 from support.waits import wait_for
 
-from supervisor.warm_launcher import Zygote, warm_spec
-from supervisor.warm_pool import WarmPool, env_difference, skip_rendezvous_skew, startup_env
+from supervisor.launch.warm_launcher import Zygote, warm_spec
+from supervisor.launch.warm_pool import WarmPool, env_difference, skip_rendezvous_skew, startup_env
 
 PY = sys.executable
 TORCHRUN = str(Path(PY).parent / "torchrun")
@@ -124,7 +124,7 @@ def _dumps(workdir: Path, out: str = "info") -> dict[str, dict]:
 
 
 def _warm_started(info: dict) -> bool:
-    return info["cmdline"][2].endswith("supervisor/warm_rank.py")
+    return info["cmdline"][2].endswith("supervisor/launch/warm_rank.py")
 
 
 def _run_job(workdir: Path, launch: list[str], *extra: str) -> tuple[dict[str, dict], str, str]:
@@ -234,7 +234,7 @@ def test_a_single_node_skips_the_rendezvous_skew(nodes: list[str], skewed: bool)
 def _ready_warm_ranks(zygote: Zygote, n: int) -> list[int]:
     assert zygote.wait_ready(120)
     assert len(zygote.warm_pids) == n
-    script = [str(Path(__file__).parent.parent / "supervisor" / "warm_rank.py")]
+    script = [str(Path(__file__).parent.parent / "supervisor" / "launch" / "warm_rank.py")]
     for pid in zygote.warm_pids:
         # The zygote says ready once its own imports are done; a warm rank may still be inside its execve
         # (an empty cmdline under load), so its cmdline is waited for.

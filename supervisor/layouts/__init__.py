@@ -76,7 +76,7 @@ def detect_layout(directory: str | Path) -> str:
 
 def _resolve(root: Path, layout: str) -> ModuleType | None:
     name = detect_layout(root) if layout == "auto" else layout
-    if name in ("unknown", single_file.NAME):  # single-file checkpoints have no steps (supervisor.file_versions)
+    if name in ("unknown", single_file.NAME):  # single-file checkpoints have no steps (supervisor.run.file_versions)
         return None
     try:
         return LAYOUTS[name]

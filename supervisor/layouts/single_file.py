@@ -8,7 +8,7 @@ plus, found by ``auto``, litgpt's one file per step directory), which one is new
 ``rlsup checkpoints`` lists), and whether one is complete (:func:`check_file`), judged from its format alone: a ``torch.save`` zip through its central directory, a safetensors file through its
 header against the file's size, a pickle (plain, or torch's legacy format) by reading its opcodes to
 each STOP without running any of them. A save killed at any byte fails the check. Keeping complete
-versions aside and putting one back is :mod:`supervisor.file_versions`' job.
+versions aside and putting one back is :mod:`supervisor.run.file_versions`' job.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def tracked_files(root: Path, pattern: str) -> list[Path]:
 def step_dir_files(root: Path) -> list[Path]:
     """One checkpoint file per step directory (litgpt's ``step-00000070/lit_model.pth``): the files with a
     checkpoint suffix directly inside a top-level directory whose name holds a number. Each is written once,
-    in a new directory, so its versions are not kept (:mod:`supervisor.file_versions` keeps versions of a
+    in a new directory, so its versions are not kept (:mod:`supervisor.run.file_versions` keeps versions of a
     file rewritten in place only: a copy of a file never written again would buy nothing and double the
     disk)."""
     try:

@@ -26,7 +26,7 @@ This module is the supervisor's side:
   after a successful run the job's directory is then removed, after a stop, preemption or give-up it
   is kept. A drain that failed never removes anything.
 
-**On several nodes** (:mod:`supervisor.multinode`) each node's tier holds only its own ranks' parts
+**On several nodes** (:mod:`supervisor.cluster.multinode`) each node's tier holds only its own ranks' parts
 (``<memory_dir>/rlsup-<job>-node<k>``), so "valid" above means "every part of this node's ranks is
 valid" (:class:`supervisor.tiers.node_parts.NodeParts`), per part: the drainer copies the node's own parts,
 retention and the end count such steps. Two things change with it. The drained steps must be the same
@@ -54,7 +54,7 @@ from rlsup_format.leftovers import is_stale
 from rlsup_format.manifest import ManifestError, is_held, list_step_dirs
 from rlsup_format.names import Kind, parse_reserved, step_dir_name
 from rlsup_format.retention import StepState, steps_to_delete
-from supervisor.control_records import InventoryBuilder, NodeInventory
+from supervisor.tiers.holdings import InventoryBuilder, NodeInventory
 from supervisor.tiers.node_parts import NodeParts
 from supervisor.tiers.part_protocol import PartError, copy_part
 from supervisor.tiers.part_stores.local import LocalStore

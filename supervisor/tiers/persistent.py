@@ -49,7 +49,7 @@ from rlsup_format.manifest import ManifestError, RankManifest, list_step_dirs, v
 from rlsup_format.names import manifest_name, parse_manifest_rank, step_dir_name
 from rlsup_format.retention import StepState, steps_to_delete
 from supervisor.bounded_calls import BoundedCalls, forked_child
-from supervisor.control_records import TierOffer
+from supervisor.tiers.holdings import TierOffer
 from supervisor.tiers import fetch_staging, private_files
 from supervisor.tiers.fetch_staging import FetchTicket, staging_dir
 from supervisor.tiers.poll_loop import STALL_S, PollLoop

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from rlsup_format.fileio import write_durable
 from rlsup_format.manifest import MANIFEST_RE, RankManifest, list_step_dirs, manifest_name, step_dir_name
 from rlsup_format.names import Kind, placement_name, reserved_name
-from supervisor.control_records import InventoryBuilder, NodeInventory
+from supervisor.tiers.holdings import InventoryBuilder, NodeInventory
 from supervisor.tiers.manifest_watch import ManifestWatch
 from supervisor.job_identity import namespace_of, parse_namespace
 from supervisor.membership import Membership, replica_targets

@@ -16,6 +16,13 @@ TIER_PEER: Tier = "peer"
 TIER_PERSISTENT: Tier = "persistent"
 
 
+#: The two ways to keep a trainer that picks its own checkpoint off a torn newest one (said wherever rlsup
+#: finds one, and in the hint to name the checkpoint files).
+REMEDIES = ("pass --quarantine-invalid (rlsup moves a torn newest checkpoint aside before each attempt), or put a "
+            "resume placeholder in the command so that the trainer loads rlsup's choice ('{resume:--resume {dir}}', "
+            "or '--resume={resume?{dir}:auto}'; docs in supervisor/run/launch_args.py)")
+
+
 @dataclass(frozen=True)
 class ResumePoint:
     """The checkpoint an attempt resumes from, and the tier it came from (always one: the local
@@ -81,9 +88,8 @@ def describe_unreadable(checkpoint_dir: Path, layout: str, single_file_tracked: 
     are none yet): ``checkpoint_dir`` holds entries that no layout recognises, or (``unset_and_missing``)
     it is the default and does not exist after an attempt, so the checkpoints are elsewhere. What was
     found, what was tried, how to tell rlsup. Decisions then rest on the trainer's own steps
-    (:mod:`supervisor.attempt_progress`)."""
+    (:mod:`supervisor.run.progress_rule`)."""
     from supervisor import layouts
-    from supervisor.launch_args import REMEDIES
     from supervisor.layouts import single_file
 
     if unset_and_missing and not checkpoint_dir.exists():

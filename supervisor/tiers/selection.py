@@ -12,7 +12,7 @@ allocation), the step is fetched into the local checkpoint directory first, part
 trainer resumes from a local path exactly as before; a persistent copy that does not verify is
 skipped and the next older one tried. On several nodes the persistent tier is one more holder in the
 coordinator's plan instead (per part, :meth:`supervisor.tiers.persistent.PersistentTier.part_listing`, and
-:mod:`supervisor.multinode`), and the resume point's ``tier`` names the farthest tier this node fetched
+:mod:`supervisor.cluster.multinode`), and the resume point's ``tier`` names the farthest tier this node fetched
 from.
 
 Every read of the persistent tier here runs in ``PersistentTier.reads`` (:mod:`supervisor.bounded_calls`): a

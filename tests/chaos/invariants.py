@@ -249,7 +249,7 @@ def check_triage(state_dir: Path, recorded: list[dict]) -> list[str]:
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-m", "supervisor.cli", "incidents", "--json", str(state_dir)],
+    out = subprocess.run([sys.executable, "-m", "supervisor.cli.main", "incidents", "--json", str(state_dir)],
                          capture_output=True, text=True, timeout=60)
     if not recorded:
         return [] if out.returncode in (0, 1) else [f"rlsup incidents failed: {out.stderr[-500:]}"]

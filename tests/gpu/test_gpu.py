@@ -117,7 +117,7 @@ def test_rank_stuck_in_a_cuda_kernel_is_a_hang_with_stacks(tmp_path: Path) -> No
 
 @pytest.mark.timeout(600)
 def test_cuda_out_of_memory_is_recorded(tmp_path: Path) -> None:
-    """A real ``torch.OutOfMemoryError``: the attempt's incident is ``cuda_oom`` (supervisor.gpu_failures),
+    """A real ``torch.OutOfMemoryError``: the attempt's incident is ``cuda_oom`` (supervisor.diagnosis.gpu_failures),
     its detail names the error's line, its output tail carries the error, and the job resumes and finishes."""
     r = _rlsup(tmp_path, ["--checkpoint-dir", "ckpt", "--", PY, str(TRAINER), "--oom-at-step", "7", "--steps", "12"])
     assert r.returncode == 0, r.stdout + r.stderr
@@ -206,7 +206,7 @@ def test_builtin_pre_launch_check_passes_on_this_gpu_node(tmp_path: Path) -> Non
     """``--pre-launch-check builtin`` on this node: NVML sees the GPUs torchrun asks for, healthy, and the job
     runs (without nvidia-ml-py the check fails by design, naming what to install). Its time in process is
     a figure."""
-    from supervisor.gpu_health import check_gpus
+    from supervisor.diagnosis.gpu_health import check_gpus
 
     nproc = str(torch.cuda.device_count())
     script = tmp_path / "job.py"

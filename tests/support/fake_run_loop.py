@@ -14,11 +14,11 @@ from pathlib import Path
 
 from rlsup_format.heartbeat_record import MAGIC, RECORD, RECORD_SIZE, STOP_OFFSET, I64, rank_file_name
 from supervisor.config import SupervisorConfig
-from supervisor.incidents import read_incidents
+from supervisor.run.incidents import read_incidents
 from supervisor.observer import Observer
-from supervisor.process_tree import ProcessLayer
+from supervisor.processes.job import ProcessLayer
 from supervisor.tiers.resume import ResumePoint
-from supervisor.runner import Supervisor
+from supervisor.run.loop import Supervisor
 
 
 @dataclass

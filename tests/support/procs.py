@@ -14,7 +14,7 @@ from support.waits import Deadline, wait_for
 
 def rlsup_cmd(*args: str) -> list[str]:
     """The real ``rlsup`` CLI of this checkout, run by this interpreter."""
-    return [PY, "-m", "supervisor.cli", *args]
+    return [PY, "-m", "supervisor.cli.main", *args]
 
 
 def run_rlsup(args: list[str], cwd: Path, timeout: float = 120, **env: str) -> subprocess.CompletedProcess:

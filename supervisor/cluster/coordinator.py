@@ -1,0 +1,599 @@
+"""Agreement between the node supervisors of one job, through a key-value store.
+
+The store is the embedded torch ``TCPStore`` hosted by node 0's supervisor (as torchrun's c10d
+rendezvous hosts its own), or etcd v3 (``coordinator_backend: etcd``), which no single node's loss stalls.
+Every key lives under ``rlsup/<job>/`` and every value is signed with the job's shared secret
+(HMAC-SHA256 over key, job, writer, time and payload): a value another job wrote, or one a writer
+without the secret forged, is ignored and named in the log. No home-made consensus: the store's
+atomic create is the only arbiter.
+
+Every node runs attempt ``a`` (= ``RLSUP_RESTART_COUNT``, the number incidents, state.json and the
+CLI show) together; the nodes agree on it in one *round* of the store:
+
+0. joining: when the store has no attempt yet (a new job, or node 0's supervisor was lost and its
+   replacement hosts a fresh embedded store), every node proposes the next attempt it may run
+   (``join/<node>``: 0, or one past the attempt it last ran) and node 0 publishes ``base`` = the largest,
+   so a job that lost its store keeps counting its attempts;
+1. each node publishes its inventory ``inv/a/<node>`` (which checkpoint parts of this job it holds,
+   locally or as replicas for others: :class:`~supervisor.tiers.holdings.NodeInventory`);
+2. node 0 waits for all inventories, computes the plan (the newest step whose every rank part is valid
+   somewhere: in place, on a peer, or in the persistent tier; and where each node fetches what it lacks)
+   and publishes ``plan/a`` and ``round`` = a (the store's name for the planned attempt);
+3. each node fetches and publishes ``fetched/a/t/<node>``: the persistent parts that failed verification
+   (and any other error); node 0 waits for all of them and publishes their union ``fetched/a/t/all``,
+   which is what the other nodes read. If a part was bad and nothing else failed, node 0 plans again
+   without it (plan try ``t`` = 1, 2, ...: ``plan/a/t``), so the attempt falls back to an older step
+   instead of ending. Then each node marks ``ready/a/<node>``; node 0 waits for all and publishes
+   ``ready/a/all``; all launch once they see it;
+4. the first node whose attempt fails creates ``end/a`` (first writer wins); every other node sees it,
+   stops its attempt, and all go to attempt a+1 together.
+
+Only node 0 reads one key per node (the proposals, inventories, fetch results and ready marks); every
+other node reads a constant number of keys per attempt, so what it sends and receives does not grow with
+the number of nodes. A wait's poll asks whether every key it still needs exists and, if not, whether
+the attempt ended (one etcd transaction, two TCPStore round trips); values move once all are there.
+
+Values are signed, not trusted to parse: a node of another version, or a broken one, may publish a
+record that does not parse (:class:`~supervisor.tiers.holdings.RecordError`, naming node and field).
+Its inventory then offers nothing, its fetch result counts as a failed fetch, and a plan that does not
+parse ends the attempt for all; no node crashes on what another wrote.
+
+A node that joins while attempt ``c`` is open (planned or based, and not ended) is a replacement for a
+lost node: it ends attempt ``c`` (its predecessor's ranks are gone anyway) and joins ``c+1``. ``abort``
+makes every node give up; every wait looks at it (about twice a second), so a node that refuses to start
+(a directory or port another job holds: ``abort`` then says it is a clash, and the others exit 2 as it
+does) ends its job's other nodes at once instead of leaving them to wait out ``rendezvous_timeout``. The
+embedded store also carries ``rlsup/host``, the job it is hosted for: a node of another job that reaches
+it (same hosts, same default port) refuses to start and names both jobs.
+
+Every wait here (the store's connect and reconnect, the joins, the round's waits) also asks the run's
+:class:`~supervisor.stop_request.StopRequest` at each poll: SIGTERM or the preemption signal ends it at
+once with :class:`~supervisor.stop_request.StopAsked`, never after the timeout. In the job's first round a
+node that reached the store and then died ends it for all within seconds (:mod:`supervisor.cluster.liveness`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import weakref
+from typing import Callable
+
+from supervisor.tiers.holdings import (
+    FetchResult,
+    NodeInventory,
+    RecordError,
+    RoundPlan,
+)
+from supervisor.job_identity import JobIdentity
+from supervisor.cluster.round_plan import compute_plan
+from supervisor.cluster.kvstore import (CONNECT_SLICE_S, OP_TIMEOUT_S, KVStore, StoreGone, StoreUnavailable, TCPKVStore,
+                               connect_store)
+from supervisor.cluster.liveness import LIVENESS_REFRESH_S, LapseWatch, LivenessBeat, beat_connect, live_key
+from supervisor.cluster.signed_keys import AbortKind, AbortNotice, Signed, SignedKeys
+from supervisor.stop_request import StopRequest
+
+log = logging.getLogger(__name__)
+
+
+WAIT_POLL_MIN_S = 0.002  # a wait polls fast at first (agreement is quick when every node is there) ...
+WAIT_POLL_MAX_S = 0.05  # ... and backs off to this
+HOST_KEY = "rlsup/host"
+ABORT_MAX_AGE_S = 60.0  # an abort written this long before this node started belongs to an earlier run
+ABORT_POLL_S = 0.5  # how often a wait looks at ``abort`` (one more read; the attempt's end is read every poll)
+WAIT_TELL_S = 3.0  # a wait that lasts this long says what it waits for (once), for whoever reads the log
+REACH_AGAIN_S = OP_TIMEOUT_S  # the run loop's watch of the attempt's end tries a lost store again this often
+
+
+class CoordinationError(RuntimeError):
+    """The nodes could not agree in time (a node missing, the store unreachable)."""
+
+
+class RoundEnded(CoordinationError):
+    """The attempt ended (a node failed, or a replacement node rejoined) while this node waited inside it."""
+
+
+class JobClash(CoordinationError):
+    """The coordination store belongs to another job (same hosts and port): this node must not join it.
+    Also raised on the nodes of a job one of whose nodes refused to start for a clash (``abort``)."""
+
+
+class NodeZeroRunning(JobClash):
+    """Node 0's coordinator port is held by a store of this same job: another node 0 hosts it (this one running
+    twice, or a spare that took node rank 0 while this one was away: the caller tells them apart)."""
+
+
+class PeerLost(CoordinationError):
+    """A node of the job died (or was cut off) after reaching the store and before the job's first attempt
+    (:mod:`supervisor.cluster.liveness`): every node ends, with exit 75 for a requeue."""
+
+
+class RoundCoordinator:
+    """One node's handle on the job's attempts (see the module docstring).
+
+    ``reconnect``: how to reach the store again after it was lost (the embedded store, when node 0's
+    supervisor died and a replacement hosts a new one); None for a store that does not go away.
+    ``stop``: the run's stop request, asked at every poll of every wait (None: waits end only as below).
+    ``beat_store``: a store connection of its own for this node's liveness beat in the job's first round
+    (:mod:`supervisor.cluster.liveness`); None: no beat (a node that only reads the store: a spare, a notice)."""
+
+    def __init__(self, store: KVStore, job: JobIdentity, secret: bytes, node_rank: int, num_nodes: int,
+                 timeout_s: float, reconnect: Callable[[float], KVStore] | None = None,
+                 stop: StopRequest | None = None, beat_store: Callable[[], KVStore] | None = None) -> None:
+        self.job, self.secret = job, secret
+        self.node_rank = node_rank
+        self.num_nodes = num_nodes
+        self.timeout_s = timeout_s
+        self.reconnect = reconnect
+        self.stop = stop
+        self.started = time.time()
+        self.keys = SignedKeys(store, job, secret, node_rank)
+        # The job's first round (supervisor.cluster.liveness): None until a join tells, True from a join into a store
+        # with no attempt until the first attempt launches, False once the job has had one.
+        self.first_round: bool | None = None
+        self._proposed = False  # this join() call proposed in a fresh store (its own retries join that attempt)
+        self.lapses = LapseWatch(self.started - ABORT_MAX_AGE_S)  # a beat older belongs to an earlier run, as an abort
+        self.refresh_s = LIVENESS_REFRESH_S
+        self.beat: LivenessBeat | None = None
+        self._beat_store = beat_store
+        self._store_lost_at: float | None = None  # when the store was lost in the first round (its bound)
+        self._reach_again_at = 0.0  # reach_again's next try
+
+    def check_stop(self, waiting_for: str) -> None:
+        """:class:`~supervisor.stop_request.StopAsked` when rlsup was asked to stop (see the module docstring)."""
+        if self.stop is not None:
+            self.stop.check(waiting_for)
+
+    @property
+    def store(self) -> KVStore:
+        return self.keys.store
+
+    def describe(self) -> str:
+        return self.store.describe()
+
+    # ------------------------------------------------------------ the embedded store's owner
+
+    def claim_host(self) -> None:
+        """Node 0 of the embedded store: record which job this store is for (before anyone joins)."""
+        self.store.set(HOST_KEY, self.keys.seal(HOST_KEY, json.dumps({"job": self.job.id, "source": self.job.source})))
+
+    def check_host(self) -> None:
+        """Refuse a store hosted for another job (:class:`JobClash`, naming both)."""
+        deadline = time.monotonic() + min(10.0, self.timeout_s)
+        raw = self.store.get(HOST_KEY)
+        while raw is None and time.monotonic() < deadline:  # node 0 sets it right after binding the port
+            self.check_stop(f"node 0 to claim the coordination store {self.describe()}")
+            time.sleep(WAIT_POLL_MAX_S)
+            raw = self.store.get(HOST_KEY)
+        other = self.host_owner(raw)
+        if other is not None:
+            raise JobClash(f"the coordination store {self.describe()} is hosted for {other}; this node is job "
+                           f"{self.job}. Two jobs on the same hosts need their own coordinator_port (and "
+                           "replication ports); the nodes of one job need the same job_name or checkpoint_dir")
+
+    def host_owner(self, raw: bytes | None) -> str | None:
+        """None when ``raw`` (the store's host record) is this job's or absent; else who holds the store."""
+        if raw is None or self.keys.open(HOST_KEY, raw, quiet=True) is not None:
+            return None
+        try:
+            other = json.loads(json.loads(raw.decode().partition(":")[2])["v"])
+            return f"rlsup job {other['job']!r} ({other['source']}; or a job signing with another secret)"
+        except (UnicodeDecodeError, ValueError, KeyError, TypeError):
+            return "another job (its record does not parse)"
+
+    # ------------------------------------------------------------ attempts
+
+    def join(self, min_attempt: int = 0) -> int:
+        """The attempt this node takes part in next (see the module docstring); ``min_attempt`` is the attempt
+        this node would run next by its own count (used only when the store has no attempt yet)."""
+        deadline = time.monotonic() + self.timeout_s
+        told, self._proposed = False, False  # one line per outage, not one per reconnect try
+        while True:  # each wait inside asks the stop request (the reconnect's too)
+            try:
+                return self._join(min_attempt)
+            except StoreUnavailable as e:
+                if self.reconnect is None:
+                    raise CoordinationError(f"the coordination store is unreachable: {e}") from e
+                left = deadline - time.monotonic()
+                if self.first_round:  # node 0 (and its store) lost before the first attempt: not for long
+                    lost_at = self._store_lost_at = self._store_lost_at or time.monotonic()
+                    if (lapse := lost_at + self.lapses.lapse_s - time.monotonic()) <= 0:
+                        raise self._lost(f"node 0 hosted the coordination store {self.describe()}, and it has been "
+                                         f"gone for {self.lapses.lapse_s:g}s before the job's first attempt: "
+                                         f"node 0 died or lost its network ({e})") from e
+                    left = min(left, lapse)
+                if left <= 0:
+                    raise CoordinationError(f"the coordination store {self.describe()} stayed unreachable for "
+                                            f"{self.timeout_s:.0f}s (rendezvous_timeout): {e}") from e
+                if not told:
+                    told = True
+                    log.warning("node %d: the coordination store %s is gone; waiting up to %.0fs for node 0 (or its "
+                                "replacement) to host it again", self.node_rank, self.describe(), left)
+                try:
+                    self.keys.store = self.reconnect(left)
+                    self.check_host()
+                    self._store_lost_at = None
+                except StoreUnavailable:
+                    continue
+
+    def _join(self, min_attempt: int) -> int:
+        self._check_abort()
+        current = self.current_attempt()
+        if current is None:
+            return self._join_fresh(min_attempt)
+        if self._proposed and self.ended(current) is None:  # this join() proposed, then a store call failed: retried
+            return current
+        if not self.first_round:  # a store with attempts: a replacement node (or a later join) has no first round
+            self.end_first_round()
+        if self.ended(current) is None:
+            self.end(current, f"node {self.node_rank} rejoined")
+        return current + 1
+
+    def current_attempt(self) -> int | None:
+        """The newest attempt this store knows (planned, or the first one opened); None until the nodes' first
+        join is through."""
+        names = ["round", "base"]  # the planned attempt, the first one a fresh store opened
+        values = [_attempt_number(n, v) for n, v in zip(names, self.keys.get_many(names)) if v is not None]
+        return max(values) if values else None
+
+    def check_abort(self) -> None:
+        """:meth:`_check_abort`, for a process that watches the job without joining it (a spare)."""
+        self._check_abort()
+
+    def _join_fresh(self, min_attempt: int) -> int:
+        """No attempt in this store yet: every node proposes; node 0 publishes the largest as ``base``. The
+        job's first round begins (unless the job had an attempt in a store that went): this node beats."""
+        if self.first_round is None:
+            self.first_round = True
+            self._start_beat()
+        self._proposed = True
+        self.keys.set(f"join/{self.node_rank}", str(min_attempt))
+        if self.node_rank == 0:
+            names = [f"join/{n}" for n in range(self.num_nodes)]
+            self._wait(names, "every node to join")
+            base = max(_attempt_number(n, v) for n, v in zip(names, self.keys.get_many(names)) if v is not None)
+            return _attempt_number("base", self.keys.create("base", str(base)))
+        self._wait(["base"], "node 0 to open the first attempt")
+        got = self.keys.get("base")
+        assert got is not None
+        return _attempt_number("base", got)
+
+    def _check_abort(self) -> None:
+        """:class:`JobClash` when a node of this job refused to start for a clash, :class:`PeerLost` when one was
+        lost before the first attempt, :class:`CoordinationError` when one gave up; an abort older than this
+        node's start (by :data:`ABORT_MAX_AGE_S`) is an earlier run's."""
+        abort = self.keys.get("abort")
+        if abort is None or abort.time < self.started - ABORT_MAX_AGE_S:
+            return
+        raise _aborted(AbortNotice.from_payload(abort.payload))
+
+    # ------------------------------------------------------------ the first round's liveness
+
+    def _start_beat(self) -> None:
+        """This node's liveness beat (:mod:`supervisor.cluster.liveness`), until the first attempt launches; it also
+        ends when this object is collected (a test's coordinator, a run that raised)."""
+        if self._beat_store is None or self.beat is not None:
+            return
+        from supervisor.membership import node_name
+
+        name = live_key(self.node_rank)
+        keys = SignedKeys(self.store, self.job, self.secret, self.node_rank)  # sealing only: writes go to the beat's store
+
+        def write(store: KVStore, payload: str) -> None:
+            store.set(keys.key(name), keys.seal(keys.key(name), payload))
+
+        self.beat = LivenessBeat(self.node_rank, node_name(), self._beat_store, write, self.refresh_s)
+        weakref.finalize(self, self.beat.stop)
+        self.beat.start()
+
+    def end_first_round(self, clear: bool = False) -> None:
+        """The job's first attempt launched (or this node joined a job that had one): no beat, no lapse rule.
+        ``clear``: this node's run ends inside that round (a stop, a give-up, an error): its beat is deleted,
+        so that a requeued run in a store that outlives it (etcd) never counts it."""
+        was, self.first_round = self.first_round, False
+        if self.beat is not None:
+            self.beat.stop(wait_s=OP_TIMEOUT_S if clear else 0.0)  # a write under way lands before the delete
+        if clear and was:
+            self.store.delete([self.keys.key(live_key(self.node_rank))])
+
+    def forget_first_round(self) -> None:
+        """After :class:`PeerLost` (and a linger, so that every node saw ``abort``): the job's keys go, ``abort``
+        and the beats with them, so that the requeued run in a store that outlives this one (etcd) starts a
+        fresh first round. Every node that ends so does it (node 0 may be the lost one)."""
+        self.end_first_round()
+        names = ["abort", "base", "round"] + [f"{k}/{n}" for n in range(self.num_nodes) for k in ("live", "join")]
+        self.store.delete([self.keys.key(n) for n in names])  # a store without prefix deletion (TCPStore)
+        self.store.delete_prefix(self.keys.prefix)  # etcd: every key of the round (inventories, plans) too
+
+    def _look_at_beats(self) -> None:
+        """In the first round: :class:`PeerLost` (and the job's ``abort``) when a registered node's beat lapsed;
+        node 0 watches every other node, the others node 0."""
+        nodes = range(1, self.num_nodes) if self.node_rank == 0 else [0]
+        values = self.keys.get_many([live_key(n) for n in nodes])
+        lapse = self.lapses.look({n: (v.payload, v.time) if v is not None else None for n, v in zip(nodes, values)},
+                                 time.monotonic())
+        if lapse is not None:
+            raise self._lost(lapse.describe())
+
+    def _lost(self, why: str) -> CoordinationError:
+        """The job's ``abort`` for a node lost before the first attempt (first writer wins): the exception to
+        raise, from the notice that won (maybe another node's, maybe a clash)."""
+        log.error("node %d: %s; ending the job's first round for every node", self.node_rank, why)
+        try:
+            won = self.keys.create("abort", AbortNotice(f"node {self.node_rank}: {why}", AbortKind.PEER_LOST).to_payload())
+            return _aborted(AbortNotice.from_payload(won.payload))
+        except StoreUnavailable:
+            return PeerLost(f"the job's first round ended: {why}")
+
+    def publish_inventory(self, attempt: int, inventory: NodeInventory) -> None:
+        self.keys.set(f"inv/{attempt}/{self.node_rank}", inventory.to_json())
+
+    def inventories(self, attempt: int) -> list[NodeInventory]:
+        """Every node's inventory, in node order. One that does not parse (a node of another rlsup version,
+        or a damaged store) ends the attempt for all, naming the node and field: planning without that
+        node's parts could start the job afresh over checkpoints it still holds."""
+        out = []
+        for node, value in enumerate(self._wait_all(f"inv/{attempt}", f"inventories of attempt {attempt}", attempt)):
+            try:
+                out.append(NodeInventory.from_json(value, node))
+            except RecordError as e:
+                why = f"node {self.node_rank}: {e} (a node of another rlsup version, or a damaged store?)"
+                raise RoundEnded(f"attempt {attempt} ended: {self.end(attempt, why)}") from e
+        return out
+
+    @staticmethod
+    def _plan_key(attempt: int, plan_try: int) -> str:
+        return f"plan/{attempt}" if plan_try == 0 else f"plan/{attempt}/{plan_try}"
+
+    def publish_plan(self, plan: RoundPlan, plan_try: int = 0) -> None:
+        """Try 0 is the attempt's plan (``round`` = a marks it planned); later tries replace a plan whose
+        persistent parts failed verification."""
+        self.keys.set(self._plan_key(plan.attempt, plan_try), plan.to_json())
+        if plan_try == 0:
+            self.keys.set("round", str(plan.attempt))
+
+    def plan(self, attempt: int, plan_try: int = 0) -> RoundPlan:
+        """Node 0's plan; one that does not parse ends the attempt for all (:class:`RoundEnded`)."""
+        key = self._plan_key(attempt, plan_try)
+        (value,) = self._wait([key], f"the plan of attempt {attempt}" + (f" (try {plan_try})" if plan_try else ""),
+                              attempt)
+        try:
+            plan = RoundPlan.from_json(value, 0)
+        except RecordError as e:
+            raise RoundEnded(f"attempt {attempt} ended: {self.end(attempt, f'node {self.node_rank}: {e}')}") from e
+        if plan.attempt != attempt:
+            why = f"node {self.node_rank}: {key} plans attempt {plan.attempt}"
+            raise RoundEnded(f"attempt {attempt} ended: {self.end(attempt, why)}")
+        return plan
+
+    def publish_fetch_result(self, attempt: int, plan_try: int, result: FetchResult) -> None:
+        self.keys.set(f"fetched/{attempt}/{plan_try}/{self.node_rank}", result.to_json())
+
+    def fetch_results(self, attempt: int, plan_try: int) -> list[FetchResult]:
+        """The results of try ``plan_try``, the same answer on every node: on node 0 every node's (it
+        waits for all, then publishes their union ``fetched/a/t/all``); elsewhere that union, one key.
+        A result that does not parse is a failed fetch (the attempt ends, as for any fetch error)."""
+        prefix = f"fetched/{attempt}/{plan_try}"
+        if self.node_rank != 0:
+            (value,) = self._wait([f"{prefix}/all"], f"node 0's summary of every node's fetch in attempt {attempt}",
+                                  attempt)
+            return [_fetch_result(value, 0)]  # node 0 wrote the union
+        results = [_fetch_result(v, n) for n, v in
+                   enumerate(self._wait_all(prefix, f"every node's fetch in attempt {attempt}", attempt))]
+        union = FetchResult(sorted({b for r in results for b in r.bad}),
+                            "; ".join(f"node {n}: {r.error}" for n, r in enumerate(results) if r.error))
+        self.keys.set(f"{prefix}/all", union.to_json())
+        return results
+
+    def mark_ready(self, attempt: int) -> None:
+        self.keys.set(f"ready/{attempt}/{self.node_rank}", "1")
+
+    def wait_all_ready(self, attempt: int) -> None:
+        """Until every node is ready: node 0 waits for every ``ready/a/<node>`` and publishes ``ready/a/all``,
+        which the other nodes wait for."""
+        if self.node_rank != 0:
+            self._wait([f"ready/{attempt}/all"], f"node 0 to see all nodes ready for attempt {attempt}", attempt)
+        else:
+            self._wait_all(f"ready/{attempt}", f"all nodes ready for attempt {attempt}", attempt)
+            self.keys.set(f"ready/{attempt}/all", "1")
+        self.end_first_round()  # every node is ready: the job's first round, if this was it, is over
+
+    def end(self, attempt: int, reason: str) -> str:
+        """End attempt ``attempt`` for everyone; returns the reason that won (maybe another node's)."""
+        return self.keys.create(f"end/{attempt}", reason).payload
+
+    def ended(self, attempt: int) -> str | None:
+        """Non-blocking: why attempt ``attempt`` ended, or None while it runs."""
+        value = self.keys.get(f"end/{attempt}")
+        return None if value is None else value.payload
+
+    def reach_again(self) -> bool:
+        """For the run loop's watch of a running attempt, after a store call failed: a store connection that
+        stalled (the operation timeout gives it up for good) is replaced, so the watch sees another node's end
+        again once the store answers instead of going blind until the next join. One bounded try
+        (:data:`CONNECT_SLICE_S`, the stop asked) every :data:`REACH_AGAIN_S`; :class:`StoreUnavailable` while
+        the store is out of reach (the job's own end decides meanwhile). A store that does not go away (etcd:
+        every call fails over by itself) has nothing to replace: False, and the caller does not ask it again."""
+        if self.reconnect is None:
+            return False
+        if time.monotonic() < self._reach_again_at:
+            raise StoreUnavailable(f"coordination store {self.describe()}: tried again less than "
+                                   f"{REACH_AGAIN_S:.0f}s ago")
+        self._reach_again_at = time.monotonic() + REACH_AGAIN_S
+        lost, self.keys.store = self.keys.store, self.reconnect(CONNECT_SLICE_S)
+        try:
+            self.check_host()
+        except CoordinationError as e:  # another job's store on node 0's port now: not ours to watch
+            self.keys.store = lost
+            raise StoreUnavailable(str(e)) from e
+        return True
+
+    def abort(self, reason: str, clash: bool = False) -> None:
+        """Every node of the job gives up (first writer's reason wins); ``clash``: this node refused to start
+        because another job holds what it needs (its peers exit 2 too)."""
+        self.keys.create("abort", AbortNotice(reason, AbortKind.CLASH if clash else AbortKind.GAVE_UP).to_payload())
+
+    def finish(self) -> None:
+        """The job ended for good: a store that outlives it (etcd) forgets its keys (node 0 only)."""
+        if self.node_rank == 0:
+            self.store.delete_prefix(self.keys.prefix)
+
+    # ------------------------------------------------------------ waiting
+
+    def _wait_all(self, prefix: str, what: str, attempt: int | None) -> list[str]:
+        return self._wait([f"{prefix}/{n}" for n in range(self.num_nodes)], what, attempt)
+
+    def _wait(self, names: list[str], what: str, attempt: int | None = None) -> list[str]:
+        """Poll until every key holds a signed value; their payloads. Inside attempt ``attempt``, its end
+        stops the wait with :class:`RoundEnded`: a node that died there never writes its keys, and its
+        replacement ends the attempt on rejoin, so waiting out the timeout would only lose the job. A
+        store lost meanwhile ends the attempt too (node 0 is gone; the next join waits for it). A stop asked
+        ends any wait at its next poll (:meth:`check_stop`), and so does the job's ``abort`` (looked at every
+        :data:`ABORT_POLL_S`: :class:`JobClash` when a node refused to start for a clash).
+
+        A poll is one look (:meth:`KVStore.poll`: one etcd transaction, two TCPStore round trips) whatever
+        the number of keys: whether every key still missing exists, and if not, whether the attempt ended.
+        Values move and are verified once they all exist; a verified value is kept, so only a key that
+        failed verification is read again. Between polls the store's :meth:`KVStore.wait_for_change` waits:
+        etcd watches the keys and the end, and the next poll is skipped while nothing was written; the
+        abort is first looked at :data:`ABORT_POLL_S` into the wait (the join looked just before)."""
+        deadline = time.monotonic() + self.timeout_s
+        poll = WAIT_POLL_MIN_S
+        end_name = f"end/{attempt}" if attempt is not None else None
+        got: dict[str, Signed] = {}
+        next_abort_look, tell_at = time.monotonic() + ABORT_POLL_S, time.monotonic() + WAIT_TELL_S
+        next_beat_look = time.monotonic()
+        changed = True  # whether to poll: the store may know that nothing we wait for was written since the last
+        while True:
+            self.check_stop(what)
+            if tell_at is not None and time.monotonic() >= tell_at:
+                tell_at = None
+                log.info("node %d: waiting for %s (up to %.0fs, rendezvous_timeout)", self.node_rank, what,
+                         self.timeout_s)
+            if time.monotonic() >= next_abort_look:  # a node that refused to start, or gave up
+                next_abort_look = time.monotonic() + ABORT_POLL_S
+                try:
+                    self._check_abort()
+                except StoreUnavailable:
+                    pass  # the poll below says what an unreachable store means here
+            pending = [n for n in names if n not in got]
+            if changed or time.monotonic() > deadline:
+                try:
+                    values, ended = self.keys.poll(pending, end_name)
+                    if values is not None:
+                        got.update((n, v) for n, v in zip(pending, values) if v is not None)
+                        if len(got) == len(names):
+                            return [got[n].payload for n in names]
+                        ended = self.keys.get(end_name) if end_name else None  # a value did not verify
+                    if ended is None and time.monotonic() > deadline:
+                        pending = [n for n, v in zip(pending, self.keys.get_many(pending)) if v is None]
+                except StoreUnavailable as e:
+                    if self.first_round and self.reconnect is not None:  # the join waits for it, not for long
+                        self._store_lost_at = self._store_lost_at or time.monotonic()
+                    if attempt is None and self.reconnect is not None:
+                        raise  # a join's wait (a fresh store's base): the join reconnects within its deadline
+                    if attempt is not None and self.reconnect is not None:
+                        raise RoundEnded(f"attempt {attempt} ended while waiting for {what}: {e}") from e
+                    raise CoordinationError(f"the coordination store is unreachable while waiting for {what}: "
+                                            f"{e}") from e
+                if ended is not None:
+                    raise RoundEnded(f"attempt {attempt} ended while waiting for {what}: {ended.payload}")
+                if time.monotonic() > deadline and pending:
+                    missing = [self.keys.key(n) for n in pending]
+                    raise CoordinationError(f"timed out after {self.timeout_s:.0f}s waiting for {what}; "
+                                            f"missing {missing}")
+            if self.first_round and time.monotonic() >= next_beat_look:  # after the poll: keys that came win
+                next_beat_look = time.monotonic() + self.refresh_s
+                try:
+                    self._look_at_beats()
+                except StoreUnavailable:
+                    pass  # the next poll says what an unreachable store means here
+            watched = [self.keys.key(n) for n in pending + ([end_name] if end_name else [])]
+            changed = self.store.wait_for_change(watched, poll)  # etcd: a watch; the embedded store: a sleep
+            poll = min(poll * 2, WAIT_POLL_MAX_S)
+
+
+def _attempt_number(name: str, value: Signed) -> int:
+    """An attempt number a node stored under ``name`` (``join/<node>``, ``base``, ``round``)."""
+    try:
+        number = int(value.payload)
+    except ValueError:
+        number = -1
+    if number < 0:
+        raise CoordinationError(f"node {value.node} stored {name} = {value.payload[:40]!r}, not an attempt number "
+                                "(a node of another rlsup version in this job?)")
+    return number
+
+
+def _aborted(notice: AbortNotice) -> CoordinationError:
+    """What a node raises on the job's ``abort``: by its kind, the exit code every node ends with."""
+    kinds: dict[AbortKind, type[CoordinationError]] = {AbortKind.CLASH: JobClash, AbortKind.PEER_LOST: PeerLost}
+    return kinds.get(notice.kind, CoordinationError)(f"the job was aborted: {notice.why}")
+
+
+def _fetch_result(value: str, node: int | None) -> FetchResult:
+    """``node``'s fetch result; one that does not parse counts as a failed fetch."""
+    try:
+        return FetchResult.from_json(value, node)
+    except RecordError as e:
+        return FetchResult(error=str(e))
+
+
+def embedded_coordinator(host: str, port: int, job: JobIdentity, secret: bytes, node_rank: int, num_nodes: int,
+                         timeout_s: float, stop: StopRequest | None = None,
+                         gone_after_s: float | None = None) -> RoundCoordinator:
+    """Node 0 hosts a TCPStore on ``port`` and claims it for ``job``; other nodes connect (and reconnect to
+    a replacement node 0 after a loss) and refuse a store hosted for another job. ``stop``: every wait
+    (the connect included) ends when rlsup is asked to stop. ``gone_after_s``: the first connect raises
+    :class:`~supervisor.cluster.kvstore.StoreGone` once a store that answered has refused this long (a spare)."""
+    if node_rank == 0:
+        try:
+            store = TCPKVStore(host, port, True, timeout_s)
+        except StoreUnavailable as e:
+            clash = _hosted_for(host, port, job, secret)
+            if clash is None:
+                raise CoordinationError(str(e)) from e
+            kind = NodeZeroRunning if clash == _SAME_JOB else JobClash
+            raise kind(f"coordinator port {port} on {host} is taken{clash}; this node is job {job}. Give each "
+                       "job on these hosts its own coordinator_port") from e
+        coordinator = RoundCoordinator(store, job, secret, node_rank, num_nodes, timeout_s, stop=stop,
+                                       beat_store=beat_connect(host, port))
+        coordinator.claim_host()
+        return coordinator
+
+    def connect(wait_s: float) -> KVStore:
+        return connect_store(host, port, wait_s, stop)
+
+    log.info("node %d: reaching the coordination store TCPStore %s:%d (up to %.0fs, rendezvous_timeout)",
+             node_rank, host, port, timeout_s)
+    try:
+        store = connect_store(host, port, timeout_s, stop, gone_after_s)
+    except StoreGone:
+        raise
+    except StoreUnavailable as e:
+        raise CoordinationError(f"{e} (waited {timeout_s:.0f}s, rendezvous_timeout)") from e
+    coordinator = RoundCoordinator(store, job, secret, node_rank, num_nodes, timeout_s, reconnect=connect, stop=stop,
+                                   beat_store=beat_connect(host, port))
+    coordinator.check_host()
+    return coordinator
+
+
+def _hosted_for(host: str, port: int, job: JobIdentity, secret: bytes) -> str | None:
+    """What holds a port node 0 could not bind: " by rlsup job X", " by another program", or None."""
+    try:
+        probe = RoundCoordinator(TCPKVStore(host, port, False, 2.0), job, secret, 0, 1, 2.0)
+        raw = probe.store.get(HOST_KEY)
+    except StoreUnavailable:
+        return " by another program"
+    if raw is None:
+        return " by another program (no rlsup job record)"
+    other = probe.host_owner(raw)
+    return f" by {other}" if other is not None else _SAME_JOB
+
+
+_SAME_JOB = " by another node 0 of this same job (is it running twice?)"
+
+
+__all__ = ["RoundCoordinator", "CoordinationError", "RoundEnded", "JobClash", "NodeZeroRunning", "PeerLost", "AbortKind", "AbortNotice",
+           "Signed", "SignedKeys", "compute_plan", "embedded_coordinator", "connect_store"]

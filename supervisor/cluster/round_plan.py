@@ -1,0 +1,97 @@
+"""The round's plan: the newest step whose every rank part is valid somewhere, and what each node fetches.
+
+Node 0 computes it from every node's inventory (and the persistent tier's listing) in each round of
+:mod:`supervisor.cluster.coordinator`; a pure function of what the nodes hold, so it is tested and benchmarked alone.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Mapping, Sequence
+
+from supervisor.tiers.holdings import PERSISTENT_HOLDER, NodeInventory, RoundPlan, StepHoldings, TierOffer
+
+
+def compute_plan(attempt: int, inventories: Sequence[NodeInventory], persistent: Mapping[int, TierOffer] | None = None,
+                 exclude: Iterable[tuple[int, int, int]] = ()) -> RoundPlan:
+    """The newest step whose every rank part is valid somewhere, and what each node must fetch.
+
+    ``inventories``: every node's, in node order. A part is in place when its owner holds it locally (a
+    shared filesystem counts), else it must come from a replica holder, else from the persistent tier;
+    a part found nowhere makes the step unusable.
+
+    ``persistent`` (the tier's listing, step -> :class:`TierOffer`) adds the tier as the last holder
+    (:data:`PERSISTENT_HOLDER`) of the parts it lists: in place > peer > persistent. A part goes to its
+    owner as the inventories or the tier's manifests record it, else (a trainer that records no node) to
+    the node torchrun runs the rank on. ``exclude`` removes (step, rank, holder) triples that failed, so
+    a plan is never made twice with the same bad holder.
+    """
+    excluded = set(exclude)
+    # Which inventories list each step; a step's parts are read only when the steps newer than it were
+    # not usable, so the common case (the newest step is) reads one step of every inventory, not all.
+    listed: dict[int, list[tuple[int, StepHoldings]]] = {}
+    for node, inv in enumerate(inventories):
+        for step, held in inv.steps.items():
+            listed.setdefault(step, []).append((node, held))
+    tier = persistent or {}
+    for step in sorted(listed.keys() | tier.keys(), reverse=True):
+        fetch = _plan_step(step, listed.get(step, []), tier.get(step), excluded, len(inventories))
+        if fetch is not None:
+            return RoundPlan(attempt, step, fetch[0], fetch[1])
+    return RoundPlan(attempt, None, None, {})
+
+
+Fetches = dict[int, dict[int, list[int]]]  # node -> rank -> holders, as in RoundPlan.fetch
+
+
+def _plan_step(step: int, entries: list[tuple[int, StepHoldings]], offer: TierOffer | None,
+               excluded: set[tuple[int, int, int]], num_nodes: int) -> tuple[int, Fetches] | None:
+    """(world size, node -> rank -> holders) when every part of ``step`` is somewhere, else None."""
+    world_sizes = {held.world_size for _, held in entries}
+    if offer is not None:
+        world_sizes.add(offer.world_size)
+    if len(world_sizes) != 1:
+        return None  # nodes (or the tier) disagree about the job's size at this step: not usable
+    (world,) = world_sizes
+    in_place: set[int] = set()
+    for node, held in entries:  # map and set operations: this runs for every node
+        owners_here = list(held.local.values())
+        if owners_here.count(node) == len(owners_here):
+            in_place.update(held.local)
+        else:
+            in_place.update(r for r, o in held.local.items() if o == node)
+    missing = sorted(set(range(world)).difference(in_place))
+    # A part's owner: the first inventory (in node order, local before replicas) to name it, then the
+    # tier's manifests; updating from the last inventory to the first leaves the first one's word.
+    owners: dict[int, int] = {}
+    for _, held in reversed(entries):
+        owners.update(held.replicas)
+        owners.update(held.local)
+    holders: dict[int, list[int]] = {}  # only for the parts not in place
+    wanted = set(missing)
+    for node, held in entries:
+        for rank in wanted.intersection(held.replicas):
+            if not excluded or (step, rank, node) not in excluded:
+                holders.setdefault(rank, []).append(node)
+    in_tier: set[int] = set()
+    if offer is not None:
+        in_tier = {r for r in offer.ranks if (step, r, PERSISTENT_HOLDER) not in excluded}
+        for rank, owner in offer.owners.items():
+            owners.setdefault(rank, owner)
+    fetch: Fetches = {}
+    for rank in missing:
+        found = sorted(holders.get(rank, []))
+        if rank in in_tier:
+            found.append(PERSISTENT_HOLDER)
+        owner = owners.get(rank, _default_owner(rank, world, num_nodes))
+        if not found or owner is None:
+            return None
+        fetch.setdefault(owner, {})[rank] = found
+    return world, fetch
+
+
+def _default_owner(rank: int, world: int, num_nodes: int) -> int | None:
+    """The node a rank runs on when nothing records it: torchrun's contiguous blocks of
+    ``world / num_nodes`` ranks per node (None when the world does not divide evenly)."""
+    if num_nodes <= 0 or world % num_nodes:
+        return None
+    return rank // (world // num_nodes)

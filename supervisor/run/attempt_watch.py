@@ -1,0 +1,255 @@
+"""Watching one running attempt: poll until the job exits, a rank dies, a rank hangs or straggles,
+another node ends the attempt, or rlsup is asked to stop; then say how it ended (an
+:class:`~supervisor.diagnosis.outcome.AttemptResult`, stacks and verdict included where ranks were stuck).
+
+What it does to processes goes through the :class:`~supervisor.processes.job.ProcessLayer` (a fake one
+in tests/test_run_loop.py); what it learns on the way (steps, heartbeat timeout, saves) goes to the
+run record, the checkpoint sight and the observer.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+from supervisor.diagnosis.outcome import AttemptResult, classify_exit, error_file_for, from_rank_death
+from supervisor.run.checkpoint_sight import CheckpointSight
+from supervisor.diagnosis.hang_detector import AutoTimeout, HangDetector, HangSettings, HangVerdict
+from supervisor.lifecycle import EndReason, JobStatus
+from supervisor.observer import Observer
+from supervisor.processes.job import JobProcess, ProcessLayer
+from supervisor.diagnosis.step_reports import JOB_RANK, registered_ranks
+from supervisor.diagnosis.rank_deaths import RankDeathWatch
+from supervisor.run.record import RunRecord
+from supervisor.run.settings import RunSettings
+from supervisor.stop_request import StopRequest
+from supervisor.diagnosis.stragglers import StragglerDetector, StragglerWatch
+from rlsup_format.heartbeat_record import rank_file_name, request_stop
+
+if TYPE_CHECKING:
+    from supervisor.diagnosis.flight_recorder import Analysis, FlightVerdict
+    from supervisor.cluster.fr_exchange import FrExchange
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class AttemptWatch:
+    """The watch of a run's attempts. ``peer_ended`` is polled while the job runs (a reason when
+    another node ended the attempt); ``saved`` is called when a rank's save just ended."""
+
+    settings: RunSettings
+    hang: HangSettings
+    auto_timeout: AutoTimeout
+    processes: ProcessLayer
+    stop: StopRequest
+    record: RunRecord
+    sight: CheckpointSight
+    observer: Observer
+    node_name: str
+    peer_ended: Callable[[int], str | None]
+    saved: Callable[[], None]
+    fr_share: "FrExchange | None" = None  # several nodes: FR dumps go to node 0 (supervisor.cluster.fr_exchange)
+
+    def watch(self, job: JobProcess, hb_dir: Path, attempt: int) -> AttemptResult:
+        deaths = RankDeathWatch()
+        try:
+            return self._poll(job, hb_dir, attempt, deaths)
+        finally:
+            deaths.close()
+            self.auto_timeout.persist(force=True)  # what this attempt taught, for the next rlsup too
+
+    def start_step(self) -> int | None:
+        """The step the attempt starts from, as the hang detector's first-step rule needs it: the resumed step,
+        0 for a fresh start, None where rlsup does not know (resume off: the trainer picks; a checkpoint
+        that names no step)."""
+        state = self.record.state
+        if not self.settings.resume:
+            return None
+        return 0 if state.resume_dir is None else state.resume_step
+
+    def _poll(self, job: JobProcess, hb_dir: Path, attempt: int, deaths: RankDeathWatch) -> AttemptResult:
+        detector = HangDetector.from_settings(hb_dir, self.hang, self.auto_timeout, self.processes.alive,
+                                              self.start_step())
+        stragglers = self._straggler_watch(attempt)
+        oom_before = self.processes.oom_kill_count()
+        started = time.monotonic()  # the kernel's GPU errors from here on are this attempt's
+        first_dead: tuple[int, int] | None = None
+        saves_seen = 0
+        while True:
+            code = job.poll()
+            if code is not None:
+                if code != 0 and not self.stop.asked and job.output.finished is None:
+                    # A failed root: its children must not train on while the output drains (a failed
+                    # attempt is SIGKILLed anyway); a success or a stop keeps cleanup's SIGTERM and grace.
+                    killed = job.terminate_tree(0.0, stuck_after=self.settings.kill_grace)
+                    if killed:
+                        log.info(f"attempt {attempt}: job root exited with {code}; killed what it left: {killed}")
+                job.output.join(timeout=2)
+                return self._classify_exit(attempt, code, job, detector, first_dead, oom_before, started)
+            if self.stop.asked:
+                return self._stop_job(attempt, job, detector)
+            peer = self.peer_ended(attempt)
+            if peer is not None:
+                log.info(f"attempt {attempt}: ended by another node ({peer}); stopping this node's job")
+                if self.fr_share is not None:  # where that node asked, dumps first: the ranks still wait
+                    self.fr_share.peer_ended(attempt, hb_dir, [r for r in detector.records if r >= 0])
+                return AttemptResult(attempt, EndReason.PEER_FAILURE, None, detail=peer, last_step=detector.last_step(),
+                                     output_tail=job.output.tail())
+            job.refresh()
+            verdict = detector.check()
+            timeout, origin = detector.timeout(), detector.origin()
+            self.observer.heartbeats(detector.records, timeout)
+            self.observer.heartbeat_timeout(origin)
+            self.record.heartbeats(timeout, detector.last_step(), origin)
+            self.auto_timeout.persist()
+            if verdict is not None:
+                return self._hang(attempt, job, detector, verdict)
+            slow = stragglers.poll(detector.records)
+            if slow is not None:  # straggler_action: restart
+                return slow.attempt_result(detector.last_step(), job.output.tail())
+            if first_dead is None:
+                first_dead = self._first_dead_rank(detector)
+            saves = sum(rec.saves for rec in detector.records.values())
+            if saves != saves_seen:
+                saves_seen = saves
+                self.saved()
+            deaths.track((rec.rank, rec.pid) for rec in detector.records.values() if rec.pid != job.pid)
+            death = None if self.stop.asked else deaths.wait(self.settings.poll_interval)
+            if death is not None and job.poll() is None:
+                log.info(f"attempt {attempt}: {death.describe()}; ending the attempt")
+                detector.scan()  # the steps the ranks reached since the last poll (the incident's last_step)
+                return from_rank_death(attempt, death, tail=job.output.tail(), last_step=detector.last_step(),
+                                       oom_rose=self._oom_rose(oom_before), since=started)
+
+    # ------------------------------------------------------------ how it ended
+
+    def _classify_exit(self, attempt: int, code: int, job: JobProcess, detector: HangDetector,
+                       first_dead: tuple[int, int] | None, oom_before: int | None, started: float) -> AttemptResult:
+        detector.scan()  # the last beats (the output's, where it speaks: job.output was joined)
+        return classify_exit(attempt, code, tail=job.output.tail(), last_step=detector.last_step(), job_pid=job.pid,
+                             first_dead=first_dead, oom_rose=self._oom_rose(oom_before), finished=job.output.finished,
+                             stop_reason=self.stop.reason if self.stop.asked else None,
+                             error_file=error_file_for(detector.directory), since=started)
+
+    def _oom_rose(self, oom_before: int | None) -> bool:
+        return oom_before is not None and (self.processes.oom_kill_count() or 0) > oom_before
+
+    def _first_dead_rank(self, detector: HangDetector) -> tuple[int, int] | None:
+        for rec in detector.records.values():
+            if rec.pid and not self.processes.pid_exists(rec.pid):
+                return rec.rank, rec.pid
+        return None
+
+    def _straggler_watch(self, attempt: int) -> StragglerWatch:
+        s = self.settings
+        return StragglerWatch(StragglerDetector(s.straggler_factor, s.straggler_window, self.node_name, attempt),
+                              s.state_dir, s.straggler_restart, log.info, self.observer)
+
+    def _hang(self, attempt: int, job: JobProcess, detector: HangDetector, verdict: HangVerdict) -> AttemptResult:
+        reason = EndReason.HANG if verdict.reason == "heartbeat_timeout" else EndReason(verdict.reason)
+        # The output's record (JOB_RANK) names the job's root, a launcher: the stuck trainer is named from its stacks
+        who = "the job's output" if verdict.rank == JOB_RANK else f"rank {verdict.rank} (pid {verdict.pid})" \
+            if verdict.rank is not None else "no rank"
+        detail = f"{who} silent for {verdict.silent_s:.2f}s > {verdict.reason} {verdict.timeout_s:.2f}s"
+        detail += f" ({verdict.note})" if verdict.note else ""  # startup: no report yet, or the first step
+        log.info(f"attempt {attempt}: hang detected: {detail}; dumping stacks")
+        flight = self._flight_recorder(detector)  # first: py-spy pauses ranks; its analysis runs meanwhile
+        if self.fr_share is not None:  # ask the other nodes for their dumps (they dump when the attempt ends)
+            self.fr_share.hang(attempt, flight)
+        stacks = self.processes.dump_stacks(detector.directory, detector.records)
+        if self.fr_share is not None:  # after our stacks: the peers' kills break our ranks' wait
+            self.fr_share.end(attempt, f"{reason} {detail}")
+            self.fr_share.await_peers(attempt)  # our ranks hold the peers' in the collective until they dumped
+        # Killed before the analysis is awaited: a stop (preemption) asked meanwhile finds no job to wait for.
+        # The analyser is rlsup's child, not the job's: the tree kill must spare it.
+        analyser = flight.child.pid if flight is not None and flight.child is not None else None
+        JobProcess.helpers.update([analyser] if analyser else [])
+        try:
+            killed = job.terminate_tree(0.0, stuck_after=self.settings.kill_grace)
+            if killed:
+                log.info(f"attempt {attempt}: killed the hung job: {killed}")
+            result = AttemptResult(attempt, reason, None, rank=verdict.rank, pid=verdict.pid, detail=detail,
+                                   stacks=stacks, last_step=detector.last_step(), output_tail=job.output.tail())
+            fr = self._finish_flight(attempt, flight, detector.directory.parent) if flight is not None else None
+        finally:
+            if analyser:
+                JobProcess.helpers.discard(analyser)
+        if fr is not None:
+            result.fr_verdict = fr.text
+        self._with_verdict(attempt, result)
+        if fr is not None and fr.suspects:  # FR's suspects over the stacks': it saw the collectives themselves
+            result.suspect_ranks = fr.suspects
+            result.suspect_nodes = sorted({*result.suspect_nodes, self.node_name})
+            self.observer.suspect(self.node_name, "flight_recorder")
+        return result
+
+    def _flight_recorder(self, detector: HangDetector) -> "Analysis | None":
+        """Every rank's Flight Recorder dump, its analysis started (None where no rank answers: FR off, no
+        trainer_hooks, no torch.distributed)."""
+        from supervisor.diagnosis.flight_recorder import begin_hang_verdict
+
+        try:
+            return begin_hang_verdict(detector.directory, [r for r in detector.records if r >= 0], self.node_name)
+        except Exception as e:  # noqa: BLE001 - a verdict is a bonus: the hang is handled without it
+            log.warning(f"flight recorder: no verdict: {type(e).__name__}: {e}")
+            return None
+
+    def _finish_flight(self, attempt: int, flight: "Analysis", attempt_dir: Path) -> "FlightVerdict | None":
+        """FR's verdict, logged first: it leads the stacks' grouping (awaited at most HANG_ANALYSE_S, and not
+        once rlsup is asked to stop)."""
+        from supervisor.cluster.fr_exchange import HANG_ANALYSE_S, finish_analysis, save_verdict
+
+        try:
+            fr = finish_analysis(flight, HANG_ANALYSE_S, lambda: self.stop.asked)
+            save_verdict(fr, attempt_dir)
+        except Exception as e:  # noqa: BLE001 - as above
+            log.warning(f"flight recorder: no verdict: {type(e).__name__}: {e}")
+            return None
+        log.info(f"attempt {attempt}: {fr.text}")
+        self.observer.flight_recorder(fr.suspects)
+        return fr
+
+    def _with_verdict(self, attempt: int, result: AttemptResult) -> AttemptResult:
+        """Group the stacks taken and lead the log with who to blame (the ranks outside the majority)."""
+        from supervisor.diagnosis.stack_groups import add_verdict
+
+        add_verdict(result, self.node_name)
+        if result.verdict:
+            log.info(f"attempt {attempt}: {result.verdict}")
+        for node in result.suspect_nodes:
+            self.observer.suspect(node, "stacks")
+        return result
+
+    def _stop_job(self, attempt: int, job: JobProcess, detector: HangDetector) -> AttemptResult:
+        """Ask the job to save and exit (stop flags + signal), wait stop_grace, then end it."""
+        signum, grace = self.stop.signum, self.settings.stop_grace
+        assert signum is not None
+        self.record.set_state(JobStatus.STOPPING)
+        detector.scan()
+        for rank in detector.records:
+            try:
+                request_stop(detector.directory / rank_file_name(rank))
+            except OSError:
+                pass
+        if self.stop.preempted:
+            # Only ranks that registered (trainer_hooks installed the handler) get the preemption signal;
+            # the job's root only where no rank did (its record is the output's: ``progress``).
+            for rec in registered_ranks(detector.records).values():
+                self.processes.kill(rec.pid, signum)
+        else:
+            job.send(signum)
+        log.info(f"stopping: waiting up to {grace:.0f}s for the job to save and exit")
+        code = job.wait_exit(grace)
+        stacks: dict[str, str] = {}
+        if code is None:  # where the ranks are stuck is what the operator needs to know next
+            log.info(f"the job did not exit within stop_grace {grace:.0f}s; dumping stacks, then killing it")
+            detector.scan()
+            stacks = self.processes.dump_stacks(detector.directory, detector.records)
+        result = AttemptResult(attempt, self.stop.reason, code, last_step=detector.last_step(),
+                               output_tail=job.output.tail(), stacks=stacks,
+                               detail=f"job exited with {code}" if code is not None else "killed after stop_grace")
+        return self._with_verdict(attempt, result) if stacks else result
