@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -154,6 +155,7 @@ FAST_MODULES: dict[str, frozenset[str]] = {
     "test_memory_tier_timeline.py": frozenset(),
     "test_recovery_accounting.py": frozenset(),
     "test_sbatch_spares.py": frozenset(),
+    "test_module_times.py": frozenset(),
     "test_node_name.py": frozenset(),
     "test_tier_metrics.py": frozenset({"test_a_read_that_moves_is_not_cut_one_that_stops_is"}),  # real stalls (4 s)
     "test_transport_auth.py": frozenset(),
@@ -185,14 +187,14 @@ def _is_e2e(item: pytest.Item) -> bool:
 def _check_fast_modules(items: list[pytest.Item]) -> None:
     """A renamed test, fixture or module must not leave a stale name behind (a renamed slow test would join the
     fast tier)."""
-    missing = [m for m in (*FAST_MODULES, *LONGEST_FIRST) if not (TESTS / m).is_file()]
+    missing = [m for m in FAST_MODULES if not (TESTS / m).is_file()]
     for item in items:
         module, mod = _module(item) or "", getattr(item, "module", None)
         for name in FAST_MODULES.get(module, ()):
             if mod is not None and not name.startswith("[") and not hasattr(mod, name):
                 missing.append(f"{module}::{name}")
     if missing:
-        raise pytest.UsageError(f"tests/conftest.py FAST_MODULES or LONGEST_FIRST names what is not there: "
+        raise pytest.UsageError(f"tests/conftest.py FAST_MODULES names what is not there: "
                                 f"{sorted(set(missing))}")
 
 
@@ -206,11 +208,14 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
     return True if collection_path.relative_to(TESTS).as_posix() not in FAST_MODULES else None
 
 
-# The longest modules, longest first (minutes each on 2 cores: `--durations` and the junit times say which).
-# Under pytest-xdist (`--dist loadfile`: a module stays on one worker; its reordering by test count is turned off in
-# pytest_configure, or the many-test fast modules would go first) they are handed out first, so no worker
-# starts one of them while the others are already done: the suite's wall time is the sum over workers, not
-# the sum plus one long module at the end. A stale entry costs speed only; a missing module runs in its place.
+# The longest modules first. Under pytest-xdist (`--dist loadfile`: a module stays on one worker; its reordering by
+# test count is turned off in pytest_configure, or the many-test fast modules would go first) they are handed out
+# first, so no worker starts one of them while the others are already done: the suite's wall time is the sum over
+# workers, not the sum plus one long module at the end. The order is generated from the seconds each module took in
+# a CI run (`.ci/run` writes JUnit XML; `python scripts/module_times.py .ci/junit.xml` rewrites
+# tests/module_times.json). A stale or missing entry costs speed only: an unknown module runs after the timed ones.
+MODULE_TIMES = TESTS / "module_times.json"
+# Used only while tests/module_times.json is absent (a checkout from before the file was generated).
 LONGEST_FIRST = ("chaos/test_chaos_ci.py", "test_thirdparty_trainers.py", "test_recipe_verl.py", "test_recipe_ray.py",
                  "test_multinode_jobs.py", "test_multinode_spares.py", "test_multinode_memory.py",
                  "test_flight_recorder_multinode.py", "chaos/test_partitions.py", "test_stragglers.py", "test_hung_fs.py",
@@ -222,9 +227,18 @@ LONGEST_FIRST = ("chaos/test_chaos_ci.py", "test_thirdparty_trainers.py", "test_
                  "test_warm_launcher.py", "test_layouts_lightning.py")
 
 
-def _longest_first(item: pytest.Item) -> int:
-    module = _module(item)
-    return LONGEST_FIRST.index(module) if module in LONGEST_FIRST else len(LONGEST_FIRST)
+def _longest_first_order() -> dict[str, int]:
+    """Each module's place in the hand-out order: by the seconds module_times.json gives it, longest first."""
+    try:
+        times = json.loads(MODULE_TIMES.read_text())
+        ranked = sorted((m for m, t in times.items() if isinstance(t, (int, float))), key=lambda m: -times[m])
+    except (OSError, ValueError, AttributeError):
+        ranked = list(LONGEST_FIRST)
+    return {m: i for i, m in enumerate(ranked)}
+
+
+def _longest_first(item: pytest.Item, order: dict[str, int]) -> int:
+    return order.get(_module(item) or "", len(order))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -233,4 +247,5 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if _is_e2e(item):
             item.add_marker(pytest.mark.e2e)
     if os.environ.get("PYTEST_XDIST_WORKER"):  # every worker sorts alike, so all collect the same list
-        items.sort(key=_longest_first)  # stable: the rest keep their order
+        order = _longest_first_order()
+        items.sort(key=lambda item: _longest_first(item, order))  # stable: the rest keep their order

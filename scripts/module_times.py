@@ -1,0 +1,67 @@
+#!/usr/bin/env python3
+"""Per-module test times from a CI run's JUnit XML, written to tests/module_times.json: the longest-first order
+the suite hands modules to its workers is generated from them (tests/conftest.py), never kept by hand.
+
+    python scripts/module_times.py .ci/junit.xml            # rewrite tests/module_times.json
+    python scripts/module_times.py .ci/junit.xml --top 15   # and print the 15 longest modules
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import xml.etree.ElementTree as ET
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TESTS = ROOT / "tests"
+OUT = TESTS / "module_times.json"
+
+
+def module_of(classname: str) -> str | None:
+    """``tests.chaos.test_chaos_ci`` (or ``tests.test_x.TestClass``) -> ``chaos/test_chaos_ci.py``: the longest
+    prefix of the dotted name that is a test file under tests/."""
+    parts = classname.split(".")
+    if parts and parts[0] == "tests":
+        parts = parts[1:]
+    for end in range(len(parts), 0, -1):
+        rel = "/".join(parts[:end]) + ".py"
+        if (TESTS / rel).is_file():
+            return rel
+    return None
+
+
+def module_times(junit: Path) -> dict[str, float]:
+    """Seconds per test module (setup, call and teardown of each of its tests), from one JUnit XML file."""
+    times: dict[str, float] = defaultdict(float)
+    for case in ET.parse(junit).getroot().iter("testcase"):
+        module = module_of(case.get("classname", ""))
+        if module is not None:
+            times[module] += float(case.get("time") or 0.0)
+    return {m: round(t, 1) for m, t in sorted(times.items(), key=lambda kv: (-kv[1], kv[0]))}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("junit", type=Path, help="the JUnit XML a CI run wrote (.ci/run: --junitxml=.ci/junit.xml)")
+    ap.add_argument("--top", type=int, default=0, help="print the N longest modules")
+    ap.add_argument("--out", type=Path, default=OUT, help="where to write the times (default: %(default)s)")
+    args = ap.parse_args(argv)
+    if not args.junit.is_file():
+        print(f"module_times: {args.junit}: no such file (run the suite with --junitxml first)", file=sys.stderr)
+        return 2
+    times = module_times(args.junit)
+    if not times:
+        print(f"module_times: {args.junit}: no test case of tests/ in it", file=sys.stderr)
+        return 2
+    args.out.write_text(json.dumps(times, indent=1) + "\n")
+    for module, seconds in list(times.items())[:args.top]:
+        print(f"{seconds:8.1f}s  {module}")
+    print(f"module_times: {len(times)} modules, {sum(times.values()):.0f} s in all -> {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
