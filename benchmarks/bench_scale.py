@@ -5,11 +5,11 @@
     .venv/bin/python benchmarks/bench_scale.py --only agreement --sizes 64,128 --backends embedded
     .venv/bin/python benchmarks/bench_scale.py --markdown out.md --json out.json
 
-A simulated node is a real ``MultiNodeSupervisor`` (its config, membership, coordinator and the real
-round: ``first_attempt``/``next_attempt`` -> join; ``prepare`` -> publish the inventory, node 0 waits for
+A simulated node is a real node's ``NodeGroup`` (its config, membership, coordinator and the real
+round: ``join``; ``agree`` -> publish the inventory, node 0 waits for
 every inventory and runs ``compute_plan``, every node fetches and publishes its fetch result, node 0
 publishes their union, every node marks ready and waits until node 0 has seen all ready) without a
-trainer: nothing is launched once ``prepare`` returns.
+trainer: nothing is launched once ``agree`` returns.
 
 Figures (``--only`` keys):
 
@@ -76,7 +76,8 @@ from supervisor.tiers.holdings import NodeInventory, RoundPlan, StepHoldings  # 
 from supervisor.cluster.coordinator import RoundCoordinator, compute_plan  # noqa: E402
 from supervisor.job_identity import JobIdentity  # noqa: E402
 from supervisor.membership import Membership, replica_targets  # noqa: E402
-from supervisor.cluster.multinode import MultiNodeSupervisor, connect_coordinator  # noqa: E402
+from supervisor.cluster.multinode import connect_coordinator  # noqa: E402
+from supervisor.cluster.node_run import NodeRun  # noqa: E402
 
 SECRET = b"bench-scale-secret-bench-scale-secret"
 RANKS = 8  # ranks per node
@@ -243,26 +244,37 @@ class MemPartStore:
         return contextlib.nullcontext()
 
 
-class SimNode(MultiNodeSupervisor):
-    """A node supervisor without a trainer: the real join and ``prepare``; its log kept, not printed."""
+class PlanTap:
+    """A node's coordinator that keeps each plan the node reads (what the benchmark reports); the rest is the
+    coordinator's own."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self.messages: list[str] = []
+    def __init__(self, coordinator: RoundCoordinator, plans: list[str]) -> None:
+        self.coordinator, self.plans = coordinator, plans
+
+    def plan(self, attempt: int, plan_try: int = 0) -> RoundPlan:
+        plan = self.coordinator.plan(attempt, plan_try)
+        self.plans.append(plan.to_json())
+        return plan
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.coordinator, name)
+
+
+class SimNode:
+    """A node without a trainer: the real join and agreement of a node's run (its NodeGroup), no run loop."""
+
+    def __init__(self, cfg: SupervisorConfig, command: list[str], membership: Membership, engine: Any, *,
+                 job: JobIdentity, coordinator: RoundCoordinator) -> None:
+        self.cfg, self.coordinator = cfg, coordinator
         self.plans: list[str] = []
-        super().__init__(*args, **kwargs)
+        run = NodeRun(cfg, command, membership, engine, job=job, coordinator=coordinator)
+        self.group = run.group(PlanTap(coordinator, self.plans))  # type: ignore[arg-type]
         self.attempt: int | None = None
 
-    def _log(self, message: str) -> None:  # type: ignore[override]
-        self.messages.append(message)
-
-    def _fetch(self, attempt: int, plan: RoundPlan):  # type: ignore[no-untyped-def]
-        self.plans.append(plan.to_json())
-        return super()._fetch(attempt, plan)
-
     def round(self) -> tuple[int, Any]:
-        """One round: join (the first, or the next after the previous one ended), then prepare."""
-        attempt = self.first_attempt() if self.attempt is None else self.next_attempt(self.attempt)
-        resume = self.prepare(attempt)
+        """One round: join (the first, or the next after the previous one ended), then agree."""
+        attempt = self.group.join(0 if self.attempt is None else self.attempt + 1)
+        resume = self.group.agree(attempt, lambda: None)
         self.attempt = attempt
         return attempt, resume
 

@@ -628,7 +628,7 @@ def bench_restore(ctx: Ctx) -> list[Row]:
             shutil.rmtree(ckpt, ignore_errors=True)  # the wiped node
             ckpt.mkdir(parents=True)
             t0 = time.perf_counter()
-            if kind == "rlsup":  # as MultiNodeSupervisor._fetch does it: leftovers cleaned, then fetch_part
+            if kind == "rlsup":  # as NodeGroup._fetch does it: leftovers cleaned, then fetch_part
                 engine.clean()
                 fetch_part([engine.peer_store(1)], engine.local_store(), 100, 0, accept=engine.accept)
                 t_rl.append(time.perf_counter() - t0)

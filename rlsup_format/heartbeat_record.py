@@ -37,7 +37,6 @@ EXTRA = struct.Struct("<4q")
 EXTRA_OFFSET = RECORD.size
 SECTIONS = {"none": 0, "save": 1, "load": 2, "user": 3, "work": 4, "exit": 5}
 SECTION_NAMES = {v: k for k, v in SECTIONS.items()}
-ENV_DIR = "RLSUP_HEARTBEAT_DIR"
 STACKS_SIGNAL = signal.SIGUSR2
 I64 = struct.Struct("<q")
 

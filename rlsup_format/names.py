@@ -32,6 +32,7 @@ from functools import lru_cache
 STEP_DIR_RE = re.compile(r"^step_(\d{9,})$")
 MANIFEST_RE = re.compile(r"^manifest\.rank_(\d{5,})\.json$")
 PLACEMENT_RE = re.compile(r"^\.rlsup-placement\.node(\d+)\.json$")
+PLACEMENT_GLOB = ".rlsup-placement.node*.json"  # every node's placement record in a step directory
 
 
 def step_dir_name(step: int) -> str:

@@ -24,7 +24,6 @@ import re
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-ENV_JOB_ID = "RLSUP_JOB_ID"
 _SAFE = re.compile(r"[^A-Za-z0-9_-]+")
 MAX_LEN = 64
 

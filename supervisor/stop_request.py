@@ -32,6 +32,7 @@ class StopRequest:
     def __init__(self, preempt_signal: signal.Signals) -> None:
         self.preempt_signal = preempt_signal
         self.signum: int | None = None  # the signal that asked (None: nobody asked)
+        self.asks = 0  # how many times it was asked (a stop after a given moment: the count grew since)
         self.preempted = False
         self._wake = threading.Event()
 
@@ -44,6 +45,7 @@ class StopRequest:
         an earlier handler's Event.set, whose lock it would wait for forever); the loop polls them."""
         self.preempted = self.preempted or preempted
         self.signum = signum
+        self.asks += 1
 
     def ask(self, signum: int, preempted: bool = False) -> None:
         """Stop the run (from any thread but a signal handler): the backoff wait wakes at once."""

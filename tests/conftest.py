@@ -77,6 +77,7 @@ FAST_MODULES: dict[str, frozenset[str]] = {
     "test_gpu_failures.py": frozenset(),
     "test_hang_detector.py": frozenset(),
     "test_house_rules.py": frozenset(),
+    "test_http11.py": frozenset(),
     "test_import_side_effects.py": frozenset(),
     "test_kvstore.py": frozenset({"[etcd]", "etcd_cluster", "etcd_cluster_clean"}),  # real etcd servers
     "test_launch_args.py": frozenset({  # rlsup run around a trainer that picks its newest step itself
@@ -114,6 +115,7 @@ FAST_MODULES: dict[str, frozenset[str]] = {
     "test_multinode_memory.py": frozenset({
         "test_rank_sigkill_all_nodes_resume_from_memory_bit_identical",
         "test_node_lost_with_its_memory_resumes_from_disk_and_a_peer_bit_identical"}),
+    "test_outcome.py": frozenset(),
     "test_part_protocol.py": frozenset(),
     "test_persistent_tier.py": frozenset({"test_wiped_local_resumes_from_persistent_bit_identical"}),
     "test_private_files.py": frozenset(),

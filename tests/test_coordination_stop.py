@@ -35,7 +35,7 @@ from supervisor.job_identity import JobIdentity
 from supervisor.cluster.kvstore import TCPKVStore
 from supervisor.lifecycle import EndReason, JobStatus
 from supervisor.membership import Membership
-from supervisor.cluster.multinode import MultiNodeSupervisor
+from supervisor.cluster.node_run import NodeRun
 from supervisor.run.record import RunResult
 from supervisor.stop_request import StopAsked, StopRequest
 from support.ports import free_port
@@ -221,7 +221,7 @@ class OneNodeEngine:
 
 
 def test_a_stop_in_a_round_is_recorded_as_a_stop_and_ends_the_attempt_for_the_others(tmp_path: Path) -> None:
-    """Node 1's whole loop (MultiNodeSupervisor over a real store, fake processes): node 0 joins but never
+    """Node 1's whole loop (NodeRun over a real store, fake processes): node 0 joins but never
     plans; SIGTERM while node 1 waits for the plan ends the run at once, 143, the attempt recorded as
     stopped, nothing launched, and ``end/0`` tells node 0 why."""
     port = free_port()
@@ -230,10 +230,10 @@ def test_a_stop_in_a_round_is_recorded_as_a_stop_and_ends_the_attempt_for_the_ot
     cfg = SupervisorConfig(checkpoint_dir=str(tmp_path / "ckpt"), state_dir=str(tmp_path / "state"), metrics_port=0,
                            poll_interval=0.005, warm_launcher=False, peers=list(peers), node_rank=1)
     layer, recorder = FakeProcesses(), Recorder()
-    sup = MultiNodeSupervisor(cfg, ["train"], Membership(peers, 1), OneNodeEngine(),  # type: ignore[arg-type]
-                              recorder, job=JOB, processes=layer,  # type: ignore[arg-type]
-                              connect=lambda stop: embedded_coordinator("127.0.0.1", port, JOB, SECRET, 1, 2,
-                                                                        TIMEOUT_S, stop))
+    sup = NodeRun(cfg, ["train"], Membership(peers, 1), OneNodeEngine(),  # type: ignore[arg-type]
+                  recorder, job=JOB, processes=layer,  # type: ignore[arg-type]
+                  connect=lambda stop: embedded_coordinator("127.0.0.1", port, JOB, SECRET, 1, 2,
+                                                            TIMEOUT_S, stop))
     threading.Thread(target=lambda: leader.join(0), daemon=True).start()  # node 0 joins, then never plans
 
     def stop_once_waiting_for_the_plan() -> None:
@@ -265,10 +265,10 @@ def test_a_round_that_times_out_is_recorded_as_given_up(tmp_path: Path) -> None:
     peers = ("127.0.0.1:1", "127.0.0.1:2")
     cfg = SupervisorConfig(checkpoint_dir=str(tmp_path / "ckpt"), state_dir=str(tmp_path / "state"), metrics_port=0,
                            poll_interval=0.005, warm_launcher=False, peers=list(peers), node_rank=1)
-    sup = MultiNodeSupervisor(cfg, ["train"], Membership(peers, 1), OneNodeEngine(),  # type: ignore[arg-type]
-                              Recorder(), job=JOB, processes=FakeProcesses(),  # type: ignore[arg-type]
-                              connect=lambda stop: embedded_coordinator("127.0.0.1", port, JOB, SECRET, 1, 2, 1.0,
-                                                                        stop))
+    sup = NodeRun(cfg, ["train"], Membership(peers, 1), OneNodeEngine(),  # type: ignore[arg-type]
+                  Recorder(), job=JOB, processes=FakeProcesses(),  # type: ignore[arg-type]
+                  connect=lambda stop: embedded_coordinator("127.0.0.1", port, JOB, SECRET, 1, 2, 1.0,
+                                                            stop))
     threading.Thread(target=lambda: leader.join(0), daemon=True).start()  # node 0 joins, then never plans
     with pytest.raises(CoordinationError, match="timed out after 1s waiting for the plan of attempt 0"):
         sup.run()

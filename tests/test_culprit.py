@@ -14,7 +14,8 @@ from support.incidents import incidents
 from support.procs import run_rlsup
 
 from supervisor import exit_codes
-from supervisor.run.node_health import UNHEALTHY_NODES, node_name
+from rlsup_format.state_files import UNHEALTHY_NODES
+from supervisor.membership import node_name
 from supervisor.diagnosis.stack_groups import group_stacks, main_thread
 
 PY = sys.executable

@@ -27,7 +27,8 @@ from supervisor.job_identity import JobIdentity
 from supervisor.cluster.kvstore import KVStore, StoreUnavailable
 from supervisor.cluster.liveness import LapseWatch
 from supervisor.membership import Membership
-from supervisor.cluster.multinode import MultiNodeSupervisor
+from supervisor.cluster.multinode import NodeGroup
+from supervisor.cluster.node_run import NodeRun
 
 JOB = JobIdentity("job-q", "test")
 SECRET = b"0123456789abcdef-requeue"
@@ -102,10 +103,10 @@ def test_rlsups_own_error_ends_the_job_as_a_give_up_not_as_a_lost_node(tmp_path:
     peers = ("127.0.0.1:1", "127.0.0.1:2")
     cfg = SupervisorConfig(checkpoint_dir=str(tmp_path / "ckpt"), state_dir=str(tmp_path / "state"), metrics_port=0,
                            poll_interval=0.005, warm_launcher=False, peers=list(peers), node_rank=1)
-    sup = MultiNodeSupervisor(cfg, ["train"], Membership(peers, 1), CrashingEngine(),  # type: ignore[arg-type]
-                              Recorder(), job=JOB, processes=FakeProcesses(),  # type: ignore[arg-type]
-                              connect=lambda stop: embedded_coordinator("127.0.0.1", port, JOB, SECRET, 1, 2,
-                                                                        TIMEOUT_S, stop))
+    sup = NodeRun(cfg, ["train"], Membership(peers, 1), CrashingEngine(),  # type: ignore[arg-type]
+                  Recorder(), job=JOB, processes=FakeProcesses(),  # type: ignore[arg-type]
+                  connect=lambda stop: embedded_coordinator("127.0.0.1", port, JOB, SECRET, 1, 2,
+                                                            TIMEOUT_S, stop))
 
     def round_of_node_0() -> object:
         leader.join(0)
@@ -138,5 +139,5 @@ def test_the_watch_of_a_peers_end_makes_one_call_per_poll_where_nothing_reconnec
     store = CutOffStore()
     c = RoundCoordinator(store, JOB, SECRET, 1, 2, TIMEOUT_S)  # type: ignore[arg-type]  # reconnect=None: etcd
     loop = types.SimpleNamespace(coordinator=c, _store_lost=False, _log=lambda m: None)
-    assert MultiNodeSupervisor.peer_ended(loop, 3) is None  # type: ignore[arg-type]
+    assert NodeGroup.peer_ended(loop, 3) is None  # type: ignore[arg-type]
     assert store.calls == 1

@@ -14,7 +14,8 @@ from typing import Callable
 from rlsup_format.heartbeat_record import fr_dump_name
 from support.ports import free_ports
 from support.waits import wait_for
-from supervisor.diagnosis.outcome import AttemptResult
+from supervisor.diagnosis.evidence import AttemptEvidence, FlightEvidence, HangSeen
+from supervisor.diagnosis.outcome import AttemptResult, classify
 from supervisor.cluster.coordinator import RoundCoordinator, embedded_coordinator
 from supervisor.diagnosis.flight_recorder import Analysis, normalise, read_dump
 from supervisor.cluster.fr_exchange import FrExchange, finish_analysis
@@ -27,6 +28,12 @@ DATA = Path(__file__).parent / "data" / "flight_recorder" / "skipped_in_other_gr
 HOUR = 3600.0
 DEADLINE_S = 30.0  # generous: the stop ends each wait within a poll
 
+
+
+def hang_outcome(shared: FlightEvidence | None, local: str = "") -> AttemptResult:
+    """A hang's outcome on this node with the verdict across nodes ``shared`` (``local``: its own FR verdict)."""
+    return classify(AttemptEvidence(0, HangSeen(EndReason.HANG, ""), flight=FlightEvidence(local) if local else None,
+                                    shared_flight=shared))
 
 def coordinators(nodes: int = 2) -> list[RoundCoordinator]:
     port = free_ports(1)[0]
@@ -62,12 +69,13 @@ def recorded(ranks: range) -> dict[int, dict]:
 def test_node_0_stops_gathering_when_asked_to_stop_and_says_so() -> None:
     coords, stop = coordinators(), threading.Event()
     coords[0].keys.create("fr/0/want", "0")
-    result = AttemptResult(0, EndReason.HANG)
-    t = in_thread(lambda: exchange(coords[0], 0, stop).settle(0, result))
+    shared: list[FlightEvidence | None] = []
+    t = in_thread(lambda: shared.append(exchange(coords[0], 0, stop).settle(0)))
     wait_for(lambda: raw(coords[0], "fr/0/0"), DEADLINE_S, "node 0's own record (it then waits for node 1's)")
     stop.set()
     wait_for(lambda: not t.is_alive(), DEADLINE_S, "node 0's settle to give up on node 1")
-    assert "node 1 shared no dumps (rlsup asked to stop)" in (result.fr_verdict or ""), result.fr_verdict
+    verdict = hang_outcome(shared[0]).fr_verdict
+    assert "node 1 shared no dumps (rlsup asked to stop)" in verdict, verdict
     assert raw(coords[0], "fr/0/verdict") is not None  # what came is still published
     assert raw(coords[0], "fr/0/0") is None  # and the records read are gone
 
@@ -75,11 +83,12 @@ def test_node_0_stops_gathering_when_asked_to_stop_and_says_so() -> None:
 def test_a_node_stops_awaiting_the_verdict_when_asked_to_stop_and_says_so() -> None:
     coords, stop = coordinators(), threading.Event()
     coords[0].keys.create("fr/0/want", "0")
-    result = AttemptResult(0, EndReason.HANG, fr_verdict="flight recorder: ranks 2, 3 wait")
-    t = in_thread(lambda: exchange(coords[1], 1, stop).settle(0, result))
+    shared: list[FlightEvidence | None] = []
+    t = in_thread(lambda: shared.append(exchange(coords[1], 1, stop).settle(0)))
     wait_for(lambda: raw(coords[1], "fr/0/1"), DEADLINE_S, "node 1's record (it then waits for the verdict)")
     stop.set()
     wait_for(lambda: not t.is_alive(), DEADLINE_S, "node 1's settle to give up on the verdict")
+    result = hang_outcome(shared[0], local="flight recorder: ranks 2, 3 wait")
     assert result.fr_verdict == ("flight recorder: ranks 2, 3 wait (no verdict across nodes: rlsup asked to stop)")
 
 
@@ -111,10 +120,11 @@ def test_node_0_deletes_an_earlier_exchange_when_the_next_one_starts() -> None:
     coords, stop = coordinators(), threading.Event()
     nodes = [exchange(coords[n], n, stop, wait_s=10) for n in range(2)]
     nodes[1].hang(0, Analysis(recorded(range(2, 4)), {}, {}))
-    results = [AttemptResult(0, EndReason.HANG) for _ in range(2)]
-    t = in_thread(lambda: nodes[1].settle(0, results[1]))
-    nodes[0].settle(0, results[0])
+    shared: list[FlightEvidence | None] = []
+    t = in_thread(lambda: shared.append(nodes[1].settle(0)))
+    ours = nodes[0].settle(0)
     wait_for(lambda: not t.is_alive(), DEADLINE_S, "node 1 to read node 0's verdict")
+    results = [hang_outcome(ours), hang_outcome(shared[0])]
     assert "rank 2" in (results[1].fr_verdict or "") and results[1].fr_verdict == results[0].fr_verdict
     assert [raw(coords[0], f"fr/0/{n}") for n in range(2)] == [None, None]  # read for good: deleted at once
     assert raw(coords[0], "fr/0/want") and raw(coords[0], "fr/0/verdict")  # others may still read these

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from rlsup_format.heartbeat_record import fr_dump_name
-from supervisor.diagnosis.outcome import AttemptResult
+from supervisor.diagnosis.evidence import AttemptEvidence, HangSeen
+from supervisor.diagnosis.outcome import classify
 from supervisor.tiers.holdings import RecordError
 from supervisor.cluster.coordinator import embedded_coordinator
 from supervisor.diagnosis.flight_recorder import Analysis, normalise, read_dump
@@ -149,9 +150,10 @@ def test_node_0_refuses_a_malformed_record_says_so_and_every_node_reads_its_verd
     coords = [embedded_coordinator("127.0.0.1", port, job, b"0123456789abcdef-shared", n, 2, 10) for n in range(2)]
     coords[1].keys.create("fr/0/want", "1")
     coords[1].keys.set("fr/0/1", "{not json")  # a node of another version, or a damaged store
-    results = [AttemptResult(0, EndReason.HANG) for _ in range(2)]
+    results = []
     for n in range(2):  # node 0 judges first; node 1 then reads the verdict it published
-        FrExchange(coords[n], n, 2, f"host{n}", Observer(), gather_s=5, analyse_s=5).settle(0, results[n])
+        shared = FrExchange(coords[n], n, 2, f"host{n}", Observer(), gather_s=5, analyse_s=5).settle(0)
+        results.append(classify(AttemptEvidence(0, HangSeen(EndReason.HANG, ""), shared_flight=shared)))
     text = results[0].fr_verdict
     assert text.startswith("flight recorder: no dumps") and f"node 1's flight recorder record {KEY}" in text, text
     assert results[1].fr_verdict == text and results[1].suspect_ranks == []

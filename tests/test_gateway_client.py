@@ -108,10 +108,11 @@ def test_a_plain_answer_is_read(serve) -> None:
 
 
 @pytest.mark.parametrize("answer, why", [
-    (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n\r\n{}", "without a usable length"),
-    (b"SPDY/3 200 OK\r\nContent-Length: 2\r\n\r\n{}", "not an HTTP/1.x status line"),
+    (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n\r\n{}", "lacks a valid Content-Length"),
+    (b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n{}" % (etcd_http.MAX_BODY_BYTES + 1), "exceeds the limit"),
+    (b"SPDY/3 200 OK\r\nContent-Length: 2\r\n\r\n{}", "malformed status line"),
     (b"HTTP/1.1 200 OK\r\nX-Junk: " + b"j" * (etcd_http.MAX_HEAD_BYTES + 10), "headers over"),
-    (b"HTTP/1.1 200 OK\r\nContent-Type\r\n\r\n", "without a colon"),
+    (b"HTTP/1.1 200 OK\r\nContent-Type\r\n\r\n", "malformed header line"),
     (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", "chunk size that does not parse"),
 ])
 def test_answers_the_gateway_never_writes_are_refused(serve, answer: bytes, why: str) -> None:

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from rlsup_format import state_files
 from rlsup_format.heartbeat_record import EXTRA, EXTRA_OFFSET
-from supervisor.diagnosis.hang_detector import (FIRST_STEP_REPORTS, LEARNED_FILE, NO_REPORT_YET, RECUR_RATIO, STALL_RATIO,
+from supervisor.diagnosis.hang_detector import (FIRST_STEP_REPORTS, NO_REPORT_YET, RECUR_RATIO, STALL_RATIO,
                                       STALLS_IN_A_ROW, AutoTimeout, HangDetector, HangSettings, TimeoutOrigin,
                                       learned_key)
 from supervisor.diagnosis.step_reports import JOB_RANK
@@ -293,7 +294,7 @@ def test_the_docs_state_the_stall_rule_the_code_has() -> None:
 def test_the_learned_timeout_survives_an_rlsup_restart_and_a_bad_file_is_ignored(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     s = settings()
-    path, command = tmp_path / LEARNED_FILE, ["python", "train.py"]
+    path, command = tmp_path / state_files.LEARNED_TIMEOUT, ["python", "train.py"]
     auto = AutoTimeout.from_settings(s, path, command)
     for interval in (1.0, 1.2, 1.1, 50.0):
         auto.observe(interval)
@@ -461,7 +462,7 @@ def test_a_startup_timeout_says_whether_a_step_was_reported(tmp_path: Path) -> N
 def test_what_was_learned_is_kept_across_a_requeue_onto_other_nodes(tmp_path: Path) -> None:
     """torchrun's head node, port, rendezvous id and node rank change with the allocation: not part of the key."""
     s = settings()
-    path = tmp_path / LEARNED_FILE
+    path = tmp_path / state_files.LEARNED_TIMEOUT
     here = ["torchrun", "--nnodes", "2", "--node-rank", "0", "--master-addr", "n01", "--master-port=29500",
             "--rdzv-endpoint", "n01:29400", "--rdzv_id=771", "train.py", "--resume={resume?{dir}:none}"]
     there = ["torchrun", "--nnodes", "2", "--node_rank=1", "--master_addr", "n07", "--master-port", "29511",
@@ -481,7 +482,7 @@ def test_what_was_learned_is_kept_across_a_requeue_onto_other_nodes(tmp_path: Pa
 
 def test_survived_stalls_and_the_step_reached_survive_an_rlsup_restart(tmp_path: Path) -> None:
     s = settings()
-    path = tmp_path / LEARNED_FILE
+    path = tmp_path / state_files.LEARNED_TIMEOUT
     auto = AutoTimeout.from_settings(s, path, ["python", "train.py"])
     for interval in (1.0, 1.0, 1.0, 4.0, 1.0):
         auto.observe(interval, 2)

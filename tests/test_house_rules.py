@@ -183,3 +183,60 @@ def test_the_run_loop_reads_the_config_only_to_build_settings() -> None:
              if isinstance(node, ast.Attribute) and id(node) not in init
              and ((isinstance(node.value, ast.Name) and node.value.id == "cfg") or node.attr == "cfg")]
     assert not reads, f"the run loop reads the config outside Supervisor.__init__: {reads}"
+
+
+# ------------------------------------------------------------ the RLSUP_* environment names live in one module
+#
+# rlsup sets them and the ranks read them: both sides take the names from rlsup_format/job_env.py, so a renamed
+# variable cannot leave one side reading what the other no longer sets. Prose (help texts, messages, docstrings)
+# may mention a name; a string that *is* a name is a use and must be the constant.
+
+ENV_HOME = "rlsup_format/job_env.py"
+ENV_NAME = re.compile(r"RLSUP_[A-Z][A-Z0-9_]*")
+# Files that run without rlsup installed (loaded by path under the job's sys.path): they cannot import the
+# module, so they spell the name beside a comment naming the constant.
+ENV_SPELLED_BY_HAND = ("supervisor/launch/warm_rank.py", "supervisor/launch/warm_pool.py")
+
+
+def env_name_literals(source: str) -> list[tuple[int, str]]:
+    """(line, name) of each string constant in ``source`` that is an ``RLSUP_*`` variable name."""
+    return [(node.lineno, node.value) for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and ENV_NAME.fullmatch(node.value)]
+
+
+def test_env_name_check_finds_what_it_should() -> None:
+    source = '''
+"""Reads ``RLSUP_RESUME_DIR``."""
+import os
+PREFIX = "RLSUP_"
+HELP = "passed as RLSUP_CHECKPOINT_DIR"
+a = os.environ.get("RLSUP_RESUME_DIR")
+b = f"n{os.environ.get('RLSUP_NODE_RANK', '0')}"
+'''
+    assert sorted(name for _, name in env_name_literals(source)) == ["RLSUP_NODE_RANK", "RLSUP_RESUME_DIR"]
+
+
+def test_env_names_come_from_rlsup_format_job_env() -> None:
+    spelled = {str(p.relative_to(ROOT)): env_name_literals(p.read_text()) for p in _modules()}
+    offenders = sorted(f"{path}:{line} {name}" for path, found in spelled.items()
+                       if path != ENV_HOME and path not in ENV_SPELLED_BY_HAND for line, name in found)
+    assert not offenders, "RLSUP_* names spelled by hand (use rlsup_format.job_env):\n" + "\n".join(offenders)
+    for path in ENV_SPELLED_BY_HAND:
+        assert spelled[path] and "rlsup_format.job_env" in (ROOT / path).read_text(), \
+            f"{path}: drop it from ENV_SPELLED_BY_HAND, or name the rlsup_format.job_env constant beside the spelling"
+    from rlsup_format import job_env
+    defined = {v for k, v in vars(job_env).items() if k.isupper() and isinstance(v, str)}
+    unknown = sorted({name for path in ENV_SPELLED_BY_HAND for _, name in spelled[path]} - defined)
+    assert not unknown, f"names spelled by hand that rlsup_format.job_env does not define: {unknown}"
+
+
+def test_state_file_names_come_from_rlsup_format_state_files() -> None:
+    """A file of the state directory is written by one module and read by others (the CLI, the guardian, the
+    next run): a string that is one of its names, anywhere but rlsup_format/state_files.py, is spelled twice."""
+    from rlsup_format import state_files
+    names = {v for k, v in vars(state_files).items() if k.isupper() and isinstance(v, str)}
+    offenders = sorted(f"{p.relative_to(ROOT)}:{node.lineno} {node.value}" for p in _modules()
+                       if p.relative_to(ROOT).as_posix() != "rlsup_format/state_files.py"
+                       for node in ast.walk(ast.parse(p.read_text()))
+                       if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in names)
+    assert not offenders, "state-directory names spelled by hand (use rlsup_format.state_files):\n" + "\n".join(offenders)

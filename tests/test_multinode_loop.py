@@ -1,5 +1,5 @@
-"""MultiNodeSupervisor's loop in-process: one node (rank 1 of 2) over a fake coordinator and replication
-engine and the fake process layer of test_run_loop. Covers what only the hooks add: the round number
+"""A node's run in-process (NodeRun: the run loop composed with NodeGroup): one node (rank 1 of 2) over a fake
+coordinator and replication engine and the fake process layer of test_run_loop. Covers what the nodes add: the round number
 from the coordinator, a failure elsewhere ending this node's attempt (peer_failure), a round abandoned
 before launch, this node's failure and give-up told to the others."""
 
@@ -15,7 +15,7 @@ from supervisor.cluster.coordinator import RoundEnded
 from supervisor.job_identity import job_identity
 from supervisor.lifecycle import JobStatus
 from supervisor.membership import Membership
-from supervisor.cluster.multinode import MultiNodeSupervisor
+from supervisor.cluster.node_run import NodeRun
 
 PEERS = ("127.0.0.1:1", "127.0.0.1:2")
 
@@ -93,7 +93,7 @@ class FakeEngine:
         raise AssertionError("nothing to fetch in these plans")
 
 
-def make(tmp_path: Path, coordinator: FakeCoordinator, *attempts: Attempt, **cfg: object):
+def make(tmp_path: Path, coordinator: FakeCoordinator, *attempts: Attempt, stop: object = None, **cfg: object):
     settings = dict(checkpoint_dir=str(tmp_path / "ckpt"), state_dir=str(tmp_path / "state"), metrics_port=0,
                     poll_interval=0.005, backoff_initial=0.01, backoff_max=0.02, backoff_jitter=0.0,
                     heartbeat_timeout=0.3, startup_timeout=0.3, warm_launcher=False, peers=list(PEERS), node_rank=1)
@@ -101,9 +101,9 @@ def make(tmp_path: Path, coordinator: FakeCoordinator, *attempts: Attempt, **cfg
     layer, recorder = FakeProcesses(*attempts), Recorder()
     membership = Membership(PEERS, 1)
     job = job_identity("loop-test", settings["checkpoint_dir"], True, peers=PEERS)
-    sup = MultiNodeSupervisor(SupervisorConfig(**settings), ["train"], membership,
-                              FakeEngine(),  # type: ignore[arg-type]
-                              recorder, job=job, coordinator=coordinator, processes=layer)  # type: ignore[arg-type]
+    sup = NodeRun(SupervisorConfig(**settings), ["train"], membership,
+                  FakeEngine(),  # type: ignore[arg-type]
+                  recorder, job=job, coordinator=coordinator, processes=layer, stop=stop)  # type: ignore[arg-type]
     return sup, layer, recorder
 
 
@@ -173,3 +173,112 @@ def test_a_fetch_result_that_did_not_parse_ends_the_attempt_before_anyone_launch
     assert sup.run().exit_code == 0 and len(layer.jobs) == 1  # nothing launched for attempt 0
     assert coord.ends and coord.ends[0][0] == 0 and "fetch failed" in coord.ends[0][1], coord.ends
     assert layer.jobs[0].env["RLSUP_RESTART_COUNT"] == "1"
+
+
+# ------------------------------------------------------------ the loop composes; node 0 plans once
+
+
+def test_no_class_in_supervisor_subclasses_the_run_loop() -> None:
+    """The nodes are the loop's collaborator (supervisor.run.peers.Peers), never a subclass of it."""
+    import ast
+
+    root = Path(__file__).resolve().parent.parent / "supervisor"
+    subclasses = [f"{path.relative_to(root)}:{node.name}" for path in sorted(root.rglob("*.py"))
+                  for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.ClassDef)
+                  and any(getattr(b, "id", getattr(b, "attr", None)) == "Supervisor" for b in node.bases)]
+    assert subclasses == []
+
+
+def test_the_stop_handlers_are_installed_once(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Given the command line's stop (its handlers installed there), a node's run installs none; without one, it
+    installs its own once (the loop inside it none)."""
+    from supervisor.stop_request import StopRequest
+
+    installs: list[StopRequest] = []
+    real = StopRequest.install
+    monkeypatch.setattr(StopRequest, "install", lambda self: installs.append(self) or real(self))
+    sup, _, _ = make(tmp_path / "own", FakeCoordinator(), Attempt(exit_code=0))
+    assert sup.run().exit_code == 0 and installs == [sup.stop]
+    installs.clear()
+    given = StopRequest(sup.stop.preempt_signal)
+    sup, _, _ = make(tmp_path / "given", FakeCoordinator(), Attempt(exit_code=0), stop=given)
+    assert sup.stop is given and sup.run().exit_code == 0 and installs == []
+
+
+class FakeTier:
+    """Node 0's persistent tier as the planner reads it: ``offers`` by step, newest first as part_listing lists."""
+
+    location = "fake://tier"
+
+    def __init__(self, offers: dict) -> None:
+        import types
+
+        self.offers, self.protected, self.listed = offers, [], []
+        self.reads = types.SimpleNamespace(call=lambda fn, default: fn())
+
+    def stalled(self) -> None:
+        return None
+
+    def part_listing(self, newer_than: int | None = None, exclude: object = frozenset()) -> dict:
+        self.listed.append(newer_than)
+        return {s: o for s, o in self.offers.items() if newer_than is None or s > newer_than}
+
+    def protect(self, step: int | None) -> None:
+        self.protected.append(step)
+
+
+class InventoryStore:
+    def __init__(self, inventories: list[NodeInventory]) -> None:
+        self.inventories_ = inventories
+        self.published: list[tuple[int, RoundPlan]] = []
+
+    def inventories(self, attempt: int) -> list[NodeInventory]:
+        return self.inventories_
+
+    def publish_plan(self, plan: RoundPlan, plan_try: int = 0) -> None:
+        self.published.append((plan_try, plan))
+
+
+def _planned_steps(monkeypatch) -> list[int]:  # type: ignore[no-untyped-def]
+    from supervisor.cluster import round_plan
+
+    steps: list[int] = []
+    real = round_plan._plan_step
+
+    def counting(step: int, *args: object) -> object:
+        steps.append(step)
+        return real(step, *args)  # type: ignore[arg-type]
+    monkeypatch.setattr(round_plan, "_plan_step", counting)
+    return steps
+
+
+def test_node_0_plans_each_step_once_with_the_persistent_tiers_newer_steps(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Step 4 is complete in the nodes' own parts, steps 6 and 8 only in the tier (8 incomplete there): the plan is
+    step 6 from the tier, and no step is planned twice (the tier is listed only above the nodes' own step)."""
+    from supervisor.cluster.round_lead import RoundLead, RoundMember, round_role
+    from supervisor.tiers.holdings import PERSISTENT_HOLDER, StepHoldings, TierOffer
+
+    steps = _planned_steps(monkeypatch)
+    own = [NodeInventory(0, {4: StepHoldings(2, {0: 0})}), NodeInventory(1, {4: StepHoldings(2, {1: 1})})]
+    tier = FakeTier({8: TierOffer(2, frozenset({0})), 6: TierOffer(2, frozenset({0, 1}), {0: 0, 1: 1})})
+    store = InventoryStore(own)
+    lead = round_role(0, store, tier, lambda line: None)  # type: ignore[arg-type]
+    assert isinstance(lead, RoundLead) and isinstance(round_role(1, store, tier, print), RoundMember)  # type: ignore[arg-type]
+    lead.publish_plan(3, 0, set())
+    ((plan_try, plan),) = store.published
+    assert (plan_try, plan.step) == (0, 6) and plan.fetch == {0: {0: [PERSISTENT_HOLDER]}, 1: {1: [PERSISTENT_HOLDER]}}
+    assert sorted(steps) == [4, 6, 8] and tier.listed == [4] and tier.protected == [6]
+
+
+def test_node_0_keeps_the_nodes_own_step_when_the_tier_has_no_complete_newer_one(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from supervisor.cluster.round_lead import RoundLead
+    from supervisor.tiers.holdings import StepHoldings, TierOffer
+
+    steps = _planned_steps(monkeypatch)
+    own = [NodeInventory(0, {4: StepHoldings(2, {0: 0})}), NodeInventory(1, {4: StepHoldings(2, {1: 1})})]
+    tier = FakeTier({8: TierOffer(2, frozenset({0}))})
+    lead = RoundLead(InventoryStore(own), tier, lambda line: None)  # type: ignore[arg-type]
+    plan = lead.plan(3, set())
+    assert plan.step == 4 and plan.fetch == {} and sorted(steps) == [4, 8] and tier.protected == [4]
+    lead.note_bad({(4, 1)})  # a persistent part that failed verification is never offered again
+    assert lead.bad_persistent == {(4, 1)}

@@ -27,7 +27,9 @@ from rlsup_format.names import host_tag
 from support.cluster import Cluster, assert_same_weights, job_subdir, reference_weights
 from support.waits import wait_for
 from supervisor.tiers.holdings import TierOffer
-from supervisor.tiers.persistent import PersistentPartInvalid, PersistentTier
+from supervisor.tiers.part_protocol import FetchFailed, fetch_part
+from supervisor.tiers.part_stores.local import LocalStore
+from supervisor.tiers.persistent import PersistentTier
 from trainer_hooks import CheckpointManager
 
 NODES = 2
@@ -110,16 +112,19 @@ def test_per_part_copy_out_retention_and_fetch(tmp_path: Path, monkeypatch: pyte
     if kind == "fs":
         assert not dead.exists() and not other_old.exists() and other_new.exists()
 
-    # Restore: the listing offers whole parts with their owners; fetch verifies before the manifest.
+    # Restore: the listing offers whole parts with their owners; the multi-node restore's fetch (the tier's
+    # store as a holder, as the round's plan names it) verifies before the manifest.
     listing = tier0.part_listing()
     assert listing == {21: TierOffer(2, frozenset({0, 1}), {0: 0, 1: 1})}
-    got = tier0.fetch_part(21, 1, tmp_path / "restore")
-    assert got == tmp_path / "restore" / step_dir_name(21) and (got / manifest_name(1)).exists()
+    used, _ = fetch_part([tier0.store], LocalStore(tmp_path / "restore"), 21, 1)
+    got = tmp_path / "restore" / step_dir_name(21)
+    assert used is tier0.store and (got / manifest_name(1)).exists()
     assert not any(p.name.startswith(".staging-") for p in got.iterdir())
     flip_tier_byte(tier0, 21, rel)
     assert tier0.part_listing(exclude={(21, 1)})[21].ranks == {0}
-    with pytest.raises(PersistentPartInvalid):
-        tier0.fetch_part(21, 1, tmp_path / "restore2")
+    with pytest.raises(FetchFailed) as failed:  # the tier's copy is invalid: the plan stops offering it
+        fetch_part([tier0.store], LocalStore(tmp_path / "restore2"), 21, 1)
+    assert failed.value.invalid == [tier0.store]
     bad_dir = tmp_path / "restore2" / step_dir_name(21)
     assert not (bad_dir / manifest_name(1)).exists() and not any(bad_dir.iterdir())
     # Node 1 (a new process: nothing remembered) finds its own part invalid and rewrites it; node 0's

@@ -92,11 +92,11 @@ def test_settings_from_config() -> None:
 ])
 def test_the_give_up_line_names_the_step_reached_never_a_resume(action: Action, code: int, step: int | None,
                                                                  says: str) -> None:
-    from supervisor.diagnosis.outcome import AttemptResult
     from supervisor.lifecycle import EndReason
+    from supervisor.run.incidents import Incident
     from supervisor.run.restart_policy import give_up_code
 
-    result = AttemptResult(3, EndReason.EXIT_CODE if action == Action.FATAL else EndReason.SIGNAL,
-                           42 if action == Action.FATAL else None, last_step=step)
-    got_code, line = give_up_code(action, result, 2)
+    incident = Incident(0.0, 3, EndReason.EXIT_CODE if action == Action.FATAL else EndReason.SIGNAL,
+                        42 if action == Action.FATAL else None, last_step=step, action=action)
+    got_code, line = give_up_code(action, incident, 2)
     assert got_code == code and line.startswith(says) and "resum" not in line

@@ -1,7 +1,7 @@
 """The run loop's watch of another node's end goes on after the store stalled (issue 32, review finding 7).
 
 Node 0's embedded store is hosted by a process of its own (as node 0's supervisor hosts it); node 1 is a
-real MultiNodeSupervisor in this process, over a real TCPStore client, its watch polled as the run loop
+real NodeGroup (NodeRun's) in this process, over a real TCPStore client, its watch polled as the run loop
 polls it (``peer_ended``). The store's process is SIGSTOPped: node 1's read gets no answer, and the store
 gives that connection up after its operation timeout (StoreUnavailable, for good: a late answer could come
 out of turn). SIGCONT, then node 0 ends the attempt. Node 1's watch must see that end: it reaches the store
@@ -30,7 +30,7 @@ from supervisor.cluster.coordinator import RoundCoordinator, embedded_coordinato
 from supervisor.job_identity import JobIdentity
 from supervisor.cluster.kvstore import OP_TIMEOUT_S, StoreUnavailable, TCPKVStore
 from supervisor.membership import Membership
-from supervisor.cluster.multinode import MultiNodeSupervisor
+from supervisor.cluster.node_run import NodeRun
 
 JOB = JobIdentity("job-w", "test")
 SECRET = b"0123456789abcdef-stall-watch"
@@ -62,8 +62,9 @@ def test_the_watch_sees_a_peers_end_after_the_store_stalled(tmp_path: Path) -> N
         cfg = SupervisorConfig(checkpoint_dir=str(tmp_path / "ckpt"), state_dir=str(tmp_path / "state"),
                                metrics_port=0, poll_interval=0.05, warm_launcher=False, peers=list(peers), node_rank=1)
         member = embedded_coordinator("127.0.0.1", port, JOB, SECRET, 1, 2, 60.0)
-        sup = MultiNodeSupervisor(cfg, ["train"], Membership(peers, 1), OneNodeEngine(),  # type: ignore[arg-type]
-                                  Recorder(), job=JOB, processes=FakeProcesses(), coordinator=member)
+        node = NodeRun(cfg, ["train"], Membership(peers, 1), OneNodeEngine(),  # type: ignore[arg-type]
+                       Recorder(), job=JOB, processes=FakeProcesses(), coordinator=member)
+        sup = node.group(member)  # what the node's loop polls
         assert sup.peer_ended(0) is None
 
         os.kill(host.pid, signal.SIGSTOP)  # the store's host stops answering (a stall, not a refusal)

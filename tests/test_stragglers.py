@@ -20,7 +20,8 @@ from support.procs import kill_and_reap, rlsup_cmd
 from support.waits import wait_for
 from rlsup_format.heartbeat_record import HeartbeatRecord
 from supervisor.membership import node_name
-from supervisor.diagnosis.stragglers import STRAGGLERS, StragglerDetector
+from rlsup_format.state_files import STRAGGLERS
+from supervisor.diagnosis.stragglers import StragglerDetector
 
 PY = sys.executable
 MS = 1_000_000

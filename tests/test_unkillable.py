@@ -15,7 +15,8 @@ from supervisor.diagnosis.outcome import AttemptResult
 from supervisor.bounded_calls import BoundedCalls
 from supervisor.lifecycle import EXCLUDES_NODE, EndReason
 from supervisor.tiers.poll_loop import PollLoop
-from supervisor.diagnosis.unkillable import Mount, StuckProcess, examine, mount_of, mounts, unkillable_result, verdict
+from supervisor.diagnosis.outcome import unkillable_outcome
+from supervisor.diagnosis.unkillable import Mount, StuckProcess, examine, mount_of, mounts, record_stuck, verdict
 from support.waits import wait_for
 
 MOUNTINFO = """\
@@ -57,12 +58,14 @@ def test_verdict_names_the_pid_rank_state_wchan_file_and_mount() -> None:
 
 def test_a_process_in_d_turns_the_attempt_unkillable_and_excludes_the_node(tmp_path: Path) -> None:
     said: list[str] = []
-    result = AttemptResult(3, EndReason.SAVE_TIMEOUT, None, detail="rank 1 (pid 4242) silent for 2.1s")
+    ended = AttemptResult(3, EndReason.SAVE_TIMEOUT, None, detail="rank 1 (pid 4242) silent for 2.1s")
     record = tmp_path / "unkillable.json"
-    assert unkillable_result(result, [stuck()], 2.0, said.append, record)
+    record_stuck(3, [stuck()], 2.0, said.append, record)
+    result = unkillable_outcome(ended, [stuck()], 2.0)
     assert result.reason == EndReason.UNKILLABLE and result.reason in EXCLUDES_NODE
     assert result.detail.endswith("(the attempt had ended: save_timeout: rank 1 (pid 4242) silent for 2.1s)")
     assert (result.rank, result.pid, result.suspect_ranks) == (1, 4242, [1])
+    assert ended.reason == EndReason.SAVE_TIMEOUT  # a new outcome: the ending it came from is not rewritten
     (written,) = json.loads(record.read_text())["processes"]
     assert (written["state"], written["mounts"], written["waiting_on"]) == ("D", ["/tmp/job/ckpt"],
                                                                           "/tmp/job/ckpt/step_4/rank_1.pt")
@@ -76,17 +79,18 @@ def test_a_job_that_succeeded_or_was_stopped_keeps_its_ending(tmp_path: Path, en
     said: list[str] = []
     result = AttemptResult(2, ending, 0 if ending == EndReason.SUCCESS else None)
     record = tmp_path / "unkillable.json"
-    assert not unkillable_result(result, [stuck()], 2.0, said.append, record)
-    assert result.reason == ending and record.is_file()
-    assert f"the attempt had ended: {ending}, which stands" in said[0]
+    record_stuck(2, [stuck()], 2.0, said.append, record)
+    assert unkillable_outcome(result, [stuck()], 2.0) is result and record.is_file()
+    assert "a success, stop or preemption stands" in said[0]
 
 
 def test_alive_but_not_in_d_is_only_logged() -> None:
     said: list[str] = []
     result = AttemptResult(0, EndReason.HANG, None)
-    assert not unkillable_result(result, [stuck("S")], 2.0, said.append)
-    assert result.reason == EndReason.HANG and "not in state D" in said[0]
-    assert not unkillable_result(result, [], 2.0, said.append) and len(said) == 1
+    record_stuck(0, [stuck("S")], 2.0, said.append)
+    assert unkillable_outcome(result, [stuck("S")], 2.0) is result and "not in state D" in said[0]
+    record_stuck(0, [], 2.0, said.append)
+    assert unkillable_outcome(result, [], 2.0) is result and len(said) == 1
 
 
 def test_examine_reads_a_live_process_without_touching_its_files() -> None:

@@ -72,6 +72,7 @@ from trainer_hooks import writer_guard  # first: run as the writer, it guards th
 
 import torch
 
+from rlsup_format import job_env
 from rlsup_format.names import step_dir_name
 from trainer_hooks.backends import get_backend
 from trainer_hooks.direct_save import SpareKeeper, rebuild_payload
@@ -444,7 +445,7 @@ def writer_main(argv: list[str] | None = None) -> int:
     ap.add_argument("--die-with-parent", action="store_true")
     args = ap.parse_args(argv)
     writer_guard.guard(args.parent, args.die_with_parent)  # again, for a caller that did not run the module
-    os.environ.pop("RLSUP_HEARTBEAT_DIR", None)  # the rank's heartbeat file belongs to the trainer
+    os.environ.pop(job_env.HEARTBEAT_DIR, None)  # the rank's heartbeat file belongs to the trainer
     _skip_zip_crc32()
     logging.basicConfig(level=logging.WARNING, format="rlsup-writer: %(message)s")
     keeper = SpareKeeper()

@@ -34,6 +34,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from rlsup_format import job_env
 from rlsup_format.manifest import (
     ManifestError,
     VerifyResult,
@@ -46,11 +47,9 @@ from rlsup_format.manifest import (
 from trainer_hooks.backends import get_backend
 from trainer_hooks.backends.base import RNG_KEY, LoadContext
 from trainer_hooks.heartbeat import section, should_stop
-from trainer_hooks.memory_tier import ENV_MEMORY_DIR, MemoryTarget
+from trainer_hooks.memory_tier import MemoryTarget
 from trainer_hooks.rng import restore_rng_state
-from trainer_hooks.step_writer import (  # the error classes and env names are imported from here
-    ENV_JOB,
-    ENV_RESUME,
+from trainer_hooks.step_writer import (  # the error classes are imported from here
     CheckpointConflictError,
     CheckpointSpaceError,
     RankIdentity,
@@ -65,12 +64,8 @@ from trainer_hooks.step_writer import (  # the error classes and env names are i
 
 log = logging.getLogger(__name__)
 
-ENV_DIR = "RLSUP_CHECKPOINT_DIR"
-ENV_RESUME_STEP = "RLSUP_RESUME_STEP"
-
-# What users import from here; the errors and two env names are defined with the write protocol.
-__all__ = ["CheckpointManager", "CheckpointConflictError", "CheckpointSpaceError", "ResumeError", "disk_full_error",
-           "ENV_DIR", "ENV_JOB", "ENV_RESUME", "ENV_RESUME_STEP"]
+# What users import from here; the errors are defined with the write protocol, the RLSUP_* names in rlsup_format.job_env.
+__all__ = ["CheckpointManager", "CheckpointConflictError", "CheckpointSpaceError", "ResumeError", "disk_full_error"]
 
 
 class ResumeError(RuntimeError):
@@ -92,9 +87,9 @@ class CheckpointManager:
         ``keep_buffers`` keeps the snapshot buffers (pinned with CUDA) for the next save. ``direct_save``:
         an async save into rlsup's memory tier builds each file in a ready spare (:mod:`trainer_hooks.direct_save`);
         False: ``torch.save`` writes it (the old way, a benchmark's baseline)."""
-        directory = directory if directory is not None else os.environ.get(ENV_DIR)
+        directory = directory if directory is not None else os.environ.get(job_env.CHECKPOINT_DIR)
         if not directory:
-            raise ValueError(f"no checkpoint directory: pass directory= or set {ENV_DIR}")
+            raise ValueError(f"no checkpoint directory: pass directory= or set {job_env.CHECKPOINT_DIR}")
         if keep_last is not None and keep_last < 1:
             raise ValueError("keep_last must be >= 1 (or None to keep everything)")
         self.directory = Path(directory)
@@ -129,7 +124,7 @@ class CheckpointManager:
         with section("save"):  # async: only the blocking part (a free slot and the copy)
             who = RankIdentity.current()
             self.rank, self.world_size = who.rank, who.world_size
-            target = StepTarget(self.directory, self.keep_last, os.environ.get(ENV_RESUME) or None)
+            target = StepTarget(self.directory, self.keep_last, os.environ.get(job_env.RESUME_DIR) or None)
             memory = self._memory_tier()
             built: dict[str, Any] | None = None
             if memory is not None:  # node memory when the step fits there (all ranks agree), else disk
@@ -147,7 +142,7 @@ class CheckpointManager:
         """rlsup's memory tier for this manager's saves: only for the directory rlsup watches, and only
         for per-rank backends (a collective backend's files are shared by all ranks: disk)."""
         memory = MemoryTarget.from_env()
-        watched = os.environ.get(ENV_DIR)
+        watched = os.environ.get(job_env.CHECKPOINT_DIR)
         if memory is None or not watched or os.path.realpath(watched) != os.path.realpath(self.directory):
             return None
         if self.backend.collective:
@@ -195,14 +190,14 @@ class CheckpointManager:
     def _rlsup_resume(self) -> str | None:
         """rlsup's decision for this manager's directory: a step directory, "" (start fresh), or None
         (not under rlsup, or this manager writes somewhere rlsup does not watch: choose here)."""
-        resume = os.environ.get(ENV_RESUME)
+        resume = os.environ.get(job_env.RESUME_DIR)
         if resume is None:
             return None
-        watched = os.environ.get(ENV_DIR)
+        watched = os.environ.get(job_env.CHECKPOINT_DIR)
         mine = os.path.realpath(self.directory)
         if resume:
             parent = os.path.realpath(os.path.dirname(resume.rstrip("/")))
-            memory = os.environ.get(ENV_MEMORY_DIR)
+            memory = os.environ.get(job_env.MEMORY_DIR)
             in_memory = bool(memory and watched and os.path.realpath(watched) == mine
                              and parent == os.path.realpath(memory))  # rlsup's memory tier serves this dir
             return resume if parent == mine or in_memory else None
@@ -280,7 +275,7 @@ class CheckpointManager:
             rng = payload.get(RNG_KEY)
             if rng is not None:
                 restore_rng_state(rng)  # last: loading objects above may draw random numbers
-            named = os.environ.get(ENV_RESUME_STEP)
+            named = os.environ.get(job_env.RESUME_STEP)
             if resume and named and named.isdigit() and int(named) != first.step:
                 raise ResumeError(f"rlsup named step {named} but {step_dir} holds step {first.step}")
             log.info("restored %s (rank %d)", step_dir.name, self.rank)

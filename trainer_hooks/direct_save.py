@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from rlsup_format import job_env
 from rlsup_format.digest import FileEntry, new_hasher
 from rlsup_format.fileio import remove_path
 from rlsup_format.names import Kind, reserved_name, staging_label
@@ -202,7 +203,7 @@ def room_for_spare(directory: Path, want: int) -> bool:
     """Whether the tier keeps room, beside a spare of ``want`` bytes for every rank of this node, for
     each of their next steps (what :meth:`trainer_hooks.memory_tier.MemoryTarget.check` asks)."""
     ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
-    limit = os.environ.get("RLSUP_MEMORY_LIMIT_BYTES", "")
+    limit = os.environ.get(job_env.MEMORY_LIMIT_BYTES, "")
     tier = MemoryTarget(Path(directory), 1, int(limit) if limit.isdigit() else 0)
     return tier.free_bytes() >= 2 * want * ranks + MARGIN_BYTES
 

@@ -24,8 +24,8 @@ import time
 from pathlib import Path
 from typing import Iterator
 
+from rlsup_format import job_env
 from rlsup_format.heartbeat_record import (  # noqa: F401 - re-exported for rank-side callers
-    ENV_DIR,
     I64 as _I64,
     MAGIC,
     RECORD,
@@ -170,7 +170,7 @@ def _arm_at_import() -> None:
     heartbeat: a rank killed or stuck before its first heartbeat (in ``init_process_group``, loading
     data) must not outlive a SIGKILLed launcher. Not in the async checkpoint writer, which arms itself
     only when its creator is a main thread (its parent thread may be a short-lived one)."""
-    if not os.environ.get(ENV_DIR):
+    if not os.environ.get(job_env.HEARTBEAT_DIR):
         return
     argv = list(getattr(sys, "orig_argv", ()))
     if "-m" in argv and argv[argv.index("-m") + 1:argv.index("-m") + 2] == ["trainer_hooks.async_writer"]:
@@ -200,7 +200,7 @@ def _get_writer() -> _Writer | None:
         if not _initialised:
             # Handlers first: once the heartbeat file is visible, rlsup may send SIGTERM at any moment.
             _install_stop_handlers()
-            directory = os.environ.get(ENV_DIR)
+            directory = os.environ.get(job_env.HEARTBEAT_DIR)
             if directory:
                 _writer = _Writer(Path(directory), _rank())
             _initialised = True
@@ -212,7 +212,7 @@ def _install_stop_handlers() -> None:
     if threading.current_thread() is not threading.main_thread():
         return
     names = {"SIGTERM"}
-    extra = os.environ.get("RLSUP_PREEMPT_SIGNAL")
+    extra = os.environ.get(job_env.PREEMPT_SIGNAL)
     if extra:
         names.add(extra if extra.startswith("SIG") else "SIG" + extra)
     for name in names:

@@ -24,13 +24,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rlsup_format import job_env
 from trainer_hooks.step_writer import StepTarget, all_ranks_agree, payload_bytes
 
 log = logging.getLogger(__name__)
 
-ENV_MEMORY_DIR = "RLSUP_MEMORY_DIR"
-ENV_MEMORY_KEEP_LAST = "RLSUP_MEMORY_KEEP_LAST"
-ENV_MEMORY_LIMIT = "RLSUP_MEMORY_LIMIT_BYTES"
 #: Room left beside the step itself: manifests, directory entries, rounding to pages.
 MARGIN_BYTES = 1 << 20
 
@@ -56,11 +54,11 @@ class MemoryTarget:
     def from_env(cls, environ: Any = None) -> "MemoryTarget | None":
         """The tier rlsup set up for this attempt, or None (no memory tier)."""
         environ = os.environ if environ is None else environ
-        directory = environ.get(ENV_MEMORY_DIR, "")
+        directory = environ.get(job_env.MEMORY_DIR, "")
         if not directory:
             return None
-        keep = environ.get(ENV_MEMORY_KEEP_LAST, "")
-        limit = environ.get(ENV_MEMORY_LIMIT, "")
+        keep = environ.get(job_env.MEMORY_KEEP_LAST, "")
+        limit = environ.get(job_env.MEMORY_LIMIT_BYTES, "")
         return cls(Path(directory), int(keep) if keep.isdigit() and int(keep) > 0 else 2,
                    int(limit) if limit.isdigit() else 0)
 

@@ -35,6 +35,7 @@ from typing import Any, Callable, Iterator, Union
 
 import torch
 
+from rlsup_format import job_env
 from rlsup_format.digest import FileEntry, hash_own_file
 from rlsup_format.fileio import fsync_dir, fsync_dirs, fsync_file, remove_path
 from rlsup_format.leftovers import STALE_AGE_S, clean_leftovers
@@ -58,10 +59,6 @@ from trainer_hooks.rng import capture_rng_state
 
 log = logging.getLogger(__name__)
 
-#: Set by rlsup for every attempt: the step directory to resume from (retention keeps it).
-ENV_RESUME = "RLSUP_RESUME_DIR"
-#: Set by rlsup: the job's identity, written into every manifest (rlsup never offers a part to another job).
-ENV_JOB = "RLSUP_JOB_ID"
 
 Payload = dict[str, Any]
 PayloadSource = Union[Payload, Callable[[], Payload]]
@@ -96,9 +93,9 @@ class RankIdentity:
             rank, world = dist.get_rank(), dist.get_world_size()
         else:
             rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-        node = os.environ.get("RLSUP_NODE_RANK", os.environ.get("GROUP_RANK"))
+        node = os.environ.get(job_env.NODE_RANK, os.environ.get("GROUP_RANK"))
         node_rank = int(node) if node is not None and node.isdigit() else None
-        return cls(rank, world, node_rank, os.environ.get(ENV_JOB) or None, os.getpid())
+        return cls(rank, world, node_rank, os.environ.get(job_env.JOB_ID) or None, os.getpid())
 
     def manifest_extra(self) -> dict[str, Any]:
         """The manifest's ``extra``: the writing pid, node rank and job (when known)."""

@@ -17,6 +17,8 @@ import signal
 import sys
 from typing import Iterator
 
+from rlsup_format import job_env
+
 WRITER_MODULE = "trainer_hooks.async_writer"
 #: rlsup relays these to the job: the trainer handles them and flushes; the writer keeps writing until told.
 IGNORED_SIGNALS = ("SIGINT", "SIGTERM", "SIGUSR1", "SIGUSR2", "SIGHUP")
@@ -37,7 +39,7 @@ def die_with_parent(parent: int) -> None:
 
 def relayed_signals() -> set[int]:
     names = set(IGNORED_SIGNALS)
-    preempt = os.environ.get("RLSUP_PREEMPT_SIGNAL")
+    preempt = os.environ.get(job_env.PREEMPT_SIGNAL)
     if preempt:
         names.add(preempt if preempt.startswith("SIG") else "SIG" + preempt)
     return {signum for name in names if (signum := getattr(signal, name, None)) is not None}

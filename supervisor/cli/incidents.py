@@ -16,9 +16,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from supervisor.run.incidents import INCIDENTS, read_incidents
+from rlsup_format.state_files import INCIDENTS, STRAGGLERS
+from supervisor.run.incidents import read_incidents
 from supervisor.lifecycle import Action
-from supervisor.diagnosis.stragglers import STRAGGLERS, read_reports
+from supervisor.diagnosis.stragglers import read_reports
 
 
 @dataclass

@@ -12,6 +12,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Sequence
 
+from rlsup_format.names import PLACEMENT_GLOB
+from rlsup_format.state_files import REPLICATION, RUN_LOCK
 from supervisor import __version__, exit_codes
 from supervisor import log as rlsup_log
 from supervisor.config import (ConfigError, SupervisorConfig, add_flags, load_config, node_membership,
@@ -58,7 +60,7 @@ def cmd_run(args: argparse.Namespace, command: list[str]) -> int:
     rlsup_log.set_context(node=membership.node_rank if membership is not None else 0)  # n0: node 0 of 1
     job = identity_of(eff.config, membership)
     try:
-        lock = DirLock(cfg.state_dir, "run.lock", "state_dir", job.id).acquire()
+        lock = DirLock(cfg.state_dir, RUN_LOCK, "state_dir", job.id).acquire()
     except DirInUse as e:
         _refused(cfg, membership, job, e)
         raise ConfigError(str(e)) from e
@@ -145,7 +147,8 @@ def _end_run(code: int) -> None:
 def _run_multinode(cfg: SupervisorConfig, command: list[str], membership: Membership, job: "JobIdentity",
                    observer: Observer | None) -> int:
     from supervisor.cluster.coordinator import CoordinationError, JobClash
-    from supervisor.cluster.multinode import MultiNodeSupervisor, connect_coordinator
+    from supervisor.cluster.multinode import connect_coordinator
+    from supervisor.cluster.node_run import NodeRun
     from supervisor.cluster.node_service import daemon_running
     from supervisor.launch.rank_pinning import PinningError
     from supervisor.run.settings import signal_named
@@ -155,7 +158,9 @@ def _run_multinode(cfg: SupervisorConfig, command: list[str], membership: Member
     from supervisor.cluster.spare_run import SpareRun
     from supervisor.cluster.spares import NodeRole, Roster, SlotTaken, SpareSeat
 
-    early = StopRequest(signal_named(cfg.preempt_signal))  # from here on a signal is a stop, never a kill
+    # From here on a signal is a stop, never a kill: the run's one stop request, its handlers installed once for
+    # the node's start-up, a spare's wait and the node's run alike.
+    early = StopRequest(signal_named(cfg.preempt_signal))
     previous = early.install()
 
     def run_node(membership: Membership, seat: SpareSeat | None, hosted: "RoundCoordinator | None",
@@ -167,16 +172,14 @@ def _run_multinode(cfg: SupervisorConfig, command: list[str], membership: Member
         except ConfigError as e:
             _refused(cfg, membership, job, e, early)
             raise
+        asked_before = early.asked  # a stop before the run: see the drain below
         try:
             assert service.engine is not None
-            supervisor = MultiNodeSupervisor(cfg, command, membership, service.engine, observer, job=job,
-                                             coordinator=hosted, stopped_early=early, spares=seat, warm=warm,
-                                             processes=processes,
-                                             connect=None if hosted else lambda stop: connect_coordinator(
-                                                 cfg, membership, job, secret, stop))
-            if hosted is not None:
-                hosted.stop = supervisor.stop
-            return supervisor.run().exit_code
+            node = NodeRun(cfg, command, membership, service.engine, observer, job=job, coordinator=hosted,
+                           stop=early, spares=seat, warm=warm, processes=processes,
+                           connect=None if hosted else lambda stop: connect_coordinator(cfg, membership, job, secret,
+                                                                                         stop))
+            return node.run().exit_code
         except SlotTaken as e:
             log.error("%s", e)
             return exit_codes.UNHEALTHY
@@ -187,7 +190,9 @@ def _run_multinode(cfg: SupervisorConfig, command: list[str], membership: Member
             log.error("%s", e)
             return exit_codes.FAILED
         finally:
-            service.stop(stopped=lambda: early.asked)  # a signal after the run (its handlers are back) ends the drain
+            # A stop before the run or after it ends the last replication pass at once; one the run took does not.
+            asks_at_end = early.asks
+            service.stop(stopped=lambda: asked_before or early.asks > asks_at_end)
 
     try:
         secret = load_secret(cfg.token_file)
@@ -343,11 +348,11 @@ def cmd_status(args: argparse.Namespace) -> int:
 def read_replication(state_dir: Path, checkpoint_dir: Path) -> dict | None:
     """Replication progress per peer (from the engine's state file) and where each step's parts live."""
     try:
-        data = json.loads((state_dir / "replication.json").read_text())
+        data = json.loads((state_dir / REPLICATION).read_text())
     except (OSError, ValueError):
         return None
     placement = {}
-    for path in sorted(checkpoint_dir.glob("step_*/.rlsup-placement.node*.json")):
+    for path in sorted(checkpoint_dir.glob(f"step_*/{PLACEMENT_GLOB}")):
         try:
             p = json.loads(path.read_text())
             placement.setdefault(str(p["step"]), {})[str(p["owner"])] = p["peers"]

@@ -14,7 +14,7 @@ job's nodes that reach it refuse by themselves). Only a job with no attempt yet 
 their first join): a second rlsup started for a node of a job that already runs refuses alone, and the
 running job goes on. A refusing node 0 tells nobody: the port it would host
 on is the other job's, whose store this job's other nodes reach and refuse; node 0 of the other job,
-ended by such a notice, keeps its store up a little (``multinode.CLASH_LINGER_S``) for them.
+ended by such a notice, keeps its store up a little (``node_run.CLASH_LINGER_S``) for them.
 """
 
 from __future__ import annotations

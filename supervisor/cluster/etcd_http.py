@@ -4,8 +4,10 @@ Why not ``requests`` or ``http.client``: at 128 simulated nodes on 2 cores the c
 was the round's largest cost. The same transaction took ~600 us of client CPU through
 ``requests``/``etcd3gw``, ~190 us through ``http.client`` and ~80 us here (most of it JSON), because the
 gateway's answers are plain: a status line, a few headers, a body of ``Content-Length`` bytes, or for
-a watch, one chunk per message. Anything else (no length, a header block or body over its limit, a
-chunk that does not parse) is :class:`BadResponse` and the connection is dropped; the caller moves on.
+a watch, one chunk per message. The framing is read by the one HTTP/1.1 reader
+(:mod:`supervisor.transport.http11`) under this client's limits; anything else (no length, a header block
+or body over its limit, a chunk that does not parse) is :class:`BadResponse` and the connection is dropped;
+the caller moves on.
 
 Every read has a deadline (a dead or partitioned member never holds a call), and the bytes already
 received are kept in the connection's buffer, so a watch read that times out loses nothing.
@@ -17,6 +19,9 @@ import socket
 import ssl
 import time
 from dataclasses import dataclass
+from functools import partial
+
+from supervisor.transport import http11
 
 MAX_HEAD_BYTES = 64 * 1024  # status line and headers
 MAX_BODY_BYTES = 512 * 1024 * 1024  # one answer (a get_many of 128 values of etcd's 1.5 MiB request limit fits)
@@ -112,67 +117,49 @@ class Connection:
             self.close()
             raise Closed(f"send failed: {e}") from e
 
-    def _fill(self, deadline: float) -> None:
-        """More bytes into the buffer, by ``deadline``; TimedOut keeps the connection (and the buffer)."""
+    def _receive(self, deadline: float, _want: int) -> bytes:
+        """The next bytes off the socket by ``deadline`` (b"": the server closed; the reader says so);
+        TimedOut keeps the connection (and the buffer)."""
         assert self.sock is not None
         try:
             self.sock.settimeout(_left(deadline))
-            data = self.sock.recv(_RECV)
+            return self.sock.recv(_RECV)
         except (socket.timeout, TimeoutError) as e:
             raise TimedOut("no answer in time") from e
         except OSError as e:
             self.close()
             raise Closed(f"receive failed: {e}") from e
-        if not data:
-            self.close()
-            raise Closed("the server closed the connection")
-        self._buf += data
 
     def _head(self, deadline: float) -> tuple[int, dict[str, str]]:
-        while (end := self._buf.find(b"\r\n\r\n")) < 0:
-            if len(self._buf) > MAX_HEAD_BYTES:
-                raise self._bad(f"headers over {MAX_HEAD_BYTES} bytes")
-            self._fill(deadline)
-        lines = bytes(self._buf[:end]).decode("latin-1").split("\r\n")
-        del self._buf[:end + 4]
-        version, _, rest = lines[0].partition(" ")
-        code = rest[:3]
-        if not version.startswith("HTTP/1.") or not code.isdigit():
-            raise self._bad(f"not an HTTP/1.x status line: {lines[0][:80]!r}")
-        headers = {}
-        for line in lines[1:]:
-            name, sep, value = line.partition(":")
-            if not sep:
-                raise self._bad(f"a header line without a colon: {line[:80]!r}")
-            headers[name.strip().lower()] = value.strip()
-        return int(code), headers
+        try:
+            return http11.read_head(self._buf, partial(self._receive, deadline), MAX_HEAD_BYTES)
+        except http11.AnswerError as e:
+            raise self._refused(e) from e
 
-    def _bad(self, why: str) -> BadResponse:
+    def _refused(self, error: http11.AnswerError) -> HTTPError:
+        """The connection closed, and the error to raise: Closed for an answer cut short, else BadResponse."""
         self.close()
-        return BadResponse(why)
+        return Closed(str(error)) if error.fault is http11.Fault.CUT else BadResponse(str(error))
 
     def post(self, path: str, body: bytes, deadline: float) -> Response:
         """POST ``body`` (JSON) and read the whole answer by ``deadline`` (CLOCK_MONOTONIC)."""
         self._send(path, body, deadline)
         try:
             status, headers = self._head(deadline)
-            if headers.get("transfer-encoding", "").lower() == "chunked":
+            if http11.is_chunked(headers):
                 data = bytearray()
                 while (chunk := self._chunk(deadline, MAX_BODY_BYTES - len(data))) != b"":
                     if chunk is None:
                         raise TimedOut("no complete answer in time")
                     data += chunk
             else:
-                length = headers.get("content-length", "")
-                if not length.isdigit() or int(length) > MAX_BODY_BYTES:
-                    raise self._bad(f"an answer without a usable length (Content-Length {length!r})")
-                while len(self._buf) < int(length):
-                    self._fill(deadline)
-                data = self._buf[:int(length)]
-                del self._buf[:int(length)]
+                length = http11.content_length(headers, MAX_BODY_BYTES)
+                data = http11.read_body(self._buf, partial(self._receive, deadline), length)
         except TimedOut:
             self.close()  # the answer may still come, out of turn
             raise
+        except http11.AnswerError as e:
+            raise self._refused(e) from e
         if headers.get("connection", "").lower() == "close":
             self.close()
         return Response(status, bytes(data))
@@ -180,28 +167,12 @@ class Connection:
     def _chunk(self, deadline: float, limit: int) -> bytes | None:
         """The next chunk's data (b"" for the last chunk), or None on a timeout before all of it arrived
         (nothing consumed: the next call starts over on the same bytes)."""
-        while True:
-            eol = self._buf.find(b"\r\n")
-            if eol >= 0:
-                size_text = bytes(self._buf[:eol]).split(b";", 1)[0].strip()
-                try:
-                    size = int(size_text, 16)
-                except ValueError:
-                    raise self._bad(f"a chunk size that does not parse: {size_text[:20]!r}") from None
-                if size > limit:
-                    raise self._bad(f"a message over {limit} bytes")
-                if len(self._buf) >= eol + 2 + size + 2:
-                    if self._buf[eol + 2 + size:eol + 4 + size] != b"\r\n":
-                        raise self._bad("a chunk not followed by CRLF")
-                    data = bytes(self._buf[eol + 2:eol + 2 + size])
-                    del self._buf[:eol + 4 + size]
-                    return data
-            elif len(self._buf) > 32:
-                raise self._bad("a chunk size line over 32 bytes")
-            try:
-                self._fill(deadline)
-            except TimedOut:
-                return None
+        try:
+            return http11.read_chunk(self._buf, partial(self._receive, deadline), limit)
+        except TimedOut:
+            return None
+        except http11.AnswerError as e:
+            raise self._refused(e) from e
 
     def open_stream(self, path: str, body: bytes, deadline: float) -> int:
         """POST and read the answer's head only (a watch: a chunked stream of messages); the HTTP status."""
@@ -211,8 +182,9 @@ class Connection:
         except TimedOut:
             self.close()
             raise
-        if status == 200 and headers.get("transfer-encoding", "").lower() != "chunked":
-            raise self._bad("a stream that is not chunked")
+        if status == 200 and not http11.is_chunked(headers):
+            self.close()
+            raise BadResponse("a stream that is not chunked")
         return status
 
     def next_message(self, deadline: float, limit: int) -> bytes | None:

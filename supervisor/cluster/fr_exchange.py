@@ -38,12 +38,12 @@ from typing import TYPE_CHECKING, Callable, Iterable
 
 from supervisor.tiers.holdings import RecordError
 from supervisor.cluster.coordinator import ABORT_MAX_AGE_S
+from supervisor.diagnosis.evidence import FlightEvidence
 from supervisor.diagnosis.flight_recorder import ANALYSIS_FILE, Analysis, FlightVerdict, collect_dumps, start_child
 from supervisor.diagnosis.fr_records import NodeDumps, SharedVerdict, aligned
 from supervisor.observer import Observer
 
 if TYPE_CHECKING:
-    from supervisor.diagnosis.outcome import AttemptResult
     from supervisor.cluster.coordinator import RoundCoordinator, Signed, SignedKeys
 
 log = logging.getLogger(__name__)
@@ -150,14 +150,15 @@ class FrExchange:
 
     # ------------------------------------------------------------ after the attempt ended
 
-    def settle(self, attempt: int, result: "AttemptResult", attempt_dir: Path | None = None) -> None:
+    def settle(self, attempt: int, attempt_dir: Path | None = None) -> FlightEvidence | None:
         """Where dumps were asked for in this attempt: node 0 judges them all and publishes the verdict,
-        the others wait for it; it goes into ``result`` (and so the incident) on every node."""
+        the others wait for it; it is evidence for the attempt's outcome (and so the incident) on every node.
+        None: no dumps were asked for, or no verdict came (this node's own stands)."""
         try:
             if attempt not in self._wanted and not self._fresh(self.keys.get(f"fr/{attempt}/want")):
-                return
+                return None
         except Exception:  # noqa: BLE001 - no store, no exchange: the join that follows says why, once
-            return
+            return None
         try:
             self._forget_earlier(attempt)
             self._wanted.add(attempt)
@@ -166,11 +167,10 @@ class FrExchange:
             verdict = self._judge(attempt, attempt_dir) if self.node == 0 else self._await_verdict(attempt)
         except Exception as e:  # noqa: BLE001 - the incident keeps this node's own verdict
             log.warning(f"flight recorder: no verdict across nodes: {type(e).__name__}: {e}")
-            return
+            return None
         if verdict is not None:
-            self._apply(attempt, verdict, result, attempt_dir)
-        elif self.stopped():
-            result.fr_verdict = f"{result.fr_verdict or 'flight recorder'} (no verdict across nodes: {STOPPING})"
+            return self._apply(attempt, verdict, attempt_dir)
+        return FlightEvidence(missing=STOPPING) if self.stopped() else None
 
     def _judge(self, attempt: int, attempt_dir: Path | None) -> SharedVerdict:
         """Node 0: every node's record (what came within the bound), analysed; the verdict published."""
@@ -249,17 +249,14 @@ class FrExchange:
             log.warning(f"flight recorder: refused {e}")
             return None
 
-    def _apply(self, attempt: int, verdict: SharedVerdict, result: "AttemptResult", attempt_dir: Path | None) -> None:
+    def _apply(self, attempt: int, verdict: SharedVerdict, attempt_dir: Path | None) -> FlightEvidence:
         log.info(f"attempt {attempt}: {verdict.text}")
         if self.node != 0:
             save_verdict(FlightVerdict(verdict.text), attempt_dir)
-        result.fr_verdict = verdict.text
         self.observer.flight_recorder(verdict.suspects)
-        if verdict.suspects:  # FR's suspects over the stacks', as on one node
-            result.suspect_ranks = list(verdict.suspects)
-            result.suspect_nodes = sorted({*result.suspect_nodes, *verdict.suspect_nodes})
-            for node in verdict.suspect_nodes:
-                self.observer.suspect(node, "flight_recorder")
+        for node in verdict.suspect_nodes if verdict.suspects else ():
+            self.observer.suspect(node, "flight_recorder")
+        return FlightEvidence(verdict.text, tuple(verdict.suspects), tuple(verdict.suspect_nodes))
 
 
 def finish_analysis(run: Analysis, cap_s: float, stopped: Callable[[], bool]) -> FlightVerdict:

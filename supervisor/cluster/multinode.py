@@ -1,9 +1,11 @@
 """``rlsup run`` on several nodes: coordinated restarts and one resume step for all, parts fetched from peers.
 
-Extends the single-node loop through its hooks only: the attempt number comes from the coordinator (every
-node runs the same one), ``prepare`` agrees on the resume step and fetches missing parts before launch,
-``peer_ended`` stops this node's job when another node's attempt failed, and a failure here ends the
-attempt for all.
+:class:`NodeGroup` is the run loop's collaborator for the job's other nodes (:class:`supervisor.run.peers.Peers`,
+passed in: nothing of the loop is overridden; :mod:`supervisor.cluster.node_run` wires the two): the attempt
+number comes from the coordinator (every node runs the same one), :meth:`NodeGroup.agree` agrees on the resume
+step and fetches missing parts before launch, :meth:`NodeGroup.peer_ended` stops this node's job when another
+node's attempt failed, and a failure here ends the attempt for all. Who plans the round is this node's role
+(:mod:`supervisor.cluster.round_lead`: node 0 plans, the others read the plan), asked the same way on every node.
 
 The persistent tier (``persistent_dir``) works per part here: each node copies the parts its own ranks
 wrote (:class:`supervisor.tiers.persistent.PersistentTier`, built with this node's rank), and node 0 offers
@@ -29,41 +31,34 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable
 
-from supervisor import exit_codes
 from supervisor.config import SupervisorConfig
 from supervisor.tiers.holdings import PERSISTENT_HOLDER, FetchResult, InventoryBuilder, NodeInventory, RoundPlan
 from supervisor.cluster.coordinator import (
     CoordinationError,
-    JobClash,
     NodeZeroRunning,
-    PeerLost,
     RoundCoordinator,
     RoundEnded,
-    compute_plan,
     embedded_coordinator,
 )
 from supervisor.cluster.fr_exchange import FrExchange
-from supervisor.run.node_health import mark_repeat_offender
-from supervisor.run.incidents import Incident
 from supervisor.cluster.kvstore import OP_TIMEOUT_S, StoreUnavailable
+from supervisor.cluster.round_lead import RoundRole
 from supervisor.job_identity import JobIdentity
-from supervisor.lifecycle import EndReason, route
+from supervisor.lifecycle import EndReason
 from supervisor.membership import Membership
 from supervisor.observer import Observer
 from supervisor.tiers.part_protocol import FetchFailed, PartError, PartStore, fetch_part
-from supervisor.processes.job import ProcessLayer
-from supervisor.launch.rank_pinning import pin_ranks
-from supervisor.cluster.spares import (DONE_KEY, JobEnded, JobEndWatch, NodeRole, SpareSeat, check_holder, check_seat,
-                               moved_slots, refuse_if_taken, spares_left)
+from supervisor.cluster.spares import (JobEndWatch, NodeRole, SpareSeat, check_holder, check_seat, moved_slots,
+                                       refuse_if_taken, spares_left)
 from supervisor.tiers.replication import ReplicationEngine, newest_own_step
 from supervisor.tiers.resume import ResumePoint
 from supervisor.diagnosis.outcome import AttemptResult
-from supervisor.run.loop import AttemptAbandoned, JobStatus, RunResult, Supervisor
+from supervisor.run.loop import AttemptAbandoned, NodeTiers
 from supervisor.stop_request import StopAsked, StopRequest
-from supervisor.launch.warm_start import WarmStarts
 from supervisor.tiers.resume import TIER_LOCAL, TIER_MEMORY, TIER_PEER, TIER_PERSISTENT
+from rlsup_format import job_env
 from rlsup_format.manifest import ManifestError, manifest_name, step_dir_name
 
 log = logging.getLogger(__name__)
@@ -71,14 +66,6 @@ log = logging.getLogger(__name__)
 # Plans per attempt: each failed try excludes at least one more (step, rank) from the persistent tier,
 # so the attempt falls back to older steps; the bound only guards against a tier that fails everything.
 PLAN_TRIES = 8
-# Node 0 of a job ended by another node's clash keeps its store up this long: a node of the *other* job that
-# shares the port and connects late reads whose store it is and refuses, instead of waiting for a store
-# that nobody will host again. A stop ends the wait at once.
-CLASH_LINGER_S = 10.0
-# A node that ends the first round for a lost peer clears its keys this long after (supervisor.cluster.liveness): by then
-# every node of the round saw ``abort`` (each looks twice a second) or ends on its own lapse rule.
-LOST_LINGER_S = 3.0
-Connect = Callable[[StopRequest], RoundCoordinator]  # reaches the job's store; every wait asks the stop
 _TIER_ORDER = {TIER_MEMORY: -1, TIER_LOCAL: 0, TIER_PEER: 1, TIER_PERSISTENT: 2}
 
 
@@ -134,63 +121,36 @@ def connect_coordinator(cfg: SupervisorConfig, membership: Membership, job: JobI
         raise
 
 
-class MultiNodeSupervisor(Supervisor):
-    keeps_file_versions = False  # see Supervisor: single-file checkpoints are a single node's
-    def __init__(self, cfg: SupervisorConfig, command: Sequence[str], membership: Membership,
-                 engine: ReplicationEngine, observer: Observer | None = None, *, job: JobIdentity,
-                 coordinator: RoundCoordinator | None = None, connect: Connect | None = None,
-                 processes: ProcessLayer | None = None, stopped_early: StopRequest | None = None,
-                 spares: SpareSeat | None = None, warm: WarmStarts | None = None) -> None:
-        """``coordinator``: the job's store, reached; or ``connect``, which :meth:`run` calls once the stop
-        handlers are installed (SIGTERM while the store is awaited then stops rlsup as anywhere else).
-        ``stopped_early``: the handlers the command line installed before this node's start-up (the
-        service, this object): a stop they took is this run's. ``warm``: a spare's launcher, armed while it
-        waited, used (and discarded at the end) instead of a fresh one: its first attempt here starts warm."""
-        master = membership.peers[0].rpartition(":")[0]
-        pinned = pin_ranks(command, membership.node_rank, membership.size, master)
-        # The tiers are this node's (node 0 alone starts and prunes persistent steps; the memory tier holds
-        # this node's own directory and ranks): the base class builds them once for this node.
-        super().__init__(cfg, pinned.command, observer, job=job, processes=processes,
-                         node_rank=membership.node_rank, num_nodes=membership.size)
-        self.membership = membership
-        self.engine = engine
-        self._connect = connect
-        self._stopped_early = stopped_early
-        self.spares = spares  # the job has spare nodes: this node's claim on its rank is checked at every join
-        if warm is not None:
-            warm.adopt(self.command, self._log)
-            self.warm = warm
-        if pinned.note:
-            self._log(pinned.note)
+class NodeGroup:
+    """The job's other nodes as this node's run loop sees them (:class:`supervisor.run.peers.Peers`), over the
+    job's store (``coordinator``): built once the store is reached, with this node's tiers (shared with its loop),
+    its part in planning (``role``), the Flight Recorder exchange and the run's stop request."""
+
+    def __init__(self, membership: Membership, engine: ReplicationEngine, coordinator: RoundCoordinator,
+                 role: RoundRole, flight_records: FrExchange, stop: StopRequest, tiers: NodeTiers,
+                 checkpoint_dir: Path, state_dir: Path, say: Callable[[str], None], *, observer: Observer,
+                 spares: SpareSeat | None = None, job_end: JobEndWatch | None = None) -> None:
+        """``spares``: the job has spare nodes: this node's claim on its rank is checked at every join;
+        ``job_end``: then, the watch for a job that finished without this node (:class:`JobEndWatch`)."""
+        self.membership, self.engine, self.coordinator, self.role = membership, engine, coordinator, role
+        self.fr_exchange, self.stop, self.observer = flight_records, stop, observer
+        self.persistent, self.memory = tiers.persistent, tiers.memory
+        self.checkpoint_dir, self.state_dir = checkpoint_dir, state_dir
+        self._log = say
+        self.spares, self.job_end = spares, job_end
         self._store_lost = False
         self._stopped_waiting: StopAsked | None = None  # the wait a stop ended before the attempt was known
-        # Node 0, the planner: persistent parts that failed verification, never offered again.
-        self._bad_persistent: set[tuple[int, int]] = set()
-        if coordinator is not None:
-            self._use(coordinator)
-        elif connect is None:
-            raise ValueError("MultiNodeSupervisor needs a coordinator or a way to connect to one")
 
-    def _use(self, coordinator: RoundCoordinator) -> None:
-        self.coordinator = coordinator
-        hosted = self.membership.node_rank == 0 and self.cfg.coordinator_backend == "embedded"
-        self._log(f"node {self.membership.node_rank} of {self.membership.size}, job {self.job}: coordination store "
-                  f"{coordinator.describe()}{' (hosted here)' if hosted else ''}")
-        # A hang's Flight Recorder dumps meet on node 0, which judges them all (supervisor.cluster.fr_exchange).
-        self.fr_exchange = FrExchange(coordinator, self.membership.node_rank, self.membership.size, self.node_name,
-                                      self.observer, stopped=lambda: self.stop.asked)
-        self.watcher.fr_share = self.fr_exchange
-        seat = self.spares is not None  # a job with spares can finish without this node (supervisor.cluster.spares)
-        self.job_end = JobEndWatch.attach(coordinator, self.checkpoint_dir, self.persistent, self.job) if seat else None
+    @property
+    def size(self) -> int:
+        return self.membership.size
 
-    def first_attempt(self) -> int:
-        return self._join(super().first_attempt())
+    @property
+    def flight_records(self) -> FrExchange:
+        return self.fr_exchange
 
-    def next_attempt(self, attempt: int) -> int:
-        return self._join(attempt + 1)
-
-    def _join(self, mine: int) -> int:
-        """The attempt the nodes agree on; stopped while waiting, this node's own count: :meth:`prepare`
+    def join(self, mine: int) -> int:
+        """The attempt the nodes agree on; stopped while waiting, this node's own count: :meth:`agree`
         then abandons it at once and the loop records the stop."""
         try:
             if self.spares is not None:  # before joining: a node whose rank a spare took must not end the attempt
@@ -213,127 +173,9 @@ class MultiNodeSupervisor(Supervisor):
                 self._log(f"node rank {slot} is now the spare at {claim.endpoint}")
         self.observer.node_role(NodeRole.WORKER.value, spares_left(seat.roster, moved))
 
-    def check_health(self, attempt: int) -> AttemptResult | None:
-        return None if self.stop.asked else super().check_health(attempt)  # stopping: no pre_launch_check to wait for
-
-    def record_incident(self, incident: Incident, downtime: float | None = None,
-                        resume: ResumePoint | None = None) -> None:
-        # A node that fails again is named only here, in a job of several nodes (the base names none).
-        if incident not in self.incidents and mark_repeat_offender(incident, self.incidents, self.node_name,
-                                                                   nodes=self.membership.size):
-            self.observer.suspect(self.node_name, "repeated")
-        super().record_incident(incident, downtime, resume)
-
-    def run(self) -> RunResult:
-        # The stop handlers from before the store is reached (super().run() installs them again and puts these
-        # back): a connect that waits for node 0 is a wait like any other.
-        previous = self.stop.install()
-        if self._stopped_early is not None and self._stopped_early.signum is not None:  # read after install: none lost
-            self.stop.note(self._stopped_early.signum, self._stopped_early.preempted)
-        try:
-            if self._connect is not None:
-                try:
-                    self._use(self._connect(self.stop))
-                except StopAsked as e:
-                    self._log(f"{e}; no attempt was started")
-                    status = JobStatus.PREEMPTED if self.stop.preempted else JobStatus.STOPPED
-                    return RunResult(e.exit_code, status, 0, [])
-                self._connect = None
-            try:
-                result = super().run()
-            except JobEnded as e:  # a spare ran this node's rank to the end: nothing to requeue
-                self._log(f"{e}; exiting {exit_codes.OK} (the job succeeded without this node; nothing to requeue)")
-                return self._gave_up_coordinating(e)
-            except PeerLost as e:  # before the first attempt: nothing ran, nothing is lost; requeue the job
-                self._log(f"{e}; exiting {exit_codes.REQUEUE} so that the scheduler requeues the job")
-                done = self._gave_up_coordinating(e)
-                self._forget_lost_round()
-                return done
-            except CoordinationError as e:
-                self._gave_up_coordinating(e)
-                if isinstance(e, JobClash):
-                    self._linger_after_clash()
-                raise
-            except StopAsked:
-                raise
-            except Exception as e:
-                self._tell_peers_of_error(e)
-                raise
-        finally:
-            self._leave_first_round()
-            self.stop.restore(previous)
-        if result.status is JobStatus.SUCCEEDED:
-            try:
-                if self.membership.node_rank == 0:
-                    if self.job_end is not None:  # for a node cut off until now, once the store is gone with this one
-                        self.job_end.record(0, result.attempts - 1)  # the attempt that finished (attempts: a count)
-                    self.coordinator.keys.set(DONE_KEY, "1")  # the spares' cue to exit
-                self.coordinator.finish()  # a store that outlives the job (etcd) forgets its keys
-            except Exception as e:  # noqa: BLE001 - the job is done; stale keys are ignored by the next run
-                self._log(f"could not clear the job's coordination keys: {e}")
-        return result
-
-    def _gave_up_coordinating(self, e: CoordinationError) -> RunResult:
-        """The nodes could not agree (a timeout, an abort, a clash, a node lost before the first attempt, the job
-        over without this node): state.json says the run gave up, with the command line's exit code (2: a clash, 75:
-        a lost node, the job is requeued, 0: the job finished without this node, 1 otherwise); the tiers take their
-        final copy, as for any other give-up; a later start then does not take this run for one that died mid-attempt."""
-        codes = {JobClash: exit_codes.CONFIG_ERROR, PeerLost: exit_codes.REQUEUE, JobEnded: exit_codes.OK}
-        code = next((c for kind, c in codes.items() if isinstance(e, kind)), exit_codes.FAILED)
-        try:
-            for status in route(self.state.state, JobStatus.GAVE_UP):
-                self.record.set_state(status, exit_code=code if status is JobStatus.GAVE_UP else None)
-            return self._finish(code, JobStatus.GAVE_UP, self.state.attempt or 0, str(e))
-        except Exception as err:  # noqa: BLE001 - recording is best effort: the error itself must reach the command line
-            self._log(f"could not record the give-up: {err}")
-            return RunResult(code, JobStatus.GAVE_UP, self.state.attempt or 0, list(self.incidents))
-
-    def _tell_peers_of_error(self, e: Exception) -> None:
-        """rlsup's own error (a bug, a deterministic crash) in the job's first round ends the job for every node
-        as a give-up (exit 1), naming this node and the error: without a word its peers would take it for a node
-        lost in the first round (exit 75, requeued for ever). A node that vanishes without a word (SIGKILL,
-        power) is still a lost one; so is a node whose rlsup fails once the job has run: a replacement or a spare
-        takes its place, as for any lost node."""
-        coordinator = getattr(self, "coordinator", None)
-        if coordinator is None or not coordinator.first_round:
-            return
-        why = f"node {self.membership.node_rank}: rlsup failed: {type(e).__name__}: {e}"
-        self._log(f"{why}; ending the job for every node")
-        try:
-            coordinator.abort(why)
-        except Exception as err:  # noqa: BLE001 - the store is gone: the peers' own waits end on that
-            self._log(f"could not tell the other nodes: {err}")
-
-    def _leave_first_round(self) -> None:
-        """A run that ends inside the job's first round (a stop, a give-up, an error) deletes this node's beat:
-        a requeued run in a store that outlives this one (etcd) must not count it (:mod:`supervisor.cluster.liveness`)."""
-        coordinator = getattr(self, "coordinator", None)
-        if coordinator is None or not coordinator.first_round:
-            return
-        try:
-            coordinator.end_first_round(clear=True)
-        except Exception as e:  # noqa: BLE001 - the store is gone (the embedded one goes with node 0): nothing stays
-            self._log(f"could not delete this node's liveness beat: {e}")
-
-    def _forget_lost_round(self) -> None:
-        """After :class:`PeerLost`: wait :data:`LOST_LINGER_S` (every node looks at ``abort`` twice a second), then
-        clear the round's keys (:meth:`RoundCoordinator.forget_first_round`). A stop ends the wait at once."""
-        self.stop.wait(LOST_LINGER_S, self.settings.poll_interval)
-        try:
-            self.coordinator.forget_first_round()
-        except Exception as e:  # noqa: BLE001 - the store is gone: the embedded one took its keys with it
-            self._log(f"could not clear the first round's keys: {e}")
-
-    def _linger_after_clash(self) -> None:
-        """Node 0 of the embedded store, ended by another node's clash: see :data:`CLASH_LINGER_S`."""
-        if self.membership.node_rank == 0 and self.cfg.coordinator_backend == "embedded":
-            self._log(f"a node of this job refused to start for a clash; keeping the store up {CLASH_LINGER_S:.0f}s "
-                      "so that the other job's nodes that reach it learn whose it is")
-            self.stop.wait(CLASH_LINGER_S, self.settings.poll_interval)
-
-    def prepare(self, attempt: int) -> ResumePoint | None:
-        """:meth:`_agree_on_attempt`; an attempt that ends meanwhile (a node failed its fetch, or died and its
-        replacement rejoined) is abandoned before launch, and every node goes to the next attempt. A stop
+    def agree(self, attempt: int, own_choice: Callable[[], ResumePoint | None]) -> ResumePoint | None:
+        """:meth:`_agree_on_attempt` (this node's ``own_choice`` is not asked: the plan chooses); an attempt that
+        ends meanwhile (a node failed its fetch, or died and its replacement rejoined) is abandoned before launch, and every node goes to the next attempt. A stop
         asked before or during the round abandons it too (the loop records the stop), and ends the attempt
         for the other nodes, which would otherwise wait for this one until ``rendezvous_timeout``."""
         try:
@@ -376,8 +218,7 @@ class MultiNodeSupervisor(Supervisor):
         fetched: dict[int, set[int]] = {}
         resume: ResumePoint | None = None
         for plan_try in range(PLAN_TRIES):
-            if me == 0:
-                self.coordinator.publish_plan(self._make_plan(attempt, excluded), plan_try)
+            self.role.publish_plan(attempt, plan_try, excluded)  # node 0 plans; the others read its plan
             plan = self.coordinator.plan(attempt, plan_try)
             mine = self._fetch(attempt, plan)
             if plan.step is not None:
@@ -388,8 +229,7 @@ class MultiNodeSupervisor(Supervisor):
             self.coordinator.publish_fetch_result(attempt, plan_try, mine.result)
             results = self.coordinator.fetch_results(attempt, plan_try)
             bad = {b for r in results for b in r.bad}
-            if me == 0:
-                self._bad_persistent |= bad
+            self.role.note_bad(bad)
             if errors := "; ".join(r.error for r in results if r.error):
                 # Ended by the failing node, and here too: a result that did not parse names no node that
                 # would end it itself (ending is first-writer-wins). The next attempt plans afresh.
@@ -430,29 +270,6 @@ class MultiNodeSupervisor(Supervisor):
         merged.add_inventory(inventory)
         merged.add_inventory(self.memory.inventory())
         return merged.build()
-
-    def _make_plan(self, attempt: int, excluded: set[tuple[int, int, int]]) -> RoundPlan:
-        """Node 0: plan from the inventories, then offer the persistent tier's parts of newer steps."""
-        inventories = self.coordinator.inventories(attempt)
-        exclude = excluded | {(s, r, PERSISTENT_HOLDER) for s, r in self._bad_persistent}
-        plan = compute_plan(attempt, inventories, exclude=exclude)
-        if self.persistent is None:
-            return plan
-        tier, listing = self.persistent, None
-        if (stalled := tier.stalled()) is None:
-            try:  # a bounded read: a tier that hangs right now must not hold the round (nor a SIGTERM)
-                listing = tier.reads.call(lambda: tier.part_listing(newer_than=plan.step, exclude=self._bad_persistent),
-                                          None)
-            except Exception as e:  # noqa: BLE001 - an unreachable tier must not stop a restart from peers or local parts
-                self._log(f"attempt {attempt}: persistent tier {tier.location} not listed: {e}")
-                listing = {}
-            stalled = tier.stalled() if listing is None else None
-        if stalled is not None:
-            self._log(f"attempt {attempt}: persistent tier not consulted for the plan: {stalled}")
-        if listing:
-            plan = compute_plan(attempt, inventories, listing, exclude)
-        self.persistent.protect(plan.step)  # retention keeps the step the nodes are about to fetch
-        return plan
 
     def _fetch(self, attempt: int, plan: RoundPlan) -> _Fetched:
         """Fetch this node's missing parts of the planned step, each from its holders in plan order."""
@@ -546,11 +363,9 @@ class MultiNodeSupervisor(Supervisor):
                 except OSError as e:
                     log.warning("could not drop %s: %s", path, e)
 
-    def attempt_env(self, attempt: int, resume: ResumePoint | None, hb_dir: Path) -> dict[str, str]:
-        env = super().attempt_env(attempt, resume, hb_dir)
-        env["RLSUP_NODE_RANK"] = str(self.membership.node_rank)
-        env["RLSUP_NUM_NODES"] = str(self.membership.size)
-        return env
+    def env(self) -> dict[str, str]:
+        """This node's rank among the job's nodes, for every attempt's environment."""
+        return {job_env.NODE_RANK: str(self.membership.node_rank), job_env.NUM_NODES: str(self.membership.size)}
 
     def peer_ended(self, attempt: int) -> str | None:
         """Another node's end of the attempt. A store that stopped answering is reached again
@@ -580,8 +395,8 @@ class MultiNodeSupervisor(Supervisor):
                 self.coordinator.end(attempt, f"node {self.membership.node_rank}: {result.reason} {result.detail}".strip())
             except Exception as e:  # noqa: BLE001 - the next join reports the unreachable store with its address
                 self._log(f"could not tell the other nodes that attempt {attempt} failed: {e}")
-        attempt_dir = self.state_dir / "attempts" / f"attempt_{attempt:04d}"  # (RunRecord.attempt_dir makes a fresh one)
-        self.fr_exchange.settle(attempt, result, attempt_dir if attempt_dir.is_dir() else None)  # before the incident
+        # The Flight Recorder's verdict across nodes was settled before the outcome was classified
+        # (supervisor.run.attempt_watch.AttemptWatch.with_shared_flight).
 
     def give_up(self, reason: str) -> None:
         try:
@@ -589,12 +404,13 @@ class MultiNodeSupervisor(Supervisor):
         except Exception:  # noqa: BLE001 - the store may be gone with node 0; giving up locally is enough then
             pass
 
-    def progress_marker(self) -> int | None:
-        on_disk = newest_own_step(Path(self.cfg.checkpoint_dir), self.membership.node_rank)
+    def progress_marker(self, own_marker: Callable[[], int | None]) -> int | None:
+        """The newest step of this node's own parts (``own_marker``, one node's rule, is not asked)."""
+        on_disk = newest_own_step(self.checkpoint_dir, self.membership.node_rank)
         in_memory = self.memory.newest_valid(full=False) if self.memory is not None else None
         if in_memory is not None and (on_disk is None or in_memory[0] > on_disk):
             return in_memory[0]
         return on_disk
 
 
-__all__ = ["MultiNodeSupervisor", "CoordinationError"]
+__all__ = ["NodeGroup", "CoordinatorSettings", "connect_coordinator"]

@@ -20,14 +20,13 @@ import psutil
 from rlsup_format.fileio import write_durable
 from rlsup_format.leftovers import clean_leftovers
 from rlsup_format.names import Kind, reserved_name
+from rlsup_format.state_files import DAEMON, REPLICATION
 from supervisor.config import SupervisorConfig
 from supervisor.cluster.dir_lock import DirLock
 from supervisor.job_identity import JobIdentity
 from supervisor.membership import Membership
 from supervisor.observer import Observer
 from supervisor.tiers.replication import ReplicationEngine, ReplicationSettings, newest_own_step
-
-DAEMON_FILE = "daemon.json"
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +50,7 @@ def _client_ssl(cfg: SupervisorConfig) -> ssl.SSLContext | None:
 def daemon_running(state_dir: Path) -> dict | None:
     """The live daemon serving ``state_dir``, if any."""
     try:
-        info = json.loads((state_dir / DAEMON_FILE).read_text())
+        info = json.loads((state_dir / DAEMON).read_text())
         if psutil.pid_exists(int(info["pid"])) and int(info["pid"]) != os.getpid():
             return info
     except (OSError, ValueError, KeyError, TypeError):
@@ -89,7 +88,7 @@ class NodeService:
         self.engine = ReplicationEngine(
             membership=self.membership, checkpoint_dir=Path(self.cfg.checkpoint_dir),
             replica_root=Path(self.cfg.replica_dir), clients=clients,
-            settings=ReplicationSettings.from_config(self.cfg), state_path=state_dir / "replication.json",
+            settings=ReplicationSettings.from_config(self.cfg), state_path=state_dir / REPLICATION,
             observer=self.observer, job=self.job.id)
         if not self.serve:
             return self
@@ -113,7 +112,7 @@ class NodeService:
         state_dir.mkdir(parents=True, exist_ok=True)
         clean_leftovers(state_dir, {Kind.TMP})  # a temp daemon file of a killed daemon
         data = json.dumps({"pid": os.getpid(), "port": self.port, "node_rank": self.membership.node_rank})
-        write_durable(state_dir / DAEMON_FILE, data.encode(), state_dir / reserved_name(Kind.TMP, DAEMON_FILE))
+        write_durable(state_dir / DAEMON, data.encode(), state_dir / reserved_name(Kind.TMP, DAEMON))
 
     def stop(self, stopped: Callable[[], bool] = lambda: False) -> None:
         """The last replication pass (cut short once ``stopped()``), then the server, lock and clients."""
@@ -130,7 +129,7 @@ class NodeService:
         if self.engine is not None:
             for client in self.engine.clients.values():
                 client.close()
-        path = Path(self.cfg.state_dir) / DAEMON_FILE
+        path = Path(self.cfg.state_dir) / DAEMON
         try:
             if json.loads(path.read_text()).get("pid") == os.getpid():
                 path.unlink()

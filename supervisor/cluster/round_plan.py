@@ -12,7 +12,7 @@ from supervisor.tiers.holdings import PERSISTENT_HOLDER, NodeInventory, RoundPla
 
 
 def compute_plan(attempt: int, inventories: Sequence[NodeInventory], persistent: Mapping[int, TierOffer] | None = None,
-                 exclude: Iterable[tuple[int, int, int]] = ()) -> RoundPlan:
+                 exclude: Iterable[tuple[int, int, int]] = (), newer_than: int | None = None) -> RoundPlan:
     """The newest step whose every rank part is valid somewhere, and what each node must fetch.
 
     ``inventories``: every node's, in node order. A part is in place when its owner holds it locally (a
@@ -23,7 +23,9 @@ def compute_plan(attempt: int, inventories: Sequence[NodeInventory], persistent:
     (:data:`PERSISTENT_HOLDER`) of the parts it lists: in place > peer > persistent. A part goes to its
     owner as the inventories or the tier's manifests record it, else (a trainer that records no node) to
     the node torchrun runs the rank on. ``exclude`` removes (step, rank, holder) triples that failed, so
-    a plan is never made twice with the same bad holder.
+    a plan is never made twice with the same bad holder. ``newer_than``: only steps newer than this are
+    planned (the steps a plan of the inventories alone did not reach; no plan, :data:`None` step, when none is
+    usable).
     """
     excluded = set(exclude)
     # Which inventories list each step; a step's parts are read only when the steps newer than it were
@@ -34,6 +36,8 @@ def compute_plan(attempt: int, inventories: Sequence[NodeInventory], persistent:
             listed.setdefault(step, []).append((node, held))
     tier = persistent or {}
     for step in sorted(listed.keys() | tier.keys(), reverse=True):
+        if newer_than is not None and step <= newer_than:
+            break
         fetch = _plan_step(step, listed.get(step, []), tier.get(step), excluded, len(inventories))
         if fetch is not None:
             return RoundPlan(attempt, step, fetch[0], fetch[1])

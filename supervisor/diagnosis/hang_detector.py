@@ -49,8 +49,6 @@ STALLS_IN_A_ROW = 3
 RECUR_RATIO = 1.5
 #: A rank process's first step ends at the latest at its report number this (2 positions drawn before it).
 FIRST_STEP_REPORTS = 3
-#: What was learned, in the state directory: a later rlsup of the same command starts from it.
-LEARNED_FILE = "heartbeat_timeout.json"
 LEARNED_VERSION = 2
 #: Launcher arguments that change from one allocation to the next (head node, port, rendezvous id, this
 #: node's rank): not part of the learned file's key, so a requeue onto other nodes keeps what was learned.
@@ -147,7 +145,7 @@ class AutoTimeout:
     @classmethod
     def from_settings(cls, s: HangSettings, path: Path | None = None,
                       command: Sequence[str] = ()) -> "AutoTimeout":
-        """``path``: the learned file (:data:`LEARNED_FILE` in the state directory); what a previous rlsup of
+        """``path``: the learned file (:data:`rlsup_format.state_files.LEARNED_TIMEOUT`); what a previous rlsup of
         the same ``command`` learned is loaded from it."""
         auto = cls(s.auto_timeout_factor, s.auto_timeout_floor, s.heartbeat_timeout_initial,
                    s.auto_timeout_min_intervals, path=path, command=learned_key(command))

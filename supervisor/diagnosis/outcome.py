@@ -1,4 +1,5 @@
-"""How an attempt ended: the :class:`AttemptResult` record and the rules that classify an exit.
+"""How an attempt ended: the frozen :class:`AttemptResult`, made once by :func:`classify` from the evidence
+gathered first (:mod:`supervisor.diagnosis.evidence`), and the rules it applies.
 
 One place for the rules, so the run loop, the multi-node engine and the fast rank-death path
 (:mod:`supervisor.diagnosis.rank_deaths`) describe an ending the same way: a launcher's exit code, torchrun's
@@ -16,17 +17,24 @@ import os
 import re
 import signal
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING, Sequence
 
+from supervisor.diagnosis.evidence import (AttemptEvidence, EndedElsewhere, Ending, ExitSeen, FlightEvidence,
+                                           GpuEvidence, HangSeen, HealthFailed, StopSeen)
 from supervisor.diagnosis.gpu_failures import KMSG, Probe, find_gpu_failure, hang_gpu_failure, probe_node
-from supervisor.lifecycle import EndReason
 from supervisor.diagnosis.rank_deaths import RankDeath
+from supervisor.lifecycle import EXCLUDES_NODE, EndReason
+
+if TYPE_CHECKING:
+    from supervisor.diagnosis.unkillable import StuckProcess
 
 
-@dataclass
+@dataclass(frozen=True)
 class AttemptResult:
-    """How one attempt ended."""
+    """How one attempt ended: made once, by :func:`classify`, from the evidence
+    (:class:`~supervisor.diagnosis.evidence.AttemptEvidence`); nothing rewrites it afterwards."""
 
     attempt: int
     reason: EndReason
@@ -155,32 +163,30 @@ def classify_exit(attempt: int, code: int, *, tail: list[str], last_step: int | 
                              detail=f"exit code {code} after the trainer said it finished: {finished[:200]!r}")
     if stop_reason is not None:
         return AttemptResult(attempt, stop_reason, code, last_step=last_step, output_tail=tail)
-    result = AttemptResult(attempt, EndReason.EXIT_CODE, code, last_step=last_step, output_tail=tail)
-    if first_dead is not None:
-        result.rank, result.pid = first_dead
+    rank, pid = first_dead if first_dead is not None else (None, None)
     worker_code: int | None = None
     root = torchrun_root_cause(tail)
     if root is not None:  # torchrun hides the worker's fate behind its own exit 1; its report has it
-        result.rank, worker_code, result.pid = root
+        rank, worker_code, pid = root
     elif (child := accelerate_child_exit(tail)) is not None:  # so does accelerate's one-process launcher
-        rank, worker_code = child
-        result.rank = rank if rank is not None else result.rank
+        rank, worker_code = child[0] if child[0] is not None else rank, child[1]
     report = read_error_file(error_file)
     if report is not None and report.exit_code is not None:
         worker_code = report.exit_code  # the structured report over the output's
+    reason, sig = EndReason.EXIT_CODE, None
     if worker_code is not None and worker_code < 0:
-        result.signal, result.reason = signame(-worker_code), EndReason.SIGNAL
+        sig, reason = signame(-worker_code), EndReason.SIGNAL
     if code < 0:
-        result.signal = signame(-code)
-        result.reason = EndReason.SIGNAL
-        result.pid = result.pid or job_pid
-    if result.signal == "SIGKILL" and oom_rose:
-        result.reason = EndReason.OOM
-    who = [f"rank {result.rank}"] if result.rank is not None else []
-    who += [f"pid {result.pid}"] if result.pid is not None and result.rank is not None else []
+        sig, reason, pid = signame(-code), EndReason.SIGNAL, pid or job_pid
+    if sig == "SIGKILL" and oom_rose:
+        reason = EndReason.OOM
+    who = [f"rank {rank}"] if rank is not None else []
+    who += [f"pid {pid}"] if pid is not None and rank is not None else []
     worker = f", the worker's exit code {worker_code}" if worker_code is not None and 0 < worker_code != code else ""
-    result.detail = f"exit code {code}" + (f", {result.signal}" if result.signal else "") + worker + \
+    detail = f"exit code {code}" + (f", {sig}" if sig else "") + worker + \
         (f" ({', '.join(who)})" if who else "") + (f": {report.message[:300]}" if report and report.message else "")
+    result = AttemptResult(attempt, reason, code, signal=sig, rank=rank, pid=pid, detail=detail, last_step=last_step,
+                           output_tail=tail)
     return with_gpu_failure(result, report.text if report else None, since=since, kernel_log=kernel_log,
                             probe=probe)
 
@@ -195,10 +201,9 @@ def with_gpu_failure(result: AttemptResult, message: str | None, *, since: float
     killed = result.signal == "SIGKILL"
     gpu = find_gpu_failure(None if killed else message, [] if killed else result.output_tail, since=since,
                            kernel_log=kernel_log, probe=probe)
-    if gpu is not None:
-        result.reason = gpu.reason
-        result.detail = f"{result.detail}; {gpu.describe()}" if result.detail else gpu.describe()
-    return result
+    if gpu is None:
+        return result
+    return replace(result, reason=gpu.reason, detail=_joined(result.detail, gpu.describe()))
 
 
 def from_rank_death(attempt: int, death: RankDeath, *, tail: list[str], last_step: int | None,
@@ -226,11 +231,127 @@ def with_hang_gpu_failure(result: AttemptResult, *, since: float | None,
         return result
     lost, unproven = hang_gpu_failure(since, kernel_log, probe)
     if lost is not None:
-        result.reason = EndReason.GPU_LOST
-        result.detail = f"{result.detail}; {lost.describe()}" if result.detail else lost.describe()
-    elif unproven:
-        result.detail = f"{result.detail}; {unproven}" if result.detail else unproven
-    return result
+        return replace(result, reason=EndReason.GPU_LOST, detail=_joined(result.detail, lost.describe()))
+    return replace(result, detail=_joined(result.detail, unproven)) if unproven else result
+
+
+def _joined(detail: str, more: str) -> str:
+    return f"{detail}; {more}" if detail else more
+
+
+# ------------------------------------------------------------------------------------------ the one classifier
+
+SETTLED = (EndReason.SUCCESS, EndReason.STOPPED, EndReason.PREEMPTED)  # the job's own ending: what is left gets grace
+
+
+def job_settled(ending: Ending) -> bool:
+    """Whether the job ended on its own terms (success, or the stop rlsup asked for), as :func:`classify`
+    will say: what it left is then ended with SIGTERM and grace, and no stuck process overrides it."""
+    if isinstance(ending, StopSeen):
+        return True
+    if isinstance(ending, ExitSeen):
+        return ending.stop_reason is not None or ending.code == 0 or (ending.finished is not None and ending.code > 0)
+    return False
+
+
+def classify(ev: AttemptEvidence) -> AttemptResult:
+    """How the attempt ended, from all its evidence, once: its ending (an exit, a rank's death, a hang,
+    a stop...) with the GPU's word on it, then the processes stuck after the kill
+    (:func:`supervisor.diagnosis.unkillable.unkillable_outcome`), the Flight Recorder's verdict across nodes,
+    and, where the node is excluded (:data:`EXCLUDES_NODE`), the node as the suspect."""
+    result = _ending(ev)
+    if ev.stuck:
+        result = unkillable_outcome(result, ev.stuck, ev.kill_grace)
+    result = _with_shared_flight(result, ev.shared_flight)
+    if result.reason in EXCLUDES_NODE:
+        result = replace(result, verdict=result.verdict or f"node {ev.node} is unhealthy: {result.detail}",
+                         suspect_nodes=[*result.suspect_nodes, ev.node])
+    return replace(result, ended=ev.ended)
+
+
+def _ending(ev: AttemptEvidence) -> AttemptResult:
+    end, gpu, tail, step = ev.ending, ev.gpu or GpuEvidence(None, None), list(ev.output_tail), ev.last_step
+    if isinstance(end, ExitSeen):
+        return classify_exit(ev.attempt, end.code, tail=tail, last_step=step, job_pid=end.job_pid,
+                             first_dead=end.first_dead, oom_rose=ev.oom_rose, stop_reason=end.stop_reason,
+                             finished=end.finished, error_file=end.error_file, since=gpu.since,
+                             kernel_log=gpu.kernel_log, probe=gpu.probe)
+    if isinstance(end, RankDeath):
+        return from_rank_death(ev.attempt, end, tail=tail, last_step=step, oom_rose=ev.oom_rose, since=gpu.since,
+                               kernel_log=gpu.kernel_log, probe=gpu.probe)
+    if isinstance(end, HangSeen):
+        return with_hang_gpu_failure(_hang(ev, end), since=gpu.since, kernel_log=gpu.kernel_log, probe=gpu.probe)
+    if isinstance(end, StopSeen):
+        return _stop(ev, end)
+    if isinstance(end, EndedElsewhere):
+        return AttemptResult(ev.attempt, end.reason, None, detail=end.detail, last_step=step, output_tail=tail)
+    if isinstance(end, HealthFailed):
+        return AttemptResult(ev.attempt, EndReason.UNHEALTHY, None, detail=end.detail, output_tail=list(end.output_tail),
+                             verdict=f"node {ev.node} is unhealthy: {end.detail}", suspect_nodes=[ev.node])
+    said = end.describe()  # a straggler (straggler_action: restart)
+    return AttemptResult(ev.attempt, EndReason.STRAGGLER, None, rank=end.rank, pid=end.pid, detail=said, verdict=said,
+                         suspect_ranks=[end.rank], suspect_nodes=[end.node], last_step=step, output_tail=tail)
+
+
+def _hang(ev: AttemptEvidence, hang: HangSeen) -> AttemptResult:
+    """A hang: its stacks' verdict (for a hang seen in the job's output, the stuck trainer they name, never the
+    launcher), this node's Flight Recorder verdict, whose suspects come before the stacks' (it saw the
+    collectives themselves)."""
+    from supervisor.diagnosis.stack_groups import read_stacks
+    from supervisor.diagnosis.step_reports import JOB_RANK
+
+    found = read_stacks(hang.stacks, ev.node, output_hang=hang.rank == JOB_RANK)
+    rank, pid = (found.rank, found.pid) if found.named else (hang.rank, hang.pid)
+    ranks, nodes = found.suspect_ranks, found.suspect_nodes
+    fr = ev.flight
+    if fr is not None and fr.suspects:
+        ranks, nodes = list(fr.suspects), sorted({*nodes, ev.node})
+    return AttemptResult(ev.attempt, hang.reason, None, rank=rank, pid=pid,
+                         detail=_joined(hang.detail, found.stuck) if found.stuck else hang.detail, stacks=hang.stacks,
+                         last_step=ev.last_step, output_tail=list(ev.output_tail), verdict=found.verdict,
+                         fr_verdict=fr.text if fr is not None else "", suspect_ranks=ranks, suspect_nodes=nodes)
+
+
+def _stop(ev: AttemptEvidence, stop: StopSeen) -> AttemptResult:
+    """A stop rlsup asked for; where the job had to be killed, its stacks' verdict."""
+    from supervisor.diagnosis.stack_groups import read_stacks
+
+    found = read_stacks(stop.stacks, ev.node) if stop.stacks else None
+    return AttemptResult(ev.attempt, stop.reason, stop.code, last_step=ev.last_step, output_tail=list(ev.output_tail),
+                         stacks=stop.stacks, detail=f"job exited with {stop.code}" if stop.code is not None else
+                         "killed after stop_grace", verdict=found.verdict if found else "",
+                         suspect_ranks=found.suspect_ranks if found else [],
+                         suspect_nodes=found.suspect_nodes if found else [])
+
+
+def unkillable_outcome(result: AttemptResult, stuck: Sequence[StuckProcess], grace: float) -> AttemptResult:
+    """An attempt whose processes outlived SIGKILL in state D ends ``unkillable`` (the node is excluded: exit
+    77), its original ending kept in the detail, the stuck processes named. A job that succeeded, or was
+    stopped or preempted, keeps its ending (a finished job is not requeued elsewhere; a stop stays a stop)."""
+    from supervisor.diagnosis.unkillable import uninterruptible, verdict
+
+    held = uninterruptible(list(stuck))
+    if not held or result.reason in SETTLED:
+        return result
+    before = f"{result.reason}: {result.detail}" if result.detail else str(result.reason)
+    ranks = sorted({*result.suspect_ranks, *(p.rank for p in held if p.rank is not None)})
+    rank, pid = (held[0].rank, held[0].pid) if result.rank is None else (result.rank, result.pid)
+    return replace(result, reason=EndReason.UNKILLABLE, detail=f"{verdict(list(stuck), grace)} (the attempt had "
+                   f"ended: {before})", suspect_ranks=ranks, rank=rank, pid=pid)
+
+
+def _with_shared_flight(result: AttemptResult, shared: FlightEvidence | None) -> AttemptResult:
+    """The Flight Recorder's verdict across nodes over this node's own, its suspects over the stacks' (as on one
+    node); where none came, this node's own verdict says why."""
+    if shared is None:
+        return result
+    if not shared.text:
+        return replace(result, fr_verdict=f"{result.fr_verdict or 'flight recorder'} (no verdict across nodes: "
+                                          f"{shared.missing})") if shared.missing else result
+    if not shared.suspects:
+        return replace(result, fr_verdict=shared.text)
+    return replace(result, fr_verdict=shared.text, suspect_ranks=list(shared.suspects),
+                   suspect_nodes=sorted({*result.suspect_nodes, *shared.suspect_nodes}))
 
 
 def signame(num: int) -> str:

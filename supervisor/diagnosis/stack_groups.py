@@ -14,11 +14,6 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from supervisor.diagnosis.outcome import AttemptResult
-
 _FAULTHANDLER_FRAME = re.compile(r'^\s+File "(?P<file>[^"]*)", line (?P<line>\d+) in (?P<func>.+?)\s*$')
 _PYSPY_FRAME = re.compile(r"^\s+(?P<func>\S.*?) \((?P<file>[^():]+):(?P<line>\d+)\)\s*$")
 _THREAD = re.compile(r"^(Current thread|Thread) ")
@@ -130,35 +125,42 @@ def group_stacks(stacks: dict[str, str], node: str = "") -> StackVerdict:
     return StackVerdict(groups, suspects, node)
 
 
-def add_verdict(result: "AttemptResult", node: str) -> None:
-    """Fill ``result``'s verdict and suspects from its stacks (taken on this node, ``node``). A hang seen in the
-    job's output (rank :data:`~supervisor.diagnosis.step_reports.JOB_RANK`, whose pid is the job's root: the torchrun agent,
-    a CLI parent) is blamed on the stuck trainer process the stacks name (:func:`name_stuck_process`)."""
-    from supervisor.diagnosis.step_reports import JOB_RANK
+@dataclass(frozen=True)
+class StackFindings:
+    """What an attempt's stacks say: the verdict (who to blame), the suspect ranks and nodes, and for a hang
+    seen in the job's output the stuck trainer process they name (``named``; ``rank``/``pid`` None where
+    they single out none: never the launcher whose output went silent) and the line that says so."""
 
-    grouped = group_stacks(result.stacks, node=node)
-    result.verdict = grouped.describe()
-    result.suspect_ranks = grouped.suspects
-    result.suspect_nodes = [node] if grouped.suspects else []
-    if result.rank == JOB_RANK:
-        name_stuck_process(result, grouped.suspects, node)
+    verdict: str
+    suspect_ranks: list[int]
+    suspect_nodes: list[str]
+    named: bool = False
+    rank: int | None = None
+    pid: int | None = None
+    stuck: str = ""
 
 
-def name_stuck_process(result: "AttemptResult", suspects: list[int], node: str) -> None:
-    """``result``'s rank and pid become the stuck trainer's (:func:`supervisor.diagnosis.stacks.culprit`), or None where the
-    stacks single out none: never the launcher whose output went silent. Its verdict and detail lead with it."""
+def read_stacks(stacks: dict[str, str], node: str, output_hang: bool = False) -> StackFindings:
+    """The findings of ``stacks`` (taken on this node, ``node``). A hang seen in the job's output
+    (``output_hang``: rank :data:`~supervisor.diagnosis.step_reports.JOB_RANK`, whose pid is the job's root: the
+    torchrun agent, a CLI parent) is blamed on the stuck trainer process the stacks name
+    (:func:`supervisor.diagnosis.stacks.culprit`); the verdict leads with it."""
     from supervisor.diagnosis.stacks import culprit
 
-    found = culprit(result.stacks, suspects)
-    result.rank, result.pid = (found.rank, found.pid) if found is not None else (None, None)
+    grouped = group_stacks(stacks, node=node)
+    verdict, suspects = grouped.describe(), grouped.suspects
+    nodes = [node] if suspects else []
+    if not output_hang:
+        return StackFindings(verdict, suspects, nodes)
+    found = culprit(stacks, suspects)
     if found is None:
-        return
+        return StackFindings(verdict, suspects, nodes, named=True)
     where = f" on node {node}" if node else ""
     stuck = f"stuck: {found.describe()}{where}"
-    result.verdict = f"{stuck}; {result.verdict}" if result.verdict else stuck
-    result.detail = f"{result.detail}; {stuck}" if result.detail else stuck
-    if found.rank is not None and found.singled_out and not result.suspect_ranks:
-        result.suspect_ranks, result.suspect_nodes = [found.rank], [node] if node else []
+    if found.rank is not None and found.singled_out and not suspects:
+        suspects, nodes = [found.rank], [node] if node else []
+    return StackFindings(f"{stuck}; {verdict}" if verdict else stuck, suspects, nodes, True, found.rank, found.pid,
+                         stuck)
 
 
 def _ranks_text(ranks: list[int]) -> str:

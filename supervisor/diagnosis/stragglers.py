@@ -26,9 +26,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Literal, Mapping
 
 from rlsup_format.heartbeat_record import HeartbeatRecord
+from rlsup_format.state_files import STRAGGLERS
 
 if TYPE_CHECKING:
-    from supervisor.diagnosis.outcome import AttemptResult
     from supervisor.observer import Observer
 
 #: What a straggler does (``straggler_action``): report it (log, stragglers.jsonl, metric) or also end the
@@ -52,15 +52,6 @@ class StragglerReport:
     method: str  # "arrival" or "work_section"
     step: int
     cleared: bool = False
-
-    def attempt_result(self, last_step: int | None, tail: list[str]) -> "AttemptResult":
-        """The attempt this straggler ends (``straggler_action: restart``)."""
-        from supervisor.diagnosis.outcome import AttemptResult
-        from supervisor.lifecycle import EndReason
-
-        return AttemptResult(self.attempt, EndReason.STRAGGLER, None, rank=self.rank, pid=self.pid,
-                             detail=self.describe(), verdict=self.describe(), suspect_ranks=[self.rank],
-                             suspect_nodes=[self.node], last_step=last_step, output_tail=tail)
 
     def describe(self) -> str:
         if self.cleared:
@@ -146,9 +137,6 @@ class StragglerDetector:
                                        round(statistics.median(window), 2), [round(x, 2) for x in window],
                                        method, rec.step, cleared=not slow))
         return out
-
-
-STRAGGLERS = "stragglers.jsonl"  # in the state directory, beside incidents.jsonl
 
 
 @dataclass

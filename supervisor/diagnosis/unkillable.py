@@ -22,10 +22,9 @@ import re
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, TypeVar
+from typing import Callable, TypeVar
 
-if TYPE_CHECKING:
-    from supervisor.diagnosis.outcome import AttemptResult
+from rlsup_format import state_files
 
 UNINTERRUPTIBLE = "D"
 _RANK_KEYS = (b"RANK", b"LOCAL_RANK")
@@ -280,34 +279,18 @@ def verdict(stuck: list[StuckProcess], grace: float) -> str:
             + "; ".join(p.describe() for p in held) + where)
 
 
-def unkillable_result(result: "AttemptResult", stuck: list[StuckProcess], grace: float,
-                      say: Callable[[str], None], record: Path | None = None) -> bool:
-    """An attempt whose processes outlived SIGKILL in state D ends ``unkillable`` (the node is excluded: exit
-    77), its original ending kept in the detail, the stuck processes named (and written as JSON to
-    ``record``); True when it did. A job that succeeded, or was stopped or preempted, keeps its ending (a
-    finished job is not requeued elsewhere; a stop stays a stop): the processes are named and recorded only.
-    Processes alive but not in D are only logged."""
-    from supervisor.lifecycle import EndReason
-
+def record_stuck(attempt: int, stuck: list[StuckProcess], grace: float, say: Callable[[str], None],
+                 record: Path | None = None) -> None:
+    """Name what outlived the attempt's SIGKILL: the processes in state D (also written as JSON to ``record``)
+    and those alive but not in D (only logged). Whether the attempt ends ``unkillable`` is the classifier's
+    word (:func:`supervisor.diagnosis.outcome.unkillable_outcome`)."""
     if stuck and not uninterruptible(stuck):
-        say(f"attempt {result.attempt}: still alive after SIGKILL (not in state D): "
-            + "; ".join(p.describe() for p in stuck))
+        say(f"attempt {attempt}: still alive after SIGKILL (not in state D): " + "; ".join(p.describe() for p in stuck))
     held = uninterruptible(stuck)
-    if not held:
-        return False
-    line = verdict(stuck, grace)
-    if result.reason in (EndReason.SUCCESS, EndReason.STOPPED, EndReason.PREEMPTED):  # the job's own ending stands
-        say(f"attempt {result.attempt}: {line}; the attempt had ended: {result.reason}, which stands")
+    if held:
+        say(f"attempt {attempt}: {verdict(stuck, grace)}; a failed attempt ends unkillable (no next attempt on this "
+            "node beside them); a success, stop or preemption stands")
         _write_record(record, grace, held, say)
-        return False
-    say(f"attempt {result.attempt}: {line}; no next attempt on this node beside them")
-    before = f"{result.reason}: {result.detail}" if result.detail else str(result.reason)
-    result.reason, result.detail = EndReason.UNKILLABLE, f"{line} (the attempt had ended: {before})"
-    result.suspect_ranks = sorted({*result.suspect_ranks, *(p.rank for p in held if p.rank is not None)})
-    if result.rank is None:
-        result.rank, result.pid = held[0].rank, held[0].pid
-    _write_record(record, grace, held, say)
-    return True
 
 
 def _write_record(record: Path | None, grace: float, held: list[StuckProcess], say: Callable[[str], None]) -> None:
@@ -356,7 +339,7 @@ def left_at_exit(state_dir: Path, code: int, helpers: list[dict], say: Callable[
     (``helpers``: ``pid``, ``label``, ``doing``, ``state``), and its own threads asleep on a mount
     (:func:`held_threads`). Said in one line that names the mounts and each one's state (a helper merely busy is
     not said to be stuck), and written into ``unkillable.json`` under ``exit``; None when nothing is left."""
-    record_path = state_dir / "unkillable.json"
+    record_path = state_dir / state_files.UNKILLABLE
     try:
         record = json.loads(record_path.read_text())
     except (OSError, ValueError):
@@ -404,4 +387,4 @@ def _state_words(state: str) -> str:
     return f"state {state or '?'}"
 
 
-__all__ = ["left_at_exit", "start_time", "held_threads", "unkillable_result", "Mount", "StuckProcess", "mounts", "mount_of", "examine", "uninterruptible", "verdict", "UNINTERRUPTIBLE"]
+__all__ = ["left_at_exit", "start_time", "held_threads", "record_stuck", "Mount", "StuckProcess", "mounts", "mount_of", "examine", "uninterruptible", "verdict", "UNINTERRUPTIBLE"]

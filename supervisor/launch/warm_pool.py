@@ -54,6 +54,7 @@ def rlsup_line(text: str) -> str:
     read from the attempt's environment the zygote runs under (no RLSUP_NODE_RANK: a single node, n0)."""
     ms = int(time.time() * 1000)
     stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ms // 1000)) + f".{ms % 1000:03d}Z"
+    # rlsup_format.job_env.NODE_RANK and RESTART_COUNT, spelled here: this file imports only the standard library
     return (f"{stamp} n{os.environ.get('RLSUP_NODE_RANK', '0')} a{os.environ.get('RLSUP_RESTART_COUNT', '-')} "
             f"{PREFIX}{text}")
 

@@ -179,6 +179,7 @@ def _become(message: dict, torch_state: Any, layout: tuple[str, str, list[str]])
 def _record_rank() -> None:
     """Write :data:`RANK_RECORD` (pid, RANK, LOCAL_RANK) where rlsup's attempt keeps its heartbeats; nothing
     where the worker has no rank or no such directory (a warm rank outside rlsup), or it cannot be written."""
+    # "RLSUP_HEARTBEAT_DIR" is rlsup_format.job_env.HEARTBEAT_DIR, spelled here: this file runs without rlsup installed
     directory, rank = os.environ.get("RLSUP_HEARTBEAT_DIR"), os.environ.get("RANK", "")
     if not directory or not rank.isdigit() or not os.path.isdir(directory):
         return

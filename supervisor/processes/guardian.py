@@ -22,11 +22,11 @@ import sys
 import time
 from pathlib import Path
 
+from rlsup_format.state_files import GUARDIAN_LOG
 from supervisor.processes.leftovers import end_leftovers
 from supervisor.processes.tree_record import load, record_path
 
 BYE = b"bye"
-LOG = "attempt_guard.log"
 _ROOT = str(Path(__file__).resolve().parents[2])
 
 
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         line = f"{time.strftime('%Y-%m-%dT%H:%M:%S')} rlsup pid {args.owner} is gone; ended " \
                f"{', '.join(map(str, ended))}\n"
         try:
-            with open(args.state_dir / LOG, "a") as f:
+            with open(args.state_dir / GUARDIAN_LOG, "a") as f:
                 f.write(line)
         except OSError:
             pass

@@ -14,7 +14,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-RECORD = "attempt_tree.json"
+from rlsup_format.state_files import ATTEMPT_TREE
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,7 @@ def boot_id() -> str:
 
 
 def record_path(state_dir: Path) -> Path:
-    return Path(state_dir) / RECORD
+    return Path(state_dir) / ATTEMPT_TREE
 
 
 def save(path: Path, record: TreeRecord) -> None:

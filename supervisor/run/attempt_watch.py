@@ -1,6 +1,7 @@
 """Watching one running attempt: poll until the job exits, a rank dies, a rank hangs or straggles,
-another node ends the attempt, or rlsup is asked to stop; then say how it ended (an
-:class:`~supervisor.diagnosis.outcome.AttemptResult`, stacks and verdict included where ranks were stuck).
+another node ends the attempt, or rlsup is asked to stop; then say what was seen of its end (an
+:class:`~supervisor.diagnosis.evidence.AttemptEvidence`, stacks and Flight Recorder verdict included where ranks
+were stuck), for the run loop to classify once (:func:`supervisor.diagnosis.outcome.classify`).
 
 What it does to processes goes through the :class:`~supervisor.processes.job.ProcessLayer` (a fake one
 in tests/test_run_loop.py); what it learns on the way (steps, heartbeat timeout, saves) goes to the
@@ -10,12 +11,13 @@ run record, the checkpoint sight and the observer.
 from __future__ import annotations
 
 import logging
-import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from supervisor.diagnosis.outcome import AttemptResult, classify_exit, error_file_for, from_rank_death
+from supervisor.diagnosis.evidence import (AttemptEvidence, EndedElsewhere, Ending, ExitSeen, FlightEvidence, HangSeen,
+                                           StopSeen)
+from supervisor.diagnosis.outcome import error_file_for
 from supervisor.run.checkpoint_sight import CheckpointSight
 from supervisor.diagnosis.hang_detector import AutoTimeout, HangDetector, HangSettings, HangVerdict
 from supervisor.lifecycle import EndReason, JobStatus
@@ -54,13 +56,23 @@ class AttemptWatch:
     saved: Callable[[], None]
     fr_share: "FrExchange | None" = None  # several nodes: FR dumps go to node 0 (supervisor.cluster.fr_exchange)
 
-    def watch(self, job: JobProcess, hb_dir: Path, attempt: int) -> AttemptResult:
+    def watch(self, job: JobProcess, hb_dir: Path, attempt: int) -> AttemptEvidence:
         deaths = RankDeathWatch()
         try:
             return self._poll(job, hb_dir, attempt, deaths)
         finally:
             deaths.close()
             self.auto_timeout.persist(force=True)  # what this attempt taught, for the next rlsup too
+
+    def with_shared_flight(self, evidence: AttemptEvidence, attempt_dir: Path | None) -> AttemptEvidence:
+        """A failed attempt's evidence with the Flight Recorder's verdict across nodes, where a node asked for
+        dumps in it (:meth:`supervisor.cluster.fr_exchange.FrExchange.settle`: node 0 judges, the others wait);
+        gathered before the attempt is classified, so its outcome is made once. ``attempt_dir``: where the
+        verdict is saved beside the attempt."""
+        if self.fr_share is None:
+            return evidence
+        shared = self.fr_share.settle(evidence.attempt, attempt_dir)
+        return evidence if shared is None else replace(evidence, shared_flight=shared)
 
     def start_step(self) -> int | None:
         """The step the attempt starts from, as the hang detector's first-step rule needs it: the resumed step,
@@ -71,12 +83,11 @@ class AttemptWatch:
             return None
         return 0 if state.resume_dir is None else state.resume_step
 
-    def _poll(self, job: JobProcess, hb_dir: Path, attempt: int, deaths: RankDeathWatch) -> AttemptResult:
+    def _poll(self, job: JobProcess, hb_dir: Path, attempt: int, deaths: RankDeathWatch) -> AttemptEvidence:
         detector = HangDetector.from_settings(hb_dir, self.hang, self.auto_timeout, self.processes.alive,
                                               self.start_step())
         stragglers = self._straggler_watch(attempt)
         oom_before = self.processes.oom_kill_count()
-        started = time.monotonic()  # the kernel's GPU errors from here on are this attempt's
         first_dead: tuple[int, int] | None = None
         saves_seen = 0
         while True:
@@ -89,7 +100,7 @@ class AttemptWatch:
                     if killed:
                         log.info(f"attempt {attempt}: job root exited with {code}; killed what it left: {killed}")
                 job.output.join(timeout=2)
-                return self._classify_exit(attempt, code, job, detector, first_dead, oom_before, started)
+                return self._exit(attempt, code, job, detector, first_dead, oom_before)
             if self.stop.asked:
                 return self._stop_job(attempt, job, detector)
             peer = self.peer_ended(attempt)
@@ -97,8 +108,7 @@ class AttemptWatch:
                 log.info(f"attempt {attempt}: ended by another node ({peer}); stopping this node's job")
                 if self.fr_share is not None:  # where that node asked, dumps first: the ranks still wait
                     self.fr_share.peer_ended(attempt, hb_dir, [r for r in detector.records if r >= 0])
-                return AttemptResult(attempt, EndReason.PEER_FAILURE, None, detail=peer, last_step=detector.last_step(),
-                                     output_tail=job.output.tail())
+                return self._evidence(attempt, EndedElsewhere(EndReason.PEER_FAILURE, peer), job, detector)
             job.refresh()
             verdict = detector.check()
             timeout, origin = detector.timeout(), detector.origin()
@@ -110,7 +120,7 @@ class AttemptWatch:
                 return self._hang(attempt, job, detector, verdict)
             slow = stragglers.poll(detector.records)
             if slow is not None:  # straggler_action: restart
-                return slow.attempt_result(detector.last_step(), job.output.tail())
+                return self._evidence(attempt, slow, job, detector)
             if first_dead is None:
                 first_dead = self._first_dead_rank(detector)
             saves = sum(rec.saves for rec in detector.records.values())
@@ -122,18 +132,22 @@ class AttemptWatch:
             if death is not None and job.poll() is None:
                 log.info(f"attempt {attempt}: {death.describe()}; ending the attempt")
                 detector.scan()  # the steps the ranks reached since the last poll (the incident's last_step)
-                return from_rank_death(attempt, death, tail=job.output.tail(), last_step=detector.last_step(),
-                                       oom_rose=self._oom_rose(oom_before), since=started)
+                return self._evidence(attempt, death, job, detector, oom_rose=self._oom_rose(oom_before))
 
     # ------------------------------------------------------------ how it ended
 
-    def _classify_exit(self, attempt: int, code: int, job: JobProcess, detector: HangDetector,
-                       first_dead: tuple[int, int] | None, oom_before: int | None, started: float) -> AttemptResult:
+    def _evidence(self, attempt: int, ending: Ending, job: JobProcess, detector: HangDetector, *,
+                  oom_rose: bool = False) -> AttemptEvidence:
+        """What was seen as the attempt ended: ``ending``, with the step reached and the output's tail as of now."""
+        return AttemptEvidence(attempt, ending, self.node_name, detector.last_step(), tuple(job.output.tail()),
+                               oom_rose)
+
+    def _exit(self, attempt: int, code: int, job: JobProcess, detector: HangDetector,
+              first_dead: tuple[int, int] | None, oom_before: int | None) -> AttemptEvidence:
         detector.scan()  # the last beats (the output's, where it speaks: job.output was joined)
-        return classify_exit(attempt, code, tail=job.output.tail(), last_step=detector.last_step(), job_pid=job.pid,
-                             first_dead=first_dead, oom_rose=self._oom_rose(oom_before), finished=job.output.finished,
-                             stop_reason=self.stop.reason if self.stop.asked else None,
-                             error_file=error_file_for(detector.directory), since=started)
+        seen = ExitSeen(code, job.pid, first_dead, job.output.finished,
+                        self.stop.reason if self.stop.asked else None, error_file_for(detector.directory))
+        return self._evidence(attempt, seen, job, detector, oom_rose=self._oom_rose(oom_before))
 
     def _oom_rose(self, oom_before: int | None) -> bool:
         return oom_before is not None and (self.processes.oom_kill_count() or 0) > oom_before
@@ -149,7 +163,7 @@ class AttemptWatch:
         return StragglerWatch(StragglerDetector(s.straggler_factor, s.straggler_window, self.node_name, attempt),
                               s.state_dir, s.straggler_restart, log.info, self.observer)
 
-    def _hang(self, attempt: int, job: JobProcess, detector: HangDetector, verdict: HangVerdict) -> AttemptResult:
+    def _hang(self, attempt: int, job: JobProcess, detector: HangDetector, verdict: HangVerdict) -> AttemptEvidence:
         reason = EndReason.HANG if verdict.reason == "heartbeat_timeout" else EndReason(verdict.reason)
         # The output's record (JOB_RANK) names the job's root, a launcher: the stuck trainer is named from its stacks
         who = "the job's output" if verdict.rank == JOB_RANK else f"rank {verdict.rank} (pid {verdict.pid})" \
@@ -172,20 +186,15 @@ class AttemptWatch:
             killed = job.terminate_tree(0.0, stuck_after=self.settings.kill_grace)
             if killed:
                 log.info(f"attempt {attempt}: killed the hung job: {killed}")
-            result = AttemptResult(attempt, reason, None, rank=verdict.rank, pid=verdict.pid, detail=detail,
-                                   stacks=stacks, last_step=detector.last_step(), output_tail=job.output.tail())
+            seen = self._evidence(attempt, HangSeen(reason, detail, verdict.rank, verdict.pid, stacks), job, detector)
             fr = self._finish_flight(attempt, flight, detector.directory.parent) if flight is not None else None
         finally:
             if analyser:
                 JobProcess.helpers.discard(analyser)
-        if fr is not None:
-            result.fr_verdict = fr.text
-        self._with_verdict(attempt, result)
+        self._report_stacks(attempt, stacks, output_hang=verdict.rank == JOB_RANK)
         if fr is not None and fr.suspects:  # FR's suspects over the stacks': it saw the collectives themselves
-            result.suspect_ranks = fr.suspects
-            result.suspect_nodes = sorted({*result.suspect_nodes, self.node_name})
             self.observer.suspect(self.node_name, "flight_recorder")
-        return result
+        return seen if fr is None else replace(seen, flight=FlightEvidence(fr.text, tuple(fr.suspects)))
 
     def _flight_recorder(self, detector: HangDetector) -> "Analysis | None":
         """Every rank's Flight Recorder dump, its analysis started (None where no rank answers: FR off, no
@@ -213,18 +222,18 @@ class AttemptWatch:
         self.observer.flight_recorder(fr.suspects)
         return fr
 
-    def _with_verdict(self, attempt: int, result: AttemptResult) -> AttemptResult:
-        """Group the stacks taken and lead the log with who to blame (the ranks outside the majority)."""
-        from supervisor.diagnosis.stack_groups import add_verdict
+    def _report_stacks(self, attempt: int, stacks: dict[str, str], output_hang: bool = False) -> None:
+        """Lead the log with who the stacks blame (the ranks outside the majority; the classifier reads them the
+        same way, :func:`supervisor.diagnosis.stack_groups.read_stacks`) and name the suspect nodes."""
+        from supervisor.diagnosis.stack_groups import read_stacks
 
-        add_verdict(result, self.node_name)
-        if result.verdict:
-            log.info(f"attempt {attempt}: {result.verdict}")
-        for node in result.suspect_nodes:
+        found = read_stacks(stacks, self.node_name, output_hang)
+        if found.verdict:
+            log.info(f"attempt {attempt}: {found.verdict}")
+        for node in found.suspect_nodes:
             self.observer.suspect(node, "stacks")
-        return result
 
-    def _stop_job(self, attempt: int, job: JobProcess, detector: HangDetector) -> AttemptResult:
+    def _stop_job(self, attempt: int, job: JobProcess, detector: HangDetector) -> AttemptEvidence:
         """Ask the job to save and exit (stop flags + signal), wait stop_grace, then end it."""
         signum, grace = self.stop.signum, self.settings.stop_grace
         assert signum is not None
@@ -249,7 +258,6 @@ class AttemptWatch:
             log.info(f"the job did not exit within stop_grace {grace:.0f}s; dumping stacks, then killing it")
             detector.scan()
             stacks = self.processes.dump_stacks(detector.directory, detector.records)
-        result = AttemptResult(attempt, self.stop.reason, code, last_step=detector.last_step(),
-                               output_tail=job.output.tail(), stacks=stacks,
-                               detail=f"job exited with {code}" if code is not None else "killed after stop_grace")
-        return self._with_verdict(attempt, result) if stacks else result
+        if stacks:
+            self._report_stacks(attempt, stacks)
+        return self._evidence(attempt, StopSeen(self.stop.reason, code, stacks), job, detector)

@@ -14,10 +14,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rlsup_format.state_files import INCIDENTS, STATE
 from supervisor.lifecycle import Action, EndReason, JobStatus
-
-INCIDENTS = "incidents.jsonl"
-STATE = "state.json"
 
 
 @dataclass

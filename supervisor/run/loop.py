@@ -1,8 +1,10 @@
 """The supervision loop of ``rlsup run``: launch, watch, classify, clean up, back off, relaunch.
 
-The loop is short on purpose; each step is a small method a subclass (the multi-node engine, tests)
-can override: :meth:`Supervisor.choose_resume`, :meth:`launch`, :meth:`watch`, :meth:`cleanup`,
-:meth:`decide`, :meth:`record_incident`. Its parts live with their own code: the settings it reads
+The loop is short on purpose, and it is the same loop on one node and on several: what involves the job's
+other nodes (the attempt and resume point they agree on, a failure or give-up told to them, another node's end
+of the attempt) is asked of one collaborator passed in, :class:`supervisor.run.peers.Peers` (a single node's
+:class:`~supervisor.run.peers.SingleNode` by default; :class:`supervisor.cluster.multinode.NodeGroup` on several).
+Nothing of the loop is overridden. Its parts live with their own code: the settings it reads
 (:mod:`supervisor.run.settings`), state.json and the incidents (:mod:`supervisor.run.record`), the watch
 of a running attempt (:mod:`supervisor.run.attempt_watch`), stop and preemption signals
 (:mod:`supervisor.stop_request`) and the warm launcher (:mod:`supervisor.launch.warm_start`). Everything it
@@ -15,23 +17,28 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
+from rlsup_format import job_env, state_files
 from rlsup_format.manifest import latest_valid
 from supervisor import exit_codes, log as rlsup_log
-from supervisor.diagnosis.outcome import ERROR_FILE_ENV, AttemptResult, error_file_for, with_hang_gpu_failure
+from supervisor.diagnosis.evidence import AttemptEvidence, EndedElsewhere, GpuEvidence
+from supervisor.diagnosis.outcome import ERROR_FILE_ENV, AttemptResult, classify, error_file_for, job_settled
 from supervisor.run.progress_rule import step_reached
 from supervisor.bounded_calls import BoundedCalls
 from supervisor.run.attempt_watch import AttemptWatch
 from supervisor.run.checkpoint_sight import CheckpointSight
 from supervisor.config import SupervisorConfig
 from supervisor.diagnosis.gpu_failures import KMSG, probe_node
-from supervisor.diagnosis.hang_detector import LEARNED_FILE, AutoTimeout, HangSettings
+from supervisor.diagnosis.hang_detector import AutoTimeout, HangSettings
 from supervisor.membership import node_name
 from supervisor.run.incidents import Incident, JobState
-from supervisor.job_identity import ENV_JOB_ID, JobIdentity, job_identity
-from supervisor.lifecycle import EXCLUDES_NODE, Action, EndReason, JobStatus
+from supervisor.run.node_health import mark_repeat_offender
+from supervisor.run.peers import Peers, SingleNode
+from supervisor.job_identity import JobIdentity, job_identity
+from supervisor.lifecycle import EXCLUDES_NODE, Action, EndReason, JobStatus, route
 from supervisor.observer import Observer
 from supervisor.processes.job import JobProcess, ProcessLayer
 from supervisor.diagnosis.step_reports import attach as attach_progress
@@ -43,6 +50,9 @@ from supervisor.tiers.memory_tier import MemoryTier
 from supervisor.tiers.persistent import PersistentTier
 from supervisor.tiers.resume import ResumePoint, choose_resume, repair_tracker
 from supervisor.launch.warm_start import WarmStarts
+
+if TYPE_CHECKING:
+    from supervisor.diagnosis.unkillable import StuckProcess
 
 log = logging.getLogger(__name__)
 
@@ -60,46 +70,70 @@ def launch_env(settings: RunSettings) -> dict[str, str]:
     return env
 
 
+@dataclass(frozen=True)
+class NodeTiers:
+    """This node's checkpoint tiers (None: not configured), built once for the node (its rank among ``nodes``):
+    the loop and the job's other nodes (:class:`~supervisor.run.peers.Peers`) share them."""
+
+    persistent: PersistentTier | None
+    memory: MemoryTier | None
+
+    @classmethod
+    def from_config(cls, cfg: SupervisorConfig, job: str, node_rank: int = 0, nodes: int = 1) -> "NodeTiers":
+        """``cfg``: resolved (:meth:`SupervisorConfig.resolved`); ``job``: the job's identity."""
+        return cls(PersistentTier.from_config(cfg, node_rank, job),
+                   MemoryTier.from_config(cfg, RunSettings.from_config(cfg).checkpoint_dir, job, node_rank, nodes))
+
+
 class AttemptAbandoned(Exception):
     """Raised by :meth:`Supervisor.prepare`: the attempt is over before launch (another node ended it);
     nothing is launched, and it counts as a failed attempt (``peer_failure``) for the restart policy."""
 
 
 class Supervisor:
-    """Runs ``command`` under supervision with ``cfg``; call :meth:`run` once."""
+    """Runs ``command`` under supervision with ``cfg``; call :meth:`run` once.
 
-    keeps_file_versions = True  #: single-file versions (several nodes would fight over one shared directory)
+    ``peers``: the job's other nodes (default: none, :class:`SingleNode`). ``tiers``: this node's checkpoint
+    tiers, when the caller shares them with ``peers`` (default: built here for a single node). ``stop``: a stop
+    request whose signal handlers the caller installed (the command line's, from before a node's start-up: one
+    installation for the whole run); default: the loop's own, installed by :meth:`run`. ``warm``: a launcher
+    armed before this run (a spare's, while it waited), used instead of a fresh one."""
 
     def __init__(self, cfg: SupervisorConfig, command: Sequence[str], observer: Observer | None = None,
                  job: JobIdentity | None = None, processes: ProcessLayer | None = None, *,
-                 node_rank: int = 0, num_nodes: int = 1) -> None:
+                 peers: Peers | None = None, tiers: NodeTiers | None = None, stop: StopRequest | None = None,
+                 warm: WarmStarts | None = None) -> None:
         self.job = job or job_identity(cfg.job_name, cfg.checkpoint_dir, multi_node=False)
-        self.cfg = cfg.resolved()  # read only to build the components' settings (here and in subclasses)
+        self.cfg = cfg.resolved()  # read only to build the components' settings
         self.settings = RunSettings.from_config(self.cfg)
         self.command = list(command)
         self.state_dir, self.checkpoint_dir = self.settings.state_dir, self.settings.checkpoint_dir
         self.observer = observer or Observer()
         self.processes = processes or ProcessLayer()
+        self.peers: Peers = peers or SingleNode()
         self.policy = RestartPolicy.from_config(self.cfg)
         hang = HangSettings.from_config(self.cfg)
-        self.stop = StopRequest(self.settings.preempt_signal)
-        self.warm = WarmStarts(self.command, self.settings.warm_launcher, self.settings.warm_imports,
-                               self._log, self.settings.warm_cuda)  # the next attempt's root, spawned while this one runs
+        self.installs_stop = stop is None  # the handlers of a stop passed in are the caller's
+        self.stop = stop or StopRequest(self.settings.preempt_signal)
+        if warm is not None:
+            warm.adopt(self.command, self._log)  # the loop's from here on (discarded at the end)
+        self.warm = warm or WarmStarts(self.command, self.settings.warm_launcher, self.settings.warm_imports,
+                                       self._log, self.settings.warm_cuda)  # the next attempt's root, spawned early
         self.node_name = node_name()  # what incidents, metrics and the SLURM exclude list call this machine
-        self.persistent = PersistentTier.from_config(self.cfg, node_rank, self.job.id)  # None: persistent_dir empty
-        self.memory = MemoryTier.from_config(self.cfg, self.checkpoint_dir, self.job.id, node_rank, num_nodes)
+        tiers = tiers or NodeTiers.from_config(self.cfg, self.job.id)
+        self.persistent, self.memory = tiers.persistent, tiers.memory  # None: persistent_dir / memory_dir empty
         if self.persistent is not None:
             self.observer.tier("persistent", self.persistent.stalled)
         self.sight = CheckpointSight(self.cfg, self.checkpoint_dir, self._log,  # single-file, unreadable, steps
-                                     keep_file_versions=self.keeps_file_versions)
+                                     keep_file_versions=self.peers.size == 1)  # nodes would fight over one directory
         self.record = RunRecord(self.state_dir, self.command, self.observer, self.sight.resume_known)
-        learned = AutoTimeout.from_settings(hang, self.state_dir / LEARNED_FILE, self.command)  # across rlsup restarts
+        learned = AutoTimeout.from_settings(hang, self.state_dir / state_files.LEARNED_TIMEOUT, self.command)  # across runs
         self.watcher = AttemptWatch(self.settings, hang, learned, self.processes, self.stop,
-                                    self.record, self.sight, self.observer, self.node_name, self.peer_ended,
-                                    self.refresh_checkpoint_metric)
+                                    self.record, self.sight, self.observer, self.node_name, self.peers.peer_ended,
+                                    self.refresh_checkpoint_metric, fr_share=self.peers.flight_records)
         self.checkpoint_reads = BoundedCalls(f"reading the checkpoint directory {self.checkpoint_dir}", 10.0,
                                              forked=True)  # a read stuck in a hung mount never holds rlsup's exit
-        self.kernel_log: str | os.PathLike | None = KMSG  # a hang's lost GPU (with_hang_gpu_failure); tests: a file
+        self.kernel_log: str | os.PathLike | None = KMSG  # the GPU's word on any ending (GpuEvidence); tests: a file
         self.gpu_probe = probe_node  # NVML on this node's GPUs, to tie a hang's Xid to the job (tests: a stand-in)
 
     @property
@@ -115,7 +149,7 @@ class Supervisor:
     # ------------------------------------------------------------ the loop
 
     def run(self) -> RunResult:
-        previous = self.stop.install()
+        previous = self.stop.install() if self.installs_stop else {}
         try:
             return self._run()
         finally:
@@ -145,7 +179,7 @@ class Supervisor:
                 if pending is not None:
                     self.record_incident(pending[0])
                 why = self.stop.reason if self.stop.asked else EndReason.PEER_FAILURE  # stopped in a wait: a stop
-                resume, result = None, AttemptResult(attempt, why, None, detail=str(e))
+                resume, result = None, self._classify(AttemptEvidence(attempt, EndedElsewhere(why, str(e)), self.node_name))
             else:
                 result = self._launch_and_watch(attempt, resume, pending)
             if result.reason == EndReason.SUCCESS:  # the real exit code (non-zero after a trainer's done line)
@@ -158,9 +192,9 @@ class Supervisor:
                 return self._node_lost(attempt, result)
             incident, delay = self.decide(attempt, result, resume)
             if delay is None:
-                code, why = give_up_code(incident.action, result, self.policy.settings.max_no_progress_attempts)
+                code, why = give_up_code(incident.action, incident, self.policy.settings.max_no_progress_attempts)
                 self._log(why)
-                self.record.set_state(JobStatus.GAVE_UP, exit_code=code, last_step=result.last_step)
+                self.record.set_state(JobStatus.GAVE_UP, exit_code=code, last_step=incident.last_step)
                 return self._finish(code, JobStatus.GAVE_UP, attempt)
             pending = (incident, result.ended)
             self.record.set_state(JobStatus.BACKOFF)
@@ -189,21 +223,29 @@ class Supervisor:
         if pending is not None:
             self.record_incident(pending[0], downtime=time.monotonic() - pending[1], resume=resume)
         self.record.set_state(JobStatus.RUNNING, job_pid=job.pid)
-        result = with_hang_gpu_failure(self.watch(job, hb_dir, attempt), since=started, kernel_log=self.kernel_log,
-                                       probe=self.gpu_probe)
-        self.cleanup(job, result)
-        return result
+        evidence = self.watch(job, hb_dir, attempt)
+        stuck = self.cleanup(job, evidence)
+        return self._classify(replace(evidence, gpu=GpuEvidence(started, self.kernel_log, self.gpu_probe),
+                                      stuck=tuple(stuck), kill_grace=self.settings.kill_grace))
+
+    def _classify(self, evidence: AttemptEvidence) -> AttemptResult:
+        """The attempt's one outcome (:func:`supervisor.diagnosis.outcome.classify`), from its evidence and, for a
+        failure, the Flight Recorder's verdict across nodes (gathered first: nothing rewrites the outcome)."""
+        if not job_settled(evidence.ending):
+            attempt_dir = state_files.attempt_path(self.state_dir, evidence.attempt)
+            evidence = self.watcher.with_shared_flight(evidence, attempt_dir if attempt_dir.is_dir() else None)
+        return classify(evidence)
 
     def decide(self, attempt: int, result: AttemptResult, resume: ResumePoint | None) -> tuple[Incident, float | None]:
         """A failed attempt: its incident, and the delay before the next one (None: give up, recorded now)."""
         self.record.set_state(JobStatus.FAILED)
         self.attempt_failed(attempt, result)
         newest = self.progress_marker()
-        result.last_step = step_reached(result.last_step, resume.step if resume else None, newest)
-        progress = self.sight.judge(result.last_step, newest, resume)  # supervisor.run.progress_rule
+        reached = step_reached(result.last_step, resume.step if resume else None, newest)
+        progress = self.sight.judge(reached, newest, resume)  # supervisor.run.progress_rule
         decision = self.policy.decide(result.exit_code, progress.progressed)
-        self.observer.attempt_failed(result.reason, result.last_step)
-        incident = incident_for(result, decision.action, self.sight.left_torn)
+        self.observer.attempt_failed(result.reason, reached)
+        incident = incident_for(result, decision.action, self.sight.left_torn, reached)
         if not decision.restart:
             self.give_up(f"node gave up after attempt {attempt}: {decision.action}")
             self.record_incident(incident)
@@ -228,8 +270,6 @@ class Supervisor:
         self.attempt_failed(attempt, result)
         self.observer.attempt_failed(result.reason, result.last_step)
         self.give_up(f"node gave up after attempt {attempt}: {Action.EXCLUDE_NODE} ({result.reason})")
-        result.verdict = result.verdict or f"node {self.node_name} is unhealthy: {result.detail}"
-        result.suspect_nodes = [*result.suspect_nodes, self.node_name]
         self._log(f"attempt {attempt} failed ({result.reason}: {result.detail}); not restarting on this node")
         return self._unhealthy(attempt, result, None)
 
@@ -247,6 +287,18 @@ class Supervisor:
         self.record.set_state(JobStatus.GAVE_UP, exit_code=exit_codes.UNHEALTHY)
         return self._finish(exit_codes.UNHEALTHY, JobStatus.GAVE_UP, attempt)
 
+    def give_up_outside_attempt(self, code: int, why: str) -> RunResult:
+        """The run ends between attempts for a reason of the caller's (the nodes could not agree): state.json says
+        it gave up with ``code``, and the tiers take their final copy, as for any give-up; a later start then does
+        not take this run for one that died mid-attempt."""
+        try:
+            for status in route(self.state.state, JobStatus.GAVE_UP):
+                self.record.set_state(status, exit_code=code if status is JobStatus.GAVE_UP else None)
+            return self._finish(code, JobStatus.GAVE_UP, self.state.attempt or 0, why)
+        except Exception as err:  # noqa: BLE001 - recording is best effort: the caller's error must reach the command line
+            self._log(f"could not record the give-up: {err}")
+            return RunResult(code, JobStatus.GAVE_UP, self.state.attempt or 0, list(self.incidents))
+
     def _finish(self, code: int, status: JobStatus, attempt: int, why: str = "") -> RunResult:
         self.warm.discard()  # no next attempt: do not keep a launcher alive through the final copy
         if self.memory is not None:  # the newest memory step to disk first (the persistent flush reads disk)
@@ -256,12 +308,15 @@ class Supervisor:
         self.sight.stop()
         return self.record.result(code, status, attempt, why)
 
-    # ------------------------------------------------------------ steps (overridable)
+    # ------------------------------------------------------------ steps
 
     def check_health(self, attempt: int) -> AttemptResult | None:
-        """Run ``pre_launch_check`` (if set); the failed attempt it makes, or None when healthy."""
+        """Run ``pre_launch_check`` (if set); the failed attempt it makes, or None when healthy (or when stopping:
+        no check to wait for)."""
         from supervisor.run.node_health import check_node
 
+        if self.stop.asked:
+            return None
         sick = check_node(self.settings.pre_launch_check, self.settings.pre_launch_timeout, attempt, self.node_name,
                           self.command)
         if sick is not None:
@@ -280,24 +335,33 @@ class Supervisor:
             self._log(f"a previous rlsup (pid {leftovers[0]}) died{ended}")
         self.processes.guard_attempts(self.state_dir)
         if prev is None or self.processes.pid_exists(int(prev.get("pid", 0))):
-            return 0
+            return self.peers.join(0)
         lost = self.record.lost(prev, ended)
         self.record_incident(lost)
         self._log(f"a previous rlsup died during attempt {lost.attempt}; continuing with attempt {lost.attempt + 1}")
-        return lost.attempt + 1
+        return self.peers.join(lost.attempt + 1)
 
     def next_attempt(self, attempt: int) -> int:
-        return attempt + 1
+        """The attempt after ``attempt``: the next one here, the one the nodes agree on (:meth:`Peers.join`)."""
+        return self.peers.join(attempt + 1)
 
     def record_incident(self, incident: Incident, downtime: float | None = None,
                         resume: ResumePoint | None = None) -> None:
         """Record an ended attempt (:meth:`supervisor.run.record.RunRecord.add`); with ``downtime``, once the
-        next attempt has started from ``resume``."""
+        next attempt has started from ``resume``. A node that fails again is named (in a job of several nodes:
+        :func:`~supervisor.run.node_health.mark_repeat_offender`)."""
+        if incident not in self.incidents and mark_repeat_offender(incident, self.incidents, self.node_name,
+                                                                   nodes=self.peers.size):
+            self.observer.suspect(self.node_name, "repeated")
         self.record.add(incident, downtime, resume)
 
     def prepare(self, attempt: int) -> ResumePoint | None:
-        """Everything before launch; returns the checkpoint to resume from (fetched from the
-        persistent tier when that holds a newer valid step than the local directory)."""
+        """Everything before launch; returns the checkpoint every node resumes from (:meth:`Peers.agree`)."""
+        return self.peers.agree(attempt, self._choose_here)
+
+    def _choose_here(self) -> ResumePoint | None:
+        """This node's own resume point (fetched from the persistent tier when that holds a newer valid step
+        than the local directory)."""
         if (self.persistent is not None or self.memory is not None) and self.settings.resume:
             from supervisor.tiers.selection import choose_across_tiers
 
@@ -314,18 +378,20 @@ class Supervisor:
             point = repair_tracker(self.checkpoint_dir, point, self._log)
         return point
 
-    def peer_ended(self, attempt: int) -> str | None:
-        """Polled while the job runs: a reason when another node ended this attempt (single node: never)."""
-        return None
-
     def attempt_failed(self, attempt: int, result: "AttemptResult") -> None:
-        """This node's attempt failed (tell the other nodes)."""
+        """This node's attempt failed: the other nodes are told (:meth:`Peers.attempt_failed`)."""
+        self.peers.attempt_failed(attempt, result)
 
     def give_up(self, reason: str) -> None:
-        """This node stops restarting (tell the other nodes)."""
+        """This node stops restarting: the other nodes are told (:meth:`Peers.give_up`)."""
+        self.peers.give_up(reason)
 
     def progress_marker(self) -> int | None:
-        """Newest valid checkpoint step, to tell whether a failed attempt made progress."""
+        """Newest valid checkpoint step, to tell whether a failed attempt made progress (:meth:`Peers.progress_marker`)."""
+        return self.peers.progress_marker(self._newest_here)
+
+    def _newest_here(self) -> int | None:
+        """One node's rule: the resume point's step, or the memory tier's newer one."""
         point = self.choose_resume()
         in_memory = self.memory.newest_valid(full=False) if self.memory is not None and self.settings.resume else None
         if in_memory is not None and (point is None or in_memory[0] > point.step):
@@ -371,31 +437,32 @@ class Supervisor:
         env = launch_env(self.settings)
         from supervisor.tiers.memory_tier import ENV_NAMES as MEMORY_ENV
 
-        for key in ("RLSUP_RESUME_DIR", "RLSUP_RESUME_STEP", *MEMORY_ENV):
+        for key in (job_env.RESUME_DIR, job_env.RESUME_STEP, *MEMORY_ENV):
             env.pop(key, None)
         if self.memory is not None:
             env.update(self.memory.env())  # the job's memory tier: ranks save there (trainer_hooks.memory_tier)
         env.update({
-            "RLSUP_RESTART_COUNT": str(attempt),
-            "RLSUP_CHECKPOINT_DIR": str(self.checkpoint_dir),
-            "RLSUP_HEARTBEAT_DIR": str(hb_dir),
-            "RLSUP_STATE_DIR": str(self.state_dir),
-            "RLSUP_PREEMPT_SIGNAL": self.settings.preempt_signal.name,
-            ENV_JOB_ID: self.job.id,
+            job_env.RESTART_COUNT: str(attempt),
+            job_env.CHECKPOINT_DIR: str(self.checkpoint_dir),
+            job_env.HEARTBEAT_DIR: str(hb_dir),
+            job_env.STATE_DIR: str(self.state_dir),
+            job_env.PREEMPT_SIGNAL: self.settings.preempt_signal.name,
+            job_env.JOB_ID: self.job.id,
         })
         env.setdefault(ERROR_FILE_ENV, str(error_file_for(hb_dir)))  # torchrun's failure report, unless the user's
         if self.settings.resume:
             # The step every rank must load, or empty for "start fresh": trainer_hooks never picks another
             # step on its own under rlsup (a rank quietly starting over loses the run). Not set with
             # resume: false, where the trainer chooses.
-            env["RLSUP_RESUME_DIR"] = str(resume.path) if resume is not None else ""
+            env[job_env.RESUME_DIR] = str(resume.path) if resume is not None else ""
         if resume is not None and resume.step is not None:
-            env["RLSUP_RESUME_STEP"] = str(resume.step)
+            env[job_env.RESUME_STEP] = str(resume.step)
+        env.update(self.peers.env())  # the job's nodes: this node's rank among them
         return env
 
     def launch(self, attempt: int, resume: ResumePoint | None) -> tuple[JobProcess, Path]:
-        attempt_dir = self.record.attempt_dir(attempt)
-        hb_dir = attempt_dir / "heartbeats"
+        attempt_dir = self.record.fresh_attempt_dir(attempt)
+        hb_dir = attempt_dir / state_files.HEARTBEATS
         where = "" if resume is None else f" from {resume.path}" if resume.step is None else \
             f" from step {resume.step} ({resume.path})"
         argv = self.attempt_command(resume)
@@ -406,9 +473,9 @@ class Supervisor:
             self.memory.supersede(resume.step if resume is not None else None)  # steps of an abandoned timeline
         env = self.attempt_env(attempt, resume, hb_dir)
         tail_lines = self.settings.output_tail_lines
-        job = self.warm.start(attempt, env, argv, attempt_dir / "output.log", tail_lines)
+        job = self.warm.start(attempt, env, argv, attempt_dir / state_files.OUTPUT_LOG, tail_lines)
         if job is None:
-            job = self.processes.start(argv, env, attempt_dir / "output.log", tail_lines)
+            job = self.processes.start(argv, env, attempt_dir / state_files.OUTPUT_LOG, tail_lines)
         attach_progress(self.settings.progress, self.settings.progress_regex, job, hb_dir)
         self.observer.attempt_started(attempt, resume.step if resume else None, known=self.sight.resume_known(resume))
         self.sight.attempt_launched()
@@ -423,31 +490,38 @@ class Supervisor:
 
         return expand(self.command, None if resume is None else ResumeFill(str(resume.path), resume.step))
 
-    def watch(self, job: JobProcess, hb_dir: Path, attempt: int) -> AttemptResult:
+    def watch(self, job: JobProcess, hb_dir: Path, attempt: int) -> AttemptEvidence:
         """Poll until the job exits, a rank dies, it hangs, or rlsup is asked to stop
         (:class:`supervisor.run.attempt_watch.AttemptWatch`)."""
         return self.watcher.watch(job, hb_dir, attempt)
 
-    def cleanup(self, job: JobProcess, result: AttemptResult) -> None:
+    def cleanup(self, job: JobProcess, evidence: AttemptEvidence) -> list[StuckProcess]:
         """Nothing of an attempt may survive it.
 
         A failed attempt (crash, hang, another node's failure) is killed at once with SIGKILL: a
         half-written step is harmless by design (manifest last), its stacks are already saved, and a
         rank stuck in a collective would only turn SIGTERM into should_stop() and never act on it. What
-        is left of a successful, stopped or preempted job gets SIGTERM and ``kill_grace``."""
-        graceful = result.reason in (EndReason.SUCCESS, EndReason.STOPPED, EndReason.PREEMPTED)
+        is left of a successful, stopped or preempted job gets SIGTERM and ``kill_grace``. Returns what outlived
+        the SIGKILL (evidence for the outcome: :func:`supervisor.diagnosis.unkillable.unkillable_outcome`)."""
+        graceful = job_settled(evidence.ending)
         killed = job.terminate_tree(self.settings.kill_grace if graceful else 0.0, stuck_after=self.settings.kill_grace)
         if killed:
-            self._log(f"attempt {result.attempt}: killed leftover processes {killed}")
-        from supervisor.diagnosis.unkillable import unkillable_result
+            self._log(f"attempt {evidence.attempt}: killed leftover processes {killed}")
+        from supervisor.diagnosis.unkillable import record_stuck
 
-        unkillable_result(result, getattr(job, "stuck", []), self.settings.kill_grace, self._log,
-                          self.state_dir / "unkillable.json")
+        stuck = list(getattr(job, "stuck", []))
+        record_stuck(evidence.attempt, stuck, self.settings.kill_grace, self._log, self.state_dir / state_files.UNKILLABLE)
+        return stuck
 
     @staticmethod
     def _log(message: str) -> None:
-        """The run loop's own lines, on rlsup's one logging channel (:mod:`supervisor.log`)."""
-        log.info(message)
+        say(message)
 
 
-__all__ = ["Supervisor", "AttemptAbandoned", "RunResult", "JobStatus", "launch_env"]
+def say(message: str) -> None:
+    """The run loop's own lines, on rlsup's one logging channel (:mod:`supervisor.log`); the job's other nodes
+    (:mod:`supervisor.cluster`) say theirs here too: one logger for one run."""
+    log.info(message)
+
+
+__all__ = ["Supervisor", "AttemptAbandoned", "NodeTiers", "RunResult", "JobStatus", "launch_env", "say"]

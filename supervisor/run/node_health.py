@@ -19,12 +19,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from supervisor.diagnosis.outcome import AttemptResult
+from rlsup_format.state_files import UNHEALTHY_NODES
+from supervisor.diagnosis.evidence import AttemptEvidence, HealthFailed
+from supervisor.diagnosis.outcome import AttemptResult, classify
 from supervisor.run.incidents import Incident
 from supervisor.lifecycle import ATTEMPT_FAILURES, EndReason
 
 REPEATS_MAKE_SUSPECT = 2  # a node whose own attempts failed this often in one run is named
-UNHEALTHY_NODES = "unhealthy_nodes"  # one node name per line, appended; read by deploy/slurm/rlsup.sbatch
 OUTPUT_TAIL = 4000
 BUILTIN = "builtin"  # pre_launch_check's value for rlsup's own NVML check (supervisor/diagnosis/gpu_health.py)
 log = logging.getLogger(__name__)
@@ -103,9 +104,8 @@ def check_node(command: str, timeout: float, attempt: int, node: str,
         result = run_check(command, timeout)
     if result.ok:
         return None
-    return AttemptResult(attempt, EndReason.UNHEALTHY, None, detail=result.detail,
-                         verdict=f"node {node} is unhealthy: {result.detail}",
-                         output_tail=result.output.splitlines()[-20:], suspect_nodes=[node])
+    return classify(AttemptEvidence(attempt, HealthFailed(result.detail, tuple(result.output.splitlines()[-20:])),
+                                    node=node))
 
 
 def record_unhealthy(state_dir: Path, node: str) -> Path:

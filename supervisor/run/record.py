@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from rlsup_format import state_files
 from supervisor.diagnosis.outcome import AttemptResult
 from supervisor.run.file_versions import LeftTorn
 from supervisor.run.incidents import Incident, JobState, append_incident, publish_state, read_state, write_state
@@ -36,14 +37,18 @@ class RunResult:
     incidents: list[Incident]
 
 
-def incident_for(result: AttemptResult, action: Action, left_torn: Sequence[LeftTorn] = ()) -> Incident:
-    """The incident line of an ended attempt and what rlsup did about it; ``left_torn``: the single-file
-    checkpoints the attempt left torn with no version to put back (the next attempt meets them)."""
+def incident_for(result: AttemptResult, action: Action, left_torn: Sequence[LeftTorn] = (),
+                 reached: int | None = None) -> Incident:
+    """The incident line of an ended attempt: its outcome (copied here, and only here) and what rlsup did about
+    it; ``left_torn``: the single-file checkpoints the attempt left torn with no version to put back (the next
+    attempt meets them); ``reached``: the step the attempt reached as its progress was judged
+    (:func:`supervisor.run.progress_rule.step_reached`), where it was (default: the outcome's last step)."""
     return Incident(time=time.time(), attempt=result.attempt, reason=result.reason, exit_code=result.exit_code,
                     signal=result.signal, rank=result.rank, pid=result.pid, detail=result.detail,
-                    output_tail=result.output_tail, stacks=result.stacks, last_step=result.last_step,
-                    action=action, verdict=result.verdict, suspect_ranks=result.suspect_ranks,
-                    suspect_nodes=result.suspect_nodes, fr_verdict=result.fr_verdict,
+                    output_tail=list(result.output_tail), stacks=dict(result.stacks),
+                    last_step=result.last_step if reached is None else reached,
+                    action=action, verdict=result.verdict, suspect_ranks=list(result.suspect_ranks),
+                    suspect_nodes=list(result.suspect_nodes), fr_verdict=result.fr_verdict,
                     left_torn=[{"file": str(t.live), "torn": t.why, "no_version": t.no_version} for t in left_torn])
 
 
@@ -136,14 +141,14 @@ class RunRecord:
 
     # ------------------------------------------------------------ attempt directories
 
-    def attempt_dir(self, attempt: int) -> Path:
-        """A fresh directory for ``attempt`` (its output and heartbeats); only the newest
-        ``KEEP_ATTEMPT_DIRS`` are kept."""
-        attempt_dir = self.state_dir / "attempts" / f"attempt_{attempt:04d}"
+    def fresh_attempt_dir(self, attempt: int) -> Path:
+        """A fresh directory for ``attempt`` (:func:`rlsup_format.state_files.attempt_path`: its output and
+        heartbeats), whatever an earlier run left there; only the newest ``KEEP_ATTEMPT_DIRS`` are kept."""
+        attempt_dir = state_files.attempt_path(self.state_dir, attempt)
         if attempt_dir.exists():
             shutil.rmtree(attempt_dir, ignore_errors=True)
-        (attempt_dir / "heartbeats").mkdir(parents=True)
-        for old in sorted((self.state_dir / "attempts").glob("attempt_*"))[:-KEEP_ATTEMPT_DIRS]:
+        (attempt_dir / state_files.HEARTBEATS).mkdir(parents=True)
+        for old in sorted((self.state_dir / state_files.ATTEMPTS).glob(state_files.ATTEMPT_GLOB))[:-KEEP_ATTEMPT_DIRS]:
             shutil.rmtree(old, ignore_errors=True)
         return attempt_dir
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from supervisor.lifecycle import Action
 
 if TYPE_CHECKING:
-    from supervisor.diagnosis.outcome import AttemptResult
+    from supervisor.run.incidents import Incident
     from supervisor.config import SupervisorConfig
 
 
@@ -89,9 +89,10 @@ class RestartPolicy:
         return RestartDecision(True, max(0.0, delay), Action.RESTART)
 
 
-def give_up_code(action: Action, result: "AttemptResult", max_no_progress: int) -> tuple[int, str]:
-    """rlsup's exit code when it gives up after ``result``, and the line that says why, with the step the last
-    attempt reached (``result.last_step``: :func:`supervisor.run.progress_rule.step_reached`), never a resume."""
+def give_up_code(action: Action, result: "Incident", max_no_progress: int) -> tuple[int, str]:
+    """rlsup's exit code when it gives up after the attempt of ``result`` (its incident), and the line that says
+    why, with the step it reached (``result.last_step``: :func:`supervisor.run.progress_rule.step_reached`), never
+    a resume."""
     from supervisor import exit_codes
 
     at = "" if result.last_step is None else f" at step {result.last_step}"

@@ -49,6 +49,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
+from rlsup_format import job_env
 from rlsup_format.fileio import remove_path
 from rlsup_format.leftovers import is_stale
 from rlsup_format.manifest import ManifestError, is_held, list_step_dirs
@@ -65,10 +66,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-ENV_MEMORY_DIR = "RLSUP_MEMORY_DIR"  # the names trainer_hooks.memory_tier reads
-ENV_MEMORY_KEEP_LAST = "RLSUP_MEMORY_KEEP_LAST"
-ENV_MEMORY_LIMIT = "RLSUP_MEMORY_LIMIT_BYTES"
-ENV_NAMES = (ENV_MEMORY_DIR, ENV_MEMORY_KEEP_LAST, ENV_MEMORY_LIMIT)
+ENV_NAMES = (job_env.MEMORY_DIR, job_env.MEMORY_KEEP_LAST, job_env.MEMORY_LIMIT_BYTES)  # what env() sets
 HOLD_LABEL = "drain"  # .hold-drain-... in a memory step while it is copied to disk
 IDLE_WAKE_S = 5.0  # the drain pass when no manifest wakes it
 CLEAN_EVERY_S = 60.0
@@ -198,8 +196,8 @@ class MemoryTier:
 
     def env(self) -> dict[str, str]:
         """What every rank of an attempt is told (read by :mod:`trainer_hooks.memory_tier`)."""
-        return {ENV_MEMORY_DIR: str(self.root), ENV_MEMORY_KEEP_LAST: str(self.settings.keep_last),
-                ENV_MEMORY_LIMIT: str(self.settings.limit_bytes)}
+        return {job_env.MEMORY_DIR: str(self.root), job_env.MEMORY_KEEP_LAST: str(self.settings.keep_last),
+                job_env.MEMORY_LIMIT_BYTES: str(self.settings.limit_bytes)}
 
     # ---------------------------------------------------------------- reading
 

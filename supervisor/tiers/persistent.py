@@ -19,8 +19,8 @@ where it lives is a :class:`~supervisor.tiers.part_protocol.PartStore`. This mod
 * **Exit**: :meth:`PersistentTier.flush` copies the newest step whatever the cadence.
 * **Restore**: :meth:`PersistentTier.latest_valid` (every checksum), :meth:`PersistentTier.fetch`
   (a whole step, for one node) and :meth:`PersistentTier.part_listing` (parts, for the multi-node
-  planner); :meth:`PersistentTier.fetch_part` raises :class:`PersistentPartInvalid` for a part that
-  is missing, torn or corrupted in the tier, :class:`PersistentTierError` for I/O problems.
+  planner, whose nodes then fetch a part with :func:`supervisor.tiers.part_protocol.fetch_part`, the
+  tier's :attr:`PersistentTier.store` one of its holders).
 
 The background thread (:meth:`PersistentTier.start`) wakes when a manifest appears in the local
 checkpoint directory (:mod:`supervisor.tiers.manifest_watch`), and otherwise every
@@ -73,11 +73,6 @@ class PersistentTierError(RuntimeError):
     """A copy to or from the persistent tier failed or did not verify."""
 
 
-class PersistentPartInvalid(PersistentTierError):
-    """A part in the persistent tier is missing, torn, or does not match its manifest.
-
-    Distinct from an I/O error on this node (a full local disk): a caller may safely stop offering
-    this part, whereas an I/O error says nothing about the copy in the tier."""
 
 
 @dataclass(frozen=True)
@@ -132,7 +127,7 @@ class PersistentSettings:
 
 
 #: What a pass of :meth:`PersistentTier.poll` changes: copied back from the child a forked pass ran in.
-#: What the parent changes meanwhile is never among them (:meth:`PersistentTier.protect`, ``_fetched``).
+#: What the parent changes meanwhile is never among them (:meth:`PersistentTier.protect`).
 _PASS_STATE = ("_done", "_last_step", "_last_time", "_retain_due", "_retained", "_retained_protect", "_last_clean",
                "copies", "bytes_copied", "last_error", "moved", "_final")
 #: How long :meth:`PersistentTier.protect` waits for a pass in progress (whose retention read the old step).
@@ -159,7 +154,6 @@ class PersistentTier:
         self._last_step: int | None = None  # the step node 0 last started (the cadence counts from it)
         self._last_time: float | None = None
         self._done: set[tuple[int, int, float]] = set()  # (step, rank, manifest created) known in the tier
-        self._fetched: list[tuple[int, int, float]] = []  # fetch_part's parts, taken into _done by the next pass
         self._protected: set[int] = set()  # steps a restore is using: retention leaves them alone
         self._protect_changes = 0  # protect() calls; a pass whose retention has not seen the last one retains
         self._retained_protect = 0  # ... the count the last retention saw
@@ -212,7 +206,6 @@ class PersistentTier:
         self._loop.doing = f"listing {self.location}"
         # a forked pass: its parent holds _lock for it (this copy of the lock may have been taken at the fork)
         with contextlib.nullcontext() if forked_child() else self._lock:
-            self._done.update(self._fetched[:])  # parts a restore fetched (and checked) since the last pass
             self._maybe_clean(local)
             steps = self.store.steps()
             if self._last_step is None and steps:
@@ -473,26 +466,6 @@ class PersistentTier:
                 raise PersistentTierError(f"fetching step {step} from {self.location}: abandoned by the restart")
             return dest
 
-    def fetch_part(self, step: int, rank: int, dest_dir: str | os.PathLike) -> Path:
-        """Copy ``rank``'s part of ``step`` into ``dest_dir/step_N`` and return that step directory. A
-        valid local part is kept. :class:`PersistentPartInvalid` when the tier's part is missing, torn or
-        does not match (each file is checked as its bytes arrive, the manifest written last);
-        :class:`PersistentTierError` for other failures."""
-        return self._files(lambda: self._fetch_part(step, rank, dest_dir))
-
-    def _fetch_part(self, step: int, rank: int, dest_dir: str | os.PathLike) -> Path:
-        local = LocalStore(dest_dir, self.throttle, HOLD_LABEL)
-        try:
-            done = copy_part(self.store, local, step, rank, full=False)
-        except PartInvalid as e:
-            raise PersistentPartInvalid(f"{self.location}: {e}") from e
-        except (OSError, ManifestError, PartError) as e:
-            raise PersistentTierError(f"fetching step {step} rank {rank} from {self.location} failed: {e}") from e
-        if done.written:  # every byte of the tier's copy just passed its checksum: the local part is persisted
-            # not _done itself: a forked pass in progress copies its own _done back over this one's
-            self._fetched.append((step, rank, done.manifest.created))
-        return local.path(step)
-
     def part_listing(self, newer_than: int | None = None,
                      exclude: set[tuple[int, int]] | frozenset[tuple[int, int]] = frozenset()) -> dict[int, TierOffer]:
         """Parts offered for a multi-node restore, by step (owners as the manifests record them; ranks
@@ -553,4 +526,4 @@ def _limiter(bandwidth: float) -> Any:
     return BandwidthLimiter(bandwidth)
 
 
-__all__ = ["PersistentSettings", "PersistentTier", "PersistentTierError", "PersistentPartInvalid", "TierCopy"]
+__all__ = ["PersistentSettings", "PersistentTier", "PersistentTierError", "TierCopy"]

@@ -37,7 +37,7 @@ from supervisor.tiers.manifest_watch import ManifestWatch
 from supervisor.job_identity import namespace_of, parse_namespace
 from supervisor.membership import Membership, replica_targets
 from supervisor.observer import Observer
-from supervisor.tiers.part_protocol import PartInvalid, copy_part, fetch_part
+from supervisor.tiers.part_protocol import PartInvalid, copy_part
 from supervisor.tiers.part_stores.local import LocalStore
 from supervisor.tiers.part_stores.peer import ChainStore, PeerStore
 from supervisor.tiers.parts import Part, scan_parts, verify_part
@@ -364,13 +364,6 @@ class ReplicationEngine:
                     if job_of(part) == self.job:
                         held.add(part.step, part.world_size, part.rank, owner, replica=True)
         return held.build()
-
-    def fetch(self, step: int, ranks: dict[int, list[int]]) -> None:
-        """Bring this node's missing parts of ``step`` back from the peers holding replicas, each rank
-        from its holders in order (:func:`supervisor.tiers.part_protocol.fetch_part`); FetchFailed if one fails."""
-        self.clean()
-        for rank, holders in sorted(ranks.items()):
-            fetch_part([self.peer_store(h) for h in holders], self.local_store(), step, rank, accept=self.accept)
 
     def clean(self) -> None:
         """Leftovers of killed fetches and copies: temp files in the checkpoint directory's steps, stale

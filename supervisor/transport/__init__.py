@@ -6,6 +6,8 @@ It knows no checkpoint layout; the replicator (:mod:`supervisor.tiers.replicatio
 - :mod:`.store`: ``ReplicaStore``, verified files under ``root/<namespace>/<relpath>``.
 - :mod:`.server`: ``ReplicationServer`` (aiohttp in a background thread).
 - :mod:`.client`: ``PeerClient`` (sync API), ``BandwidthLimiter``, ``TransferPool``, ``TransportError``.
+- :mod:`.http11`: the one HTTP/1.1 answer reader (status line, headers, Content-Length, chunks, limits),
+  shared with the etcd gateway client (:mod:`supervisor.cluster.etcd_http`).
 """
 
 from supervisor.transport.auth import SecretError, load_secret, write_secret

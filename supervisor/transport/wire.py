@@ -8,7 +8,7 @@ per GB passing 64-256 KiB chunks through its parser, queues and executor hops th
 moving the bytes (BENCHMARKS.md, issue 17), and carrying two stacks (one for JSON, one for bodies)
 doubled the deadline and retry code (issue 29). The peer is our own server, so the subset spoken here
 is small: a status line, headers, and a body of exactly ``Content-Length`` bytes (chunked answers are
-refused).
+refused), read by the one HTTP/1.1 reader (:mod:`supervisor.transport.http11`) under this client's limits.
 
 Everything here blocks the calling thread. Two clocks bound an exchange: ``stall`` (each socket
 operation's timeout: the longest it may make no progress) and the overall :class:`Deadline` (base
@@ -30,6 +30,7 @@ from typing import Any, BinaryIO
 
 from rlsup_format.digest import new_hasher
 from rlsup_format.fileio import start_writeback
+from supervisor.transport import http11
 from supervisor.transport.limits import BandwidthLimiter
 
 #: Largest response head accepted (status line and headers).
@@ -139,58 +140,49 @@ class Answer:
     rest: bytes
 
     def length(self) -> int:
-        if "chunked" in self.headers.get("transfer-encoding", "").lower():
-            raise WireError("chunked answer (a Content-Length is required)", retryable=False)
-        cl = self.headers.get("content-length", "")
-        if not cl.isdigit():
-            raise WireError("answer lacks a valid Content-Length", retryable=False)
-        return int(cl)
+        """The declared body length (a chunked answer, or one without a valid Content-Length, is refused)."""
+        try:
+            return http11.content_length(self.headers)
+        except http11.AnswerError as e:
+            raise refused(e) from None
+
+
+def refused(error: http11.AnswerError) -> WireError:
+    """The reader's refusal as this client's error: an answer cut short, or one that does not parse (the
+    network's garbling, maybe), is worth another try; one over a limit or without a length breaks the
+    protocol, and the peer is not asked again."""
+    retryable = error.fault in (http11.Fault.CUT, http11.Fault.GARBLED)
+    return WireError(str(error), retryable=retryable)
+
+
+def _receiver(sock: socket.socket, stall: float, deadline: Deadline) -> http11.Receive:
+    """The reader's source: ``recv`` under the stall timeout and the overall deadline."""
+    def receive(want: int) -> bytes:
+        settle(sock, stall, deadline)
+        try:
+            return sock.recv(want)
+        except TimeoutError:
+            raise on_timeout(deadline) from None
+    return receive
 
 
 def read_head(sock: socket.socket, stall: float, deadline: Deadline, pending: bytes = b"") -> Answer:
     """Read one response head (``pending``: bytes already read after the previous one)."""
     buf = bytearray(pending)
-    while (end := buf.find(b"\r\n\r\n")) < 0:
-        if len(buf) > MAX_HEAD:
-            raise WireError(f"answer head longer than {MAX_HEAD} bytes", retryable=False)
-        settle(sock, stall, deadline)
-        try:
-            chunk = sock.recv(65536)
-        except TimeoutError:
-            raise on_timeout(deadline) from None
-        if not chunk:
-            raise WireError("connection closed before a complete answer")
-        buf += chunk
-    status_line, *lines = bytes(buf[:end]).decode("latin-1").split("\r\n")
-    version, _, rest = status_line.partition(" ")
-    code = rest[:3]
-    if not version.startswith("HTTP/1.") or not code.isdigit():
-        raise WireError(f"malformed status line {status_line[:80]!r}")
-    headers: dict[str, str] = {}
-    for line in lines:
-        name, sep, value = line.partition(":")
-        if not sep:
-            raise WireError(f"malformed header line {line[:80]!r}")
-        headers[name.strip().lower()] = value.strip()
-    return Answer(int(code), headers, bytes(buf[end + 4:]))
+    try:
+        status, headers = http11.read_head(buf, _receiver(sock, stall, deadline), MAX_HEAD)
+    except http11.AnswerError as e:
+        raise refused(e) from None
+    return Answer(status, headers, bytes(buf))
 
 
 def read_small_body(sock: socket.socket, answer: Answer, cap: int, stall: float, deadline: Deadline) -> bytes:
     """The whole (small: at most ``cap`` bytes) body of ``answer``."""
-    n = answer.length()
-    if n > cap:
-        raise WireError(f"answer body of {n} bytes exceeds {cap}", retryable=False)
-    data = bytearray(answer.rest[:n])
-    while len(data) < n:
-        settle(sock, stall, deadline)
-        try:
-            chunk = sock.recv(n - len(data))
-        except TimeoutError:
-            raise on_timeout(deadline) from None
-        if not chunk:
-            raise WireError(f"answer truncated at {len(data)} of {n} bytes")
-        data += chunk
-    return bytes(data)
+    try:
+        n = http11.content_length(answer.headers, cap)
+        return http11.read_body(bytearray(answer.rest), _receiver(sock, stall, deadline), n)
+    except http11.AnswerError as e:
+        raise refused(e) from None
 
 
 class _HashingFileWriter(threading.Thread):

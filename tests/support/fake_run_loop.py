@@ -195,6 +195,7 @@ def make(tmp_path: Path, *attempts: Attempt, **cfg: object) -> tuple[LoopUnderTe
     settings.update(cfg)
     layer, recorder = FakeProcesses(*attempts), Recorder()
     sup = LoopUnderTest(SupervisorConfig(**settings), ["train"], observer=recorder, processes=layer)
+    sup.kernel_log = None  # never the host's kernel log: a test that wants one writes a file and sets it
     return sup, layer, recorder
 
 

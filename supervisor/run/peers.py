@@ -1,0 +1,81 @@
+"""The run loop's one collaborator for the job's other nodes (:class:`Peers`), and the one a single node has.
+
+The loop (:mod:`supervisor.run.loop`) asks its peers at each step of an attempt that involves other nodes: the
+attempt number they agree on, the resume point they agree on, whether another node ended the attempt, and it
+tells them when this node's attempt failed or it gives up. On one node, :class:`SingleNode` answers with this
+node's own view; the multi-node implementation is :class:`supervisor.cluster.multinode.NodeGroup` (passed in, as
+torch elastic passes its rendezvous handler to the agent: nothing of the loop is overridden).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Protocol
+
+from supervisor.diagnosis.outcome import AttemptResult
+from supervisor.tiers.resume import ResumePoint
+
+
+class Peers(Protocol):
+    """The other nodes of the job, as one node's run loop sees them."""
+
+    @property
+    def size(self) -> int:
+        """Nodes in the job (1: this node alone)."""
+
+    @property
+    def flight_records(self) -> Any:
+        """Where a hang's Flight Recorder dumps are shared with the other nodes (the watch's ``fr_share``:
+        :class:`supervisor.cluster.fr_exchange.FrExchange`, a layer above this one); None on one node."""
+
+    def join(self, mine: int) -> int:
+        """The attempt every node runs next; ``mine``: the one this node would run on its own."""
+
+    def agree(self, attempt: int, own_choice: Callable[[], ResumePoint | None]) -> ResumePoint | None:
+        """The resume point every node starts ``attempt`` from (``own_choice``: this node's own choice);
+        :class:`supervisor.run.loop.AttemptAbandoned` when the attempt is over before launch."""
+
+    def peer_ended(self, attempt: int) -> str | None:
+        """Polled while the job runs: why another node ended ``attempt``, or None."""
+
+    def attempt_failed(self, attempt: int, result: AttemptResult) -> None:
+        """This node's attempt failed: the other nodes are told (before the incident is recorded)."""
+
+    def give_up(self, reason: str) -> None:
+        """This node stops restarting: the other nodes are told."""
+
+    def progress_marker(self, own_marker: Callable[[], int | None]) -> int | None:
+        """The newest valid checkpoint step this node's progress is judged by (``own_marker``: one node's rule)."""
+
+    def env(self) -> dict[str, str]:
+        """What every attempt's environment adds for the job's nodes (none on a single node)."""
+
+
+class SingleNode:
+    """A job of one node: nobody to agree with, nobody to tell."""
+
+    size = 1
+    flight_records = None
+
+    def join(self, mine: int) -> int:
+        return mine
+
+    def agree(self, attempt: int, own_choice: Callable[[], ResumePoint | None]) -> ResumePoint | None:
+        return own_choice()
+
+    def peer_ended(self, attempt: int) -> str | None:
+        return None
+
+    def attempt_failed(self, attempt: int, result: AttemptResult) -> None:
+        pass
+
+    def give_up(self, reason: str) -> None:
+        pass
+
+    def progress_marker(self, own_marker: Callable[[], int | None]) -> int | None:
+        return own_marker()
+
+    def env(self) -> dict[str, str]:
+        return {}
+
+
+__all__ = ["Peers", "SingleNode"]
