@@ -26,6 +26,7 @@ import json
 import math
 import os
 import re
+import time
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -191,11 +192,39 @@ class StepReader(Protocol):
         """"" when the data file ``name`` matches ``entry`` (sizes only unless ``full``), else why not."""
 
 
-class LocalStep:
-    """A :class:`StepReader` over a step directory on a local filesystem."""
+class KnownDigests:
+    """Checksums already computed for files whose identity (device, inode, size, mtime, ctime) has not changed
+    since: one restart hashes a step's bytes once (supervisor.run.loop: deciding verifies, preparing reuses).
+    A file changed since, or written in the last :data:`RACY_S` seconds (an in-place rewrite could keep its
+    timestamp), is hashed again. Only checksums are remembered: manifests are read and compared every time."""
 
-    def __init__(self, step_dir: str | os.PathLike) -> None:
+    RACY_S = 2.0
+
+    def __init__(self) -> None:
+        self._digests: dict[tuple[int, ...], FileEntry] = {}
+
+    @staticmethod
+    def identity(st: os.stat_result) -> tuple[int, ...]:
+        """What changes when a file is replaced or written (its access time is left out: reading sets it)."""
+        return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+    def get(self, st: os.stat_result) -> FileEntry | None:
+        return self._digests.get(self.identity(st))
+
+    def put(self, st: os.stat_result, digest: FileEntry) -> None:
+        if st.st_mtime_ns / 1e9 < time.time() - self.RACY_S:
+            self._digests[self.identity(st)] = digest
+
+    def forget(self) -> None:
+        self._digests.clear()
+
+
+class LocalStep:
+    """A :class:`StepReader` over a step directory on a local filesystem (``known``: checksums to reuse)."""
+
+    def __init__(self, step_dir: str | os.PathLike, known: KnownDigests | None = None) -> None:
         self.path = Path(step_dir)
+        self.known = known
 
     def names(self) -> list[str]:
         return sorted(os.listdir(self.path))
@@ -204,7 +233,7 @@ class LocalStep:
         return read_nofollow(self.path, name)
 
     def check(self, name: str, entry: FileEntry, full: bool) -> str:
-        return check_file(self.path, name, entry, full)
+        return check_file(self.path, name, entry, full, self.known)
 
 
 def missing_reason(name: str) -> str:
@@ -212,8 +241,10 @@ def missing_reason(name: str) -> str:
     return f"{name}: missing"
 
 
-def check_file(step_dir: str | os.PathLike, name: str, entry: FileEntry, full: bool = True) -> str:
-    """"" when ``step_dir/name`` is a regular file (reached without a symlink) matching ``entry``."""
+def check_file(step_dir: str | os.PathLike, name: str, entry: FileEntry, full: bool = True,
+               known: KnownDigests | None = None) -> str:
+    """"" when ``step_dir/name`` is a regular file (reached without a symlink) matching ``entry``; ``known``:
+    checksums of unchanged files to reuse, and to add this one's to."""
     try:
         fd = open_nofollow(step_dir, name)
     except FileNotFoundError:
@@ -225,10 +256,14 @@ def check_file(step_dir: str | os.PathLike, name: str, entry: FileEntry, full: b
         if st.st_size != entry.size:
             return f"{name}: size {st.st_size} != {entry.size}"
         if full:
-            try:
-                actual = hash_fd(fd)
-            except OSError as e:
-                return f"{name}: unreadable: {e.strerror or e}"
+            actual = known.get(st) if known is not None else None
+            if actual is None:
+                try:
+                    actual = hash_fd(fd)
+                except OSError as e:
+                    return f"{name}: unreadable: {e.strerror or e}"
+                if known is not None and known.identity(os.fstat(fd)) == known.identity(st):  # unchanged meanwhile
+                    known.put(st, actual)
             if actual.size != entry.size:
                 return f"{name}: size {actual.size} != {entry.size}"
             if actual.xxh3_128 != entry.xxh3_128:
@@ -359,10 +394,10 @@ def _agreement(manifests: dict[int, RankManifest], step: int) -> tuple[str, dict
     return "", seen
 
 
-def verify_step_dir(step_dir: str | os.PathLike, full: bool = True) -> VerifyResult:
-    """Check a local step directory (see :func:`verify_step`). Never raises."""
+def verify_step_dir(step_dir: str | os.PathLike, full: bool = True, known: KnownDigests | None = None) -> VerifyResult:
+    """Check a local step directory (see :func:`verify_step`; ``known``: :class:`KnownDigests`). Never raises."""
     step_dir = Path(step_dir)
-    return verify_step(LocalStep(step_dir), parse_step(step_dir.name), full, step_dir)
+    return verify_step(LocalStep(step_dir, known), parse_step(step_dir.name), full, step_dir)
 
 
 def list_step_dirs(directory: str | os.PathLike) -> list[tuple[int, Path]]:

@@ -44,6 +44,10 @@ ATTEMPT_GLOB = "attempt_*"
 HEARTBEATS = "heartbeats"
 #: In an attempt's directory: the job's output.
 OUTPUT_LOG = "output.log"
+#: In an attempt's heartbeat directory: a warm-started rank's record of the rank it became (pid, RANK, LOCAL_RANK),
+#: ``{pid}`` its pid. Written by ``supervisor/launch/warm_rank.py`` (which runs without rlsup installed and so spells
+#: it by hand: tests/test_house_rules.py keeps the two equal), read by :func:`supervisor.diagnosis.stacks.tree_roles`.
+WARM_RANK_RECORD = "warm_rank.{pid}.json"
 
 
 def attempt_path(state_dir: str | Path, attempt: int) -> Path:

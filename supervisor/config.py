@@ -5,10 +5,12 @@ Precedence is flag > environment (``RLSUP_<KEY>``) > YAML file > default. The re
 documented defaults cannot drift from the code.
 
 A key whose value is one of a fixed set is typed ``Literal[...]`` with the names the code dispatches on,
-taken from where it dispatches (the layout catalogue, the progress presets, the straggler actions, the
-coordination backends, the log formats): the check, the flag's metavar, the help and the reference all
-read :func:`choices`, so no list is written twice. Every check of a value lives here (:func:`_validate`,
-and :func:`node_membership` for the keys that depend on the node's place among the job's nodes).
+from :mod:`supervisor.settings_vocabulary` (the layouts, the progress presets, the straggler actions, the
+coordination backends) and :mod:`supervisor.log` (the log formats), never from a component: this module
+imports none (components import the config, never the reverse). The check, the flag's metavar, the help
+and the reference all read :func:`choices`, so no list is written twice. Every check of a value lives here
+(:func:`_validate`, and :func:`node_membership` for the keys that depend on the node's place among the
+job's nodes).
 """
 
 from __future__ import annotations
@@ -27,22 +29,18 @@ from typing import Any, Literal
 
 import yaml
 
-from supervisor.cluster.endpoint_probe import REFUSED_FOR_S
-from supervisor.cluster.kvstore import CoordinatorBackend
-from supervisor.layouts import LAYOUTS
-from supervisor.layouts.single_file import NAME as SINGLE_FILE
 from supervisor.log import LogFormat
 from supervisor.membership import Membership, MembershipError, from_config, replica_targets
-from supervisor.diagnosis.step_reports import PRESETS
-from supervisor.diagnosis.stragglers import StragglerAction
+from supervisor.settings_vocabulary import (CATALOGUE_LAYOUTS, PROGRESS_PRESETS, REFUSED_FOR_S, SINGLE_FILE_LAYOUT,
+                                            CoordinatorBackend, StragglerAction, step_pattern)
 
 ENV_PREFIX = "RLSUP_"
 DEFAULT_CHECKPOINT_DIR = "checkpoints"
-#: checkpoint_layout's choices: the layout catalogue's own names (one list, never written twice).
-LAYOUT_CHOICES = ("auto", *LAYOUTS, SINGLE_FILE)
-LayoutChoice = Literal[LAYOUT_CHOICES]  # type: ignore[valid-type]  # built from the catalogue at import
+#: checkpoint_layout's choices: auto, the layout catalogue's names, single-file (one list, never written twice).
+LAYOUT_CHOICES = ("auto", *CATALOGUE_LAYOUTS, SINGLE_FILE_LAYOUT)
+LayoutChoice = Literal[LAYOUT_CHOICES]  # type: ignore[valid-type]  # built from the vocabulary at import
 #: progress's choices: off (empty) or a preset's name (supervisor.diagnosis.step_reports.PRESETS).
-PROGRESS_CHOICES = ("", *PRESETS)
+PROGRESS_CHOICES = ("", *PROGRESS_PRESETS)
 ProgressChoice = Literal[PROGRESS_CHOICES]  # type: ignore[valid-type]
 
 
@@ -414,18 +412,17 @@ def _validate(cfg: SupervisorConfig, origins: dict[str, str]) -> None:
     name = cfg.preempt_signal if cfg.preempt_signal.startswith("SIG") else "SIG" + cfg.preempt_signal
     if not isinstance(getattr(_signal, name, None), _signal.Signals):
         raise bad("preempt_signal", f"unknown signal {cfg.preempt_signal!r}")
-    if cfg.checkpoint_file and cfg.checkpoint_layout not in ("auto", SINGLE_FILE):
+    if cfg.checkpoint_file and cfg.checkpoint_layout not in ("auto", SINGLE_FILE_LAYOUT):
         raise bad("checkpoint_file", f"names a single-file checkpoint, but checkpoint_layout is {cfg.checkpoint_layout!r}")
     if cfg.checkpoint_file and (Path(cfg.checkpoint_file).is_absolute() or ".." in Path(cfg.checkpoint_file).parts):
         raise bad("checkpoint_file", f"must be relative to checkpoint_dir, without '..': {cfg.checkpoint_file!r}")
     if cfg.file_versions_keep < 0 or cfg.file_versions_max_bytes < 0:
         raise bad("file_versions_keep" if cfg.file_versions_keep < 0 else "file_versions_max_bytes", "must be >= 0")
-    from supervisor.diagnosis.step_reports import progress_pattern
-
-    try:  # the preset's name is checked above; here the regular expression (the preset's, or progress_regex)
-        progress_pattern(cfg.progress, cfg.progress_regex)
-    except ValueError as e:
-        raise bad("progress_regex" if cfg.progress_regex else "progress", str(e)) from None
+    if cfg.progress_regex:  # a preset's name is checked above (its regex is the code's: tests/test_progress.py)
+        try:
+            step_pattern(cfg.progress_regex)
+        except ValueError as e:
+            raise bad("progress_regex", str(e)) from None
     if cfg.straggler_factor < 0 or cfg.straggler_window < 1:
         raise bad("straggler_factor" if cfg.straggler_factor < 0 else "straggler_window",
                   "must be >= 0 (factor) and >= 1 (window)")

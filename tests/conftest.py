@@ -147,6 +147,7 @@ FAST_MODULES: dict[str, frozenset[str]] = {
         "test_a_spare_that_just_claimed_a_rank_is_not_taken_for_gone"}),
     "test_node0_back_after_spare.py": frozenset(),
     "test_step_writer.py": frozenset(),
+    "test_verify_once.py": frozenset(),
     "test_stragglers.py": frozenset({"test_four_rank_job_with_a_3x_slow_rank_is_reported",
                                      "test_straggler_alert_fires_in_a_real_prometheus"}),
     "test_direct_save.py": frozenset({"test_writer_killed_while_it_builds_a_direct_step_never_leaves_a_valid_torn_one"}),

@@ -4,7 +4,8 @@ For each such key the accepted values are read here from the dispatch source its
 the progress presets, the straggler actions, the coordination backends, the log formats, the signal module),
 never from the config: the config accepts each of them from a file, the environment and a flag, refuses an
 unknown one with an error naming the key, the value and the file and line, and its help, flag and generated
-reference list the same names.
+reference list the same names. The config imports no component: the layouts' and presets' names are written
+again in supervisor/settings_vocabulary.py, and kept equal to the catalogues here, in order.
 """
 
 from __future__ import annotations
@@ -21,15 +22,15 @@ from supervisor import config, layouts, log
 
 from supervisor.diagnosis import step_reports as progress
 from supervisor.config import ConfigError, load_config
-from supervisor.cluster.kvstore import CoordinatorBackend
 from supervisor.layouts import single_file
-from supervisor.diagnosis.stragglers import StragglerAction
+from supervisor import settings_vocabulary
+from supervisor.settings_vocabulary import CoordinatorBackend, StragglerAction
 
 #: key -> the names the code dispatches on, read from the code that dispatches.
 DISPATCH: dict[str, Callable[[], tuple[str, ...]]] = {
     "checkpoint_layout": lambda: ("auto", *layouts.LAYOUTS, single_file.NAME),  # layouts._resolve
     "progress": lambda: ("", *progress.PRESETS),  # progress.progress_pattern; empty: off
-    "straggler_action": lambda: typing.get_args(StragglerAction),  # stragglers.StragglerWatch(restart=...)
+    "straggler_action": lambda: typing.get_args(StragglerAction),  # run.settings: StragglerWatch(restart=...)
     "coordinator_backend": lambda: typing.get_args(CoordinatorBackend),  # multinode.connect_coordinator
     "log_format": lambda: log.FORMATS,  # log.LineFormatter
 }
@@ -46,6 +47,15 @@ def test_every_choice_key_names_its_dispatch_source() -> None:
 def test_choices_are_the_dispatched_names(key: str) -> None:
     assert set(config.choices(key)) == set(DISPATCH[key]())
     assert len(config.choices(key)) == len(set(config.choices(key)))
+
+
+def test_the_vocabularys_names_are_the_catalogues_in_order() -> None:
+    """The config's copies of the layout catalogue's and the progress presets' names (it imports neither)."""
+    assert settings_vocabulary.CATALOGUE_LAYOUTS == tuple(layouts.LAYOUTS)
+    assert settings_vocabulary.SINGLE_FILE_LAYOUT == single_file.NAME
+    assert settings_vocabulary.PROGRESS_PRESETS == tuple(progress.PRESETS)
+    assert config.choices("checkpoint_layout") == DISPATCH["checkpoint_layout"]()
+    assert config.choices("progress") == DISPATCH["progress"]()
 
 
 @pytest.mark.parametrize("key", sorted(DISPATCH))

@@ -216,7 +216,7 @@ def test_the_stop_request_names_the_signal_and_the_wait(signum: signal.Signals, 
 class OneNodeEngine:
     """Node 1's replication engine as the round sees it: an empty inventory, nothing to fetch."""
 
-    def inventory(self) -> NodeInventory:
+    def inventory(self, known: object = None) -> NodeInventory:
         return NodeInventory(1)
 
 
@@ -295,3 +295,28 @@ def test_a_refusing_node_tells_a_job_still_joining_but_not_one_that_runs(tmp_pat
     told = tell_job_refused(cfg, Membership(tuple(peers), 1), JOB, "state_dir /x is in use by rlsup job 'job-s'")
     assert (told is None) == running
     assert (leader.keys.get("abort") is None) == running
+
+
+@pytest.mark.parametrize("error", [JobClash("the store on 127.0.0.1:1 belongs to job other"),
+                                   CoordinationError("timed out after 1s waiting for node 0")])
+def test_a_store_never_reached_records_nothing_and_lingers_not(tmp_path: Path, error: CoordinationError,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
+    """Nothing ran, so nothing is recorded: a predecessor's state (rlsup died mid-attempt 5) stays for the next
+    start to read as lost, and node 0 refused for a clash does not keep a store up that it never hosted."""
+    peers = ("127.0.0.1:1", "127.0.0.1:2")
+    state_dir = tmp_path / "state"
+    state_dir.mkdir()
+    predecessor = '{"state": "running", "attempt": 5}'
+    (state_dir / "state.json").write_text(predecessor)
+    cfg = SupervisorConfig(checkpoint_dir=str(tmp_path / "ckpt"), state_dir=str(state_dir), metrics_port=0,
+                           poll_interval=0.005, warm_launcher=False, peers=list(peers), node_rank=0)
+
+    def refused(stop: StopRequest) -> RoundCoordinator:
+        raise error
+
+    sup = NodeRun(cfg, ["train"], Membership(peers, 0), OneNodeEngine(),  # type: ignore[arg-type]
+                  Recorder(), job=JOB, processes=FakeProcesses(), connect=refused)  # type: ignore[arg-type]
+    with caplog.at_level("INFO"), pytest.raises(type(error)):
+        sup.run()
+    assert (state_dir / "state.json").read_text() == predecessor
+    assert "keeping the store up" not in caplog.text and "gave up" not in caplog.text, caplog.text

@@ -188,7 +188,7 @@ def test_tree_roles_read_ranks_from_the_environment_the_warm_record_and_the_comm
     import psutil
 
     from supervisor.diagnosis.stacks import tree_roles
-    from supervisor.launch.warm_rank import RANK_RECORD
+    from rlsup_format.state_files import WARM_RANK_RECORD
     from support.waits import wait_for
 
     child = ("import os, sys, time\n"
@@ -207,7 +207,7 @@ def test_tree_roles_read_ranks_from_the_environment_the_warm_record_and_the_comm
         wait_for(lambda: len(root.children(recursive=True)) == 4, 30, "three trainers and a forked worker")
         tree = [root, *root.children(recursive=True)]
         warm = next(p for p in root.children() if "warm" in p.cmdline())
-        (tmp_path / RANK_RECORD.format(pid=warm.pid)).write_text(json.dumps({"pid": warm.pid, "rank": 1}))
+        (tmp_path / WARM_RANK_RECORD.format(pid=warm.pid)).write_text(json.dumps({"pid": warm.pid, "rank": 1}))
         roles = {r.pid: r for r in tree_roles(tree, tmp_path)}
         assert roles[proc.pid].kind == "launcher" and roles[proc.pid].key().startswith(f"launcher pid {proc.pid} (")
         by_rank = {r.rank: r for r in roles.values() if r.kind == "trainer"}

@@ -89,7 +89,7 @@ def test_a_registered_beat_that_vanished_counts_as_silent() -> None:
 class CrashingEngine:
     """Node 1's replication engine, broken: its inventory raises (rlsup's own deterministic error)."""
 
-    def inventory(self) -> NodeInventory:
+    def inventory(self, known: object = None) -> NodeInventory:
         raise RuntimeError("inventory is broken")
 
 

@@ -17,8 +17,8 @@ from support.waits import wait_for
 from supervisor.diagnosis.evidence import AttemptEvidence, FlightEvidence, HangSeen
 from supervisor.diagnosis.outcome import AttemptResult, classify
 from supervisor.cluster.coordinator import RoundCoordinator, embedded_coordinator
-from supervisor.diagnosis.flight_recorder import Analysis, normalise, read_dump
-from supervisor.cluster.fr_exchange import FrExchange, finish_analysis
+from supervisor.diagnosis.flight_recorder import Analysis, finish_analysis, normalise, read_dump
+from supervisor.cluster.fr_exchange import FrExchange
 from supervisor.diagnosis.fr_records import NodeDumps
 from supervisor.job_identity import JobIdentity
 from supervisor.lifecycle import EndReason

@@ -86,14 +86,16 @@ class FakeCoordinator:
 
 
 class FakeEngine:
-    def inventory(self) -> NodeInventory:
+    def inventory(self, known: object = None) -> NodeInventory:
         return NodeInventory(1)
 
     def fetch(self, step: int, parts: dict) -> None:
         raise AssertionError("nothing to fetch in these plans")
 
 
-def make(tmp_path: Path, coordinator: FakeCoordinator, *attempts: Attempt, stop: object = None, **cfg: object):
+def make(tmp_path: Path, coordinator: FakeCoordinator, *attempts: Attempt, stop: object = None, engine: object = None,
+         **cfg: object):
+    """``engine``: this node's replication engine (default: a fake one that holds nothing)."""
     settings = dict(checkpoint_dir=str(tmp_path / "ckpt"), state_dir=str(tmp_path / "state"), metrics_port=0,
                     poll_interval=0.005, backoff_initial=0.01, backoff_max=0.02, backoff_jitter=0.0,
                     heartbeat_timeout=0.3, startup_timeout=0.3, warm_launcher=False, peers=list(PEERS), node_rank=1)
@@ -102,7 +104,7 @@ def make(tmp_path: Path, coordinator: FakeCoordinator, *attempts: Attempt, stop:
     membership = Membership(PEERS, 1)
     job = job_identity("loop-test", settings["checkpoint_dir"], True, peers=PEERS)
     sup = NodeRun(SupervisorConfig(**settings), ["train"], membership,
-                  FakeEngine(),  # type: ignore[arg-type]
+                  engine or FakeEngine(),  # type: ignore[arg-type]
                   recorder, job=job, coordinator=coordinator, processes=layer, stop=stop)  # type: ignore[arg-type]
     return sup, layer, recorder
 
@@ -173,6 +175,62 @@ def test_a_fetch_result_that_did_not_parse_ends_the_attempt_before_anyone_launch
     assert sup.run().exit_code == 0 and len(layer.jobs) == 1  # nothing launched for attempt 0
     assert coord.ends and coord.ends[0][0] == 0 and "fetch failed" in coord.ends[0][1], coord.ends
     assert layer.jobs[0].env["RLSUP_RESTART_COUNT"] == "1"
+
+
+class InventoryCoordinator(FakeCoordinator):
+    """Keeps what this node publishes as its holdings, by attempt."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inventories: dict[int, NodeInventory] = {}
+
+    def publish_inventory(self, attempt: int, inventory: NodeInventory) -> None:
+        self.inventories[attempt] = inventory
+
+
+def _restart_over_own_parts(tmp_path: Path, monkeypatch, between=None):  # type: ignore[no-untyped-def]
+    """Attempt 0 fails over this node's parts (rank 1 of 2) of steps 5 and 10, saved an hour ago; attempt 1
+    succeeds; ``between`` runs after deciding, before the round. What the restart hashed (attempt 0 running to
+    attempt 1 running), and the holdings this node published for attempt 1."""
+    from collections import Counter
+
+    from supervisor.tiers.replication import ReplicationEngine
+    from support.files import count_hashes, saved_step
+
+    ckpt = tmp_path / "ckpt"
+    for step in (5, 10):
+        saved_step(ckpt, step, range(1, 2), 2, node_rank=1)
+    engine = ReplicationEngine(membership=Membership(PEERS, 1), checkpoint_dir=ckpt, replica_root=tmp_path / "replicas",
+                               clients={}, state_path=tmp_path / "replication.json",
+                               job=job_identity("loop-test", str(ckpt), True, peers=PEERS).id)
+    counts, restart_counts, coord = count_hashes(monkeypatch), Counter[str](), InventoryCoordinator()
+    sup, layer, rec = make(tmp_path, coord, Attempt(exit_code=3, on_tick=(1, counts.clear)),
+                           Attempt(exit_code=0, on_tick=(1, lambda: restart_counts.update(counts))), engine=engine)
+    if between is not None:
+        rec.on_state["backoff"] = between
+    assert sup.run().exit_code == 0 and len(layer.jobs) == 2
+    return restart_counts, coord.inventories[1]
+
+
+def test_a_restart_hashes_this_nodes_newest_parts_once(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Issue 42, choose once per failure (one node's count: test_verify_once.py): the progress marker verifies this
+    node's newest part in full (the one rule, supervisor.tiers.resume.newest_step) and the round's inventory reuses
+    its checksum; the older step's part, not verified by the marker, is hashed by the inventory, once."""
+    counts, held = _restart_over_own_parts(tmp_path, monkeypatch)
+    assert counts == {"step_000000010/rank_00001.pt": 1, "step_000000005/rank_00001.pt": 1}
+    assert sorted(held.steps) == [5, 10]
+
+
+def test_a_part_changed_between_deciding_and_the_round_is_verified_again(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """This node's part of step 10, rewritten in place after the marker verified it (same size, other bytes), is
+    hashed again by the inventory and not offered to the round."""
+    def corrupt() -> None:
+        path = tmp_path / "ckpt" / "step_000000010" / "rank_00001.pt"
+        path.write_bytes(bytes(len(path.read_bytes())))
+
+    counts, held = _restart_over_own_parts(tmp_path, monkeypatch, between=corrupt)
+    assert counts == {"step_000000010/rank_00001.pt": 2, "step_000000005/rank_00001.pt": 1}
+    assert sorted(held.steps) == [5]
 
 
 # ------------------------------------------------------------ the loop composes; node 0 plans once

@@ -10,7 +10,8 @@ import time
 
 from supervisor.tiers.holdings import NodeInventory
 from supervisor.cluster.coordinator import RoundCoordinator, embedded_coordinator
-from supervisor.cluster.endpoint_probe import REFUSED_FOR_S, EndpointProbe, connect_refused
+from supervisor.cluster.endpoint_probe import EndpointProbe, connect_refused
+from supervisor.settings_vocabulary import REFUSED_FOR_S
 from supervisor.job_identity import JobIdentity
 from supervisor.cluster.spares import Roster, SpareWatch, try_claim
 from supervisor.stop_request import StopRequest

@@ -43,7 +43,7 @@ HOST = ("import sys, time; from supervisor.cluster.coordinator import embedded_c
 class OneNodeEngine:
     """Node 1's replication engine as the watch sees it (nothing is fetched here)."""
 
-    def inventory(self) -> NodeInventory:
+    def inventory(self, known: object = None) -> NodeInventory:
         return NodeInventory(1)
 
 

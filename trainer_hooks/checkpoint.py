@@ -65,7 +65,15 @@ from trainer_hooks.step_writer import (  # the error classes are imported from h
 log = logging.getLogger(__name__)
 
 # What users import from here; the errors are defined with the write protocol, the RLSUP_* names in rlsup_format.job_env.
-__all__ = ["CheckpointManager", "CheckpointConflictError", "CheckpointSpaceError", "ResumeError", "disk_full_error"]
+# The environment names trainers imported from here before rlsup_format.job_env became their home: kept, so that
+# their code goes on working (the values are job_env's, never spelled again).
+ENV_DIR = job_env.CHECKPOINT_DIR
+ENV_JOB = job_env.JOB_ID
+ENV_RESUME = job_env.RESUME_DIR
+ENV_RESUME_STEP = job_env.RESUME_STEP
+
+__all__ = ["CheckpointManager", "CheckpointConflictError", "CheckpointSpaceError", "ResumeError", "disk_full_error",
+           "ENV_DIR", "ENV_JOB", "ENV_RESUME", "ENV_RESUME_STEP"]
 
 
 class ResumeError(RuntimeError):

@@ -14,8 +14,9 @@ back as a late node (exit 77), as one that restarted after the window does; its 
 Probes run in a thread of their own, one in flight per endpoint, each bounded by :data:`PROBE_TIMEOUT_S`
 (name resolution has no timeout of its own, and a resolver that drops queries must not hold the caller). An
 endpoint counts as gone once at least :data:`MIN_REFUSALS` probes in a row were refused over at least
-:data:`REFUSED_FOR_S`, and no probe since has been out longer than :data:`PROBE_PENDING_S` (a probe that hangs
-is silence starting, not more of the refusal). Every address a name resolves to must refuse.
+:data:`~supervisor.settings_vocabulary.REFUSED_FOR_S` (``spare_takeover_s``'s help quotes it), and no probe
+since has been out longer than :data:`PROBE_PENDING_S` (a probe that hangs is silence starting, not more of the
+refusal). Every address a name resolves to must refuse.
 """
 
 from __future__ import annotations
@@ -26,9 +27,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from supervisor.settings_vocabulary import REFUSED_FOR_S
+
 PROBE_TIMEOUT_S = 1.0  # a connect that takes longer is silence, not a refusal
-REFUSED_FOR_S = 0.5  # refused without a break this long: the endpoint's rlsup is gone
-MIN_REFUSALS = 3  # ... and at least this many refusals in a row
+MIN_REFUSALS = 3  # refused at least this many times in a row (over REFUSED_FOR_S): the endpoint's rlsup is gone
 PROBE_PENDING_S = 0.3  # a probe out longer than this (a lost SYN, a stalled lookup) suspends the verdict
 
 
@@ -125,4 +127,4 @@ def all_gone(endpoints: list[str], within_s: float = 4 * REFUSED_FOR_S, poll_s: 
         time.sleep(poll_s)
 
 
-__all__ = ["all_gone", "EndpointProbe", "connect_refused", "PROBE_TIMEOUT_S", "REFUSED_FOR_S", "MIN_REFUSALS"]
+__all__ = ["all_gone", "EndpointProbe", "connect_refused", "PROBE_TIMEOUT_S", "MIN_REFUSALS"]

@@ -31,7 +31,6 @@ a node that never answers, or a store that is gone leaves a verdict over what ca
 from __future__ import annotations
 
 import logging
-import subprocess
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterable
@@ -39,7 +38,8 @@ from typing import TYPE_CHECKING, Callable, Iterable
 from supervisor.tiers.holdings import RecordError
 from supervisor.cluster.coordinator import ABORT_MAX_AGE_S
 from supervisor.diagnosis.evidence import FlightEvidence
-from supervisor.diagnosis.flight_recorder import ANALYSIS_FILE, Analysis, FlightVerdict, collect_dumps, start_child
+from supervisor.diagnosis.flight_recorder import (STOPPING, Analysis, FlightVerdict, collect_dumps, finish_analysis,
+                                                  save_verdict, start_child)
 from supervisor.diagnosis.fr_records import NodeDumps, SharedVerdict, aligned
 from supervisor.observer import Observer
 
@@ -51,8 +51,6 @@ log = logging.getLogger(__name__)
 GATHER_S = 15.0  # node 0's wait for every node's record
 ANALYSE_S = 60.0  # torch's analyser in its child (importing torch is most of it)
 MARGIN_S = 10.0  # the other nodes wait for the verdict this much longer than node 0 may take
-HANG_ANALYSE_S = 30.0  # the hang node's own analysis, awaited after its kill
-STOPPING = "rlsup asked to stop"
 POLL_S = 0.05
 STALE_POLL_S = 0.5  # re-reading a stale record (rare) moves it: slower
 
@@ -257,33 +255,3 @@ class FrExchange:
         for node in verdict.suspect_nodes if verdict.suspects else ():
             self.observer.suspect(node, "flight_recorder")
         return FlightEvidence(verdict.text, tuple(verdict.suspects), tuple(verdict.suspect_nodes))
-
-
-def finish_analysis(run: Analysis, cap_s: float, stopped: Callable[[], bool]) -> FlightVerdict:
-    """:meth:`Analysis.finish`, its child awaited at most ``cap_s`` and no longer once rlsup is asked to stop
-    (then killed: the verdict falls back to rlsup's own reading of the dumps and says why)."""
-    child, cut = run.child, None
-    deadline = time.monotonic() + cap_s
-    while child is not None:
-        try:  # communicate, not poll: the child's pipes are drained meanwhile (a full one would block it)
-            child.communicate(timeout=POLL_S)
-            break  # its output is kept: finish's own communicate returns it
-        except subprocess.TimeoutExpired:
-            if stopped() or time.monotonic() >= deadline:
-                cut = STOPPING if stopped() else f"analyser past {cap_s:.0f}s"
-                child.kill()
-                break
-    fr = run.finish(cap_s)  # the child has exited (or was killed): no wait left in it
-    if cut is not None:
-        fr.text += f" (torch's analyser cut short: {cut})"
-    return fr
-
-
-def save_verdict(fr: FlightVerdict, attempt_dir: Path | None) -> None:
-    """A verdict beside the attempt (``flight_recorder.txt``); the one across nodes replaces this node's own."""
-    if attempt_dir is None:
-        return
-    try:
-        (attempt_dir / ANALYSIS_FILE).write_text("\n".join([fr.text, "", *fr.analyser]) + "\n")
-    except OSError as e:
-        log.info(f"flight recorder: analysis not saved: {e}")

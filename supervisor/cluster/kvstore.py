@@ -17,15 +17,11 @@ import socket
 import threading
 import time
 from datetime import timedelta
-from typing import TYPE_CHECKING, Callable, Literal, Protocol, Sequence, TypeVar
+from typing import TYPE_CHECKING, Callable, Protocol, Sequence, TypeVar
 
 if TYPE_CHECKING:
     from supervisor.stop_request import StopRequest
 
-#: The stores, by the name ``coordinator_backend`` gives them (the config's choices): ``embedded``, the
-#: TCPStore node 0's supervisor hosts (:class:`TCPKVStore`), or ``etcd`` (:mod:`supervisor.cluster.kvstore_etcd`);
-#: ``multinode.connect_coordinator`` picks the store by these names.
-CoordinatorBackend = Literal["embedded", "etcd"]
 #: The longest one TCPStore operation may take. Every operation is immediate (a key is checked before it is
 #: read), so a longer one means node 0's host no longer answers: a network partition, where TCP neither
 #: answers nor resets and torch's client waits for ever, holding the run loop (hang detection, rank deaths,

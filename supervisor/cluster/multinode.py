@@ -49,6 +49,7 @@ from supervisor.job_identity import JobIdentity
 from supervisor.lifecycle import EndReason
 from supervisor.membership import Membership
 from supervisor.observer import Observer
+from supervisor.settings_vocabulary import CoordinatorBackend
 from supervisor.tiers.part_protocol import FetchFailed, PartError, PartStore, fetch_part
 from supervisor.cluster.spares import (JobEndWatch, NodeRole, SpareSeat, check_holder, check_seat, moved_slots,
                                        refuse_if_taken, spares_left)
@@ -57,7 +58,7 @@ from supervisor.tiers.resume import ResumePoint
 from supervisor.diagnosis.outcome import AttemptResult
 from supervisor.run.loop import AttemptAbandoned, NodeTiers
 from supervisor.stop_request import StopAsked, StopRequest
-from supervisor.tiers.resume import TIER_LOCAL, TIER_MEMORY, TIER_PEER, TIER_PERSISTENT
+from supervisor.tiers.resume import TIER_LOCAL, TIER_MEMORY, TIER_PEER, TIER_PERSISTENT, newest_step
 from rlsup_format import job_env
 from rlsup_format.manifest import ManifestError, manifest_name, step_dir_name
 
@@ -83,7 +84,7 @@ class _Fetched:
 class CoordinatorSettings:
     """The coordination store's part of the config (``coordinator_*`` keys and ``rendezvous_timeout``)."""
 
-    backend: str = "embedded"
+    backend: CoordinatorBackend = "embedded"
     endpoints: tuple[str, ...] = ()
     port: int = 9780
     rendezvous_timeout: float = 600.0
@@ -135,6 +136,7 @@ class NodeGroup:
         self.membership, self.engine, self.coordinator, self.role = membership, engine, coordinator, role
         self.fr_exchange, self.stop, self.observer = flight_records, stop, observer
         self.persistent, self.memory = tiers.persistent, tiers.memory
+        self.known = tiers.known  # the restart's checksums: the marker's, reused by the inventory (the loop forgets them)
         self.checkpoint_dir, self.state_dir = checkpoint_dir, state_dir
         self._log = say
         self.spares, self.job_end = spares, job_end
@@ -262,8 +264,9 @@ class NodeGroup:
 
     def _inventory(self) -> NodeInventory:
         """What this node holds: its checkpoint directory and replicas, plus the valid parts in its
-        memory tier as parts in place (a part in both is listed once)."""
-        inventory = self.engine.inventory()
+        memory tier as parts in place (a part in both is listed once). Files the progress marker hashed since
+        the failure, unchanged since, are not hashed again (``known``)."""
+        inventory = self.engine.inventory(known=self.known)
         if self.memory is None:
             return inventory
         merged = InventoryBuilder(self.membership.node_rank)
@@ -405,12 +408,10 @@ class NodeGroup:
             pass
 
     def progress_marker(self, own_marker: Callable[[], int | None]) -> int | None:
-        """The newest step of this node's own parts (``own_marker``, one node's rule, is not asked)."""
-        on_disk = newest_own_step(self.checkpoint_dir, self.membership.node_rank)
-        in_memory = self.memory.newest_valid(full=False) if self.memory is not None else None
-        if in_memory is not None and (on_disk is None or in_memory[0] > on_disk):
-            return in_memory[0]
-        return on_disk
+        """The newest step of this node's own parts, by the one rule (:func:`supervisor.tiers.resume.newest_step`:
+        checksums and all, kept for the inventory); ``own_marker``, one node's choice, is not asked."""
+        on_disk = newest_own_step(self.checkpoint_dir, self.membership.node_rank, full=True, known=self.known)
+        return newest_step(on_disk, self.memory)
 
 
 __all__ = ["NodeGroup", "CoordinatorSettings", "connect_coordinator"]

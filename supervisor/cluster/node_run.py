@@ -95,8 +95,8 @@ class NodeRun:
             say(f"{e}; no attempt was started")
             status = JobStatus.PREEMPTED if self.stop.preempted else JobStatus.STOPPED
             return RunResult(e.exit_code, status, 0, [])
-        except CoordinationError as e:
-            return self._coordination_ended(self.loop(None), None, e)
+        # Any other failure to reach the store goes to the command line as it is: nothing ran, so nothing is
+        # recorded (a give-up here would overwrite the state a predecessor left, and flush tiers never started).
         self._say_store(coordinator)
         group = self.group(coordinator)
         loop = self.loop(group)
@@ -132,8 +132,8 @@ class NodeRun:
                          fr, self.stop, self.tiers, self.settings.checkpoint_dir, self.settings.state_dir, say,
                          observer=self.observer, spares=self.spares, job_end=job_end)
 
-    def loop(self, group: NodeGroup | None) -> Supervisor:
-        """The run loop of this node, with ``group`` (None: the store was never reached; the loop only records)."""
+    def loop(self, group: NodeGroup) -> Supervisor:
+        """The run loop of this node, with the job's other nodes as ``group``."""
         return Supervisor(self.cfg, self.command, self.observer, job=self.job, processes=self.processes, peers=group,
                           tiers=self.tiers, stop=self.stop, warm=self.warm)
 
@@ -142,7 +142,7 @@ class NodeRun:
         say(f"node {self.membership.node_rank} of {self.membership.size}, job {self.job}: coordination store "
             f"{coordinator.describe()}{' (hosted here)' if hosted else ''}")
 
-    def _coordination_ended(self, loop: Supervisor, coordinator: RoundCoordinator | None,
+    def _coordination_ended(self, loop: Supervisor, coordinator: RoundCoordinator,
                             e: CoordinationError) -> RunResult:
         """The nodes could not agree (a timeout, an abort, a clash, a node lost before the first attempt, the job
         over without this node): the loop records the give-up with the command line's exit code (2: a clash, 75:
@@ -174,13 +174,11 @@ class NodeRun:
         except Exception as e:  # noqa: BLE001 - the job is done; stale keys are ignored by the next run
             say(f"could not clear the job's coordination keys: {e}")
 
-    def _forget_lost_round(self, coordinator: RoundCoordinator | None) -> None:
+    def _forget_lost_round(self, coordinator: RoundCoordinator) -> None:
         """After :class:`PeerLost`: wait :data:`LOST_LINGER_S` (every node looks at ``abort`` twice a second), then
         clear the round's keys (:meth:`RoundCoordinator.forget_first_round`). A stop ends the wait at once."""
         self.stop.wait(LOST_LINGER_S, self.settings.poll_interval)
         try:
-            if coordinator is None:
-                raise CoordinationError("the store was never reached")
             coordinator.forget_first_round()
         except Exception as e:  # noqa: BLE001 - the store is gone: the embedded one took its keys with it
             say(f"could not clear the first round's keys: {e}")

@@ -33,7 +33,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 from rlsup_format.fileio import UnsafeFileError, open_nofollow
 from rlsup_format.heartbeat_record import fr_dump_name, fr_request_name
@@ -49,6 +49,11 @@ DEFAULT_BUFFER = 2000
 #: The most rlsup reads of one rank's dump (2000 entries are about 1.2 MB of JSON).
 MAX_DUMP_BYTES = 64 << 20
 ANALYSIS_FILE = "flight_recorder.txt"
+#: The hang node's own analysis, awaited after its kill (:func:`finish_analysis`).
+HANG_ANALYSE_S = 30.0
+#: Why a wait for the analyser (or, on several nodes, for the other nodes' dumps) was cut short.
+STOPPING = "rlsup asked to stop"
+ANALYSER_POLL_S = 0.05  # how often the analyser's child is looked at (its pipes drained meanwhile)
 #: The repository root, put on the analyser child's path explicitly (it runs isolated: ``python -I``).
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -438,6 +443,36 @@ def begin_hang_verdict(hb_dir: Path, ranks: Iterable[int], node: str, wait_s: fl
             log.info("flight recorder: no dump: %s", "; ".join(f"rank {r}: {e}" for r, e in sorted(run.errors.items())))
         return None
     return run
+
+
+def finish_analysis(run: Analysis, cap_s: float, stopped: Callable[[], bool]) -> FlightVerdict:
+    """:meth:`Analysis.finish`, its child awaited at most ``cap_s`` and no longer once rlsup is asked to stop
+    (then killed: the verdict falls back to rlsup's own reading of the dumps and says why)."""
+    child, cut = run.child, None
+    deadline = time.monotonic() + cap_s
+    while child is not None:
+        try:  # communicate, not poll: the child's pipes are drained meanwhile (a full one would block it)
+            child.communicate(timeout=ANALYSER_POLL_S)
+            break  # its output is kept: finish's own communicate returns it
+        except subprocess.TimeoutExpired:
+            if stopped() or time.monotonic() >= deadline:
+                cut = STOPPING if stopped() else f"analyser past {cap_s:.0f}s"
+                child.kill()
+                break
+    fr = run.finish(cap_s)  # the child has exited (or was killed): no wait left in it
+    if cut is not None:
+        fr.text += f" (torch's analyser cut short: {cut})"
+    return fr
+
+
+def save_verdict(fr: FlightVerdict, attempt_dir: Path | None) -> None:
+    """A verdict beside the attempt (``flight_recorder.txt``); the one across nodes replaces this node's own."""
+    if attempt_dir is None:
+        return
+    try:
+        (attempt_dir / ANALYSIS_FILE).write_text("\n".join([fr.text, "", *fr.analyser]) + "\n")
+    except OSError as e:
+        log.info(f"flight recorder: analysis not saved: {e}")
 
 
 if __name__ == "__main__":

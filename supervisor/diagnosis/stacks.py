@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Mapping
 
 from rlsup_format.heartbeat_record import STACKS_SIGNAL, HeartbeatRecord, stacks_file_name
+from rlsup_format.state_files import WARM_RANK_RECORD
 from supervisor.diagnosis.step_reports import JOB_RANK, job_level_only
 
 
@@ -264,16 +265,14 @@ def _rank_of(cmd: list[str], env: Mapping[str, str], warm: int | None) -> tuple[
 
 def _warm_rank_records(hb_dir: Path | None) -> dict[int, int]:
     """{pid: rank} from the warm ranks' own records in the attempt's heartbeat directory
-    (:func:`supervisor.launch.warm_rank.record_rank`)."""
+    (:data:`rlsup_format.state_files.WARM_RANK_RECORD`, written by ``supervisor/launch/warm_rank.py``)."""
     import json
-
-    from supervisor.launch.warm_rank import RANK_RECORD_GLOB
 
     out: dict[int, int] = {}
     if hb_dir is None:
         return out
     try:
-        paths = list(hb_dir.glob(RANK_RECORD_GLOB))
+        paths = list(hb_dir.glob(WARM_RANK_RECORD.format(pid="*")))
     except OSError:
         return out
     for path in paths:

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
 from rlsup_format.heartbeat_record import MAGIC, RECORD, RECORD_SIZE, SECTIONS, HeartbeatRecord, rank_file_name
+from supervisor.settings_vocabulary import step_pattern
 
 JOB_RANK = -1  # the job-level record's rank: not a rank of the job, the job as a whole
 
@@ -141,13 +142,7 @@ def progress_pattern(preset: str, regex: str) -> re.Pattern[str] | None:
         if preset not in PRESETS:
             raise ValueError(f"unknown preset {preset!r} (one of {', '.join(PRESETS)})")
         regex = PRESETS[preset].regex
-    try:
-        pattern = re.compile(regex)
-    except re.error as e:
-        raise ValueError(f"not a regular expression: {e}") from None
-    if pattern.groups < 1:
-        raise ValueError("needs a group around the step number, e.g. 'step (\\d+)'")
-    return pattern
+    return step_pattern(regex)
 
 
 class _EpochSteps:

@@ -23,7 +23,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Literal, Mapping
+from typing import TYPE_CHECKING, Callable, Mapping
 
 from rlsup_format.heartbeat_record import HeartbeatRecord
 from rlsup_format.state_files import STRAGGLERS
@@ -31,9 +31,6 @@ from rlsup_format.state_files import STRAGGLERS
 if TYPE_CHECKING:
     from supervisor.observer import Observer
 
-#: What a straggler does (``straggler_action``): report it (log, stragglers.jsonl, metric) or also end the
-#: attempt like a hang (:class:`StragglerWatch` ``restart``). The config's choices are these names.
-StragglerAction = Literal["report", "restart"]
 KEEP_STEPS = 64  # arrivals remembered per rank for steps not yet evaluated
 MIN_WORK_NS = 1_000_000  # peers' median below 1 ms is noise, not a baseline to divide by
 

@@ -38,8 +38,8 @@ READY = b"R"
 #: The warm rank's own record of the rank it became, in the attempt's heartbeat directory: its
 #: ``/proc/PID/environ`` stays the one it was spawned with (no ``RANK``), so this is where rlsup reads the
 #: number of a hung warm-started rank (:func:`supervisor.diagnosis.stacks.tree_roles`).
+#: It is rlsup_format.state_files.WARM_RANK_RECORD, spelled here: this file runs without rlsup installed.
 RANK_RECORD = "warm_rank.{pid}.json"
-RANK_RECORD_GLOB = "warm_rank.*.json"
 #: Parts of torch that torch imports lazily on first use and nearly every trainer reaches at once: the
 #: first optimizer built imports the compiler stack, ``torch._dynamo`` (1.5 s of a 2-core restart).
 #: Imported ahead like torch itself; a torch without them is simply not warmed further.

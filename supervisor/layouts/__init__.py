@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Callable
 from types import ModuleType
 
+from rlsup_format.manifest import KnownDigests
 from supervisor.layouts import (areal, dcp, deepspeed, hf, lightning, megatron, nemo, nemo_rl, rlsup, single_file,
                                 torchtitan, tracker, verl)
 from supervisor.layouts.files import tree_size
@@ -96,36 +97,48 @@ def scan(directory: str | Path, layout: str = "auto") -> list[CheckpointRecord]:
 
 
 def latest_valid(directory: str | Path, layout: str = "auto",
-                 accept: Callable[[CheckpointRecord], bool] | None = None) -> CheckpointRecord | None:
+                 accept: Callable[[CheckpointRecord], bool] | None = None,
+                 known: KnownDigests | None = None) -> CheckpointRecord | None:
     """The newest valid step (that ``accept`` takes, when given), verifying newest-first and stopping at
-    the first one."""
+    the first one. ``known``: rlsup steps' checksums already computed for unchanged files (one restart hashes
+    each byte once: :class:`rlsup_format.manifest.KnownDigests`)."""
     root = Path(directory)
     mod = _resolve(root, layout)
     if mod is None:
         return None
     ctx = mod.make_context(root)
+    verify = _verifier(mod, known)
     for step, path in reversed(mod.list_steps(root)):
-        record = mod.verify_step(path, step, ctx)
+        record = verify(path, step, ctx)
         if record.valid and (accept is None or accept(record)):
             return record
     return None
 
 
-def torn_newest(directory: str | Path, layout: str = "auto") -> list[CheckpointRecord]:
+def torn_newest(directory: str | Path, layout: str = "auto", known: KnownDigests | None = None) -> list[CheckpointRecord]:
     """The invalid steps newer than the newest valid one, newest first (what a trainer that picks its
-    "latest" itself would wrongly load). Verifies newest-first and stops at the first valid step."""
+    "latest" itself would wrongly load). Verifies newest-first and stops at the first valid step (``known``: as
+    for :func:`latest_valid`)."""
     root = Path(directory)
     mod = _resolve(root, layout)
     if mod is None:
         return []
     ctx = mod.make_context(root)
+    verify = _verifier(mod, known)
     torn = []
     for step, path in reversed(mod.list_steps(root)):
-        record = mod.verify_step(path, step, ctx)
+        record = verify(path, step, ctx)
         if record.valid:
             break
         torn.append(record)
     return torn
+
+
+def _verifier(mod: ModuleType, known: KnownDigests | None) -> Callable[[Path, int, object], CheckpointRecord]:
+    """The layout's ``verify_step``; rlsup's with ``known`` (the one layout whose bytes are hashed)."""
+    if mod is rlsup and known is not None:
+        return lambda path, step, ctx: rlsup.verify_step(path, step, ctx, known=known)
+    return mod.verify_step
 
 
 def _unknown(path: Path, reason: str) -> CheckpointRecord:

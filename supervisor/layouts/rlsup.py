@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from rlsup_format.manifest import list_step_dirs, verify_step_dir
+from rlsup_format.manifest import KnownDigests, list_step_dirs, verify_step_dir
 from rlsup_format.names import parse_step
 from supervisor.layouts.files import tree_size
 from supervisor.layouts.record import CheckpointRecord
@@ -35,9 +35,11 @@ def make_context(root: Path) -> None:
     return None
 
 
-def verify_step(path: Path, step: int | None = None, ctx: Any = None, full: bool = True) -> CheckpointRecord:
+def verify_step(path: Path, step: int | None = None, ctx: Any = None, full: bool = True,
+                known: KnownDigests | None = None) -> CheckpointRecord:
+    """``known``: checksums already computed for unchanged files (:class:`rlsup_format.manifest.KnownDigests`)."""
     step = step if step is not None else step_of(path)
-    res = verify_step_dir(path, full=full)  # never raises
+    res = verify_step_dir(path, full=full, known=known)  # never raises
     notes = [f"world_size {res.world_size}"] if res.world_size else []
     return CheckpointRecord(
         step=res.step if res.step is not None else (-1 if step is None else step),

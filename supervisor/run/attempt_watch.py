@@ -33,7 +33,7 @@ from rlsup_format.heartbeat_record import rank_file_name, request_stop
 
 if TYPE_CHECKING:
     from supervisor.diagnosis.flight_recorder import Analysis, FlightVerdict
-    from supervisor.cluster.fr_exchange import FrExchange
+    from supervisor.run.peers import FlightRecordShare
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ class AttemptWatch:
     node_name: str
     peer_ended: Callable[[int], str | None]
     saved: Callable[[], None]
-    fr_share: "FrExchange | None" = None  # several nodes: FR dumps go to node 0 (supervisor.cluster.fr_exchange)
+    fr_share: "FlightRecordShare | None" = None  # several nodes: FR dumps go to node 0 (supervisor.run.peers)
 
     def watch(self, job: JobProcess, hb_dir: Path, attempt: int) -> AttemptEvidence:
         deaths = RankDeathWatch()
@@ -66,7 +66,7 @@ class AttemptWatch:
 
     def with_shared_flight(self, evidence: AttemptEvidence, attempt_dir: Path | None) -> AttemptEvidence:
         """A failed attempt's evidence with the Flight Recorder's verdict across nodes, where a node asked for
-        dumps in it (:meth:`supervisor.cluster.fr_exchange.FrExchange.settle`: node 0 judges, the others wait);
+        dumps in it (:meth:`supervisor.run.peers.FlightRecordShare.settle`: node 0 judges, the others wait);
         gathered before the attempt is classified, so its outcome is made once. ``attempt_dir``: where the
         verdict is saved beside the attempt."""
         if self.fr_share is None:
@@ -210,7 +210,7 @@ class AttemptWatch:
     def _finish_flight(self, attempt: int, flight: "Analysis", attempt_dir: Path) -> "FlightVerdict | None":
         """FR's verdict, logged first: it leads the stacks' grouping (awaited at most HANG_ANALYSE_S, and not
         once rlsup is asked to stop)."""
-        from supervisor.cluster.fr_exchange import HANG_ANALYSE_S, finish_analysis, save_verdict
+        from supervisor.diagnosis.flight_recorder import HANG_ANALYSE_S, finish_analysis, save_verdict
 
         try:
             fr = finish_analysis(flight, HANG_ANALYSE_S, lambda: self.stop.asked)

@@ -21,6 +21,7 @@ from supervisor.run.quarantine import quarantine_torn, torn_newest  # at the top
 from supervisor.tiers.resume import ResumePoint, describe_unreadable
 
 if TYPE_CHECKING:
+    from rlsup_format.manifest import KnownDigests
     from supervisor.config import SupervisorConfig
 
 
@@ -51,11 +52,12 @@ class CheckpointSight:
 
     # ------------------------------------------------------------ before an attempt
 
-    def before_choosing(self) -> None:
+    def before_choosing(self, known: "KnownDigests | None" = None) -> None:
         """Single node, before the resume point is chosen: put back a torn single-file checkpoint's newest
-        complete version, move torn checkpoints aside (``quarantine_invalid``), and say once when rlsup
-        cannot read the checkpoints (decisions then rest on the trainer's own steps). A torn file with no
-        version to put back is named, with why (:meth:`check_torn`)."""
+        complete version, move torn checkpoints aside (``quarantine_invalid``; ``known``: the restart's
+        checksums, :class:`rlsup_format.manifest.KnownDigests`), and say once when rlsup cannot read the
+        checkpoints (decisions then rest on the trainer's own steps). A torn file with no version to put back
+        is named, with why (:meth:`check_torn`)."""
         if self.file_versions is not None:
             for done in self.file_versions.restore():
                 self.log(f"single-file checkpoint {done.live} is torn ({done.why}); put back its newest complete "
@@ -63,7 +65,8 @@ class CheckpointSight:
             if not self._torn_checked:  # before the first attempt (after a failed one, judge has checked)
                 self.check_torn()
         if self.cfg.quarantine_invalid and self.cfg.resume:
-            for moved in quarantine_torn(self.checkpoint_dir, self.cfg.checkpoint_layout, self.cfg.checkpoint_file):
+            for moved in quarantine_torn(self.checkpoint_dir, self.cfg.checkpoint_layout, self.cfg.checkpoint_file,
+                                         known):
                 self.log(f"quarantined {moved.source.name} ({moved.reason}) as {moved.target.name}; "
                          "put it back with mv only if you know it is good")
         self.check_unreadable()

@@ -17,12 +17,12 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
 from rlsup_format import job_env, state_files
-from rlsup_format.manifest import latest_valid
+from rlsup_format.manifest import KnownDigests, latest_valid
 from supervisor import exit_codes, log as rlsup_log
 from supervisor.diagnosis.evidence import AttemptEvidence, EndedElsewhere, GpuEvidence
 from supervisor.diagnosis.outcome import ERROR_FILE_ENV, AttemptResult, classify, error_file_for, job_settled
@@ -48,7 +48,7 @@ from supervisor.run.settings import RunSettings
 from supervisor.stop_request import StopRequest
 from supervisor.tiers.memory_tier import MemoryTier
 from supervisor.tiers.persistent import PersistentTier
-from supervisor.tiers.resume import ResumePoint, choose_resume, repair_tracker
+from supervisor.tiers.resume import ResumePoint, choose_resume, newest_step, repair_tracker
 from supervisor.launch.warm_start import WarmStarts
 
 if TYPE_CHECKING:
@@ -73,10 +73,13 @@ def launch_env(settings: RunSettings) -> dict[str, str]:
 @dataclass(frozen=True)
 class NodeTiers:
     """This node's checkpoint tiers (None: not configured), built once for the node (its rank among ``nodes``):
-    the loop and the job's other nodes (:class:`~supervisor.run.peers.Peers`) share them."""
+    the loop and the job's other nodes (:class:`~supervisor.run.peers.Peers`) share them. ``known``: the checksums
+    one restart computed, from the progress marker (:meth:`Supervisor.decide`) to the resume point agreed
+    (:meth:`Supervisor.prepare`, which forgets them): each byte of the chosen step is hashed once per restart."""
 
     persistent: PersistentTier | None
     memory: MemoryTier | None
+    known: KnownDigests = field(default_factory=KnownDigests, compare=False)
 
     @classmethod
     def from_config(cls, cfg: SupervisorConfig, job: str, node_rank: int = 0, nodes: int = 1) -> "NodeTiers":
@@ -122,6 +125,7 @@ class Supervisor:
         self.node_name = node_name()  # what incidents, metrics and the SLURM exclude list call this machine
         tiers = tiers or NodeTiers.from_config(self.cfg, self.job.id)
         self.persistent, self.memory = tiers.persistent, tiers.memory  # None: persistent_dir / memory_dir empty
+        self.known = tiers.known  # checksums of one restart (NodeTiers), shared with the peers
         if self.persistent is not None:
             self.observer.tier("persistent", self.persistent.stalled)
         self.sight = CheckpointSight(self.cfg, self.checkpoint_dir, self._log,  # single-file, unreadable, steps
@@ -230,16 +234,20 @@ class Supervisor:
 
     def _classify(self, evidence: AttemptEvidence) -> AttemptResult:
         """The attempt's one outcome (:func:`supervisor.diagnosis.outcome.classify`), from its evidence and, for a
-        failure, the Flight Recorder's verdict across nodes (gathered first: nothing rewrites the outcome)."""
-        if not job_settled(evidence.ending):
-            attempt_dir = state_files.attempt_path(self.state_dir, evidence.attempt)
-            evidence = self.watcher.with_shared_flight(evidence, attempt_dir if attempt_dir.is_dir() else None)
+        failure, the Flight Recorder's verdict across nodes (gathered first: nothing rewrites the outcome).
+        A failure is told to the other nodes first (:meth:`attempt_failed`): gathering the verdict may wait a
+        minute, and they must not wait with it. A stop asked while waiting for the round asks nothing of them."""
+        ending = evidence.ending
+        if job_settled(ending) or (isinstance(ending, EndedElsewhere) and ending.reason in (EndReason.STOPPED, EndReason.PREEMPTED)):
+            return classify(evidence)
+        self.attempt_failed(evidence.attempt, classify(evidence))  # the verdict changes no reason or detail
+        attempt_dir = state_files.attempt_path(self.state_dir, evidence.attempt)
+        evidence = self.watcher.with_shared_flight(evidence, attempt_dir if attempt_dir.is_dir() else None)
         return classify(evidence)
 
     def decide(self, attempt: int, result: AttemptResult, resume: ResumePoint | None) -> tuple[Incident, float | None]:
         """A failed attempt: its incident, and the delay before the next one (None: give up, recorded now)."""
-        self.record.set_state(JobStatus.FAILED)
-        self.attempt_failed(attempt, result)
+        self.record.set_state(JobStatus.FAILED)  # the other nodes were told when it was classified (_classify)
         newest = self.progress_marker()
         reached = step_reached(result.last_step, resume.step if resume else None, newest)
         progress = self.sight.judge(reached, newest, resume)  # supervisor.run.progress_rule
@@ -265,10 +273,9 @@ class Supervisor:
         return self._finish(code, status, attempt)
 
     def _node_lost(self, attempt: int, result: AttemptResult) -> RunResult:
-        """The attempt failed with this node's hardware broken (:data:`EXCLUDES_NODE`): tell the other nodes
-        and stop as a node failing pre_launch_check does (exit UNHEALTHY, the node in unhealthy_nodes)."""
-        self.attempt_failed(attempt, result)
-        self.observer.attempt_failed(result.reason, result.last_step)
+        """The attempt failed with this node's hardware broken (:data:`EXCLUDES_NODE`): the other nodes were told;
+        stop as a node failing pre_launch_check does (exit UNHEALTHY, the node in unhealthy_nodes)."""
+        self.observer.attempt_failed(result.reason, result.last_step)  # the others were told in _classify
         self.give_up(f"node gave up after attempt {attempt}: {Action.EXCLUDE_NODE} ({result.reason})")
         self._log(f"attempt {attempt} failed ({result.reason}: {result.detail}); not restarting on this node")
         return self._unhealthy(attempt, result, None)
@@ -356,8 +363,13 @@ class Supervisor:
         self.record.add(incident, downtime, resume)
 
     def prepare(self, attempt: int) -> ResumePoint | None:
-        """Everything before launch; returns the checkpoint every node resumes from (:meth:`Peers.agree`)."""
-        return self.peers.agree(attempt, self._choose_here)
+        """Everything before launch; returns the checkpoint every node resumes from (:meth:`Peers.agree`). The
+        checksums computed since the failure (:meth:`progress_marker`) are reused for files unchanged since, then
+        forgotten: the next restart hashes afresh."""
+        try:
+            return self.peers.agree(attempt, self._choose_here)
+        finally:
+            self.known.forget()
 
     def _choose_here(self) -> ResumePoint | None:
         """This node's own resume point (fetched from the persistent tier when that holds a newer valid step
@@ -366,13 +378,13 @@ class Supervisor:
             from supervisor.tiers.selection import choose_across_tiers
 
             point = choose_across_tiers(self.checkpoint_dir, self.persistent, self.settings.checkpoint_layout,
-                                        job=self.job.id, memory=self.memory)
+                                        job=self.job.id, memory=self.memory, known=self.known)
             if self.memory is not None:
                 self.memory.protect(point.path if point is not None else None)
             if point is not None:
                 self.observer.checkpoint(point.step, point.path.stat().st_mtime)
         else:
-            self.sight.before_choosing()
+            self.sight.before_choosing(self.known)
             point = self.choose_resume()
         if point is not None and self.settings.repair_tracker:
             point = repair_tracker(self.checkpoint_dir, point, self._log)
@@ -391,12 +403,10 @@ class Supervisor:
         return self.peers.progress_marker(self._newest_here)
 
     def _newest_here(self) -> int | None:
-        """One node's rule: the resume point's step, or the memory tier's newer one."""
+        """One node's marker (:func:`supervisor.tiers.resume.newest_step`): the resume point's step, or the memory
+        tier's newer one; its checksums are kept for :meth:`prepare`."""
         point = self.choose_resume()
-        in_memory = self.memory.newest_valid(full=False) if self.memory is not None and self.settings.resume else None
-        if in_memory is not None and (point is None or in_memory[0] > point.step):
-            return in_memory[0]
-        return point.step if point is not None else None
+        return newest_step(point.step if point is not None else None, self.memory if self.settings.resume else None)
 
     def choose_resume(self) -> ResumePoint | None:
         point, chosen = self._resume_point()
@@ -409,7 +419,7 @@ class Supervisor:
         and the same when a layout chose it (None for the single-file fallback, which names no step)."""
         if not self.settings.resume:
             return None, None
-        point = choose_resume(self.checkpoint_dir, self.settings.checkpoint_layout, self.job.id)
+        point = choose_resume(self.checkpoint_dir, self.settings.checkpoint_layout, self.job.id, self.known)
         if point is None:
             return self.sight.resume_fallback(), None
         return point, point

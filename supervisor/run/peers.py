@@ -9,10 +9,36 @@ torch elastic passes its rendezvous handler to the agent: nothing of the loop is
 
 from __future__ import annotations
 
-from typing import Any, Callable, Protocol
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Iterable, Protocol
 
+from supervisor.diagnosis.evidence import FlightEvidence
 from supervisor.diagnosis.outcome import AttemptResult
 from supervisor.tiers.resume import ResumePoint
+
+if TYPE_CHECKING:
+    from supervisor.diagnosis.flight_recorder import Analysis
+
+
+class FlightRecordShare(Protocol):
+    """Where a hang's Flight Recorder dumps meet when the job has several nodes, as the watch of an attempt
+    (:class:`supervisor.run.attempt_watch.AttemptWatch` ``fr_share``) uses it: node 0 judges every node's dumps.
+    :class:`supervisor.cluster.fr_exchange.FrExchange` (a layer above, passed in); no method raises."""
+
+    def hang(self, attempt: int, flight: "Analysis | None") -> None:
+        """This node saw the hang and took its ranks' dumps (``flight``): ask for everyone's, publish ours."""
+
+    def end(self, attempt: int, why: str) -> None:
+        """End the attempt for every node, after this node's stacks and before its kill."""
+
+    def await_peers(self, attempt: int) -> None:
+        """Until every node's dumps are there (bounded; not once rlsup is asked to stop), before the kill."""
+
+    def peer_ended(self, attempt: int, hb_dir: Path, ranks: Iterable[int]) -> None:
+        """Another node ended the attempt: where it asked for dumps, take and publish this node's."""
+
+    def settle(self, attempt: int, attempt_dir: Path | None = None) -> FlightEvidence | None:
+        """The verdict across nodes for a failed attempt, where dumps were asked for (None: none, or none came)."""
 
 
 class Peers(Protocol):
@@ -23,9 +49,9 @@ class Peers(Protocol):
         """Nodes in the job (1: this node alone)."""
 
     @property
-    def flight_records(self) -> Any:
-        """Where a hang's Flight Recorder dumps are shared with the other nodes (the watch's ``fr_share``:
-        :class:`supervisor.cluster.fr_exchange.FrExchange`, a layer above this one); None on one node."""
+    def flight_records(self) -> FlightRecordShare | None:
+        """Where a hang's Flight Recorder dumps are shared with the other nodes (the watch's ``fr_share``);
+        None on one node."""
 
     def join(self, mine: int) -> int:
         """The attempt every node runs next; ``mine``: the one this node would run on its own."""

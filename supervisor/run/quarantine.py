@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from rlsup_format.manifest import KnownDigests
 from supervisor import layouts
 from supervisor.layouts import single_file
 
@@ -26,10 +27,12 @@ class Quarantined:
     reason: str
 
 
-def quarantine_torn(root: Path, layout: str = "auto", pattern: str = "") -> list[Quarantined]:
+def quarantine_torn(root: Path, layout: str = "auto", pattern: str = "",
+                    known: KnownDigests | None = None) -> list[Quarantined]:
     """Rename every torn checkpoint newer than the newest valid one under ``root`` (a layout's steps, or
-    single-file checkpoints when no layout recognises it); what was moved."""
-    torn = torn_newest(root, layout, pattern)
+    single-file checkpoints when no layout recognises it); what was moved. ``known``: checksums already
+    computed for unchanged files (:class:`rlsup_format.manifest.KnownDigests`)."""
+    torn = torn_newest(root, layout, pattern, known)
     moved = []
     stamp = int(time.time())
     for path, reason in torn:
@@ -45,11 +48,12 @@ def quarantine_torn(root: Path, layout: str = "auto", pattern: str = "") -> list
     return moved
 
 
-def torn_newest(root: Path, layout: str = "auto", pattern: str = "") -> list[tuple[Path, str]]:
+def torn_newest(root: Path, layout: str = "auto", pattern: str = "",
+                known: KnownDigests | None = None) -> list[tuple[Path, str]]:
     """(path, why) of every torn checkpoint newer than the newest valid one, newest first: a layout's steps,
     or single-file checkpoints when no layout recognises ``root`` (what :func:`quarantine_torn` moves, and
     what the launch line warns of where the trainer picks its own)."""
-    torn = [(Path(r.path), r.reason) for r in layouts.torn_newest(root, layout)]
+    torn = [(Path(r.path), r.reason) for r in layouts.torn_newest(root, layout, known)]
     if not torn and layouts.detect_layout(root) == "unknown" and layout in ("auto", single_file.NAME):
         torn = [(r.path, r.reason) for r in single_file.torn_newest(root, pattern)]
     return torn

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from rlsup_format.manifest import LocalStep, RankManifest, list_step_dirs, manifest_name
+from rlsup_format.manifest import KnownDigests, LocalStep, RankManifest, list_step_dirs, manifest_name
 from rlsup_format.manifest import verify_part as verify_part_in
 from rlsup_format.names import parse_manifest_rank, parse_step
 
@@ -38,25 +38,26 @@ def owner_of(manifest: RankManifest) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-def verify_part(step_dir: Path, rank: int, full: bool = True) -> Part | None:
+def verify_part(step_dir: Path, rank: int, full: bool = True, known: KnownDigests | None = None) -> Part | None:
     """The valid part of ``rank`` in ``step_dir``, or None (missing, torn, another step's, or not
-    matching its files): :func:`rlsup_format.manifest.verify_part`, the one rule."""
+    matching its files): :func:`rlsup_format.manifest.verify_part`, the one rule. ``known``: checksums already
+    computed for unchanged files (:class:`rlsup_format.manifest.KnownDigests`)."""
     step = parse_step(step_dir.name)
     if step is None:
         return None
-    manifest, _ = verify_part_in(LocalStep(step_dir), step, rank, full)
+    manifest, _ = verify_part_in(LocalStep(step_dir, known), step, rank, full)
     if manifest is None:
         return None
     return Part(manifest.step, rank, manifest.world_size, owner_of(manifest), step_dir, manifest)
 
 
-def scan_parts(root: Path, full: bool = True) -> list[Part]:
-    """Every valid part in every step directory under ``root`` (rlsup layout)."""
+def scan_parts(root: Path, full: bool = True, known: KnownDigests | None = None) -> list[Part]:
+    """Every valid part in every step directory under ``root`` (rlsup layout; ``known``: as :func:`verify_part`)."""
     parts = []
     for _, step_dir in list_step_dirs(root):
         for entry in sorted(step_dir.iterdir()):
             rank = parse_manifest_rank(entry.name)
-            part = verify_part(step_dir, rank, full=full) if rank is not None else None
+            part = verify_part(step_dir, rank, full=full, known=known) if rank is not None else None
             if part is not None:
                 parts.append(part)
     return parts

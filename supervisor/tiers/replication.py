@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 
 from rlsup_format.fileio import write_durable
-from rlsup_format.manifest import MANIFEST_RE, RankManifest, list_step_dirs, manifest_name, step_dir_name
+from rlsup_format.manifest import MANIFEST_RE, KnownDigests, RankManifest, list_step_dirs, manifest_name, step_dir_name
 from rlsup_format.names import Kind, placement_name, reserved_name
 from supervisor.tiers.holdings import InventoryBuilder, NodeInventory
 from supervisor.tiers.manifest_watch import ManifestWatch
@@ -347,10 +347,11 @@ class ReplicationEngine:
 
     # ------------------------------------------------------------ restore
 
-    def inventory(self) -> NodeInventory:
-        """What this node holds, fully verified (a corrupted copy is never offered)."""
+    def inventory(self, known: KnownDigests | None = None) -> NodeInventory:
+        """What this node holds, fully verified (a corrupted copy is never offered); ``known``: checksums this
+        restart already computed, reused for files unchanged since (:class:`rlsup_format.manifest.KnownDigests`)."""
         held = InventoryBuilder(self.me)
-        for part in scan_parts(self.checkpoint_dir, full=True):
+        for part in scan_parts(self.checkpoint_dir, full=True, known=known):
             if job_of(part) not in (self.job, None):
                 continue  # another job wrote into this directory: never offered to this one
             held.add(part.step, part.world_size, part.rank, part.owner if part.owner is not None else self.me)
@@ -360,7 +361,7 @@ class ReplicationEngine:
                 if parsed is None or parsed[0] != self.job:
                     continue  # another job's replicas (or an older layout): never this job's data
                 owner = parsed[1]
-                for part in scan_parts(ns_dir, full=True):
+                for part in scan_parts(ns_dir, full=True, known=known):
                     if job_of(part) == self.job:
                         held.add(part.step, part.world_size, part.rank, owner, replica=True)
         return held.build()
@@ -392,12 +393,13 @@ def _part_held(part: Part, index: dict[str, Any]) -> bool:
     return all(index.get(f"{base}/{name}") == entry for name, entry in part.manifest.files.items())
 
 
-def newest_own_step(checkpoint_dir: Path, node: int) -> int | None:
-    """Newest step holding a valid part written by ``node`` (the no-progress marker in multi-node runs)."""
+def newest_own_step(checkpoint_dir: Path, node: int, full: bool = False, known: KnownDigests | None = None) -> int | None:
+    """Newest step holding a valid part written by ``node`` (sizes only unless ``full``; ``known``: as for
+    :meth:`ReplicationEngine.inventory`)."""
     for step, step_dir in reversed(list_step_dirs(checkpoint_dir)):
         for entry in step_dir.iterdir():
             m = MANIFEST_RE.match(entry.name)
-            part = verify_part(step_dir, int(m.group(1)), full=False) if m else None
+            part = verify_part(step_dir, int(m.group(1)), full=full, known=known) if m else None
             if part is not None and part.owner in (node, None):
                 return step
     return None

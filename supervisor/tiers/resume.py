@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Literal
+from typing import TYPE_CHECKING, Callable, Literal
+
+if TYPE_CHECKING:
+    from rlsup_format.manifest import KnownDigests
+    from supervisor.tiers.memory_tier import MemoryTier
 
 #: Where a resume point's checkpoint came from (``state.json`` ``resume_tier``, an incident's ``resumed_tier``,
 #: the ``rlsup_resumes_total{tier}`` label): the memory tier, this node's checkpoint directory, another
@@ -34,9 +38,12 @@ class ResumePoint:
     tier: Tier = TIER_LOCAL
 
 
-def choose_resume(checkpoint_dir: Path, layout: str = "auto", job: str | None = None) -> ResumePoint | None:
+def choose_resume(checkpoint_dir: Path, layout: str = "auto", job: str | None = None,
+                  known: "KnownDigests | None" = None) -> ResumePoint | None:
     """Newest valid checkpoint under ``checkpoint_dir``, or None (a fresh start). With ``job``, an rlsup
-    step whose manifest names another job is passed over: a job never resumes from another's data."""
+    step whose manifest names another job is passed over: a job never resumes from another's data. ``known``:
+    checksums this restart already computed, reused for files unchanged since
+    (:class:`rlsup_format.manifest.KnownDigests`)."""
     if not checkpoint_dir.is_dir() or not any(checkpoint_dir.iterdir()):
         return None  # fresh start: nothing to look at
     from supervisor import layouts
@@ -44,10 +51,23 @@ def choose_resume(checkpoint_dir: Path, layout: str = "auto", job: str | None = 
     def ours(record: "layouts.CheckpointRecord") -> bool:
         return record.layout != "rlsup" or job is None or step_job(Path(record.path)) in (job, None)
 
-    record = layouts.latest_valid(checkpoint_dir, layout=layout, accept=ours)
+    record = layouts.latest_valid(checkpoint_dir, layout=layout, accept=ours, known=known)
     if record is None:
         return None
     return ResumePoint(record.step, Path(record.path), record.layout)
+
+
+def newest_step(on_disk: int | None, memory: "MemoryTier | None") -> int | None:
+    """The newest valid step, the one rule on one node and on several (the progress marker a failed attempt is
+    judged by): the newest step verified on disk, checksums and all, with the restart's
+    :class:`~rlsup_format.manifest.KnownDigests` so that the resume choice after it hashes nothing again (one
+    node: the step :func:`choose_resume` picks; several: the newest holding a valid part of this node's,
+    :func:`supervisor.tiers.replication.newest_own_step`), or the memory tier's newer one (sizes: its parts
+    are verified in full when chosen)."""
+    in_memory = memory.newest_valid(full=False) if memory is not None else None
+    if in_memory is not None and (on_disk is None or in_memory[0] > on_disk):
+        return in_memory[0]
+    return on_disk
 
 
 def step_job(step_dir: Path) -> str | None:

@@ -26,6 +26,7 @@ import logging
 from pathlib import Path
 from typing import Iterator
 
+from rlsup_format.manifest import KnownDigests
 from supervisor.tiers.fetch_staging import FetchTicket
 from supervisor.tiers.memory_tier import MemoryTier
 from supervisor.tiers.persistent import PersistentTier, PersistentTierError
@@ -43,14 +44,16 @@ def iter_candidates(tier: PersistentTier, newer_than: int | None) -> Iterator[in
 
 
 def choose_across_tiers(local_dir: str | Path, persistent: PersistentTier | None, layout: str = "auto",
-                        job: str | None = None, memory: MemoryTier | None = None) -> ResumePoint | None:
+                        job: str | None = None, memory: MemoryTier | None = None,
+                        known: KnownDigests | None = None) -> ResumePoint | None:
     """The newest valid step across tiers, fetched into ``local_dir`` when it came from the persistent tier.
 
     ``layout`` is the local directory's layout (``auto`` detects); the memory and persistent tiers hold
-    rlsup layout steps only. None when nothing valid exists anywhere (fresh start).
+    rlsup layout steps only. None when nothing valid exists anywhere (fresh start). ``known``: the local
+    directory's checksums this restart already computed (:func:`~supervisor.tiers.resume.choose_resume`).
     """
     local_dir = Path(local_dir)
-    local = choose_resume(local_dir, layout, job)
+    local = choose_resume(local_dir, layout, job, known)
     best = local  # tier: local
     if memory is not None and layout in ("auto", "rlsup"):
         in_memory = memory.newest_valid(full=True)

@@ -677,7 +677,7 @@ def bad_config_scenario(parent: Path, seed: int, n_random: int = 40) -> Scenario
     import contextlib
     import io
 
-    from supervisor.cli.main import main as cli
+    from supervisor.cli import main as cli
 
     started = time.monotonic()
     rng = random.Random(seed)
