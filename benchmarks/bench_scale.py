@@ -149,8 +149,8 @@ class StubEngine:
         self.world_size = world_size
         self.fetched: list[tuple[int, int]] = []
 
-    def inventory(self) -> NodeInventory:
-        return self._inventory
+    def inventory(self, known: object = None) -> NodeInventory:
+        return self._inventory  # ``known``: digests the real engine reuses; a stub reads nothing
 
     def peer_store(self, node: int) -> "MemPartStore":
         return MemPartStore(f"node {node}", source_world_size=self.world_size)
