@@ -1,5 +1,5 @@
 """Accounting of the node-loss harness (benchmarks/bench_node_loss.py) from a trial's recorded events alone:
-pure functions, so the arithmetic is tested without processes (tests/test_bench_node_loss.py).
+pure functions, so the arithmetic is tested without processes (tests/benchmarks/test_bench_node_loss.py).
 
 Events are benchmarks/jobs/recovery_trainer.py's JSON lines (``ev``, ``t``, ``rank``, ``pid``, and
 ``step``/``dur``) on one ``time.monotonic()`` clock with the harness's SIGKILL. Every rank says ``start``;

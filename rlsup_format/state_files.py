@@ -46,7 +46,7 @@ HEARTBEATS = "heartbeats"
 OUTPUT_LOG = "output.log"
 #: In an attempt's heartbeat directory: a warm-started rank's record of the rank it became (pid, RANK, LOCAL_RANK),
 #: ``{pid}`` its pid. Written by ``supervisor/launch/warm_rank.py`` (which runs without rlsup installed and so spells
-#: it by hand: tests/test_house_rules.py keeps the two equal), read by :func:`supervisor.diagnosis.stacks.tree_roles`.
+#: it by hand: tests/project/test_house_rules.py keeps the two equal), read by :func:`supervisor.diagnosis.stacks.tree_roles`.
 WARM_RANK_RECORD = "warm_rank.{pid}.json"
 
 

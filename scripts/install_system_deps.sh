@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Install the system tools the deploy/observability tests use (Debian/Ubuntu, root only). Run by
 # scripts/setup.sh for the tests (the README's second command); `setup.sh --core` needs none of them:
-#   prometheus   -> promtool + the Prometheus server (tests/test_deploy_prometheus.py, test_metrics_scrape.py)
-#   slurm-wlm    -> slurmctld, slurmd, sbatch, scontrol (tests/test_deploy_slurm.py)
+#   prometheus   -> promtool + the Prometheus server (tests/deploy/test_deploy_prometheus.py, test_metrics_scrape_e2e.py)
+#   slurm-wlm    -> slurmctld, slurmd, sbatch, scontrol (tests/deploy/test_deploy_slurm_e2e.py)
 #   munge        -> munged, SLURM's authentication
-#   systemd      -> systemd-analyze (tests/test_deploy_systemd.py); systemd need not be running
-#   etcd-server  -> etcd, a real 3-member cluster on 127.0.0.1 (tests/test_kvstore.py)
+#   systemd      -> systemd-analyze (tests/deploy/test_deploy_systemd.py); systemd need not be running
+#   etcd-server  -> etcd, a real 3-member cluster on 127.0.0.1 (tests/cluster/test_kvstore.py)
 #   rsync        -> the replication baseline of benchmarks/run.py (without it those rows are n/a)
 #   nftables     -> nft, one-way link cuts in the partition tests (tests/support/partition.py)
 #   iproute2     -> ip: network namespaces, veth links and a bridge for the partition tests

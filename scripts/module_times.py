@@ -21,7 +21,7 @@ OUT = TESTS / "module_times.json"
 
 
 def module_of(classname: str) -> str | None:
-    """``tests.chaos.test_chaos_ci`` (or ``tests.test_x.TestClass``) -> ``chaos/test_chaos_ci.py``: the longest
+    """``tests.chaos.test_chaos_ci`` (or ``tests.test_x.TestClass``) -> ``chaos/test_chaos_ci_e2e.py``: the longest
     prefix of the dotted name that is a test file under tests/."""
     parts = classname.split(".")
     if parts and parts[0] == "tests":

@@ -46,7 +46,7 @@ pip_notes() {
        function flush(   i) {
          if (head == "") return
          if (n > 0 && ours && head ~ /dependency resolver/)
-           print "setup: pip notes verl 0.9.1'"'"'s own pins are unmet: harmless, verl is installed --no-deps for tests/test_recipe_verl.py only"
+           print "setup: pip notes verl 0.9.1'"'"'s own pins are unmet: harmless, verl is installed --no-deps for tests/thirdparty/test_recipe_verl_e2e.py only"
          else { print head; for (i = 1; i <= n; i++) print body[i] }
          head = ""; n = 0; ours = 1
        }
@@ -64,7 +64,7 @@ if [ "$MODE" = core ]; then
   exit 0
 fi
 pip_install -e ".[test,megatron,nvrx,trainers]"
-# verl 0.9.1 for tests/test_recipe_verl.py: --no-deps (its own deps pull vLLM/CUDA builds); only what
+# verl 0.9.1 for tests/thirdparty/test_recipe_verl_e2e.py: --no-deps (its own deps pull vLLM/CUDA builds); only what
 # importing verl.utils.checkpoint.fsdp_checkpoint_manager needs (verl/__init__ imports ray and tensordict).
 # Its dependencies first, verl last: pip checks an install's dependents only when it resolves dependencies,
 # so installing them after verl would list every pin of verl's this set-up leaves unmet.

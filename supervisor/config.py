@@ -418,7 +418,7 @@ def _validate(cfg: SupervisorConfig, origins: dict[str, str]) -> None:
         raise bad("checkpoint_file", f"must be relative to checkpoint_dir, without '..': {cfg.checkpoint_file!r}")
     if cfg.file_versions_keep < 0 or cfg.file_versions_max_bytes < 0:
         raise bad("file_versions_keep" if cfg.file_versions_keep < 0 else "file_versions_max_bytes", "must be >= 0")
-    if cfg.progress_regex:  # a preset's name is checked above (its regex is the code's: tests/test_progress.py)
+    if cfg.progress_regex:  # a preset's name is checked above (its regex is the code's: tests/diagnosis/test_progress.py)
         try:
             step_pattern(cfg.progress_regex)
         except ValueError as e:

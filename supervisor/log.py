@@ -42,7 +42,7 @@ before rlsup's line, so that line starts a line of its own, as ``tqdm.write`` do
 The job's own output (the trainer's stdout and stderr) is never reformatted, only ended where a line
 must end (that newline, a last line's at the job's exit, the relay's cut of a line too long to hold).
 The warm launcher's zygote, which runs in the job's interpreter and cannot import this module, writes
-its few lines in the same shape (:func:`supervisor.launch.warm_pool.rlsup_line`; tests/test_log_lines.py parses them).
+its few lines in the same shape (:func:`supervisor.launch.warm_pool.rlsup_line`; tests/shared/test_log_lines.py parses them).
 
 The context (node, attempt) is process-wide on purpose, not a contextvar: rlsup's threads (replication,
 tiers, the transport) all say which attempt they are in. Several simulated nodes in one process (the

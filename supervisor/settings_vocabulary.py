@@ -3,7 +3,7 @@
 Here, below both, so that the config (:mod:`supervisor.config`) imports no component: a component that dispatches
 on a name takes its type from here (the straggler actions, the coordination stores), and where a component keeps
 its own catalogue (the checkpoint layouts, the progress presets) the names are written here once more and
-tests/test_config_choices.py keeps the two equal, in order. Standard library only.
+tests/shared/test_config_choices.py keeps the two equal, in order. Standard library only.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
     python deploy/grafana/generate_dashboard.py           # rewrite the JSON
     python deploy/grafana/generate_dashboard.py --check   # exit 1 if the JSON is out of date
 
-Panels use only series rlsup exports (tests/test_deploy_grafana.py checks every name against a real
+Panels use only series rlsup exports (tests/deploy/test_deploy_grafana.py checks every name against a real
 scrape and every expression with promtool). Template variables: ``datasource``, ``job`` (Prometheus'
 scrape job, from ``label_values(rlsup_info, job)``) and ``node`` (rlsup's own node name, from
 ``label_values(rlsup_info{job=~"$job"}, node)``). Only ``rlsup_info`` carries ``node``, so every panel

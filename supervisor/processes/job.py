@@ -407,7 +407,7 @@ def oom_kill_count() -> int | None:
 class ProcessLayer:
     """What the run loop asks of the operating system, in one place: start an attempt's job root,
     look at and signal pids, count OOM kills, collect stacks, guard the attempts against rlsup's own
-    death. The default is the real thing; the in-process tests of the loop (tests/test_run_loop.py)
+    death. The default is the real thing; the in-process tests of the loop (tests/run/test_run_loop.py)
     pass a fake, as torch elastic's TestAgent fakes its worker layer.
 
     ``cgroups`` False: no cgroup per job root (the fallback: sessions and recorded pids, as on a host

@@ -4,7 +4,7 @@ another node ends the attempt, or rlsup is asked to stop; then say what was seen
 were stuck), for the run loop to classify once (:func:`supervisor.diagnosis.outcome.classify`).
 
 What it does to processes goes through the :class:`~supervisor.processes.job.ProcessLayer` (a fake one
-in tests/test_run_loop.py); what it learns on the way (steps, heartbeat timeout, saves) goes to the
+in tests/run/test_run_loop.py); what it learns on the way (steps, heartbeat timeout, saves) goes to the
 run record, the checkpoint sight and the observer.
 """
 

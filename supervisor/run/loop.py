@@ -9,7 +9,7 @@ Nothing of the loop is overridden. Its parts live with their own code: the setti
 of a running attempt (:mod:`supervisor.run.attempt_watch`), stop and preemption signals
 (:mod:`supervisor.stop_request`) and the warm launcher (:mod:`supervisor.launch.warm_start`). Everything it
 does to processes goes through a :class:`~supervisor.processes.job.ProcessLayer` (a fake one in the
-in-process tests, tests/test_run_loop.py).
+in-process tests, tests/run/test_run_loop.py).
 """
 
 from __future__ import annotations

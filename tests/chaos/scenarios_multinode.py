@@ -1,5 +1,5 @@
 """Multi-node chaos over loopback: every node is a separate process tree with its own directory and ports
-on 127.0.0.1 (as in tests/test_multinode.py and tests/test_daemon_replication.py).
+on 127.0.0.1 (as in tests/cluster/test_multinode_e2e.py and tests/tiers/test_daemon_replication_e2e.py).
 
 - :func:`transfer_kill_scenario`: two ``rlsup daemon`` processes replicate each other's checkpoints; the
   sender's bandwidth is capped so a push lasts seconds. While a part is in flight (the receiver's

@@ -1,6 +1,6 @@
 """A real DeepSpeed writer on CPU: a tiny model under ZeRO, ``engine.save_checkpoint(dir)`` after each step.
 
-Used by tests/test_layouts_deepspeed.py as the writer of the mid-save kill matrix. One process (or
+Used by tests/layouts/test_layouts_deepspeed.py as the writer of the mid-save kill matrix. One process (or
 each torchrun rank) joins a gloo group; the tag is DeepSpeed's default ``global_step{N}``.
 
     python tests/jobs/deepspeed_save_job.py SAVE_DIR STEPS [ZERO_STAGE] [ROLE...]

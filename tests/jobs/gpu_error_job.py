@@ -1,4 +1,4 @@
-"""A job that fails the way a GPU rank does, on CPU, for tests/test_gpu_failures_e2e.py.
+"""A job that fails the way a GPU rank does, on CPU, for tests/diagnosis/test_gpu_failures_e2e.py.
 
 ``gpu_error_job.py TEXT_FILE print``: on the first attempt (``RLSUP_RESTART_COUNT`` 0) writes ``marker`` into
 ``RLSUP_CHECKPOINT_DIR``, prints the recorded output TEXT_FILE (tests/data/gpu_errors/) to stderr and exits 1, as

@@ -1,7 +1,7 @@
 """The run loop's fake process layer (torch elastic's TestAgent style), shared by the in-process run-loop
 tests: :class:`FakeProcesses` hands the loop scripted jobs whose ranks heartbeat into the real heartbeat
 directory, so the real :class:`HangDetector`, classification, restart policy, incidents and state table run
-as in production (tests/test_run_loop.py, test_multinode_loop.py, test_progress.py,
+as in production (tests/run/test_run_loop.py, test_multinode_loop.py, test_progress.py,
 test_unreadable_checkpoints.py)."""
 
 from __future__ import annotations

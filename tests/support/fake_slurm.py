@@ -2,7 +2,7 @@
 (deploy/slurm/rlsup.sbatch) runs under real bash in a test without a cluster: what the script asks SLURM for
 and the command it builds on each node are recorded, and each node's "rlsup" ends as the test says.
 
-SLURM is not what such a test tests (tests/test_deploy_slurm*.py run the script under a real one); the
+SLURM is not what such a test tests (tests/deploy/test_deploy_slurm*_e2e.py run the script under a real one); the
 script is. Environment of the fakes:
   FAKE_SLURM_LOG   directory for the records: srun.jsonl (one line per srun), scontrol.log, <node>.json
   FAKE_LOST        nodes whose task never starts (the node is gone: no pid, no exit code written)

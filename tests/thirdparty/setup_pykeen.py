@@ -1,4 +1,4 @@
-"""Set-up for tests/test_thirdparty_pykeen.py: PyKEEN (pykeen/pykeen on GitHub, MIT; ``pip install pykeen``,
+"""Set-up for tests/thirdparty/test_thirdparty_pykeen_e2e.py: PyKEEN (pykeen/pykeen on GitHub, MIT; ``pip install pykeen``,
 pinned in pyproject.toml's ``trainers`` extra), run unmodified through its own console script
 ``pykeen experiments run CONFIG``, on CPU, offline: only its input, one JSON configuration, is written here.
 

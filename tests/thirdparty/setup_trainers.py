@@ -1,4 +1,4 @@
-"""Set-up for the third-party trainers of tests/test_thirdparty_trainers.py (issue 28): the programs are run as
+"""Set-up for the third-party trainers of tests/thirdparty/test_thirdparty_trainers_e2e.py (issue 28): the programs are run as
 their authors ship them, only their inputs are built here, locally, without a download.
 
 - nanoGPT (karpathy/nanoGPT, MIT): ``train.py``, ``model.py``, ``configurator.py``, unmodified, used when

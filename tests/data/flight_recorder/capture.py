@@ -1,4 +1,4 @@
-"""Record the Flight Recorder dumps tests/test_flight_recorder_analysis.py reads: real 4-rank gloo runs
+"""Record the Flight Recorder dumps tests/diagnosis/test_flight_recorder_analysis.py reads: real 4-rank gloo runs
 (torch 2.13 CPU, ``TORCH_FR_BUFFER_SIZE=2000``) in which rank 2 skips one all-reduce, each rank's
 dump written by ``trainer_hooks.flight_recorder.write_dump`` (the thread rlsup's request wakes) once
 every rank is stuck.
@@ -7,7 +7,7 @@ every rank is stuck.
 
 - broadcast_instead/: each step is an all-reduce then a broadcast on the default group; rank 2 skips
   the all-reduce of step 5 and waits in the broadcast (#9) while the others wait in all-reduce #9.
-- skipped_in_other_group/: tests/jobs/fr_skip_job.py (the job of tests/test_flight_recorder.py): rank 2
+- skipped_in_other_group/: tests/jobs/fr_skip_job.py (the job of tests/diagnosis/test_flight_recorder_e2e.py): rank 2
   skips the default group's all-reduce #4 and waits in all-reduce #4 of the "metrics" group (the same
   files as rlsup takes on that job's hang, ``rlsup run``, attempt 0).
 """

@@ -1,4 +1,4 @@
-"""Capture real trainer output for tests/test_progress.py: the bytes a job writes to rlsup's pipe
+"""Capture real trainer output for tests/diagnosis/test_progress.py: the bytes a job writes to rlsup's pipe
 (stdout and stderr on one pipe, as rlsup runs jobs: no terminal, so tqdm writes every redraw with ``\\r``).
 
     .venv/bin/python tests/data/progress/capture.py   # rewrites the *.out files next to this script

@@ -1,0 +1,28 @@
+"""Config: precedence flag > env > file > default; bad keys and types exit 2 naming key, file and line.
+
+``load_config`` is a pure function, so the CLI is called in this process (``supervisor.cli.main.main``: the same
+parsing, the same exit codes, rlsup's lines on the captured stderr); one test starts ``rlsup`` as a process, for
+what only a process shows (the exit status and stderr of a real ``rlsup daemon``, no traceback).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from support.procs import run_rlsup
+
+from test_config import PEERS
+
+
+def test_replication_settings_errors_exit_2(workdir: Path) -> None:
+    """A real ``rlsup daemon`` (it installs signal handlers, so not in this process): a missing or short
+    token file is a config error, exit 2, naming the key or the file, no traceback."""
+    r = run_rlsup(["daemon", *PEERS], workdir)
+    assert r.returncode == 2 and "key 'token_file'" in r.stderr, r.stderr
+    short = workdir / "token"
+    short.write_text("short\n")
+    short.chmod(0o600)
+    r = run_rlsup(["daemon", *PEERS, "--token-file", str(short)], workdir)
+    assert r.returncode == 2 and str(short) in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
