@@ -271,7 +271,7 @@ class NodeGroup:
             return inventory
         merged = InventoryBuilder(self.membership.node_rank)
         merged.add_inventory(inventory)
-        merged.add_inventory(self.memory.inventory())
+        merged.add_inventory(self.memory.inventory(known=self.known))
         return merged.build()
 
     def _fetch(self, attempt: int, plan: RoundPlan) -> _Fetched:
@@ -300,7 +300,7 @@ class NodeGroup:
     def _place(self, step: int, out: _Fetched) -> None:
         """Where this node's ranks load ``step``: in place from the memory tier when all its parts are
         there (and none was fetched), else from ``checkpoint_dir``, with the tier's parts copied there."""
-        in_memory = self.memory.resume_dir(step) if self.memory is not None and not out.ranks else None
+        in_memory = self.memory.resume_dir(step, self.known) if self.memory is not None and not out.ranks else None
         if in_memory is not None:
             out.path, out.tier = in_memory, TIER_MEMORY
             return

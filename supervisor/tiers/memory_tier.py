@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING, Callable
 from rlsup_format import job_env
 from rlsup_format.fileio import remove_path
 from rlsup_format.leftovers import is_stale
-from rlsup_format.manifest import ManifestError, is_held, list_step_dirs
+from rlsup_format.manifest import KnownDigests, ManifestError, is_held, list_step_dirs
 from rlsup_format.names import Kind, parse_reserved, step_dir_name
 from rlsup_format.retention import StepState, steps_to_delete
 from supervisor.tiers.holdings import InventoryBuilder, NodeInventory
@@ -215,20 +215,22 @@ class MemoryTier:
                 return step, path
         return None
 
-    def inventory(self) -> NodeInventory:
-        """Every valid part of this job in the tier, fully verified: parts in place on this node."""
+    def inventory(self, known: KnownDigests | None = None) -> NodeInventory:
+        """Every valid part of this job in the tier, fully verified: parts in place on this node. ``known``: the
+        restart's checksums; the ones computed here are kept in it, so :meth:`resume_dir` hashes nothing again."""
         held = InventoryBuilder(self.settings.node)
         for step, path in list_step_dirs(self.root):
-            for rank, m in self.parts.valid_parts(path, full=True).items():
+            for rank, m in self.parts.valid_parts(path, full=True, known=known).items():
                 owner = m.extra.get("node_rank")
                 held.add(step, m.world_size, rank, owner if isinstance(owner, int) else self.settings.node)
         return held.build()
 
-    def resume_dir(self, step: int) -> Path | None:
+    def resume_dir(self, step: int, known: KnownDigests | None = None) -> Path | None:
         """The tier's directory of ``step`` when every part of this node's ranks verifies there (every
-        checksum), so each rank of the node loads it in place; else None."""
+        checksum; ``known``: checksums of files unchanged since :meth:`inventory`), so each rank of the node loads
+        it in place; else None."""
         path = self.root / step_dir_name(step)
-        return path if self.parts.whole(path, full=True, strict=True) is not None else None
+        return path if self.parts.whole(path, full=True, strict=True, known=known) is not None else None
 
     def copy_to_disk(self, step: int) -> int:
         """Copy the tier's valid parts of ``step`` that ``checkpoint_dir`` lacks there (a resume that

@@ -19,7 +19,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from rlsup_format.manifest import LocalStep, ManifestError, RankManifest, read_manifest, verify_part
+from rlsup_format.manifest import KnownDigests, LocalStep, ManifestError, RankManifest, read_manifest, verify_part
 from rlsup_format.names import manifest_name, parse_manifest_rank, parse_step
 from supervisor.tiers.parts import owner_of
 
@@ -49,12 +49,14 @@ class NodeParts:
             return f"written by job {job!r}, this is job {self.job!r}"
         return ""
 
-    def valid_parts(self, step_dir: Path, full: bool = True) -> dict[int, RankManifest]:
-        """Every valid part of this job in ``step_dir``, by rank (whoever's it is)."""
+    def valid_parts(self, step_dir: Path, full: bool = True, known: KnownDigests | None = None
+                    ) -> dict[int, RankManifest]:
+        """Every valid part of this job in ``step_dir``, by rank (whoever's it is); ``known``: checksums computed
+        earlier in this restart, reused for files unchanged since."""
         step = parse_step(step_dir.name)
         if step is None:
             return {}
-        reader = LocalStep(step_dir)
+        reader = LocalStep(step_dir, known)
         out = {}
         for rank in _manifest_ranks(step_dir):
             m, _ = verify_part(reader, step, rank, full)
@@ -62,9 +64,11 @@ class NodeParts:
                 out[rank] = m
         return out
 
-    def whole(self, step_dir: Path, full: bool = True, strict: bool = False) -> dict[int, RankManifest] | None:
+    def whole(self, step_dir: Path, full: bool = True, strict: bool = False, known: KnownDigests | None = None
+              ) -> dict[int, RankManifest] | None:
         """This node's parts of the step in ``step_dir`` when every one of them is valid (and this job's);
-        else None. ``strict``: None when this node's ranks are unknown (see the module docstring)."""
+        else None. ``strict``: None when this node's ranks are unknown (see the module docstring); ``known``: as
+        :meth:`valid_parts`."""
         step = parse_step(step_dir.name)
         world = _world_size(step_dir)
         if step is None or world is None:
@@ -72,9 +76,9 @@ class NodeParts:
         expected = self.ranks(world)
         if expected is None and strict:
             return None
-        reader = LocalStep(step_dir)
+        reader = LocalStep(step_dir, known)
         if expected is None:  # an uneven world: the valid parts that name this node
-            found = {r: m for r, m in self.valid_parts(step_dir, full).items() if owner_of(m) == self.node}
+            found = {r: m for r, m in self.valid_parts(step_dir, full, known).items() if owner_of(m) == self.node}
             return found if found and all(m.world_size == world for m in found.values()) else None
         parts = {}
         for rank in sorted(expected):

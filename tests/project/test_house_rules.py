@@ -4,6 +4,7 @@ functions, and each low-level rule written once (in rlsup_format)."""
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from pathlib import Path
 
@@ -15,20 +16,32 @@ MAX_MODULE_LINES = 600
 MAX_FUNCTION_LINES = 80
 
 
+@functools.cache
 def _modules() -> list[Path]:
     return sorted(p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py"))
 
 
+@functools.cache
+def _source(path: Path) -> str:
+    """Each module read once for all the checks (they run on one worker: the suite's ``--dist loadfile``)."""
+    return path.read_text()
+
+
+@functools.cache
+def _tree(path: Path) -> ast.Module:
+    return ast.parse(_source(path))
+
+
 def test_no_module_over_the_limit() -> None:
     too_long = {str(p.relative_to(ROOT)): n for p in _modules()
-                if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
+                if (n := len(_source(p).splitlines())) > MAX_MODULE_LINES}
     assert not too_long, f"modules over {MAX_MODULE_LINES} lines: {too_long}"
 
 
 def test_no_function_over_the_limit() -> None:
     too_long = {}
     for p in _modules():
-        for node in ast.walk(ast.parse(p.read_text())):
+        for node in ast.walk(_tree(p)):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 n = node.end_lineno - node.lineno + 1
                 if n > MAX_FUNCTION_LINES:
@@ -51,7 +64,7 @@ ONCE = [
 
 @pytest.mark.parametrize("what,pattern,home", ONCE, ids=[o[0] for o in ONCE])
 def test_rule_lives_in_one_place(what: str, pattern: str, home: str) -> None:
-    where = sorted(str(p.relative_to(ROOT)) for p in _modules() if re.search(pattern, p.read_text()))
+    where = sorted(str(p.relative_to(ROOT)) for p in _modules() if re.search(pattern, _source(p)))
     assert where == [home], f"{what}: expected only in {home}, found in {where}"
 
 
@@ -60,7 +73,7 @@ RESERVED_LITERALS = re.compile(r"[\"'](\.staging-|\.deleting-|\.hold-|\.incoming
 
 def test_reserved_names_come_from_rlsup_format_names() -> None:
     offenders = sorted(str(p.relative_to(ROOT)) for p in _modules()
-                       if p.parts[-2] != "rlsup_format" and RESERVED_LITERALS.search(p.read_text()))
+                       if p.parts[-2] != "rlsup_format" and RESERVED_LITERALS.search(_source(p)))
     assert not offenders, f"reserved names spelled by hand (use rlsup_format.names.reserved_name): {offenders}"
 
 
@@ -164,7 +177,7 @@ class A:
 
 
 def test_no_private_name_used_across_modules() -> None:
-    uses = {(str(p.relative_to(ROOT)), what): line for p in _modules() for line, what in private_uses(p.read_text())}
+    uses = {(str(p.relative_to(ROOT)), what): line for p in _modules() for line, what in private_uses(_source(p))}
     new = sorted(f"{path}:{line} {what}" for (path, what), line in uses.items()
                  if (path, what) not in FOREIGN_PRIVATE_ALLOWED and (path, what) not in KNOWN_PRIVATE_USES)
     assert not new, "another module's private name used (make it public where it lives, or use what is public):\n" \
@@ -217,12 +230,12 @@ b = f"n{os.environ.get('RLSUP_NODE_RANK', '0')}"
 
 
 def test_env_names_come_from_rlsup_format_job_env() -> None:
-    spelled = {str(p.relative_to(ROOT)): env_name_literals(p.read_text()) for p in _modules()}
+    spelled = {str(p.relative_to(ROOT)): env_name_literals(_source(p)) for p in _modules()}
     offenders = sorted(f"{path}:{line} {name}" for path, found in spelled.items()
                        if path != ENV_HOME and path not in ENV_SPELLED_BY_HAND for line, name in found)
     assert not offenders, "RLSUP_* names spelled by hand (use rlsup_format.job_env):\n" + "\n".join(offenders)
     for path in ENV_SPELLED_BY_HAND:
-        assert spelled[path] and "rlsup_format.job_env" in (ROOT / path).read_text(), \
+        assert spelled[path] and "rlsup_format.job_env" in _source(ROOT / path), \
             f"{path}: drop it from ENV_SPELLED_BY_HAND, or name the rlsup_format.job_env constant beside the spelling"
     from rlsup_format import job_env
     defined = {v for k, v in vars(job_env).items() if k.isupper() and isinstance(v, str)}
@@ -242,7 +255,7 @@ def test_state_file_names_come_from_rlsup_format_state_files() -> None:
     names = {v for k, v in vars(state_files).items() if k.isupper() and isinstance(v, str)}
     offenders = sorted(f"{p.relative_to(ROOT)}:{node.lineno} {node.value}" for p in _modules()
                        if p.relative_to(ROOT).as_posix() != "rlsup_format/state_files.py"
-                       for node in ast.walk(ast.parse(p.read_text()))
+                       for node in ast.walk(_tree(p))
                        if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in names
                        and p.relative_to(ROOT).as_posix() not in STATE_NAMES_SPELLED_BY_HAND)
     assert not offenders, "state-directory names spelled by hand (use rlsup_format.state_files):\n" + "\n".join(offenders)
@@ -253,11 +266,11 @@ def test_a_state_name_spelled_by_hand_equals_its_constant(path: str) -> None:
     """warm_rank.py runs by path without rlsup installed: its copy names the constant and equals it."""
     from rlsup_format import state_files
     mine, theirs = STATE_NAMES_SPELLED_BY_HAND[path]
-    tree = ast.parse((ROOT / path).read_text())
+    tree = _tree(ROOT / path)
     spelled = {t.id: node.value.value for node in tree.body if isinstance(node, ast.Assign)
                for t in node.targets if isinstance(t, ast.Name) and isinstance(node.value, ast.Constant)}
     assert spelled[mine] == getattr(state_files, theirs)
-    assert f"rlsup_format.state_files.{theirs}" in (ROOT / path).read_text(), f"{path}: name the constant it copies"
+    assert f"rlsup_format.state_files.{theirs}" in _source(ROOT / path), f"{path}: name the constant it copies"
 
 
 def test_trainer_hooks_keeps_the_env_names_trainers_import() -> None:

@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from support.files import count_hashes, saved_step
 from support.waits import wait_for
-from rlsup_format.manifest import list_step_dirs, manifest_name, read_manifest, verify_step_dir
+from rlsup_format.manifest import KnownDigests, list_step_dirs, manifest_name, read_manifest, verify_step_dir
 from supervisor.config import ConfigError, SupervisorConfig, load_config
 from supervisor.job_identity import job_identity
 from supervisor.tiers.memory_tier import MemorySettings, MemoryTier, job_memory_dir
@@ -200,3 +201,21 @@ def test_collective_backends_save_to_disk(tmp_path: Path, monkeypatch: pytest.Mo
     assert "saves collectively" in caplog.text
 
 
+
+
+def test_a_rounds_inventory_and_the_in_place_resume_hash_a_memory_part_once(tmp_path: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 42, choose once per failure, for the memory tier of a node in a multi-node round: the inventory the
+    node publishes verifies its parts in memory in full, and the in-place resume from the planned step reuses
+    those checksums (supervisor.cluster.multinode passes the restart's KnownDigests to both). Without them each
+    byte of the step was hashed twice while the job was down; a part rewritten in between is hashed again."""
+    mem = tier(tmp_path, node=1, nodes=2)
+    saved_step(mem.root, 10, range(1, 2), 2, node_rank=1)
+    counts, known = count_hashes(monkeypatch), KnownDigests()
+    assert sorted(mem.inventory(known=known).steps) == [10]
+    assert mem.resume_dir(10, known) == mem.root / "step_000000010"
+    assert counts == {"step_000000010/rank_00001.pt": 1}
+    part = mem.root / "step_000000010" / "rank_00001.pt"
+    part.write_bytes(bytes(len(part.read_bytes())))  # rewritten in place: its identity changed
+    assert mem.resume_dir(10, known) is None
+    assert counts == {"step_000000010/rank_00001.pt": 2}
