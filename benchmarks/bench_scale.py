@@ -267,7 +267,7 @@ class SimNode:
                  job: JobIdentity, coordinator: RoundCoordinator) -> None:
         self.cfg, self.coordinator = cfg, coordinator
         self.plans: list[str] = []
-        run = NodeRun(cfg, command, membership, engine, job=job, coordinator=coordinator)
+        run = NodeRun.from_config(cfg, command, membership, engine, job=job, coordinator=coordinator)
         self.group = run.group(PlanTap(coordinator, self.plans))  # type: ignore[arg-type]
         self.attempt: int | None = None
 

@@ -25,8 +25,8 @@ if TYPE_CHECKING:
     from supervisor.cluster.coordinator import RoundCoordinator
     from supervisor.job_identity import JobIdentity
     from supervisor.stop_request import StopRequest
-    from supervisor.cluster.node_service import NodeService
-    from supervisor.processes.job import ProcessLayer
+    from supervisor.cluster.node_service import NodeService, NodeServiceSettings
+    from supervisor.processes.layer import Processes
     from supervisor.launch.warm_start import WarmStarts
 
 from supervisor.membership import Membership
@@ -149,36 +149,37 @@ def _run_multinode(cfg: SupervisorConfig, command: list[str], membership: Member
     from supervisor.cluster.coordinator import CoordinationError, JobClash
     from supervisor.cluster.multinode import connect_coordinator
     from supervisor.cluster.node_run import NodeRun
-    from supervisor.cluster.node_service import daemon_running
+    from supervisor.cluster.node_service import NodeServiceSettings, daemon_running
     from supervisor.launch.rank_pinning import PinningError
     from supervisor.run.settings import signal_named
     from supervisor.stop_request import StopRequest
-    from supervisor.transport.auth import load_secret
+    from supervisor.transport.auth import SecretError
 
-    from supervisor.cluster.spare_run import SpareRun
+    from supervisor.cluster.spare_run import SpareRun, SpareSettings
     from supervisor.cluster.spares import NodeRole, Roster, SlotTaken, SpareSeat
 
+    service_settings = NodeServiceSettings.from_config(cfg)  # the replication service's part, built once
     # From here on a signal is a stop, never a kill: the run's one stop request, its handlers installed once for
     # the node's start-up, a spare's wait and the node's run alike.
     early = StopRequest(signal_named(cfg.preempt_signal))
     previous = early.install()
 
     def run_node(membership: Membership, seat: SpareSeat | None, hosted: "RoundCoordinator | None",
-                 warm: "WarmStarts | None" = None, processes: "ProcessLayer | None" = None) -> int:
+                 warm: "WarmStarts | None" = None, processes: "Processes | None" = None) -> int:
         rlsup_log.set_context(node=membership.node_rank)
         try:
-            service = start_service(cfg, membership, observer, serve=daemon_running(Path(cfg.state_dir)) is None,
-                                    job=job)
+            service = start_service(service_settings, membership, observer,
+                                    serve=daemon_running(service_settings.state_dir) is None, job=job)
         except ConfigError as e:
             _refused(cfg, membership, job, e, early)
             raise
         asked_before = early.asked  # a stop before the run: see the drain below
         try:
             assert service.engine is not None
-            node = NodeRun(cfg, command, membership, service.engine, observer, job=job, coordinator=hosted,
-                           stop=early, spares=seat, warm=warm, processes=processes,
-                           connect=None if hosted else lambda stop: connect_coordinator(cfg, membership, job, secret,
-                                                                                         stop))
+            node = NodeRun.from_config(cfg, command, membership, service.engine, observer, job=job,
+                                       coordinator=hosted, stop=early, spares=seat, warm=warm, processes=processes,
+                                       connect=None if hosted else lambda stop: connect_coordinator(
+                                           cfg, membership, job, secret, stop))
             return node.run().exit_code
         except SlotTaken as e:
             log.error("%s", e)
@@ -195,14 +196,20 @@ def _run_multinode(cfg: SupervisorConfig, command: list[str], membership: Member
             service.stop(stopped=lambda: asked_before or early.asks > asks_at_end)
 
     try:
-        secret = load_secret(cfg.token_file)
+        try:
+            secret = service_settings.security.secret()  # the store's keys are signed with it too
+        except SecretError as e:  # a config error (exit 2) naming the key or the file, as the service's own check
+            raise ConfigError(str(e)) from e
         if not cfg.spares:
             return run_node(membership, None, None)
         roster = Roster(membership.peers, cfg.spares)
         if roster.role(membership.node_rank) is NodeRole.WORKER:
             return run_node(roster.membership(membership.node_rank), SpareSeat(roster), None)
-        spare = SpareRun(cfg, roster, membership.node_rank, job, secret, lambda view, stop, gone_after_s, wait_s: connect_coordinator(
-            cfg, view, job, secret, stop, gone_after_s, wait_s), early, observer or Observer(), command)
+        spare_settings = SpareSettings.from_config(cfg, membership.node_rank, job.id)
+        spare = SpareRun(spare_settings, roster, membership.node_rank, job, secret,
+                         lambda view, stop, gone_after_s, wait_s: connect_coordinator(
+                             cfg, view, job, secret, stop, gone_after_s, wait_s),
+                         early, observer or Observer(), command)
         try:
             return spare.run(run_node)
         except CoordinationError as e:
@@ -218,8 +225,11 @@ def _refused(cfg: SupervisorConfig, membership: Membership | None, job: "JobIden
     nodes, so they end now instead of waiting for it (supervisor.cluster.clash_notice)."""
     if membership is not None:
         from supervisor.cluster.clash_notice import tell_job_refused
+        from supervisor.cluster.multinode import CoordinatorSettings
+        from supervisor.transport.security import TransportSecurity
 
-        tell_job_refused(cfg, membership, job, str(clash), stop)
+        tell_job_refused(CoordinatorSettings.from_config(cfg), TransportSecurity.from_config(cfg), membership, job,
+                         str(clash), stop)
 
 
 def identity_of(raw: SupervisorConfig, membership: Membership | None) -> "JobIdentity":
@@ -230,7 +240,7 @@ def identity_of(raw: SupervisorConfig, membership: Membership | None) -> "JobIde
     return job_identity(raw.job_name, raw.checkpoint_dir, membership is not None, peers=peers)
 
 
-def start_service(cfg: SupervisorConfig, membership: Membership, observer: Observer | None,
+def start_service(settings: "NodeServiceSettings", membership: Membership, observer: Observer | None,
                   serve: bool, job: "JobIdentity") -> "NodeService":
     """The node's replication service; a missing or unsafe token file, a replica_dir or endpoint port
     another job holds, is a config error (exit 2) naming the clash."""
@@ -239,7 +249,7 @@ def start_service(cfg: SupervisorConfig, membership: Membership, observer: Obser
     from supervisor.transport.auth import SecretError
 
     try:
-        return NodeService(cfg, membership, observer or Observer(), serve=serve, job=job).start()
+        return NodeService(settings, membership, observer or Observer(), serve=serve, job=job).start()
     except (SecretError, ValueError, DirInUse) as e:
         raise ConfigError(str(e)) from e
     except OSError as e:  # the endpoint's port is taken, or a directory cannot be created
@@ -252,6 +262,7 @@ def cmd_daemon(args: argparse.Namespace) -> int:
     import signal
 
     from supervisor.cli import sd_notify
+    from supervisor.cluster.node_service import NodeServiceSettings
     from supervisor.stop_request import StopRequest
 
     eff = load_config(args)
@@ -267,7 +278,7 @@ def cmd_daemon(args: argparse.Namespace) -> int:
     stop = StopRequest(signal.SIGTERM)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, _frame: stop.note(signum))
-    service = start_service(cfg, membership, observer, serve=True, job=job)
+    service = start_service(NodeServiceSettings.from_config(cfg), membership, observer, serve=True, job=job)
     service.write_daemon_file()
     sd_notify.ready()
     interval = sd_notify.watchdog_interval()

@@ -20,40 +20,45 @@ ended by such a notice, keeps its store up a little (``node_run.CLASH_LINGER_S``
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
-from supervisor.config import SupervisorConfig
 from supervisor.job_identity import JobIdentity
 from supervisor.membership import Membership
 from supervisor.stop_request import StopAsked, StopRequest
+
+if TYPE_CHECKING:
+    from supervisor.cluster.multinode import CoordinatorSettings
+    from supervisor.transport.security import TransportSecurity
 
 log = logging.getLogger(__name__)
 
 NOTICE_S = 30.0  # the longest a refusing node tries to reach its job's store (never past rendezvous_timeout)
 
 
-def tell_job_refused(cfg: SupervisorConfig, membership: Membership, job: JobIdentity, reason: str,
-                     stop: StopRequest | None = None) -> str | None:
-    """Publish ``abort`` (a clash) in the job's store; where it was told, or None (nothing reached, the
-    store is another job's, or ``stop`` was asked meanwhile). Best effort and bounded: never raises."""
+def tell_job_refused(store_settings: CoordinatorSettings, security: TransportSecurity, membership: Membership,
+                     job: JobIdentity, reason: str, stop: StopRequest | None = None) -> str | None:
+    """Publish ``abort`` (a clash) in the job's store (``store_settings``, signed with ``security``'s secret);
+    where it was told, or None (nothing reached, the store is another job's, or ``stop`` was asked meanwhile).
+    Best effort and bounded: never raises."""
     from supervisor.cluster.coordinator import CoordinationError, RoundCoordinator, connect_store
     from supervisor.cluster.kvstore import KVStore, StoreUnavailable
-    from supervisor.transport.auth import SecretError, load_secret
+    from supervisor.transport.auth import SecretError
 
-    wait_s = min(NOTICE_S, cfg.rendezvous_timeout)
+    wait_s = min(NOTICE_S, store_settings.rendezvous_timeout)
     why = f"node {membership.node_rank} refused to start: {reason}"
     try:
-        secret = load_secret(cfg.token_file)
+        secret = security.secret()
         store: KVStore
-        if cfg.coordinator_backend == "etcd":
+        if store_settings.backend == "etcd":
             from supervisor.cluster.kvstore_etcd import EtcdKVStore
 
-            store = EtcdKVStore(list(cfg.coordinator_endpoints), timeout_s=wait_s)
-        elif membership.node_rank == 0:
-            return None
+            store = EtcdKVStore(list(store_settings.endpoints), timeout_s=wait_s)
+        elif store_settings.hosted_by(membership.node_rank):
+            return None  # the store this node would have hosted never started: nobody is there to tell
         else:
-            store = connect_store(membership.peers[0].rpartition(":")[0], cfg.coordinator_port, wait_s, stop)
+            store = connect_store(membership.peers[0].rpartition(":")[0], store_settings.port, wait_s, stop)
         coordinator = RoundCoordinator(store, job, secret, membership.node_rank, membership.size, wait_s, stop=stop)
-        if cfg.coordinator_backend != "etcd":
+        if store_settings.backend != "etcd":
             coordinator.check_host()  # JobClash: the other job's store, not ours to write in
         running = coordinator.current_attempt()
         if running is not None:  # a second rlsup for a node of a running job: nobody waits for it

@@ -94,6 +94,11 @@ class CoordinatorSettings:
         return cls(cfg.coordinator_backend, tuple(cfg.coordinator_endpoints), cfg.coordinator_port,
                    cfg.rendezvous_timeout)
 
+    def hosted_by(self, node_rank: int) -> bool:
+        """Whether node ``node_rank``'s rlsup serves the store: the embedded store lives in node 0's (etcd is the
+        site's)."""
+        return self.backend == "embedded" and node_rank == 0
+
 
 def connect_coordinator(cfg: SupervisorConfig, membership: Membership, job: JobIdentity,
                         secret: bytes, stop: StopRequest | None = None,
@@ -235,8 +240,8 @@ class NodeGroup:
             if errors := "; ".join(r.error for r in results if r.error):
                 # Ended by the failing node, and here too: a result that did not parse names no node that
                 # would end it itself (ending is first-writer-wins). The next attempt plans afresh.
-                self.coordinator.end(attempt, f"node {me}: fetch failed: {errors}")
-                break
+                why = self.coordinator.end(attempt, f"node {me}: fetch failed: {errors}")
+                raise RoundEnded(f"attempt {attempt} ended: {why}")  # never on to ready: see below
             if not bad:
                 if plan.step is None:
                     self._log(f"attempt {attempt}: no step is complete across the nodes and tiers; starting fresh")
@@ -249,7 +254,10 @@ class NodeGroup:
                       "planning again without them")
             excluded |= {(s, r, PERSISTENT_HOLDER) for s, r in bad}
         else:
-            self.coordinator.end(attempt, f"node {me}: no usable plan after {PLAN_TRIES} tries")
+            why = self.coordinator.end(attempt, f"node {me}: no usable plan after {PLAN_TRIES} tries")
+            # An ended attempt never reaches mark_ready: a wait returns once all its keys exist, so a node that
+            # looked late would find every ready mark and launch (from scratch) in an attempt that is over.
+            raise RoundEnded(f"attempt {attempt} ended: {why}")
         if self.spares is not None:  # a spare may have taken this rank while this node was late to the round
             check_holder(self.coordinator, me, self.spares.gen)
         self.coordinator.mark_ready(attempt)

@@ -11,27 +11,31 @@ around the loop: the loop records the give-up, this module says what it means fo
 from __future__ import annotations
 
 import logging
-from typing import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 
 from supervisor import exit_codes
 from supervisor.cluster.coordinator import CoordinationError, JobClash, PeerLost, RoundCoordinator
 from supervisor.cluster.fr_exchange import FrExchange
-from supervisor.cluster.multinode import NodeGroup
-from supervisor.cluster.round_lead import round_role
-from supervisor.cluster.spares import DONE_KEY, JobEnded, JobEndWatch, SpareSeat
-from supervisor.config import SupervisorConfig
+from supervisor.cluster.multinode import CoordinatorSettings, NodeGroup
+from supervisor.cluster.round_lead import RoundRole, round_role
+from supervisor.cluster.spares import JobEnded, JobEndWatch, SpareSeat
 from supervisor.job_identity import JobIdentity
 from supervisor.launch.rank_pinning import pin_ranks
 from supervisor.launch.warm_start import WarmStarts
 from supervisor.lifecycle import JobStatus
 from supervisor.membership import Membership, node_name
 from supervisor.observer import Observer
-from supervisor.processes.job import ProcessLayer
+from supervisor.processes.layer import Processes
 from supervisor.run.loop import NodeTiers, Supervisor, say
 from supervisor.run.record import RunResult
 from supervisor.run.settings import RunSettings
 from supervisor.stop_request import StopAsked, StopRequest
 from supervisor.tiers.replication import ReplicationEngine
+
+if TYPE_CHECKING:
+    from supervisor.config import SupervisorConfig
 
 log = logging.getLogger(__name__)
 
@@ -45,24 +49,48 @@ LOST_LINGER_S = 3.0
 Connect = Callable[[StopRequest], RoundCoordinator]  # reaches the job's store; every wait asks the stop
 
 
+@dataclass(frozen=True)
+class NodeRunSettings:
+    """What a node's run reads around its loop: the loop's own settings (``run``: the stop's signal, the
+    directories, the poll interval) and the job's store (``store``: node 0 hosts the embedded one)."""
+
+    run: RunSettings
+    store: CoordinatorSettings
+
+    @classmethod
+    def from_config(cls, cfg: SupervisorConfig) -> "NodeRunSettings":
+        """``cfg`` resolved (absolute paths)."""
+        return cls(RunSettings.from_config(cfg), CoordinatorSettings.from_config(cfg))
+
+
+class NewLoop(Protocol):
+    """Builds this node's run loop over the job's other nodes (``peers``), as :class:`Supervisor` is built: the
+    loop is made once the store is reached, and only its builder knows the loop's config."""
+
+    def __call__(self, command: Sequence[str], observer: Observer, *, job: JobIdentity,
+                 processes: Processes | None, peers: NodeGroup, tiers: NodeTiers, stop: StopRequest,
+                 warm: WarmStarts | None) -> Supervisor: ...
+
+
 class NodeRun:
-    """This node's run: call :meth:`run` once.
+    """This node's run: call :meth:`run` once. :meth:`from_config` builds it as the command line does.
 
-    ``coordinator``: the job's store, reached; or ``connect``, which :meth:`run` calls. ``stop``: the run's stop
-    request, its signal handlers installed by the caller (the command line's, from before this node's start-up,
-    so that one installation covers it all); None: this run makes its own and installs it for :meth:`run`.
-    ``spares``: this node's claim on its rank, checked at every join. ``warm``: a spare's launcher, armed while
-    it waited, used (and discarded at the end) instead of a fresh one."""
+    ``tiers``: this node's checkpoint tiers, shared by its loop and the job's other nodes. ``new_loop``: builds
+    the loop once the store is reached. ``coordinator``: the job's store, reached; or ``connect``, which
+    :meth:`run` calls. ``stop``: the run's stop request, its signal handlers installed by the caller (the command
+    line's, from before this node's start-up, so that one installation covers it all); None: this run makes its
+    own and installs it for :meth:`run`. ``spares``: this node's claim on its rank, checked at every join.
+    ``warm``: a spare's launcher, armed while it waited, used (and discarded at the end) instead of a fresh one."""
 
-    def __init__(self, cfg: SupervisorConfig, command: Sequence[str], membership: Membership,
-                 engine: ReplicationEngine, observer: Observer | None = None, *, job: JobIdentity,
-                 coordinator: RoundCoordinator | None = None, connect: Connect | None = None,
-                 processes: ProcessLayer | None = None, stop: StopRequest | None = None,
+    def __init__(self, settings: NodeRunSettings, command: Sequence[str], membership: Membership,
+                 engine: ReplicationEngine, observer: Observer | None = None, *, job: JobIdentity, tiers: NodeTiers,
+                 new_loop: NewLoop, coordinator: RoundCoordinator | None = None, connect: Connect | None = None,
+                 processes: Processes | None = None, stop: StopRequest | None = None,
                  spares: SpareSeat | None = None, warm: WarmStarts | None = None) -> None:
         if coordinator is None and connect is None:
             raise ValueError("a node's run needs a coordinator or a way to connect to one")
-        self.cfg = cfg.resolved()
-        self.settings = RunSettings.from_config(self.cfg)
+        self.settings = settings
+        self.new_loop = new_loop
         master = membership.peers[0].rpartition(":")[0]
         pinned = pin_ranks(command, membership.node_rank, membership.size, master)
         self.command, self.membership, self.engine, self.job = pinned.command, membership, engine, job
@@ -70,12 +98,26 @@ class NodeRun:
         self.coordinator, self.connect = coordinator, connect
         self.processes, self.spares, self.warm = processes, spares, warm
         self.installs_stop = stop is None
-        self.stop = stop or StopRequest(self.settings.preempt_signal)
-        # The tiers are this node's (node 0 alone starts and prunes persistent steps; the memory tier holds this
-        # node's own directory and ranks), built once and shared by the loop and the nodes.
-        self.tiers = NodeTiers.from_config(self.cfg, job.id, membership.node_rank, membership.size)
+        self.stop = stop or StopRequest(self.settings.run.preempt_signal)
+        self.tiers = tiers
         if pinned.note:
             say(pinned.note)
+
+    @classmethod
+    def from_config(cls, cfg: SupervisorConfig, command: Sequence[str], membership: Membership,
+                    engine: ReplicationEngine, observer: Observer | None = None, *, job: JobIdentity,
+                    coordinator: RoundCoordinator | None = None, connect: Connect | None = None,
+                    processes: Processes | None = None, stop: StopRequest | None = None,
+                    spares: SpareSeat | None = None, warm: WarmStarts | None = None) -> "NodeRun":
+        """The run's settings, this node's tiers and its loop's builder, each made once from ``cfg``; the run
+        itself never reads the config."""
+        cfg = cfg.resolved()
+        # The tiers are this node's (node 0 alone starts and prunes persistent steps; the memory tier holds this
+        # node's own directory and ranks), built once and shared by the loop and the nodes.
+        tiers = NodeTiers.from_config(cfg, job.id, membership.node_rank, membership.size)
+        return cls(NodeRunSettings.from_config(cfg), command, membership, engine, observer, job=job, tiers=tiers,
+                   new_loop=partial(Supervisor, cfg), coordinator=coordinator, connect=connect,
+                   processes=processes, stop=stop, spares=spares, warm=warm)
 
     def request_stop(self, signum: int, preempted: bool = False) -> None:
         """Stop the run (from any thread but a signal handler), as :meth:`Supervisor.request_stop`."""
@@ -112,7 +154,7 @@ class NodeRun:
         finally:
             leave_first_round(coordinator)
         if result.status is JobStatus.SUCCEEDED:
-            self._job_done(coordinator, group.job_end, result)
+            self._job_done(coordinator, group.role, group.job_end, result)
         return result
 
     def _connect(self) -> RoundCoordinator:
@@ -124,21 +166,21 @@ class NodeRun:
         rank, size = self.membership.node_rank, self.membership.size
         # A hang's Flight Recorder dumps meet on node 0, which judges them all (supervisor.cluster.fr_exchange).
         fr = FrExchange(coordinator, rank, size, node_name(), self.observer, stopped=lambda: self.stop.asked)
+        run = self.settings.run
         seat = self.spares is not None  # a job with spares can finish without this node (supervisor.cluster.spares)
-        job_end = JobEndWatch.attach(coordinator, self.settings.checkpoint_dir, self.tiers.persistent, self.job) \
-            if seat else None
+        job_end = JobEndWatch.attach(coordinator, run.checkpoint_dir, self.tiers.persistent, self.job) if seat else None
         return NodeGroup(self.membership, self.engine, coordinator, round_role(rank, coordinator, self.tiers.persistent,
                                                                                say),
-                         fr, self.stop, self.tiers, self.settings.checkpoint_dir, self.settings.state_dir, say,
+                         fr, self.stop, self.tiers, run.checkpoint_dir, run.state_dir, say,
                          observer=self.observer, spares=self.spares, job_end=job_end)
 
     def loop(self, group: NodeGroup) -> Supervisor:
         """The run loop of this node, with the job's other nodes as ``group``."""
-        return Supervisor(self.cfg, self.command, self.observer, job=self.job, processes=self.processes, peers=group,
-                          tiers=self.tiers, stop=self.stop, warm=self.warm)
+        return self.new_loop(self.command, self.observer, job=self.job, processes=self.processes, peers=group,
+                             tiers=self.tiers, stop=self.stop, warm=self.warm)
 
     def _say_store(self, coordinator: RoundCoordinator) -> None:
-        hosted = self.membership.node_rank == 0 and self.cfg.coordinator_backend == "embedded"
+        hosted = self.settings.store.hosted_by(self.membership.node_rank)
         say(f"node {self.membership.node_rank} of {self.membership.size}, job {self.job}: coordination store "
             f"{coordinator.describe()}{' (hosted here)' if hosted else ''}")
 
@@ -163,13 +205,12 @@ class NodeRun:
             self._linger_after_clash()
         raise e
 
-    def _job_done(self, coordinator: RoundCoordinator, job_end: JobEndWatch | None, result: RunResult) -> None:
-        """The job succeeded: node 0 records its end and tells the spares; the store forgets the job's keys."""
+    def _job_done(self, coordinator: RoundCoordinator, role: RoundRole, job_end: JobEndWatch | None,
+                  result: RunResult) -> None:
+        """The job succeeded: the lead records its end and tells the spares (its role's duty); the store forgets the
+        job's keys."""
         try:
-            if self.membership.node_rank == 0:
-                if job_end is not None:  # for a node cut off until now, once the store is gone with this one
-                    job_end.record(0, result.attempts - 1)  # the attempt that finished (attempts: a count)
-                coordinator.keys.set(DONE_KEY, "1")  # the spares' cue to exit
+            role.finish_job(job_end, result.attempts - 1)  # the attempt that finished (attempts: a count)
             coordinator.finish()  # a store that outlives the job (etcd) forgets its keys
         except Exception as e:  # noqa: BLE001 - the job is done; stale keys are ignored by the next run
             say(f"could not clear the job's coordination keys: {e}")
@@ -177,18 +218,18 @@ class NodeRun:
     def _forget_lost_round(self, coordinator: RoundCoordinator) -> None:
         """After :class:`PeerLost`: wait :data:`LOST_LINGER_S` (every node looks at ``abort`` twice a second), then
         clear the round's keys (:meth:`RoundCoordinator.forget_first_round`). A stop ends the wait at once."""
-        self.stop.wait(LOST_LINGER_S, self.settings.poll_interval)
+        self.stop.wait(LOST_LINGER_S, self.settings.run.poll_interval)
         try:
             coordinator.forget_first_round()
         except Exception as e:  # noqa: BLE001 - the store is gone: the embedded one took its keys with it
             say(f"could not clear the first round's keys: {e}")
 
     def _linger_after_clash(self) -> None:
-        """Node 0 of the embedded store, ended by another node's clash: see :data:`CLASH_LINGER_S`."""
-        if self.membership.node_rank == 0 and self.cfg.coordinator_backend == "embedded":
+        """The node that hosts the embedded store, ended by another node's clash: see :data:`CLASH_LINGER_S`."""
+        if self.settings.store.hosted_by(self.membership.node_rank):
             say(f"a node of this job refused to start for a clash; keeping the store up {CLASH_LINGER_S:.0f}s "
                 "so that the other job's nodes that reach it learn whose it is")
-            self.stop.wait(CLASH_LINGER_S, self.settings.poll_interval)
+            self.stop.wait(CLASH_LINGER_S, self.settings.run.poll_interval)
 
 
 def tell_peers_of_error(coordinator: RoundCoordinator, node_rank: int, e: Exception) -> None:
@@ -218,4 +259,4 @@ def leave_first_round(coordinator: RoundCoordinator) -> None:
         say(f"could not delete this node's liveness beat: {e}")
 
 
-__all__ = ["NodeRun", "Connect", "CLASH_LINGER_S", "LOST_LINGER_S", "tell_peers_of_error", "leave_first_round"]
+__all__ = ["NodeRun", "NodeRunSettings", "NewLoop", "Connect", "CLASH_LINGER_S", "LOST_LINGER_S", "tell_peers_of_error", "leave_first_round"]

@@ -1,6 +1,8 @@
-"""Who plans a round: node 0 (:class:`RoundLead`) plans from every node's inventory and the persistent tier and
-publishes the plan; every other node (:class:`RoundMember`) reads it. The round itself
-(:class:`supervisor.cluster.multinode.NodeGroup`) is the same on every node: it asks its role, never its rank.
+"""Who leads: node 0 (:class:`RoundLead`) plans each round from every node's inventory and the persistent tier and
+publishes the plan, and at a successful end records the job's end and tells the spares; every other node
+(:class:`RoundMember`) reads the plan and has no end-of-run duty. The round itself
+(:class:`supervisor.cluster.multinode.NodeGroup`) and the node's run (:class:`supervisor.cluster.node_run.NodeRun`)
+are the same on every node: they ask the role, never the rank.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from typing import Callable, Protocol
 
 from supervisor.cluster.coordinator import RoundCoordinator
 from supervisor.cluster.round_plan import compute_plan
+from supervisor.cluster.spares import DONE_KEY, JobEndWatch
 from supervisor.tiers.holdings import PERSISTENT_HOLDER, RoundPlan
 from supervisor.tiers.persistent import PersistentTier
 
@@ -24,6 +27,9 @@ class RoundRole(Protocol):
     def note_bad(self, parts: set[Part]) -> None:
         """Persistent parts that failed verification in a fetch of this round."""
 
+    def finish_job(self, job_end: JobEndWatch | None, last_attempt: int) -> None:
+        """The job succeeded in ``last_attempt``: what this node owes the others before the store forgets the job."""
+
 
 class RoundMember:
     """A node other than 0: node 0 plans; this node fetches what the plan says."""
@@ -32,6 +38,9 @@ class RoundMember:
         pass
 
     def note_bad(self, parts: set[Part]) -> None:
+        pass
+
+    def finish_job(self, job_end: JobEndWatch | None, last_attempt: int) -> None:
         pass
 
 
@@ -49,6 +58,13 @@ class RoundLead:
 
     def note_bad(self, parts: set[Part]) -> None:
         self.bad_persistent |= parts
+
+    def finish_job(self, job_end: JobEndWatch | None, last_attempt: int) -> None:
+        """Record the end where a node cut off until now finds it once the store is gone with this one (a job with
+        spares), and set the spares' cue to exit."""
+        if job_end is not None:
+            job_end.record(0, last_attempt)
+        self.coordinator.keys.set(DONE_KEY, "1")
 
     def plan(self, attempt: int, excluded: set[tuple[int, int, int]]) -> RoundPlan:
         """The newest step every part of which is somewhere: in the nodes' inventories, else (steps newer than

@@ -17,18 +17,19 @@ import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from supervisor import exit_codes
-from supervisor.config import SupervisorConfig
 from supervisor.cluster.coordinator import CoordinationError, JobClash, PeerLost, RoundCoordinator, embedded_coordinator
 from supervisor.cluster.endpoint_probe import all_gone
 from supervisor.job_identity import JobIdentity
 from supervisor.cluster.kvstore import StoreUnavailable
 from supervisor.cluster.liveness import LIVENESS_LAPSE_S
+from supervisor.cluster.multinode import CoordinatorSettings
 from supervisor.membership import Membership
 from supervisor.observer import Observer
-from supervisor.processes.job import ProcessLayer
+from supervisor.processes.job import OsProcesses
+from supervisor.processes.layer import Processes
 from supervisor.run.settings import RunSettings
 from supervisor.run.loop import launch_env
 from supervisor.cluster.spares import (Claim, JobEnd, JobEndLookout, NodeRole, Roster, SpareSeat, StoreLostBeforeFirstAttempt,
@@ -38,21 +39,44 @@ from supervisor.tiers.part_stores.fsspec_store import is_url
 from supervisor.tiers.persistent import PersistentSettings
 from supervisor.launch.warm_start import WarmStarts
 
+if TYPE_CHECKING:
+    from supervisor.config import SupervisorConfig
+
 log = logging.getLogger(__name__)
 
 # (membership of the slot taken, the seat, the store when this spare hosts it, the armed launcher, the layer that
 # guards it) -> exit code
-RunNode = Callable[[Membership, SpareSeat, RoundCoordinator | None, WarmStarts, ProcessLayer], int]
+RunNode = Callable[[Membership, SpareSeat, RoundCoordinator | None, WarmStarts, Processes], int]
 # (the spare's view, the stop, gone_after_s: a store that answered and then refuses this long raises StoreGone,
 # wait_s: how long to wait for the store, None for rendezvous_timeout)
 Connect = Callable[[Membership, StopRequest, float, "float | None"], RoundCoordinator]
+
+
+@dataclass(frozen=True)
+class SpareSettings:
+    """What a waiting spare reads of the config: its first attempt's launch (``run``: the warm launcher and its
+    environment, the directories), the job's store (``store``: reached, or hosted in node 0's place), its turn
+    (``takeover_s``: ``spare_takeover_s``) and the persistent tier (``persistent``, None when off), where node 0
+    may record the job's end."""
+
+    run: RunSettings
+    store: CoordinatorSettings
+    takeover_s: float
+    persistent: PersistentSettings | None
+
+    @classmethod
+    def from_config(cls, cfg: SupervisorConfig, node_rank: int, job: str) -> "SpareSettings":
+        """``node_rank``: the spare's index in ``peers``; ``job``: the job's identity (its persistent directory)."""
+        cfg = cfg.resolved()
+        return cls(RunSettings.from_config(cfg), CoordinatorSettings.from_config(cfg), cfg.spare_takeover_s,
+                   PersistentSettings.from_config(cfg, node_rank, job))
 
 
 @dataclass
 class SpareRun:
     """One spare process: its roster place, how to reach the store, and the node run it becomes."""
 
-    cfg: SupervisorConfig
+    settings: SpareSettings
     roster: Roster
     node_rank: int
     job: JobIdentity
@@ -68,9 +92,9 @@ class SpareRun:
 
     def run(self, run_node: RunNode) -> int:
         self.observer.node_role(NodeRole.SPARE.value, self.roster.spares)
-        settings = RunSettings.from_config(self.cfg.resolved())
+        settings = self.settings.run
         self.places = self._job_end_places(settings.checkpoint_dir)
-        processes = ProcessLayer()
+        processes = OsProcesses()
         warm: WarmStarts | None = None
         try:
             self._guard(processes, settings.state_dir)
@@ -108,7 +132,7 @@ class SpareRun:
             finally:
                 processes.release_attempts()  # the node run released it already when it ran (the same layer)
 
-    def _guard(self, processes: ProcessLayer, state_dir: Path) -> None:
+    def _guard(self, processes: Processes, state_dir: Path) -> None:
         """Guard the attempts from before the launcher is armed, as the node run would (its cgroup, the record a
         successor rlsup and the guardian end it from): the launcher becomes the first attempt's job root. A dead
         predecessor's leftovers are ended first. The node run is handed this layer, so its end (an error
@@ -136,13 +160,14 @@ class SpareRun:
             try:
                 # Inside the try: node 0 can be lost before this spare's first connect got in (a slow start, a
                 # resolver that holds torch's connect); a store that answered and then went away is that loss.
-                coordinator = self.connect(watcher_view, self.stop, self.cfg.spare_takeover_s, self._first_round_wait())
+                coordinator = self.connect(watcher_view, self.stop, self.settings.takeover_s,
+                                           self._first_round_wait())
                 self.first_round_lost_at = None  # reached (again): whatever happened was a stall
                 watching = True
                 # etcd outlives node 0: an attempt seen by an earlier watch still counts (its keys gone = the job
                 # is done); a store a spare hosted afresh has no attempt of its own yet.
-                carried = self.seen_attempt and self.cfg.coordinator_backend != "embedded"
-                claim, lost_at = watch_for_slot(coordinator, self.roster, self.node_rank, self.cfg.spare_takeover_s,
+                carried = self.seen_attempt and self.settings.store.backend != "embedded"
+                claim, lost_at = watch_for_slot(coordinator, self.roster, self.node_rank, self.settings.takeover_s,
                                                 self.stop, self.seen_attempt, carried)
             except StoreLostBeforeFirstAttempt:
                 self.first_round_lost_at = self.first_round_lost_at or time.monotonic()
@@ -176,7 +201,7 @@ class SpareRun:
     def _job_end_places(self, checkpoint_dir: Path) -> tuple[Path, ...]:
         """Where node 0 records the job's end, as a slot holder's :class:`~supervisor.cluster.spares.JobEndWatch` reads
         them: the checkpoint directory, and the persistent tier's directory for the job when it is local."""
-        tier = PersistentSettings.from_config(self.cfg, self.node_rank, self.job.id)
+        tier = self.settings.persistent
         local = tier is not None and not is_url(tier.location)
         return job_end_places(checkpoint_dir, Path(tier.location.removeprefix("file://")) if local else None)
 
@@ -213,12 +238,13 @@ class SpareRun:
         or the store is etcd, which outlives node 0: then it is only reconnected). :class:`JobOver` when every other
         node's host refuses its endpoint too: the job ended (a spare that never reached the store cannot tell a
         finished job from a lost node 0 by the store alone)."""
-        if self.cfg.coordinator_backend != "embedded":
-            self.stop.wait(self.cfg.spare_takeover_s, 0.1)
+        store, takeover_s = self.settings.store, self.settings.takeover_s
+        if store.backend != "embedded":
+            self.stop.wait(takeover_s, 0.1)
             self.stop.check("node 0's coordination store")
             return None
         turn = self.node_rank - self.roster.job_size + 1
-        if self.stop.wait(self.cfg.spare_takeover_s * turn, 0.1):
+        if self.stop.wait(takeover_s * turn, 0.1):
             self.stop.check("this spare's turn to host node 0's coordination store")  # raises: never host after
         host = self.roster.peers[0].rpartition(":")[0]
         if not is_local_address(host):  # node 0's address is another machine's: only a replacement node 0 hosts it
@@ -232,14 +258,14 @@ class SpareRun:
                      "refuse connects): the job ended; nothing to host the store for", self.roster.peers[self.node_rank])
             raise JobOver("node 0's coordination store and every other node of the job are gone")
         try:
-            hosted = embedded_coordinator(host, self.cfg.coordinator_port, self.job, self.secret, 0,
-                                          self.roster.job_size, self.cfg.rendezvous_timeout, self.stop)
+            hosted = embedded_coordinator(host, store.port, self.job, self.secret, 0, self.roster.job_size,
+                                          store.rendezvous_timeout, self.stop)
         except CoordinationError as e:
             log.info("spare %s: could not host the coordination store on %s: %s", self.roster.peers[self.node_rank],
                      host, e)
             return None
         log.info("spare %s: node 0's coordination store was gone for %.1fs; hosting it on %s:%d",
-                 self.roster.peers[self.node_rank], self.cfg.spare_takeover_s * turn, host, self.cfg.coordinator_port)
+                 self.roster.peers[self.node_rank], takeover_s * turn, host, store.port)
         return hosted
 
 
@@ -266,4 +292,4 @@ def is_local_address(host: str) -> bool:
     return False
 
 
-__all__ = ["SpareRun", "RunNode", "is_local_address"]
+__all__ = ["SpareRun", "SpareSettings", "RunNode", "is_local_address"]

@@ -4,7 +4,7 @@ The job runs in its own session (so one signal reaches its process group) with P
 (so it dies if rlsup is SIGKILLed). rlsup is a child subreaper, so grandchildren that daemonise or
 lose their parent are re-parented to rlsup and stay visible; every process ever seen in the tree is
 remembered (pid + create time, to be safe against pid reuse) and killed at the end of the attempt.
-Where the run guards its attempts (:meth:`ProcessLayer.guard_attempts`, :mod:`supervisor.processes.containment`),
+Where the run guards its attempts (:meth:`OsProcesses.guard_attempts`, :mod:`supervisor.processes.containment`),
 each job root also gets its own cgroup (killed as a unit) and every process seen is recorded on disk,
 so the guardian or the next rlsup can end the tree when this rlsup dies without cleaning up.
 """
@@ -32,6 +32,7 @@ from supervisor.processes import children as proc_children
 from supervisor.log import CONSOLE
 
 if TYPE_CHECKING:
+    from rlsup_format.heartbeat_record import HeartbeatRecord
     from supervisor.processes.containment import AttemptTree
     from supervisor.processes.leftovers import Ended
     from supervisor.diagnosis.unkillable import StuckProcess
@@ -40,7 +41,10 @@ _PR_SET_PDEATHSIG = 1
 SLOW_EXIT_S = 50.0  # past kill_grace, how long a SIGKILLed process not in state D is still waited for (as before issue 32)
 _PR_SET_CHILD_SUBREAPER = 36
 _libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
-_TREE: "AttemptTree | None" = None  # this run's record and cgroups (ProcessLayer.guard_attempts); one run per process
+# The attempts' record and cgroups (OsProcesses.guard_attempts), one per process and not per layer: every job root
+# is a child of this one process (a subreaper), so where several runs share a process (bench_scale's simulated
+# nodes, tests) the first run's tree records them all and no other run may make a second (its close would end them).
+_TREE: "AttemptTree | None" = None
 
 
 def become_subreaper() -> bool:
@@ -203,7 +207,10 @@ def spawn_job_root(argv: Sequence[str], env: Mapping[str, str], cwd: str | None 
 class JobProcess:
     """One launched attempt: the top process, the set of processes seen under it, and its output."""
 
-    helpers: set[int] = set()  # pids rlsup started for itself (py-spy, warm launchers), never part of a job
+    # pids rlsup started for itself (the guardian, py-spy's analyser, warm launchers), never part of a job. The
+    # process's, not a layer's: they are children of this process, whichever run started them, and a job's orphan
+    # walk (_orphans) must spare every one of them.
+    helpers: set[int] = set()
 
     def __init__(self, argv: Sequence[str], env: dict[str, str], log_path: Path, tail_lines: int,
                  cwd: str | None = None) -> None:
@@ -404,11 +411,10 @@ def oom_kill_count() -> int | None:
     return None
 
 
-class ProcessLayer:
-    """What the run loop asks of the operating system, in one place: start an attempt's job root,
-    look at and signal pids, count OOM kills, collect stacks, guard the attempts against rlsup's own
-    death. The default is the real thing; the in-process tests of the loop (tests/run/test_run_loop.py)
-    pass a fake, as torch elastic's TestAgent fakes its worker layer.
+class OsProcesses:
+    """The process layer (:class:`supervisor.processes.layer.Processes`) over the real operating system: start an
+    attempt's job root, look at and signal pids, count OOM kills, collect stacks, guard the attempts against rlsup's
+    own death. The in-process tests of the loop pass a fake instead (tests/support/fake_run_loop.py).
 
     ``cgroups`` False: no cgroup per job root (the fallback: sessions and recorded pids, as on a host
     where none can be made); ``guardian`` False: no guardian process (only a successor rlsup ends
@@ -436,15 +442,14 @@ class ProcessLayer:
         if _TREE is not None:  # another run in this process (tests, simulated nodes) guards it: never replace it,
             _TREE.shared = True  # and its close must not end this run's jobs
             return
-        _TREE = self._tree = AttemptTree(state_dir, use_cgroup=getattr(self, "cgroups", True),
-                                         guardian=getattr(self, "guardian", True))
+        _TREE = self._tree = AttemptTree(state_dir, use_cgroup=self.cgroups, guardian=self.guardian)
         if _TREE.guardian is not None:
             JobProcess.helpers.add(_TREE.guardian.pid)  # rlsup's child, never a member of an attempt
 
     def release_attempts(self) -> "list[Ended]":
         """The run is over: end anything still recorded, drop the record and cgroup, stop the guardian."""
         global _TREE
-        tree = getattr(self, "_tree", None)
+        tree = self._tree
         if tree is None or tree is not _TREE:
             return []  # not this layer's run (another run in this process owns the tree)
         _TREE = self._tree = None
@@ -477,7 +482,7 @@ class ProcessLayer:
         except (ProcessLookupError, PermissionError):
             pass
 
-    def dump_stacks(self, hb_dir: Path, records: Mapping) -> dict[str, str]:
+    def dump_stacks(self, hb_dir: Path, records: "Mapping[int, HeartbeatRecord]") -> dict[str, str]:
         from supervisor.diagnosis.stacks import dump_stacks
 
         return dump_stacks(hb_dir, records)

@@ -3,7 +3,7 @@ another node ends the attempt, or rlsup is asked to stop; then say what was seen
 :class:`~supervisor.diagnosis.evidence.AttemptEvidence`, stacks and Flight Recorder verdict included where ranks
 were stuck), for the run loop to classify once (:func:`supervisor.diagnosis.outcome.classify`).
 
-What it does to processes goes through the :class:`~supervisor.processes.job.ProcessLayer` (a fake one
+What it does to processes goes through the :class:`~supervisor.processes.layer.Processes` (a fake one
 in tests/run/test_run_loop.py); what it learns on the way (steps, heartbeat timeout, saves) goes to the
 run record, the checkpoint sight and the observer.
 """
@@ -22,7 +22,8 @@ from supervisor.run.checkpoint_sight import CheckpointSight
 from supervisor.diagnosis.hang_detector import AutoTimeout, HangDetector, HangSettings, HangVerdict
 from supervisor.lifecycle import EndReason, JobStatus
 from supervisor.observer import Observer
-from supervisor.processes.job import JobProcess, ProcessLayer
+from supervisor.processes.job import JobProcess
+from supervisor.processes.layer import Job, Processes
 from supervisor.diagnosis.step_reports import JOB_RANK, registered_ranks
 from supervisor.diagnosis.rank_deaths import RankDeathWatch
 from supervisor.run.record import RunRecord
@@ -46,7 +47,7 @@ class AttemptWatch:
     settings: RunSettings
     hang: HangSettings
     auto_timeout: AutoTimeout
-    processes: ProcessLayer
+    processes: Processes
     stop: StopRequest
     record: RunRecord
     sight: CheckpointSight
@@ -56,7 +57,7 @@ class AttemptWatch:
     saved: Callable[[], None]
     fr_share: "FlightRecordShare | None" = None  # several nodes: FR dumps go to node 0 (supervisor.run.peers)
 
-    def watch(self, job: JobProcess, hb_dir: Path, attempt: int) -> AttemptEvidence:
+    def watch(self, job: Job, hb_dir: Path, attempt: int) -> AttemptEvidence:
         deaths = RankDeathWatch()
         try:
             return self._poll(job, hb_dir, attempt, deaths)
@@ -83,7 +84,7 @@ class AttemptWatch:
             return None
         return 0 if state.resume_dir is None else state.resume_step
 
-    def _poll(self, job: JobProcess, hb_dir: Path, attempt: int, deaths: RankDeathWatch) -> AttemptEvidence:
+    def _poll(self, job: Job, hb_dir: Path, attempt: int, deaths: RankDeathWatch) -> AttemptEvidence:
         detector = HangDetector.from_settings(hb_dir, self.hang, self.auto_timeout, self.processes.alive,
                                               self.start_step())
         stragglers = self._straggler_watch(attempt)
@@ -136,13 +137,13 @@ class AttemptWatch:
 
     # ------------------------------------------------------------ how it ended
 
-    def _evidence(self, attempt: int, ending: Ending, job: JobProcess, detector: HangDetector, *,
+    def _evidence(self, attempt: int, ending: Ending, job: Job, detector: HangDetector, *,
                   oom_rose: bool = False) -> AttemptEvidence:
         """What was seen as the attempt ended: ``ending``, with the step reached and the output's tail as of now."""
         return AttemptEvidence(attempt, ending, self.node_name, detector.last_step(), tuple(job.output.tail()),
                                oom_rose)
 
-    def _exit(self, attempt: int, code: int, job: JobProcess, detector: HangDetector,
+    def _exit(self, attempt: int, code: int, job: Job, detector: HangDetector,
               first_dead: tuple[int, int] | None, oom_before: int | None) -> AttemptEvidence:
         detector.scan()  # the last beats (the output's, where it speaks: job.output was joined)
         seen = ExitSeen(code, job.pid, first_dead, job.output.finished,
@@ -163,7 +164,7 @@ class AttemptWatch:
         return StragglerWatch(StragglerDetector(s.straggler_factor, s.straggler_window, self.node_name, attempt),
                               s.state_dir, s.straggler_restart, log.info, self.observer)
 
-    def _hang(self, attempt: int, job: JobProcess, detector: HangDetector, verdict: HangVerdict) -> AttemptEvidence:
+    def _hang(self, attempt: int, job: Job, detector: HangDetector, verdict: HangVerdict) -> AttemptEvidence:
         reason = EndReason.HANG if verdict.reason == "heartbeat_timeout" else EndReason(verdict.reason)
         # The output's record (JOB_RANK) names the job's root, a launcher: the stuck trainer is named from its stacks
         who = "the job's output" if verdict.rank == JOB_RANK else f"rank {verdict.rank} (pid {verdict.pid})" \
@@ -233,7 +234,7 @@ class AttemptWatch:
         for node in found.suspect_nodes:
             self.observer.suspect(node, "stacks")
 
-    def _stop_job(self, attempt: int, job: JobProcess, detector: HangDetector) -> AttemptEvidence:
+    def _stop_job(self, attempt: int, job: Job, detector: HangDetector) -> AttemptEvidence:
         """Ask the job to save and exit (stop flags + signal), wait stop_grace, then end it."""
         signum, grace = self.stop.signum, self.settings.stop_grace
         assert signum is not None

@@ -9,12 +9,13 @@ whether the step an attempt resumes from is known (incidents say "unknown" where
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Sequence
 
 from supervisor.run.progress_rule import AttemptEvidence, AttemptProgress, judge
 from supervisor.config import DEFAULT_CHECKPOINT_DIR
-from supervisor.run.file_versions import FileVersions, LeftTorn
+from supervisor.run.file_versions import FileVersions, FileVersionSettings, LeftTorn
 from supervisor.run.launch_args import picks_its_own_note, trainer_picks_its_checkpoint
 from supervisor.layouts import detect_layout, single_file
 from supervisor.run.quarantine import quarantine_torn, torn_newest  # at the top: launch_note runs in a forked child
@@ -25,14 +26,34 @@ if TYPE_CHECKING:
     from supervisor.config import SupervisorConfig
 
 
-class CheckpointSight:
-    """One run's view; ``cfg`` is resolved (absolute paths). ``log`` takes rlsup's own lines."""
+@dataclass(frozen=True)
+class SightSettings:
+    """The config's part the sight reads, built once (:meth:`from_config`); ``checkpoint_dir`` is absolute."""
 
-    def __init__(self, cfg: "SupervisorConfig", checkpoint_dir: Path, log: Callable[[str], None],
-                 keep_file_versions: bool = True) -> None:
-        self.cfg, self.checkpoint_dir, self.log = cfg, checkpoint_dir, log
-        self.file_versions = FileVersions.from_config(cfg, checkpoint_dir) if keep_file_versions else None
-        self.default_dir = checkpoint_dir == (Path.cwd() / DEFAULT_CHECKPOINT_DIR).resolve()
+    checkpoint_dir: Path
+    resume: bool
+    checkpoint_layout: str
+    checkpoint_file: str  # single-file checkpoints: the file (or glob) the trainer saves whole; empty: every one
+    quarantine_invalid: bool
+    repair_tracker: bool
+    file_versions: FileVersionSettings | None  # None: single-file checkpoints are not kept aside
+
+    @classmethod
+    def from_config(cls, cfg: "SupervisorConfig") -> "SightSettings":
+        """``cfg`` resolved (:meth:`SupervisorConfig.resolved`: absolute paths)."""
+        return cls(Path(cfg.checkpoint_dir), cfg.resume, cfg.checkpoint_layout, cfg.checkpoint_file,
+                   cfg.quarantine_invalid, cfg.repair_tracker, FileVersionSettings.from_config(cfg))
+
+
+class CheckpointSight:
+    """One run's view of ``settings.checkpoint_dir``. ``log`` takes rlsup's own lines. ``keep_file_versions``
+    False: single-file checkpoints are never kept aside (the job's nodes would fight over one directory)."""
+
+    def __init__(self, settings: SightSettings, log: Callable[[str], None], keep_file_versions: bool = True) -> None:
+        self.settings, self.checkpoint_dir, self.log = settings, settings.checkpoint_dir, log
+        self.file_versions = FileVersions(settings.checkpoint_dir, settings.file_versions) \
+            if keep_file_versions and settings.file_versions is not None else None
+        self.default_dir = self.checkpoint_dir == (Path.cwd() / DEFAULT_CHECKPOINT_DIR).resolve()
         self.unreadable = False  # rlsup cannot read the checkpoints (found before each attempt and after it)
         self._said = False  # ... which is said once per run
         self._attempt_ended = False  # a missing default directory tells something only after an attempt
@@ -64,9 +85,9 @@ class CheckpointSight:
                          f"version ({done.version.size} bytes, saved {time.ctime(done.version.mtime_ns / 1e9)})")
             if not self._torn_checked:  # before the first attempt (after a failed one, judge has checked)
                 self.check_torn()
-        if self.cfg.quarantine_invalid and self.cfg.resume:
-            for moved in quarantine_torn(self.checkpoint_dir, self.cfg.checkpoint_layout, self.cfg.checkpoint_file,
-                                         known):
+        if self.settings.quarantine_invalid and self.settings.resume:
+            for moved in quarantine_torn(self.checkpoint_dir, self.settings.checkpoint_layout,
+                                         self.settings.checkpoint_file, known):
                 self.log(f"quarantined {moved.source.name} ({moved.reason}) as {moved.target.name}; "
                          "put it back with mv only if you know it is good")
         self.check_unreadable()
@@ -88,21 +109,22 @@ class CheckpointSight:
         layout recognises the directory)."""
         if self.file_versions is None or not self.checkpoint_dir.is_dir():
             return False
-        return self.cfg.checkpoint_layout == single_file.NAME or detect_layout(self.checkpoint_dir) == "unknown"
+        return self.settings.checkpoint_layout == single_file.NAME or detect_layout(self.checkpoint_dir) == "unknown"
 
     def resume_fallback(self) -> ResumePoint | None:
         """Where no layout's step was found: the newest complete single-file checkpoint, by the code
         ``rlsup checkpoints latest`` runs (it names no step: the number in a file's name is not claimed)."""
-        record = single_file.latest_valid(self.checkpoint_dir, self.cfg.checkpoint_file) if self.single_files() \
+        record = single_file.latest_valid(self.checkpoint_dir, self.settings.checkpoint_file) if self.single_files() \
             else None
         return ResumePoint(None, Path(record.path), single_file.NAME) if record is not None else None
 
     def check_unreadable(self) -> bool:
         """Whether rlsup cannot read the job's checkpoints (said once per run, with how to fix it)."""
-        read = self.single_files() and bool(single_file.checkpoint_files(self.checkpoint_dir, self.cfg.checkpoint_file))
-        said = describe_unreadable(self.checkpoint_dir, self.cfg.checkpoint_layout, read,
+        read = self.single_files() and bool(single_file.checkpoint_files(self.checkpoint_dir,
+                                                                         self.settings.checkpoint_file))
+        said = describe_unreadable(self.checkpoint_dir, self.settings.checkpoint_layout, read,
                                    unset_and_missing=self.default_dir and self._attempt_ended)
-        self.unreadable = bool(said) and self.cfg.resume
+        self.unreadable = bool(said) and self.settings.resume
         if self.unreadable and not self._said:
             self._said = True
             self.log(said)
@@ -114,15 +136,15 @@ class CheckpointSight:
         (:func:`supervisor.run.launch_args.picks_its_own_note`). Empty where rlsup steers the trainer, or with
         ``resume`` off (the trainer chooses by the user's word). Runs in a forked child (no import here: a
         module lock another thread held at the fork would stay held)."""
-        if not self.cfg.resume:
+        if not self.settings.resume:
             return ""
         try:
-            layout = resume.layout if resume is not None else self.cfg.checkpoint_layout
+            layout = resume.layout if resume is not None else self.settings.checkpoint_layout
             if layout == "auto":
                 layout = detect_layout(self.checkpoint_dir)
-            if not trainer_picks_its_checkpoint(command, layout, self.cfg.repair_tracker):
+            if not trainer_picks_its_checkpoint(command, layout, self.settings.repair_tracker):
                 return ""
-            torn = torn_newest(self.checkpoint_dir, self.cfg.checkpoint_layout, self.cfg.checkpoint_file)
+            torn = torn_newest(self.checkpoint_dir, self.settings.checkpoint_layout, self.settings.checkpoint_file)
         except (OSError, ValueError):  # an unreadable directory: its own lines say so; the launch goes on
             return ""
         if resume is None and layout == "unknown" and not torn:

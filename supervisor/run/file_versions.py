@@ -126,11 +126,6 @@ class FileVersions:
         self._woken = False  # a watched save since that pass
         self._wait_said = False  # the run loop went on without a call: said once until one answers again
 
-    @classmethod
-    def from_config(cls, cfg: "SupervisorConfig", root: Path) -> "FileVersions | None":
-        settings = FileVersionSettings.from_config(cfg)
-        return None if settings is None else cls(root, settings)
-
     # ------------------------------------------------------------ which files
 
     def tracked(self) -> list[Path]:

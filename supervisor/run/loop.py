@@ -8,8 +8,9 @@ Nothing of the loop is overridden. Its parts live with their own code: the setti
 (:mod:`supervisor.run.settings`), state.json and the incidents (:mod:`supervisor.run.record`), the watch
 of a running attempt (:mod:`supervisor.run.attempt_watch`), stop and preemption signals
 (:mod:`supervisor.stop_request`) and the warm launcher (:mod:`supervisor.launch.warm_start`). Everything it
-does to processes goes through a :class:`~supervisor.processes.job.ProcessLayer` (a fake one in the
-in-process tests, tests/run/test_run_loop.py).
+does to processes goes through a :class:`~supervisor.processes.layer.Processes` (the real
+:class:`~supervisor.processes.job.OsProcesses` by default, a fake one in the in-process tests,
+tests/run/test_run_loop.py), and the loop reads no config: each part keeps its own settings, built once.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import os
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from rlsup_format import job_env, state_files
 from rlsup_format.manifest import KnownDigests, latest_valid
@@ -29,7 +30,7 @@ from supervisor.diagnosis.outcome import ERROR_FILE_ENV, AttemptResult, classify
 from supervisor.run.progress_rule import step_reached
 from supervisor.bounded_calls import BoundedCalls
 from supervisor.run.attempt_watch import AttemptWatch
-from supervisor.run.checkpoint_sight import CheckpointSight
+from supervisor.run.checkpoint_sight import CheckpointSight, SightSettings
 from supervisor.config import SupervisorConfig
 from supervisor.diagnosis.gpu_failures import KMSG, probe_node
 from supervisor.diagnosis.hang_detector import AutoTimeout, HangSettings
@@ -40,7 +41,8 @@ from supervisor.run.peers import Peers, SingleNode
 from supervisor.job_identity import JobIdentity, job_identity
 from supervisor.lifecycle import EXCLUDES_NODE, Action, EndReason, JobStatus, route
 from supervisor.observer import Observer
-from supervisor.processes.job import JobProcess, ProcessLayer
+from supervisor.processes.job import OsProcesses
+from supervisor.processes.layer import Job, Processes
 from supervisor.diagnosis.step_reports import attach as attach_progress
 from supervisor.run.restart_policy import RestartPolicy, give_up_code
 from supervisor.run.record import RunRecord, RunResult, incident_for
@@ -55,6 +57,8 @@ if TYPE_CHECKING:
     from supervisor.diagnosis.unkillable import StuckProcess
 
 log = logging.getLogger(__name__)
+
+ResumeChoice = Callable[[], "ResumePoint | None"]  # a node's resume point from its own checkpoint directory
 
 
 def launch_env(settings: RunSettings) -> dict[str, str]:
@@ -100,22 +104,28 @@ class Supervisor:
     tiers, when the caller shares them with ``peers`` (default: built here for a single node). ``stop``: a stop
     request whose signal handlers the caller installed (the command line's, from before a node's start-up: one
     installation for the whole run); default: the loop's own, installed by :meth:`run`. ``warm``: a launcher
-    armed before this run (a spare's, while it waited), used instead of a fresh one."""
+    armed before this run (a spare's, while it waited), used instead of a fresh one. ``processes``: what it does to
+    processes (default: the real ones, :class:`OsProcesses`). ``resume_choice``: the resume point in the node's own
+    checkpoint directory, where no tier is configured, and the progress marker's (default: :meth:`choose_resume`;
+    the in-process tests pass the steps their fake jobs saved).
+
+    ``cfg`` is read here only, to build each part's settings; none of them, nor the loop, keeps it."""
 
     def __init__(self, cfg: SupervisorConfig, command: Sequence[str], observer: Observer | None = None,
-                 job: JobIdentity | None = None, processes: ProcessLayer | None = None, *,
+                 job: JobIdentity | None = None, processes: Processes | None = None, *,
                  peers: Peers | None = None, tiers: NodeTiers | None = None, stop: StopRequest | None = None,
-                 warm: WarmStarts | None = None) -> None:
+                 warm: WarmStarts | None = None, resume_choice: ResumeChoice | None = None) -> None:
         self.job = job or job_identity(cfg.job_name, cfg.checkpoint_dir, multi_node=False)
-        self.cfg = cfg.resolved()  # read only to build the components' settings
-        self.settings = RunSettings.from_config(self.cfg)
+        cfg = cfg.resolved()  # absolute paths, so attempts launched in other directories agree
+        self.settings = RunSettings.from_config(cfg)
         self.command = list(command)
         self.state_dir, self.checkpoint_dir = self.settings.state_dir, self.settings.checkpoint_dir
         self.observer = observer or Observer()
-        self.processes = processes or ProcessLayer()
+        self.processes: Processes = processes or OsProcesses()
+        self.resume_choice: ResumeChoice = resume_choice or self.choose_resume
         self.peers: Peers = peers or SingleNode()
-        self.policy = RestartPolicy.from_config(self.cfg)
-        hang = HangSettings.from_config(self.cfg)
+        self.policy = RestartPolicy.from_config(cfg)
+        hang = HangSettings.from_config(cfg)
         self.installs_stop = stop is None  # the handlers of a stop passed in are the caller's
         self.stop = stop or StopRequest(self.settings.preempt_signal)
         if warm is not None:
@@ -123,12 +133,12 @@ class Supervisor:
         self.warm = warm or WarmStarts(self.command, self.settings.warm_launcher, self.settings.warm_imports,
                                        self._log, self.settings.warm_cuda)  # the next attempt's root, spawned early
         self.node_name = node_name()  # what incidents, metrics and the SLURM exclude list call this machine
-        tiers = tiers or NodeTiers.from_config(self.cfg, self.job.id)
+        tiers = tiers or NodeTiers.from_config(cfg, self.job.id)
         self.persistent, self.memory = tiers.persistent, tiers.memory  # None: persistent_dir / memory_dir empty
         self.known = tiers.known  # checksums of one restart (NodeTiers), shared with the peers
         if self.persistent is not None:
             self.observer.tier("persistent", self.persistent.stalled)
-        self.sight = CheckpointSight(self.cfg, self.checkpoint_dir, self._log,  # single-file, unreadable, steps
+        self.sight = CheckpointSight(SightSettings.from_config(cfg), self._log,  # single-file, unreadable, steps
                                      keep_file_versions=self.peers.size == 1)  # nodes would fight over one directory
         self.record = RunRecord(self.state_dir, self.command, self.observer, self.sight.resume_known)
         learned = AutoTimeout.from_settings(hang, self.state_dir / state_files.LEARNED_TIMEOUT, self.command)  # across runs
@@ -385,7 +395,7 @@ class Supervisor:
                 self.observer.checkpoint(point.step, point.path.stat().st_mtime)
         else:
             self.sight.before_choosing(self.known)
-            point = self.choose_resume()
+            point = self.resume_choice()
         if point is not None and self.settings.repair_tracker:
             point = repair_tracker(self.checkpoint_dir, point, self._log)
         return point
@@ -405,10 +415,12 @@ class Supervisor:
     def _newest_here(self) -> int | None:
         """One node's marker (:func:`supervisor.tiers.resume.newest_step`): the resume point's step, or the memory
         tier's newer one; its checksums are kept for :meth:`prepare`."""
-        point = self.choose_resume()
+        point = self.resume_choice()
         return newest_step(point.step if point is not None else None, self.memory if self.settings.resume else None)
 
     def choose_resume(self) -> ResumePoint | None:
+        """The newest valid step a layout reads in the checkpoint directory (its metric set), else the newest
+        complete single-file checkpoint; None with ``resume`` off or nothing to resume from."""
         point, chosen = self._resume_point()
         if chosen is not None:  # a layout's step (the single-file fallback sets no metric)
             self.observer.checkpoint(chosen.step, chosen.path.stat().st_mtime)
@@ -470,7 +482,7 @@ class Supervisor:
         env.update(self.peers.env())  # the job's nodes: this node's rank among them
         return env
 
-    def launch(self, attempt: int, resume: ResumePoint | None) -> tuple[JobProcess, Path]:
+    def launch(self, attempt: int, resume: ResumePoint | None) -> tuple[Job, Path]:
         attempt_dir = self.record.fresh_attempt_dir(attempt)
         hb_dir = attempt_dir / state_files.HEARTBEATS
         where = "" if resume is None else f" from {resume.path}" if resume.step is None else \
@@ -483,7 +495,7 @@ class Supervisor:
             self.memory.supersede(resume.step if resume is not None else None)  # steps of an abandoned timeline
         env = self.attempt_env(attempt, resume, hb_dir)
         tail_lines = self.settings.output_tail_lines
-        job = self.warm.start(attempt, env, argv, attempt_dir / state_files.OUTPUT_LOG, tail_lines)
+        job: Job | None = self.warm.start(attempt, env, argv, attempt_dir / state_files.OUTPUT_LOG, tail_lines)
         if job is None:
             job = self.processes.start(argv, env, attempt_dir / state_files.OUTPUT_LOG, tail_lines)
         attach_progress(self.settings.progress, self.settings.progress_regex, job, hb_dir)
@@ -500,12 +512,12 @@ class Supervisor:
 
         return expand(self.command, None if resume is None else ResumeFill(str(resume.path), resume.step))
 
-    def watch(self, job: JobProcess, hb_dir: Path, attempt: int) -> AttemptEvidence:
+    def watch(self, job: Job, hb_dir: Path, attempt: int) -> AttemptEvidence:
         """Poll until the job exits, a rank dies, it hangs, or rlsup is asked to stop
         (:class:`supervisor.run.attempt_watch.AttemptWatch`)."""
         return self.watcher.watch(job, hb_dir, attempt)
 
-    def cleanup(self, job: JobProcess, evidence: AttemptEvidence) -> list[StuckProcess]:
+    def cleanup(self, job: Job, evidence: AttemptEvidence) -> list[StuckProcess]:
         """Nothing of an attempt may survive it.
 
         A failed attempt (crash, hang, another node's failure) is killed at once with SIGKILL: a
@@ -519,7 +531,7 @@ class Supervisor:
             self._log(f"attempt {evidence.attempt}: killed leftover processes {killed}")
         from supervisor.diagnosis.unkillable import record_stuck
 
-        stuck = list(getattr(job, "stuck", []))
+        stuck = list(job.stuck)
         record_stuck(evidence.attempt, stuck, self.settings.kill_grace, self._log, self.state_dir / state_files.UNKILLABLE)
         return stuck
 

@@ -1,9 +1,9 @@
 """The run loop's part of the config: what :class:`supervisor.run.loop.Supervisor` and the parts it drives
 (launch, watch, stop, health check, resume) read, built once from the resolved config.
 
-The other components have their own settings objects (``RestartSettings``, ``HangSettings``,
+The other components have their own settings objects (``RestartSettings``, ``HangSettings``, ``SightSettings``,
 ``PersistentSettings``, ...); this one holds the keys only the loop reads, so the loop never reads the
-config itself.
+config itself and keeps none of it.
 """
 
 from __future__ import annotations

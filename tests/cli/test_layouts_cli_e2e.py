@@ -145,7 +145,7 @@ def test_litgpt_step_tree_names_the_newest_complete_file_not_the_torn_newest(tmp
 
 def test_checkpoints_latest_is_what_rlsup_run_resumes_from(tmp_path: Path) -> None:
     """One code for both: the run's resume choice over the same litgpt tree names the same file."""
-    from supervisor.run.checkpoint_sight import CheckpointSight
+    from supervisor.run.checkpoint_sight import CheckpointSight, SightSettings
     from supervisor.config import SupervisorConfig
 
     out = tmp_path / "out"
@@ -153,6 +153,6 @@ def test_checkpoints_latest_is_what_rlsup_run_resumes_from(tmp_path: Path) -> No
         _torch_save(out / f"step-{step:08d}" / "lit_model.pth", float(step), 1_000 + i)
     _tear(out / "step-00000020" / "lit_model.pth", 2_000)
     cfg = SupervisorConfig(checkpoint_dir=str(out)).resolved()
-    point = CheckpointSight(cfg, out, lambda line: None).resume_fallback()
+    point = CheckpointSight(SightSettings.from_config(cfg), lambda line: None).resume_fallback()
     assert point is not None and point.path == out / "step-00000010" / "lit_model.pth" and point.step is None
     assert _cli("latest", str(out)).stdout.strip().splitlines()[-1] == str(point.path)

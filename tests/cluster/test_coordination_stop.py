@@ -230,10 +230,10 @@ def test_a_stop_in_a_round_is_recorded_as_a_stop_and_ends_the_attempt_for_the_ot
     cfg = SupervisorConfig(checkpoint_dir=str(tmp_path / "ckpt"), state_dir=str(tmp_path / "state"), metrics_port=0,
                            poll_interval=0.005, warm_launcher=False, peers=list(peers), node_rank=1)
     layer, recorder = FakeProcesses(), Recorder()
-    sup = NodeRun(cfg, ["train"], Membership(peers, 1), OneNodeEngine(),  # type: ignore[arg-type]
-                  recorder, job=JOB, processes=layer,  # type: ignore[arg-type]
-                  connect=lambda stop: embedded_coordinator("127.0.0.1", port, JOB, SECRET, 1, 2,
-                                                            TIMEOUT_S, stop))
+    sup = NodeRun.from_config(cfg, ["train"], Membership(peers, 1), OneNodeEngine(),  # type: ignore[arg-type]
+                              recorder, job=JOB, processes=layer,  # type: ignore[arg-type]
+                              connect=lambda stop: embedded_coordinator("127.0.0.1", port, JOB, SECRET, 1, 2,
+                                                                        TIMEOUT_S, stop))
     threading.Thread(target=lambda: leader.join(0), daemon=True).start()  # node 0 joins, then never plans
 
     def stop_once_waiting_for_the_plan() -> None:
@@ -265,10 +265,10 @@ def test_a_round_that_times_out_is_recorded_as_given_up(tmp_path: Path) -> None:
     peers = ("127.0.0.1:1", "127.0.0.1:2")
     cfg = SupervisorConfig(checkpoint_dir=str(tmp_path / "ckpt"), state_dir=str(tmp_path / "state"), metrics_port=0,
                            poll_interval=0.005, warm_launcher=False, peers=list(peers), node_rank=1)
-    sup = NodeRun(cfg, ["train"], Membership(peers, 1), OneNodeEngine(),  # type: ignore[arg-type]
-                  Recorder(), job=JOB, processes=FakeProcesses(),  # type: ignore[arg-type]
-                  connect=lambda stop: embedded_coordinator("127.0.0.1", port, JOB, SECRET, 1, 2, 1.0,
-                                                            stop))
+    sup = NodeRun.from_config(cfg, ["train"], Membership(peers, 1), OneNodeEngine(),  # type: ignore[arg-type]
+                              Recorder(), job=JOB, processes=FakeProcesses(),  # type: ignore[arg-type]
+                              connect=lambda stop: embedded_coordinator("127.0.0.1", port, JOB, SECRET, 1, 2, 1.0,
+                                                                        stop))
     threading.Thread(target=lambda: leader.join(0), daemon=True).start()  # node 0 joins, then never plans
     with pytest.raises(CoordinationError, match="timed out after 1s waiting for the plan of attempt 0"):
         sup.run()
@@ -281,6 +281,8 @@ def test_a_refusing_node_tells_a_job_still_joining_but_not_one_that_runs(tmp_pat
     """The half clash (nobody planned yet: node 0 waits in its first join) is told; a second rlsup started for
     a node of a job that already runs refuses alone, and the running job's next join is not aborted."""
     from supervisor.cluster.clash_notice import tell_job_refused
+    from supervisor.cluster.multinode import CoordinatorSettings
+    from supervisor.transport.security import TransportSecurity
 
     port = free_port()
     leader = node(port, 0)
@@ -292,7 +294,8 @@ def test_a_refusing_node_tells_a_job_still_joining_but_not_one_that_runs(tmp_pat
     token.chmod(0o600)
     peers = ["127.0.0.1:1", "127.0.0.1:2"]
     cfg = SupervisorConfig(peers=peers, node_rank=1, coordinator_port=port, token_file=str(token))
-    told = tell_job_refused(cfg, Membership(tuple(peers), 1), JOB, "state_dir /x is in use by rlsup job 'job-s'")
+    told = tell_job_refused(CoordinatorSettings.from_config(cfg), TransportSecurity.from_config(cfg),
+                            Membership(tuple(peers), 1), JOB, "state_dir /x is in use by rlsup job 'job-s'")
     assert (told is None) == running
     assert (leader.keys.get("abort") is None) == running
 
@@ -314,8 +317,8 @@ def test_a_store_never_reached_records_nothing_and_lingers_not(tmp_path: Path, e
     def refused(stop: StopRequest) -> RoundCoordinator:
         raise error
 
-    sup = NodeRun(cfg, ["train"], Membership(peers, 0), OneNodeEngine(),  # type: ignore[arg-type]
-                  Recorder(), job=JOB, processes=FakeProcesses(), connect=refused)  # type: ignore[arg-type]
+    sup = NodeRun.from_config(cfg, ["train"], Membership(peers, 0), OneNodeEngine(),  # type: ignore[arg-type]
+                              Recorder(), job=JOB, processes=FakeProcesses(), connect=refused)  # type: ignore[arg-type]
     with caplog.at_level("INFO"), pytest.raises(type(error)):
         sup.run()
     assert (state_dir / "state.json").read_text() == predecessor

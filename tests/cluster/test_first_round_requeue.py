@@ -67,10 +67,10 @@ def test_rlsups_own_error_ends_the_job_as_a_give_up_not_as_a_lost_node(tmp_path:
     peers = ("127.0.0.1:1", "127.0.0.1:2")
     cfg = SupervisorConfig(checkpoint_dir=str(tmp_path / "ckpt"), state_dir=str(tmp_path / "state"), metrics_port=0,
                            poll_interval=0.005, warm_launcher=False, peers=list(peers), node_rank=1)
-    sup = NodeRun(cfg, ["train"], Membership(peers, 1), CrashingEngine(),  # type: ignore[arg-type]
-                  Recorder(), job=JOB, processes=FakeProcesses(),  # type: ignore[arg-type]
-                  connect=lambda stop: embedded_coordinator("127.0.0.1", port, JOB, SECRET, 1, 2,
-                                                            TIMEOUT_S, stop))
+    sup = NodeRun.from_config(cfg, ["train"], Membership(peers, 1), CrashingEngine(),  # type: ignore[arg-type]
+                              Recorder(), job=JOB, processes=FakeProcesses(),  # type: ignore[arg-type]
+                              connect=lambda stop: embedded_coordinator("127.0.0.1", port, JOB, SECRET, 1, 2,
+                                                                        TIMEOUT_S, stop))
 
     def round_of_node_0() -> object:
         leader.join(0)

@@ -103,9 +103,10 @@ def make(tmp_path: Path, coordinator: FakeCoordinator, *attempts: Attempt, stop:
     layer, recorder = FakeProcesses(*attempts), Recorder()
     membership = Membership(PEERS, 1)
     job = job_identity("loop-test", settings["checkpoint_dir"], True, peers=PEERS)
-    sup = NodeRun(SupervisorConfig(**settings), ["train"], membership,
-                  engine or FakeEngine(),  # type: ignore[arg-type]
-                  recorder, job=job, coordinator=coordinator, processes=layer, stop=stop)  # type: ignore[arg-type]
+    sup = NodeRun.from_config(SupervisorConfig(**settings), ["train"], membership,
+                              engine or FakeEngine(),  # type: ignore[arg-type]
+                              recorder, job=job, coordinator=coordinator, processes=layer,
+                              stop=stop)  # type: ignore[arg-type]
     return sup, layer, recorder
 
 
@@ -340,3 +341,38 @@ def test_node_0_keeps_the_nodes_own_step_when_the_tier_has_no_complete_newer_one
     assert plan.step == 4 and plan.fetch == {} and sorted(steps) == [4, 8] and tier.protected == [4]
     lead.note_bad({(4, 1)})  # a persistent part that failed verification is never offered again
     assert lead.bad_persistent == {(4, 1)}
+
+
+def test_only_the_lead_owes_the_job_s_end_and_only_node_0_hosts_the_embedded_store() -> None:
+    """Node 0's end-of-run duties are its role's (supervisor.cluster.round_lead), not a rank test in the node's run:
+    the lead records the job's end for a node cut off until now and sets the spares' cue; a member does neither.
+    The embedded store lives in node 0's rlsup; an etcd store in nobody's."""
+    from supervisor.cluster.multinode import CoordinatorSettings
+    from supervisor.cluster.round_lead import round_role
+    from supervisor.cluster.spares import DONE_KEY
+
+    class Keys:
+        def __init__(self) -> None:
+            self.set_: dict[str, str] = {}
+
+        def set(self, key: str, value: str) -> None:
+            self.set_[key] = value
+
+    class Coordinator:
+        keys = Keys()
+
+    class JobEnd:
+        recorded: list[tuple[int, int]] = []
+
+        def record(self, node: int, attempt: int) -> None:
+            self.recorded.append((node, attempt))
+
+    member_store, lead_store, job_end = Coordinator(), Coordinator(), JobEnd()
+    member_store.keys, lead_store.keys = Keys(), Keys()
+    round_role(2, member_store, None, print).finish_job(job_end, 4)  # type: ignore[arg-type]
+    assert member_store.keys.set_ == {} and job_end.recorded == []
+    round_role(0, lead_store, None, print).finish_job(job_end, 4)  # type: ignore[arg-type]
+    assert lead_store.keys.set_ == {DONE_KEY: "1"} and job_end.recorded == [(0, 4)]
+    round_role(0, Coordinator(), None, print).finish_job(None, 4)  # type: ignore[arg-type]  # a job without spares
+    embedded, etcd = CoordinatorSettings(), CoordinatorSettings(backend="etcd")
+    assert embedded.hosted_by(0) and not embedded.hosted_by(1) and not etcd.hosted_by(0)

@@ -33,8 +33,8 @@ from supervisor.cluster.kvstore import StoreGone, connect_store
 from supervisor.membership import Membership
 from supervisor.cluster.multinode import connect_coordinator
 from supervisor.observer import Observer
-from supervisor.processes.job import ProcessLayer
-from supervisor.cluster.spare_run import SpareRun
+from supervisor.processes.layer import Processes
+from supervisor.cluster.spare_run import SpareRun, SpareSettings
 from supervisor.cluster.spares import JobEnd, Roster, SpareSeat, write_job_end
 from supervisor.stop_request import StopRequest
 from supervisor.launch.warm_start import WarmStarts
@@ -116,7 +116,7 @@ def spare_after_node_0(tmp_path: Path, node0: SilentNode0, others: list[int], be
     taken: list[tuple[Membership, bool]] = []
 
     def run_node(membership: Membership, seat: SpareSeat, hosted: RoundCoordinator | None, warm: WarmStarts,
-                 processes: ProcessLayer) -> int:
+                 processes: Processes) -> int:
         taken.append((membership, hosted is not None))
         return 0
 
@@ -124,7 +124,8 @@ def spare_after_node_0(tmp_path: Path, node0: SilentNode0, others: list[int], be
         return connect_coordinator(cfg, view, JOB, SECRET, stop, gone_after_s, wait_s)
 
     lost_once_seen(node0, before)
-    spare = SpareRun(cfg, Roster(tuple(peers), 1), 3, JOB, SECRET, connect, StopRequest(signal.SIGUSR1), Observer())
+    spare = SpareRun(SpareSettings.from_config(cfg, 3, JOB.id), Roster(tuple(peers), 1), 3, JOB, SECRET, connect,
+                     StopRequest(signal.SIGUSR1), Observer())
     return spare.run(run_node), taken, peers
 
 
@@ -209,7 +210,8 @@ def test_node_0_stalled_before_the_first_attempt_the_spare_goes_on_watching(tmp_
             return coordinator
 
         stop = StopRequest(signal.SIGUSR1)
-        spare = SpareRun(cfg, Roster(tuple(cfg.peers), 1), 3, JOB, SECRET, connect, stop, Observer())
+        spare = SpareRun(SpareSettings.from_config(cfg, 3, JOB.id), Roster(tuple(cfg.peers), 1), 3, JOB, SECRET,
+                         connect, stop, Observer())
         result: list[int] = []
         runner = threading.Thread(target=lambda: result.append(spare.run(lambda *_: 0)), daemon=True)
         runner.start()
@@ -255,7 +257,8 @@ def test_node_0_stalled_then_lost_before_the_first_attempt_the_spare_still_reque
             return 0
 
         stop = StopRequest(signal.SIGUSR1)
-        spare = SpareRun(cfg, Roster(tuple(cfg.peers), 1), 3, JOB, SECRET, connect, stop, Observer())
+        spare = SpareRun(SpareSettings.from_config(cfg, 3, JOB.id), Roster(tuple(cfg.peers), 1), 3, JOB, SECRET,
+                         connect, stop, Observer())
         result: list[int] = []
         runner = threading.Thread(target=lambda: result.append(spare.run(run_node)), daemon=True)
         runner.start()

@@ -62,8 +62,8 @@ def test_the_watch_sees_a_peers_end_after_the_store_stalled(tmp_path: Path) -> N
         cfg = SupervisorConfig(checkpoint_dir=str(tmp_path / "ckpt"), state_dir=str(tmp_path / "state"),
                                metrics_port=0, poll_interval=0.05, warm_launcher=False, peers=list(peers), node_rank=1)
         member = embedded_coordinator("127.0.0.1", port, JOB, SECRET, 1, 2, 60.0)
-        node = NodeRun(cfg, ["train"], Membership(peers, 1), OneNodeEngine(),  # type: ignore[arg-type]
-                       Recorder(), job=JOB, processes=FakeProcesses(), coordinator=member)
+        node = NodeRun.from_config(cfg, ["train"], Membership(peers, 1), OneNodeEngine(),  # type: ignore[arg-type]
+                                   Recorder(), job=JOB, processes=FakeProcesses(), coordinator=member)
         sup = node.group(member)  # what the node's loop polls
         assert sup.peer_ended(0) is None
 

@@ -123,17 +123,17 @@ DRIVER = """\
 import logging, sys
 sys.path.insert(0, {root!r})
 from supervisor.config import SupervisorConfig
-from supervisor.processes.job import ProcessLayer
+from supervisor.processes.job import OsProcesses
 from supervisor.run.loop import Supervisor
 logging.basicConfig(level=logging.INFO)
 cfg = SupervisorConfig(checkpoint_dir={ckpt!r}, state_dir={state!r}, metrics_port=0, poll_interval=0.05)
-layer = ProcessLayer(cgroups={cgroups!r}, guardian={guardian!r})
+layer = OsProcesses(cgroups={cgroups!r}, guardian={guardian!r})
 sys.exit(Supervisor(cfg, sys.argv[1:], processes=layer).run().exit_code)
 """
 
 
 def _start_driver(workdir: Path, cgroups: bool, guardian: bool) -> subprocess.Popen:
-    """rlsup's run loop over a ProcessLayer built here (the fallback forced by its constructor, not by
+    """rlsup's run loop over an OsProcesses built here (the fallback forced by its constructor, not by
     the environment), running a shell with a daemonised ``sleep 313`` and a background ``sleep 314``."""
     driver = workdir / "driver.py"
     driver.write_text(DRIVER.format(root=str(ROOT), ckpt=str(workdir / "ckpt"), state=str(workdir / ".rlsup"),

@@ -1,6 +1,6 @@
 """A spare's guard and launcher (supervisor/cluster/spare_run.py, issue 31), with real processes.
 
-- The spare guards its attempts before it arms the launcher, then hands the same ``ProcessLayer`` to its node run:
+- The spare guards its attempts before it arms the launcher, then hands the same ``OsProcesses`` to its node run:
   the node run's ``guard_attempts`` keeps that guard (the launcher, already a recorded root, stays alive), and its
   ``release_attempts`` ends what is left, as on any node (review finding: with a layer of its own the node run
   only shared the spare's tree, and an error in its loop left the job running).
@@ -16,13 +16,13 @@ from support.env import PY, clean_env
 from support.procs import pid_alive
 from support.waits import wait_for
 
-from supervisor.processes.job import ProcessLayer, spawn_job_root
+from supervisor.processes.job import OsProcesses, spawn_job_root
 from supervisor.processes.tree_record import load, record_path
 from supervisor.launch.warm_start import WarmStarts
 
 
 def test_the_node_run_keeps_the_spares_guard_and_its_release_ends_what_is_left(tmp_path: Path) -> None:
-    layer = ProcessLayer(cgroups=False, guardian=False)
+    layer = OsProcesses(cgroups=False, guardian=False)
     layer.guard_attempts(tmp_path)  # the spare, before it arms
     launcher = spawn_job_root(["sleep", "300"], clean_env())  # stands for the launcher: a recorded root
     try:

@@ -78,13 +78,14 @@ def test_the_launch_line_claims_nothing_where_nothing_tells_who_picks(tmp_path: 
     save nothing): no note. A torn single file there, or a step of a layout rlsup cannot steer: the note."""
     import torch
 
-    from supervisor.run.checkpoint_sight import CheckpointSight
+    from supervisor.run.checkpoint_sight import CheckpointSight, SightSettings
     from supervisor.config import SupervisorConfig
     from supervisor.tiers.resume import ResumePoint
 
     out = tmp_path / "out"
     out.mkdir()
-    sight = CheckpointSight(SupervisorConfig(checkpoint_dir=str(out)).resolved(), out, lambda line: None)
+    sight = CheckpointSight(SightSettings.from_config(SupervisorConfig(checkpoint_dir=str(out)).resolved()),
+                            lambda line: None)
     plain = ["python", "train.py"]
     assert sight.launch_note(plain, None) == ""
     assert sight.launch_note(plain, ResumePoint(3, out / "step_000000003", "rlsup")) == ""

@@ -9,6 +9,8 @@
 - :mod:`support.cluster`: the multi-node harness: N ``rlsup run`` node processes on 127.0.0.1.
 - :mod:`support.trainers`: one ``rlsup run`` of an unmodified third-party trainer.
 - :mod:`support.metrics`: scraping rlsup's metrics, a live Prometheus, the exported series inventory.
+- :mod:`support.memory_kvstore`: the coordination store in memory, shared by simulated nodes in one process.
+- :mod:`support.in_process_round`: several nodes' agreement round in one process, over real parts and tiers.
 
 Imported as the top-level package ``support``: pytest puts ``tests/`` on ``sys.path`` when it loads
 ``tests/conftest.py`` (rootdir-relative, no ``__init__.py`` in ``tests/``); the chaos soak, run outside pytest

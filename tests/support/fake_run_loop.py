@@ -2,7 +2,9 @@
 tests: :class:`FakeProcesses` hands the loop scripted jobs whose ranks heartbeat into the real heartbeat
 directory, so the real :class:`HangDetector`, classification, restart policy, incidents and state table run
 as in production (tests/run/test_run_loop.py, test_multinode_loop.py, test_progress.py,
-test_unreadable_checkpoints.py)."""
+test_unreadable_checkpoints.py). It implements :class:`supervisor.processes.layer.Processes` (and
+:class:`FakeJob` its ``Job``) without subclassing the real layer; the loop under test is the real
+:class:`Supervisor`, given the fake layer and :func:`saved_steps` as its resume choice."""
 
 from __future__ import annotations
 
@@ -10,13 +12,13 @@ import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
-
+from typing import Callable, Mapping, Sequence
 
 from rlsup_format.heartbeat_record import MAGIC, RECORD, RECORD_SIZE, STOP_OFFSET, I64, rank_file_name
 from supervisor.config import SupervisorConfig
 from supervisor.run.incidents import read_incidents
 from supervisor.observer import Observer
-from supervisor.processes.job import ProcessLayer
+from supervisor.processes.leftovers import Ended
 from supervisor.tiers.resume import ResumePoint
 from supervisor.run.loop import Supervisor
 
@@ -53,7 +55,7 @@ class FakeOutput:
 
 
 class FakeJob:
-    """Quacks like process_tree.JobProcess."""
+    """A scripted attempt: :class:`supervisor.processes.layer.Job`, as the real ``JobProcess`` is."""
 
     def __init__(self, layer: "FakeProcesses", script: Attempt, env: dict[str, str], pid: int) -> None:
         self.layer, self.script, self.pid = layer, script, pid
@@ -63,6 +65,7 @@ class FakeJob:
         self.code: int | None = None
         self.signals: list[int] = []
         self.grace: float | None = None
+        self.stuck: list = []  # nothing of a scripted job outlives its SIGKILL
         self.output = FakeOutput([f"attempt {env['RLSUP_RESTART_COUNT']} output"])
 
     def rank_pid(self, rank: int) -> int:
@@ -119,8 +122,9 @@ class FakeJob:
         return [self.pid] if alive else []
 
 
-class FakeProcesses(ProcessLayer):
-    """The operating system as the loop sees it, scripted: one :class:`Attempt` per launch."""
+class FakeProcesses:
+    """The operating system as the loop sees it (:class:`supervisor.processes.layer.Processes`), scripted: one
+    :class:`Attempt` per launch. No predecessor's leftovers, no cgroup, no guardian."""
 
     def __init__(self, *attempts: Attempt) -> None:
         self.script = list(attempts)
@@ -130,7 +134,7 @@ class FakeProcesses(ProcessLayer):
         self.rank_signals: list[tuple[int, int]] = []
         self.live_pids: set[int] = set()
 
-    def start(self, command, env, log_path, tail_lines) -> FakeJob:  # type: ignore[override]
+    def start(self, command: Sequence[str], env: dict[str, str], log_path: Path, tail_lines: int) -> FakeJob:
         assert self.script, "the loop launched more attempts than the test scripted"
         job = FakeJob(self, self.script.pop(0), dict(env), 100_000 + 100 * len(self.jobs))
         self.jobs.append(job)
@@ -139,8 +143,14 @@ class FakeProcesses(ProcessLayer):
     def become_subreaper(self) -> bool:
         return True
 
+    def end_predecessor(self, state_dir: Path) -> tuple[int, list[Ended]] | None:
+        return None  # no rlsup died before this one in a fake operating system
+
     def guard_attempts(self, state_dir: Path) -> None:  # no real process to guard (no cgroup, no guardian)
         pass
+
+    def release_attempts(self) -> list[Ended]:
+        return []
 
     def oom_kill_count(self) -> int | None:
         return self.ooms
@@ -160,7 +170,7 @@ class FakeProcesses(ProcessLayer):
     def alive(self, pid: int) -> bool:  # scripted ranks live as long as their attempt
         return True
 
-    def dump_stacks(self, hb_dir: Path, records) -> dict[str, str]:  # type: ignore[override]
+    def dump_stacks(self, hb_dir: Path, records: Mapping) -> dict[str, str]:
         return {f"rank {r} pid {rec.pid}": "fake stack" for r, rec in sorted(records.items())}
 
 
@@ -179,22 +189,27 @@ class Recorder(Observer):
         self.failures.append(reason)
 
 
-class LoopUnderTest(Supervisor):
-    """The checkpoint directory is the fake layer's list of saved steps."""
+def saved_steps(layer: FakeProcesses, checkpoint_dir: Path) -> Callable[[], ResumePoint | None]:
+    """The loop's resume choice where the checkpoint directory is the fake layer's list of saved steps (no file
+    is read, no metric set)."""
 
-    def choose_resume(self) -> ResumePoint | None:
-        steps = self.processes.checkpoints  # type: ignore[attr-defined]
-        return ResumePoint(max(steps), self.checkpoint_dir / f"step_{max(steps)}", "rlsup") if steps else None
+    def choose() -> ResumePoint | None:
+        steps = layer.checkpoints
+        return ResumePoint(max(steps), checkpoint_dir / f"step_{max(steps)}", "rlsup") if steps else None
+
+    return choose
 
 
-def make(tmp_path: Path, *attempts: Attempt, **cfg: object) -> tuple[LoopUnderTest, FakeProcesses, Recorder]:
+def make(tmp_path: Path, *attempts: Attempt, **cfg: object) -> tuple[Supervisor, FakeProcesses, Recorder]:
     settings = dict(checkpoint_dir=str(tmp_path / "ckpt"), state_dir=str(tmp_path / "state"), metrics_port=0,
                     poll_interval=0.005, backoff_initial=0.01, backoff_max=0.02, backoff_jitter=0.0,
                     heartbeat_timeout=0.3, startup_timeout=0.3, warm_launcher=False, kill_grace=3.0,
                     stop_grace=5.0)
     settings.update(cfg)
     layer, recorder = FakeProcesses(*attempts), Recorder()
-    sup = LoopUnderTest(SupervisorConfig(**settings), ["train"], observer=recorder, processes=layer)
+    config = SupervisorConfig(**settings)
+    sup = Supervisor(config, ["train"], observer=recorder, processes=layer,
+                     resume_choice=saved_steps(layer, Path(config.resolved().checkpoint_dir)))
     sup.kernel_log = None  # never the host's kernel log: a test that wants one writes a file and sets it
     return sup, layer, recorder
 
