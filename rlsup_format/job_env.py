@@ -37,3 +37,6 @@ NODE_RANK = "RLSUP_NODE_RANK"
 #: The number of nodes in a multi-node job (set by :mod:`supervisor.cluster.multinode`).
 NUM_NODES = "RLSUP_NUM_NODES"
 
+#: The world size (ranks) of the step rlsup resumes from, set only when this attempt's world size differs (the job
+#: shrank or grew); :func:`trainer_hooks.world.previous_world_size` reads it.
+PREVIOUS_WORLD_SIZE = "RLSUP_PREVIOUS_WORLD_SIZE"

@@ -50,6 +50,9 @@ SCHEMA_VERSION = 1
 _HEX128_RE = re.compile(r"^[0-9a-f]{32}$")
 _FIELDS = ("schema", "step", "world_size", "rank", "backend", "files", "created",
            "rlsup_version", "extra")
+#: The key of a manifest's ``extra`` that says the step may be restored into another world size (written True by
+#: ``trainer_hooks`` only when the trainer's state can move: :func:`trainer_hooks.world.resize_blockers`).
+RESIZABLE = "resizable"
 
 
 class ManifestError(ValueError):
@@ -79,6 +82,11 @@ class RankManifest:
     created: float
     rlsup_version: str = field(default_factory=_rlsup_version)
     extra: dict = field(default_factory=dict)
+
+    @property
+    def resizable(self) -> bool:
+        """Whether the trainer marked this part as restorable into another world size (:data:`RESIZABLE`)."""
+        return self.extra.get(RESIZABLE) is True
 
     def to_json(self) -> str:
         data = asdict(self)

@@ -19,11 +19,13 @@ _LAZY = {
     "CheckpointManager": "trainer_hooks.checkpoint",
     "ResumableSampler": "trainer_hooks.sampler",
     "SaveTrigger": "trainer_hooks.triggers",
+    "WorldChange": "trainer_hooks.world",
+    "grad_accum_steps": "trainer_hooks.world",
     "prime_ddp": "trainer_hooks.ddp",
 }
 
-__all__ = ["CheckpointManager", "ResumableSampler", "SaveTrigger", "heartbeat", "prime_ddp", "section",
-           "should_stop", "__version__"]
+__all__ = ["CheckpointManager", "ResumableSampler", "SaveTrigger", "WorldChange", "grad_accum_steps", "heartbeat",
+           "prime_ddp", "section", "should_stop", "__version__"]
 
 
 def __getattr__(name: str) -> Any:

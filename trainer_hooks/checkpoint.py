@@ -13,6 +13,9 @@ the step already verifies does not rewrite it (for collective backends the ranks
 Retention (``keep_last``) runs on rank 0 only once the new step verifies complete, and never deletes
 the newest valid step, a held step (hold marker) or the step named by ``RLSUP_RESUME_DIR``.
 
+Another world size (a job shrunk or grown): a step marked resizable at save time (:mod:`trainer_hooks.world`)
+restores into any number of ranks; :attr:`CheckpointManager.world_change` then says from how many.
+
 Asynchronous saves (``async_save=True``, torch backend): ``save()`` returns once the state is copied
 and a writer process runs the same protocol in the background; see :mod:`trainer_hooks.async_writer`.
 
@@ -29,6 +32,7 @@ Usage::
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from pathlib import Path
@@ -37,6 +41,7 @@ from typing import Any
 from rlsup_format import job_env
 from rlsup_format.manifest import (
     ManifestError,
+    RankManifest,
     VerifyResult,
     check_files,
     latest_valid,
@@ -48,7 +53,7 @@ from trainer_hooks.backends import get_backend
 from trainer_hooks.backends.base import RNG_KEY, LoadContext
 from trainer_hooks.heartbeat import section, should_stop
 from trainer_hooks.memory_tier import MemoryTarget
-from trainer_hooks.rng import restore_rng_state
+from trainer_hooks.rng import reseed_rng, restore_rng_state
 from trainer_hooks.step_writer import (  # the error classes are imported from here
     CheckpointConflictError,
     CheckpointSpaceError,
@@ -61,6 +66,7 @@ from trainer_hooks.step_writer import (  # the error classes are imported from h
     wait_for_removals,
     write_step,
 )
+from trainer_hooks.world import WorldChange, WorldChangeError, previous_world_size, resize_blockers, world_change_seed
 
 log = logging.getLogger(__name__)
 
@@ -72,8 +78,8 @@ ENV_JOB = job_env.JOB_ID
 ENV_RESUME = job_env.RESUME_DIR
 ENV_RESUME_STEP = job_env.RESUME_STEP
 
-__all__ = ["CheckpointManager", "CheckpointConflictError", "CheckpointSpaceError", "ResumeError", "disk_full_error",
-           "ENV_DIR", "ENV_JOB", "ENV_RESUME", "ENV_RESUME_STEP"]
+__all__ = ["CheckpointManager", "CheckpointConflictError", "CheckpointSpaceError", "ResumeError", "WorldChange",
+           "WorldChangeError", "disk_full_error", "ENV_DIR", "ENV_JOB", "ENV_RESUME", "ENV_RESUME_STEP"]
 
 
 class ResumeError(RuntimeError):
@@ -88,13 +94,16 @@ class CheckpointManager:
     def __init__(self, directory: str | os.PathLike | None = None, keep_last: int | None = None,
                  backend: str = "torch", safe_globals: tuple | list = (), async_save: bool = False,
                  max_in_flight: int = 1, when_busy: str = "wait", keep_buffers: bool = True,
-                 direct_save: bool = True) -> None:
+                 direct_save: bool = True, resizable: bool | None = None) -> None:
         """``async_save=True``: :meth:`save` returns once the state is copied; a writer process writes
         it (:mod:`trainer_hooks.async_writer`). At most ``max_in_flight`` saves are in flight; a save
         beyond that waits (``when_busy="wait"``) or is skipped and returns None (``"skip"``).
         ``keep_buffers`` keeps the snapshot buffers (pinned with CUDA) for the next save. ``direct_save``:
         an async save into rlsup's memory tier builds each file in a ready spare (:mod:`trainer_hooks.direct_save`);
-        False: ``torch.save`` writes it (the old way, a benchmark's baseline)."""
+        False: ``torch.save`` writes it (the old way, a benchmark's baseline). ``resizable``: None marks each
+        save as restorable into another world size when :func:`trainer_hooks.world.resize_blockers` finds
+        nothing against it; True marks every save and lets :meth:`restore` move an unmarked step (you vouch
+        that its state is replicated); False never marks."""
         directory = directory if directory is not None else os.environ.get(job_env.CHECKPOINT_DIR)
         if not directory:
             raise ValueError(f"no checkpoint directory: pass directory= or set {job_env.CHECKPOINT_DIR}")
@@ -107,8 +116,12 @@ class CheckpointManager:
         self.safe_globals = tuple(safe_globals)
         who = RankIdentity.current()
         self.rank, self.world_size = who.rank, who.world_size
+        self.resizable = resizable
+        #: Set by :meth:`restore`: the step came from another world size (None: same world, or a fresh start).
+        self.world_change: WorldChange | None = None
         self._async: Any = None
         self._said_collective = False
+        self._said_blockers = False
         if async_save:
             if self.backend.collective:
                 raise NotImplementedError(
@@ -138,6 +151,7 @@ class CheckpointManager:
             if memory is not None:  # node memory when the step fits there (all ranks agree), else disk
                 built = build_payload(state)
                 target = memory.choose(step, built, target)
+            target = dataclasses.replace(target, resizable=self._marks_resizable(state))
 
             def make_payload() -> dict[str, Any]:
                 return built if built is not None else build_payload(state)
@@ -145,6 +159,16 @@ class CheckpointManager:
             if self._async is not None:
                 return self._async.save(target, step, make_payload, who, preempted=should_stop())
             return write_step(target, step, make_payload, who, self.backend, live=state)
+
+    def _marks_resizable(self, state: dict[str, Any]) -> bool:
+        """Whether this save's manifests say it may be restored into another world size (said once when not)."""
+        if self.resizable is not None:
+            return self.resizable
+        blockers = resize_blockers(state, self.backend_name, self.world_size)
+        if blockers and not self._said_blockers:
+            log.info("checkpoints not marked resizable (rlsup will not shrink or grow this job): %s", "; ".join(blockers))
+            self._said_blockers = True
+        return not blockers
 
     def _memory_tier(self) -> MemoryTarget | None:
         """rlsup's memory tier for this manager's saves: only for the directory rlsup watches, and only
@@ -212,17 +236,39 @@ class CheckpointManager:
         return "" if watched and os.path.realpath(watched) == mine else None
 
     def _own_part_problem(self, step_dir: Path) -> str:
-        """Why this rank's part of ``step_dir`` cannot be loaded ("" when it verifies: all a per-rank
-        backend reads)."""
+        """Why the part this rank reads from ``step_dir`` cannot be loaded ("" when it verifies: all a
+        per-rank backend reads): its own, or rank 0's after a world change."""
         path = step_dir / manifest_name(self.rank)
+        if not path.exists():
+            path = step_dir / manifest_name(0)  # a rank the saving world did not have: rank 0's says which world
         try:
             m = read_manifest(path)
         except (ManifestError, OSError) as e:
             return f"{path} is missing or unreadable ({e.__class__.__name__}: {e})"
         if m.world_size != self.world_size:
-            return f"{path} was written by a job of {m.world_size} ranks, this one has {self.world_size}"
+            try:
+                m = self._movable(step_dir, m)
+            except (WorldChangeError, ManifestError, OSError) as e:
+                return str(e)
         reason, _ = check_files(step_dir, m.files, full=True)
         return f"{step_dir}: {reason}" if reason else ""
+
+    def _movable(self, step_dir: Path, seen: RankManifest) -> RankManifest:
+        """Rank 0's manifest of a step saved by another world size, when that step may be restored here;
+        else :class:`WorldChangeError` naming the step and both world sizes."""
+        first = seen if seen.rank == 0 else read_manifest(step_dir / manifest_name(0))
+        change = WorldChange(first.step, first.world_size, self.world_size)
+        if first.resizable:
+            return first
+        if self.resizable:
+            log.warning("%s is not marked resizable; restored into %d ranks because resizable=True", change,
+                        self.world_size)
+            return first
+        raise WorldChangeError(
+            f"step {first.step} ({step_dir}) was saved by {first.world_size} ranks and cannot be restored into "
+            f"{self.world_size}: its save was not marked resizable (its state holds pieces trainer_hooks cannot "
+            "move between world sizes; the save's log says which). Pass CheckpointManager(resizable=True) if the "
+            "state is replicated on every rank")
 
     def _named_step(self, resume: str) -> str:
         """The step rlsup named, checked on every rank: each rank's own part for per-rank backends (a node
@@ -241,10 +287,15 @@ class CheckpointManager:
         return resume
 
     def restore(self, state: dict[str, Any]) -> int:
-        """Load the chosen checkpoint into ``state`` in place; returns its step, 0 when none."""
+        """Load the chosen checkpoint into ``state`` in place; returns its step, 0 when none.
+
+        A step saved by another world size (marked resizable, or ``resizable=True``) is mapped onto this
+        one (:mod:`trainer_hooks.world`): then :attr:`world_change` records both sizes, and the RNG is
+        re-seeded by rule instead of restored. Else :class:`WorldChangeError` names the step and both sizes."""
         with section("load"):
             who = RankIdentity.current()
             self.rank, self.world_size = who.rank, who.world_size
+            self.world_change = None
             dist = dist_group()
             resume = self._rlsup_resume()
             chosen_path: str | None = None
@@ -266,7 +317,13 @@ class CheckpointManager:
                 log.info("no valid checkpoint under %s: starting fresh", self.directory)
                 return 0
             step_dir = Path(chosen_path)
-            first = read_manifest(step_dir / manifest_name(self.rank))
+            own = step_dir / manifest_name(self.rank)
+            first = read_manifest(own if own.exists() else step_dir / manifest_name(0))
+            change: WorldChange | None = None
+            if first.world_size != self.world_size:
+                first = self._movable(step_dir, first)  # the same answer on every rank: rank 0's manifest
+                change = WorldChange(first.step, first.world_size, self.world_size)
+            self._check_rlsup_world(first.world_size)
             backend = self.backend if first.backend == self.backend.name else get_backend(first.backend)
             ctx = LoadContext(step_dir, self.rank, self.world_size, first.world_size, dist is not None,
                               self.safe_globals, dict(state))
@@ -281,10 +338,25 @@ class CheckpointManager:
                 else:
                     state[name] = payload[name]
             rng = payload.get(RNG_KEY)
-            if rng is not None:
-                restore_rng_state(rng)  # last: loading objects above may draw random numbers
+            if change is not None:  # last: loading objects above may draw random numbers
+                reseed_rng(world_change_seed(rng, first.step, self.rank))  # rank 0's streams are not this rank's
+            elif rng is not None:
+                restore_rng_state(rng)
             named = os.environ.get(job_env.RESUME_STEP)
             if resume and named and named.isdigit() and int(named) != first.step:
                 raise ResumeError(f"rlsup named step {named} but {step_dir} holds step {first.step}")
-            log.info("restored %s (rank %d)", step_dir.name, self.rank)
+            self.world_change = change
+            if change is not None:
+                log.warning("restored %s (rank %d) into another world size: %s; RNG re-seeded", step_dir.name,
+                            self.rank, change)
+            else:
+                log.info("restored %s (rank %d)", step_dir.name, self.rank)
             return first.step
+
+    def _check_rlsup_world(self, saved_world_size: int) -> None:
+        """rlsup's word on the saving world size (``RLSUP_PREVIOUS_WORLD_SIZE``) against the manifest's: the
+        manifest is what is loaded; a disagreement is logged, never acted on."""
+        said = previous_world_size()
+        if said is not None and said != saved_world_size:
+            log.warning("rlsup says the resumed step was saved by %d ranks, its manifest says %d", said,
+                        saved_world_size)

@@ -60,3 +60,15 @@ def restore_rng_state(state: dict[str, Any]) -> None:
                         len(cuda), count, min(len(cuda), count))
         for device, s in enumerate(cuda[:count]):
             torch.cuda.set_rng_state(s, device)
+
+
+def reseed_rng(seed: int) -> None:
+    """Seed Python, NumPy (if importable; with ``seed`` mod 2**32) and torch (CPU and every CUDA device) from
+    one 64-bit ``seed``: the streams of a rank that has no saved ones (:mod:`trainer_hooks.world`)."""
+    random.seed(seed)
+    torch.manual_seed(seed)  # also seeds every CUDA device
+    try:
+        import numpy as np
+    except ImportError:
+        return
+    np.random.seed(seed % 2**32)

@@ -32,6 +32,26 @@ Epochs: drive the epoch loop from the sampler so a restore is not undone::
 
 Epoch-boundary trap: a state saved after the last batch of an epoch has ``position == len(self)``.
 Restoring it moves to ``epoch + 1``, position 0 (never an exhausted iterator that yields nothing).
+
+Another world size (a job shrunk or grown between save and restore): the data position is global.
+Every epoch is one list, the permutation ``P`` of the dataset; the ranks of a world of ``W`` take it
+round-robin, so after each rank consumed ``p`` indices the world together consumed the prefix
+``P[:start + p * W]`` (``start`` is 0 unless the epoch was already resumed in another world). The
+state records that global position and ``W``. Loaded into a world of ``W'`` ranks, the sampler
+resumes the same epoch at the same global position: the remaining ``P[g:]`` is dealt round-robin
+over the ``W'`` ranks, so across the whole run every sample of the epoch is consumed exactly once.
+This assumes what synchronous data parallelism guarantees: every rank consumed the same number of
+indices when the state was saved (each rank's state then names the same global position).
+
+The epoch's tail follows DistributedSampler's rules, applied to the part dealt in the new world:
+``drop_last=False`` pads the last round with the first samples of the epoch's permutation until every
+rank has the same count (those few samples are seen twice in that epoch, as with DistributedSampler);
+``drop_last=True`` drops the fewer than ``W'`` samples that would not fill a last round. A state saved
+after the epoch's last round resumes at the next epoch, in any world. ``len(sampler)`` stays the
+per-rank count of a whole epoch in the current world; after a world change mid-epoch the iterator
+yields this rank's share of the rest (:meth:`remaining`). The state dict of a sampler never moved across
+worlds loads as before, and states from before this rule (without ``world_size``) load into the same
+world only.
 """
 
 from __future__ import annotations
@@ -55,6 +75,12 @@ def _default_world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size(), dist.get_rank()
     return int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+
+
+def _share(remaining: int, world: int, drop_last: bool) -> int:
+    """Indices per rank when ``remaining`` indices of an epoch are dealt over ``world`` ranks
+    (DistributedSampler's count: padded up to a full round, or cut down to one with ``drop_last``)."""
+    return remaining // world if drop_last else math.ceil(remaining / world)
 
 
 class ResumableSampler(Sampler[int]):
@@ -82,39 +108,41 @@ class ResumableSampler(Sampler[int]):
         self.drop_last = drop_last
         self.count = count
         self.epoch = 0
+        self.start = 0  # where in the epoch's permutation this world's share began (> 0: resumed from another world)
         self.position = 0
         self._iter_token = 0
-        if drop_last and dataset_len % num_replicas != 0:
-            self.num_samples = math.ceil((dataset_len - num_replicas) / num_replicas)
-        else:
-            self.num_samples = math.ceil(dataset_len / num_replicas)
+        self.num_samples = _share(dataset_len, num_replicas, drop_last)  # DistributedSampler's, for a whole epoch
         self.total_size = self.num_samples * num_replicas
 
     def __len__(self) -> int:
         return self.num_samples
 
-    def epoch_indices(self) -> list[int]:
-        """This rank's full index list for the current epoch (DistributedSampler's exact order)."""
+    def remaining(self) -> int:
+        """This rank's indices of the current epoch from ``start`` on (``len(self)`` when ``start`` is 0)."""
+        return _share(self.dataset_len - self.start, self.num_replicas, self.drop_last)
+
+    def _permutation(self) -> list[int]:
         if self.shuffle:
             g = torch.Generator()
             g.manual_seed(self.seed + self.epoch)
-            indices = torch.randperm(self.dataset_len, generator=g).tolist()
-        else:
-            indices = list(range(self.dataset_len))
-        if not self.drop_last:
-            padding = self.total_size - len(indices)
-            if padding > 0 and indices:
-                if padding <= len(indices):
-                    indices += indices[:padding]
-                else:
-                    indices += (indices * math.ceil(padding / len(indices)))[:padding]
-        else:
-            indices = indices[: self.total_size]
-        return indices[self.rank: self.total_size: self.num_replicas]
+            return torch.randperm(self.dataset_len, generator=g).tolist()
+        return list(range(self.dataset_len))
+
+    def epoch_indices(self) -> list[int]:
+        """This rank's index list for the current epoch from ``start`` on (DistributedSampler's exact
+        order when ``start`` is 0; see the module docstring for the rest of an epoch in another world)."""
+        perm = self._permutation()
+        indices = perm[self.start:]
+        total = self.remaining() * self.num_replicas
+        padding = total - len(indices)
+        if padding > 0 and perm:  # from the epoch's first samples, as DistributedSampler pads
+            indices += perm[:padding] if padding <= len(perm) else (perm * math.ceil(padding / len(perm)))[:padding]
+        return indices[self.rank: total: self.num_replicas]
 
     def __iter__(self) -> Iterator[int]:
-        if self.position >= self.num_samples:
-            self.position = 0  # a finished pass without set_epoch: replay the epoch, like DistributedSampler
+        if self.position >= self.remaining():
+            # A finished pass without set_epoch: replay the epoch, like DistributedSampler (all of it, in this world).
+            self.start, self.position = 0, 0
         self._iter_token += 1
         return self._generate(self._iter_token, self.position)
 
@@ -131,7 +159,7 @@ class ResumableSampler(Sampler[int]):
         """Choose the epoch's permutation; the same epoch again keeps the (restored) position."""
         if epoch != self.epoch:
             self.epoch = epoch
-            self.position = 0
+            self.start, self.position = 0, 0
 
     def advance(self, n: int) -> None:
         """``count="manual"``: record that the loop consumed ``n`` more samples of this epoch."""
@@ -139,28 +167,49 @@ class ResumableSampler(Sampler[int]):
             raise RuntimeError("advance() is for count='manual' samplers; 'yield' counts by itself")
         if n < 0:
             raise ValueError("n must be >= 0")
-        self.position = min(self.position + n, self.num_samples)
+        self.position = min(self.position + n, self.remaining())
 
     @property
     def consumed(self) -> int:
-        """Samples of the current epoch already used (handed out, or advanced in manual mode)."""
+        """Samples of the current epoch this rank used since ``start`` (handed out, or advanced in manual mode)."""
         return self.position
 
+    @property
+    def global_position(self) -> int:
+        """Indices of the epoch's permutation the whole world consumed (every rank at this rank's position)."""
+        return self.start + self.position * self.num_replicas
+
     def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "seed": self.seed, "position": self.position,
-                "num_samples": self.num_samples}
+        return {"epoch": self.epoch, "seed": self.seed, "position": self.position, "num_samples": self.num_samples,
+                "world_size": self.num_replicas, "dataset_len": self.dataset_len, "start": self.start,
+                "global_position": self.global_position}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         epoch, seed, position = int(state["epoch"]), int(state["seed"]), int(state["position"])
         if position < 0:
             raise ValueError(f"negative sampler position {position}")
+        saved_world = state.get("world_size")
+        same_world = saved_world is None or int(saved_world) == self.num_replicas  # None: saved before world sizes
         saved_len = state.get("num_samples", self.num_samples)
-        if saved_len != self.num_samples:
+        if same_world and saved_len != self.num_samples:
             raise ValueError(f"sampler state is for {saved_len} samples per rank, this sampler has "
                              f"{self.num_samples} (dataset size or world size changed)")
+        saved_dataset = state.get("dataset_len", self.dataset_len)
+        if saved_dataset != self.dataset_len:
+            raise ValueError(f"sampler state is for a dataset of {saved_dataset} samples, this sampler has "
+                             f"{self.dataset_len} (dataset size changed)")
+        if same_world:
+            start = int(state.get("start", 0))
+        else:  # another world: resume the epoch at the same global position (module docstring)
+            saved_world, start = int(saved_world), int(state.get("start", 0))
+            if position < _share(self.dataset_len - start, saved_world, self.drop_last):
+                start, position = start + position * saved_world, 0
+            else:  # that world had finished the epoch
+                epoch, start, position = epoch + 1, 0, 0
+        if not 0 <= start <= self.dataset_len:
+            raise ValueError(f"sampler start {start} outside a dataset of {self.dataset_len}")
         self.seed = seed
-        if position >= self.num_samples:
-            epoch, position = epoch + 1, 0  # the epoch was finished: resume at the next one
-        self.epoch = epoch
-        self.position = position
+        self.epoch, self.start, self.position = epoch, start, position
+        if position >= self.remaining():
+            self.epoch, self.start, self.position = epoch + 1, 0, 0  # the epoch was finished: resume at the next one
         self._iter_token += 1  # an iterator from before the restore no longer counts

@@ -40,6 +40,7 @@ from rlsup_format.digest import FileEntry, hash_own_file
 from rlsup_format.fileio import fsync_dir, fsync_dirs, fsync_file, remove_path
 from rlsup_format.leftovers import STALE_AGE_S, clean_leftovers
 from rlsup_format.manifest import (
+    RESIZABLE,
     SCHEMA_VERSION,
     LocalStep,
     ManifestError,
@@ -115,17 +116,23 @@ class StepTarget:
     from, never deleted while this attempt runs). ``disk_keep_last``: for a step written to rlsup's
     memory tier, the trainer's own ``keep_last``, recorded in the manifest so rlsup applies it to
     ``checkpoint_dir`` after draining the step there. ``memory``: the directory is rlsup's memory tier
-    (an asynchronous save there may be a direct one, :mod:`trainer_hooks.direct_save`)."""
+    (an asynchronous save there may be a direct one, :mod:`trainer_hooks.direct_save`). ``resizable``: the
+    trainer's state may be restored into another world size (:mod:`trainer_hooks.world`), recorded in the
+    manifest for rlsup to read before it shrinks or grows the job."""
 
     directory: Path
     keep_last: int | None = None
     resume_dir: str | None = None
     disk_keep_last: int | None = None
     memory: bool = False
+    resizable: bool = False
 
     def manifest_extra(self) -> dict[str, Any]:
         """What the target adds to each manifest's ``extra``."""
-        return {} if self.disk_keep_last is None else {"disk_keep_last": self.disk_keep_last}
+        extra: dict[str, Any] = {} if self.disk_keep_last is None else {"disk_keep_last": self.disk_keep_last}
+        if self.resizable:
+            extra[RESIZABLE] = True
+        return extra
 
 
 def build_payload(state: dict[str, Any]) -> Payload:
@@ -338,7 +345,12 @@ def own_part_valid(step_dir: Path, step: int, who: RankIdentity, backend_name: s
     matches this step, world size and backend and its files check out."""
     path = step_dir / manifest_name(who.rank)
     if not path.exists():
-        return False
+        # A rank beyond the world that wrote a complete step (the job grew since): that step is never touched.
+        first = step_dir / manifest_name(0)
+        if not first.exists() or not _other_world(first, who.world_size) or not verify_step_dir(step_dir).valid:
+            return False
+        _refuse_foreign(first, who.job)
+        return True
     if verify_step_dir(step_dir, full=True).valid:
         _refuse_foreign(path, who.job)
         return True  # a complete checkpoint (maybe from another world size): never touch it
@@ -347,6 +359,14 @@ def own_part_valid(step_dir: Path, step: int, who: RankIdentity, backend_name: s
         return False
     _refuse_foreign(path, who.job)  # another job's part is neither kept as ours nor overwritten
     return True
+
+
+def _other_world(manifest_path: Path, world_size: int) -> bool:
+    """Whether the manifest at ``manifest_path`` was written by a job of another world size."""
+    try:
+        return read_manifest(manifest_path).world_size != world_size
+    except (ManifestError, OSError):
+        return False
 
 
 def _refuse_foreign(manifest_path: Path, job: str | None) -> None:

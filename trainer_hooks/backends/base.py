@@ -57,6 +57,16 @@ class LoadContext:
     safe_globals: tuple = ()
     live: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def world_changed(self) -> bool:
+        return self.saved_world_size != self.world_size
+
+    @property
+    def part_rank(self) -> int:
+        """Whose per-rank files this rank reads: its own, or rank 0's after a world change (the manager
+        lets that happen only for a step marked resizable: :mod:`trainer_hooks.world`)."""
+        return 0 if self.world_changed else self.rank
+
 
 class Backend(Protocol):
     name: str

@@ -13,7 +13,8 @@ the file the saver wrote.)
 
 Semantics follow DCP: DTensors/ShardedTensors are saved by their owners and resharded on load;
 plain tensors are treated as *replicated* across ranks (saved once, every rank loads that copy), so
-per-rank tensors that differ between ranks belong in the ``torch`` backend. Save and load are
+per-rank tensors that differ between ranks belong in the ``torch`` backend. Restored into another world
+size, DTensors reshard, replicated tensors load everywhere, and every rank reads rank 0's extra file. Save and load are
 collectives when a process group is initialised (every rank must call them), and the checkpoint
 directory must be visible to all ranks (a shared filesystem) for loading. Without a process group
 it runs single-process.
@@ -49,15 +50,52 @@ def _matches(live: torch.Tensor | None, ref: dict) -> bool:
 
 
 def load_extra(ctx: LoadContext) -> dict[str, Any]:
-    """This rank's extra file; after a world-size change new ranks borrow rank 0's skeleton."""
-    path = ctx.step_dir / extra_name(ctx.rank)
-    if not path.exists() and ctx.rank >= ctx.saved_world_size:
-        import logging
+    """This rank's extra file; after a world-size change every rank reads rank 0's (:attr:`LoadContext.part_rank`)."""
+    return safe_load(ctx.step_dir / extra_name(ctx.part_rank), ctx.safe_globals)
 
-        logging.getLogger(__name__).warning("rank %d has no saved extra state (saved world size %d); "
-                                            "using rank 0's", ctx.rank, ctx.saved_world_size)
-        path = ctx.step_dir / extra_name(0)
-    return safe_load(path, ctx.safe_globals)
+
+def _has_saved_state(entry: Any) -> bool:
+    return isinstance(entry, dict) and bool(entry.get("state"))
+
+
+def create_optimizer_state(optim: torch.optim.Optimizer) -> None:
+    """Give an optimizer that never stepped its state tensors, so DCP loads into them in place.
+
+    Why: an optimizer creates its state on the first step, shaped and placed like each parameter. Over
+    sharded parameters (FSDP2's DTensors) a template built from the saved shape alone would be a plain
+    full tensor, and the next step would mix it with DTensor gradients. As torch's own
+    ``torch.distributed.checkpoint.state_dict.set_state_dict`` does: one step with zero gradients and a
+    learning rate of 0, then the gradients are dropped; what the step wrote is overwritten by the load."""
+    params = [p for group in optim.param_groups for p in group["params"]]
+    if optim.state or any(p.grad is not None for p in params):
+        return
+    for p in params:
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    lrs = [group["lr"] for group in optim.param_groups]
+    for group in optim.param_groups:
+        group["lr"] = torch.tensor(0.0) if isinstance(group["lr"], torch.Tensor) else 0.0
+    try:
+        optim.step()
+    finally:
+        for group, lr in zip(optim.param_groups, lrs):
+            group["lr"] = lr
+        optim.zero_grad(set_to_none=True)
+
+
+def _prepare_optimizers(live: dict[str, Any], skeleton: dict[str, Any]) -> None:
+    """Create the state of each live optimizer over sharded parameters whose saved entry has state."""
+    for name, obj in live.items():
+        if isinstance(obj, torch.optim.Optimizer) and _has_saved_state(skeleton.get(name)) and _sharded(obj):
+            create_optimizer_state(obj)
+
+
+def _sharded(optim: torch.optim.Optimizer) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        return False
+    return any(isinstance(p, DTensor) for group in optim.param_groups for p in group["params"])
 
 
 @contextlib.contextmanager
@@ -92,6 +130,7 @@ class DcpBackend:
 
         extra = load_extra(ctx)
         skeleton = extra["skeleton"]
+        _prepare_optimizers(ctx.live, skeleton)
         live = live_tensors(ctx.live)
         template = {}
         for ref in tensor_refs(skeleton):

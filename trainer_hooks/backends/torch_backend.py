@@ -1,7 +1,8 @@
 """Default backend: one ``torch.save`` file per rank (``rank_00003.pt``), loaded with weights_only=True.
 
-Simple and fast for replicated (DDP) or small models; each rank reloads exactly what it saved, so the
-world size must not change between save and restore (use the ``dcp`` backend to reshard).
+Simple and fast for replicated (DDP) or small models; each rank reloads exactly what it saved. After a
+world change every rank loads rank 0's file, which holds the whole (replicated) state; sharded state
+needs the ``dcp`` backend (:mod:`trainer_hooks.world` decides which saves may move).
 """
 
 from __future__ import annotations
@@ -26,7 +27,4 @@ class TorchBackend:
             torch.save(payload, f)
 
     def load(self, ctx: LoadContext) -> dict[str, Any]:
-        if ctx.saved_world_size != ctx.world_size:
-            raise ValueError(f"checkpoint {ctx.step_dir} was saved by {ctx.saved_world_size} ranks, this job "
-                             f"has {ctx.world_size}: the torch backend cannot reshard (use backend='dcp')")
-        return safe_load(ctx.step_dir / shard_name(ctx.rank), ctx.safe_globals)
+        return safe_load(ctx.step_dir / shard_name(ctx.part_rank), ctx.safe_globals)
