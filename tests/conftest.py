@@ -65,6 +65,12 @@ def _refuse_processes_in_fast_tests(event: str, args: tuple) -> None:
 
 sys.addaudithook(_refuse_processes_in_fast_tests)
 
+# pytest rewrites each test module's asserts and caches the result as bytecode; under PYTHONDONTWRITEBYTECODE=1 (set
+# in many containers, this one included) nothing is cached and every run rewrites every module again: 8 of the
+# fast tier's 11 s of collection here. The suite writes its own bytecode (git ignores __pycache__); the processes
+# tests start keep the environment they were given.
+sys.dont_write_bytecode = False
+
 
 def is_e2e(path: Path) -> bool:
     return path.name.endswith(E2E_SUFFIX)

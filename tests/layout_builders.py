@@ -116,15 +116,19 @@ def mcore_dist_template() -> Path:
     """One MCore dist checkpoint, saved once per test session and copied into every tree."""
     global _TEMPLATE, MCORE_REAL
     if _TEMPLATE is None:
-        target = Path(tempfile.mkdtemp(prefix="rlsup-mcore-tpl-")) / "dist"
-        try:
-            mcore_save(target)
-            MCORE_REAL = True
-        except ImportError:
-            shutil.rmtree(target, ignore_errors=True)
-            _fake_mcore(target)
-            MCORE_REAL = False
-        _TEMPLATE = target
+        from support.template_cache import cached, version_of
+
+        def build(into: Path) -> None:
+            try:
+                mcore_save(into / "dist")
+                (into / "real").write_text("")
+            except ImportError:
+                shutil.rmtree(into / "dist", ignore_errors=True)
+                _fake_mcore(into / "dist")
+
+        # kept between runs (support.template_cache): the real save imports megatron-core and costs seconds
+        saved = cached(f"mcore-dist_{version_of('megatron-core', 'torch')}", build)
+        MCORE_REAL, _TEMPLATE = (saved / "real").is_file(), saved / "dist"
     return _TEMPLATE
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import os
 import shutil
 import sys
-import tempfile
 import warnings
 from pathlib import Path
 
@@ -36,21 +35,25 @@ def ckpt_template() -> Path:
     """One real Lightning ``.ckpt`` (2 training steps, then ``Trainer.save_checkpoint``), made once."""
     global _TEMPLATE
     if _TEMPLATE is None:
-        import lightning as L
-        from torch.utils.data import DataLoader, TensorDataset
+        from support.template_cache import cached, version_of
 
-        sys.path.insert(0, str(JOB.parent))
-        from lightning_train_job import Tiny
+        def build(into: Path) -> None:
+            import lightning as L
+            from torch.utils.data import DataLoader, TensorDataset
 
-        out = Path(tempfile.mkdtemp(prefix="rlsup-light-tpl-")) / "template.ckpt"
-        data = TensorDataset(torch.randn(8, 4), torch.randn(8, 1))
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, enable_progress_bar=False, logger=False,
-                                enable_model_summary=False, enable_checkpointing=False)
-            trainer.fit(Tiny(), DataLoader(data, batch_size=4))
-            trainer.save_checkpoint(out)
-        _TEMPLATE = out
+            sys.path.insert(0, str(JOB.parent))
+            from lightning_train_job import Tiny
+
+            data = TensorDataset(torch.randn(8, 4), torch.randn(8, 1))
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, enable_progress_bar=False,
+                                    logger=False, enable_model_summary=False, enable_checkpointing=False)
+                trainer.fit(Tiny(), DataLoader(data, batch_size=4))
+                trainer.save_checkpoint(into / "template.ckpt")
+
+        # kept between runs (support.template_cache): the real save imports Lightning and trains, seconds
+        _TEMPLATE = cached(f"lightning-ckpt_{version_of('lightning', 'torch')}", build) / "template.ckpt"
     return _TEMPLATE
 
 

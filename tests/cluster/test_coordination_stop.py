@@ -28,11 +28,9 @@ from supervisor.cluster.coordinator import (
     JobClash,
     RoundCoordinator,
     compute_plan,
-    connect_store,
     embedded_coordinator,
 )
 from supervisor.job_identity import JobIdentity
-from supervisor.cluster.kvstore import TCPKVStore
 from supervisor.lifecycle import EndReason, JobStatus
 from supervisor.membership import Membership
 from supervisor.cluster.node_run import NodeRun
@@ -135,20 +133,6 @@ def test_the_round_waits_plan_fetch_and_ready() -> None:
     assert_stopped(ends_with(lambda: member.wait_all_ready(0)), "node 0 to see all nodes ready for attempt 0")
 
 
-def test_the_connect_to_a_store_nobody_hosts_yet_and_the_wait_for_its_claim() -> None:
-    stop = StopWhenWaiting("to answer", at=2)  # each look is a connect of up to CONNECT_SLICE_S
-    e = ends_with(lambda: connect_store("127.0.0.1", free_port(), TIMEOUT_S, stop))
-    assert_stopped(e, "the coordination store TCPStore 127.0.0.1:")
-    stop = StopWhenWaiting("to answer", at=2)
-    e = ends_with(lambda: node(free_port(), 1, stop))  # embedded_coordinator's first connect
-    assert_stopped(e, "(node 0) to answer")
-    port = free_port()
-    unclaimed = TCPKVStore("127.0.0.1", port, True, 10)  # a store whose node 0 has not said whose it is yet
-    stop = StopWhenWaiting("node 0 to claim the coordination store")
-    assert_stopped(ends_with(lambda: node(port, 1, stop)), "node 0 to claim the coordination store")
-    unclaimed.close()
-
-
 def test_the_reconnect_wait_after_node_0_is_lost() -> None:
     port = free_port()
     leader = node(port, 0, nodes=1)
@@ -165,29 +149,6 @@ def test_a_stop_asked_before_a_wait_ends_it_before_its_first_look() -> None:
     stop.ask(signal.SIGINT)
     leader = node(free_port(), 0, stop)
     assert_stopped(ends_with(lambda: leader.join(0)), "every node to join", 128 + signal.SIGINT)
-
-
-def test_a_peer_that_refused_for_a_clash_ends_the_join_waits_as_a_clash() -> None:
-    port = free_port()
-    leader = node(port, 0, nodes=3)
-    member = node(port, 1, nodes=3)
-    waiting = [ends_with_later(lambda: leader.join(0)), ends_with_later(lambda: member.join(0))]
-    refused = node(port, 2, nodes=3)  # node 2 reached the store, then refused (its state_dir is another job's)
-    refused.abort("node 2 refused to start: state_dir /x/.rlsup is in use by rlsup job 'other'", clash=True)
-    for result in waiting:
-        e = result()
-        assert isinstance(e, JobClash), repr(e)
-        assert "node 2 refused to start" in str(e) and "in use by rlsup job 'other'" in str(e), str(e)
-
-
-def test_a_plain_abort_ends_a_wait_as_a_coordination_error() -> None:
-    port = free_port()
-    leader = node(port, 0)
-    result = ends_with_later(lambda: leader.join(0))
-    node(port, 1).abort("node 1: gave up")
-    e = result()
-    assert isinstance(e, CoordinationError) and not isinstance(e, JobClash), repr(e)
-    assert "aborted: node 1: gave up" in str(e)
 
 
 def ends_with_later(wait: Callable[[], object]) -> Callable[[], BaseException]:
@@ -252,28 +213,6 @@ def test_a_stop_in_a_round_is_recorded_as_a_stop_and_ends_the_attempt_for_the_ot
     (incident,) = result.incidents
     assert incident.reason == EndReason.STOPPED and "(SIGTERM) while waiting for the plan of attempt 0" in incident.detail
     assert "node 1: rlsup was asked to stop (SIGTERM)" in (leader.ended(0) or "")
-
-
-def test_a_round_that_times_out_is_recorded_as_given_up(tmp_path: Path) -> None:
-    """Node 1's loop (as above) with a 1 s rendezvous timeout: node 0 joins and never plans. The run ends
-    with the coordination error the command line reports (exit 1), and state.json says the run gave up
-    with that code: a later start must not take it for an rlsup that died mid-attempt."""
-    import json
-
-    port = free_port()
-    leader = node(port, 0)
-    peers = ("127.0.0.1:1", "127.0.0.1:2")
-    cfg = SupervisorConfig(checkpoint_dir=str(tmp_path / "ckpt"), state_dir=str(tmp_path / "state"), metrics_port=0,
-                           poll_interval=0.005, warm_launcher=False, peers=list(peers), node_rank=1)
-    sup = NodeRun.from_config(cfg, ["train"], Membership(peers, 1), OneNodeEngine(),  # type: ignore[arg-type]
-                              Recorder(), job=JOB, processes=FakeProcesses(),  # type: ignore[arg-type]
-                              connect=lambda stop: embedded_coordinator("127.0.0.1", port, JOB, SECRET, 1, 2, 1.0,
-                                                                        stop))
-    threading.Thread(target=lambda: leader.join(0), daemon=True).start()  # node 0 joins, then never plans
-    with pytest.raises(CoordinationError, match="timed out after 1s waiting for the plan of attempt 0"):
-        sup.run()
-    state = json.loads((tmp_path / "state" / "state.json").read_text())
-    assert (state["state"], state["exit_code"]) == ("gave_up", exit_codes.FAILED), state
 
 
 @pytest.mark.parametrize("running", [False, True])

@@ -106,13 +106,6 @@ def test_rounds_end_and_rejoin_through_real_store() -> None:
         leader.join()
 
 
-def test_missing_node_times_out_naming_it() -> None:
-    leader = node(free_port(), 0, timeout_s=0.5)
-    leader.publish_inventory(0, NodeInventory(0))
-    with pytest.raises(CoordinationError, match="inv/0/1"):
-        leader.inventories(0)
-
-
 # ------------------------------------------------------------------------ the persistent tier as a holder
 
 def tier(steps: dict) -> dict[int, TierOffer]:

@@ -9,10 +9,17 @@ from __future__ import annotations
 
 
 
+
 from supervisor.tiers.holdings import NodeInventory
 from supervisor.cluster.coordinator import PeerLost
 from support.ports import free_ports
-from test_first_round_liveness import in_thread, joined
+from typing import Callable
+from support.waits import wait_for
+from support import waits
+from supervisor.cluster.coordinator import RoundCoordinator, compute_plan, embedded_coordinator
+from supervisor.job_identity import JobIdentity
+from supervisor.cluster.liveness import Beat
+from supervisor.cluster.signed_keys import AbortKind, AbortNotice
 
 
 def test_node_0_lost_in_the_first_round_ends_the_reconnect_wait_within_the_lapse() -> None:
@@ -29,4 +36,78 @@ def test_node_0_lost_in_the_first_round_ends_the_reconnect_wait_within_the_lapse
     assert isinstance(e, PeerLost), repr(e)
     assert "node 0 hosted the coordination store" in str(e) and "before the job's first attempt" in str(e), str(e)
 
+
+JOB = JobIdentity("job-l", "test")
+
+
+SECRET = b"0123456789abcdef-liveness"
+
+
+TIMEOUT_S = 300.0  # rendezvous_timeout: never waited out here
+
+
+REFRESH_S, LAPSE_S = 0.05, 0.5
+
+
+PROMPT_S = 30.0  # the deadline on each wait's end (a thread join), far below TIMEOUT_S
+
+
+def node(port: int, rank: int, nodes: int = 3) -> RoundCoordinator:
+    c = embedded_coordinator("127.0.0.1", port, JOB, SECRET, rank, nodes, TIMEOUT_S)
+    c.refresh_s, c.lapses.lapse_s = REFRESH_S, LAPSE_S
+    return c
+
+
+def in_thread(call: Callable[[], object]) -> Callable[[], object]:
+    return waits.in_thread(call, PROMPT_S)
+
+
+def joined(port: int) -> list[RoundCoordinator]:
+    """Three nodes through their first join (attempt 0), each beating."""
+    nodes = [node(port, rank) for rank in range(3)]
+    joins = [in_thread(lambda c=c: c.join(0)) for c in nodes]
+    assert [j() for j in joins] == [0, 0, 0]
+    assert all(c.first_round and c.beat is not None and c.beat.running for c in nodes)
+    return nodes
+
+
+def seq_seen(watcher: RoundCoordinator, node: int) -> int:
+    seen = watcher.lapses.seen.get(node)
+    beat = Beat.from_payload(seen[0]) if seen else None
+    return beat.seq if beat else 0
+
+
+def test_a_node_dead_after_its_join_ends_the_first_round_for_the_others() -> None:
+    (port,) = free_ports(1)
+    leader, member, dead = joined(port)
+    dead.beat.stop()  # node 2's process is gone: its beat stops, its inventory never comes
+    leader.publish_inventory(0, NodeInventory(0))
+    member.publish_inventory(0, NodeInventory(1))
+    waits = [in_thread(lambda: leader.inventories(0)), in_thread(lambda: member.plan(0))]
+    for wait in waits:
+        e = wait()
+        assert isinstance(e, PeerLost), repr(e)
+        assert "node 2 (host " in str(e) and "liveness beat stopped" in str(e), str(e)
+        assert "before the job's first attempt" in str(e), str(e)
+    abort = leader.keys.get("abort")
+    assert abort is not None and AbortNotice.from_payload(abort.payload).kind is AbortKind.PEER_LOST
+
+
+def test_a_slow_node_whose_beat_goes_on_is_never_failed() -> None:
+    (port,) = free_ports(1)
+    leader, member, slow = joined(port)
+    leader.publish_inventory(0, NodeInventory(0))
+    member.publish_inventory(0, NodeInventory(1))
+    inventories = in_thread(lambda: leader.inventories(0))
+    plan = in_thread(lambda: member.plan(0))
+    start = seq_seen(leader, 2)
+    beats_in_3_lapses = int(3 * LAPSE_S / REFRESH_S)
+    wait_for(lambda: seq_seen(leader, 2) >= start + beats_in_3_lapses, PROMPT_S,
+             "node 0 to watch node 2's beat for three lapses while node 2 is busy elsewhere")
+    slow.publish_inventory(0, NodeInventory(2))
+    got = inventories()
+    assert isinstance(got, list) and len(got) == 3, got
+    leader.publish_plan(compute_plan(0, got))
+    assert plan().attempt == 0
+    assert leader.keys.get("abort") is None
 

@@ -4,6 +4,7 @@ socket is there). Real sockets and a real embedded store (torch TCPStore), in pr
 
 from __future__ import annotations
 
+
 import signal
 import socket
 import time
@@ -13,7 +14,9 @@ from supervisor.settings_vocabulary import REFUSED_FOR_S
 from supervisor.cluster.spares import Roster, SpareWatch, try_claim
 from supervisor.stop_request import StopRequest
 from support.ports import free_port
-from test_spare_probe import listening, lost_within, round_missing_node_2
+from supervisor.cluster.coordinator import RoundCoordinator, embedded_coordinator
+from supervisor.cluster.endpoint_probe import EndpointProbe, connect_refused
+from supervisor.job_identity import JobIdentity
 
 
 def test_a_missing_node_whose_endpoint_accepts_waits_for_the_window() -> None:
@@ -66,3 +69,84 @@ def test_a_spare_that_just_claimed_a_rank_is_not_taken_for_gone() -> None:
     lost, after = lost_within(watch, 10.0)
     assert lost == (2, 1) and after >= 1.2, (lost, after)
     del host
+
+
+JOB = JobIdentity("job-spare-probe", "test")
+
+
+SECRET = b"0123456789abcdef-shared"
+
+
+def listening() -> socket.socket:
+    """An endpoint whose process is there but never answers (as a SIGSTOPped rlsup: the kernel still accepts)."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen(8)
+    return s
+
+
+def round_missing_node_2(roster: Roster) -> tuple[RoundCoordinator, RoundCoordinator]:
+    """Attempt 0 ended; nodes 0 and 1 are in the next round, node 2 is not."""
+    port = free_port()
+    host = embedded_coordinator("127.0.0.1", port, JOB, SECRET, 0, roster.job_size, 10)
+    spare = embedded_coordinator("127.0.0.1", port, JOB, SECRET, 3, roster.job_size, 10)
+    host.keys.set("base", "0")
+    host.publish_inventory(1, NodeInventory(0, {}))
+    host.end(0, "node 2 lost")
+    host.keys.set("inv/1/1", NodeInventory(1, {}).to_json())
+    return host, spare
+
+
+def lost_within(watch: SpareWatch, deadline_s: float) -> tuple[tuple[int, int] | None, float]:
+    start = time.monotonic()
+    while time.monotonic() - start < deadline_s:
+        if (lost := watch.lost_slot()) is not None:
+            return lost, time.monotonic() - start
+        time.sleep(0.05)
+    return None, time.monotonic() - start
+
+
+def test_a_refused_endpoint_is_gone_and_a_listening_one_is_not() -> None:
+    alive = listening()
+    with alive:
+        assert not connect_refused(f"127.0.0.1:{alive.getsockname()[1]}")
+    assert connect_refused(f"127.0.0.1:{free_port()}")
+    assert not connect_refused("127.0.0.1:not-a-port")  # malformed: silence, never evidence
+    probe = EndpointProbe()
+    dead = f"127.0.0.1:{free_port()}"
+    assert not probe.gone(dead)  # one probe started, none answered yet
+    deadline = time.monotonic() + 10
+    while not probe.gone(dead):
+        assert time.monotonic() < deadline, "a refused endpoint was never called gone"
+        time.sleep(0.05)
+
+
+def test_a_missing_node_whose_endpoint_refuses_is_taken_at_once() -> None:
+    """Without the probe the spare would wait the 30 s window: it must claim within a few seconds."""
+    roster = Roster(("127.0.0.1:1", "127.0.0.1:1", f"127.0.0.1:{free_port()}", "127.0.0.1:1"), spares=1)
+    host, spare = round_missing_node_2(roster)
+    watch = SpareWatch(spare, roster, 3, takeover_s=30.0, stop=StopRequest(signal.SIGUSR1))
+    lost, after = lost_within(watch, 10.0)
+    assert lost == (2, 0)
+    assert after >= REFUSED_FOR_S  # one refusal is a moment: the run of refusals must last
+    del host
+
+
+def test_one_refusal_then_silence_is_not_gone() -> None:
+    """Review finding: a refusal followed by a probe that hangs (a lost SYN, a stalled lookup) read as 'refused
+    for 0.5 s'. Silence suspends the verdict, and a few refusals in a row are needed."""
+    answers = iter([True])
+
+    def check(endpoint: str) -> bool:
+        refused = next(answers, None)
+        if refused is None:
+            time.sleep(2.0)  # silence: the probe hangs
+            return False
+        return refused
+
+    probe = EndpointProbe(check=check)
+    deadline = time.monotonic() + 1.0
+    while time.monotonic() < deadline:
+        assert not probe.gone("h:1")
+        time.sleep(0.05)
+

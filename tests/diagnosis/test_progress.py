@@ -337,15 +337,3 @@ def test_the_examples_are_lines_the_trainers_printed(name: str, capture: str) ->
     assert PRESETS[name].example in segments
 
 
-def test_progress_from_output_runs_the_job_unbuffered_unless_the_user_chose(tmp_path: Path,
-                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    """print() into a pipe is block-buffered: nanoGPT's lines would arrive in 8 KB bursts."""
-    from support.fake_run_loop import Attempt, make
-
-    monkeypatch.delenv("PYTHONUNBUFFERED", raising=False)
-    for progress, user, want in (("nanogpt", None, "1"), ("", None, None), ("nanogpt", "0", "0")):
-        if user is not None:
-            monkeypatch.setenv("PYTHONUNBUFFERED", user)
-        sup, layer, _ = make(tmp_path / f"{progress}{user}", Attempt(exit_code=0), progress=progress)
-        sup.run()
-        assert layer.jobs[0].env.get("PYTHONUNBUFFERED") == want

@@ -4,6 +4,7 @@ learned timeout, with py-spy stacks in the incident, and restarted. Real process
 
 from __future__ import annotations
 
+
 import json
 import sys
 import urllib.request
@@ -149,4 +150,17 @@ def test_a_bar_redrawn_at_a_stuck_step_is_caught_as_a_hang(workdir: Path) -> Non
     silent, timeout = _silence(inc["detail"])
     assert timeout == 2.0 and timeout <= silent < timeout + 1.5, inc["detail"]
 
+
+def test_progress_from_output_runs_the_job_unbuffered_unless_the_user_chose(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """print() into a pipe is block-buffered: nanoGPT's lines would arrive in 8 KB bursts."""
+    from support.fake_run_loop import Attempt, make
+
+    monkeypatch.delenv("PYTHONUNBUFFERED", raising=False)
+    for progress, user, want in (("nanogpt", None, "1"), ("", None, None), ("nanogpt", "0", "0")):
+        if user is not None:
+            monkeypatch.setenv("PYTHONUNBUFFERED", user)
+        sup, layer, _ = make(tmp_path / f"{progress}{user}", Attempt(exit_code=0), progress=progress)
+        sup.run()
+        assert layer.jobs[0].env.get("PYTHONUNBUFFERED") == want
 

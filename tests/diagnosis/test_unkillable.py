@@ -201,28 +201,6 @@ def test_a_forked_call_raises_what_failed_and_an_unpicklable_value_is_an_error()
         run_forked(lambda: threading.Lock(), "test-pass")
 
 
-def test_a_forked_call_that_never_returns_is_left_behind_named_and_its_thread_is_free() -> None:
-    """A forked bounded call past its deadline: the caller goes on with the default, the child stays listed (pid,
-    label, what it does) until it ends, and the thread that waited for it only ever read a pipe."""
-    import signal
-    import time
-
-    from supervisor.bounded_calls import left_behind, note
-
-    calls = BoundedCalls("reading /ckpt (test)", 0.5, forked=True)
-
-    def stuck() -> None:
-        note("listing /ckpt")
-        time.sleep(60)
-
-    assert calls.call(stuck, "default") == "default" and calls.blocked_since is not None
-    left = wait_for(lambda: [h for h in left_behind() if h["label"] == "reading /ckpt (test)"], 10, "the child")
-    assert left[0]["doing"] == "listing /ckpt" and left[0]["state"] in ("S", "R"), left
-    os.kill(left[0]["pid"], signal.SIGKILL)
-    wait_for(lambda: calls.blocked_since is None, 10, "the blocked call to be over once its child ended")
-    wait_for(lambda: not [h for h in left_behind() if h["label"] == "reading /ckpt (test)"], 10, "the child reaped")
-
-
 _FORK_WATCH: list = []  # set while the registration test runs: its at-fork hook (os.register_at_fork stays)
 
 
@@ -234,34 +212,3 @@ def _after_fork_in_parent() -> None:
 os.register_at_fork(after_in_parent=_after_fork_in_parent)
 
 
-def test_a_forked_call_is_one_of_rlsups_own_before_anyone_can_list_it() -> None:
-    """process_tree takes a child of rlsup's that it did not start for a member of the job unless child_pids()
-    names it: the child is registered before any other thread can list it (the fork happens under the lock
-    child_pids() takes). Here a thread lists rlsup's children right after the fork, before run_forked goes on."""
-    import psutil
-
-    from supervisor.bounded_calls import child_pids, run_forked
-
-    seen: list[tuple[set[int], set[int]]] = []
-    listed = threading.Event()
-
-    def look() -> None:
-        children = {c.pid for c in psutil.Process().children()}
-        seen.append((children, child_pids()))
-        listed.set()
-
-    def hook() -> None:
-        _FORK_WATCH.clear()
-        threading.Thread(target=look, daemon=True).start()
-        listed.wait(0.5)  # the forking thread holds on here (where a pid is listed and not yet registered)
-
-    before = {c.pid for c in psutil.Process().children()}
-    _FORK_WATCH.append(hook)
-    try:
-        run_forked(lambda: listed.wait(2), "test-pass")  # the child's copy of ``listed`` is never set: 2 s
-    finally:
-        _FORK_WATCH.clear()
-    wait_for(lambda: seen, 10, "the listing thread")
-    children, own = seen[0]
-    new = children - before
-    assert new and new <= own, (new, own)

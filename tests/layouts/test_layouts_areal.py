@@ -10,22 +10,6 @@ from layout_builders import areal_info, areal_recover, dcp_save, largest, trunca
 from supervisor import layouts
 
 
-def test_complete_recover_checkpoint(tmp_path: Path) -> None:
-    areal_recover(tmp_path, 40, roles=("default", "critic"))
-    assert layouts.detect_layout(tmp_path) == "areal"
-    rec = layouts.latest_valid(tmp_path)
-    assert rec is not None and rec.step == 40 and rec.path == tmp_path
-    assert layouts.verify_path(tmp_path).valid
-
-
-def test_torn_dcp_metadata_means_nothing_valid(tmp_path: Path) -> None:
-    areal_recover(tmp_path, 40)
-    truncate(tmp_path / "default" / "recover_checkpoint" / ".metadata", 0.5)
-    assert layouts.latest_valid(tmp_path) is None
-    (rec,) = layouts.scan(tmp_path)
-    assert "only copy" in rec.reason
-
-
 def test_missing_dcp_metadata_and_truncated_shard(tmp_path: Path) -> None:
     areal_recover(tmp_path, 40, roles=("default", "critic"))
     truncate(largest(tmp_path / "critic" / "recover_checkpoint", "*.distcp"), 0.5)

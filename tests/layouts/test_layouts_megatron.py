@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import layout_builders as lb
-from layout_builders import largest, megatron_iter, truncate, write_tracker
+from layout_builders import megatron_iter, truncate, write_tracker
 
 from supervisor import layouts
 
@@ -14,32 +14,6 @@ from supervisor import layouts
 @pytest.fixture(scope="module", autouse=True)
 def template() -> Path:
     return lb.mcore_dist_template()
-
-
-def test_template_files_are_what_mcore_writes(template: Path) -> None:
-    names = {p.name for p in template.iterdir()}
-    assert {"metadata.json", "common.pt", ".metadata"} <= names and any(n.endswith(".distcp") for n in names)
-    if not lb.MCORE_REAL:
-        pytest.skip("megatron-core not installed: tree built from DCP + MCore's metadata.json/common.pt")
-
-
-def test_core_complete_partial_truncated(tmp_path: Path) -> None:
-    megatron_iter(tmp_path, 100)
-    i200 = megatron_iter(tmp_path, 200)
-    i300 = megatron_iter(tmp_path, 300)
-    i400 = megatron_iter(tmp_path, 400)
-    (i200 / "metadata.json").unlink()           # killed before MCore's last file
-    truncate(largest(i300, "*.distcp"), 0.5)   # shard cut short
-    truncate(i400 / "common.pt", 0.5)
-    assert layouts.detect_layout(tmp_path) == "megatron"
-    recs = {r.step: r for r in layouts.scan(tmp_path)}
-    assert recs[100].valid
-    assert "metadata.json missing" in recs[200].reason
-    assert "truncated" in recs[300].reason
-    assert "common.pt" in recs[400].reason
-    assert layouts.latest_valid(tmp_path).step == 100
-    st = layouts.tracker_status(tmp_path)
-    assert st.step == 400 and st.step_valid is False and st.newest_valid_step == 100
 
 
 def test_core_missing_dcp_metadata(tmp_path: Path) -> None:

@@ -4,15 +4,15 @@
 
 from __future__ import annotations
 
+import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Iterator
 
 import pytest
 import layout_builders as lb
 import source_builders as sb
+from support.template_cache import cached, version_of
 
 from supervisor import layouts
 from supervisor.layouts import nemo
@@ -23,14 +23,18 @@ B_LAST = sb.nemo_name(2, last=True)
 
 @pytest.fixture(scope="module", autouse=True)
 def mcore_template() -> Iterator[Path]:
-    """One real megatron-core save, its file operations recorded; every tree replays it."""
-    target = Path(tempfile.mkdtemp(prefix="rlsup-nemo-mcore-")) / "weights"
-    ops = sb.run_ops(target.parent, lambda: lb.mcore_save(target, seed=1))
+    """One real megatron-core save, its file operations recorded; every tree replays it. Kept between runs
+    (support.template_cache): the save imports megatron-core and costs seconds."""
+    def build(into: Path) -> None:
+        ops = sb.run_ops(into, lambda: lb.mcore_save(into / "weights", seed=1))
+        (into / "events.json").write_text(json.dumps([[e, [Path(q).name for q in paths]] for e, paths in ops.events]))
+
+    saved = cached(f"nemo-mcore-save_{version_of('megatron-core', 'torch')}", build)
+    target = saved / "weights"
     os.environ[sb.MCORE_TEMPLATE_ENV] = str(target)
-    _REAL_MCORE_EVENTS[:] = ops.events
+    _REAL_MCORE_EVENTS[:] = [(e, tuple(paths)) for e, paths in json.loads((saved / "events.json").read_text())]
     yield target
     os.environ.pop(sb.MCORE_TEMPLATE_ENV, None)
-    shutil.rmtree(target.parent, ignore_errors=True)
 
 
 _REAL_MCORE_EVENTS: list[tuple[str, tuple[str, ...]]] = []

@@ -147,9 +147,9 @@ def _defined_private(tree: ast.Module) -> set[str]:
     return {n for n in names if _private(n)}
 
 
-def private_uses(source: str) -> list[tuple[int, str]]:
-    """(line, expression) of each use of another module's private name in ``source``."""
-    tree = ast.parse(source)
+def private_uses(source: str | ast.Module) -> list[tuple[int, str]]:
+    """(line, expression) of each use of another module's private name in ``source`` (text, or its parsed tree)."""
+    tree = ast.parse(source) if isinstance(source, str) else source
     own = _defined_private(tree)
     found = []
     for node in ast.walk(tree):
@@ -177,7 +177,7 @@ class A:
 
 
 def test_no_private_name_used_across_modules() -> None:
-    uses = {(str(p.relative_to(ROOT)), what): line for p in _modules() for line, what in private_uses(_source(p))}
+    uses = {(str(p.relative_to(ROOT)), what): line for p in _modules() for line, what in private_uses(_tree(p))}
     new = sorted(f"{path}:{line} {what}" for (path, what), line in uses.items()
                  if (path, what) not in FOREIGN_PRIVATE_ALLOWED and (path, what) not in KNOWN_PRIVATE_USES)
     assert not new, "another module's private name used (make it public where it lives, or use what is public):\n" \
@@ -211,9 +211,10 @@ ENV_NAME = re.compile(r"RLSUP_[A-Z][A-Z0-9_]*")
 ENV_SPELLED_BY_HAND = ("supervisor/launch/warm_rank.py", "supervisor/launch/warm_pool.py")
 
 
-def env_name_literals(source: str) -> list[tuple[int, str]]:
-    """(line, name) of each string constant in ``source`` that is an ``RLSUP_*`` variable name."""
-    return [(node.lineno, node.value) for node in ast.walk(ast.parse(source))
+def env_name_literals(source: str | ast.Module) -> list[tuple[int, str]]:
+    """(line, name) of each string constant in ``source`` (text, or its parsed tree) that is an ``RLSUP_*`` name."""
+    tree = ast.parse(source) if isinstance(source, str) else source
+    return [(node.lineno, node.value) for node in ast.walk(tree)
             if isinstance(node, ast.Constant) and isinstance(node.value, str) and ENV_NAME.fullmatch(node.value)]
 
 
@@ -230,7 +231,7 @@ b = f"n{os.environ.get('RLSUP_NODE_RANK', '0')}"
 
 
 def test_env_names_come_from_rlsup_format_job_env() -> None:
-    spelled = {str(p.relative_to(ROOT)): env_name_literals(_source(p)) for p in _modules()}
+    spelled = {str(p.relative_to(ROOT)): env_name_literals(_tree(p)) for p in _modules()}
     offenders = sorted(f"{path}:{line} {name}" for path, found in spelled.items()
                        if path != ENV_HOME and path not in ENV_SPELLED_BY_HAND for line, name in found)
     assert not offenders, "RLSUP_* names spelled by hand (use rlsup_format.job_env):\n" + "\n".join(offenders)

@@ -52,15 +52,6 @@ def restart(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, between: Callable[[
     return restart_counts, layer
 
 
-@pytest.mark.parametrize("quarantine", [False, True], ids=["plain", "quarantine_invalid"])
-def test_a_restart_hashes_the_chosen_step_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, quarantine: bool) -> None:
-    """The marker verified step 10; preparing (and, with quarantine_invalid, looking for torn steps above it) reuses
-    its checksums: each of its files is hashed once in the restart, and attempt 1 resumes from it."""
-    counts, layer = restart(tmp_path, monkeypatch, quarantine_invalid=quarantine)
-    assert counts == Counter({name: 1 for name in STEP_10})
-    assert layer.jobs[1].env["RLSUP_RESUME_STEP"] == "10"
-
-
 def test_a_step_changed_between_deciding_and_preparing_is_verified_again(tmp_path: Path,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """Rank 1's file of step 10 is rewritten in place during the backoff (same size, other bytes): preparing hashes

@@ -216,25 +216,3 @@ def test_a_pass_forked_while_a_fetch_holds_the_lock_completes_once_it_is_release
         tier.stop(timeout=5)
 
 
-def test_protect_during_a_forked_pass_waits_for_it_and_is_not_undone_by_its_copy_back(tmp_path: Path) -> None:
-    """A restore protects the step it is about to fetch while a pass is copying: the pass's retention read the
-    protected step when it was forked, so protect() returns once that pass (and its copy-back) is over; what it
-    set is not among what a pass copies back, so the next retention sees it."""
-    import threading
-
-    from supervisor.bounded_calls import child_pids
-
-    local, dest = tmp_path / "local", tmp_path / "persistent"
-    save_steps(local, [1])
-    tier = PersistentTier(dest, keep_last=1, source=local, bandwidth=2e6)
-    assert tier._loop.call(tier.poll) == 1
-    save_steps(local, [2], size=1_000_000)  # ~4 MB at 2 MB/s: a pass of about 2 s
-    before = child_pids()
-    passing = threading.Thread(target=lambda: tier._loop.call(tier.poll), daemon=True)
-    passing.start()
-    wait_for(lambda: child_pids() - before, 20, "the pass to be forked")
-    tier.protect(2)
-    assert not passing.is_alive(), "protect() returned while a pass with the old protected step was running"
-    assert tier._protected == {2} and tier._retained_protect != tier._protect_changes  # retention is due
-    assert tier._loop.call(tier.poll) is None and tier._retained_protect == tier._protect_changes
-    assert tier.steps() == [2]

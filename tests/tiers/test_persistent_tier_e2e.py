@@ -4,6 +4,7 @@ from the persistent tier after the local checkpoint directory was wiped (bit-ide
 from __future__ import annotations
 
 
+
 import shutil
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from support.env import ROOT, clean_env
 from support.waits import wait_for
 from supervisor.tiers.persistent import PersistentTier
 from supervisor.tiers.selection import choose_across_tiers
+from test_persistent_tier import save_steps
 
 
 TRAIN = r"""
@@ -87,4 +89,27 @@ def test_wiped_local_resumes_from_persistent_bit_identical(tmp_path: Path) -> No
 
 # ------------------------------------------------------------ symlinks are never copied (issue #9)
 
+
+def test_protect_during_a_forked_pass_waits_for_it_and_is_not_undone_by_its_copy_back(tmp_path: Path) -> None:
+    """A restore protects the step it is about to fetch while a pass is copying: the pass's retention read the
+    protected step when it was forked, so protect() returns once that pass (and its copy-back) is over; what it
+    set is not among what a pass copies back, so the next retention sees it."""
+    import threading
+
+    from supervisor.bounded_calls import child_pids
+
+    local, dest = tmp_path / "local", tmp_path / "persistent"
+    save_steps(local, [1])
+    tier = PersistentTier(dest, keep_last=1, source=local, bandwidth=2e6)
+    assert tier._loop.call(tier.poll) == 1
+    save_steps(local, [2], size=1_000_000)  # ~4 MB at 2 MB/s: a pass of about 2 s
+    before = child_pids()
+    passing = threading.Thread(target=lambda: tier._loop.call(tier.poll), daemon=True)
+    passing.start()
+    wait_for(lambda: child_pids() - before, 20, "the pass to be forked")
+    tier.protect(2)
+    assert not passing.is_alive(), "protect() returned while a pass with the old protected step was running"
+    assert tier._protected == {2} and tier._retained_protect != tier._protect_changes  # retention is due
+    assert tier._loop.call(tier.poll) is None and tier._retained_protect == tier._protect_changes
+    assert tier.steps() == [2]
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 
 import pytest
@@ -11,8 +10,6 @@ import torch
 from trainer_hooks.backends import available_backends, get_backend
 from trainer_hooks.checkpoint import CheckpointManager
 from rlsup_format.manifest import latest_valid
-
-HAVE_MEGATRON = importlib.util.find_spec("megatron") is not None
 
 
 def job(seed: int):
@@ -91,42 +88,6 @@ def test_restore_uses_the_backend_recorded_in_the_manifest(tmp_path):
     dst = job(1)
     CheckpointManager(tmp_path, backend="torch").restore(dst)
     assert_same(src, dst)
-
-
-@pytest.mark.skipif(not HAVE_MEGATRON, reason="megatron-core not installed (pip install rlsup[megatron])")
-def test_megatron_backend_round_trip(tmp_path):
-    import torch.distributed as dist
-
-    path = round_trip(tmp_path, "megatron")
-    names = sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_file())
-    assert {"megatron/.metadata", "megatron/metadata.json", "megatron/common.pt"} <= set(names)
-    assert not dist.is_initialized()  # the temporary group is gone
-    assert torch.cuda.synchronize.__module__ == "torch.cuda"  # shims were scoped
-
-
-@pytest.mark.skipif(not HAVE_MEGATRON, reason="megatron-core not installed")
-def test_megatron_sharded_state_dict_objects(tmp_path):
-    from megatron.core.dist_checkpointing import ShardedTensor
-
-    class Shardy:
-        """Stands in for a Megatron module: exposes sharded_state_dict() with global keys."""
-
-        def __init__(self, value: float) -> None:
-            self.w = torch.full((2, 3), value)
-
-        def sharded_state_dict(self):
-            return {"w": ShardedTensor.from_rank_offsets("layer.w", self.w, replica_id=0)}
-
-        def state_dict(self):
-            return {"w": self.w}
-
-        def load_state_dict(self, sd):
-            self.w.copy_(sd["w"])
-
-    CheckpointManager(tmp_path, backend="megatron").save(1, {"m": Shardy(7.0), "n": 3})
-    state = {"m": Shardy(0.0), "n": 0}
-    CheckpointManager(tmp_path, backend="megatron").restore(state)
-    assert torch.equal(state["m"].w, torch.full((2, 3), 7.0)) and state["n"] == 3
 
 
 def test_megatron_missing_gives_install_hint(monkeypatch):
