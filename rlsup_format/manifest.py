@@ -203,10 +203,14 @@ class StepReader(Protocol):
 class KnownDigests:
     """Checksums already computed for files whose identity (device, inode, size, mtime, ctime) has not changed
     since: one restart hashes a step's bytes once (supervisor.run.loop: deciding verifies, preparing reuses).
-    A file changed since, or written in the last :data:`RACY_S` seconds (an in-place rewrite could keep its
-    timestamp), is hashed again. Only checksums are remembered: manifests are read and compared every time."""
+    A file changed since is hashed again; so is one whose last write was less than :data:`RACY_S` before its hash
+    began: a rewrite in place right after the hash could land in the same tick of the kernel's coarse clock (at
+    most 10 ms) and keep every field of its identity. The rule is measured from the hash, not from the reuse: a
+    step saved just before a crash is still hashed once on the restart path (with a 2 s rule from the reuse it was
+    hashed twice: +45 ms of downtime in benchmarks/run.py's restart row). The ranks verify what they load in full
+    again. Only checksums are remembered: manifests are read and compared every time."""
 
-    RACY_S = 2.0
+    RACY_S = 0.05
 
     def __init__(self) -> None:
         self._digests: dict[tuple[int, ...], FileEntry] = {}
@@ -219,8 +223,9 @@ class KnownDigests:
     def get(self, st: os.stat_result) -> FileEntry | None:
         return self._digests.get(self.identity(st))
 
-    def put(self, st: os.stat_result, digest: FileEntry) -> None:
-        if st.st_mtime_ns / 1e9 < time.time() - self.RACY_S:
+    def put(self, st: os.stat_result, digest: FileEntry, hashed_from: float) -> None:
+        """Keep ``digest`` of the file ``st`` describes, hashed from wall-clock time ``hashed_from`` on."""
+        if st.st_mtime_ns / 1e9 < hashed_from - self.RACY_S:
             self._digests[self.identity(st)] = digest
 
     def forget(self) -> None:
@@ -266,12 +271,13 @@ def check_file(step_dir: str | os.PathLike, name: str, entry: FileEntry, full: b
         if full:
             actual = known.get(st) if known is not None else None
             if actual is None:
+                hashed_from = time.time()
                 try:
                     actual = hash_fd(fd)
                 except OSError as e:
                     return f"{name}: unreadable: {e.strerror or e}"
                 if known is not None and known.identity(os.fstat(fd)) == known.identity(st):  # unchanged meanwhile
-                    known.put(st, actual)
+                    known.put(st, actual, hashed_from)
             if actual.size != entry.size:
                 return f"{name}: size {actual.size} != {entry.size}"
             if actual.xxh3_128 != entry.xxh3_128:

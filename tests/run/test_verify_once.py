@@ -68,8 +68,9 @@ def test_a_step_changed_between_deciding_and_preparing_is_verified_again(tmp_pat
 def test_a_checksum_is_reused_only_for_a_file_unchanged_and_not_just_written(tmp_path: Path,
                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """An unchanged file is hashed once; one rewritten in place with its old mtime put back is hashed again (its
-    ctime moved), and so is one written in the last seconds (an in-place rewrite could keep its timestamp)."""
-    old, new = saved_step(tmp_path, 3, range(1), 1), saved_step(tmp_path, 4, range(1), 1, age_s=0.0)
+    ctime moved), and so is one last written as its hash began (an in-place rewrite could keep its timestamp: its
+    mtime is set half a second ahead here, so the rule holds however late the hash starts on a busy machine)."""
+    old, new = saved_step(tmp_path, 3, range(1), 1), saved_step(tmp_path, 4, range(1), 1, age_s=-0.5)
     known, counts = KnownDigests(), count_hashes(monkeypatch)
     for _ in range(2):
         assert verify_step_dir(old, known=known).valid and verify_step_dir(new, known=known).valid
