@@ -252,8 +252,11 @@ def async_write_scenario(parent: Path, ref_cache: Path, seed: int, world: int = 
     args = train_args(steps=steps, keep_last=keep_last)
     ref = reference_weights(ref_cache, world, args)
     ref_ckpt = reference_checkpoints(ref_cache, world, args)
+    # No fault here stops a rank, so nothing is meant to be caught by save_timeout; 15 s (RLSUP_FAST) was tripped
+    # once in CI by a rank waiting on its writer's write behind the other workers' I/O (a fourth incident, a
+    # save_timeout, beside three faults). Given more, a writer the harness failed to thaw is still caught.
     run = SupervisedRun(sb, [*async_launcher(world), *args, "--out", str(sb.run / "final.pt")],
-                        [*RLSUP_FAST, "--heartbeat-timeout", "6"])
+                        [*RLSUP_FAST, "--heartbeat-timeout", "6", "--save-timeout", "60"])
     inj = AsyncFaultInjector(run, world, steps, seed)
     if plan is None:
         plan = [(inj.rng.choice(ASYNC_KINDS), inj.rng.choice(ASYNC_MOMENTS)) for _ in range(n_faults)]
