@@ -1,5 +1,4 @@
-"""The end-to-end half of test_sd_notify.py (real processes, or waits on real time): supervisor.cli.sd_notify
-against real AF_UNIX datagram sockets (path and abstract namespace)."""
+"""supervisor.cli.sd_notify against real AF_UNIX datagram sockets (path and abstract namespace)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""The end-to-end half of test_layouts_areal.py (real processes, or waits on real time): aReaL's single,
-overwritten-in-place recover checkpoint."""
+"""AReaL's single, overwritten-in-place recover checkpoint."""
 
 from __future__ import annotations
 

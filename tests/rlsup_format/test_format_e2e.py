@@ -1,5 +1,4 @@
-"""The end-to-end half of test_format.py (real processes, or waits on real time): rlsup_format in-process: reserved
-names round-trip, the one leftover rule, the one retention rule."""
+"""rlsup_format in-process: reserved names round-trip, the one leftover rule, the one retention rule."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""The end-to-end half of test_checkpoint_manager.py (real processes, or waits on real time): checkpointManager:
-exact resume, retention safety, same-step rules, and SIGKILL at random moments."""
+"""CheckpointManager: exact resume, retention safety, same-step rules, and SIGKILL at random moments."""
 
 from __future__ import annotations
 
