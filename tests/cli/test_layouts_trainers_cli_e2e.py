@@ -1,9 +1,5 @@
-"""``rlsup checkpoints list|latest|verify`` and restart selection on every trainer layout of issue 18.
-
-Each layout's ``bench_tree`` (tests/*_builders.py, built from one real or source-derived save) makes a
-few steps with the newest one broken the way a killed save leaves it; the CLI, auto-detection and
-``choose_resume`` must all name the same older, complete step.
-"""
+"""The end-to-end half of test_layouts_trainers_cli.py (real processes, or waits on real time): ``rlsup checkpoints
+list|latest|verify`` and restart selection on every trainer layout of issue 18."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""supervisor.cli.sd_notify against real AF_UNIX datagram sockets (path and abstract namespace)."""
+"""The end-to-end half of test_sd_notify.py (real processes, or waits on real time): supervisor.cli.sd_notify
+against real AF_UNIX datagram sockets (path and abstract namespace)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-"""A job whose checkpoints rlsup cannot read is never harmed (issue 28): the run loop, in process.
-
-The rule (supervisor/run/progress_rule.py): with entries in checkpoint_dir that no layout reads, an attempt
-made progress when the trainer's own step passed the highest step an earlier attempt reached; incidents then
-say the steps lost are unknown instead of counting from scratch. An empty directory keeps the old rule: a
-job that fails before its first save, every time, is a crash loop.
-"""
+"""The end-to-end half of test_unreadable_checkpoints.py (real processes, or waits on real time): a job whose
+checkpoints rlsup cannot read is never harmed (issue 28): the run loop, in process."""
 
 from __future__ import annotations
 

@@ -1,12 +1,8 @@
-"""A stop asked while a node waits for the others ends the wait at once, in every wait of the coordination
-(in-process, through a real TCPStore): the connect to a store nobody hosts yet, node 0 waiting for the other
-nodes to join (a peer that never started), a node waiting for node 0 to open the first attempt, for the
-plan, for every node's fetch, for all to be ready, and the reconnect after node 0's store is lost. Also
-a node that refuses to start for a clash: its ``abort`` ends the others' waits, as a clash.
-
-The rendezvous timeout is 300 s everywhere; each wait must end within :data:`PROMPT_S`, a deadline on
-the wait (a thread join), never a timed assertion. The stop is asked from inside the wait, at its third
-poll (:class:`StopWhenWaiting`), so the test never guesses when the node is waiting."""
+"""The end-to-end half of test_coordination_stop.py (real processes, or waits on real time): a stop asked while a
+node waits for the others ends the wait at once, in every wait of the coordination (in-process, through a real
+TCPStore): the connect to a store nobody hosts yet, node 0 waiting for the other nodes to join (a peer that never
+started), a node waiting for node 0 to open the first attempt, for the plan, for every node's fetch, for all to be
+ready, and the reconnect after node 0's store is lost."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Attempt coordination through a real TCPStore, and the resume plan across nodes' inventories."""
+"""The end-to-end half of test_coordinator.py (real processes, or waits on real time): attempt coordination through
+a real TCPStore, and the resume plan across nodes' inventories."""
 
 from __future__ import annotations
 

@@ -1,10 +1,8 @@
-"""The job's first round (supervisor.cluster.liveness) across runs and errors, in-process: a requeued run in a store
-that outlives the job (a real etcd) is not ended by the previous run's ``abort`` or beats; rlsup's own error
-ends the job for every node as a give-up (exit 1), not as a lost node (75, requeued for ever); the run loop's
-watch of a peer's end makes one store call per poll where nothing can be reconnected (etcd).
-
-Lapses are shortened (:data:`LAPSE_S`); every wait ends within :data:`PROMPT_S` (a thread join, a deadline),
-never a timed assertion."""
+"""The end-to-end half of test_first_round_requeue.py (real processes, or waits on real time): the job's first
+round (supervisor.cluster.liveness) across runs and errors, in-process: a requeued run in a store that outlives the
+job (a real etcd) is not ended by the previous run's ``abort`` or beats; rlsup's own error ends the job for every
+node as a give-up (exit 1), not as a lost node (75, requeued for ever); the run loop's watch of a peer's end makes
+one store call per poll where nothing can be reconnected (etcd)."""
 
 from __future__ import annotations
 

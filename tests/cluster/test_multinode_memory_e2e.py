@@ -1,15 +1,5 @@
-"""The memory tier on several nodes (issue 16): each node's tier is one more place a part can be.
-
-Unit level: a node's tier holds only its own ranks' parts; the drainer copies them per part at the same
-steps on every node, applies ``memory_keep_last`` itself, offers every valid part to the plan, and a
-step is resumed in place only when all the node's parts are there.
-
-End to end: two node supervisors on 127.0.0.1 (each in its own directory, its memory tier a temporary
-directory standing for /dev/shm) around a 2-node torchrun job that saves every step. A rank SIGKILLed
-mid-run: both nodes resume from the newest step both hold in memory, in place. A node lost with its
-directories (memory tier included) and replaced by one with empty ones: the job resumes from disk and a
-peer's replica. Both end bit-identical to an uninterrupted run.
-"""
+"""The end-to-end half of test_multinode_memory.py (real processes, or waits on real time): the memory tier on
+several nodes (issue 16): each node's tier is one more place a part can be."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""deploy/grafana: the dashboard parses, ids are unique, it is what the generator writes, every
-expression passes promtool, and every rlsup_* name it uses is in a real scrape (and vice versa)."""
+"""The end-to-end half of test_deploy_grafana.py (real processes, or waits on real time): deploy/grafana: the
+dashboard parses, ids are unique, it is what the generator writes, every expression passes promtool, and every
+rlsup_* name it uses is in a real scrape (and vice versa)."""
 
 from __future__ import annotations
 

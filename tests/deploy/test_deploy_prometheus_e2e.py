@@ -1,5 +1,6 @@
-"""deploy/prometheus: the scrape config and alert rules pass promtool, the rules' unit tests pass (and
-fail when a rule is broken), every alert is tested, and every series the rules read is exported."""
+"""The end-to-end half of test_deploy_prometheus.py (real processes, or waits on real time): deploy/prometheus: the
+scrape config and alert rules pass promtool, the rules' unit tests pass (and fail when a rule is broken), every
+alert is tested, and every series the rules read is exported."""
 
 from __future__ import annotations
 

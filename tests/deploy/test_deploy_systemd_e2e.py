@@ -1,11 +1,6 @@
-"""systemd/: the units pass `systemd-analyze verify` with no warning at all, and say what rlsup needs
-(Type=notify with a watchdog, KillMode=mixed, a stop timeout above stop_grace, restart limits,
-hardening with explicit writable paths). systemd itself need not run: verify only loads the files.
-
-verify fails when ExecStart's binary does not exist, so the test copies each unit into a temporary
-directory with ExecStart's /usr/local/bin/rlsup rewritten to this environment's `rlsup` (the venv's
-console script next to sys.executable).
-"""
+"""The end-to-end half of test_deploy_systemd.py (real processes, or waits on real time): systemd/: the units pass
+`systemd-analyze verify` with no warning at all, and say what rlsup needs (Type=notify with a watchdog,
+KillMode=mixed, a stop timeout above stop_grace, restart limits, hardening with explicit writable paths)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
-"""Progress read from an unmodified trainer's output (issue 20): the presets read each trainer's real
-line, and a job that only prints verl-format progress and then freezes is caught as hung within the
-learned timeout, with py-spy stacks in the incident, and restarted. Real processes throughout."""
+"""The end-to-end half of test_progress.py (real processes, or waits on real time): progress read from an
+unmodified trainer's output (issue 20): the presets read each trainer's real line, and a job that only prints
+verl-format progress and then freezes is caught as hung within the learned timeout, with py-spy stacks in the
+incident, and restarted."""
 
 from __future__ import annotations
 

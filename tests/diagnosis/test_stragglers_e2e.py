@@ -1,6 +1,5 @@
-"""Stragglers (issue 19): a rank whose own work stays slower than its peers' is reported, with the
-metric and the alert. In-process through synthetic records first, then real: torchrun with four gloo
-ranks, one of them working 3x longer per step, scraped by rlsup's metrics and a real Prometheus."""
+"""The end-to-end half of test_stragglers.py (real processes, or waits on real time): stragglers (issue 19): a rank
+whose own work stays slower than its peers' is reported, with the metric and the alert."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""AReaL's single, overwritten-in-place recover checkpoint."""
+"""The end-to-end half of test_layouts_areal.py (real processes, or waits on real time): aReaL's single,
+overwritten-in-place recover checkpoint."""
 
 from __future__ import annotations
 

@@ -1,10 +1,7 @@
-"""DeepSpeed ``save_checkpoint`` trees (and OpenRLHF's ``_actor``/``_critic`` form), written by the real
-deepspeed on CPU and SIGKILLed between its files: rlsup picks a complete tag, DeepSpeed's ``latest``
-sometimes names a broken one, and ``repair_tracker`` points ``latest`` back at the chosen tag.
-
-The real runs (one process: ZeRO-1 saves of global_step1 and global_step2; a 2-rank torchrun whose
-rank 1 dies after rank 0 rewrote ``latest``) run once per module, two at a time.
-"""
+"""The end-to-end half of test_layouts_deepspeed.py (real processes, or waits on real time): deepSpeed
+``save_checkpoint`` trees (and OpenRLHF's ``_actor``/``_critic`` form), written by the real deepspeed on CPU and
+SIGKILLed between its files: rlsup picks a complete tag, DeepSpeed's ``latest`` sometimes names a broken one, and
+``repair_tracker`` points ``latest`` back at the chosen tag."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""HF Trainer / TRL ``checkpoint-N`` layout: a real Trainer killed before each file kind of its second save,
-and source-derived FSDP and DeepSpeed steps (tests/hf_builders.py), complete, torn and missing files."""
+"""The end-to-end half of test_layouts_hf.py (real processes, or waits on real time): hF Trainer / TRL
+``checkpoint-N`` layout: a real Trainer killed before each file kind of its second save, and source-derived FSDP
+and DeepSpeed steps (tests/hf_builders.py), complete, torn and missing files."""
 
 from __future__ import annotations
 

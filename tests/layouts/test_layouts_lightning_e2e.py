@@ -1,10 +1,6 @@
-"""Lightning checkpoints: the real ModelCheckpoint writer SIGKILLed before each file event of a save
-(tests/kill_matrix.py), half-written variants, and source-derived FSDP / DeepSpeed directories.
-
-Every kill must leave rlsup's ``latest_valid`` on a complete step (step B only when B's named file is
-complete, else step A); for some kill points Lightning's own ``ckpt_path="last"`` would resume from
-nothing or from a torn ``last.ckpt`` (asserted: the failure rlsup protects against).
-"""
+"""The end-to-end half of test_layouts_lightning.py (real processes, or waits on real time): lightning checkpoints:
+the real ModelCheckpoint writer SIGKILLed before each file event of a save (tests/kill_matrix.py), half-written
+variants, and source-derived FSDP / DeepSpeed directories."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Megatron-Core / Megatron-Bridge iter_N trees written by megatron-core's dist_checkpointing.save."""
+"""The end-to-end half of test_layouts_megatron.py (real processes, or waits on real time): megatron-Core /
+Megatron-Bridge iter_N trees written by megatron-core's dist_checkpointing.save."""
 
 from __future__ import annotations
 

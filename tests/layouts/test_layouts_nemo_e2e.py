@@ -1,6 +1,7 @@
-"""NeMo 2 checkpoint trees written the way NeMo's ModelCheckpoint + MegatronCheckpointIO write them
-(tests/source_builders.py, from nemo/lightning/pytorch/callbacks/model_checkpoint.py @8cfedd7), with
-``weights/`` from a real megatron-core save, and a mid-save kill matrix against AutoResume's own pick."""
+"""The end-to-end half of test_layouts_nemo.py (real processes, or waits on real time): neMo 2 checkpoint trees
+written the way NeMo's ModelCheckpoint + MegatronCheckpointIO write them (tests/source_builders.py, from
+nemo/lightning/pytorch/callbacks/model_checkpoint.py @8cfedd7), with ``weights/`` from a real megatron-core save,
+and a mid-save kill matrix against AutoResume's own pick."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
-"""NeMo-RL ``step_N`` trees written the way NeMo-RL's CheckpointManager and GRPO loop write them
-(tests/source_builders.py, from nemo_rl/utils/checkpoint.py @01e9028), with real DCP and torch.save
-writers, and a mid-save kill matrix: every prefix of a save, real SIGKILLs agreeing with in-process stops."""
+"""The end-to-end half of test_layouts_nemo_rl.py (real processes, or waits on real time): neMo-RL ``step_N`` trees
+written the way NeMo-RL's CheckpointManager and GRPO loop write them (tests/source_builders.py, from
+nemo_rl/utils/checkpoint.py @01e9028), with real DCP and torch.save writers, and a mid-save kill matrix: every
+prefix of a save, real SIGKILLs agreeing with in-process stops."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
-"""torchtitan ``step-N`` trees written the way torchtitan's CheckpointManager writes them
-(tests/source_builders.py, from torchtitan/components/checkpointer/dcp.py @b5bcd76), with real DCP saves,
-and a mid-save kill matrix: every prefix of a save, real SIGKILLs agreeing with the in-process stops."""
+"""The end-to-end half of test_layouts_torchtitan.py (real processes, or waits on real time): torchtitan ``step-N``
+trees written the way torchtitan's CheckpointManager writes them (tests/source_builders.py, from
+torchtitan/components/checkpointer/dcp.py @b5bcd76), with real DCP saves, and a mid-save kill matrix: every prefix
+of a save, real SIGKILLs agreeing with the in-process stops."""
 
 from __future__ import annotations
 

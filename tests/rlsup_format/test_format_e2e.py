@@ -1,4 +1,5 @@
-"""rlsup_format in-process: reserved names round-trip, the one leftover rule, the one retention rule."""
+"""The end-to-end half of test_format.py (real processes, or waits on real time): rlsup_format in-process: reserved
+names round-trip, the one leftover rule, the one retention rule."""
 
 from __future__ import annotations
 

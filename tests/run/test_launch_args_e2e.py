@@ -1,4 +1,5 @@
-"""The resume placeholders of the launch command (supervisor/run/launch_args.py), as users type them."""
+"""The end-to-end half of test_launch_args.py (real processes, or waits on real time): the resume placeholders of
+the launch command (supervisor/run/launch_args.py), as users type them."""
 
 from __future__ import annotations
 

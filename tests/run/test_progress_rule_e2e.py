@@ -1,13 +1,7 @@
-"""Issue 41's progress rule and the record after giving up, in process: the real run loop, file versions,
-progress rule, restart policy and incidents over the fake process layer, around a fake trainer of PyKEEN's
-shape (supervisor/run/progress_rule.py says the rule).
-
-PyKEEN resumes from its one checkpoint file by itself, rewrites it in place after each epoch and prints its
-progress only at that save: an attempt killed right after its first save reports one step, its first and its
-last. It made progress all the same (a new file version, at a step past the highest an earlier attempt
-reached), so six such kills in a row finish the run; a real crash loop still ends in 76, with a last
-incident that says it gave up (no resume, no steps lost) and names a torn file no version can replace.
-"""
+"""The end-to-end half of test_progress_rule.py (real processes, or waits on real time): issue 41's progress rule
+and the record after giving up, in process: the real run loop, file versions, progress rule, restart policy and
+incidents over the fake process layer, around a fake trainer of PyKEEN's shape (supervisor/run/progress_rule.py
+says the rule)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""The run loop in-process, over a fake process layer (torch elastic's TestAgent style): crash, hang,
-startup timeout, OOM, success, give-up, fatal, no progress, stop, preemption, a lost supervisor.
-
-No process is started: :class:`FakeProcesses` hands the loop scripted jobs whose ranks heartbeat into
-the real heartbeat directory, so the real :class:`HangDetector`, classification, restart policy,
-incidents and state table run as in production. Each test takes well under a second.
-"""
+"""The end-to-end half of test_run_loop.py (real processes, or waits on real time): the run loop in-process, over a
+fake process layer (torch elastic's TestAgent style): crash, hang, startup timeout, OOM, success, give-up, fatal,
+no progress, stop, preemption, a lost supervisor."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""Single-file checkpoints (issue 28): completeness from the format alone, versions kept aside and put
-back, torn newest checkpoints quarantined, in process with real writers (torch.save, safetensors, pickle)."""
+"""The end-to-end half of test_single_file.py (real processes, or waits on real time): single-file checkpoints
+(issue 28): completeness from the format alone, versions kept aside and put back, torn newest checkpoints
+quarantined, in process with real writers (torch.save, safetensors, pickle)."""
 
 from __future__ import annotations
 

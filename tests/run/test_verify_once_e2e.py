@@ -1,12 +1,5 @@
-"""Issue 42, choose once per failure: a restart hashes the chosen step's bytes once.
-
-Deciding whether the failed attempt made progress verifies the newest step, checksums and all (the progress
-marker, supervisor.tiers.resume.newest_step); preparing the next attempt chooses the same step by the same rule and
-reuses those checksums for files unchanged since (rlsup_format.manifest.KnownDigests), so nothing is hashed twice
-while the job is down. A file changed in between is hashed again, and a step that no longer verifies is not
-resumed from. The real run loop over the fake process layer (tests/support/fake_run_loop.py); a node's count in a
-multi-node round is in test_multinode_loop.py.
-"""
+"""The end-to-end half of test_verify_once.py (real processes, or waits on real time): issue 42, choose once per
+failure: a restart hashes the chosen step's bytes once."""
 
 from __future__ import annotations
 

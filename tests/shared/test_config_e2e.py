@@ -1,9 +1,5 @@
-"""Config: precedence flag > env > file > default; bad keys and types exit 2 naming key, file and line.
-
-``load_config`` is a pure function, so the CLI is called in this process (``supervisor.cli.main.main``: the same
-parsing, the same exit codes, rlsup's lines on the captured stderr); one test starts ``rlsup`` as a process, for
-what only a process shows (the exit status and stderr of a real ``rlsup daemon``, no traceback).
-"""
+"""The end-to-end half of test_config.py (real processes, or waits on real time): config: precedence flag > env >
+file > default; bad keys and types exit 2 naming key, file and line."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""One logging channel: every component's lines reach rlsup's stderr with one prefix, at --log-level."""
+"""The end-to-end half of test_logging.py (real processes, or waits on real time): one logging channel: every
+component's lines reach rlsup's stderr with one prefix, at --log-level."""
 
 from __future__ import annotations
 

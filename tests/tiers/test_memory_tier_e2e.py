@@ -1,9 +1,5 @@
-"""The memory tier (issue 16): ranks save into node memory, rlsup drains to disk and resumes from memory.
-
-Unit tests of the rules (cadence, drain, retention, free space, the end of a run), then real runs under
-``rlsup run`` (torchrun, gloo, CPU) that end bit-identical to an uninterrupted run. A temporary
-directory stands in for /dev/shm: nothing here needs a tmpfs or mount.
-"""
+"""The end-to-end half of test_memory_tier.py (real processes, or waits on real time): the memory tier (issue 16):
+ranks save into node memory, rlsup drains to disk and resumes from memory."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""The persistent tier: verified copies out and back, retention, corruption, bandwidth, and a resume
-from the persistent tier after the local checkpoint directory was wiped (bit-identical weights)."""
+"""The end-to-end half of test_persistent_tier.py (real processes, or waits on real time): the persistent tier:
+verified copies out and back, retention, corruption, bandwidth, and a resume from the persistent tier after the
+local checkpoint directory was wiped (bit-identical weights)."""
 
 from __future__ import annotations
 

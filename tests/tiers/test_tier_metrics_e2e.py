@@ -1,5 +1,6 @@
-"""Metrics of sick storage (issue 32), in process: ``rlsup_tier_stalled`` follows a real persistent tier whose read
-is blocked, and an ``unkillable`` attempt reaches ``rlsup_restarts_total`` under its own reason."""
+"""The end-to-end half of test_tier_metrics.py (real processes, or waits on real time): metrics of sick storage
+(issue 32), in process: ``rlsup_tier_stalled`` follows a real persistent tier whose read is blocked, and an
+``unkillable`` attempt reaches ``rlsup_restarts_total`` under its own reason."""
 
 from __future__ import annotations
 

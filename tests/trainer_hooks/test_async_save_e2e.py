@@ -1,5 +1,6 @@
-"""CheckpointManager(async_save=True): short blocking, a true snapshot, flush on wait/atexit/preemption,
-and SIGKILL of the trainer or of the writer process never leaves a valid-looking partial checkpoint."""
+"""The end-to-end half of test_async_save.py (real processes, or waits on real time):
+checkpointManager(async_save=True): short blocking, a true snapshot, flush on wait/atexit/preemption, and SIGKILL
+of the trainer or of the writer process never leaves a valid-looking partial checkpoint."""
 
 from __future__ import annotations
 

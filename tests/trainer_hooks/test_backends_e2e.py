@@ -1,4 +1,5 @@
-"""Each backend round-trips model, optimizer, scheduler, plain values and RNG through CheckpointManager."""
+"""The end-to-end half of test_backends.py (real processes, or waits on real time): each backend round-trips model,
+optimizer, scheduler, plain values and RNG through CheckpointManager."""
 
 from __future__ import annotations
 

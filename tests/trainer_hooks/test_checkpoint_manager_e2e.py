@@ -1,4 +1,5 @@
-"""CheckpointManager: exact resume, retention safety, same-step rules, and SIGKILL at random moments."""
+"""The end-to-end half of test_checkpoint_manager.py (real processes, or waits on real time): checkpointManager:
+exact resume, retention safety, same-step rules, and SIGKILL at random moments."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
-"""The memory tier's direct save (trainer_hooks.direct_save): the file built in a spare is byte for byte the
-file ``torch.save`` writes, a plan that cannot place every tensor is refused, and a writer SIGKILLed while it
-builds a step never leaves a step that verifies but does not load as what was saved."""
+"""The end-to-end half of test_direct_save.py (real processes, or waits on real time): the memory tier's direct
+save (trainer_hooks.direct_save): the file built in a spare is byte for byte the file ``torch.save`` writes, a plan
+that cannot place every tensor is refused, and a writer SIGKILLed while it builds a step never leaves a step that
+verifies but does not load as what was saved."""
 
 from __future__ import annotations
 

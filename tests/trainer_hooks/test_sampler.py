@@ -5,21 +5,10 @@ from __future__ import annotations
 import itertools
 
 import pytest
-import torch
+from support.datasets import Indices
 from torch.utils.data import DataLoader, DistributedSampler
 
 from trainer_hooks.sampler import ResumableSampler
-
-
-class Range(torch.utils.data.Dataset):
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> int:
-        return i
 
 
 @pytest.mark.parametrize("n, world, drop_last, shuffle", [
@@ -27,7 +16,7 @@ class Range(torch.utils.data.Dataset):
 def test_same_order_as_distributed_sampler(n, world, drop_last, shuffle):
     for rank in range(world):
         for epoch in (0, 3):
-            ref = DistributedSampler(Range(n), world, rank, shuffle=shuffle, seed=5, drop_last=drop_last)
+            ref = DistributedSampler(Indices(n), world, rank, shuffle=shuffle, seed=5, drop_last=drop_last)
             ref.set_epoch(epoch)
             s = ResumableSampler(n, world, rank, shuffle=shuffle, seed=5, drop_last=drop_last)
             s.set_epoch(epoch)
@@ -50,7 +39,7 @@ def run_epochs(loader, sampler, epochs, stop_after=None):
 def test_resume_plain_dataloader_is_exact(stop_after):
     def make():
         s = ResumableSampler(16, 2, 1, seed=3)
-        return s, DataLoader(Range(16), batch_size=2, sampler=s, num_workers=0)
+        return s, DataLoader(Indices(16), batch_size=2, sampler=s, num_workers=0)
 
     s, dl = make()
     full = run_epochs(dl, s, 3)
@@ -87,7 +76,7 @@ def test_load_rejects_other_geometry():
 def test_manual_count_with_plain_workers():
     def make():
         s = ResumableSampler(24, 1, 0, seed=2, count="manual")
-        return s, DataLoader(Range(24), batch_size=4, sampler=s, num_workers=2)
+        return s, DataLoader(Indices(24), batch_size=4, sampler=s, num_workers=2)
 
     s, dl = make()
     full = run_epochs(dl, s, 1)

@@ -1,11 +1,13 @@
-"""ResumableSampler: DistributedSampler order, exact mid-epoch resume, and the epoch-boundary trap."""
+"""The end-to-end half of test_sampler.py (real processes, or waits on real time): resumableSampler:
+DistributedSampler order, exact mid-epoch resume, and the epoch-boundary trap."""
 
 from __future__ import annotations
 
 
 
 from trainer_hooks.sampler import ResumableSampler
-from test_sampler import Range, run_epochs
+from support.datasets import Indices
+from test_sampler import run_epochs
 
 
 
@@ -17,7 +19,7 @@ def test_stateful_dataloader_with_workers_is_exact():
 
     def make():
         s = ResumableSampler(24, 1, 0, seed=9)
-        return s, StatefulDataLoader(Range(24), batch_size=3, sampler=s, num_workers=2)
+        return s, StatefulDataLoader(Indices(24), batch_size=3, sampler=s, num_workers=2)
 
     s, dl = make()
     full = run_epochs(dl, s, 2)

@@ -1,8 +1,5 @@
-"""trainer_hooks.step_writer on plain data, in process: the one protocol that writes a rank's part.
-
-Real files under tmp_path, one rank alone (no process group), the torch backend or small test
-backends that look at the step directory while the protocol runs.
-"""
+"""The end-to-end half of test_step_writer.py (real processes, or waits on real time): trainer_hooks.step_writer on
+plain data, in process: the one protocol that writes a rank's part."""
 
 from __future__ import annotations
 

@@ -11,6 +11,7 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
+from support.datasets import Indices
 from torch.utils.data import DataLoader
 
 from rlsup_format import job_env
@@ -22,17 +23,6 @@ from trainer_hooks.world import WorldChange, WorldChangeError, grad_accum_steps,
 # ----------------------------------------------------------------------------------- the sampler
 
 
-class Ids(torch.utils.data.Dataset):
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> int:
-        return i
-
-
 def permutation(n: int, seed: int, epoch: int) -> list[int]:
     return torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
 
@@ -42,7 +32,7 @@ class World:
 
     def __init__(self, n: int, size: int, batch: int, drop_last: bool, seed: int = 3) -> None:
         self.samplers = [ResumableSampler(n, size, r, seed=seed, drop_last=drop_last) for r in range(size)]
-        self.loaders = [iter(DataLoader(Ids(n), batch_size=batch, sampler=s)) for s in self.samplers]
+        self.loaders = [iter(DataLoader(Indices(n), batch_size=batch, sampler=s)) for s in self.samplers]
 
     def step(self) -> list[int] | None:
         """One batch from every rank (None once the epoch is over for all of them)."""
@@ -115,11 +105,11 @@ def test_a_new_world_resumes_the_epoch_at_its_global_position(n, batch, worlds, 
     # The next epoch is a whole epoch in the newest world, DistributedSampler's order.
     for s in new.samplers:
         s.set_epoch(1)
-    new.loaders = [iter(DataLoader(Ids(n), batch_size=batch, sampler=s)) for s in new.samplers]
+    new.loaders = [iter(DataLoader(Indices(n), batch_size=batch, sampler=s)) for s in new.samplers]
     fresh = World(n, worlds[-1], batch, drop_last, seed)
     for s in fresh.samplers:
         s.set_epoch(1)
-    fresh.loaders = [iter(DataLoader(Ids(n), batch_size=batch, sampler=s)) for s in fresh.samplers]
+    fresh.loaders = [iter(DataLoader(Indices(n), batch_size=batch, sampler=s)) for s in fresh.samplers]
     assert new.rest_of_epoch() == fresh.rest_of_epoch()
 
 
@@ -228,7 +218,7 @@ def test_what_blocks_the_resizable_mark():
         "'mine' (OwnState) keeps state rlsup cannot judge across world sizes"]
     from torchdata.stateful_dataloader import StatefulDataLoader
 
-    loader = StatefulDataLoader(Ids(4), sampler=ResumableSampler(4, 1, 0))
+    loader = StatefulDataLoader(Indices(4), sampler=ResumableSampler(4, 1, 0))
     assert "'loader' is a StatefulDataLoader" in resize_blockers({**job_state(), "loader": loader}, "dcp", 2)[0]
 
 
