@@ -112,6 +112,12 @@ class SupervisorConfig:
     spare_takeover_s: float = _opt(3.0, "Seconds a node may be missing from a round (its inventory absent while the others' are there) before a spare takes its node rank; "
                                    f"sooner when the node's host refuses connects to its endpoint for {REFUSED_FOR_S:g} s (its rlsup is gone: nothing listens there). "
                                    "A node that arrives later is refused (exit 77) and may rejoin as a spare.")
+    min_nodes: int = _opt(0, "Fewest nodes the job may run on: when a node is lost and no spare takes its rank within "
+                          "spare_takeover_s, the job goes on with the nodes left if at least min_nodes remain and the "
+                          "trainer's checkpoints can be restored into another world size (trainer_hooks saves marked "
+                          "resizable); otherwise it waits and requeues (exit 75) as before. It grows back to the full "
+                          "node count at a later restart, once the lost node (or a replacement) is back. 0: the job's "
+                          "node count (len(peers) - spares): never shrink. Needs peers; at most the job's node count.")
     replication_port: int = _opt(9779, "Port of the replication endpoint when peers come from SLURM or omit a port.")
     coordinator_port: int = _opt(9780, "Port of the coordination store (torch TCPStore) hosted by node 0's supervisor (coordinator_backend embedded).")
     coordinator_backend: CoordinatorBackend = _opt("embedded", "Where the nodes agree before each attempt: embedded (a TCPStore hosted by node 0's supervisor; a replacement node 0 hosts it again) or etcd (an etcd v3 cluster, coordinator_endpoints; no node's loss stalls the others).", noun="backend")
@@ -379,7 +385,7 @@ def _validate(cfg: SupervisorConfig, origins: dict[str, str]) -> None:
 
     if not 0 <= cfg.metrics_port <= 65535:
         raise bad("metrics_port", "must be a port number 0..65535")
-    for key in ("max_restarts", "max_no_progress_attempts", "output_tail_lines", "replication_factor",
+    for key in ("max_restarts", "max_no_progress_attempts", "output_tail_lines", "replication_factor", "min_nodes",
                 "replication_bandwidth", "persistent_every", "persistent_every_seconds", "persistent_keep_last",
                 "persistent_bandwidth", "memory_limit_bytes", "disk_every", "disk_every_seconds"):
         if getattr(cfg, key) < 0:
@@ -448,14 +454,20 @@ def node_membership(eff: EffectiveConfig, environ: typing.Mapping[str, str] | No
     if membership is None:
         if command == "daemon":
             raise ConfigError("rlsup daemon needs peers (key 'peers' and 'node_rank', or a SLURM allocation)")
+        if cfg.min_nodes:
+            raise ConfigError(f"{where('min_nodes')}key 'min_nodes': min_nodes needs peers (a single-node run "
+                              "cannot shrink); leave it 0")
         return None
     if cfg.spares and not 0 <= cfg.spares <= membership.size - 2:  # (one peer: the membership's own error)
         raise ConfigError(f"{where('spares')}key 'spares': {cfg.spares} of {membership.size} peers leaves fewer than "
                           "2 nodes for the job")
     if membership.size < 2:
         raise ConfigError(f"{where('peers')}key 'peers': lists a single node; leave peers empty for a single-node run")
+    job_size = membership.size - cfg.spares  # a spare replicates as the node whose rank it takes
+    if cfg.min_nodes > job_size:
+        raise ConfigError(f"{where('min_nodes')}key 'min_nodes': {cfg.min_nodes} is more than the job's {job_size} "
+                          f"node(s) ({membership.size} peers less {cfg.spares} spare(s))")
     try:
-        job_size = membership.size - cfg.spares  # a spare replicates as the node whose rank it takes
         replica_targets(min(membership.node_rank, job_size - 1), job_size, cfg.replication_factor,
                         cfg.replication_jump)
     except MembershipError as e:
@@ -466,6 +478,12 @@ def node_membership(eff: EffectiveConfig, environ: typing.Mapping[str, str] | No
                           "tier drains the same steps on every node, which a time cadence cannot promise (clocks and "
                           "speeds differ); use disk_every (steps) instead")
     return membership
+
+
+def effective_min_nodes(min_nodes: int, job_nodes: int) -> int:
+    """The fewest nodes the job may go on with: ``min_nodes``, where 0 (the default) means ``job_nodes`` (the
+    job's node count, ``len(peers) - spares``): it never shrinks. One rule, so no caller reads 0 as 'any'."""
+    return min_nodes or job_nodes
 
 
 # ---------------------------------------------------------------- rendering

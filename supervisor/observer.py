@@ -53,6 +53,10 @@ class Observer:
         """This process is a ``worker`` (holds a node rank) or a ``spare``; ``spares_left``: the job's spares
         not yet used (its ``spares`` less the ranks they took)."""
 
+    def world_nodes(self, nodes: int, job_nodes: int) -> None:
+        """The job now runs on ``nodes`` of its ``job_nodes`` nodes (fewer after a shrink: ``min_nodes``); told
+        once per agreed attempt on every node, never on a single node."""
+
     def spare_took_over(self, seconds: float) -> None:
         """This spare took a lost node's rank ``seconds`` after the attempt it was lost in ended."""
 

@@ -330,6 +330,9 @@ def cmd_status(args: argparse.Namespace) -> int:
     age = time.time() - state.get("updated", time.time())
     print(f"job:       {state['state']} (attempt {state['attempt']}, rlsup pid {state['pid']}, updated {age:.0f}s ago)")
     print(f"command:   {' '.join(state['command'])}")
+    if state.get("world_nodes") is not None and state.get("job_nodes") is not None:  # several nodes only
+        shrunk = " (shrunk)" if state["world_nodes"] < state["job_nodes"] else ""
+        print(f"nodes:     {state['world_nodes']} of {state['job_nodes']}{shrunk}")
     if state.get("last_step") is not None:
         print(f"last step: {state['last_step']}")
     if state.get("heartbeat_timeout_s") is not None:

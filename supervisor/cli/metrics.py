@@ -101,13 +101,7 @@ class SupervisorMetrics(Observer):
                                 "The rank the last hang's Flight Recorder verdict named (-1: none named).",
                                 registry=r)
         self.fr_suspect.set(-1)
-        self.role = Enum("rlsup_node_role", "What this node process does: worker (holds a node rank) or spare.",
-                         states=["worker", "spare"], registry=r)
-        self.spares_left = Gauge("rlsup_spares_left", "The job's spare nodes not yet used (spares less ranks taken).",
-                                 registry=r)
-        self.takeover = Gauge("rlsup_spare_takeover_seconds", "Last takeover by this spare: from the end of the "
-                              "attempt its node was lost in to its claim of the rank (the next attempt's first "
-                              "heartbeat is rlsup_resume_duration_seconds on the other nodes).", registry=r)
+        self._job_nodes_series(r)
         self.tier_stalled = Gauge("rlsup_tier_stalled",
                                   "1 while a checkpoint tier's copy or read is named stalled (a hung or slow store).",
                                   ["tier"], registry=r)
@@ -133,6 +127,20 @@ class SupervisorMetrics(Observer):
                                           "timeout is from (while initial: those seen so far).", registry=r)
         self.hb_stalls = Gauge("rlsup_heartbeat_stalls", "Step intervals held as stalls the job survived (a "
                                "partition, a blip): counted, not learned into the heartbeat timeout.", registry=r)
+
+    def _job_nodes_series(self, r: CollectorRegistry) -> None:
+        """The job's nodes: this process's role, the spares left, and the nodes the running world spans."""
+        self.role = Enum("rlsup_node_role", "What this node process does: worker (holds a node rank) or spare.",
+                         states=["worker", "spare"], registry=r)
+        self.spares_left = Gauge("rlsup_spares_left", "The job's spare nodes not yet used (spares less ranks taken).",
+                                 registry=r)
+        self.takeover = Gauge("rlsup_spare_takeover_seconds", "Last takeover by this spare: from the end of the "
+                              "attempt its node was lost in to its claim of the rank (the next attempt's first "
+                              "heartbeat is rlsup_resume_duration_seconds on the other nodes).", registry=r)
+        self.running_nodes = Gauge("rlsup_world_nodes", "Nodes the job's running world spans: below rlsup_job_nodes "
+                                   "after a shrink (min_nodes); 0 on a single node.", registry=r)
+        self.launched_nodes = Gauge("rlsup_job_nodes", "Nodes the job was launched for (peers less spares); 0 on a "
+                                    "single node.", registry=r)
 
     # ------------------------------------------------------------ HTTP
 
@@ -243,6 +251,10 @@ class SupervisorMetrics(Observer):
 
     def spare_took_over(self, seconds: float) -> None:
         self.takeover.set(seconds)
+
+    def world_nodes(self, nodes: int, job_nodes: int) -> None:
+        self.running_nodes.set(nodes)
+        self.launched_nodes.set(job_nodes)
 
     def tier(self, name: str, stalled: Callable[[], str | None]) -> None:
         self.tier_stalled.labels(name).set_function(lambda: 1.0 if stalled() is not None else 0.0)

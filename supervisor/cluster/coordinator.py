@@ -58,7 +58,7 @@ import json
 import logging
 import time
 import weakref
-from typing import Callable
+from typing import Callable, Iterable
 
 from supervisor.tiers.holdings import (
     FetchResult,
@@ -68,9 +68,8 @@ from supervisor.tiers.holdings import (
 )
 from supervisor.job_identity import JobIdentity
 from supervisor.cluster.round_plan import compute_plan
-from supervisor.cluster.kvstore import (CONNECT_SLICE_S, OP_TIMEOUT_S, KVStore, StoreGone, StoreUnavailable, TCPKVStore,
-                               connect_store)
-from supervisor.cluster.liveness import LIVENESS_REFRESH_S, LapseWatch, LivenessBeat, beat_connect, live_key
+from supervisor.cluster.kvstore import (CONNECT_SLICE_S, OP_TIMEOUT_S, KVStore, StoreUnavailable, connect_store)
+from supervisor.cluster.liveness import LIVENESS_REFRESH_S, LapseWatch, LivenessBeat, live_key
 from supervisor.cluster.signed_keys import AbortKind, AbortNotice, Signed, SignedKeys
 from supervisor.stop_request import StopRequest
 
@@ -139,6 +138,7 @@ class RoundCoordinator:
         self._beat_store = beat_store
         self._store_lost_at: float | None = None  # when the store was lost in the first round (its bound)
         self._reach_again_at = 0.0  # reach_again's next try
+        self._running: dict[int, tuple[int, ...] | None] = {}  # attempt -> the nodes its plan runs (None: all)
 
     def check_stop(self, waiting_for: str) -> None:
         """:class:`~supervisor.stop_request.StopAsked` when rlsup was asked to stop (see the module docstring)."""
@@ -227,6 +227,8 @@ class RoundCoordinator:
         if not self.first_round:  # a store with attempts: a replacement node (or a later join) has no first round
             self.end_first_round()
         if self.ended(current) is None:
+            if self.runs_without_me(current):  # the job goes on with fewer nodes: grow at its next save, not now
+                return current
             self.end(current, f"node {self.node_rank} rejoined")
         return current + 1
 
@@ -342,6 +344,35 @@ class RoundCoordinator:
                 raise RoundEnded(f"attempt {attempt} ended: {self.end(attempt, why)}") from e
         return out
 
+    def present_inventories(self, attempt: int, after_s: float, floor: int) -> dict[int, NodeInventory]:
+        """Every node's inventory, or, when some are still missing ``after_s`` seconds into the wait, those of the
+        nodes that came if they are ``floor`` or more (a job that may go on with fewer nodes: issue 43); waits on
+        as :meth:`inventories` otherwise. Node -> inventory."""
+        names = [f"inv/{attempt}/{n}" for n in range(self.num_nodes)]
+        out: dict[int, NodeInventory] = {}
+        for node, value in enumerate(self._wait(names, f"inventories of attempt {attempt}", attempt,
+                                                enough=(after_s, floor))):
+            if value is None:
+                continue
+            try:
+                out[node] = NodeInventory.from_json(value, node)
+            except RecordError as e:
+                why = f"node {self.node_rank}: {e} (a node of another rlsup version, or a damaged store?)"
+                raise RoundEnded(f"attempt {attempt} ended: {self.end(attempt, why)}") from e
+        return out
+
+    def runs_without_me(self, attempt: int) -> bool:
+        """Whether attempt ``attempt``'s plan leaves this node out: the job went on with fewer nodes, and this
+        node (back, or a replacement) waits for the job's next save to grow it back instead of ending the
+        attempt."""
+        value = self.keys.get(self._plan_key(attempt, 0))
+        if value is None:
+            return False
+        try:
+            return not RoundPlan.from_json(value.payload, 0).runs(self.node_rank)
+        except RecordError:
+            return False
+
     @staticmethod
     def _plan_key(attempt: int, plan_try: int) -> str:
         return f"plan/{attempt}" if plan_try == 0 else f"plan/{attempt}/{plan_try}"
@@ -365,6 +396,7 @@ class RoundCoordinator:
         if plan.attempt != attempt:
             why = f"node {self.node_rank}: {key} plans attempt {plan.attempt}"
             raise RoundEnded(f"attempt {attempt} ended: {self.end(attempt, why)}")
+        self._running[attempt] = plan.nodes
         return plan
 
     def publish_fetch_result(self, attempt: int, plan_try: int, result: FetchResult) -> None:
@@ -379,10 +411,11 @@ class RoundCoordinator:
             (value,) = self._wait([f"{prefix}/all"], f"node 0's summary of every node's fetch in attempt {attempt}",
                                   attempt)
             return [_fetch_result(value, 0)]  # node 0 wrote the union
+        nodes = self._running.get(attempt) or range(self.num_nodes)
         results = [_fetch_result(v, n) for n, v in
-                   enumerate(self._wait_all(prefix, f"every node's fetch in attempt {attempt}", attempt))]
+                   zip(nodes, self._wait_all(prefix, f"every node's fetch in attempt {attempt}", attempt, nodes))]
         union = FetchResult(sorted({b for r in results for b in r.bad}),
-                            "; ".join(f"node {n}: {r.error}" for n, r in enumerate(results) if r.error))
+                            "; ".join(f"node {n}: {r.error}" for n, r in zip(nodes, results) if r.error))
         self.keys.set(f"{prefix}/all", union.to_json())
         return results
 
@@ -395,7 +428,8 @@ class RoundCoordinator:
         if self.node_rank != 0:
             self._wait([f"ready/{attempt}/all"], f"node 0 to see all nodes ready for attempt {attempt}", attempt)
         else:
-            self._wait_all(f"ready/{attempt}", f"all nodes ready for attempt {attempt}", attempt)
+            self._wait_all(f"ready/{attempt}", f"all nodes ready for attempt {attempt}", attempt,
+                           self._running.get(attempt))
             self.keys.set(f"ready/{attempt}/all", "1")
         self.end_first_round()  # every node is ready: the job's first round, if this was it, is over
 
@@ -441,10 +475,14 @@ class RoundCoordinator:
 
     # ------------------------------------------------------------ waiting
 
-    def _wait_all(self, prefix: str, what: str, attempt: int | None) -> list[str]:
-        return self._wait([f"{prefix}/{n}" for n in range(self.num_nodes)], what, attempt)
+    def _wait_all(self, prefix: str, what: str, attempt: int | None,
+                  nodes: Iterable[int] | None = None) -> list[str]:
+        """``prefix/<node>`` of every node (``nodes``: of those that run the attempt, when it runs on fewer)."""
+        nodes = range(self.num_nodes) if nodes is None else nodes
+        return [v for v in self._wait([f"{prefix}/{n}" for n in nodes], what, attempt) if v is not None]
 
-    def _wait(self, names: list[str], what: str, attempt: int | None = None) -> list[str]:
+    def _wait(self, names: list[str], what: str, attempt: int | None = None,
+              enough: tuple[float, int] | None = None) -> list:
         """Poll until every key holds a signed value; their payloads. Inside attempt ``attempt``, its end
         stops the wait with :class:`RoundEnded`: a node that died there never writes its keys, and its
         replacement ends the attempt on rejoin, so waiting out the timeout would only lose the job. A
@@ -457,8 +495,12 @@ class RoundCoordinator:
         Values move and are verified once they all exist; a verified value is kept, so only a key that
         failed verification is read again. Between polls the store's :meth:`KVStore.wait_for_change` waits:
         etcd watches the keys and the end, and the next poll is skipped while nothing was written; the
-        abort is first looked at :data:`ABORT_POLL_S` into the wait (the join looked just before)."""
-        deadline = time.monotonic() + self.timeout_s
+        abort is first looked at :data:`ABORT_POLL_S` into the wait (the join looked just before).
+
+        ``enough`` = (seconds, count): once that many seconds passed, return as soon as ``count`` keys are there,
+        None for the others (a round that may go on without lost nodes)."""
+        started = time.monotonic()
+        deadline = started + self.timeout_s
         poll = WAIT_POLL_MIN_S
         end_name = f"end/{attempt}" if attempt is not None else None
         got: dict[str, Signed] = {}
@@ -478,13 +520,17 @@ class RoundCoordinator:
                 except StoreUnavailable:
                     pass  # the poll below says what an unreachable store means here
             pending = [n for n in names if n not in got]
-            if changed or time.monotonic() > deadline:
+            settled = enough is not None and time.monotonic() >= started + enough[0]  # look again, even unchanged
+            if changed or settled or time.monotonic() > deadline:
                 try:
                     values, ended = self.keys.poll(pending, end_name)
+                    if values is None and settled and ended is None:  # some are missing: read those that came
+                        values = self.keys.get_many(pending)
                     if values is not None:
                         got.update((n, v) for n, v in zip(pending, values) if v is not None)
-                        if len(got) == len(names):
-                            return [got[n].payload for n in names]
+                        if len(got) == len(names) or (enough is not None and len(got) >= enough[1]
+                                                      and time.monotonic() >= started + enough[0]):
+                            return [got[n].payload if n in got else None for n in names]
                         ended = self.keys.get(end_name) if end_name else None  # a value did not verify
                     if ended is None and time.monotonic() > deadline:
                         pending = [n for n, v in zip(pending, self.keys.get_many(pending)) if v is None]
@@ -540,60 +586,5 @@ def _fetch_result(value: str, node: int | None) -> FetchResult:
         return FetchResult(error=str(e))
 
 
-def embedded_coordinator(host: str, port: int, job: JobIdentity, secret: bytes, node_rank: int, num_nodes: int,
-                         timeout_s: float, stop: StopRequest | None = None,
-                         gone_after_s: float | None = None) -> RoundCoordinator:
-    """Node 0 hosts a TCPStore on ``port`` and claims it for ``job``; other nodes connect (and reconnect to
-    a replacement node 0 after a loss) and refuse a store hosted for another job. ``stop``: every wait
-    (the connect included) ends when rlsup is asked to stop. ``gone_after_s``: the first connect raises
-    :class:`~supervisor.cluster.kvstore.StoreGone` once a store that answered has refused this long (a spare)."""
-    if node_rank == 0:
-        try:
-            store = TCPKVStore(host, port, True, timeout_s)
-        except StoreUnavailable as e:
-            clash = _hosted_for(host, port, job, secret)
-            if clash is None:
-                raise CoordinationError(str(e)) from e
-            kind = NodeZeroRunning if clash == _SAME_JOB else JobClash
-            raise kind(f"coordinator port {port} on {host} is taken{clash}; this node is job {job}. Give each "
-                       "job on these hosts its own coordinator_port") from e
-        coordinator = RoundCoordinator(store, job, secret, node_rank, num_nodes, timeout_s, stop=stop,
-                                       beat_store=beat_connect(host, port))
-        coordinator.claim_host()
-        return coordinator
-
-    def connect(wait_s: float) -> KVStore:
-        return connect_store(host, port, wait_s, stop)
-
-    log.info("node %d: reaching the coordination store TCPStore %s:%d (up to %.0fs, rendezvous_timeout)",
-             node_rank, host, port, timeout_s)
-    try:
-        store = connect_store(host, port, timeout_s, stop, gone_after_s)
-    except StoreGone:
-        raise
-    except StoreUnavailable as e:
-        raise CoordinationError(f"{e} (waited {timeout_s:.0f}s, rendezvous_timeout)") from e
-    coordinator = RoundCoordinator(store, job, secret, node_rank, num_nodes, timeout_s, reconnect=connect, stop=stop,
-                                   beat_store=beat_connect(host, port))
-    coordinator.check_host()
-    return coordinator
-
-
-def _hosted_for(host: str, port: int, job: JobIdentity, secret: bytes) -> str | None:
-    """What holds a port node 0 could not bind: " by rlsup job X", " by another program", or None."""
-    try:
-        probe = RoundCoordinator(TCPKVStore(host, port, False, 2.0), job, secret, 0, 1, 2.0)
-        raw = probe.store.get(HOST_KEY)
-    except StoreUnavailable:
-        return " by another program"
-    if raw is None:
-        return " by another program (no rlsup job record)"
-    other = probe.host_owner(raw)
-    return f" by {other}" if other is not None else _SAME_JOB
-
-
-_SAME_JOB = " by another node 0 of this same job (is it running twice?)"
-
-
 __all__ = ["RoundCoordinator", "CoordinationError", "RoundEnded", "JobClash", "NodeZeroRunning", "PeerLost", "AbortKind", "AbortNotice",
-           "Signed", "SignedKeys", "compute_plan", "embedded_coordinator", "connect_store"]
+           "Signed", "SignedKeys", "compute_plan", "connect_store"]

@@ -29,9 +29,10 @@ from __future__ import annotations
 
 
 import logging
+import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NoReturn
 
 from supervisor.config import SupervisorConfig
 from supervisor.tiers.holdings import PERSISTENT_HOLDER, FetchResult, InventoryBuilder, NodeInventory, RoundPlan
@@ -40,8 +41,9 @@ from supervisor.cluster.coordinator import (
     NodeZeroRunning,
     RoundCoordinator,
     RoundEnded,
-    embedded_coordinator,
+
 )
+from supervisor.cluster.embedded_store import embedded_coordinator
 from supervisor.cluster.fr_exchange import FrExchange
 from supervisor.cluster.kvstore import OP_TIMEOUT_S, StoreUnavailable
 from supervisor.cluster.round_lead import RoundRole
@@ -51,8 +53,9 @@ from supervisor.membership import Membership
 from supervisor.observer import Observer
 from supervisor.settings_vocabulary import CoordinatorBackend
 from supervisor.tiers.part_protocol import FetchFailed, PartError, PartStore, fetch_part
-from supervisor.cluster.spares import (JobEndWatch, NodeRole, SpareSeat, check_holder, check_seat, moved_slots,
-                                       refuse_if_taken, spares_left)
+from supervisor.cluster.spares import (JobEnded, JobEndWatch, NodeRole, SpareSeat, check_holder, check_seat, job_done,
+                                       moved_slots, refuse_if_taken, spares_left)
+from supervisor.launch.rank_pinning import resize_pinned
 from supervisor.tiers.replication import ReplicationEngine, newest_own_step
 from supervisor.tiers.resume import ResumePoint
 from supervisor.diagnosis.outcome import AttemptResult
@@ -104,7 +107,7 @@ def connect_coordinator(cfg: SupervisorConfig, membership: Membership, job: JobI
                         secret: bytes, stop: StopRequest | None = None,
                         gone_after_s: float | None = None, wait_s: float | None = None) -> RoundCoordinator:
     """This node's handle on the job's coordination store (``coordinator_backend``); ``stop`` ends its waits;
-    ``gone_after_s``: see :func:`~supervisor.cluster.coordinator.embedded_coordinator` (etcd outlives node 0); ``wait_s``:
+    ``gone_after_s``: see :func:`~supervisor.cluster.embedded_store.embedded_coordinator` (etcd outlives node 0); ``wait_s``:
     the connect's window and the handle's waits instead of ``rendezvous_timeout`` (a spare's bounded reconnect)."""
     s = CoordinatorSettings.from_config(cfg)
     s = s if wait_s is None else replace(s, rendezvous_timeout=wait_s)
@@ -127,6 +130,19 @@ def connect_coordinator(cfg: SupervisorConfig, membership: Membership, job: JobI
         raise
 
 
+GROW_POLL_S = 1.0  # how often a left-out node looks for the attempt's end, and the lead for its return and a save
+
+
+@dataclass
+class _BackWatch:
+    """The lead's watch over a smaller world's attempt: when a left-out node came back, the newest step this node
+    had saved then (the job grows at a later one)."""
+
+    plan: RoundPlan
+    saved_before: int | None = None
+    next_look: float = 0.0
+
+
 class NodeGroup:
     """The job's other nodes as this node's run loop sees them (:class:`supervisor.run.peers.Peers`), over the
     job's store (``coordinator``): built once the store is reached, with this node's tiers (shared with its loop),
@@ -147,6 +163,12 @@ class NodeGroup:
         self.spares, self.job_end = spares, job_end
         self._store_lost = False
         self._stopped_waiting: StopAsked | None = None  # the wait a stop ended before the attempt was known
+        self._plan: RoundPlan | None = None  # the running attempt's plan (its nodes: fewer after a shrink)
+        self._back: _BackWatch | None = None  # the lead's watch for a left-out node that is back (grow at a save)
+
+    @property
+    def me(self) -> int:
+        return self.membership.node_rank
 
     @property
     def size(self) -> int:
@@ -227,6 +249,8 @@ class NodeGroup:
         for plan_try in range(PLAN_TRIES):
             self.role.publish_plan(attempt, plan_try, excluded)  # node 0 plans; the others read its plan
             plan = self.coordinator.plan(attempt, plan_try)
+            if not plan.runs(me):
+                self._wait_to_grow(attempt, plan)
             mine = self._fetch(attempt, plan)
             if plan.step is not None:
                 fetched.setdefault(plan.step, set()).update(mine.ranks)
@@ -260,6 +284,7 @@ class NodeGroup:
             raise RoundEnded(f"attempt {attempt} ended: {why}")
         if self.spares is not None:  # a spare may have taken this rank while this node was late to the round
             check_holder(self.coordinator, me, self.spares.gen)
+        self._world(attempt, plan)
         self.coordinator.mark_ready(attempt)
         self.coordinator.wait_all_ready(attempt)
         if self.spares is not None:  # a spare that took a rank in this round is in it now: replicate to it
@@ -292,7 +317,7 @@ class NodeGroup:
             self.engine.clean()  # what a killed fetch left (temp files, spooled transfers)
         for rank, holders in sorted(need.items()):
             self.stop.check(f"step {plan.step}'s parts to be fetched")  # between parts (a part's copy runs to its end)
-            tier, errors, bad = self._fetch_part(plan.step, rank, holders)
+            tier, errors, bad = self._fetch_part(plan.step, rank, holders, plan.owners.get(rank))
             if tier is None:
                 if bad:
                     out.result.bad.append((plan.step, rank))  # fall back to another plan
@@ -320,12 +345,16 @@ class NodeGroup:
         if copied:
             self._log(f"step {step}: {copied} part(s) copied from the memory tier to {self.checkpoint_dir}")
 
-    def _fetch_part(self, step: int, rank: int, holders: list[int]) -> tuple[str | None, list[str], bool]:
-        """(tier it came from or None, errors, whether the persistent copy failed verification)."""
+    def _fetch_part(self, step: int, rank: int, holders: list[int],
+                    owner: int | None = None) -> tuple[str | None, list[str], bool]:
+        """(tier it came from or None, errors, whether the persistent copy failed verification). ``owner``: the
+        node whose ranks wrote the part, when not this one (a smaller or grown world's plan)."""
         tier_of: dict[PartStore, str] = {}  # the holders in plan order, each a store
         errors: list[str] = []
         for holder in holders:
-            if holder != PERSISTENT_HOLDER:
+            if holder != PERSISTENT_HOLDER and owner is not None:
+                tier_of[self.engine.holder_store(holder, owner)] = TIER_LOCAL if holder == self.me else TIER_PEER
+            elif holder != PERSISTENT_HOLDER:
                 tier_of[self.engine.peer_store(holder)] = TIER_PEER
             elif self.persistent is not None:
                 tier_of[self.persistent.store] = TIER_PERSISTENT
@@ -375,11 +404,62 @@ class NodeGroup:
                     log.warning("could not drop %s: %s", path, e)
 
     def env(self) -> dict[str, str]:
-        """This node's rank among the job's nodes, for every attempt's environment."""
-        return {job_env.NODE_RANK: str(self.membership.node_rank), job_env.NUM_NODES: str(self.membership.size)}
+        """This node's rank among the job's nodes (the one its parts are kept under, whatever torchrun's node rank
+        after a shrink), the nodes that run the attempt, and the saving world's size when that changed."""
+        plan = self._plan
+        nodes = len(plan.nodes) if plan is not None and plan.nodes is not None else self.membership.size
+        out = {job_env.NODE_RANK: str(self.membership.node_rank), job_env.NUM_NODES: str(nodes)}
+        if plan is not None and plan.changes_world and plan.world_size is not None:
+            out[job_env.PREVIOUS_WORLD_SIZE] = str(plan.world_size)
+        return out
+
+    def command(self, argv: list[str]) -> list[str]:
+        """The launch line for this attempt: torchrun's node count and node rank are those of the nodes that run it
+        (the i-th of them is node i), after a shrink or a grow."""
+        plan = self._plan
+        if plan is None or plan.nodes is None:
+            return argv
+        return resize_pinned(argv, plan.nodes.index(self.me), len(plan.nodes))
+
+    def _world(self, attempt: int, plan: RoundPlan) -> None:
+        """Says what the plan does to the job's size (on every node, the incident's words) and keeps the plan."""
+        job, was = self.membership.size, self._plan
+        nodes = len(plan.nodes) if plan.nodes is not None else job
+        shrunk_before = was is not None and was.nodes is not None and len(was.nodes) < job
+        if plan.changes_world and nodes < job:
+            self._log(f"attempt {attempt}: continued on {nodes} of {job} nodes from step {plan.step} (nodes "
+                      f"{list(plan.nodes or ())}; node(s) {sorted(set(range(job)) - set(plan.nodes or ()))} lost, no "
+                      f"spare left; min_nodes allows it)")
+        elif plan.changes_world and nodes == job:
+            self._log(f"attempt {attempt}: grew back to {job} at step {plan.step}")
+        elif shrunk_before and nodes == job:
+            self._log(f"attempt {attempt}: back to {job} nodes from step {plan.step}")
+        self._plan = plan
+        self._back = _BackWatch(plan) if self.role.leads and nodes < job else None
+
+    def world(self) -> tuple[int, int] | None:
+        """(nodes that run the agreed attempt, the job's nodes)."""
+        plan = self._plan
+        nodes = len(plan.nodes) if plan is not None and plan.nodes is not None else self.membership.size
+        return nodes, self.membership.size
+
+    def _wait_to_grow(self, attempt: int, plan: RoundPlan) -> NoReturn:
+        """This node is left out of a smaller world (it was lost, and is back): it says so, and waits for the
+        attempt to end (the lead ends it at the job's next save, and the next round grows the job to every node)."""
+        self._log(f"attempt {attempt}: the job goes on with nodes {list(plan.nodes or ())} without this node; "
+                  "waiting for its next save to grow back")
+        self.coordinator.keys.set(f"back/{attempt}/{self.me}", "1")
+        while (why := self.coordinator.ended(attempt)) is None:
+            self.stop.check(f"attempt {attempt} to end (the job to grow back)")
+            if job_done(self.coordinator):
+                raise JobEnded(f"the coordination store {self.coordinator.describe()} says the job finished "
+                               "without this node")
+            self.stop.wait(GROW_POLL_S, GROW_POLL_S)
+        raise RoundEnded(f"attempt {attempt} ended: {why}")
 
     def peer_ended(self, attempt: int) -> str | None:
-        """Another node's end of the attempt. A store that stopped answering is reached again
+        """Another node's end of the attempt (or, on the lead of a smaller world, its own end of it to grow back:
+        :class:`_BackWatch`). A store that stopped answering is reached again
         (:meth:`RoundCoordinator.reach_again`: a bounded try every few seconds), so a stall does not leave the
         watch blind until the next join; meanwhile this node's own job decides."""
         try:
@@ -398,7 +478,34 @@ class NodeGroup:
         if self._store_lost:
             self._store_lost = False
             self._log(f"the coordination store {self.coordinator.describe()} answers again; watching the other nodes")
+        if ended is None and self._back is not None:
+            ended = self._grow_at_save(attempt, self._back)
         return ended
+
+    def _grow_at_save(self, attempt: int, watch: "_BackWatch") -> str | None:
+        """The lead of a smaller world: once a left-out node is back (its ``back`` mark) and this node's ranks saved
+        a step after that, the attempt ends so that the next round grows the job (never mid-step: at a save)."""
+        now = time.monotonic()
+        if now < watch.next_look:
+            return None
+        watch.next_look = now + GROW_POLL_S
+        try:
+            if watch.saved_before is None:
+                left_out = [n for n in range(self.membership.size) if not watch.plan.runs(n)]
+                marks = self.coordinator.keys.get_many([f"back/{attempt}/{n}" for n in left_out])
+                if not any(m is not None for m in marks):
+                    return None
+                watch.saved_before = newest_own_step(self.checkpoint_dir, self.me, full=False) or 0
+                return None
+            newest = newest_own_step(self.checkpoint_dir, self.me, full=False) or 0
+            if newest <= watch.saved_before:
+                return None
+            why = (f"node {self.me}: a left-out node is back and step {newest} is saved: ending attempt {attempt} to "
+                   f"grow back to {self.membership.size} nodes")
+            return self.coordinator.end(attempt, why)
+        except StoreUnavailable:
+            return None
+
 
     def attempt_failed(self, attempt: int, result: AttemptResult) -> None:
         if result.reason != EndReason.PEER_FAILURE:

@@ -19,8 +19,8 @@ from supervisor import exit_codes
 from supervisor.cluster.coordinator import CoordinationError, JobClash, PeerLost, RoundCoordinator
 from supervisor.cluster.fr_exchange import FrExchange
 from supervisor.cluster.multinode import CoordinatorSettings, NodeGroup
-from supervisor.cluster.round_lead import RoundRole, round_role
-from supervisor.cluster.spares import JobEnded, JobEndWatch, SpareSeat
+from supervisor.cluster.round_lead import RoundRole, ShrinkSettings, round_role
+from supervisor.cluster.spares import JobEnded, JobEndWatch, SpareSeat, moved_slots, spares_left
 from supervisor.job_identity import JobIdentity
 from supervisor.launch.rank_pinning import pin_ranks
 from supervisor.launch.warm_start import WarmStarts
@@ -56,11 +56,12 @@ class NodeRunSettings:
 
     run: RunSettings
     store: CoordinatorSettings
+    shrink: ShrinkSettings = ShrinkSettings()
 
     @classmethod
     def from_config(cls, cfg: SupervisorConfig) -> "NodeRunSettings":
         """``cfg`` resolved (absolute paths)."""
-        return cls(RunSettings.from_config(cfg), CoordinatorSettings.from_config(cfg))
+        return cls(RunSettings.from_config(cfg), CoordinatorSettings.from_config(cfg), ShrinkSettings.from_config(cfg))
 
 
 class NewLoop(Protocol):
@@ -169,8 +170,12 @@ class NodeRun:
         run = self.settings.run
         seat = self.spares is not None  # a job with spares can finish without this node (supervisor.cluster.spares)
         job_end = JobEndWatch.attach(coordinator, run.checkpoint_dir, self.tiers.persistent, self.job) if seat else None
-        return NodeGroup(self.membership, self.engine, coordinator, round_role(rank, coordinator, self.tiers.persistent,
-                                                                               say),
+        seat_of = self.spares
+
+        def unused_spares() -> int:  # a spare takes a lost node's rank first: the job shrinks only when none is left
+            return 0 if seat_of is None else spares_left(seat_of.roster, moved_slots(coordinator, size))
+        role = round_role(rank, coordinator, self.tiers.persistent, say, self.settings.shrink, unused_spares)
+        return NodeGroup(self.membership, self.engine, coordinator, role,
                          fr, self.stop, self.tiers, run.checkpoint_dir, run.state_dir, say,
                          observer=self.observer, spares=self.spares, job_end=job_end)
 

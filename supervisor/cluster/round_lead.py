@@ -7,19 +7,43 @@ are the same on every node: they ask the role, never the rank.
 
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Protocol
 
 from supervisor.cluster.coordinator import RoundCoordinator
-from supervisor.cluster.round_plan import compute_plan
+from supervisor.cluster.round_plan import compute_plan, compute_resized_plan, same_world
 from supervisor.cluster.spares import DONE_KEY, JobEndWatch
 from supervisor.tiers.holdings import PERSISTENT_HOLDER, RoundPlan
 from supervisor.tiers.persistent import PersistentTier
 
+if TYPE_CHECKING:
+    from supervisor.config import SupervisorConfig
+    from supervisor.tiers.holdings import NodeInventory
+
 Part = tuple[int, int]  # (step, rank)
+
+
+@dataclass(frozen=True)
+class ShrinkSettings:
+    """When the job goes on with fewer nodes (issue 43): ``min_nodes`` (0: never, the job's node count), after a
+    missing node was waited for ``wait_s`` (``spare_takeover_s``: a spare would have taken its rank by then)."""
+
+    min_nodes: int = 0
+    wait_s: float = 3.0
+
+    @classmethod
+    def from_config(cls, cfg: "SupervisorConfig") -> "ShrinkSettings":
+        return cls(cfg.min_nodes, cfg.spare_takeover_s)
+
+    def floor(self, job_nodes: int) -> int | None:
+        """The fewest nodes a job of ``job_nodes`` may run on; None: all of them (never fewer)."""
+        return self.min_nodes if 0 < self.min_nodes < job_nodes else None
 
 
 class RoundRole(Protocol):
     """This node's part in planning a round."""
+
+    leads: bool  # plans the rounds (and ends a smaller world's attempt to grow it back)
 
     def publish_plan(self, attempt: int, plan_try: int, excluded: set[tuple[int, int, int]]) -> None:
         """Plan try ``plan_try`` of ``attempt`` without the (step, rank, holder) triples ``excluded``."""
@@ -33,6 +57,8 @@ class RoundRole(Protocol):
 
 class RoundMember:
     """A node other than 0: node 0 plans; this node fetches what the plan says."""
+
+    leads = False
 
     def publish_plan(self, attempt: int, plan_try: int, excluded: set[tuple[int, int, int]]) -> None:
         pass
@@ -48,10 +74,18 @@ class RoundLead:
     """Node 0, the planner: each plan computed once, from the inventories and the persistent tier's newer steps;
     persistent parts that failed verification are never offered again in this run."""
 
+    leads = True
+
     def __init__(self, coordinator: RoundCoordinator, persistent: PersistentTier | None,
-                 say: Callable[[str], None]) -> None:
+                 say: Callable[[str], None], shrink: ShrinkSettings = ShrinkSettings(),
+                 spares_left: Callable[[], int] = lambda: 0) -> None:
+        """``shrink``: when the job may go on with fewer nodes; ``spares_left``: the job's spares not yet used (a
+        spare takes a lost node's rank first: the job shrinks only when none is left)."""
         self.coordinator, self.persistent, self.say = coordinator, persistent, say
+        self.shrink, self.spares_left = shrink, spares_left
         self.bad_persistent: set[Part] = set()
+        self._came: dict[int, dict[int, NodeInventory]] = {}  # attempt -> the inventories its round planned with
+        self._told: str = ""  # the last reason given for not going on with fewer nodes (said once)
 
     def publish_plan(self, attempt: int, plan_try: int, excluded: set[tuple[int, int, int]]) -> None:
         self.coordinator.publish_plan(self.plan(attempt, excluded), plan_try)
@@ -67,9 +101,48 @@ class RoundLead:
         self.coordinator.keys.set(DONE_KEY, "1")
 
     def plan(self, attempt: int, excluded: set[tuple[int, int, int]]) -> RoundPlan:
+        """Every node came: :meth:`full_plan`, or, for a step saved by fewer nodes, the plan that grows the job
+        back. Fewer came, at least ``min_nodes`` and no spare left: the plan of the smaller world, when the step's
+        saves allow it; otherwise every node is waited for, as without ``min_nodes``."""
+        job = self.coordinator.num_nodes
+        came = self._inventories(attempt)
+        if len(came) == job:
+            plan = self.full_plan(attempt, [came[n] for n in range(job)], excluded)
+            if plan.step is None or same_world(came, plan.step, range(job)):
+                return plan
+            grown = compute_resized_plan(attempt, came, list(range(job)))
+            if isinstance(grown, str):
+                self.say(f"attempt {attempt}: cannot grow back to {job} nodes: {grown}")
+                return plan
+            return grown
+        smaller = compute_resized_plan(attempt, came, sorted(came))
+        if not isinstance(smaller, str):
+            return smaller
+        missing = sorted(set(range(job)) - set(came))
+        why = f"not going on with {len(came)} of {job} nodes (node(s) {missing} missing): {smaller}"
+        if why != self._told:
+            self._told = why
+            self.say(f"attempt {attempt}: {why}; waiting for every node (rendezvous_timeout), as without min_nodes")
+        came = self._came[attempt] = dict(enumerate(self.coordinator.inventories(attempt)))
+        return self.full_plan(attempt, [came[n] for n in range(job)], excluded)
+
+    def _inventories(self, attempt: int) -> dict[int, NodeInventory]:
+        """The inventories this attempt's round plans with (node -> inventory): every node's; or, when the job may
+        go on with fewer (``min_nodes``, no spare left, not the job's first round), those that came within the
+        shrink's wait once enough are there. The same answer for every plan try of the attempt."""
+        if (came := self._came.get(attempt)) is not None:
+            return came
+        floor = self.shrink.floor(self.coordinator.num_nodes)
+        if floor is None or self.coordinator.first_round or self.spares_left() > 0:
+            came = dict(enumerate(self.coordinator.inventories(attempt)))
+        else:
+            came = self.coordinator.present_inventories(attempt, self.shrink.wait_s, floor)
+        self._came = {attempt: came}
+        return came
+
+    def full_plan(self, attempt: int, inventories: list[NodeInventory], excluded: set[tuple[int, int, int]]) -> RoundPlan:
         """The newest step every part of which is somewhere: in the nodes' inventories, else (steps newer than
         those) with the persistent tier as the last holder of the parts it lists. Each step is planned once."""
-        inventories = self.coordinator.inventories(attempt)
         exclude = excluded | {(s, r, PERSISTENT_HOLDER) for s, r in self.bad_persistent}
         plan = compute_plan(attempt, inventories, exclude=exclude)
         if self.persistent is None:
@@ -100,9 +173,10 @@ class RoundLead:
 
 
 def round_role(node_rank: int, coordinator: RoundCoordinator, persistent: PersistentTier | None,
-               say: Callable[[str], None]) -> RoundRole:
+               say: Callable[[str], None], shrink: ShrinkSettings = ShrinkSettings(),
+               spares_left: Callable[[], int] = lambda: 0) -> RoundRole:
     """Node 0 leads every round; the others follow."""
-    return RoundLead(coordinator, persistent, say) if node_rank == 0 else RoundMember()
+    return RoundLead(coordinator, persistent, say, shrink, spares_left) if node_rank == 0 else RoundMember()
 
 
-__all__ = ["RoundRole", "RoundLead", "RoundMember", "round_role"]
+__all__ = ["RoundRole", "RoundLead", "RoundMember", "ShrinkSettings", "round_role"]

@@ -99,3 +99,86 @@ def _default_owner(rank: int, world: int, num_nodes: int) -> int | None:
     if num_nodes <= 0 or world % num_nodes:
         return None
     return rank // (world // num_nodes)
+
+
+def saved_by(inventories: Mapping[int, NodeInventory], step: int) -> tuple[int, set[int]] | None:
+    """(how many nodes saved ``step``, those of them the inventories name): the step's world size over the most
+    ranks any node owns in it (every node runs as many); None when no inventory lists the step."""
+    owners: dict[int, set[int]] = {}
+    world = None
+    for inv in inventories.values():
+        held = inv.steps.get(step)
+        if held is None:
+            continue
+        world = held.world_size
+        for parts in (held.local, held.replicas):
+            for rank, owner in parts.items():
+                owners.setdefault(owner, set()).add(rank)
+    if world is None or not owners:
+        return None
+    per_node = max(len(ranks) for ranks in owners.values())
+    return -(-world // per_node), set(owners)
+
+
+def same_world(inventories: Mapping[int, NodeInventory], step: int, nodes: Sequence[int]) -> bool:
+    """Whether ``step`` was saved by ``nodes`` themselves (as many nodes, and none other): no world change."""
+    by = saved_by(inventories, step)
+    return by is None or (by[0] == len(nodes) and by[1] <= set(nodes))
+
+
+def compute_resized_plan(attempt: int, inventories: Mapping[int, NodeInventory],
+                         nodes: Sequence[int]) -> RoundPlan | str:
+    """The plan for running on ``nodes`` (node ranks of the job, ascending), a world of another size than the one
+    that saved the step: the newest step every part of which is held by these nodes, if its parts say it may be
+    restored into another world size (:data:`~supervisor.tiers.holdings.Resize`); else why not (a reason for the
+    log, and the job is not resized).
+
+    Each node gets the parts the new world's ranks read there (rank 0's, or every part) that it does not hold in
+    place: copied from a replica it keeps (itself as the first holder), else fetched from the nodes that keep a
+    replica (a part held only in its owner's own directory cannot be served: the step is then not usable). A step
+    saved by exactly ``nodes`` needs nothing fetched: each node holds its own ranks' parts."""
+    listed: dict[int, list[tuple[int, StepHoldings]]] = {}
+    for node in nodes:
+        for step, held in inventories[node].steps.items():
+            listed.setdefault(step, []).append((node, held))
+    for step in sorted(listed, reverse=True):
+        entries = listed[step]
+        worlds = {held.world_size for _, held in entries}
+        if len(worlds) != 1:
+            continue
+        (world,) = worlds
+        where: dict[int, set[tuple[int, bool]]] = {}  # rank -> (node, in place there)
+        owners: dict[int, int] = {}
+        for node, held in entries:
+            for rank, owner in held.local.items():
+                where.setdefault(rank, set()).add((node, True))
+                owners.setdefault(rank, owner)
+            for rank, owner in held.replicas.items():
+                where.setdefault(rank, set()).add((node, False))
+                owners.setdefault(rank, owner)
+        if not set(range(world)).issubset(where):
+            continue  # not complete on these nodes: an older step may be
+        if same_world(inventories, step, nodes):
+            return RoundPlan(attempt, step, world, {}, tuple(nodes))
+        resizes = {held.resize for _, held in entries}
+        if len(resizes) != 1 or "" in resizes:
+            return (f"step {step} (the newest complete on nodes {list(nodes)}) was not saved as restorable into "
+                    "another world size (trainer_hooks marks a save resizable; a trainer without it, or a layout "
+                    "rlsup only reads, is never resized)")
+        need = [0] if resizes == {"rank0"} else range(world)
+        fetch: dict[int, dict[int, list[int]]] = {}
+        for node in nodes:
+            for rank in need:
+                if (node, True) in where[rank]:
+                    continue
+                holders = sorted(n for n, here in where[rank] if not here and n != node)
+                if (node, False) in where[rank]:
+                    holders.insert(0, node)
+                if not holders:
+                    return (f"step {step}: rank {rank}'s part is only in node {owners[rank]}'s own directory, which "
+                            f"no peer serves (raise replication_factor so that every part has a replica)")
+                fetch.setdefault(node, {})[rank] = holders
+        wanted = {rank for parts in fetch.values() for rank in parts}
+        return RoundPlan(attempt, step, world, fetch, tuple(nodes), {r: owners[r] for r in sorted(wanted)},
+                         (saved_by(inventories, step) or (len(nodes), set()))[0])
+    return f"no step is complete on nodes {list(nodes)}"

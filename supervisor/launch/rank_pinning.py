@@ -145,3 +145,15 @@ def pin_ranks(command: Sequence[str], node_rank: int, num_nodes: int, master_hos
             f"their checkpoint parts (was {backend}"
             + (", which orders nodes by join order and ignores --node-rank)" if backend != "static" else ")"))
     return Pinned(pinned, note)
+
+
+def resize_pinned(command: Sequence[str], node_rank: int, num_nodes: int) -> list[str]:
+    """A command :func:`pin_ranks` pinned, for a world of ``num_nodes`` nodes in which this node is ``node_rank``
+    (the job shrank or grew back): the values of the ``--nnodes`` and ``--node-rank`` it set (the run of options it
+    adds, never a like-named argument of the script), replaced. A command it left as typed is returned unchanged."""
+    out = list(command)
+    for i in range(len(out) - 5):
+        if out[i] == "--nnodes" and out[i + 2] == "--node-rank" and out[i + 4:i + 6] == ["--rdzv-backend", "static"]:
+            out[i + 1], out[i + 3] = str(num_nodes), str(node_rank)
+            break
+    return out

@@ -68,6 +68,10 @@ class JobState:
     resume_dir: str | None = None
     resume_tier: str | None = None
     exit_code: int | None = None
+    # several nodes: the nodes the running world spans and the node count the job was launched for (fewer
+    # after a shrink, min_nodes); None on a single node
+    world_nodes: int | None = None
+    job_nodes: int | None = None
 
 
 def append_incident(state_dir: Path, incident: Incident) -> None:

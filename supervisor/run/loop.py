@@ -195,6 +195,8 @@ class Supervisor:
                 why = self.stop.reason if self.stop.asked else EndReason.PEER_FAILURE  # stopped in a wait: a stop
                 resume, result = None, self._classify(AttemptEvidence(attempt, EndedElsewhere(why, str(e)), self.node_name))
             else:
+                if (world := self.peers.world()) is not None:
+                    self.record.world_nodes(*world)  # state.json and the metric: fewer nodes after a shrink
                 result = self._launch_and_watch(attempt, resume, pending)
             if result.reason == EndReason.SUCCESS:  # the real exit code (non-zero after a trainer's done line)
                 self.record.set_state(JobStatus.SUCCEEDED, exit_code=result.exit_code or 0, last_step=result.last_step)
@@ -487,7 +489,7 @@ class Supervisor:
         hb_dir = attempt_dir / state_files.HEARTBEATS
         where = "" if resume is None else f" from {resume.path}" if resume.step is None else \
             f" from step {resume.step} ({resume.path})"
-        argv = self.attempt_command(resume)
+        argv = self.peers.command(self.attempt_command(resume))
         # Where the trainer picks its own checkpoint: said, with a torn newest one it would load (bounded: a hung mount)
         note = self.checkpoint_reads.call(lambda: self.sight.launch_note(self.command, resume), "")
         self._log(f"attempt {attempt}: launching {' '.join(argv)}{where}{note}")

@@ -75,6 +75,13 @@ class Peers(Protocol):
     def env(self) -> dict[str, str]:
         """What every attempt's environment adds for the job's nodes (none on a single node)."""
 
+    def world(self) -> tuple[int, int] | None:
+        """(nodes that run the agreed attempt, the job's nodes): fewer after a shrink; None on a single node."""
+
+    def command(self, argv: list[str]) -> list[str]:
+        """The attempt's launch line as the job's nodes run it now (the launcher's node count and node rank after
+        the job shrank or grew back); ``argv`` unchanged on a single node."""
+
 
 class SingleNode:
     """A job of one node: nobody to agree with, nobody to tell."""
@@ -102,6 +109,12 @@ class SingleNode:
 
     def env(self) -> dict[str, str]:
         return {}
+
+    def world(self) -> tuple[int, int] | None:
+        return None
+
+    def command(self, argv: list[str]) -> list[str]:
+        return argv
 
 
 __all__ = ["Peers", "SingleNode"]

@@ -93,6 +93,14 @@ class RunRecord:
         if changed:
             self.observer.state(self.state.state.value)
 
+    def world_nodes(self, nodes: int, job_nodes: int) -> None:
+        """The agreed attempt runs on ``nodes`` of the job's ``job_nodes`` nodes: written to state.json (``rlsup
+        status`` says when the job runs shrunk) and told to the observer (metrics). Several nodes only."""
+        if (self.state.world_nodes, self.state.job_nodes) != (nodes, job_nodes):
+            self.state.world_nodes, self.state.job_nodes = nodes, job_nodes
+            publish_state(self.state_dir, self.state)
+        self.observer.world_nodes(nodes, job_nodes)
+
     def heartbeats(self, timeout_s: float, last_step: int | None, origin: Any = None) -> bool:
         """What the running attempt's heartbeats say; True when ``last_step`` moved (state.json is then
         published, so ``rlsup status`` follows the steps, and how the timeout was reached: ``origin``, a

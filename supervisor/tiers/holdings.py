@@ -17,10 +17,25 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, Mapping, NoReturn
+from typing import Any, Literal, Mapping, NoReturn
+
+from rlsup_format.manifest import RankManifest
 
 # The persistent tier as a pseudo-holder in RoundPlan.fetch (node ranks are >= 0).
 PERSISTENT_HOLDER = -1
+
+#: What a step saved by W ranks needs on every node to be restored into another world size: nothing is possible
+#: (""), rank 0's part (``rank0``: trainer_hooks' torch backend, every new rank loads rank 0's replicated state), or
+#: every part (``all``: its dcp backend reshards, a new rank reads slices of any old rank's files).
+Resize = Literal["", "rank0", "all"]
+_RESIZE_BY_BACKEND: Mapping[str, Resize] = {"torch": "rank0", "dcp": "all"}
+RESIZES = ("", "rank0", "all")
+
+
+def resize_of(manifest: RankManifest) -> Resize:
+    """What restoring this part's step into another world size needs (:data:`Resize`): its manifest says whether the
+    trainer marked the save resizable (:mod:`trainer_hooks.world`) and which backend wrote it."""
+    return _RESIZE_BY_BACKEND.get(manifest.backend, "") if manifest.resizable else ""
 
 
 class RecordError(ValueError):
@@ -43,6 +58,7 @@ class StepHoldings:
     world_size: int
     local: Mapping[int, int] = field(default_factory=dict)  # in this node's checkpoint directory or memory tier
     replicas: Mapping[int, int] = field(default_factory=dict)  # copies this node keeps for their owners
+    resize: Resize = ""  # what every part here says a restore into another world size needs ("": not possible)
 
 
 @dataclass(frozen=True)
@@ -56,7 +72,8 @@ class NodeInventory:
         """The wire form: each step's parts grouped by owner, ``{"world_size": W, "local": {owner: [rank,
         ...]}, "replicas": {owner: [rank, ...]}}`` (compact, and parsed without a call per part)."""
         return json.dumps({"node": self.node, "steps": {
-            str(step): {"world_size": h.world_size, "local": _by_owner(h.local), "replicas": _by_owner(h.replicas)}
+            str(step): {"world_size": h.world_size, "local": _by_owner(h.local), "replicas": _by_owner(h.replicas),
+                        **({"resize": h.resize} if h.resize else {})}
             for step, h in self.steps.items()}})
 
     @classmethod
@@ -88,22 +105,27 @@ class InventoryBuilder:
     def __init__(self, node: int) -> None:
         self.node = node
         self._steps: dict[int, tuple[int, dict[int, int], dict[int, int]]] = {}  # step -> world, local, replicas
+        self._resize: dict[int, Resize] = {}  # step -> what its parts agree a resize needs ("" once two differ)
 
-    def add(self, step: int, world_size: int, rank: int, owner: int, *, replica: bool = False) -> None:
+    def add(self, step: int, world_size: int, rank: int, owner: int, *, replica: bool = False,
+            resize: Resize = "") -> None:
         world, local, replicas = self._steps.setdefault(step, (world_size, {}, {}))
         if world == world_size:
             (replicas if replica else local)[rank] = owner
+            if self._resize.setdefault(step, resize) != resize:
+                self._resize[step] = ""
 
     def add_inventory(self, other: NodeInventory) -> None:
         """Every part ``other`` lists (another place on this node: its memory tier), as it lists it."""
         for step, held in other.steps.items():
             for rank, owner in held.local.items():
-                self.add(step, held.world_size, rank, owner)
+                self.add(step, held.world_size, rank, owner, resize=held.resize)
             for rank, owner in held.replicas.items():
-                self.add(step, held.world_size, rank, owner, replica=True)
+                self.add(step, held.world_size, rank, owner, replica=True, resize=held.resize)
 
     def build(self) -> NodeInventory:
-        return NodeInventory(self.node, {step: StepHoldings(*held) for step, held in self._steps.items()})
+        return NodeInventory(self.node, {step: StepHoldings(*held, self._resize.get(step, ""))
+                                         for step, held in self._steps.items()})
 
 
 def _by_owner(parts: Mapping[int, int]) -> dict[str, list[int]]:
@@ -123,7 +145,10 @@ def _holdings(info: Any) -> StepHoldings | None:
     world, local, replicas = info.get("world_size"), _owned(info.get("local")), _owned(info.get("replicas"))
     if type(world) is not int or not 0 < world <= MAX_WORLD_SIZE or local is None or replicas is None:
         return None
-    return StepHoldings(world, local, replicas)
+    resize = info.get("resize", "")
+    if resize not in RESIZES:
+        return None
+    return StepHoldings(world, local, replicas, resize)
 
 
 def _owned(raw: Any) -> dict[int, int] | None:
@@ -160,6 +185,8 @@ def _refuse_step(step_s: str, info: Any, fail: "_Refuser") -> NoReturn:
                 fail(f"{where}.{kind}.{owner_s}", f"{ranks!r} is not a list of ranks (non-negative integers)")
         if _owned(raw) is None:
             fail(f"{where}.{kind}", "a rank is listed twice")
+    if info.get("resize", "") not in RESIZES:
+        fail(f"{where}.resize", f"{str(info.get('resize'))[:40]!r} is not one of {RESIZES[1:]}")
     fail(where, "does not parse")  # not reached while _holdings and this agree
 
 
@@ -182,17 +209,40 @@ class RoundPlan:
     """What every node does before attempt ``attempt`` starts (``plan/<attempt>[/<try>]``).
 
     ``fetch``: node -> rank -> holders to fetch that part from, in order: peer nodes holding a valid
-    replica, then :data:`PERSISTENT_HOLDER` when the persistent tier has it."""
+    replica, then :data:`PERSISTENT_HOLDER` when the persistent tier has it. ``world_size``: the step's, in ranks.
+
+    A smaller world (the job goes on without lost nodes): ``nodes`` lists the nodes (by their node rank in the
+    job) that run this attempt, in order; the i-th runs it as node i of ``len(nodes)``. A holder in ``fetch`` may
+    then be the fetching node itself (a replica it keeps is copied beside its own parts), and ``owners`` names the
+    node whose ranks wrote each part fetched (its replicas are kept under that owner)."""
 
     attempt: int
     step: int | None
     world_size: int | None
     fetch: Mapping[int, Mapping[int, list[int]]]
+    nodes: tuple[int, ...] | None = None  # None: every node of the job, each as its own node rank
+    owners: Mapping[int, int] = field(default_factory=dict)  # rank -> owner, for the parts of a smaller world
+    from_nodes: int | None = None  # how many nodes saved the step, when not ``len(nodes)`` (the world changes)
+
+    @property
+    def changes_world(self) -> bool:
+        """Whether the nodes that run this attempt are not as many as those that saved its step."""
+        return self.nodes is not None and self.from_nodes is not None and self.from_nodes != len(self.nodes)
+
+    def runs(self, node: int) -> bool:
+        """Whether node ``node`` runs this attempt."""
+        return self.nodes is None or node in self.nodes
 
     def to_json(self) -> str:
         # "round": the wire's name for the attempt since the first multi-node release (kept stable).
-        return json.dumps({"round": self.attempt, "step": self.step, "world_size": self.world_size,
-                           "fetch": {str(n): {str(r): s for r, s in parts.items()} for n, parts in self.fetch.items()}})
+        out: dict[str, Any] = {"round": self.attempt, "step": self.step, "world_size": self.world_size,
+                               "fetch": {str(n): {str(r): s for r, s in parts.items()}
+                                         for n, parts in self.fetch.items()}}
+        if self.nodes is not None:
+            out["nodes"] = list(self.nodes)
+            out["owners"] = {str(r): o for r, o in self.owners.items()}
+            out["from_nodes"] = self.from_nodes
+        return json.dumps(out)
 
     @classmethod
     def from_json(cls, text: str, node: int = 0) -> "RoundPlan":
@@ -221,7 +271,19 @@ class RoundPlan:
                 if not (isinstance(holders, list) and all(_is_holder(h) for h in holders)):
                     fail(f"fetch.{node_s}.{rank_s}", f"{holders!r} is not a list of holders")
                 fetch.setdefault(to, {})[rank] = holders
-        return cls(attempt, step, world, fetch)
+        nodes, owners = d.get("nodes"), d.get("owners", {})
+        if nodes is not None and not (isinstance(nodes, list) and nodes and all(_is_index(n) for n in nodes)
+                                      and nodes == sorted(set(nodes))):
+            fail("nodes", f"{str(nodes)[:80]} is not a non-empty ascending list of node ranks")
+        if not isinstance(owners, dict):
+            fail("owners", "not an object")
+        owned = {_index_key(r, fail, "owners", "a rank"): o for r, o in owners.items()}
+        if not all(_is_index(o) for o in owned.values()):
+            fail("owners", f"{str(owners)[:80]} does not map ranks to node ranks")
+        from_nodes = d.get("from_nodes")
+        if from_nodes is not None and not (_is_index(from_nodes) and from_nodes > 0):
+            fail("from_nodes", f"{str(from_nodes)[:40]} is not a node count")
+        return cls(attempt, step, world, fetch, None if nodes is None else tuple(nodes), owned, from_nodes)
 
 
 @dataclass

@@ -55,7 +55,7 @@ from rlsup_format.leftovers import is_stale
 from rlsup_format.manifest import KnownDigests, ManifestError, is_held, list_step_dirs
 from rlsup_format.names import Kind, parse_reserved, step_dir_name
 from rlsup_format.retention import StepState, steps_to_delete
-from supervisor.tiers.holdings import InventoryBuilder, NodeInventory
+from supervisor.tiers.holdings import InventoryBuilder, NodeInventory, resize_of
 from supervisor.tiers.node_parts import NodeParts
 from supervisor.tiers.part_protocol import PartError, copy_part
 from supervisor.tiers.part_stores.local import LocalStore
@@ -222,7 +222,8 @@ class MemoryTier:
         for step, path in list_step_dirs(self.root):
             for rank, m in self.parts.valid_parts(path, full=True, known=known).items():
                 owner = m.extra.get("node_rank")
-                held.add(step, m.world_size, rank, owner if isinstance(owner, int) else self.settings.node)
+                held.add(step, m.world_size, rank, owner if isinstance(owner, int) else self.settings.node,
+                         resize=resize_of(m))
         return held.build()
 
     def resume_dir(self, step: int, known: KnownDigests | None = None) -> Path | None:

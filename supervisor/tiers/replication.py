@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from rlsup_format.fileio import write_durable
 from rlsup_format.manifest import MANIFEST_RE, KnownDigests, RankManifest, list_step_dirs, manifest_name, step_dir_name
 from rlsup_format.names import Kind, placement_name, reserved_name
-from supervisor.tiers.holdings import InventoryBuilder, NodeInventory
+from supervisor.tiers.holdings import InventoryBuilder, NodeInventory, resize_of
 from supervisor.tiers.manifest_watch import ManifestWatch
 from supervisor.job_identity import namespace_of, parse_namespace
 from supervisor.membership import Membership, replica_targets
@@ -242,6 +242,13 @@ class ReplicationEngine:
         """``node``'s copy of this node's parts (its replica namespace for this job)."""
         return PeerStore(self.clients[node], namespace_of(self.job, self.me), self.state_path.parent, f"node {node}")
 
+    def holder_store(self, holder: int, owner: int) -> LocalStore | PeerStore:
+        """``holder``'s copy of ``owner``'s parts: a replica this node keeps (``holder`` is this node), or a peer's
+        replica namespace. For a smaller world, where a node also needs parts its own ranks did not write."""
+        if holder == self.me:
+            return LocalStore(self.replica_root / namespace_of(self.job, owner), hold_label=f"resize-node{self.me}")
+        return PeerStore(self.clients[holder], namespace_of(self.job, owner), self.state_path.parent, f"node {holder}")
+
     def accept(self, manifest: RankManifest) -> str:
         """"" for a part of this job (or one written without rlsup), else why it must not be used."""
         job = manifest.extra.get("job")
@@ -354,7 +361,8 @@ class ReplicationEngine:
         for part in scan_parts(self.checkpoint_dir, full=True, known=known):
             if job_of(part) not in (self.job, None):
                 continue  # another job wrote into this directory: never offered to this one
-            held.add(part.step, part.world_size, part.rank, part.owner if part.owner is not None else self.me)
+            held.add(part.step, part.world_size, part.rank, part.owner if part.owner is not None else self.me,
+                     resize=resize_of(part.manifest))
         if self.replica_root.is_dir():
             for ns_dir in sorted(self.replica_root.iterdir()):
                 parsed = parse_namespace(ns_dir.name)
@@ -363,7 +371,8 @@ class ReplicationEngine:
                 owner = parsed[1]
                 for part in scan_parts(ns_dir, full=True, known=known):
                     if job_of(part) == self.job:
-                        held.add(part.step, part.world_size, part.rank, owner, replica=True)
+                        held.add(part.step, part.world_size, part.rank, owner, replica=True,
+                                 resize=resize_of(part.manifest))
         return held.build()
 
     def clean(self) -> None:

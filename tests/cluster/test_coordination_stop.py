@@ -28,8 +28,8 @@ from supervisor.cluster.coordinator import (
     JobClash,
     RoundCoordinator,
     compute_plan,
-    embedded_coordinator,
 )
+from supervisor.cluster.embedded_store import embedded_coordinator
 from supervisor.job_identity import JobIdentity
 from supervisor.lifecycle import EndReason, JobStatus
 from supervisor.membership import Membership

@@ -19,8 +19,8 @@ from supervisor.cluster.coordinator import (
     CoordinationError,
     JobClash,
     connect_store,
-    embedded_coordinator,
 )
+from supervisor.cluster.embedded_store import embedded_coordinator
 from supervisor.cluster.kvstore import TCPKVStore
 from supervisor.membership import Membership
 from supervisor.cluster.node_run import NodeRun

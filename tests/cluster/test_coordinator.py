@@ -7,7 +7,8 @@ import threading
 import pytest
 
 from supervisor.tiers.holdings import PERSISTENT_HOLDER, FetchResult, NodeInventory, StepHoldings, TierOffer
-from supervisor.cluster.coordinator import CoordinationError, RoundCoordinator, compute_plan, embedded_coordinator
+from supervisor.cluster.coordinator import CoordinationError, RoundCoordinator, compute_plan
+from supervisor.cluster.embedded_store import embedded_coordinator
 from supervisor.job_identity import JobIdentity
 from support.ports import free_port
 

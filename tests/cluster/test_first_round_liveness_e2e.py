@@ -15,7 +15,8 @@ from support.ports import free_ports
 from typing import Callable
 from support.waits import wait_for
 from support import waits
-from supervisor.cluster.coordinator import RoundCoordinator, compute_plan, embedded_coordinator
+from supervisor.cluster.coordinator import RoundCoordinator, compute_plan
+from supervisor.cluster.embedded_store import embedded_coordinator
 from supervisor.job_identity import JobIdentity
 from supervisor.cluster.liveness import Beat
 from supervisor.cluster.signed_keys import AbortKind, AbortNotice

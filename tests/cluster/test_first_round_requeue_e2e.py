@@ -23,7 +23,8 @@ from support.ports import free_ports
 from support import waits
 from supervisor.config import SupervisorConfig
 from supervisor.tiers.holdings import NodeInventory
-from supervisor.cluster.coordinator import CoordinationError, embedded_coordinator
+from supervisor.cluster.coordinator import CoordinationError
+from supervisor.cluster.embedded_store import embedded_coordinator
 from supervisor.membership import Membership
 from supervisor.cluster.node_run import NodeRun
 

@@ -14,7 +14,8 @@ from support.ports import free_ports
 from support.waits import wait_for
 from supervisor.diagnosis.evidence import AttemptEvidence, FlightEvidence, HangSeen
 from supervisor.diagnosis.outcome import AttemptResult, classify
-from supervisor.cluster.coordinator import RoundCoordinator, embedded_coordinator
+from supervisor.cluster.coordinator import RoundCoordinator
+from supervisor.cluster.embedded_store import embedded_coordinator
 from supervisor.diagnosis.flight_recorder import Analysis, normalise, read_dump
 from supervisor.cluster.fr_exchange import FrExchange
 from supervisor.diagnosis.fr_records import NodeDumps

@@ -22,7 +22,7 @@ from rlsup_format.manifest import manifest_name
 from support.spares_cluster import SpareCluster, ranks_of, took_rank
 from support.waits import wait_for
 from supervisor import exit_codes
-from supervisor.cluster.coordinator import embedded_coordinator
+from supervisor.cluster.embedded_store import embedded_coordinator
 from supervisor.job_identity import JobIdentity
 from supervisor.transport.auth import load_secret
 from supervisor.cluster.spares import (JobEnd, JobEnded, JobEndWatch, job_end_name)

@@ -287,8 +287,11 @@ class FakeTier:
 
 
 class InventoryStore:
+    first_round = False
+
     def __init__(self, inventories: list[NodeInventory]) -> None:
         self.inventories_ = inventories
+        self.num_nodes = len(inventories)
         self.published: list[tuple[int, RoundPlan]] = []
 
     def inventories(self, attempt: int) -> list[NodeInventory]:

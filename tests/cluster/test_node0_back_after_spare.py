@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 
 from supervisor.config import SupervisorConfig, load_config
-from supervisor.cluster.coordinator import NodeZeroRunning, embedded_coordinator
+from supervisor.cluster.coordinator import NodeZeroRunning
+from supervisor.cluster.embedded_store import embedded_coordinator
 from supervisor.job_identity import JobIdentity
 from supervisor.membership import Membership
 from supervisor.cluster.multinode import connect_coordinator

@@ -172,7 +172,7 @@ def test_a_spare_takes_an_earlier_run_s_record_for_nothing(tmp_path: Path) -> No
 
 NODE_0 = """
 import sys, time
-from supervisor.cluster.coordinator import embedded_coordinator
+from supervisor.cluster.embedded_store import embedded_coordinator
 from supervisor.job_identity import JobIdentity
 hosted = embedded_coordinator("127.0.0.1", int(sys.argv[1]), JobIdentity("job-first-connect", "test"),
                               b"0123456789abcdef-shared", 0, 3, 30)

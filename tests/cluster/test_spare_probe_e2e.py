@@ -14,7 +14,8 @@ from supervisor.settings_vocabulary import REFUSED_FOR_S
 from supervisor.cluster.spares import Roster, SpareWatch, try_claim
 from supervisor.stop_request import StopRequest
 from support.ports import free_port
-from supervisor.cluster.coordinator import RoundCoordinator, embedded_coordinator
+from supervisor.cluster.coordinator import RoundCoordinator
+from supervisor.cluster.embedded_store import embedded_coordinator
 from supervisor.cluster.endpoint_probe import EndpointProbe, connect_refused
 from supervisor.job_identity import JobIdentity
 

@@ -10,7 +10,8 @@ import time
 import pytest
 
 from supervisor.tiers.holdings import NodeInventory
-from supervisor.cluster.coordinator import RoundCoordinator, embedded_coordinator
+from supervisor.cluster.coordinator import RoundCoordinator
+from supervisor.cluster.embedded_store import embedded_coordinator
 from supervisor.job_identity import JobIdentity
 from supervisor.cluster.spares import (DONE_KEY, JobEnded, NodeRole, Roster, SlotTaken, SpareWatch, check_holder, check_seat,
                                job_done, moved_slots, newest_claim, taken_over, try_claim)

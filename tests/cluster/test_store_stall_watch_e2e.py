@@ -26,7 +26,8 @@ from support.waits import wait_for
 
 from supervisor.config import SupervisorConfig
 from supervisor.tiers.holdings import NodeInventory
-from supervisor.cluster.coordinator import RoundCoordinator, embedded_coordinator
+from supervisor.cluster.coordinator import RoundCoordinator
+from supervisor.cluster.embedded_store import embedded_coordinator
 from supervisor.job_identity import JobIdentity
 from supervisor.cluster.kvstore import OP_TIMEOUT_S, StoreUnavailable, TCPKVStore
 from supervisor.membership import Membership
@@ -34,7 +35,7 @@ from supervisor.cluster.node_run import NodeRun
 
 JOB = JobIdentity("job-w", "test")
 SECRET = b"0123456789abcdef-stall-watch"
-HOST = ("import sys, time; from supervisor.cluster.coordinator import embedded_coordinator; "
+HOST = ("import sys, time; from supervisor.cluster.embedded_store import embedded_coordinator; "
         "from supervisor.job_identity import JobIdentity; "
         f"c = embedded_coordinator('127.0.0.1', int(sys.argv[1]), JobIdentity('job-w', 'test'), {SECRET!r}, 0, 2, 60.0); "
         "print('up', flush=True); time.sleep(300)")

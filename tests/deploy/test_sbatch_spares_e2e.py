@@ -57,7 +57,7 @@ def test_spares_run_the_job_on_n_and_every_node_gets_peers_of_n_plus_k(tmp_path:
             "torchrun", "--nnodes=4", f"--node-rank={rank}", "--nproc-per-node=1", "--master-addr=n1",
             "--master-port=29500", "train.py", "--lr", "0.1"], seen  # the spare's rank 4: rlsup rewrites it
         assert seen["env"] == {"RLSUP_PEERS": "n1:9779,n2:9779,n3:9779,n4:9779,n5:9779", "RLSUP_SPARES": "1",
-                               "RLSUP_REPLICA_DIR": str(tmp_path / "job" / "rlsup-replicas" / name),
+                               "RLSUP_MIN_NODES": None, "RLSUP_REPLICA_DIR": str(tmp_path / "job" / "rlsup-replicas" / name),
                                "MASTER_ADDR": "n1", "MASTER_PORT": "29500", "SLURM_NODEID": str(rank)}, seen
         assert (tmp_path / "job" / "rlsup-pids" / "42" / f"{name}.rc").read_text() == "0\n"
 
@@ -71,6 +71,7 @@ def test_without_spares_the_step_and_the_command_are_as_before(tmp_path: Path) -
     seen = fake.node("n3")
     assert "--nnodes=3" in torchrun_args(seen["argv"]) and "--node-rank=2" in torchrun_args(seen["argv"])
     assert seen["env"]["RLSUP_SPARES"] is None and seen["env"]["RLSUP_PEERS"] == "n1:9779,n2:9779,n3:9779"
+    assert seen["env"]["RLSUP_MIN_NODES"] is None
 
 
 def test_without_spares_a_killed_node_is_srun_s_answer_as_before(tmp_path: Path) -> None:
@@ -169,6 +170,12 @@ def test_distinct_node_addresses_keep_one_port(tmp_path: Path) -> None:
     (4, {"RLSUP_SPARES": "one"}, "RLSUP_SPARES=one: expected a whole number of spare nodes"),
     (3, {"RLSUP_SPARES": "2"}, "RLSUP_SPARES=2 of 3 allocated node(s) leaves 1 for the job"),
     (3, {"PEER_ADDR": "ip"}, "PEER_ADDR=ip: expected name or nodeaddr"),
+    (3, {"RLSUP_MIN_NODES": "two"}, "RLSUP_MIN_NODES=two: expected a whole number of nodes"),
+    (3, {"RLSUP_MIN_NODES": "-1"}, "RLSUP_MIN_NODES=-1: expected a whole number of nodes"),
+    (3, {"RLSUP_MIN_NODES": "4"}, "RLSUP_MIN_NODES=4 is more than the job's 3 node(s) (3 allocated, 0 spare)"),
+    (4, {"RLSUP_SPARES": "1", "RLSUP_MIN_NODES": "4"},
+     "RLSUP_MIN_NODES=4 is more than the job's 3 node(s) (4 allocated, 1 spare)"),
+    (1, {"RLSUP_MIN_NODES": "1"}, "RLSUP_MIN_NODES=1 on a single node: a job of one node cannot shrink"),
 ])
 def test_bad_spares_settings_exit_2_before_any_step(tmp_path: Path, allocated: int, extra: dict[str, str],
                                                    says: str) -> None:
@@ -177,11 +184,13 @@ def test_bad_spares_settings_exit_2_before_any_step(tmp_path: Path, allocated: i
     assert fake.sruns() == []
 
 
-def test_preemption_is_relayed_to_the_nodes_left_after_a_loss(tmp_path: Path) -> None:
+@pytest.mark.parametrize("elastic", [{"RLSUP_SPARES": "1"}, {"RLSUP_MIN_NODES": "2"}], ids=["spare", "min_nodes"])
+def test_preemption_is_relayed_to_the_nodes_left_after_a_loss(tmp_path: Path, elastic: dict[str, str]) -> None:
     """SLURM drops a failed node from a --no-kill job: the relay asks for the job's nodes now, and every rlsup
-    left (the spare too) gets SIGUSR1 at the pid the script recorded; 75 from them requeues the job."""
+    left (the spare too) gets SIGUSR1 at the pid the script recorded; 75 from them requeues the job. The same
+    with no spare where the nodes left go on without the lost one (min_nodes)."""
     fake = install(tmp_path / "fake")
-    env = batch_env(fake, tmp_path / "job", 4, RLSUP_SPARES="1", FAKE_LOST="n2", FAKE_JOB_NODES="n1,n3,n4",
+    env = batch_env(fake, tmp_path / "job", 4, **elastic, FAKE_LOST="n2", FAKE_JOB_NODES="n1,n3,n4",
                     FAKE_ENDS="n1=usr1,n3=usr1,n4=usr1")
     batch = subprocess.Popen(["bash", str(SBATCH), "train.py"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                              text=True, env=env)
@@ -213,3 +222,54 @@ def test_without_spares_a_requeue_beside_a_node_that_exited_0_is_not_a_requeue(t
     assert r.returncode == 0 and "rlsup exited 0" in r.stdout, r.stdout + r.stderr
     assert f"not requeueing it for a node that exited {late}" in r.stdout, r.stdout
     assert not any(c.startswith(("requeue", "update")) for c in fake.scontrol_calls()), fake.scontrol_calls()
+
+
+# ---- min_nodes (issue 43): out of spares, the nodes left go on with at least RLSUP_MIN_NODES of the job's
+
+def test_min_nodes_is_passed_to_every_node_and_the_step_outlives_a_lost_node(tmp_path: Path) -> None:
+    fake, r = run_batch(tmp_path, 3, RLSUP_MIN_NODES="02")  # as typed: a leading zero is still decimal
+    assert r.returncode == 0, r.stdout + r.stderr
+    (step,) = fake.sruns()
+    assert "--no-kill" in step["options"] and "--nodes=3" in step["options"], step
+    assert "3 node(s), going on with at least 2," in r.stdout, r.stdout
+    for rank, name in enumerate(nodes(3)):
+        seen = fake.node(name)
+        assert seen["env"]["RLSUP_MIN_NODES"] == "2" and seen["env"]["RLSUP_SPARES"] is None, seen
+        assert f"--node-rank={rank}" in torchrun_args(seen["argv"]) and "--nnodes=3" in torchrun_args(seen["argv"])
+
+
+def test_min_nodes_beside_spares_counts_the_job_s_nodes_only(tmp_path: Path) -> None:
+    fake, r = run_batch(tmp_path, 5, RLSUP_SPARES="1", RLSUP_MIN_NODES="3")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "5 node(s) (4 for the job, the last 1 spare), going on with at least 3," in r.stdout, r.stdout
+    seen = fake.node("n5")
+    assert seen["env"]["RLSUP_MIN_NODES"] == "3" and seen["env"]["RLSUP_SPARES"] == "1", seen
+
+
+@pytest.mark.parametrize("floor", ["3", "0", ""])
+def test_min_nodes_of_every_node_or_0_never_shrinks_and_the_step_is_as_before(tmp_path: Path, floor: str) -> None:
+    """min_nodes = the job's node count (or 0, its default, or empty) lets no node go: SLURM's kill of the whole
+    job on a failed node stays; 0 or empty is rlsup's default, not passed on."""
+    fake, r = run_batch(tmp_path, 3, RLSUP_MIN_NODES=floor)
+    assert r.returncode == 0, r.stdout + r.stderr
+    (step,) = fake.sruns()
+    assert step["options"] == ["--nodes=3", "--ntasks-per-node=1", "--kill-on-bad-exit=0"], step
+    assert "going on with" not in r.stdout, r.stdout
+    assert fake.node("n2")["env"]["RLSUP_MIN_NODES"] == (floor if floor == "3" else None)
+
+
+@pytest.mark.parametrize("how", ["FAKE_ENDS", "FAKE_LOST"])
+def test_a_node_lost_while_the_others_finished_without_it_ends_the_job_as_succeeded(tmp_path: Path, how: str
+                                                                                    ) -> None:
+    fake, r = run_batch(tmp_path, 3, RLSUP_MIN_NODES="2", **{how: "n3=kill" if how == "FAKE_ENDS" else "n3"})
+    assert r.returncode == 0 and "rlsup exited 0" in r.stdout, r.stdout + r.stderr
+    assert "lost node(s): n3" in r.stdout and "the other nodes exited 0" in r.stdout, r.stdout
+    assert not any(c.startswith("requeue") for c in fake.scontrol_calls())
+
+
+def test_a_node_lost_leaving_too_few_nodes_requeues_the_job(tmp_path: Path) -> None:
+    """Fewer than min_nodes left: the nodes wait for the lost one and ask for a requeue (75), as before."""
+    fake, r = run_batch(tmp_path, 3, RLSUP_MIN_NODES="2", FAKE_LOST="n2,n3", FAKE_ENDS="n1=75")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "lost node(s): n2 n3" in r.stdout and "preempted after saving: requeueing job 42" in r.stdout, r.stdout
+    assert "requeue 42" in fake.scontrol_calls()

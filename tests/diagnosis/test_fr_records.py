@@ -17,7 +17,7 @@ from rlsup_format.heartbeat_record import fr_dump_name
 from supervisor.diagnosis.evidence import AttemptEvidence, HangSeen
 from supervisor.diagnosis.outcome import classify
 from supervisor.tiers.holdings import RecordError
-from supervisor.cluster.coordinator import embedded_coordinator
+from supervisor.cluster.embedded_store import embedded_coordinator
 from supervisor.diagnosis.flight_recorder import Analysis, normalise, read_dump
 from supervisor.cluster.fr_exchange import FrExchange
 from supervisor.diagnosis.fr_records import MAX_INFLATED_BYTES, NodeDumps, SharedVerdict, aligned

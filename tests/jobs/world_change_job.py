@@ -4,10 +4,18 @@ any world size). The global batch (GLOBAL) is kept by gradient accumulation (tra
 
 Each rank appends one line per micro batch to ``<log-dir>/ids.<tag>.rank<R>``: ``step epoch id id ...``; rank 0
 prints ``WORLD_CHANGE step saved new`` after a restore from another world, and writes the final full weights to
-``--out``. Used by tests/trainer_hooks/test_world_change_e2e.py."""
+``--out``. Used by tests/trainer_hooks/test_world_change_e2e.py.
+
+Under rlsup on several nodes (tests/cluster/test_shrink_e2e.py): ``--attempt-tag`` adds the attempt
+(``RLSUP_RESTART_COUNT``) to the tag, so the test tells the ids an attempt that was killed wrote from the ids of the
+attempt that redid those steps; ``--hold-at STEP --hold-file PATH`` makes rank 0 of the first attempt wait after
+step STEP (and its save) until PATH exists, so the test loses a node at a known step (the other ranks wait in the
+next collective); ``--not-resizable`` saves with ``CheckpointManager(resizable=False)``, as a trainer that never
+marks its saves restorable into another world size. None of them changes what is computed."""
 import argparse
 import contextlib
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -81,8 +89,16 @@ def main() -> None:
     p.add_argument("--tag", required=True)
     p.add_argument("--out", default=None)
     p.add_argument("--dump-dir", default=None, help="Rank 0 writes the whole state after each save and restore.")
+    p.add_argument("--attempt-tag", action="store_true", help="Tag the id logs with the attempt too.")
+    p.add_argument("--hold-at", type=int, default=None, help="Attempt 0's rank 0 waits after this step ...")
+    p.add_argument("--hold-file", default=None, help="... until this file exists.")
+    p.add_argument("--not-resizable", action="store_true", help="CheckpointManager(resizable=False).")
     args = p.parse_args()
     save_at = {int(s) for s in args.save_at.split(",") if s}
+    attempt = os.environ.get("RLSUP_RESTART_COUNT") or "0"
+    tag = f"{args.tag}.attempt{attempt}" if args.attempt_tag else args.tag
+    hold_at = args.hold_at if attempt == "0" and args.hold_file else None
+    Path(args.log_dir).mkdir(parents=True, exist_ok=True)
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -91,7 +107,7 @@ def main() -> None:
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=5, gamma=0.7)
     sampler = ResumableSampler(N, shuffle=True, seed=7)
     loader = DataLoader(Samples(), batch_size=MICRO, sampler=sampler, num_workers=0, generator=torch.Generator())
-    ckpt = CheckpointManager(args.checkpoint_dir, backend=args.backend)
+    ckpt = CheckpointManager(args.checkpoint_dir, backend=args.backend, resizable=False if args.not_resizable else None)
     state = {"model": saved, "optimizer": optimizer, "scheduler": scheduler, "sampler": sampler}
     step = ckpt.restore(state)
     change = ckpt.world_change
@@ -116,7 +132,7 @@ def main() -> None:
             sampler.set_epoch(sampler.epoch + 1)
 
     stream = batches()
-    with open(Path(args.log_dir) / f"ids.{args.tag}.rank{rank}", "a") as log:
+    with open(Path(args.log_dir) / f"ids.{tag}.rank{rank}", "a") as log:
         while step < args.until:
             optimizer.zero_grad()
             for i in range(accum):
@@ -138,6 +154,11 @@ def main() -> None:
                 log.flush()
                 ckpt.save(step, state)
                 dump("saved")
+            if step == hold_at and rank == 0:
+                log.flush()
+                print(f"HOLDING after step {step}", flush=True)
+                while not Path(args.hold_file).exists():
+                    time.sleep(0.05)
     weights = full_weights(saved)
     if rank == 0 and args.out:
         torch.save(weights, args.out)

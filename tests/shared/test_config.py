@@ -167,3 +167,44 @@ def test_checkpoint_layout_accepts_every_layout_the_catalogue_dispatches_on_and_
         load_config(environ={}, overrides={"checkpoint_layout": "hf", "checkpoint_file": "ckpt.pt"})
     with pytest.raises(ConfigError, match="relative to checkpoint_dir"):
         load_config(environ={}, overrides={"checkpoint_file": "../elsewhere/ckpt.pt"})
+
+
+def test_min_nodes_is_set_by_file_env_and_flag(workdir: Path, rlsup: Rlsup) -> None:
+    """Issue 43's floor of a shrunk job, settable as every key is (flag > env > file > default)."""
+    cfg = workdir / "rlsup.yaml"
+    cfg.write_text("min_nodes: 2\n")
+    code, out, err = rlsup("config", "show", "--config", str(cfg))
+    assert code == 0 and f"min_nodes: 2  # {cfg}:1" in out, out + err
+    code, out, err = rlsup("config", "show", "--config", str(cfg), RLSUP_MIN_NODES="3")
+    assert code == 0 and "min_nodes: 3  # env RLSUP_MIN_NODES" in out, out + err
+    code, out, err = rlsup("config", "show", "--config", str(cfg), "--min-nodes", "1", RLSUP_MIN_NODES="3")
+    assert code == 0 and "min_nodes: 1  # flag --min-nodes" in out, out + err
+    code, out, err = rlsup("config", "show")
+    assert code == 0 and "min_nodes: 0  # default" in out, out + err
+
+
+def test_min_nodes_refusals_name_the_key_and_the_numbers(rlsup: Rlsup) -> None:
+    """Below 0, above the job's node count (peers less spares: both numbers named), or on a single node: exit 2
+    before anything starts."""
+    code, _, err = rlsup("run", "--min-nodes", "-1", *PEERS, "--", "true")
+    assert code == 2 and "flag --min-nodes: key 'min_nodes': must be >= 0" in err, err
+    code, _, err = rlsup("run", "--min-nodes", "3", *PEERS, "--", "true")
+    assert code == 2 and "flag --min-nodes: key 'min_nodes': 3 is more than the job's 2 node(s)" in err, err
+    four = ("--peers", "127.0.0.1:1,127.0.0.1:2,127.0.0.1:3,127.0.0.1:4", "--node-rank", "0")
+    code, _, err = rlsup("run", *four, "--spares", "1", "--", "true", RLSUP_MIN_NODES="4")
+    assert code == 2 and "env RLSUP_MIN_NODES: key 'min_nodes': 4 is more than the job's 3 node(s)" in err, err
+    assert "(4 peers less 1 spare(s))" in err, err
+    code, _, err = rlsup("run", "--min-nodes", "1", "--", "true")
+    assert code == 2 and "flag --min-nodes: key 'min_nodes': min_nodes needs peers" in err, err
+
+
+def test_min_nodes_within_the_job_is_accepted_and_0_means_every_node() -> None:
+    from supervisor.config import effective_min_nodes, load_config, node_membership
+
+    four = {"peers": ("127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3", "127.0.0.1:4"), "node_rank": 0, "spares": 1}
+    for floor in (0, 1, 3):
+        membership = node_membership(load_config(environ={}, overrides={**four, "min_nodes": floor}), {})
+        assert membership is not None and membership.size == 4
+    assert node_membership(load_config(environ={}, overrides={"min_nodes": 0}), {}) is None  # single node: default
+    assert effective_min_nodes(0, 3) == 3  # the default: never shrink
+    assert effective_min_nodes(2, 3) == 2 and effective_min_nodes(3, 3) == 3

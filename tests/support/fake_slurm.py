@@ -63,7 +63,8 @@ RLSUP = '''\
 import json, os, signal, sys, time
 node = os.environ["SLURMD_NODENAME"]
 log = os.environ["FAKE_SLURM_LOG"]
-keys = ("RLSUP_PEERS", "RLSUP_SPARES", "RLSUP_REPLICA_DIR", "MASTER_ADDR", "MASTER_PORT", "SLURM_NODEID")
+keys = ("RLSUP_PEERS", "RLSUP_SPARES", "RLSUP_MIN_NODES", "RLSUP_REPLICA_DIR", "MASTER_ADDR", "MASTER_PORT",
+        "SLURM_NODEID")
 with open(os.path.join(log, node + ".json"), "w") as f:
     json.dump({"argv": sys.argv[1:], "env": {k: os.environ.get(k) for k in keys}, "pid": os.getpid()}, f)
 ends = dict(e.split("=") for e in filter(None, os.environ.get("FAKE_ENDS", "").split(",")))

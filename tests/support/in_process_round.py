@@ -32,7 +32,7 @@ from rlsup_format.names import step_dir_name
 from supervisor.cluster.coordinator import RoundCoordinator
 from supervisor.cluster.fr_exchange import FrExchange
 from supervisor.cluster.multinode import NodeGroup
-from supervisor.cluster.round_lead import round_role
+from supervisor.cluster.round_lead import ShrinkSettings, round_role
 from supervisor.job_identity import JobIdentity, namespace_of
 from supervisor.membership import Membership, replica_targets
 from supervisor.observer import Observer
@@ -52,6 +52,7 @@ from trainer_hooks.step_writer import RankIdentity, StepTarget, write_step
 
 JOB = JobIdentity("round-in-process", "tests/support/in_process_round.py")
 SECRET = b"in-process-round-secret-0123456789"
+NEVER_SHRINK = ShrinkSettings()  # min_nodes unset: the job's size
 ROUND_TIMEOUT_S = 10.0  # rendezvous_timeout of every node's coordinator: a missing key fails the test, not hangs it
 
 
@@ -122,8 +123,9 @@ class RoundEngine:
     """What :class:`NodeGroup` asks of a node's replication engine: the real ``engine`` for everything (inventory,
     checkpoint directory, the job check, cleaning) but the peers, which ``peer_store`` reaches in process."""
 
-    def __init__(self, engine: ReplicationEngine, peer_store: Callable[[int], PartStore]) -> None:
-        self.engine, self._peer_store = engine, peer_store
+    def __init__(self, engine: ReplicationEngine, peer_store: Callable[[int], PartStore],
+                 holder_store: Callable[[int, int], PartStore]) -> None:
+        self.engine, self._peer_store, self._holder_store = engine, peer_store, holder_store
 
     def inventory(self, known: KnownDigests | None = None) -> NodeInventory:
         return self.engine.inventory(known=known)
@@ -142,6 +144,9 @@ class RoundEngine:
 
     def peer_store(self, node: int) -> PartStore:
         return self._peer_store(node)
+
+    def holder_store(self, holder: int, owner: int) -> PartStore:
+        return self._holder_store(holder, owner)
 
 
 @dataclass(frozen=True)
@@ -189,8 +194,11 @@ class SimCluster:
     ``holder``'s copy of ``owner``'s parts fails when fetched. ``store``: the shared store (default: a plain one)."""
 
     def __init__(self, tmp: Path, nodes: int = 3, ranks_per_node: int = 2, *, memory: bool = False,
-                 persistent: bool = False, store: MemoryKVStore | None = None) -> None:
+                 persistent: bool = False, store: MemoryKVStore | None = None,
+                 shrink: ShrinkSettings = NEVER_SHRINK) -> None:
+        """``shrink``: node 0's rule for going on with fewer nodes (``min_nodes``; default never)."""
         self.size, self.per_node, self.world = nodes, ranks_per_node, nodes * ranks_per_node
+        self.shrink = shrink
         self.store = store or MemoryKVStore(tmp.name)
         self.reads: list[Read] = []
         self.faults: dict[tuple[int, int], Fault] = {}
@@ -214,17 +222,21 @@ class SimCluster:
         return range(node * self.per_node, (node + 1) * self.per_node)
 
     def save(self, step: int, nodes: list[int] | None = None, *, memory: bool = False,
-             ranks: list[int] | None = None) -> None:
+             ranks: list[int] | None = None, resizable: bool = False, world: list[int] | None = None) -> None:
         """The nodes' ranks (``ranks``: only those) write their parts of ``step`` with the trainer's writer, into
-        each node's checkpoint directory or (``memory``) its memory tier."""
-        for n in range(self.size) if nodes is None else nodes:
+        each node's checkpoint directory or (``memory``) its memory tier; ``resizable``: marked restorable into
+        another world size. ``world``: the nodes that run the job now (default all): a smaller world's ranks are
+        numbered over them, the i-th running node's block the i-th."""
+        running = list(range(self.size)) if world is None else world
+        for n in running if nodes is None else nodes:
             node = self.nodes[n]
             directory = node.memory.root if memory and node.memory is not None else node.ckpt
-            for rank in self.ranks_of(n):
+            index = running.index(n)
+            for rank in range(index * self.per_node, (index + 1) * self.per_node):
                 if ranks is None or rank in ranks:
                     payload = {"w": torch.full((512,), float(step * 100 + rank)), "step": step}
-                    write_step(StepTarget(directory), step, payload, RankIdentity(rank, self.world, n, JOB.id),
-                               get_backend("torch"))
+                    write_step(StepTarget(directory, resizable=resizable), step, payload,
+                               RankIdentity(rank, len(running) * self.per_node, n, JOB.id), get_backend("torch"))
 
     def replicate(self, step: int, factor: int = 1, nodes: list[int] | None = None,
                   ranks: list[int] | None = None) -> None:
@@ -249,6 +261,7 @@ class SimCluster:
     # ------------------------------------------------------------ the round
 
     def _holder_store(self, me: int, holder: int) -> PartStore:
+        """``holder``'s copy of ``me``'s parts (``me``: the owner), reads recorded, faults as set."""
         inner = LocalStore(self.nodes[holder].replicas_of(me))
         return HolderStore(inner, holder, me, self.reads, self.faults.get((holder, me), Fault.NONE))
 
@@ -261,24 +274,29 @@ class SimCluster:
         engine = ReplicationEngine(membership=membership, checkpoint_dir=node.ckpt, replica_root=node.replica_root,
                                    clients={}, state_path=node.root / "state" / "replication.json", job=JOB.id)
         say = node.lines.append
-        return NodeGroup(membership, RoundEngine(engine, lambda holder: self._holder_store(n, holder)),  # type: ignore[arg-type]
-                         coordinator, round_role(n, coordinator, node.persistent, say),
+        engine_here = RoundEngine(engine, lambda holder: self._holder_store(n, holder),
+                                  lambda holder, owner: self._holder_store(owner, holder))
+        return NodeGroup(membership, engine_here,  # type: ignore[arg-type]
+                         coordinator, round_role(n, coordinator, node.persistent, say, self.shrink),
                          FrExchange(coordinator, n, self.size, f"node{n}", Observer()), StopRequest(signal.SIGUSR1),
                          NodeTiers(node.persistent, node.memory), node.ckpt, node.root / "state", say,
                          observer=Observer())
 
-    def round(self, deadline_s: float = ROUND_TIMEOUT_S + 5) -> list[NodeOutcome]:
-        """Every node joins and agrees, each on its own thread (as each node's run loop does in ``prepare``)."""
-        groups = [self.group(n) for n in range(self.size)]
+    def round(self, deadline_s: float = ROUND_TIMEOUT_S + 5, nodes: list[int] | None = None) -> list[NodeOutcome]:
+        """Every node (``nodes``: those only, the others lost) joins and agrees, each on its own thread (as each
+        node's run loop does in ``prepare``). ``self.groups``: each node's group, for what it launches."""
+        taking = list(range(self.size)) if nodes is None else nodes
+        groups = {n: self.group(n) for n in taking}
+        self.groups = groups
         joined: dict[int, int] = {}
 
         def one(n: int) -> ResumePoint | None:
             joined[n] = groups[n].join(0)
             return groups[n].agree(joined[n], lambda: None)
 
-        results = [in_thread(lambda n=n: one(n), deadline_s) for n in range(self.size)]
+        results = [in_thread(lambda n=n: one(n), deadline_s) for n in taking]
         outcomes = []
-        for n, result in enumerate(results):
+        for n, result in zip(taking, results):
             got = result()
             error = got if isinstance(got, BaseException) else None
             resume = got if isinstance(got, ResumePoint) else None

@@ -1,0 +1,195 @@
+"""Out of spares, the job goes on with fewer nodes (issue 43): the agreement round on a smaller world and back, in
+process (:mod:`support.in_process_round`: real parts written by trainer_hooks' writer, real inventories, the real
+lead and plans, real copies), and the lead's rule for when it may shrink (with a recording store).
+
+What the round must do: with ``min_nodes`` 2 and node 2 lost, nodes 0 and 1 plan the newest step complete on them
+(node 2's parts from the replicas they keep), each gets the parts its new ranks read (rank 0's, for the torch
+backend), and each launches as node i of 2 with the saving world's size in its environment; never for saves that
+are not marked resizable, with a spare left, or below the floor. Node 2 back: it waits (the attempt is not ended
+by its return), the lead ends the attempt at its next save, and the next round grows the job back.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+
+from rlsup_format import job_env
+from rlsup_format.manifest import manifest_name
+from rlsup_format.names import step_dir_name
+from supervisor.cluster.round_lead import RoundLead, ShrinkSettings
+from supervisor.cluster.round_plan import compute_resized_plan, saved_by
+from supervisor.run.loop import AttemptAbandoned
+from supervisor.tiers.holdings import NodeInventory, RecordError, RoundPlan, StepHoldings
+from supervisor.tiers.parts import verify_part
+from supervisor.tiers.resume import TIER_LOCAL
+from support.in_process_round import SimCluster
+
+SHRINK = ShrinkSettings(min_nodes=2, wait_s=0.2)
+PINNED = ["torchrun", "--nproc-per-node", "2", "--nnodes", "3", "--node-rank", "1", "--rdzv-backend", "static",
+          "--master-addr", "127.0.0.1", "--master-port", "29500", "train.py", "--nnodes", "7"]
+
+
+def shrunk_cluster(tmp: Path, resizable: bool = True) -> SimCluster:
+    """3 nodes of 2 ranks ran attempt 0 together, saved steps 10 and 20 (replicated on the ring), then node 2 was
+    lost with its disk."""
+    cluster = SimCluster(tmp, shrink=SHRINK)
+    for step in (10, 20):
+        cluster.save(step, resizable=resizable)
+        cluster.replicate(step)
+    first = cluster.round()
+    assert all(o.error is None for o in first), first
+    cluster.nodes[2].wipe()
+    return cluster
+
+
+def test_two_of_three_nodes_go_on_from_the_newest_complete_step_with_rank_0_s_part_on_each(tmp_path: Path) -> None:
+    cluster = shrunk_cluster(tmp_path)
+    outcomes = cluster.round(nodes=[0, 1])
+    assert [(o.error, o.resume.step if o.resume else None) for o in outcomes] == [(None, 20), (None, 20)], outcomes
+    plan = cluster.plans(1)[0]
+    assert (plan.nodes, plan.world_size, plan.from_nodes, plan.step) == ((0, 1), 6, 3, 20)
+    assert plan.fetch == {1: {0: [1]}} and plan.owners == {0: 0}  # node 1 copies rank 0's part from its own replica
+    step20 = cluster.nodes[1].ckpt / step_dir_name(20)
+    assert verify_part(step20, 0) is not None  # rank 0's part, whole, beside node 1's own
+    for o in outcomes:
+        assert any("continued on 2 of 3 nodes from step 20" in line for line in o.lines), o.lines
+    for node, group in cluster.groups.items():
+        env = group.env()
+        assert (env[job_env.NODE_RANK], env[job_env.NUM_NODES], env[job_env.PREVIOUS_WORLD_SIZE]) == (str(node), "2", "6")
+        assert group.command(PINNED)[4:7] == ["2", "--node-rank", str(node)]
+        assert group.command(PINNED)[-2:] == ["--nnodes", "7"]  # the script's own argument is left alone
+
+
+class Store:
+    """The lead's view of the store: inventories that came within the shrink's wait, then every node's."""
+
+    first_round = False
+
+    def __init__(self, came: dict[int, NodeInventory], every: list[NodeInventory]) -> None:
+        self.came, self.every, self.num_nodes = came, every, len(every)
+        self.asked: list[str] = []
+
+    def present_inventories(self, attempt: int, after_s: float, floor: int) -> dict[int, NodeInventory]:
+        self.asked.append(f"present {after_s} {floor}")
+        return self.came
+
+    def inventories(self, attempt: int) -> list[NodeInventory]:
+        self.asked.append("every")
+        return self.every
+
+
+def inventories(resize: str = "rank0") -> list[NodeInventory]:
+    """Step 20 of 3 nodes x 1 rank, each part replicated on the next node (the ring)."""
+    return [NodeInventory(n, {20: StepHoldings(3, {n: n}, {(n - 1) % 3: (n - 1) % 3}, resize)})  # type: ignore[arg-type]
+            for n in range(3)]
+
+
+@pytest.mark.parametrize("why, shrink, spares, came, resize", [
+    ("below the floor", ShrinkSettings(2, 0.1), 0, [0], "rank0"),
+    ("not resizable", ShrinkSettings(2, 0.1), 0, [0, 1], ""),
+    ("a spare is left", ShrinkSettings(2, 0.1), 1, [0, 1], "rank0"),
+    ("min_nodes is the job's size", ShrinkSettings(3, 0.1), 0, [0, 1], "rank0"),
+    ("min_nodes unset", ShrinkSettings(0, 0.1), 0, [0, 1], "rank0"),
+])
+def test_the_lead_plans_every_node_when_it_may_not_shrink(why: str, shrink: ShrinkSettings, spares: int,
+                                                           came: list[int], resize: str) -> None:
+    """Below the floor and for saves not marked resizable it asked who came, and waits for every node (saying why
+    once); with a spare left or no floor below the job's size it never asks."""
+    every = inventories(resize)
+    store = Store({n: every[n] for n in came}, every)
+    said: list[str] = []
+    lead = RoundLead(store, None, said.append, shrink, lambda: spares)  # type: ignore[arg-type]
+    plan = lead.plan(4, set())
+    assert plan.nodes is None and plan.step == 20, why
+    if why in ("below the floor", "not resizable"):
+        assert store.asked == ["present 0.1 2", "every"]  # it asked, and then waits for all
+        assert len(said) == 1 and "not going on with" in said[0], said
+        if why == "not resizable":
+            assert "not saved as restorable into another world size" in said[0]
+    else:
+        assert store.asked == ["every"] and not said, why
+
+
+def test_a_dcp_step_needs_every_part_on_every_node_and_a_part_only_its_owner_holds_stops_the_shrink() -> None:
+    every = inventories("all")
+    came = {0: every[0], 1: every[1]}
+    why = compute_resized_plan(4, came, [0, 1])
+    assert isinstance(why, str) and "rank 1's part is only in node 1's own directory" in why, why
+    # replication_factor 2: every part on every other node
+    full = [NodeInventory(n, {20: StepHoldings(3, {n: n}, {(n + 1) % 3: (n + 1) % 3, (n + 2) % 3: (n + 2) % 3},
+                                               "all")}) for n in range(3)]
+    plan = compute_resized_plan(4, {0: full[0], 1: full[1]}, [0, 1])
+    assert isinstance(plan, RoundPlan)
+    assert plan.fetch == {0: {1: [0], 2: [0, 1]}, 1: {0: [1], 2: [1, 0]}} and plan.from_nodes == 3
+
+
+def test_the_saving_world_is_read_from_the_parts_owners() -> None:
+    assert saved_by({n: inv for n, inv in enumerate(inventories())}, 20) == (3, {0, 1, 2})
+    two = [NodeInventory(n, {30: StepHoldings(4, {2 * n: n, 2 * n + 1: n})}) for n in range(2)]
+    assert saved_by(dict(enumerate(two)), 30) == (2, {0, 1})
+    assert saved_by(dict(enumerate(two)), 99) is None
+
+
+def test_a_plan_s_smaller_world_crosses_the_wire_and_bad_fields_are_refused() -> None:
+    plan = RoundPlan(3, 20, 6, {1: {0: [1, 0]}}, (0, 1), {0: 0}, 3)
+    back = RoundPlan.from_json(plan.to_json())
+    assert back == plan and back.changes_world and back.runs(1) and not back.runs(2)
+    assert RoundPlan.from_json(RoundPlan(3, 20, 6, {}).to_json()).nodes is None
+    for field, bad in (("nodes", "[1, 0]"), ("nodes", "[]"), ("owners", '{"0": -2}'), ("from_nodes", "0")):
+        text = plan.to_json().replace(f'"{field}": ', f'"{field}": {bad}, "x{field}": ', 1)
+        with pytest.raises(RecordError, match=field):
+            RoundPlan.from_json(text)
+    with pytest.raises(RecordError, match="resize"):
+        NodeInventory.from_json('{"node": 0, "steps": {"5": {"world_size": 1, "local": {"0": [0]}, '
+                                '"replicas": {}, "resize": "some"}}}', 0)
+
+
+def test_a_lost_node_back_waits_for_the_next_save_and_the_next_round_grows_the_job_back(tmp_path: Path) -> None:
+    """Node 2 comes back empty while nodes 0 and 1 run attempt 1: its join does not end the attempt; it marks
+    itself back and waits. The lead ends the attempt once its ranks saved a step after that (step 30, saved by
+    the 2-node world); the next round runs all 3 nodes from step 30, node 2 fetching rank 0's part."""
+    cluster = shrunk_cluster(tmp_path)
+    shrunk = cluster.round(nodes=[0, 1])
+    assert all(o.error is None for o in shrunk)
+    lead = cluster.groups[0]
+    back = cluster.group(2)
+    got: dict[str, object] = {}
+
+    def rejoin() -> None:
+        try:
+            got["attempt"] = back.join(0)
+            back.agree(got["attempt"], lambda: None)  # type: ignore[arg-type]
+        except BaseException as e:
+            got["error"] = e
+
+    t = threading.Thread(target=rejoin, daemon=True)
+    t.start()
+    lead.peer_ended(1)  # a look before node 2's mark: nothing to do
+    deadline = __import__("time").monotonic() + 10
+    while lead._back is not None and lead._back.saved_before is None:
+        assert __import__("time").monotonic() < deadline, cluster.nodes[2].lines
+        lead._back.next_look = 0.0
+        assert lead.peer_ended(1) is None
+        t.join(0.05)
+    assert got.get("attempt") == 1 and "error" not in got and cluster.store.keys  # it joined the running attempt
+    lead._back.next_look = 0.0
+    assert lead.peer_ended(1) is None  # no save since it came back
+    cluster.save(30, world=[0, 1], resizable=True)
+    cluster.replicate(30, nodes=[0, 1])
+    lead._back.next_look = 0.0
+    why = lead.peer_ended(1)
+    assert why is not None and "grow back to 3 nodes" in why and "step 30" in why
+    t.join(10)
+    assert isinstance(got.get("error"), AttemptAbandoned), got
+    grown = cluster.round()
+    assert [(o.error, o.resume.step if o.resume else None) for o in grown] == [(None, 30)] * 3, grown
+    plan = cluster.plans(2)[0]
+    assert (plan.nodes, plan.world_size, plan.from_nodes) == ((0, 1, 2), 4, 2)
+    assert (cluster.nodes[2].ckpt / step_dir_name(30) / manifest_name(0)).exists()
+    assert any("grew back to 3 at step 30" in line for line in grown[0].lines), grown[0].lines
+    assert grown[2].resume is not None and grown[2].resume.tier != TIER_LOCAL  # node 2's part came from a peer
+    env = cluster.groups[2].env()
+    assert (env[job_env.NUM_NODES], env[job_env.PREVIOUS_WORLD_SIZE]) == ("3", "4")
