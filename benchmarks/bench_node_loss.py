@@ -124,11 +124,31 @@ def free_ports(n: int) -> list[int]:
     return ports
 
 
+@dataclass(frozen=True)
+class Launch:
+    """What every node of a trial runs under its ``rlsup run``: the trainer (its ``--events`` and
+    ``--checkpoint-dir`` are the trial's), its own arguments, ranks per node and rlsup's extra options. Node loss's
+    is :func:`recovery_launch`; benchmarks/bench_shrink.py brings its own."""
+
+    trainer: Path
+    trainer_args: tuple[str, ...]
+    ranks_per_node: int = RANKS_PER_NODE
+    rlsup_args: tuple[str, ...] = ()
+    rdzv_id: str = "nodeloss"
+
+
+def recovery_launch(st: Settings) -> Launch:
+    """Node loss's job: the realistic harness's trainer at the settings' size, 2 ranks per node, saving every step."""
+    return Launch(TRAINER, ("--width", str(st.width), "--batch", str(st.batch), "--micro-batches",
+                            str(st.micro_batches), "--checkpoint-every", "1"))
+
+
 class Job:
     """The nodes of one trial: ``rlsup run`` processes on 127.0.0.1, each in its own directory under ``root``."""
 
-    def __init__(self, root: Path, side: Side, st: Settings) -> None:
+    def __init__(self, root: Path, side: Side, st: Settings, launch: Launch | None = None) -> None:
         self.root, self.side, self.st = root, side, st
+        self.launch = launch or recovery_launch(st)
         self.peers_n = NODES + side.spares
         *self.repl_ports, self.coord_port, self.master_port = free_ports(self.peers_n + 2)
         self.token = root / "token"
@@ -142,15 +162,15 @@ class Job:
         ``checkpoints`` there, as written the same on every node (it names the job)."""
         peers = ",".join(f"127.0.0.1:{p}" for p in self.repl_ports)
         spares = ["--spares", str(self.side.spares)] if self.side.spares else []
+        launch = self.launch
         torchrun = [PY, "-m", "torch.distributed.run", "--nnodes", str(NODES), "--nproc-per-node",
-                    str(RANKS_PER_NODE), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{self.master_port}",
-                    "--rdzv-id", "nodeloss"]
-        trainer = [str(TRAINER), "--events", str(self.events), "--checkpoint-dir", "checkpoints",
-                   "--width", str(self.st.width), "--batch", str(self.st.batch), "--micro-batches", str(self.st.micro_batches),
-                   "--checkpoint-every", "1"]
+                    str(launch.ranks_per_node), "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                    f"127.0.0.1:{self.master_port}", "--rdzv-id", launch.rdzv_id]
+        trainer = [str(launch.trainer), "--events", str(self.events), "--checkpoint-dir", "checkpoints",
+                   *launch.trainer_args]
         return [PY, "-m", "supervisor.cli.main", "run", "--peers", peers, "--node-rank", str(node), *spares,
                 "--coordinator-port", str(self.coord_port), "--token-file", str(self.token),
-                "--max-restarts", "100", "--", *torchrun, *trainer]
+                "--max-restarts", "100", *launch.rlsup_args, "--", *torchrun, *trainer]
 
     def start(self, node: int, name: str) -> None:
         d = self.root / name
@@ -193,7 +213,8 @@ class Job:
 
     def replicated(self, owner: int, holder: str) -> int | None:
         """The newest step of node ``owner`` whose every part node ``holder`` holds as a replica."""
-        ranks = range(owner * RANKS_PER_NODE, (owner + 1) * RANKS_PER_NODE)
+        per_node = self.launch.ranks_per_node
+        ranks = range(owner * per_node, (owner + 1) * per_node)
         steps = [s for ns in (self.root / holder / "replicas").glob(f"*.node{owner}") for s, d in list_step_dirs(ns)
                  if all((d / manifest_name(r)).exists() for r in ranks)]
         return max(steps, default=None)

@@ -11,9 +11,10 @@ first on odd ones) and prints, as soon as a figure is done, one row per figure::
 
 Figures (``--only`` keys): restart, hang, save, heartbeat, selection, replication, restore, footprint,
 goodput, gpu_check, flight_recorder, watch_cpu, writer_start; and recovery (issue 31's realistic harness, benchmarks/bench_recovery.py),
-node_loss (its node-loss variant, a spare against a replacement: benchmarks/bench_node_loss.py) and overhead (issue
-41: what rlsup costs when nothing fails, benchmarks/bench_overhead.py), run only when named. Jobs are 2-rank
-torchrun/gloo runs of ``benchmarks/jobs/bench_trainer.py``, which writes
+node_loss (its node-loss variant, a spare against a replacement: benchmarks/bench_node_loss.py), overhead (issue
+41: what rlsup costs when nothing fails, benchmarks/bench_overhead.py) and shrink (issue 43: a job that goes on with
+2 of its 3 nodes against a spare's takeover, benchmarks/bench_shrink.py; ``--quick --only shrink`` about 2.5 min),
+run only when named. Jobs are 2-rank torchrun/gloo runs of ``benchmarks/jobs/bench_trainer.py``, which writes
 ``time.monotonic()`` events (CLOCK_MONOTONIC is system-wide on Linux, so ranks, attempts and this script share one
 clock). Method, machine and results: BENCHMARKS.md.
 """
@@ -120,6 +121,7 @@ class Ctx:
     recovery_minutes: float = 5.0
     recovery_reps: int = 1
     node_loss_reps: int = 2
+    shrink_reps: int = 2
 
     def fresh(self, name: str) -> Path:
         d = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=self.work))
@@ -1043,6 +1045,17 @@ def bench_overhead(ctx: Ctx) -> list[Row]:
     return [Row(f.name, f.rlsup, f.base, f.unit, f.note) for f in figs]
 
 
+def bench_shrink(ctx: Ctx) -> list[Row]:
+    """Shrink (issue 43): 3 nodes x 1 rank, 100 MB per node; node 2 lost with no spare left, the job going on with 2
+    (``--min-nodes 2``), against a spare taking its rank, sides alternating (benchmarks/bench_shrink.py); 1 trial per
+    side quick (about 2.5 min), 2 full (about 6 min), ``--reps`` overrides; only with ``--only shrink``."""
+    import bench_shrink
+
+    st = bench_shrink.QUICK if ctx.quick else bench_shrink.Settings()
+    figs = bench_shrink.run(ctx.work, reps=ctx.shrink_reps, st=st)
+    return [Row(f.name, f.rlsup, f.base, f.unit, f.note) for f in figs]
+
+
 def bench_watch_cpu(ctx: Ctx) -> list[Row]:
     """What watching a job costs: rlsup run's own CPU against torchrun's agent's (benchmarks/bench_watch_cpu.py)."""
     import bench_watch_cpu
@@ -1076,6 +1089,7 @@ BENCHES: dict[str, Callable[[Ctx], list[Row]]] = {
     "footprint": bench_footprint, "goodput": bench_goodput, "gpu_check": bench_gpu_check,
     "flight_recorder": bench_flight_recorder, "recovery": bench_recovery, "node_loss": bench_node_loss,
     "watch_cpu": bench_watch_cpu, "writer_start": bench_writer_start, "overhead": bench_overhead,
+    "shrink": bench_shrink,
 }
 
 
@@ -1085,7 +1099,9 @@ def main() -> int:
     ap.add_argument("--only", default="", help=f"comma-separated subset of: {','.join(FIGURES)}; and recovery "
                     "(issue 31's realistic recovery harness, never in the default set: 15 min and more) and "
                     "node_loss (its node-loss variant, never in the default set: about 18 min) and overhead (no "
-                    "faults: rlsup's price against bare torchrun, never in the default set: about 12 min)")
+                    "faults: rlsup's price against bare torchrun, never in the default set: about 12 min) and shrink (issue "
+                    "43: a shrink to 2 of 3 nodes against a spare's takeover, never in the default set: about 2.5 min "
+                    "quick, 6 full)")
     ap.add_argument("--recovery-minutes", type=float, default=5.0, help="recovery: wall window per side")
     ap.add_argument("--reps", type=int, default=None, help="repetitions per side (default: 2 quick, 5 full)")
     ap.add_argument("--layouts", default="", help=f"selection layouts, comma-separated: {','.join(LAYOUT_KEYS)}")
@@ -1101,7 +1117,7 @@ def main() -> int:
         ap.error(f"unknown figure(s) {unknown} or layout(s) {bad_layouts}")
     work = Path(tempfile.mkdtemp(prefix="rlsup-bench-run-", dir=args.dir))
     ctx = Ctx(args.quick, args.reps or (2 if args.quick else 5), work, layouts, args.recovery_minutes,
-              args.reps or 1, args.reps or 2)
+              args.reps or 1, args.reps or 2, args.reps or (1 if args.quick else 2))
     import platform
 
     print(f"rlsup benchmarks ({'quick' if args.quick else 'full'}): {os.cpu_count()} cores, "

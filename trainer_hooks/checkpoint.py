@@ -276,7 +276,8 @@ class CheckpointManager:
         :class:`ResumeError` naming every rank that cannot load it."""
         step_dir = Path(resume)
         if self.backend.collective:
-            problem = "" if self.rank != 0 else (verify_step_dir(step_dir, full=True).reason or "")
+            checked = verify_step_dir(step_dir, full=True) if self.rank == 0 else None
+            problem = "" if checked is None or checked.valid else checked.reason
         else:
             problem = self._own_part_problem(step_dir)
         failed = failed_ranks(not problem, self.rank)

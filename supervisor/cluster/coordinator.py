@@ -103,6 +103,12 @@ class NodeZeroRunning(JobClash):
     twice, or a spare that took node rank 0 while this one was away: the caller tells them apart)."""
 
 
+class NodesMissing(CoordinationError):
+    """After the job's first attempt, a round waited ``rendezvous_timeout`` for nodes that did not come (lost, no
+    spare left, too few for ``min_nodes`` or saves that cannot be resized): every node ends with exit 75 for a
+    requeue; every checkpoint stays as it is."""
+
+
 class PeerLost(CoordinationError):
     """A node of the job died (or was cut off) after reaching the store and before the job's first attempt
     (:mod:`supervisor.cluster.liveness`): every node ends, with exit 75 for a requeue."""
@@ -547,8 +553,8 @@ class RoundCoordinator:
                     raise RoundEnded(f"attempt {attempt} ended while waiting for {what}: {ended.payload}")
                 if time.monotonic() > deadline and pending:
                     missing = [self.keys.key(n) for n in pending]
-                    raise CoordinationError(f"timed out after {self.timeout_s:.0f}s waiting for {what}; "
-                                            f"missing {missing}")
+                    kind = NodesMissing if attempt is not None and self.first_round is False else CoordinationError
+                    raise kind(f"timed out after {self.timeout_s:.0f}s waiting for {what}; missing {missing}")
             if self.first_round and time.monotonic() >= next_beat_look:  # after the poll: keys that came win
                 next_beat_look = time.monotonic() + self.refresh_s
                 try:
@@ -586,5 +592,5 @@ def _fetch_result(value: str, node: int | None) -> FetchResult:
         return FetchResult(error=str(e))
 
 
-__all__ = ["RoundCoordinator", "CoordinationError", "RoundEnded", "JobClash", "NodeZeroRunning", "PeerLost", "AbortKind", "AbortNotice",
+__all__ = ["RoundCoordinator", "CoordinationError", "RoundEnded", "JobClash", "NodeZeroRunning", "PeerLost", "NodesMissing", "AbortKind", "AbortNotice",
            "Signed", "SignedKeys", "compute_plan", "connect_store"]

@@ -493,13 +493,16 @@ class NodeGroup:
             if watch.saved_before is None:
                 left_out = [n for n in range(self.membership.size) if not watch.plan.runs(n)]
                 marks = self.coordinator.keys.get_many([f"back/{attempt}/{n}" for n in left_out])
-                if not any(m is not None for m in marks):
+                back = [n for n, m in zip(left_out, marks) if m is not None]
+                if not back:
                     return None
                 watch.saved_before = newest_own_step(self.checkpoint_dir, self.me, full=False) or 0
+                self._log(f"attempt {attempt}: node(s) {back} back; the job grows back to {self.membership.size} nodes "
+                          f"at its next save (after step {watch.saved_before})")
                 return None
             newest = newest_own_step(self.checkpoint_dir, self.me, full=False) or 0
-            if newest <= watch.saved_before:
-                return None
+            if newest <= watch.saved_before or not self.engine.replicated(newest):
+                return None  # no save since, or its parts not yet on a peer (the returning node fetches from there)
             why = (f"node {self.me}: a left-out node is back and step {newest} is saved: ending attempt {attempt} to "
                    f"grow back to {self.membership.size} nodes")
             return self.coordinator.end(attempt, why)

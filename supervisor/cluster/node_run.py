@@ -16,7 +16,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 
 from supervisor import exit_codes
-from supervisor.cluster.coordinator import CoordinationError, JobClash, PeerLost, RoundCoordinator
+from supervisor.cluster.coordinator import CoordinationError, JobClash, NodesMissing, PeerLost, RoundCoordinator
 from supervisor.cluster.fr_exchange import FrExchange
 from supervisor.cluster.multinode import CoordinatorSettings, NodeGroup
 from supervisor.cluster.round_lead import RoundRole, ShrinkSettings, round_role
@@ -195,7 +195,8 @@ class NodeRun:
         over without this node): the loop records the give-up with the command line's exit code (2: a clash, 75:
         a lost node, the job is requeued, 0: the job finished without this node, 1 otherwise). Returns for a job
         that finished without this node and for a node lost before the first attempt; raises the others."""
-        codes = {JobClash: exit_codes.CONFIG_ERROR, PeerLost: exit_codes.REQUEUE, JobEnded: exit_codes.OK}
+        codes = {JobClash: exit_codes.CONFIG_ERROR, PeerLost: exit_codes.REQUEUE, NodesMissing: exit_codes.REQUEUE,
+                 JobEnded: exit_codes.OK}
         code = next((c for kind, c in codes.items() if isinstance(e, kind)), exit_codes.FAILED)
         if isinstance(e, JobEnded):  # a spare ran this node's rank to the end: nothing to requeue
             say(f"{e}; exiting {exit_codes.OK} (the job succeeded without this node; nothing to requeue)")
@@ -205,6 +206,9 @@ class NodeRun:
             done = loop.give_up_outside_attempt(code, str(e))
             self._forget_lost_round(coordinator)
             return done
+        if isinstance(e, NodesMissing):  # a node lost after the job ran, and the job cannot go on without it
+            say(f"{e}; exiting {exit_codes.REQUEUE} so that the scheduler requeues the job (every checkpoint is kept)")
+            return loop.give_up_outside_attempt(code, str(e))
         loop.give_up_outside_attempt(code, str(e))
         if isinstance(e, JobClash):
             self._linger_after_clash()

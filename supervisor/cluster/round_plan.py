@@ -135,8 +135,10 @@ def compute_resized_plan(attempt: int, inventories: Mapping[int, NodeInventory],
 
     Each node gets the parts the new world's ranks read there (rank 0's, or every part) that it does not hold in
     place: copied from a replica it keeps (itself as the first holder), else fetched from the nodes that keep a
-    replica (a part held only in its owner's own directory cannot be served: the step is then not usable). A step
-    saved by exactly ``nodes`` needs nothing fetched: each node holds its own ranks' parts."""
+    replica (a part held only in its owner's own directory cannot be served: the step is then not usable, and an
+    older one may be). A step saved by exactly ``nodes`` needs nothing fetched: each node holds its own ranks'
+    parts."""
+    unreachable = ""
     listed: dict[int, list[tuple[int, StepHoldings]]] = {}
     for node in nodes:
         for step, held in inventories[node].steps.items():
@@ -166,19 +168,30 @@ def compute_resized_plan(attempt: int, inventories: Mapping[int, NodeInventory],
                     "another world size (trainer_hooks marks a save resizable; a trainer without it, or a layout "
                     "rlsup only reads, is never resized)")
         need = [0] if resizes == {"rank0"} else range(world)
-        fetch: dict[int, dict[int, list[int]]] = {}
-        for node in nodes:
-            for rank in need:
-                if (node, True) in where[rank]:
-                    continue
-                holders = sorted(n for n, here in where[rank] if not here and n != node)
-                if (node, False) in where[rank]:
-                    holders.insert(0, node)
-                if not holders:
-                    return (f"step {step}: rank {rank}'s part is only in node {owners[rank]}'s own directory, which "
-                            f"no peer serves (raise replication_factor so that every part has a replica)")
-                fetch.setdefault(node, {})[rank] = holders
+        fetch = _resize_fetch(step, nodes, need, where, owners)
+        if isinstance(fetch, str):
+            unreachable = unreachable or fetch
+            continue
         wanted = {rank for parts in fetch.values() for rank in parts}
         return RoundPlan(attempt, step, world, fetch, tuple(nodes), {r: owners[r] for r in sorted(wanted)},
                          (saved_by(inventories, step) or (len(nodes), set()))[0])
-    return f"no step is complete on nodes {list(nodes)}"
+    return unreachable or f"no step is complete on nodes {list(nodes)}"
+
+
+def _resize_fetch(step: int, nodes: Sequence[int], need: Iterable[int], where: Mapping[int, set[tuple[int, bool]]],
+                  owners: Mapping[int, int]) -> Fetches | str:
+    """What each of ``nodes`` fetches of the ranks ``need`` (rank -> holders: itself first when it keeps a replica),
+    or why a part cannot be had (held only in its owner's own directory, which no peer serves)."""
+    fetch: Fetches = {}
+    for node in nodes:
+        for rank in need:
+            if (node, True) in where[rank]:
+                continue
+            holders = sorted(n for n, here in where[rank] if not here and n != node)
+            if (node, False) in where[rank]:
+                holders.insert(0, node)
+            if not holders:
+                return (f"step {step}: rank {rank}'s part is only in node {owners[rank]}'s own directory, which no peer "
+                        "serves (raise replication_factor so that every part has a replica)")
+            fetch.setdefault(node, {})[rank] = holders
+    return fetch

@@ -242,6 +242,18 @@ class ReplicationEngine:
         """``node``'s copy of this node's parts (its replica namespace for this job)."""
         return PeerStore(self.clients[node], namespace_of(self.job, self.me), self.state_path.parent, f"node {node}")
 
+    def replicated(self, step: int) -> bool:
+        """Whether every part of ``step`` in this node's checkpoint directory is on one of its replica targets (as
+        this engine's pushes last saw them): a smaller world grows back at such a step, whose parts a returning node
+        can fetch."""
+        ranks = [int(m.group(1)) for p in (self.checkpoint_dir / step_dir_name(step)).glob("manifest.rank_*.json")
+                 if (m := MANIFEST_RE.match(p.name))]
+        try:
+            held = set().union(*list(self._held.values()))
+        except RuntimeError:  # the pusher changed a set meanwhile: ask again at the next look
+            return False
+        return bool(ranks) and all((step, r) in held for r in ranks)
+
     def holder_store(self, holder: int, owner: int) -> LocalStore | PeerStore:
         """``holder``'s copy of ``owner``'s parts: a replica this node keeps (``holder`` is this node), or a peer's
         replica namespace. For a smaller world, where a node also needs parts its own ranks did not write."""

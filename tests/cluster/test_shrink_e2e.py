@@ -12,8 +12,8 @@ so node 2 is lost at a known point: once that step's parts are on every node and
   HELD is redone) every rank's sample ids are every sample of each epoch once, in its order.
 - Below the floor (nodes 1 and 2 lost): node 0 waits ``rendezvous_timeout`` and exits 75 for a requeue, its
   checkpoints and replicas untouched.
-- Saves never marked resizable: nodes 0 and 1 never continue on 2 nodes; each says once that the checkpoints
-  cannot be restored into another world size, and both exit 75 after ``rendezvous_timeout``.
+- Saves never marked resizable: nodes 0 and 1 never continue on 2 nodes; node 0 (which plans the rounds) says once
+  that the checkpoints cannot be restored into another world size, and both exit 75 after ``rendezvous_timeout``.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ NODES = 3
 HELD = 6  # the step the first attempt saves at and holds after: the step the shrunk job continues from
 UNTIL = 12  # past two epoch ends (5 steps an epoch), the last one partial
 SAVE_AT = (3, HELD, 9)  # 9: the shrunk attempt saves too
+GROW_AT = 9  # the shrunk job's save at which a node that came back joins it again
 SHRINK = ["--min-nodes", "2", "--spare-takeover-s", "2"]
 RENDEZVOUS_S = 20  # how long the nodes left below the floor (or with unresizable saves) wait before the requeue
 REQUEUE = 75
@@ -49,15 +50,16 @@ class ShrinkCluster(Cluster):
     node's directory, rlsup's default), id logs (``<node dir>/logs``) and ``--out`` (``<node dir>/final.pt``).
     Only the trainer differs from the harness's command, so :meth:`node_args` swaps train_tiny.py's part of it."""
 
-    def __init__(self, root: Path, job_args: Sequence[str] = (), **kw: object) -> None:
-        super().__init__(root, NODES, extra=[*SHRINK, *HELD_PATIENCE], **kw)  # type: ignore[arg-type]
+    def __init__(self, root: Path, job_args: Sequence[str] = (), model: str = "ddp", backend: str = "torch",
+                 extra: Sequence[str] = (), **kw: object) -> None:
+        super().__init__(root, NODES, extra=[*SHRINK, *HELD_PATIENCE, *extra], **kw)  # type: ignore[arg-type]
         self.release = root / "release-hold"  # the first attempt's rank 0 waits after HELD until it exists
-        self.job_args = list(job_args)
+        self.job_args, self.model, self.backend = list(job_args), model, backend
 
     def node_args(self, node: int, extra: Sequence[str] = ()) -> list[str]:
         args = super().node_args(node, extra)
         d = self.node_dir(node)
-        return [*args[:args.index(TRAIN)], JOB, "--model", "ddp", "--backend", "torch", "--checkpoint-dir",
+        return [*args[:args.index(TRAIN)], JOB, "--model", self.model, "--backend", self.backend, "--checkpoint-dir",
                 "checkpoints", "--until", str(UNTIL), "--save-at", ",".join(map(str, SAVE_AT)), "--log-dir",
                 str(d / "logs"), "--tag", "a", "--attempt-tag", "--hold-at", str(HELD), "--hold-file",
                 str(self.release), *self.job_args, "--out", str(d / "final.pt")]
@@ -141,8 +143,14 @@ def id_logs(cluster: ShrinkCluster) -> dict[int, list[Path]]:
 
 
 @pytest.mark.timeout(300)
-def test_a_lost_node_without_spare_shrinks_the_job_exactly(workdir: Path) -> None:
-    cluster = ShrinkCluster(workdir)
+@pytest.mark.parametrize("model, backend, extra", [
+    ("ddp", "torch", []),
+    # dcp reshards: every node reads every part, so each part needs a replica on a node left (factor 2 of 3)
+    ("fsdp", "dcp", ["--replication-factor", "2"]),
+])
+def test_a_lost_node_without_spare_shrinks_the_job_exactly(workdir: Path, model: str, backend: str,
+                                                           extra: list[str]) -> None:
+    cluster = ShrinkCluster(workdir, model=model, backend=backend, extra=extra)
     try:
         run_until_held(cluster)
         lose(cluster, [2])
@@ -160,7 +168,7 @@ def test_a_lost_node_without_spare_shrinks_the_job_exactly(workdir: Path) -> Non
     # The same job without rlsup: 3 ranks to HELD, then 2 ranks from that save to the end.
     reference = (Phase(3, HELD, tuple(s for s in SAVE_AT if s <= HELD), range(1, HELD + 1)),
                  Phase(2, UNTIL, tuple(s for s in SAVE_AT if s > HELD), range(HELD + 1, UNTIL + 1)))
-    run_chain(workdir / "reference", reference, "ddp", "torch")
+    run_chain(workdir / "reference", reference, model, backend)
     assert same_state(cluster.node_dir(0) / "final.pt", workdir / "reference" / "final.pt") == []
     check_data_order(consumed(workdir / "reference", reference), UNTIL)
 
@@ -206,10 +214,49 @@ def test_saves_never_marked_resizable_are_never_shrunk(workdir: Path) -> None:
     assert manifest.world_size == 3 and not manifest.resizable, manifest
     assert codes[0] == REQUEUE and codes[1] == REQUEUE, (codes, node_logs(cluster))
     assert waited >= RENDEZVOUS_S - 1, f"the nodes gave up {waited:.1f}s after the loss: {node_logs(cluster)}"
+    said = {node: len(NOT_RESIZABLE.findall(cluster.log(node))) for node in (0, 1)}
+    assert said[0] == 1 and said[1] <= 1, (said, node_logs(cluster))  # node 0 plans the rounds: it knows why
     for node in (0, 1):
         log = cluster.log(node)
         assert "continued on" not in log and "WORLD_CHANGE" not in log, (node, node_logs(cluster))
-        said = NOT_RESIZABLE.findall(log)
-        assert len(said) == 1, (node, len(said), node_logs(cluster))
         assert_parts_untouched(cluster.node_dir(node), before[node])
     assert list(id_logs(cluster)) == [0], "an attempt after the loss took a step"
+
+
+@pytest.mark.timeout(400)
+def test_a_lost_node_back_grows_the_job_at_its_next_save(workdir: Path) -> None:
+    """Node 2 lost at HELD, the job goes on with 2 nodes and holds after its first step; node 2 comes back with an
+    empty disk and waits (its return does not end the running attempt); the job, released, saves at GROW_AT and the
+    next round grows it back to 3 nodes from there. The final weights equal a run without rlsup with the same shrink
+    and grow points (3 ranks to HELD, 2 ranks to GROW_AT, 3 ranks to the end), and the ids of the kept steps are
+    every sample of each epoch once."""
+    released = workdir / "release-shrunk"
+    # the shrunk job also holds after its save at GROW_AT (for good: the lead ends that attempt to grow), so it cannot
+    # finish before the lead's look (a second here; this job's steps take milliseconds)
+    cluster = ShrinkCluster(workdir, job_args=["--hold-in", f"2:{HELD + 1}:{released}", "--hold-in",
+                                               f"2:{GROW_AT}:{workdir / 'never'}"])
+    try:
+        run_until_held(cluster)
+        lose(cluster, [2])
+        wait_for(lambda: f"HOLDING in world 2 after step {HELD + 1}" in cluster.log(0), 180, "the shrunk job holding")
+        cluster.start(2)  # back, its disk empty
+        wait_for(lambda: "waiting for its next save to grow back" in cluster.log(2), 120, "node 2 waiting to grow")
+        wait_for(lambda: "node(s) [2] back" in cluster.log(0), 30, "the lead to see node 2 back")
+        assert all("grew back" not in cluster.log(n) for n in range(NODES)), node_logs(cluster)
+        released.touch()
+        codes = cluster.wait_all(timeout=240)
+    finally:
+        cluster.kill_all()
+    assert codes == {0: 0, 1: 0, 2: 0}, (codes, node_logs(cluster))
+    assert CONTINUED in cluster.log(0), node_logs(cluster)
+    for node in range(NODES):
+        assert f"grew back to 3 at step {GROW_AT}" in cluster.log(node), (node, node_logs(cluster))
+    reference = (Phase(3, HELD, tuple(s for s in SAVE_AT if s <= HELD), range(1, HELD + 1)),
+                 Phase(2, GROW_AT, (GROW_AT,), range(HELD + 1, GROW_AT + 1)),
+                 Phase(3, UNTIL, (), range(GROW_AT + 1, UNTIL + 1)))
+    run_chain(workdir / "reference", reference, "ddp", "torch")
+    assert same_state(cluster.node_dir(0) / "final.pt", workdir / "reference" / "final.pt") == []
+    logs = id_logs(cluster)
+    assert len(logs) == 3, {a: [str(p) for p in f] for a, f in logs.items()}
+    check_data_order(consumed_from(list(logs.values()), reference), UNTIL)
+

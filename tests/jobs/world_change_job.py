@@ -10,7 +10,8 @@ Under rlsup on several nodes (tests/cluster/test_shrink_e2e.py): ``--attempt-tag
 (``RLSUP_RESTART_COUNT``) to the tag, so the test tells the ids an attempt that was killed wrote from the ids of the
 attempt that redid those steps; ``--hold-at STEP --hold-file PATH`` makes rank 0 of the first attempt wait after
 step STEP (and its save) until PATH exists, so the test loses a node at a known step (the other ranks wait in the
-next collective); ``--not-resizable`` saves with ``CheckpointManager(resizable=False)``, as a trainer that never
+next collective); ``--hold-in WORLD:STEP:PATH`` (repeatable) does the same in any attempt of WORLD ranks (the shrunk job, held
+until the lost node is back); ``--not-resizable`` saves with ``CheckpointManager(resizable=False)``, as a trainer that never
 marks its saves restorable into another world size. None of them changes what is computed."""
 import argparse
 import contextlib
@@ -92,12 +93,18 @@ def main() -> None:
     p.add_argument("--attempt-tag", action="store_true", help="Tag the id logs with the attempt too.")
     p.add_argument("--hold-at", type=int, default=None, help="Attempt 0's rank 0 waits after this step ...")
     p.add_argument("--hold-file", default=None, help="... until this file exists.")
+    p.add_argument("--hold-in", action="append", default=[],
+                   help="WORLD:STEP:PATH: rank 0 of a WORLD-rank attempt waits after STEP (repeatable).")
     p.add_argument("--not-resizable", action="store_true", help="CheckpointManager(resizable=False).")
     args = p.parse_args()
     save_at = {int(s) for s in args.save_at.split(",") if s}
     attempt = os.environ.get("RLSUP_RESTART_COUNT") or "0"
     tag = f"{args.tag}.attempt{attempt}" if args.attempt_tag else args.tag
     hold_at = args.hold_at if attempt == "0" and args.hold_file else None
+    holds = {}  # (world, step) -> the file rank 0 waits for
+    for spec in args.hold_in:
+        w, s, path = spec.split(":", 2)
+        holds[(int(w), int(s))] = path
     Path(args.log_dir).mkdir(parents=True, exist_ok=True)
 
     dist.init_process_group("gloo")
@@ -158,6 +165,12 @@ def main() -> None:
                 log.flush()
                 print(f"HOLDING after step {step}", flush=True)
                 while not Path(args.hold_file).exists():
+                    time.sleep(0.05)
+            held_file = holds.get((world, step))
+            if held_file is not None and rank == 0 and not Path(held_file).exists():
+                log.flush()
+                print(f"HOLDING in world {world} after step {step}", flush=True)
+                while not Path(held_file).exists():
                     time.sleep(0.05)
     weights = full_weights(saved)
     if rank == 0 and args.out:

@@ -148,6 +148,10 @@ class RoundEngine:
     def holder_store(self, holder: int, owner: int) -> PartStore:
         return self._holder_store(holder, owner)
 
+    def replicated(self, step: int) -> bool:
+        """The simulation copies replicas itself (:meth:`SimCluster.replicate`) before it asks: always."""
+        return True
+
 
 @dataclass(frozen=True)
 class NodeOutcome:

@@ -250,3 +250,20 @@ def test_valid_same_step_is_not_touched(tmp_path):
 # ------------------------------------------------------------ a full disk says so (issue #9)
 
 
+
+
+def test_a_collective_backend_s_step_named_by_rlsup_is_loaded(tmp_path, monkeypatch):
+    """Found by the shrink's FSDP test: for dcp (checked whole by rank 0) a valid step's verdict ("ok") was taken
+    for the problem, so every dcp resume under rlsup failed; a step that does not verify still fails loudly."""
+    from trainer_hooks.checkpoint import ResumeError
+
+    ckpt = CheckpointManager(tmp_path, backend="dcp")
+    ckpt.save(1, {"v": 1})
+    monkeypatch.setenv("RLSUP_CHECKPOINT_DIR", str(tmp_path))
+    monkeypatch.setenv("RLSUP_RESUME_DIR", str(tmp_path / step_dir_name(1)))
+    monkeypatch.setenv("RLSUP_RESUME_STEP", "1")
+    state = {"v": 0}
+    assert ckpt.restore(state) == 1 and state["v"] == 1
+    (tmp_path / step_dir_name(1) / manifest_name(0)).unlink()
+    with pytest.raises(ResumeError, match=r"rank 0 cannot load the step rlsup named .*step_000000001"):
+        ckpt.restore(state)
