@@ -94,6 +94,8 @@ def incident_line(inc: dict[str, Any]) -> str:
     elif inc.get("downtime_s") is None and inc.get("action") in ENDED:
         at = " (no step reported)" if inc.get("last_step") is None else f" at step {inc['last_step']}"
         parts.append(ENDED[inc["action"]] + at)
+    if inc.get("world"):
+        parts.append(str(inc["world"]))
     for torn in inc.get("left_torn") or []:
         parts.append(f"{torn.get('file')} left torn ({torn.get('torn')}): {torn.get('no_version')}")
     if inc.get("downtime_s") is not None:

@@ -60,6 +60,7 @@ from supervisor.tiers.replication import ReplicationEngine, newest_own_step
 from supervisor.tiers.resume import ResumePoint
 from supervisor.diagnosis.outcome import AttemptResult
 from supervisor.run.loop import AttemptAbandoned, NodeTiers
+from supervisor.run.peers import World
 from supervisor.stop_request import StopAsked, StopRequest
 from supervisor.tiers.resume import TIER_LOCAL, TIER_MEMORY, TIER_PEER, TIER_PERSISTENT, newest_step
 from rlsup_format import job_env
@@ -165,6 +166,7 @@ class NodeGroup:
         self._stopped_waiting: StopAsked | None = None  # the wait a stop ended before the attempt was known
         self._plan: RoundPlan | None = None  # the running attempt's plan (its nodes: fewer after a shrink)
         self._back: _BackWatch | None = None  # the lead's watch for a left-out node that is back (grow at a save)
+        self._change = ""  # what the last agreed round did to the job's size (the incident's words)
 
     @property
     def me(self) -> int:
@@ -426,22 +428,25 @@ class NodeGroup:
         job, was = self.membership.size, self._plan
         nodes = len(plan.nodes) if plan.nodes is not None else job
         shrunk_before = was is not None and was.nodes is not None and len(was.nodes) < job
+        self._change, why = "", ""
         if plan.changes_world and nodes < job:
-            self._log(f"attempt {attempt}: continued on {nodes} of {job} nodes from step {plan.step} (nodes "
-                      f"{list(plan.nodes or ())}; node(s) {sorted(set(range(job)) - set(plan.nodes or ()))} lost, no "
-                      f"spare left; min_nodes allows it)")
+            self._change = f"continued on {nodes} of {job} nodes from step {plan.step}"
+            why = (f" (nodes {list(plan.nodes or ())}; node(s) {sorted(set(range(job)) - set(plan.nodes or ()))} "
+                   "lost, no spare left; min_nodes allows it)")
         elif plan.changes_world and nodes == job:
-            self._log(f"attempt {attempt}: grew back to {job} at step {plan.step}")
+            self._change = f"grew back to {job} at step {plan.step}"
         elif shrunk_before and nodes == job:
-            self._log(f"attempt {attempt}: back to {job} nodes from step {plan.step}")
+            self._change = f"back to {job} nodes from step {plan.step}"
+        if self._change:
+            self._log(f"attempt {attempt}: {self._change}{why}")
         self._plan = plan
         self._back = _BackWatch(plan) if self.role.leads and nodes < job else None
 
-    def world(self) -> tuple[int, int] | None:
-        """(nodes that run the agreed attempt, the job's nodes)."""
+    def world(self) -> World:
+        """The nodes that run the agreed attempt, of the job's, and what its round changed."""
         plan = self._plan
         nodes = len(plan.nodes) if plan is not None and plan.nodes is not None else self.membership.size
-        return nodes, self.membership.size
+        return World(nodes, self.membership.size, self._change)
 
     def _wait_to_grow(self, attempt: int, plan: RoundPlan) -> NoReturn:
         """This node is left out of a smaller world (it was lost, and is back): it says so, and waits for the

@@ -41,6 +41,7 @@ class Incident:
     # whether rlsup knows the step the next attempt resumed from (False: steps lost "unknown"); None: no next
     # attempt started after this one (rlsup gave up or stopped): nothing was resumed, no steps were lost to it
     resume_known: bool | None = None
+    world: str = ""  # what the next attempt's round did to the job's size ("continued on 2 of 3 nodes from step 6")
     verdict: str = ""  # who to blame, from the grouped stacks (supervisor.diagnosis.stack_groups) or a health check
     fr_verdict: str = ""  # who to blame in a hung collective, from the Flight Recorder (supervisor.diagnosis.flight_recorder)
     suspect_ranks: list[int] = field(default_factory=list)

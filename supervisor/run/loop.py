@@ -196,7 +196,9 @@ class Supervisor:
                 resume, result = None, self._classify(AttemptEvidence(attempt, EndedElsewhere(why, str(e)), self.node_name))
             else:
                 if (world := self.peers.world()) is not None:
-                    self.record.world_nodes(*world)  # state.json and the metric: fewer nodes after a shrink
+                    self.record.world_nodes(world.nodes, world.job_nodes)  # state.json and the metric
+                    if pending is not None and world.change:
+                        pending[0].world = world.change  # the failure's incident says what the job went on with
                 result = self._launch_and_watch(attempt, resume, pending)
             if result.reason == EndReason.SUCCESS:  # the real exit code (non-zero after a trainer's done line)
                 self.record.set_state(JobStatus.SUCCEEDED, exit_code=result.exit_code or 0, last_step=result.last_step)

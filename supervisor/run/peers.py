@@ -9,6 +9,8 @@ torch elastic passes its rendezvous handler to the agent: nothing of the loop is
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterable, Protocol
 
@@ -39,6 +41,17 @@ class FlightRecordShare(Protocol):
 
     def settle(self, attempt: int, attempt_dir: Path | None = None) -> FlightEvidence | None:
         """The verdict across nodes for a failed attempt, where dumps were asked for (None: none, or none came)."""
+
+
+@dataclass(frozen=True)
+class World:
+    """The nodes that run an agreed attempt, of the job's; ``change``: what its round did to the job's size, in the
+    words the log and the incident use ("continued on 2 of 3 nodes from step 6", "grew back to 3 at step 9"; "":
+    nothing)."""
+
+    nodes: int
+    job_nodes: int
+    change: str = ""
 
 
 class Peers(Protocol):
@@ -75,8 +88,8 @@ class Peers(Protocol):
     def env(self) -> dict[str, str]:
         """What every attempt's environment adds for the job's nodes (none on a single node)."""
 
-    def world(self) -> tuple[int, int] | None:
-        """(nodes that run the agreed attempt, the job's nodes): fewer after a shrink; None on a single node."""
+    def world(self) -> World | None:
+        """The nodes that run the agreed attempt: fewer after a shrink; None on a single node."""
 
     def command(self, argv: list[str]) -> list[str]:
         """The attempt's launch line as the job's nodes run it now (the launcher's node count and node rank after
@@ -110,11 +123,11 @@ class SingleNode:
     def env(self) -> dict[str, str]:
         return {}
 
-    def world(self) -> tuple[int, int] | None:
+    def world(self) -> World | None:
         return None
 
     def command(self, argv: list[str]) -> list[str]:
         return argv
 
 
-__all__ = ["Peers", "SingleNode"]
+__all__ = ["Peers", "SingleNode", "World"]

@@ -89,3 +89,13 @@ def test_a_single_node_run_shows_no_nodes_line(tmp_path: Path, status: Status) -
     assert written["world_nodes"] is None and written["job_nodes"] is None
     code, out = status(tmp_path)
     assert code == 0 and "job:" in out and nodes_lines(out) == [], out
+
+
+def test_rlsup_incidents_says_what_the_job_went_on_with() -> None:
+    """The failure's incident carries the round's words (recorded by the loop from the job's nodes); ``rlsup
+    incidents`` prints them on the incident's line."""
+    from supervisor.cli.incidents import incident_line
+
+    line = incident_line({"time": 0, "attempt": 0, "reason": "peer_failure", "action": "restart", "last_step": 7,
+                          "resumed_step": 6, "downtime_s": 3.2, "world": "continued on 2 of 3 nodes from step 6"})
+    assert "continued on 2 of 3 nodes from step 6" in line and "1 steps lost" in line, line

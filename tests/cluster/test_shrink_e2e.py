@@ -28,7 +28,9 @@ import pytest
 from rlsup_format.manifest import LocalStep, list_step_dirs, manifest_name, read_manifest, verify_part
 from rlsup_format.names import step_dir_name
 from support.cluster import HELD_PATIENCE, Cluster, replica_part
-from support.env import TRAIN
+from support.env import PY, TRAIN
+from support.incidents import incidents
+from support.spares_cluster import took_rank
 from support.waits import wait_for
 from support.world_phases import JOB, Phase, check_data_order, consumed, consumed_from, run_chain, same_state
 
@@ -38,7 +40,7 @@ UNTIL = 12  # past two epoch ends (5 steps an epoch), the last one partial
 SAVE_AT = (3, HELD, 9)  # 9: the shrunk attempt saves too
 GROW_AT = 9  # the shrunk job's save at which a node that came back joins it again
 SHRINK = ["--min-nodes", "2", "--spare-takeover-s", "2"]
-RENDEZVOUS_S = 20  # how long the nodes left below the floor (or with unresizable saves) wait before the requeue
+RENDEZVOUS_S = 12  # how long the nodes left below the floor (or with unresizable saves) wait before the requeue
 REQUEUE = 75
 CONTINUED = f"continued on 2 of 3 nodes from step {HELD}"
 # what a node says when the saves cannot be restored into another world size (one line, said once)
@@ -51,10 +53,17 @@ class ShrinkCluster(Cluster):
     Only the trainer differs from the harness's command, so :meth:`node_args` swaps train_tiny.py's part of it."""
 
     def __init__(self, root: Path, job_args: Sequence[str] = (), model: str = "ddp", backend: str = "torch",
-                 extra: Sequence[str] = (), **kw: object) -> None:
-        super().__init__(root, NODES, extra=[*SHRINK, *HELD_PATIENCE, *extra], **kw)  # type: ignore[arg-type]
+                 extra: Sequence[str] = (), spares: int = 0, **kw: object) -> None:
+        spare_args = ["--spares", str(spares)] if spares else []
+        super().__init__(root, NODES + spares, extra=[*SHRINK, *HELD_PATIENCE, *spare_args, *extra],  # type: ignore[arg-type]
+                         **kw)
         self.release = root / "release-hold"  # the first attempt's rank 0 waits after HELD until it exists
         self.job_args, self.model, self.backend = list(job_args), model, backend
+
+    def launcher(self, node: int) -> list[str]:
+        """torchrun as typed for the job's NODES nodes (the spares, past them, hold no ranks until they take one)."""
+        return [PY, "-m", "torch.distributed.run", "--nnodes", str(NODES), "--nproc-per-node", "1", "--rdzv-backend",
+                "c10d", "--rdzv-endpoint", f"{self.hosts[0]}:{self.master_port}", "--rdzv-id", "job1"]
 
     def node_args(self, node: int, extra: Sequence[str] = ()) -> list[str]:
         args = super().node_args(node, extra)
@@ -118,7 +127,7 @@ def node_logs(cluster: ShrinkCluster, lines: int = 60) -> str:
     """The last ``lines`` lines of every node's rlsup output, a lost node's too, without torch's C++ stack frames
     (for assertion messages: what each node said about the loss)."""
     out = []
-    for n in range(NODES):
+    for n in range(cluster.nodes):
         for d in (cluster.node_dir(n), cluster.root / f"node{n}.lost"):
             path = d / cluster.log_name
             if path.exists():
@@ -161,6 +170,9 @@ def test_a_lost_node_without_spare_shrinks_the_job_exactly(workdir: Path, model:
     for node in (0, 1):
         assert CONTINUED in cluster.log(node), (node, node_logs(cluster))
     assert f"WORLD_CHANGE {HELD} 3 2" in cluster.log(0), node_logs(cluster)
+    for node in (0, 1):  # the failure's incident says what the job went on with; state.json its size now
+        assert [i.get("world") for i in incidents(cluster.node_dir(node) / ".rlsup")] == [CONTINUED], node
+        assert (cluster.state(node)["world_nodes"], cluster.state(node)["job_nodes"]) == (2, 3)
     manifests = [read_manifest(cluster.node_dir(n) / "checkpoints" / step_dir_name(HELD) / manifest_name(n))
                  for n in (0, 1)]
     assert all(m.world_size == 3 and m.resizable for m in manifests), manifests
@@ -251,6 +263,9 @@ def test_a_lost_node_back_grows_the_job_at_its_next_save(workdir: Path) -> None:
     assert CONTINUED in cluster.log(0), node_logs(cluster)
     for node in range(NODES):
         assert f"grew back to 3 at step {GROW_AT}" in cluster.log(node), (node, node_logs(cluster))
+    assert [i.get("world") for i in incidents(cluster.node_dir(0) / ".rlsup")] == [CONTINUED,
+                                                                                   f"grew back to 3 at step {GROW_AT}"]
+    assert cluster.state(0)["world_nodes"] == 3
     reference = (Phase(3, HELD, tuple(s for s in SAVE_AT if s <= HELD), range(1, HELD + 1)),
                  Phase(2, GROW_AT, (GROW_AT,), range(HELD + 1, GROW_AT + 1)),
                  Phase(3, UNTIL, (), range(GROW_AT + 1, UNTIL + 1)))
@@ -259,4 +274,24 @@ def test_a_lost_node_back_grows_the_job_at_its_next_save(workdir: Path) -> None:
     logs = id_logs(cluster)
     assert len(logs) == 3, {a: [str(p) for p in f] for a, f in logs.items()}
     check_data_order(consumed_from(list(logs.values()), reference), UNTIL)
+
+
+@pytest.mark.timeout(300)
+def test_a_spare_takes_the_lost_rank_first_and_the_job_never_shrinks(workdir: Path) -> None:
+    """3 nodes and a spare, ``min_nodes`` 2: node 2 lost at HELD, the spare takes its rank; the job goes on with 3
+    nodes (nothing says it continued on fewer) and ends with the weights of a run that kept 3 ranks throughout."""
+    cluster = ShrinkCluster(workdir, spares=1)
+    try:
+        run_until_held(cluster)
+        lose(cluster, [2])
+        codes = cluster.wait_all(timeout=180)
+    finally:
+        cluster.kill_all()
+    assert codes[0] == 0 and codes[1] == 0 and codes[3] == 0, (codes, node_logs(cluster))
+    assert took_rank(cluster.log(3)) == 2, node_logs(cluster)
+    assert all("continued on" not in cluster.log(n) for n in (0, 1, 3)), node_logs(cluster)
+    reference = (Phase(3, HELD, tuple(s for s in SAVE_AT if s <= HELD), range(1, HELD + 1)),
+                 Phase(3, UNTIL, tuple(s for s in SAVE_AT if s > HELD), range(HELD + 1, UNTIL + 1)))
+    run_chain(workdir / "reference", reference, "ddp", "torch")
+    assert same_state(cluster.node_dir(0) / "final.pt", workdir / "reference" / "final.pt") == []
 

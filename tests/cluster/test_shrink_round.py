@@ -22,6 +22,7 @@ from rlsup_format.names import step_dir_name
 from supervisor.cluster.round_lead import RoundLead, ShrinkSettings
 from supervisor.cluster.round_plan import compute_resized_plan, saved_by
 from supervisor.run.loop import AttemptAbandoned
+from supervisor.run.peers import World
 from supervisor.tiers.holdings import NodeInventory, RecordError, RoundPlan, StepHoldings
 from supervisor.tiers.parts import verify_part
 from supervisor.tiers.resume import TIER_LOCAL
@@ -56,6 +57,7 @@ def test_two_of_three_nodes_go_on_from_the_newest_complete_step_with_rank_0_s_pa
     assert verify_part(step20, 0) is not None  # rank 0's part, whole, beside node 1's own
     for o in outcomes:
         assert any("continued on 2 of 3 nodes from step 20" in line for line in o.lines), o.lines
+    assert [g.world() for g in cluster.groups.values()] == [World(2, 3, "continued on 2 of 3 nodes from step 20")] * 2
     for node, group in cluster.groups.items():
         env = group.env()
         assert (env[job_env.NODE_RANK], env[job_env.NUM_NODES], env[job_env.PREVIOUS_WORLD_SIZE]) == (str(node), "2", "6")
@@ -90,21 +92,23 @@ def inventories(resize: str = "rank0") -> list[NodeInventory]:
 @pytest.mark.parametrize("why, shrink, spares, came, resize", [
     ("below the floor", ShrinkSettings(2, 0.1), 0, [0], "rank0"),
     ("not resizable", ShrinkSettings(2, 0.1), 0, [0, 1], ""),
+    # a trainer without trainer_hooks (or a layout rlsup only reads): no rlsup part of any step in the inventories
+    ("no rlsup checkpoint", ShrinkSettings(2, 0.1), 0, [0, 1], None),
     ("a spare is left", ShrinkSettings(2, 0.1), 1, [0, 1], "rank0"),
     ("min_nodes is the job's size", ShrinkSettings(3, 0.1), 0, [0, 1], "rank0"),
     ("min_nodes unset", ShrinkSettings(0, 0.1), 0, [0, 1], "rank0"),
 ])
 def test_the_lead_plans_every_node_when_it_may_not_shrink(why: str, shrink: ShrinkSettings, spares: int,
-                                                           came: list[int], resize: str) -> None:
+                                                           came: list[int], resize: str | None) -> None:
     """Below the floor and for saves not marked resizable it asked who came, and waits for every node (saying why
     once); with a spare left or no floor below the job's size it never asks."""
-    every = inventories(resize)
+    every = inventories(resize) if resize is not None else [NodeInventory(n) for n in range(3)]
     store = Store({n: every[n] for n in came}, every)
     said: list[str] = []
     lead = RoundLead(store, None, said.append, shrink, lambda: spares)  # type: ignore[arg-type]
     plan = lead.plan(4, set())
-    assert plan.nodes is None and plan.step == 20, why
-    if why in ("below the floor", "not resizable"):
+    assert plan.nodes is None and plan.step == (20 if resize is not None else None), why
+    if why in ("below the floor", "not resizable", "no rlsup checkpoint"):
         assert store.asked == ["present 0.1 2", "every"]  # it asked, and then waits for all
         assert len(said) == 1 and "not going on with" in said[0], said
         if why == "not resizable":
@@ -190,6 +194,7 @@ def test_a_lost_node_back_waits_for_the_next_save_and_the_next_round_grows_the_j
     assert (plan.nodes, plan.world_size, plan.from_nodes) == ((0, 1, 2), 4, 2)
     assert (cluster.nodes[2].ckpt / step_dir_name(30) / manifest_name(0)).exists()
     assert any("grew back to 3 at step 30" in line for line in grown[0].lines), grown[0].lines
+    assert cluster.groups[0].world() == World(3, 3, "grew back to 3 at step 30")
     assert grown[2].resume is not None and grown[2].resume.tier != TIER_LOCAL  # node 2's part came from a peer
     env = cluster.groups[2].env()
     assert (env[job_env.NUM_NODES], env[job_env.PREVIOUS_WORLD_SIZE]) == ("3", "4")
