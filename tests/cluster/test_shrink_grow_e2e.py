@@ -1,0 +1,108 @@
+"""Shrink (issue 43), the other half: growing back, and when the job does not shrink
+(:mod:`support.shrink_cluster`).
+
+- A lost node back (empty disk) waits without ending the running attempt; the job grows back to 3 nodes at its
+  next save, with the weights of a run without rlsup that went 3 -> 2 -> 3 ranks at the same steps.
+- Below the floor (nodes 1 and 2 lost): node 0 waits ``rendezvous_timeout`` and exits 75 for a requeue, its
+  checkpoints and replicas untouched.
+- Saves never marked resizable: nodes 0 and 1 never continue on 2 nodes; node 0 (which plans the rounds) says once
+  that the checkpoints cannot be restored into another world size, and both exit 75 after ``rendezvous_timeout``.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from rlsup_format.manifest import manifest_name, read_manifest
+from rlsup_format.names import step_dir_name
+from support.incidents import incidents
+from support.shrink_cluster import (CONTINUED, GROW_AT, HELD, NODES, NOT_RESIZABLE, RENDEZVOUS_S, REQUEUE, SAVE_AT, UNTIL,
+                                    ShrinkCluster, assert_parts_untouched, id_logs, lose, node_logs, parts,
+                                    run_until_held)
+from support.waits import wait_for
+from support.world_phases import Phase, check_data_order, consumed_from, run_chain, same_state
+
+
+@pytest.mark.timeout(400)
+def test_a_lost_node_back_grows_the_job_at_its_next_save(workdir: Path) -> None:
+    """Node 2 lost at HELD, the job goes on with 2 nodes and holds after its first step; node 2 comes back with an
+    empty disk and waits (its return does not end the running attempt); the job, released, saves at GROW_AT and the
+    next round grows it back to 3 nodes from there. The final weights equal a run without rlsup with the same shrink
+    and grow points (3 ranks to HELD, 2 ranks to GROW_AT, 3 ranks to the end), and the ids of the kept steps are
+    every sample of each epoch once."""
+    released = workdir / "release-shrunk"
+    # the shrunk job also holds after its save at GROW_AT (for good: the lead ends that attempt to grow), so it cannot
+    # finish before the lead's look (a second here; this job's steps take milliseconds)
+    cluster = ShrinkCluster(workdir, job_args=["--hold-in", f"2:{HELD + 1}:{released}", "--hold-in",
+                                               f"2:{GROW_AT}:{workdir / 'never'}"])
+    try:
+        run_until_held(cluster)
+        lose(cluster, [2])
+        wait_for(lambda: f"HOLDING in world 2 after step {HELD + 1}" in cluster.log(0), 180, "the shrunk job holding")
+        cluster.start(2)  # back, its disk empty
+        wait_for(lambda: "waiting for its next save to grow back" in cluster.log(2), 120, "node 2 waiting to grow")
+        wait_for(lambda: "node(s) [2] back" in cluster.log(0), 30, "the lead to see node 2 back")
+        assert all("grew back" not in cluster.log(n) for n in range(NODES)), node_logs(cluster)
+        released.touch()
+        codes = cluster.wait_all(timeout=240)
+    finally:
+        cluster.kill_all()
+    assert codes == {0: 0, 1: 0, 2: 0}, (codes, node_logs(cluster))
+    assert CONTINUED in cluster.log(0), node_logs(cluster)
+    for node in range(NODES):
+        assert f"grew back to 3 at step {GROW_AT}" in cluster.log(node), (node, node_logs(cluster))
+    assert [i.get("world") for i in incidents(cluster.node_dir(0) / ".rlsup")] == [CONTINUED,
+                                                                                   f"grew back to 3 at step {GROW_AT}"]
+    assert cluster.state(0)["world_nodes"] == 3
+    reference = (Phase(3, HELD, tuple(s for s in SAVE_AT if s <= HELD), range(1, HELD + 1)),
+                 Phase(2, GROW_AT, (GROW_AT,), range(HELD + 1, GROW_AT + 1)),
+                 Phase(3, UNTIL, (), range(GROW_AT + 1, UNTIL + 1)))
+    run_chain(workdir / "reference", reference, "ddp", "torch")
+    assert same_state(cluster.node_dir(0) / "final.pt", workdir / "reference" / "final.pt") == []
+    logs = id_logs(cluster)
+    assert len(logs) == 3, {a: [str(p) for p in f] for a, f in logs.items()}
+    check_data_order(consumed_from(list(logs.values()), reference), UNTIL)
+
+
+@pytest.mark.timeout(300)
+def test_below_the_floor_the_node_left_requeues_and_deletes_nothing(workdir: Path) -> None:
+    cluster = ShrinkCluster(workdir, rendezvous_timeout=RENDEZVOUS_S)
+    try:
+        run_until_held(cluster)
+        before = parts(cluster.node_dir(0))
+        lost_at = lose(cluster, [1, 2])
+        codes = cluster.wait_all(timeout=RENDEZVOUS_S + 120)
+        waited = time.monotonic() - lost_at
+    finally:
+        cluster.kill_all()
+    assert codes[0] == REQUEUE, (codes, node_logs(cluster))
+    assert waited >= RENDEZVOUS_S - 1, f"node 0 gave up {waited:.1f}s after the loss: {node_logs(cluster)}"
+    assert "continued on" not in cluster.log(0), node_logs(cluster)
+    assert_parts_untouched(cluster.node_dir(0), before)
+
+
+@pytest.mark.timeout(300)
+def test_saves_never_marked_resizable_are_never_shrunk(workdir: Path) -> None:
+    cluster = ShrinkCluster(workdir, job_args=["--not-resizable"], rendezvous_timeout=RENDEZVOUS_S)
+    try:
+        run_until_held(cluster)
+        before = {n: parts(cluster.node_dir(n)) for n in (0, 1)}
+        lost_at = lose(cluster, [2])
+        codes = cluster.wait_all(timeout=RENDEZVOUS_S + 120)
+        waited = time.monotonic() - lost_at
+    finally:
+        cluster.kill_all()
+    manifest = read_manifest(cluster.node_dir(0) / "checkpoints" / step_dir_name(HELD) / manifest_name(0))
+    assert manifest.world_size == 3 and not manifest.resizable, manifest
+    assert codes[0] == REQUEUE and codes[1] == REQUEUE, (codes, node_logs(cluster))
+    assert waited >= RENDEZVOUS_S - 1, f"the nodes gave up {waited:.1f}s after the loss: {node_logs(cluster)}"
+    said = {node: len(NOT_RESIZABLE.findall(cluster.log(node))) for node in (0, 1)}
+    assert said[0] == 1 and said[1] <= 1, (said, node_logs(cluster))  # node 0 plans the rounds: it knows why
+    for node in (0, 1):
+        log = cluster.log(node)
+        assert "continued on" not in log and "WORLD_CHANGE" not in log, (node, node_logs(cluster))
+        assert_parts_untouched(cluster.node_dir(node), before[node])
+    assert list(id_logs(cluster)) == [0], "an attempt after the loss took a step"
