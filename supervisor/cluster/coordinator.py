@@ -342,7 +342,8 @@ class RoundCoordinator:
         or a damaged store) ends the attempt for all, naming the node and field: planning without that
         node's parts could start the job afresh over checkpoints it still holds."""
         out = []
-        for node, value in enumerate(self._wait_all(f"inv/{attempt}", f"inventories of attempt {attempt}", attempt)):
+        for node, value in enumerate(self._wait([f"inv/{attempt}/{n}" for n in range(self.num_nodes)],
+                                                  f"inventories of attempt {attempt}", attempt, nodes_lost=True)):
             try:
                 out.append(NodeInventory.from_json(value, node))
             except RecordError as e:
@@ -357,7 +358,7 @@ class RoundCoordinator:
         names = [f"inv/{attempt}/{n}" for n in range(self.num_nodes)]
         out: dict[int, NodeInventory] = {}
         for node, value in enumerate(self._wait(names, f"inventories of attempt {attempt}", attempt,
-                                                enough=(after_s, floor))):
+                                                enough=(after_s, floor), nodes_lost=True)):
             if value is None:
                 continue
             try:
@@ -394,7 +395,7 @@ class RoundCoordinator:
         """Node 0's plan; one that does not parse ends the attempt for all (:class:`RoundEnded`)."""
         key = self._plan_key(attempt, plan_try)
         (value,) = self._wait([key], f"the plan of attempt {attempt}" + (f" (try {plan_try})" if plan_try else ""),
-                              attempt)
+                              attempt, nodes_lost=True)
         try:
             plan = RoundPlan.from_json(value, 0)
         except RecordError as e:
@@ -488,7 +489,7 @@ class RoundCoordinator:
         return [v for v in self._wait([f"{prefix}/{n}" for n in nodes], what, attempt) if v is not None]
 
     def _wait(self, names: list[str], what: str, attempt: int | None = None,
-              enough: tuple[float, int] | None = None) -> list:
+              enough: tuple[float, int] | None = None, nodes_lost: bool = False) -> list:
         """Poll until every key holds a signed value; their payloads. Inside attempt ``attempt``, its end
         stops the wait with :class:`RoundEnded`: a node that died there never writes its keys, and its
         replacement ends the attempt on rejoin, so waiting out the timeout would only lose the job. A
@@ -504,7 +505,8 @@ class RoundCoordinator:
         abort is first looked at :data:`ABORT_POLL_S` into the wait (the join looked just before).
 
         ``enough`` = (seconds, count): once that many seconds passed, return as soon as ``count`` keys are there,
-        None for the others (a round that may go on without lost nodes)."""
+        None for the others (a round that may go on without lost nodes). ``nodes_lost``: a timeout means nodes did
+        not come to the round (the inventories, the plan): after the job's first attempt, :class:`NodesMissing`."""
         started = time.monotonic()
         deadline = started + self.timeout_s
         poll = WAIT_POLL_MIN_S
@@ -553,7 +555,7 @@ class RoundCoordinator:
                     raise RoundEnded(f"attempt {attempt} ended while waiting for {what}: {ended.payload}")
                 if time.monotonic() > deadline and pending:
                     missing = [self.keys.key(n) for n in pending]
-                    kind = NodesMissing if attempt is not None and self.first_round is False else CoordinationError
+                    kind = NodesMissing if nodes_lost and self.first_round is False else CoordinationError
                     raise kind(f"timed out after {self.timeout_s:.0f}s waiting for {what}; missing {missing}")
             if self.first_round and time.monotonic() >= next_beat_look:  # after the poll: keys that came win
                 next_beat_look = time.monotonic() + self.refresh_s

@@ -286,9 +286,9 @@ class NodeGroup:
             raise RoundEnded(f"attempt {attempt} ended: {why}")
         if self.spares is not None:  # a spare may have taken this rank while this node was late to the round
             check_holder(self.coordinator, me, self.spares.gen)
-        self._world(attempt, plan)
         self.coordinator.mark_ready(attempt)
         self.coordinator.wait_all_ready(attempt)
+        self._world(attempt, plan)  # every node of the plan is ready: what the round did to the job's size is true
         if self.spares is not None:  # a spare that took a rank in this round is in it now: replicate to it
             self._follow_spares(self.spares)
         if self.persistent is not None:
@@ -432,7 +432,7 @@ class NodeGroup:
         if plan.changes_world and nodes < job:
             self._change = f"continued on {nodes} of {job} nodes from step {plan.step}"
             why = (f" (nodes {list(plan.nodes or ())}; node(s) {sorted(set(range(job)) - set(plan.nodes or ()))} "
-                   "lost, no spare left; min_nodes allows it)")
+                   "missing from the round past spare_takeover_s, no spare left; min_nodes allows it)")
         elif plan.changes_world and nodes == job:
             self._change = f"grew back to {job} at step {plan.step}"
         elif shrunk_before and nodes == job:
@@ -454,13 +454,21 @@ class NodeGroup:
         self._log(f"attempt {attempt}: the job goes on with nodes {list(plan.nodes or ())} without this node; "
                   "waiting for its next save to grow back")
         self.coordinator.keys.set(f"back/{attempt}/{self.me}", "1")
-        while (why := self.coordinator.ended(attempt)) is None:
-            self.stop.check(f"attempt {attempt} to end (the job to grow back)")
-            if job_done(self.coordinator):
-                raise JobEnded(f"the coordination store {self.coordinator.describe()} says the job finished "
-                               "without this node")
+        while True:
+            if self.stop.asked:  # this node's stop is its own: the attempt the others run goes on
+                raise RoundEnded(f"asked to stop while waiting to grow back into attempt {attempt}")
+            if self.job_end is not None and (over := self.job_end.over()) is not None:
+                raise JobEnded(over)  # the job finished (its store may be gone with node 0)
+            try:
+                if (why := self.coordinator.ended(attempt)) is not None:
+                    raise RoundEnded(f"attempt {attempt} ended: {why}")
+                if job_done(self.coordinator):
+                    raise JobEnded(f"the coordination store {self.coordinator.describe()} says the job finished "
+                                   "without this node")
+            except StoreUnavailable:
+                if self.job_end is None:
+                    raise
             self.stop.wait(GROW_POLL_S, GROW_POLL_S)
-        raise RoundEnded(f"attempt {attempt} ended: {why}")
 
     def peer_ended(self, attempt: int) -> str | None:
         """Another node's end of the attempt (or, on the lead of a smaller world, its own end of it to grow back:

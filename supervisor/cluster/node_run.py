@@ -11,7 +11,7 @@ around the loop: the loop records the give-up, this module says what it means fo
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 
@@ -22,7 +22,7 @@ from supervisor.cluster.multinode import CoordinatorSettings, NodeGroup
 from supervisor.cluster.round_lead import RoundRole, ShrinkSettings, round_role
 from supervisor.cluster.spares import JobEnded, JobEndWatch, SpareSeat, moved_slots, spares_left
 from supervisor.job_identity import JobIdentity
-from supervisor.launch.rank_pinning import pin_ranks
+from supervisor.launch.rank_pinning import pin_ranks, resizable_launch
 from supervisor.launch.warm_start import WarmStarts
 from supervisor.lifecycle import JobStatus
 from supervisor.membership import Membership, node_name
@@ -169,12 +169,20 @@ class NodeRun:
         fr = FrExchange(coordinator, rank, size, node_name(), self.observer, stopped=lambda: self.stop.asked)
         run = self.settings.run
         seat = self.spares is not None  # a job with spares can finish without this node (supervisor.cluster.spares)
-        job_end = JobEndWatch.attach(coordinator, run.checkpoint_dir, self.tiers.persistent, self.job) if seat else None
+        shrink = self.settings.shrink
+        if shrink.floor(size) is not None and not resizable_launch(self.command):
+            say(f"min_nodes {shrink.min_nodes}: the launch line is not torchrun's, whose node count rlsup can rewrite; "
+                "this job is never run on fewer nodes")
+            shrink = replace(shrink, min_nodes=0)
+        # a job that can finish without this node (a spare or a smaller world ran on) leaves a record of its end
+        ends_without_me = seat or shrink.floor(size) is not None
+        job_end = (JobEndWatch.attach(coordinator, run.checkpoint_dir, self.tiers.persistent, self.job)
+                   if ends_without_me else None)
         seat_of = self.spares
 
         def unused_spares() -> int:  # a spare takes a lost node's rank first: the job shrinks only when none is left
             return 0 if seat_of is None else spares_left(seat_of.roster, moved_slots(coordinator, size))
-        role = round_role(rank, coordinator, self.tiers.persistent, say, self.settings.shrink, unused_spares)
+        role = round_role(rank, coordinator, self.tiers.persistent, say, shrink, unused_spares)
         return NodeGroup(self.membership, self.engine, coordinator, role,
                          fr, self.stop, self.tiers, run.checkpoint_dir, run.state_dir, say,
                          observer=self.observer, spares=self.spares, job_end=job_end)

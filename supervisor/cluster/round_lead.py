@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Protocol
 
 from supervisor.cluster.coordinator import RoundCoordinator
-from supervisor.cluster.round_plan import compute_plan, compute_resized_plan, same_world
+from supervisor.cluster.round_plan import compute_plan, compute_resized_plan, same_world, saved_by
 from supervisor.cluster.spares import DONE_KEY, JobEndWatch
 from supervisor.tiers.holdings import PERSISTENT_HOLDER, RoundPlan
 from supervisor.tiers.persistent import PersistentTier
@@ -86,6 +86,7 @@ class RoundLead:
         self.bad_persistent: set[Part] = set()
         self._came: dict[int, dict[int, NodeInventory]] = {}  # attempt -> the inventories its round planned with
         self._told: str = ""  # the last reason given for not going on with fewer nodes (said once)
+        self._ran_whole = False  # this run planned an attempt of every node: only then may a node be missed
 
     def publish_plan(self, attempt: int, plan_try: int, excluded: set[tuple[int, int, int]]) -> None:
         self.coordinator.publish_plan(self.plan(attempt, excluded), plan_try)
@@ -108,13 +109,17 @@ class RoundLead:
         came = self._inventories(attempt)
         if len(came) == job:
             plan = self.full_plan(attempt, [came[n] for n in range(job)], excluded)
-            if plan.step is None or same_world(came, plan.step, range(job)):
-                return plan
+            self._ran_whole = True
+            if self.shrink.floor(job) is None or plan.step is None or same_world(came, plan.step, range(job)):
+                return plan  # without min_nodes, exactly as before it existed
             grown = compute_resized_plan(attempt, came, list(range(job)))
-            if isinstance(grown, str):
-                self.say(f"attempt {attempt}: cannot grow back to {job} nodes: {grown}")
-                return plan
-            return grown
+            if not isinstance(grown, str):
+                return grown
+            # Not now: the nodes that saved the step go on as they were (the others wait for a later save)
+            saved = sorted((saved_by(came, plan.step) or (0, set()))[1] | {0})
+            again = compute_resized_plan(attempt, {n: came[n] for n in saved}, saved)
+            self.say(f"attempt {attempt}: cannot grow back to {job} nodes: {grown}")
+            return again if not isinstance(again, str) else plan
         smaller = compute_resized_plan(attempt, came, sorted(came))
         if not isinstance(smaller, str):
             return smaller
@@ -128,12 +133,13 @@ class RoundLead:
 
     def _inventories(self, attempt: int) -> dict[int, NodeInventory]:
         """The inventories this attempt's round plans with (node -> inventory): every node's; or, when the job may
-        go on with fewer (``min_nodes``, no spare left, not the job's first round), those that came within the
-        shrink's wait once enough are there. The same answer for every plan try of the attempt."""
+        go on with fewer (``min_nodes``, no spare left, and this run has had an attempt of every node: a requeued
+        run's nodes starting seconds apart are never taken for lost), those that came within the shrink's wait once
+        enough are there. The same answer for every plan try of the attempt."""
         if (came := self._came.get(attempt)) is not None:
             return came
         floor = self.shrink.floor(self.coordinator.num_nodes)
-        if floor is None or self.coordinator.first_round or self.spares_left() > 0:
+        if floor is None or not self._ran_whole or self.coordinator.first_round or self.spares_left() > 0:
             came = dict(enumerate(self.coordinator.inventories(attempt)))
         else:
             came = self.coordinator.present_inventories(attempt, self.shrink.wait_s, floor)

@@ -102,8 +102,9 @@ def _default_owner(rank: int, world: int, num_nodes: int) -> int | None:
 
 
 def saved_by(inventories: Mapping[int, NodeInventory], step: int) -> tuple[int, set[int]] | None:
-    """(how many nodes saved ``step``, those of them the inventories name): the step's world size over the most
-    ranks any node owns in it (every node runs as many); None when no inventory lists the step."""
+    """(how many nodes saved ``step``, those of them the inventories name): the owners the parts name, or, when some
+    owner's parts are in no inventory (a wiped node's, kept only by the persistent tier), the step's world size over
+    the most ranks one node owns in it; None when no inventory lists the step."""
     owners: dict[int, set[int]] = {}
     world = None
     for inv in inventories.values():
@@ -117,7 +118,7 @@ def saved_by(inventories: Mapping[int, NodeInventory], step: int) -> tuple[int, 
     if world is None or not owners:
         return None
     per_node = max(len(ranks) for ranks in owners.values())
-    return -(-world // per_node), set(owners)
+    return max(len(owners), -(-world // per_node)), set(owners)
 
 
 def same_world(inventories: Mapping[int, NodeInventory], step: int, nodes: Sequence[int]) -> bool:
@@ -160,8 +161,11 @@ def compute_resized_plan(attempt: int, inventories: Mapping[int, NodeInventory],
                 owners.setdefault(rank, owner)
         if not set(range(world)).issubset(where):
             continue  # not complete on these nodes: an older step may be
-        if same_world(inventories, step, nodes):
-            return RoundPlan(attempt, step, world, {}, tuple(nodes))
+        if same_world(inventories, step, nodes):  # each node's own parts: in place, or fetched as any plan does
+            found = _plan_step(step, entries, None, set(), len(nodes))
+            if found is None:
+                continue
+            return RoundPlan(attempt, step, world, found[1], tuple(nodes))
         resizes = {held.resize for _, held in entries}
         if len(resizes) != 1 or "" in resizes:
             return (f"step {step} (the newest complete on nodes {list(nodes)}) was not saved as restorable into "

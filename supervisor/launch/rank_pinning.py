@@ -152,8 +152,22 @@ def resize_pinned(command: Sequence[str], node_rank: int, num_nodes: int) -> lis
     (the job shrank or grew back): the values of the ``--nnodes`` and ``--node-rank`` it set (the run of options it
     adds, never a like-named argument of the script), replaced. A command it left as typed is returned unchanged."""
     out = list(command)
-    for i in range(len(out) - 5):
-        if out[i] == "--nnodes" and out[i + 2] == "--node-rank" and out[i + 4:i + 6] == ["--rdzv-backend", "static"]:
-            out[i + 1], out[i + 3] = str(num_nodes), str(node_rank)
-            break
+    at = _pinned_at(out)
+    if at is not None:
+        out[at + 1], out[at + 3] = str(num_nodes), str(node_rank)
     return out
+
+
+def resizable_launch(command: Sequence[str]) -> bool:
+    """Whether :func:`resize_pinned` can give ``command`` (as :func:`pin_ranks` left it) another node count: only a
+    torchrun-compatible launch line; a job launched otherwise is never run on fewer nodes."""
+    return _pinned_at(list(command)) is not None
+
+
+def _pinned_at(command: list[str]) -> int | None:
+    """Where the run of options :func:`pin_ranks` adds begins (``--nnodes N --node-rank R --rdzv-backend static``)."""
+    for i in range(len(command) - 5):
+        if (command[i] == "--nnodes" and command[i + 2] == "--node-rank"
+                and command[i + 4:i + 6] == ["--rdzv-backend", "static"]):
+            return i
+    return None

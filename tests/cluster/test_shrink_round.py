@@ -43,6 +43,7 @@ def shrunk_cluster(tmp: Path, resizable: bool = True) -> SimCluster:
     first = cluster.round()
     assert all(o.error is None for o in first), first
     cluster.nodes[2].wipe()
+    cluster.groups.pop(2)  # lost: a later node 2 is a new supervisor
     return cluster
 
 
@@ -57,8 +58,8 @@ def test_two_of_three_nodes_go_on_from_the_newest_complete_step_with_rank_0_s_pa
     assert verify_part(step20, 0) is not None  # rank 0's part, whole, beside node 1's own
     for o in outcomes:
         assert any("continued on 2 of 3 nodes from step 20" in line for line in o.lines), o.lines
-    assert [g.world() for g in cluster.groups.values()] == [World(2, 3, "continued on 2 of 3 nodes from step 20")] * 2
-    for node, group in cluster.groups.items():
+    assert [cluster.groups[n].world() for n in (0, 1)] == [World(2, 3, "continued on 2 of 3 nodes from step 20")] * 2
+    for node, group in ((n, cluster.groups[n]) for n in (0, 1)):
         env = group.env()
         assert (env[job_env.NODE_RANK], env[job_env.NUM_NODES], env[job_env.PREVIOUS_WORLD_SIZE]) == (str(node), "2", "6")
         assert group.command(PINNED)[4:7] == ["2", "--node-rank", str(node)]
@@ -106,6 +107,7 @@ def test_the_lead_plans_every_node_when_it_may_not_shrink(why: str, shrink: Shri
     store = Store({n: every[n] for n in came}, every)
     said: list[str] = []
     lead = RoundLead(store, None, said.append, shrink, lambda: spares)  # type: ignore[arg-type]
+    lead._ran_whole = True  # this run had an attempt of every node (before it, no node is missed)
     plan = lead.plan(4, set())
     assert plan.nodes is None and plan.step == (20 if resize is not None else None), why
     if why in ("below the floor", "not resizable", "no rlsup checkpoint"):
@@ -115,6 +117,17 @@ def test_the_lead_plans_every_node_when_it_may_not_shrink(why: str, shrink: Shri
             assert "not saved as restorable into another world size" in said[0]
     else:
         assert store.asked == ["every"] and not said, why
+
+
+def test_a_run_that_has_not_yet_run_every_node_never_shrinks() -> None:
+    """A requeued run (its store's keys kept, etcd): nodes that start seconds apart are not lost; the first round of
+    this run waits for every node, as without min_nodes."""
+    every = inventories()
+    store = Store({0: every[0], 1: every[1]}, every)
+    lead = RoundLead(store, None, lambda line: None, SHRINK, lambda: 0)  # type: ignore[arg-type]
+    assert lead.plan(4, set()).nodes is None and store.asked == ["every"]
+    store.asked.clear()
+    assert lead.plan(5, set()).nodes == (0, 1) and store.asked == ["present 0.2 2"]  # now it may
 
 
 def test_a_dcp_step_needs_every_part_on_every_node_and_a_part_only_its_owner_holds_stops_the_shrink() -> None:
@@ -198,3 +211,11 @@ def test_a_lost_node_back_waits_for_the_next_save_and_the_next_round_grows_the_j
     assert grown[2].resume is not None and grown[2].resume.tier != TIER_LOCAL  # node 2's part came from a peer
     env = cluster.groups[2].env()
     assert (env[job_env.NUM_NODES], env[job_env.PREVIOUS_WORLD_SIZE]) == ("3", "4")
+
+
+def test_only_a_launch_line_rlsup_pinned_can_be_given_fewer_nodes() -> None:
+    from supervisor.launch.rank_pinning import resizable_launch, resize_pinned
+
+    assert resizable_launch(PINNED)
+    wrapper = ["bash", "run.sh", "--nnodes", "3", "--node-rank", "1"]  # not torchrun's: left as typed
+    assert not resizable_launch(wrapper) and resize_pinned(wrapper, 0, 2) == wrapper

@@ -203,6 +203,7 @@ class SimCluster:
         """``shrink``: node 0's rule for going on with fewer nodes (``min_nodes``; default never)."""
         self.size, self.per_node, self.world = nodes, ranks_per_node, nodes * ranks_per_node
         self.shrink = shrink
+        self.groups: dict[int, NodeGroup] = {}
         self.store = store or MemoryKVStore(tmp.name)
         self.reads: list[Read] = []
         self.faults: dict[tuple[int, int], Fault] = {}
@@ -288,10 +289,13 @@ class SimCluster:
 
     def round(self, deadline_s: float = ROUND_TIMEOUT_S + 5, nodes: list[int] | None = None) -> list[NodeOutcome]:
         """Every node (``nodes``: those only, the others lost) joins and agrees, each on its own thread (as each
-        node's run loop does in ``prepare``). ``self.groups``: each node's group, for what it launches."""
+        node's run loop does in ``prepare``). ``self.groups``: each node's group, kept for its next round (as its
+        supervisor keeps it across attempts) unless dropped (a restarted node: ``self.groups.pop(n)``)."""
         taking = list(range(self.size)) if nodes is None else nodes
-        groups = {n: self.group(n) for n in taking}
-        self.groups = groups
+        for n in taking:
+            if n not in self.groups:
+                self.groups[n] = self.group(n)
+        groups = self.groups
         joined: dict[int, int] = {}
 
         def one(n: int) -> ResumePoint | None:
