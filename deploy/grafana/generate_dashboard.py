@@ -217,6 +217,10 @@ def build() -> dict[str, Any]:
             "its claim of the rank (rlsup_spare_takeover_seconds).",
             [(f"max by (node) ({by_node(m('rlsup_spare_takeover_seconds'))})", "{{node}}")], w=6, unit="s",
             options=stat_options())
+    b.panel("timeseries", "Nodes running", "The nodes the job runs on (rlsup_world_nodes) against the node count its "
+            "launch line asked for (rlsup_job_nodes): fewer after a shrink (min_nodes), until it grows back.",
+            [(f"max({by_node(m('rlsup_world_nodes'))})", "running"), (f"max({by_node(m('rlsup_job_nodes'))})", "job")],
+            w=6)
 
     b.row("Replication")
     b.panel("timeseries", "Replication throughput", "Checkpoint bytes sent to each peer (rlsup_replication_bytes_total).",

@@ -25,14 +25,14 @@ from support.world_phases import Phase, check_data_order, consumed, consumed_fro
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("model, backend, extra", [
-    ("ddp", "torch", []),
+@pytest.mark.parametrize("model, backend, factor", [
+    ("ddp", "torch", 1),
     # dcp reshards: every node reads every part, so each part needs a replica on a node left (factor 2 of 3)
-    ("fsdp", "dcp", ["--replication-factor", "2"]),
+    ("fsdp", "dcp", 2),
 ])
 def test_a_lost_node_without_spare_shrinks_the_job_exactly(workdir: Path, model: str, backend: str,
-                                                           extra: list[str]) -> None:
-    cluster = ShrinkCluster(workdir, model=model, backend=backend, extra=extra)
+                                                           factor: int) -> None:
+    cluster = ShrinkCluster(workdir, model=model, backend=backend, replication_factor=factor)
     try:
         run_until_held(cluster)
         lose(cluster, [2])

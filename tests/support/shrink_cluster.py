@@ -40,9 +40,11 @@ class ShrinkCluster(Cluster):
     Only the trainer differs from the harness's command, so :meth:`node_args` swaps train_tiny.py's part of it."""
 
     def __init__(self, root: Path, job_args: Sequence[str] = (), model: str = "ddp", backend: str = "torch",
-                 extra: Sequence[str] = (), spares: int = 0, **kw: object) -> None:
-        spare_args = ["--spares", str(spares)] if spares else []
-        super().__init__(root, NODES + spares, extra=[*SHRINK, *HELD_PATIENCE, *spare_args, *extra],  # type: ignore[arg-type]
+                 extra: Sequence[str] = (), spares: int = 0, replication_factor: int = 1, **kw: object) -> None:
+        options = ["--spares", str(spares)] if spares else []
+        options += ["--replication-factor", str(replication_factor)] if replication_factor != 1 else []
+        self.replication_factor = replication_factor
+        super().__init__(root, NODES + spares, extra=[*SHRINK, *HELD_PATIENCE, *options, *extra],  # type: ignore[arg-type]
                          **kw)
         self.release = root / "release-hold"  # the first attempt's rank 0 waits after HELD until it exists
         self.job_args, self.model, self.backend = list(job_args), model, backend
@@ -62,9 +64,11 @@ class ShrinkCluster(Cluster):
 
 
 def held_step_everywhere(cluster: ShrinkCluster) -> bool:
-    """Every node holds its own part of HELD (rank = node) and the next node in the ring holds a replica."""
+    """Every node holds its own part of HELD (rank = node) and its replica targets (the next ``replication_factor``
+    nodes in the ring) hold a copy."""
     return all((cluster.node_dir(n) / "checkpoints" / step_dir_name(HELD) / manifest_name(n)).exists()
-               and (replica_part(cluster, (n + 1) % NODES, n, HELD) / manifest_name(n)).exists()
+               and all((replica_part(cluster, (n + k) % NODES, n, HELD) / manifest_name(n)).exists()
+                       for k in range(1, cluster.replication_factor + 1))
                for n in range(NODES))
 
 
