@@ -301,6 +301,13 @@ def configure(level: str | int = DEFAULT_LEVEL, fmt: str | None = None) -> loggi
             logger.addHandler(_handler)
         logger.setLevel(level)
         logger.propagate = False  # one copy of each line, whatever the embedding program's root does
+    # A library's warning (watchdog's, seen in CI) written straight to stderr cut a job's half-written line: warnings
+    # go through the same handler, so they wait for the job's newline as every rlsup line does.
+    logging.captureWarnings(True)
+    warned = logging.getLogger("py.warnings")
+    if _handler not in warned.handlers:
+        warned.addHandler(_handler)
+    warned.propagate = False
     return _handler
 
 

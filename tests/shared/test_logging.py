@@ -12,8 +12,9 @@ from supervisor import log as rlsup_log
 @pytest.fixture
 def channel():
     saved = {name: (logging.getLogger(name).level, list(logging.getLogger(name).handlers),
-                    logging.getLogger(name).propagate) for name in rlsup_log.ROOTS}
+                    logging.getLogger(name).propagate) for name in (*rlsup_log.ROOTS, "py.warnings")}
     yield rlsup_log.configure
+    logging.captureWarnings(False)
     for name, (level, handlers, propagate) in saved.items():
         logger = logging.getLogger(name)
         logger.setLevel(level)
@@ -36,4 +37,19 @@ def test_every_component_logger_reaches_stderr_once(channel, capsys: pytest.Capt
     with pytest.raises(ValueError, match="unknown log level"):
         channel("LOUD")
 
+
+def test_a_library_warning_is_an_rlsup_line(channel, capsys: pytest.CaptureFixture) -> None:
+    """Seen in CI: watchdog's RuntimeWarning, written straight to stderr, cut a job's half-written line in the file
+    SLURM shares between rlsup and the job. Warnings go through rlsup's handler, one whole line each, which waits for
+    the job's newline as every rlsup line does (tests/shared/test_logging_e2e.py)."""
+    import warnings
+
+    channel("INFO")
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = logging._showwarning  # type: ignore[attr-defined] # as captureWarnings installed it
+        warnings.warn("Callback with id 1 already exists", RuntimeWarning, stacklevel=1)
+    lines = capsys.readouterr().err.splitlines()  # the warning and its source line: each an rlsup line, whole
+    assert lines and all(rlsup_log.parse(line) is not None for line in lines), lines
+    assert "RuntimeWarning: Callback with id 1 already exists" in lines[0]
 
