@@ -73,7 +73,8 @@ for _p in (str(ROOT), str(BENCH), str(ROOT / "tests")):
 from run import HEADER, Row, markdown_table, print_row  # noqa: E402
 from supervisor.config import SupervisorConfig  # noqa: E402
 from supervisor.tiers.holdings import NodeInventory, RoundPlan, StepHoldings  # noqa: E402
-from supervisor.cluster.coordinator import RoundCoordinator, compute_plan  # noqa: E402
+from supervisor.cluster.coordinator import RoundCoordinator  # noqa: E402
+from supervisor.cluster.round_plan import compute_plan  # noqa: E402
 from supervisor.job_identity import JobIdentity  # noqa: E402
 from supervisor.membership import Membership, replica_targets  # noqa: E402
 from supervisor.cluster.multinode import connect_coordinator  # noqa: E402
@@ -670,7 +671,8 @@ def measure_node0(nodes: int, reps: int = 5) -> dict[str, Any]:
     values it reads (each verified, HMAC and job, as the coordinator does, then parsed): every inventory,
     the plan, every fetch result and their union, every ready mark. The rest of a round is constant per
     node, so this is the part of agreement that grows with N wherever the nodes run."""
-    from supervisor.cluster.coordinator import FetchResult, SignedKeys
+    from supervisor.cluster.coordinator import FetchResult
+    from supervisor.cluster.signed_keys import SignedKeys
 
     keys = SignedKeys(None, JobIdentity("model", "bench_scale"), SECRET, 0)  # type: ignore[arg-type]
 

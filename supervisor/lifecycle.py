@@ -31,9 +31,10 @@ class JobStatus(_Value):
     """Lifecycle of a supervised job; :data:`TRANSITIONS` is the rule, this diagram is checked against it::
 
         INIT      -> STARTING
-        STARTING  -> RUNNING | FAILED | STOPPED | PREEMPTED
-        RUNNING   -> FAILED | STOPPING | SUCCEEDED
+        STARTING  -> RUNNING | FAILED | RESIZING | STOPPED | PREEMPTED
+        RUNNING   -> FAILED | RESIZING | STOPPING | SUCCEEDED
         FAILED    -> BACKOFF | GAVE_UP
+        RESIZING  -> STARTING | STOPPED | PREEMPTED
         BACKOFF   -> STARTING | STOPPED | PREEMPTED
         STOPPING  -> STOPPED | PREEMPTED
         SUCCEEDED (final)
@@ -49,12 +50,15 @@ class JobStatus(_Value):
     RUNNING -> STOPPING: rlsup got SIGTERM/SIGINT or the preemption signal while the job ran; the job
     gets ``stop_grace`` to save and exit. BACKOFF -> STOPPED | PREEMPTED: the same, between attempts;
     STARTING -> STOPPED | PREEMPTED: the same before launch (in a wait for the other nodes).
+    RUNNING | STARTING -> RESIZING: node 0 ended the attempt at a save to grow the job back to its nodes (issue 43);
+    no failure: the next attempt starts at once.
     """
 
     INIT = "init"
     STARTING = "starting"
     RUNNING = "running"
     FAILED = "failed"
+    RESIZING = "resizing"
     BACKOFF = "backoff"
     STOPPING = "stopping"
     SUCCEEDED = "succeeded"
@@ -66,8 +70,9 @@ class JobStatus(_Value):
 S = JobStatus
 TRANSITIONS: dict[JobStatus, frozenset[JobStatus]] = {
     S.INIT: frozenset({S.STARTING}),
-    S.STARTING: frozenset({S.RUNNING, S.FAILED, S.STOPPED, S.PREEMPTED}),
-    S.RUNNING: frozenset({S.SUCCEEDED, S.FAILED, S.STOPPING}),
+    S.STARTING: frozenset({S.RUNNING, S.FAILED, S.RESIZING, S.STOPPED, S.PREEMPTED}),
+    S.RUNNING: frozenset({S.SUCCEEDED, S.FAILED, S.RESIZING, S.STOPPING}),
+    S.RESIZING: frozenset({S.STARTING, S.STOPPED, S.PREEMPTED}),
     S.FAILED: frozenset({S.BACKOFF, S.GAVE_UP}),
     S.BACKOFF: frozenset({S.STARTING, S.STOPPED, S.PREEMPTED}),
     S.STOPPING: frozenset({S.STOPPED, S.PREEMPTED}),
@@ -149,6 +154,9 @@ class EndReason(_Value):
     CUDA_ERROR = "cuda_error"  # another CUDA error (illegal memory access, device-side assert): restarted
     GPU_LOST = "gpu_lost"  # uncorrectable ECC, fallen off the bus, device lost, a hardware Xid: exit 77
     UNKILLABLE = "unkillable"  # a process of the attempt in state D after SIGKILL (a hung mount): exit 77
+    # node 0 ended a smaller world's attempt at a save so that a node that came back joins the next one (issue 43):
+    # not a failure; the next attempt starts at once and the restart policy does not count it
+    RESIZED = "resized"
 
 
 # Reasons a launched (or abandoned) attempt fails with: each one is a restart candidate and a

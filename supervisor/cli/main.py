@@ -146,7 +146,7 @@ def _end_run(code: int) -> None:
 
 def _run_multinode(cfg: SupervisorConfig, command: list[str], membership: Membership, job: "JobIdentity",
                    observer: Observer | None) -> int:
-    from supervisor.cluster.coordinator import CoordinationError, JobClash
+    from supervisor.cluster.round_errors import CoordinationError, JobClash
     from supervisor.cluster.multinode import connect_coordinator
     from supervisor.cluster.node_run import NodeRun
     from supervisor.cluster.node_service import NodeServiceSettings, daemon_running

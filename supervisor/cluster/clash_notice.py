@@ -5,7 +5,7 @@ the locks: job C holds host 0's state and replica directories, job D host 1's. E
 host refuses (exit 2, naming the job that holds it); without a word from it, its job's node 0 would wait
 for it until ``rendezvous_timeout``. So a refusing node reaches its job's coordination store for a short
 while (:data:`NOTICE_S`) and publishes the job's ``abort``, marked as a clash
-(:class:`~supervisor.cluster.coordinator.AbortNotice`): every wait of the other nodes looks at it, and they exit
+(:class:`~supervisor.cluster.signed_keys.AbortNotice`): every wait of the other nodes looks at it, and they exit
 2 as well, naming the clash.
 
 Which store it reaches: with etcd, the job's own keys. With the embedded store, the one on node 0's
@@ -40,7 +40,9 @@ def tell_job_refused(store_settings: CoordinatorSettings, security: TransportSec
     """Publish ``abort`` (a clash) in the job's store (``store_settings``, signed with ``security``'s secret);
     where it was told, or None (nothing reached, the store is another job's, or ``stop`` was asked meanwhile).
     Best effort and bounded: never raises."""
-    from supervisor.cluster.coordinator import CoordinationError, RoundCoordinator, connect_store
+    from supervisor.cluster.coordinator import RoundCoordinator
+    from supervisor.cluster.round_errors import CoordinationError
+    from supervisor.cluster.kvstore import connect_store
     from supervisor.cluster.kvstore import KVStore, StoreUnavailable
     from supervisor.transport.auth import SecretError
 

@@ -67,8 +67,9 @@ from supervisor.tiers.holdings import (
     RoundPlan,
 )
 from supervisor.job_identity import JobIdentity
-from supervisor.cluster.round_plan import compute_plan
-from supervisor.cluster.kvstore import (CONNECT_SLICE_S, OP_TIMEOUT_S, KVStore, StoreUnavailable, connect_store)
+from supervisor.lifecycle import EndReason
+from supervisor.cluster.round_errors import CoordinationError, JobClash, NodesMissing, PeerLost, RoundEnded, aborted
+from supervisor.cluster.kvstore import (CONNECT_SLICE_S, OP_TIMEOUT_S, KVStore, StoreUnavailable)
 from supervisor.cluster.liveness import LIVENESS_REFRESH_S, LapseWatch, LivenessBeat, live_key
 from supervisor.cluster.signed_keys import AbortKind, AbortNotice, Signed, SignedKeys
 from supervisor.stop_request import StopRequest
@@ -83,35 +84,6 @@ ABORT_MAX_AGE_S = 60.0  # an abort written this long before this node started be
 ABORT_POLL_S = 0.5  # how often a wait looks at ``abort`` (one more read; the attempt's end is read every poll)
 WAIT_TELL_S = 3.0  # a wait that lasts this long says what it waits for (once), for whoever reads the log
 REACH_AGAIN_S = OP_TIMEOUT_S  # the run loop's watch of the attempt's end tries a lost store again this often
-
-
-class CoordinationError(RuntimeError):
-    """The nodes could not agree in time (a node missing, the store unreachable)."""
-
-
-class RoundEnded(CoordinationError):
-    """The attempt ended (a node failed, or a replacement node rejoined) while this node waited inside it."""
-
-
-class JobClash(CoordinationError):
-    """The coordination store belongs to another job (same hosts and port): this node must not join it.
-    Also raised on the nodes of a job one of whose nodes refused to start for a clash (``abort``)."""
-
-
-class NodeZeroRunning(JobClash):
-    """Node 0's coordinator port is held by a store of this same job: another node 0 hosts it (this one running
-    twice, or a spare that took node rank 0 while this one was away: the caller tells them apart)."""
-
-
-class NodesMissing(CoordinationError):
-    """After the job's first attempt, a round waited ``rendezvous_timeout`` for nodes that did not come (lost, no
-    spare left, too few for ``min_nodes`` or saves that cannot be resized): every node ends with exit 75 for a
-    requeue; every checkpoint stays as it is."""
-
-
-class PeerLost(CoordinationError):
-    """A node of the job died (or was cut off) after reaching the store and before the job's first attempt
-    (:mod:`supervisor.cluster.liveness`): every node ends, with exit 75 for a requeue."""
 
 
 class RoundCoordinator:
@@ -274,7 +246,7 @@ class RoundCoordinator:
         abort = self.keys.get("abort")
         if abort is None or abort.time < self.started - ABORT_MAX_AGE_S:
             return
-        raise _aborted(AbortNotice.from_payload(abort.payload))
+        raise aborted(AbortNotice.from_payload(abort.payload))
 
     # ------------------------------------------------------------ the first round's liveness
 
@@ -330,7 +302,7 @@ class RoundCoordinator:
         log.error("node %d: %s; ending the job's first round for every node", self.node_rank, why)
         try:
             won = self.keys.create("abort", AbortNotice(f"node {self.node_rank}: {why}", AbortKind.PEER_LOST).to_payload())
-            return _aborted(AbortNotice.from_payload(won.payload))
+            return aborted(AbortNotice.from_payload(won.payload))
         except StoreUnavailable:
             return PeerLost(f"the job's first round ended: {why}")
 
@@ -448,6 +420,31 @@ class RoundCoordinator:
         """Non-blocking: why attempt ``attempt`` ended, or None while it runs."""
         value = self.keys.get(f"end/{attempt}")
         return None if value is None else value.payload
+
+    def end_to_resize(self, attempt: int, reason: str) -> str:
+        """Node 0 ends ``attempt`` to change the job's world (a node is back): marked first, so every node tells
+        this end from a failure (:meth:`ending`); returns the reason that won, as :meth:`end`."""
+        self.keys.set(f"resize/{attempt}", reason)
+        return self.end(attempt, reason)
+
+    def mark_back(self, attempt: int) -> None:
+        """This node, left out of ``attempt``'s smaller world, is back and waits to grow into the next one."""
+        self.keys.set(f"back/{attempt}/{self.node_rank}", "1")
+
+    def back(self, attempt: int, nodes: Iterable[int]) -> list[int]:
+        """Which of ``nodes`` (left out of ``attempt``) marked themselves back (:meth:`mark_back`)."""
+        nodes = list(nodes)
+        marks = self.keys.get_many([f"back/{attempt}/{n}" for n in nodes])
+        return [n for n, m in zip(nodes, marks) if m is not None]
+
+    def ending(self, attempt: int) -> tuple[str, EndReason] | None:
+        """Non-blocking: why ``attempt`` ended and what that is to each node: ``resized`` when the end that won is
+        node 0's :meth:`end_to_resize`, else ``peer_failure``; None while it runs."""
+        why = self.ended(attempt)
+        if why is None:
+            return None
+        resize = self.keys.get(f"resize/{attempt}")
+        return why, EndReason.RESIZED if resize is not None and resize.payload == why else EndReason.PEER_FAILURE
 
     def reach_again(self) -> bool:
         """For the run loop's watch of a running attempt, after a store call failed: a store connection that
@@ -580,12 +577,6 @@ def _attempt_number(name: str, value: Signed) -> int:
     return number
 
 
-def _aborted(notice: AbortNotice) -> CoordinationError:
-    """What a node raises on the job's ``abort``: by its kind, the exit code every node ends with."""
-    kinds: dict[AbortKind, type[CoordinationError]] = {AbortKind.CLASH: JobClash, AbortKind.PEER_LOST: PeerLost}
-    return kinds.get(notice.kind, CoordinationError)(f"the job was aborted: {notice.why}")
-
-
 def _fetch_result(value: str, node: int | None) -> FetchResult:
     """``node``'s fetch result; one that does not parse counts as a failed fetch."""
     try:
@@ -594,5 +585,4 @@ def _fetch_result(value: str, node: int | None) -> FetchResult:
         return FetchResult(error=str(e))
 
 
-__all__ = ["RoundCoordinator", "CoordinationError", "RoundEnded", "JobClash", "NodeZeroRunning", "PeerLost", "NodesMissing", "AbortKind", "AbortNotice",
-           "Signed", "SignedKeys", "compute_plan", "connect_store"]
+__all__ = ["RoundCoordinator"]

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import logging
 
-from supervisor.cluster.coordinator import HOST_KEY, CoordinationError, JobClash, NodeZeroRunning, RoundCoordinator
+from supervisor.cluster.coordinator import HOST_KEY, RoundCoordinator
+
+from supervisor.cluster.round_errors import CoordinationError, JobClash, NodeZeroRunning
 from supervisor.cluster.kvstore import KVStore, StoreGone, StoreUnavailable, TCPKVStore, connect_store
 from supervisor.cluster.liveness import beat_connect
 from supervisor.job_identity import JobIdentity

@@ -2,7 +2,7 @@
 
 Each node can read only its own ranks' dumps, and a rank that skipped a collective looks like any other
 from its own node. So in a job of several nodes (keys under the job's signed namespace,
-:class:`~supervisor.cluster.coordinator.SignedKeys`):
+:class:`~supervisor.cluster.signed_keys.SignedKeys`):
 
 1. the node that sees the hang asks for every node's dumps (``fr/<a>/want``), publishes its own ranks'
    (``fr/<a>/<node>``, :class:`~supervisor.diagnosis.fr_records.NodeDumps`: newest entries only, compressed,
@@ -44,7 +44,8 @@ from supervisor.diagnosis.fr_records import NodeDumps, SharedVerdict, aligned
 from supervisor.observer import Observer
 
 if TYPE_CHECKING:
-    from supervisor.cluster.coordinator import RoundCoordinator, Signed, SignedKeys
+    from supervisor.cluster.coordinator import RoundCoordinator
+    from supervisor.cluster.signed_keys import Signed, SignedKeys
 
 log = logging.getLogger(__name__)
 

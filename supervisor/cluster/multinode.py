@@ -34,15 +34,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, NoReturn
 
+from supervisor.bounded_calls import BoundedCalls
 from supervisor.config import SupervisorConfig
 from supervisor.tiers.holdings import PERSISTENT_HOLDER, FetchResult, InventoryBuilder, NodeInventory, RoundPlan
-from supervisor.cluster.coordinator import (
-    CoordinationError,
-    NodeZeroRunning,
-    RoundCoordinator,
-    RoundEnded,
-
-)
+from supervisor.cluster.coordinator import RoundCoordinator
+from supervisor.cluster.round_errors import CoordinationError, NodeZeroRunning, RoundEnded
 from supervisor.cluster.embedded_store import embedded_coordinator
 from supervisor.cluster.fr_exchange import FrExchange
 from supervisor.cluster.kvstore import OP_TIMEOUT_S, StoreUnavailable
@@ -58,6 +54,7 @@ from supervisor.cluster.spares import (JobEnded, JobEndWatch, NodeRole, SpareSea
 from supervisor.launch.rank_pinning import resize_pinned
 from supervisor.tiers.replication import ReplicationEngine, newest_own_step
 from supervisor.tiers.resume import ResumePoint
+from supervisor.diagnosis.evidence import EndedElsewhere
 from supervisor.diagnosis.outcome import AttemptResult
 from supervisor.run.loop import AttemptAbandoned, NodeTiers
 from supervisor.run.peers import World
@@ -167,6 +164,8 @@ class NodeGroup:
         self._plan: RoundPlan | None = None  # the running attempt's plan (its nodes: fewer after a shrink)
         self._back: _BackWatch | None = None  # the lead's watch for a left-out node that is back (grow at a save)
         self._change = ""  # what the last agreed round did to the job's size (the incident's words)
+        # the lead's look for a save to grow at, from the run loop's watch: a hung mount must not stop that watch
+        self._own_saves = BoundedCalls(f"reading the checkpoint directory {checkpoint_dir}", 10.0, forked=True)
 
     @property
     def me(self) -> int:
@@ -220,7 +219,7 @@ class NodeGroup:
         try:
             resume = self._agree_on_attempt(attempt)
         except RoundEnded as e:
-            raise AttemptAbandoned(str(e)) from e
+            raise AttemptAbandoned(str(e), e.reason) from e
         except StoreUnavailable as e:  # a call outside the round's waits (they end it themselves): the next join reconnects
             raise AttemptAbandoned(f"the coordination store {self.coordinator.describe()} is unreachable: {e}") from e
         except StopAsked as e:
@@ -453,15 +452,15 @@ class NodeGroup:
         attempt to end (the lead ends it at the job's next save, and the next round grows the job to every node)."""
         self._log(f"attempt {attempt}: the job goes on with nodes {list(plan.nodes or ())} without this node; "
                   "waiting for its next save to grow back")
-        self.coordinator.keys.set(f"back/{attempt}/{self.me}", "1")
+        self.coordinator.mark_back(attempt)
         while True:
             if self.stop.asked:  # this node's stop is its own: the attempt the others run goes on
                 raise RoundEnded(f"asked to stop while waiting to grow back into attempt {attempt}")
             if self.job_end is not None and (over := self.job_end.over()) is not None:
                 raise JobEnded(over)  # the job finished (its store may be gone with node 0)
             try:
-                if (why := self.coordinator.ended(attempt)) is not None:
-                    raise RoundEnded(f"attempt {attempt} ended: {why}")
+                if (ending := self.coordinator.ending(attempt)) is not None:
+                    raise RoundEnded(f"attempt {attempt} ended: {ending[0]}", ending[1])
                 if job_done(self.coordinator):
                     raise JobEnded(f"the coordination store {self.coordinator.describe()} says the job finished "
                                    "without this node")
@@ -470,14 +469,14 @@ class NodeGroup:
                     raise
             self.stop.wait(GROW_POLL_S, GROW_POLL_S)
 
-    def peer_ended(self, attempt: int) -> str | None:
+    def peer_ended(self, attempt: int) -> EndedElsewhere | None:
         """Another node's end of the attempt (or, on the lead of a smaller world, its own end of it to grow back:
         :class:`_BackWatch`). A store that stopped answering is reached again
         (:meth:`RoundCoordinator.reach_again`: a bounded try every few seconds), so a stall does not leave the
         watch blind until the next join; meanwhile this node's own job decides."""
         try:
             try:
-                ended = self.coordinator.ended(attempt)
+                ending = self.coordinator.ending(attempt)
             except StoreUnavailable as e:
                 if not self._store_lost:
                     self._store_lost = True
@@ -485,43 +484,51 @@ class NodeGroup:
                               "this node's job only until it answers again")
                 if not self.coordinator.reach_again():  # nothing replaced (etcd): one blocking call per poll
                     return None
-                ended = self.coordinator.ended(attempt)
+                ending = self.coordinator.ending(attempt)
+            if ending is None and self._back is not None and self._grow_at_save(attempt, self._back):
+                ending = self.coordinator.ending(attempt)
         except Exception:  # noqa: BLE001 - the store is gone (node 0 finished or was lost; etcd cut off), or a stop: the watch goes on
-            return self.job_end.over() if self.job_end is not None else None  # it finished without this node?
+            over = self.job_end.over() if self.job_end is not None else None  # it finished without this node?
+            return None if over is None else EndedElsewhere(EndReason.PEER_FAILURE, over)
         if self._store_lost:
             self._store_lost = False
             self._log(f"the coordination store {self.coordinator.describe()} answers again; watching the other nodes")
-        if ended is None and self._back is not None:
-            ended = self._grow_at_save(attempt, self._back)
-        return ended
+        return None if ending is None else EndedElsewhere(ending[1], ending[0])
 
-    def _grow_at_save(self, attempt: int, watch: "_BackWatch") -> str | None:
-        """The lead of a smaller world: once a left-out node is back (its ``back`` mark) and this node's ranks saved
-        a step after that, the attempt ends so that the next round grows the job (never mid-step: at a save)."""
+    def _grow_at_save(self, attempt: int, watch: "_BackWatch") -> bool:
+        """The lead of a smaller world: once a left-out node is back (:meth:`RoundCoordinator.back`) and this node's
+        ranks saved a step after that, the attempt ends (``resized``) so that the next round grows the job (never
+        mid-step: at a save). True once ended."""
         now = time.monotonic()
         if now < watch.next_look:
-            return None
+            return False
         watch.next_look = now + GROW_POLL_S
         try:
             if watch.saved_before is None:
-                left_out = [n for n in range(self.membership.size) if not watch.plan.runs(n)]
-                marks = self.coordinator.keys.get_many([f"back/{attempt}/{n}" for n in left_out])
-                back = [n for n, m in zip(left_out, marks) if m is not None]
+                back = self.coordinator.back(attempt, (n for n in range(self.membership.size) if not watch.plan.runs(n)))
                 if not back:
-                    return None
-                watch.saved_before = newest_own_step(self.checkpoint_dir, self.me, full=False) or 0
+                    return False
+                saved = self._newest_own_save()
+                if saved is None:
+                    return False  # the directory did not answer: look again
+                watch.saved_before = saved
                 self._log(f"attempt {attempt}: node(s) {back} back; the job grows back to {self.membership.size} nodes "
                           f"at its next save (after step {watch.saved_before})")
-                return None
-            newest = newest_own_step(self.checkpoint_dir, self.me, full=False) or 0
-            if newest <= watch.saved_before or not self.engine.replicated(newest):
-                return None  # no save since, or its parts not yet on a peer (the returning node fetches from there)
+                return False
+            newest = self._newest_own_save()
+            if newest is None or newest <= watch.saved_before or not self.engine.replicated(newest):
+                return False  # no save since, or its parts not yet on a peer (the returning node fetches from there)
             why = (f"node {self.me}: a left-out node is back and step {newest} is saved: ending attempt {attempt} to "
                    f"grow back to {self.membership.size} nodes")
-            return self.coordinator.end(attempt, why)
+            self.coordinator.end_to_resize(attempt, why)
+            return True
         except StoreUnavailable:
-            return None
+            return False
 
+
+    def _newest_own_save(self) -> int | None:
+        """The newest step this node's ranks saved (0: none), or None when the directory did not answer in time."""
+        return self._own_saves.call(lambda: newest_own_step(self.checkpoint_dir, self.me, full=False) or 0, None)
 
     def attempt_failed(self, attempt: int, result: AttemptResult) -> None:
         if result.reason != EndReason.PEER_FAILURE:

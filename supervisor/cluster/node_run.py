@@ -16,7 +16,8 @@ from functools import partial
 from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 
 from supervisor import exit_codes
-from supervisor.cluster.coordinator import CoordinationError, JobClash, NodesMissing, PeerLost, RoundCoordinator
+from supervisor.cluster.coordinator import RoundCoordinator
+from supervisor.cluster.round_errors import CoordinationError, JobClash, NodesMissing, PeerLost
 from supervisor.cluster.fr_exchange import FrExchange
 from supervisor.cluster.multinode import CoordinatorSettings, NodeGroup
 from supervisor.cluster.round_lead import RoundRole, ShrinkSettings, round_role

@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Sequence
 
 from supervisor import exit_codes
-from supervisor.cluster.coordinator import CoordinationError, JobClash, PeerLost, RoundCoordinator
+from supervisor.cluster.coordinator import RoundCoordinator
+from supervisor.cluster.round_errors import CoordinationError, JobClash, PeerLost
 from supervisor.cluster.embedded_store import embedded_coordinator
 from supervisor.cluster.endpoint_probe import all_gone
 from supervisor.job_identity import JobIdentity

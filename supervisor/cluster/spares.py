@@ -55,7 +55,8 @@ from typing import TYPE_CHECKING
 from rlsup_format.fileio import write_durable
 from rlsup_format.names import Kind, reserved_name
 from supervisor.bounded_calls import BoundedCalls
-from supervisor.cluster.coordinator import CoordinationError, RoundCoordinator
+from supervisor.cluster.coordinator import RoundCoordinator
+from supervisor.cluster.round_errors import CoordinationError
 from supervisor.cluster.endpoint_probe import EndpointProbe
 from supervisor.job_identity import JobIdentity
 from supervisor.cluster.kvstore import OP_TIMEOUT_S, KVStore, StoreUnavailable, connect_store

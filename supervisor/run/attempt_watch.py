@@ -41,8 +41,8 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class AttemptWatch:
-    """The watch of a run's attempts. ``peer_ended`` is polled while the job runs (a reason when
-    another node ended the attempt); ``saved`` is called when a rank's save just ended."""
+    """The watch of a run's attempts. ``peer_ended`` is polled while the job runs (how another node ended the
+    attempt, when one did); ``saved`` is called when a rank's save just ended."""
 
     settings: RunSettings
     hang: HangSettings
@@ -53,7 +53,7 @@ class AttemptWatch:
     sight: CheckpointSight
     observer: Observer
     node_name: str
-    peer_ended: Callable[[int], str | None]
+    peer_ended: Callable[[int], EndedElsewhere | None]
     saved: Callable[[], None]
     fr_share: "FlightRecordShare | None" = None  # several nodes: FR dumps go to node 0 (supervisor.run.peers)
 
@@ -104,12 +104,13 @@ class AttemptWatch:
                 return self._exit(attempt, code, job, detector, first_dead, oom_before)
             if self.stop.asked:
                 return self._stop_job(attempt, job, detector)
-            peer = self.peer_ended(attempt)
-            if peer is not None:
-                log.info(f"attempt {attempt}: ended by another node ({peer}); stopping this node's job")
-                if self.fr_share is not None:  # where that node asked, dumps first: the ranks still wait
+            elsewhere = self.peer_ended(attempt)
+            if elsewhere is not None:
+                log.info(f"attempt {attempt}: ended by another node ({elsewhere.detail}); stopping this node's job")
+                if self.fr_share is not None and elsewhere.reason == EndReason.PEER_FAILURE:  # where that node asked,
+                    # dumps first: the ranks still wait
                     self.fr_share.peer_ended(attempt, hb_dir, [r for r in detector.records if r >= 0])
-                return self._evidence(attempt, EndedElsewhere(EndReason.PEER_FAILURE, peer), job, detector)
+                return self._evidence(attempt, elsewhere, job, detector)
             job.refresh()
             verdict = detector.check()
             timeout, origin = detector.timeout(), detector.origin()

@@ -92,9 +92,19 @@ class NodeTiers:
                    MemoryTier.from_config(cfg, RunSettings.from_config(cfg).checkpoint_dir, job, node_rank, nodes))
 
 
+# how an attempt ended without this node's job failing that is nobody's failure: nothing to tell the others, no
+# Flight Recorder verdict to gather
+NOT_FAILED_ELSEWHERE = frozenset({EndReason.STOPPED, EndReason.PREEMPTED, EndReason.RESIZED})
+
+
 class AttemptAbandoned(Exception):
     """Raised by :meth:`Supervisor.prepare`: the attempt is over before launch (another node ended it);
-    nothing is launched, and it counts as a failed attempt (``peer_failure``) for the restart policy."""
+    nothing is launched, and it counts as a failed attempt (``peer_failure``) for the restart policy, unless node 0
+    ended it to grow the job back (``reason``: ``resized``, not counted)."""
+
+    def __init__(self, why: str, reason: EndReason = EndReason.PEER_FAILURE) -> None:
+        super().__init__(why)
+        self.reason = reason
 
 
 class Supervisor:
@@ -192,7 +202,7 @@ class Supervisor:
                 self._log(f"attempt {attempt}: not launched: {e}")
                 if pending is not None:
                     self.record_incident(pending[0])
-                why = self.stop.reason if self.stop.asked else EndReason.PEER_FAILURE  # stopped in a wait: a stop
+                why = self.stop.reason if self.stop.asked else e.reason  # stopped in a wait: a stop
                 resume, result = None, self._classify(AttemptEvidence(attempt, EndedElsewhere(why, str(e)), self.node_name))
             else:
                 if (world := self.peers.world()) is not None:
@@ -208,14 +218,19 @@ class Supervisor:
                 return self._stopped(attempt)
             if result.reason in EXCLUDES_NODE:  # GPU broke, or a process in D: no restart here (gpu_failures, unkillable)
                 return self._node_lost(attempt, result)
-            incident, delay = self.decide(attempt, result, resume)
-            if delay is None:
-                code, why = give_up_code(incident.action, incident, self.policy.settings.max_no_progress_attempts)
-                self._log(why)
-                self.record.set_state(JobStatus.GAVE_UP, exit_code=code, last_step=incident.last_step)
-                return self._finish(code, JobStatus.GAVE_UP, attempt)
+            if result.reason == EndReason.RESIZED:  # node 0 ended it to grow the job back: no failure, no policy
+                self._log(f"attempt {attempt} ended to grow the job back; the next attempt starts now")
+                incident, delay = incident_for(result, Action.RESTART), 0.0
+                self.record.set_state(JobStatus.RESIZING)
+            else:
+                incident, delay = self.decide(attempt, result, resume)
+                if delay is None:
+                    code, why = give_up_code(incident.action, incident, self.policy.settings.max_no_progress_attempts)
+                    self._log(why)
+                    self.record.set_state(JobStatus.GAVE_UP, exit_code=code, last_step=incident.last_step)
+                    return self._finish(code, JobStatus.GAVE_UP, attempt)
+                self.record.set_state(JobStatus.BACKOFF)
             pending = (incident, result.ended)
-            self.record.set_state(JobStatus.BACKOFF)
             if self.stop.wait(delay, self.settings.poll_interval):
                 self.record_incident(incident)
                 return self._stopped(attempt)
@@ -252,7 +267,7 @@ class Supervisor:
         A failure is told to the other nodes first (:meth:`attempt_failed`): gathering the verdict may wait a
         minute, and they must not wait with it. A stop asked while waiting for the round asks nothing of them."""
         ending = evidence.ending
-        if job_settled(ending) or (isinstance(ending, EndedElsewhere) and ending.reason in (EndReason.STOPPED, EndReason.PREEMPTED)):
+        if job_settled(ending) or (isinstance(ending, EndedElsewhere) and ending.reason in NOT_FAILED_ELSEWHERE):
             return classify(evidence)
         self.attempt_failed(evidence.attempt, classify(evidence))  # the verdict changes no reason or detail
         attempt_dir = state_files.attempt_path(self.state_dir, evidence.attempt)

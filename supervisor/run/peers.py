@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterable, Protocol
 
-from supervisor.diagnosis.evidence import FlightEvidence
+from supervisor.diagnosis.evidence import EndedElsewhere, FlightEvidence
 from supervisor.diagnosis.outcome import AttemptResult
 from supervisor.tiers.resume import ResumePoint
 
@@ -73,8 +73,9 @@ class Peers(Protocol):
         """The resume point every node starts ``attempt`` from (``own_choice``: this node's own choice);
         :class:`supervisor.run.loop.AttemptAbandoned` when the attempt is over before launch."""
 
-    def peer_ended(self, attempt: int) -> str | None:
-        """Polled while the job runs: why another node ended ``attempt``, or None."""
+    def peer_ended(self, attempt: int) -> EndedElsewhere | None:
+        """Polled while the job runs: another node ended ``attempt`` (``peer_failure``; ``resized`` when node 0
+        ended it to grow the job back), or None."""
 
     def attempt_failed(self, attempt: int, result: AttemptResult) -> None:
         """This node's attempt failed: the other nodes are told (before the incident is recorded)."""
@@ -108,7 +109,7 @@ class SingleNode:
     def agree(self, attempt: int, own_choice: Callable[[], ResumePoint | None]) -> ResumePoint | None:
         return own_choice()
 
-    def peer_ended(self, attempt: int) -> str | None:
+    def peer_ended(self, attempt: int) -> EndedElsewhere | None:
         return None
 
     def attempt_failed(self, attempt: int, result: AttemptResult) -> None:

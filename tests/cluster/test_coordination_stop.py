@@ -23,12 +23,9 @@ from support.waits import in_thread, wait_for
 from supervisor import exit_codes
 from supervisor.config import SupervisorConfig
 from supervisor.tiers.holdings import FetchResult, NodeInventory
-from supervisor.cluster.coordinator import (
-    CoordinationError,
-    JobClash,
-    RoundCoordinator,
-    compute_plan,
-)
+from supervisor.cluster.coordinator import RoundCoordinator
+from supervisor.cluster.round_errors import CoordinationError, JobClash
+from supervisor.cluster.round_plan import compute_plan
 from supervisor.cluster.embedded_store import embedded_coordinator
 from supervisor.job_identity import JobIdentity
 from supervisor.lifecycle import EndReason, JobStatus

@@ -15,11 +15,8 @@ from support.fake_run_loop import FakeProcesses, Recorder
 
 from supervisor import exit_codes
 from supervisor.config import SupervisorConfig
-from supervisor.cluster.coordinator import (
-    CoordinationError,
-    JobClash,
-    connect_store,
-)
+from supervisor.cluster.round_errors import CoordinationError, JobClash
+from supervisor.cluster.kvstore import connect_store
 from supervisor.cluster.embedded_store import embedded_coordinator
 from supervisor.cluster.kvstore import TCPKVStore
 from supervisor.membership import Membership

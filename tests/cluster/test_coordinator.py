@@ -7,7 +7,9 @@ import threading
 import pytest
 
 from supervisor.tiers.holdings import PERSISTENT_HOLDER, FetchResult, NodeInventory, StepHoldings, TierOffer
-from supervisor.cluster.coordinator import CoordinationError, RoundCoordinator, compute_plan
+from supervisor.cluster.coordinator import RoundCoordinator
+from supervisor.cluster.round_errors import CoordinationError
+from supervisor.cluster.round_plan import compute_plan
 from supervisor.cluster.embedded_store import embedded_coordinator
 from supervisor.job_identity import JobIdentity
 from support.ports import free_port
@@ -171,7 +173,7 @@ def test_plan_tries_and_fetch_results_through_real_store() -> None:
 def test_a_wait_inside_a_round_ends_when_a_replacement_rejoins() -> None:
     """Node 1 died mid-fetch: node 0 waits for its fetch result. The replacement's rejoin ends the round,
     and node 0's wait stops at once (RoundEnded) instead of running out the rendezvous timeout."""
-    from supervisor.cluster.coordinator import RoundEnded
+    from supervisor.cluster.round_errors import RoundEnded
 
     port = free_port()
     leader = node(port, 0, timeout_s=60)
@@ -203,7 +205,7 @@ def test_a_wait_inside_a_round_ends_when_a_replacement_rejoins() -> None:
 
 def test_a_node_of_another_job_is_refused_naming_both_jobs() -> None:
     """Two jobs on the same hosts with the default port: the second one's nodes never join the first's store."""
-    from supervisor.cluster.coordinator import JobClash
+    from supervisor.cluster.round_errors import JobClash
 
     port = free_port()
     leader = node(port, 0)
@@ -266,7 +268,7 @@ def test_values_that_do_not_parse_never_crash_a_node(caplog: pytest.LogCaptureFi
     checkpoints it still holds), its fetch result is a failed fetch, a plan that does not parse ends the
     attempt for all, and a bad attempt number stops the join with a clear error; each is named with its
     node and field."""
-    from supervisor.cluster.coordinator import RoundEnded
+    from supervisor.cluster.round_errors import RoundEnded
 
     port = free_port()
     leader, follower = node(port, 0), node(port, 1)
@@ -322,7 +324,7 @@ def test_a_later_join_still_ends_an_attempt_the_node_abandoned() -> None:
     """Review finding on the fix above: scoped to the first round, it also let a node that gave up attempt 0 without
     ending it (a lost store in its wait for every node's ready) rejoin attempt 0 while the others ran it. A join
     after the one that proposed ends the attempt and takes the next."""
-    from supervisor.cluster.coordinator import RoundEnded
+    from supervisor.cluster.round_errors import RoundEnded
 
     port = free_port()
     leader, follower = node(port, 0), node(port, 1)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from supervisor.tiers.holdings import NodeInventory
-from supervisor.cluster.coordinator import CoordinationError
+from supervisor.cluster.round_errors import CoordinationError
 from support.ports import free_port
 from test_coordinator import node
 

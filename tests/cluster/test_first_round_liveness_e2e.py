@@ -10,12 +10,13 @@ from __future__ import annotations
 
 
 from supervisor.tiers.holdings import NodeInventory
-from supervisor.cluster.coordinator import PeerLost
+from supervisor.cluster.round_errors import PeerLost
 from support.ports import free_ports
 from typing import Callable
 from support.waits import wait_for
 from support import waits
-from supervisor.cluster.coordinator import RoundCoordinator, compute_plan
+from supervisor.cluster.coordinator import RoundCoordinator
+from supervisor.cluster.round_plan import compute_plan
 from supervisor.cluster.embedded_store import embedded_coordinator
 from supervisor.job_identity import JobIdentity
 from supervisor.cluster.liveness import Beat

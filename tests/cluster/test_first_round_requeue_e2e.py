@@ -12,7 +12,9 @@ import time
 
 from etcd_cluster import EtcdCluster, etcd_cluster_clean, shared_etcd_cluster  # noqa: F401  (fixtures)
 
-from supervisor.cluster.coordinator import PeerLost, RoundCoordinator
+from supervisor.cluster.coordinator import RoundCoordinator
+
+from supervisor.cluster.round_errors import PeerLost
 from supervisor.cluster.kvstore import KVStore
 from test_first_round_requeue import JOB, SECRET, TIMEOUT_S
 from pathlib import Path
@@ -23,7 +25,7 @@ from support.ports import free_ports
 from support import waits
 from supervisor.config import SupervisorConfig
 from supervisor.tiers.holdings import NodeInventory
-from supervisor.cluster.coordinator import CoordinationError
+from supervisor.cluster.round_errors import CoordinationError
 from supervisor.cluster.embedded_store import embedded_coordinator
 from supervisor.membership import Membership
 from supervisor.cluster.node_run import NodeRun

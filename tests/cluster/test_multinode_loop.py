@@ -11,9 +11,9 @@ from support.fake_run_loop import ATTEMPT, Attempt, FakeProcesses, Recorder, inc
 
 from supervisor.config import SupervisorConfig
 from supervisor.tiers.holdings import FetchResult, NodeInventory, RoundPlan
-from supervisor.cluster.coordinator import RoundEnded
+from supervisor.cluster.round_errors import RoundEnded
 from supervisor.job_identity import job_identity
-from supervisor.lifecycle import JobStatus
+from supervisor.lifecycle import EndReason, JobStatus
 from supervisor.membership import Membership
 from supervisor.cluster.node_run import NodeRun
 
@@ -74,6 +74,11 @@ class FakeCoordinator:
         if attempt in self.end_after and self.polls[attempt] > self.end_after[attempt]:
             return "node 0: exit_code exit code 1"
         return next((why for r, why in self.ends if r == attempt), None)
+
+    def ending(self, attempt: int) -> tuple[str, EndReason] | None:
+        """As the store's: every end here is a failure (the grow-back end is tests/cluster/test_shrink_round.py's)."""
+        why = self.ended(attempt)
+        return None if why is None else (why, EndReason.PEER_FAILURE)
 
     def end(self, attempt: int, reason: str) -> None:
         self.ends.append((attempt, reason))

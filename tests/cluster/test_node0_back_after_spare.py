@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from supervisor.config import SupervisorConfig, load_config
-from supervisor.cluster.coordinator import NodeZeroRunning
+from supervisor.cluster.round_errors import NodeZeroRunning
 from supervisor.cluster.embedded_store import embedded_coordinator
 from supervisor.job_identity import JobIdentity
 from supervisor.membership import Membership

@@ -37,7 +37,8 @@ def test_a_lost_node_back_grows_the_job_at_its_next_save(workdir: Path) -> None:
     # the shrunk job also holds after its save at GROW_AT (for good: the lead ends that attempt to grow), so it cannot
     # finish before the lead's look (a second here; this job's steps take milliseconds)
     cluster = ShrinkCluster(workdir, job_args=["--hold-in", f"2:{HELD + 1}:{released}", "--hold-in",
-                                               f"2:{GROW_AT}:{workdir / 'never'}"])
+                                               f"2:{GROW_AT}:{workdir / 'never'}"],
+                            extra=["--max-restarts", "1"])  # the loss uses it up: growing back must not count
     try:
         run_until_held(cluster)
         lose(cluster, [2])
@@ -56,6 +57,9 @@ def test_a_lost_node_back_grows_the_job_at_its_next_save(workdir: Path) -> None:
         assert f"grew back to 3 at step {GROW_AT}" in cluster.log(node), (node, node_logs(cluster))
     assert [i.get("world") for i in incidents(cluster.node_dir(0) / ".rlsup")] == [CONTINUED,
                                                                                    f"grew back to 3 at step {GROW_AT}"]
+    for node in range(NODES):  # the grow-back end is nobody's failure, on the nodes that ran it and the one waiting
+        assert [(i["reason"], i["action"]) for i in incidents(cluster.node_dir(node) / ".rlsup")][-1] == \
+            ("resized", "restart"), (node, node_logs(cluster))
     assert cluster.state(0)["world_nodes"] == 3
     reference = (Phase(3, HELD, tuple(s for s in SAVE_AT if s <= HELD), range(1, HELD + 1)),
                  Phase(2, GROW_AT, (GROW_AT,), range(HELD + 1, GROW_AT + 1)),

@@ -21,6 +21,7 @@ from rlsup_format.manifest import manifest_name
 from rlsup_format.names import step_dir_name
 from supervisor.cluster.round_lead import RoundLead, ShrinkSettings
 from supervisor.cluster.round_plan import compute_resized_plan, saved_by
+from supervisor.lifecycle import EndReason
 from supervisor.run.loop import AttemptAbandoned
 from supervisor.run.peers import World
 from supervisor.tiers.holdings import NodeInventory, RecordError, RoundPlan, StepHoldings
@@ -197,10 +198,12 @@ def test_a_lost_node_back_waits_for_the_next_save_and_the_next_round_grows_the_j
     cluster.save(30, world=[0, 1], resizable=True)
     cluster.replicate(30, nodes=[0, 1])
     lead._back.next_look = 0.0
-    why = lead.peer_ended(1)
-    assert why is not None and "grow back to 3 nodes" in why and "step 30" in why
+    ended = lead.peer_ended(1)
+    assert ended is not None and "grow back to 3 nodes" in ended.detail and "step 30" in ended.detail
+    assert ended.reason == EndReason.RESIZED  # not a failure: the restart policy does not count it
+    assert cluster.groups[1].peer_ended(1) == ended  # and so it is on the other running node
     t.join(10)
-    assert isinstance(got.get("error"), AttemptAbandoned), got
+    assert isinstance(got.get("error"), AttemptAbandoned) and got["error"].reason == EndReason.RESIZED, got
     grown = cluster.round()
     assert [(o.error, o.resume.step if o.resume else None) for o in grown] == [(None, 30)] * 3, grown
     plan = cluster.plans(2)[0]

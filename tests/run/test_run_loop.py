@@ -18,7 +18,10 @@ import pytest
 from supervisor import exit_codes
 from supervisor.run.incidents import read_state
 from supervisor.lifecycle import IllegalTransition, JobStatus
+from supervisor.diagnosis.evidence import EndedElsewhere
 from supervisor.diagnosis.step_reports import JOB_RANK
+from supervisor.lifecycle import EndReason
+from supervisor.run.peers import SingleNode
 
 
 from support.fake_run_loop import ATTEMPT, Attempt, incidents, make
@@ -180,3 +183,23 @@ def test_the_resume_point_names_its_tier_in_state_and_incident(tmp_path: Path) -
     (inc,) = incidents(tmp_path)
     assert (inc["resumed_step"], inc["resumed_tier"]) == (2, "local")
     assert read_state(tmp_path / "state")["resume_tier"] == "local"
+
+
+class _GrowingBack(SingleNode):
+    """Node 0 of a smaller world ends attempts 0 and 1 to grow the job back (``resized``), as
+    :class:`supervisor.cluster.multinode.NodeGroup` reports it; the job's other side is not needed here."""
+
+    def peer_ended(self, attempt: int) -> EndedElsewhere | None:
+        return EndedElsewhere(EndReason.RESIZED, f"node 0: ending attempt {attempt} to grow back") if attempt < 2 else None
+
+
+def test_an_attempt_ended_to_grow_the_job_back_is_no_failure(tmp_path: Path) -> None:
+    """With max_restarts 0 a failure would end the run; two grow-back ends do not: each next attempt starts at
+    once, the incidents say ``resized`` and ``restart``, and no failure reaches the metrics."""
+    sup, layer, rec = make(tmp_path, Attempt(exit_code=None), Attempt(exit_code=None), Attempt(exit_code=0),
+                           peers=_GrowingBack(), max_restarts=0, backoff_initial=60.0, backoff_max=60.0)
+    result = sup.run()
+    assert (result.exit_code, result.status, result.attempts) == (0, JobStatus.SUCCEEDED, 3)
+    assert [(i["reason"], i["action"]) for i in incidents(tmp_path)] == [("resized", "restart")] * 2
+    assert rec.failures == [] and rec.states.count("resizing") == 2 and "backoff" not in rec.states
+    assert all(j.code is not None or j.signals for j in layer.jobs[:2])  # each ended attempt's job was stopped

@@ -21,6 +21,7 @@ from supervisor.observer import Observer
 from supervisor.processes.leftovers import Ended
 from supervisor.tiers.resume import ResumePoint
 from supervisor.run.loop import Supervisor
+from supervisor.run.peers import Peers
 
 
 @dataclass
@@ -200,7 +201,9 @@ def saved_steps(layer: FakeProcesses, checkpoint_dir: Path) -> Callable[[], Resu
     return choose
 
 
-def make(tmp_path: Path, *attempts: Attempt, **cfg: object) -> tuple[Supervisor, FakeProcesses, Recorder]:
+def make(tmp_path: Path, *attempts: Attempt, peers: Peers | None = None,
+         **cfg: object) -> tuple[Supervisor, FakeProcesses, Recorder]:
+    """A loop over ``attempts`` with config keys ``cfg``; ``peers``: the job's other nodes (default: none)."""
     settings = dict(checkpoint_dir=str(tmp_path / "ckpt"), state_dir=str(tmp_path / "state"), metrics_port=0,
                     poll_interval=0.005, backoff_initial=0.01, backoff_max=0.02, backoff_jitter=0.0,
                     heartbeat_timeout=0.3, startup_timeout=0.3, warm_launcher=False, kill_grace=3.0,
@@ -208,7 +211,7 @@ def make(tmp_path: Path, *attempts: Attempt, **cfg: object) -> tuple[Supervisor,
     settings.update(cfg)
     layer, recorder = FakeProcesses(*attempts), Recorder()
     config = SupervisorConfig(**settings)
-    sup = Supervisor(config, ["train"], observer=recorder, processes=layer,
+    sup = Supervisor(config, ["train"], observer=recorder, processes=layer, peers=peers,
                      resume_choice=saved_steps(layer, Path(config.resolved().checkpoint_dir)))
     sup.kernel_log = None  # never the host's kernel log: a test that wants one writes a file and sets it
     return sup, layer, recorder
