@@ -153,3 +153,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if os.environ.get("PYTEST_XDIST_WORKER"):  # every worker sorts alike, so all collect the same list
         order = _longest_first_order()
         items.sort(key=lambda item: _longest_first(item, order))  # stable: the rest keep their order
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Every worker, at its end: SIGKILL the children of rlsup's forked calls (supervisor.bounded_calls) that never
+    answered. A worker that ran torch's process groups or DTensor in process (test_world_change.py,
+    test_layouts_dcp.py, ...) holds them in thread-local caches; a fork from another of its threads then clears those
+    in the child, whose gloo destructor waits for threads the child does not have, before the child could set its
+    death signal. Left, such a child outlives the worker and holds the suite's output pipe open (CI never ends).
+    rlsup's own process never holds a process group."""
+    import signal
+
+    from supervisor.bounded_calls import child_pids
+
+    for pid in child_pids():
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

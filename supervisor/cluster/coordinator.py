@@ -82,6 +82,7 @@ WAIT_POLL_MAX_S = 0.05  # ... and backs off to this
 HOST_KEY = "rlsup/host"
 ABORT_MAX_AGE_S = 60.0  # an abort written this long before this node started belongs to an earlier run
 ABORT_POLL_S = 0.5  # how often a wait looks at ``abort`` (one more read; the attempt's end is read every poll)
+PARTIAL_LOOK_S = 0.2  # a wait that may end with some keys missing (``enough``) reads those that came this often
 WAIT_TELL_S = 3.0  # a wait that lasts this long says what it waits for (once), for whoever reads the log
 REACH_AGAIN_S = OP_TIMEOUT_S  # the run loop's watch of the attempt's end tries a lost store again this often
 
@@ -323,14 +324,19 @@ class RoundCoordinator:
                 raise RoundEnded(f"attempt {attempt} ended: {self.end(attempt, why)}") from e
         return out
 
-    def present_inventories(self, attempt: int, after_s: float, floor: int) -> dict[int, NodeInventory]:
-        """Every node's inventory, or, when some are still missing ``after_s`` seconds into the wait, those of the
-        nodes that came if they are ``floor`` or more (a job that may go on with fewer nodes: issue 43); waits on
-        as :meth:`inventories` otherwise. Node -> inventory."""
+    def present_inventories(self, attempt: int, after_s: float, floor: int,
+                            gone: Callable[[int], bool] = lambda node: False) -> dict[int, NodeInventory]:
+        """Every node's inventory, or, when some are still missing ``after_s`` seconds into the wait (or sooner,
+        once ``gone`` says so of every missing node: its endpoint refuses), those of the nodes that came if they are
+        ``floor`` or more (a job that may go on with fewer nodes: issue 43); waits on as :meth:`inventories`
+        otherwise. Node -> inventory."""
         names = [f"inv/{attempt}/{n}" for n in range(self.num_nodes)]
+
+        def all_gone(missing: list[str]) -> bool:
+            return all(gone(int(name.rsplit("/", 1)[1])) for name in missing)
         out: dict[int, NodeInventory] = {}
         for node, value in enumerate(self._wait(names, f"inventories of attempt {attempt}", attempt,
-                                                enough=(after_s, floor), nodes_lost=True)):
+                                                enough=(after_s, floor, all_gone), nodes_lost=True)):
             if value is None:
                 continue
             try:
@@ -486,7 +492,7 @@ class RoundCoordinator:
         return [v for v in self._wait([f"{prefix}/{n}" for n in nodes], what, attempt) if v is not None]
 
     def _wait(self, names: list[str], what: str, attempt: int | None = None,
-              enough: tuple[float, int] | None = None, nodes_lost: bool = False) -> list:
+              enough: tuple[float, int, Callable[[list[str]], bool]] | None = None, nodes_lost: bool = False) -> list:
         """Poll until every key holds a signed value; their payloads. Inside attempt ``attempt``, its end
         stops the wait with :class:`RoundEnded`: a node that died there never writes its keys, and its
         replacement ends the attempt on rejoin, so waiting out the timeout would only lose the job. A
@@ -501,8 +507,8 @@ class RoundCoordinator:
         etcd watches the keys and the end, and the next poll is skipped while nothing was written; the
         abort is first looked at :data:`ABORT_POLL_S` into the wait (the join looked just before).
 
-        ``enough`` = (seconds, count): once that many seconds passed, return as soon as ``count`` keys are there,
-        None for the others (a round that may go on without lost nodes). ``nodes_lost``: a timeout means nodes did
+        ``enough`` = (seconds, count, gone): after that many seconds (or once ``gone`` says the keys missing never
+        come), return once ``count`` keys are there, None for the others (a round that may go on without lost nodes). ``nodes_lost``: a timeout means nodes did
         not come to the round (the inventories, the plan): after the job's first attempt, :class:`NodesMissing`."""
         started = time.monotonic()
         deadline = started + self.timeout_s
@@ -510,7 +516,7 @@ class RoundCoordinator:
         end_name = f"end/{attempt}" if attempt is not None else None
         got: dict[str, Signed] = {}
         next_abort_look, tell_at = time.monotonic() + ABORT_POLL_S, time.monotonic() + WAIT_TELL_S
-        next_beat_look = time.monotonic()
+        next_beat_look = next_partial_look = time.monotonic()
         changed = True  # whether to poll: the store may know that nothing we wait for was written since the last
         while True:
             self.check_stop(what)
@@ -526,15 +532,17 @@ class RoundCoordinator:
                     pass  # the poll below says what an unreachable store means here
             pending = [n for n in names if n not in got]
             settled = enough is not None and time.monotonic() >= started + enough[0]  # look again, even unchanged
-            if changed or settled or time.monotonic() > deadline:
+            partial = enough is not None and (settled or time.monotonic() >= next_partial_look)
+            if changed or partial or time.monotonic() > deadline:
                 try:
                     values, ended = self.keys.poll(pending, end_name)
-                    if values is None and settled and ended is None:  # some are missing: read those that came
+                    if values is None and partial and ended is None:  # some are missing: read those that came
+                        next_partial_look = time.monotonic() + PARTIAL_LOOK_S
                         values = self.keys.get_many(pending)
                     if values is not None:
                         got.update((n, v) for n, v in zip(pending, values) if v is not None)
-                        if len(got) == len(names) or (enough is not None and len(got) >= enough[1]
-                                                      and time.monotonic() >= started + enough[0]):
+                        if len(got) == len(names) or (enough is not None and len(got) >= enough[1] and (
+                                settled or enough[2]([n for n in names if n not in got]))):
                             return [got[n].payload if n in got else None for n in names]
                         ended = self.keys.get(end_name) if end_name else None  # a value did not verify
                     if ended is None and time.monotonic() > deadline:

@@ -453,6 +453,7 @@ class NodeGroup:
         self._log(f"attempt {attempt}: the job goes on with nodes {list(plan.nodes or ())} without this node; "
                   "waiting for its next save to grow back")
         self.coordinator.mark_back(attempt)
+        unreachable_since: float | None = None
         while True:
             if self.stop.asked:  # this node's stop is its own: the attempt the others run goes on
                 raise RoundEnded(f"asked to stop while waiting to grow back into attempt {attempt}")
@@ -464,9 +465,17 @@ class NodeGroup:
                 if job_done(self.coordinator):
                     raise JobEnded(f"the coordination store {self.coordinator.describe()} says the job finished "
                                    "without this node")
-            except StoreUnavailable:
+                unreachable_since = None
+            except StoreUnavailable as e:
                 if self.job_end is None:
                     raise
+                # gone with node 0, with no record of the job's end: after rendezvous_timeout, this attempt is over
+                # for this node too (the next join waits for the store, then exits for a requeue)
+                unreachable_since = unreachable_since or time.monotonic()
+                if time.monotonic() - unreachable_since > self.coordinator.timeout_s:
+                    raise RoundEnded(f"the coordination store {self.coordinator.describe()} stayed unreachable for "
+                                     f"{self.coordinator.timeout_s:.0f}s while waiting to grow back into attempt "
+                                     f"{attempt}: {e}") from e
             self.stop.wait(GROW_POLL_S, GROW_POLL_S)
 
     def peer_ended(self, attempt: int) -> EndedElsewhere | None:

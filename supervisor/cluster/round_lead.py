@@ -8,9 +8,10 @@ are the same on every node: they ask the role, never the rank.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 
 from supervisor.cluster.coordinator import RoundCoordinator
+from supervisor.cluster.endpoint_probe import EndpointProbe
 from supervisor.cluster.round_plan import compute_plan, compute_resized_plan, same_world, saved_by
 from supervisor.cluster.spares import DONE_KEY, JobEndWatch
 from supervisor.tiers.holdings import PERSISTENT_HOLDER, RoundPlan
@@ -78,11 +79,15 @@ class RoundLead:
 
     def __init__(self, coordinator: RoundCoordinator, persistent: PersistentTier | None,
                  say: Callable[[str], None], shrink: ShrinkSettings = ShrinkSettings(),
-                 spares_left: Callable[[], int] = lambda: 0) -> None:
+                 spares_left: Callable[[], int] = lambda: 0, endpoints: Sequence[str] = (),
+                 probe: EndpointProbe | None = None) -> None:
         """``shrink``: when the job may go on with fewer nodes; ``spares_left``: the job's spares not yet used (a
-        spare takes a lost node's rank first: the job shrinks only when none is left)."""
+        spare takes a lost node's rank first: the job shrinks only when none is left); ``endpoints``: each node's
+        replication endpoint, by node rank: a missing node whose endpoint refuses connects (``probe``) is gone, and
+        the shrink's wait ends before ``wait_s`` (as a spare's takeover does)."""
         self.coordinator, self.persistent, self.say = coordinator, persistent, say
         self.shrink, self.spares_left = shrink, spares_left
+        self.endpoints, self.probe = tuple(endpoints), probe or EndpointProbe()
         self.bad_persistent: set[Part] = set()
         self._came: dict[int, dict[int, NodeInventory]] = {}  # attempt -> the inventories its round planned with
         self._told: str = ""  # the last reason given for not going on with fewer nodes (said once)
@@ -142,9 +147,15 @@ class RoundLead:
         if floor is None or not self._ran_whole or self.coordinator.first_round or self.spares_left() > 0:
             came = dict(enumerate(self.coordinator.inventories(attempt)))
         else:
-            came = self.coordinator.present_inventories(attempt, self.shrink.wait_s, floor)
+            for endpoint in self.endpoints:  # each round asks afresh: a node refused before may be back
+                self.probe.forget(endpoint)
+            came = self.coordinator.present_inventories(attempt, self.shrink.wait_s, floor, self._gone)
         self._came = {attempt: came}
         return came
+
+    def _gone(self, node: int) -> bool:
+        """Whether ``node``'s rlsup is gone by its host's word (refused connects), not only silent."""
+        return node < len(self.endpoints) and self.probe.gone(self.endpoints[node])
 
     def full_plan(self, attempt: int, inventories: list[NodeInventory], excluded: set[tuple[int, int, int]]) -> RoundPlan:
         """The newest step every part of which is somewhere: in the nodes' inventories, else (steps newer than
@@ -180,9 +191,9 @@ class RoundLead:
 
 def round_role(node_rank: int, coordinator: RoundCoordinator, persistent: PersistentTier | None,
                say: Callable[[str], None], shrink: ShrinkSettings = ShrinkSettings(),
-               spares_left: Callable[[], int] = lambda: 0) -> RoundRole:
+               spares_left: Callable[[], int] = lambda: 0, endpoints: Sequence[str] = ()) -> RoundRole:
     """Node 0 leads every round; the others follow."""
-    return RoundLead(coordinator, persistent, say, shrink, spares_left) if node_rank == 0 else RoundMember()
+    return RoundLead(coordinator, persistent, say, shrink, spares_left, endpoints) if node_rank == 0 else RoundMember()
 
 
 __all__ = ["RoundRole", "RoundLead", "RoundMember", "ShrinkSettings", "round_role"]

@@ -11,14 +11,18 @@ by its return), the lead ends the attempt at its next save, and the next round g
 
 from __future__ import annotations
 
+import socket
 import threading
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
 from rlsup_format import job_env
 from rlsup_format.manifest import manifest_name
 from rlsup_format.names import step_dir_name
+from supervisor.cluster.coordinator import RoundCoordinator
+from supervisor.cluster.endpoint_probe import EndpointProbe, connect_refused
 from supervisor.cluster.round_lead import RoundLead, ShrinkSettings
 from supervisor.cluster.round_plan import compute_resized_plan, saved_by
 from supervisor.lifecycle import EndReason
@@ -27,7 +31,10 @@ from supervisor.run.peers import World
 from supervisor.tiers.holdings import NodeInventory, RecordError, RoundPlan, StepHoldings
 from supervisor.tiers.parts import verify_part
 from supervisor.tiers.resume import TIER_LOCAL
-from support.in_process_round import SimCluster
+from support.in_process_round import JOB, SECRET, SimCluster
+from support.memory_kvstore import MemoryKVStore
+from support.ports import free_port
+from support.waits import wait_for
 
 SHRINK = ShrinkSettings(min_nodes=2, wait_s=0.2)
 PINNED = ["torchrun", "--nproc-per-node", "2", "--nnodes", "3", "--node-rank", "1", "--rdzv-backend", "static",
@@ -76,7 +83,8 @@ class Store:
         self.came, self.every, self.num_nodes = came, every, len(every)
         self.asked: list[str] = []
 
-    def present_inventories(self, attempt: int, after_s: float, floor: int) -> dict[int, NodeInventory]:
+    def present_inventories(self, attempt: int, after_s: float, floor: int,
+                            gone: Callable[[int], bool] = lambda node: False) -> dict[int, NodeInventory]:
         self.asked.append(f"present {after_s} {floor}")
         return self.came
 
@@ -129,6 +137,72 @@ def test_a_run_that_has_not_yet_run_every_node_never_shrinks() -> None:
     assert lead.plan(4, set()).nodes is None and store.asked == ["every"]
     store.asked.clear()
     assert lead.plan(5, set()).nodes == (0, 1) and store.asked == ["present 0.2 2"]  # now it may
+
+
+def test_a_node_waiting_to_grow_back_gives_up_on_a_store_gone_without_the_job_s_end(tmp_path: Path) -> None:
+    """Node 2, back and waiting for the smaller world's next save, watches for the job's end record (a job that may
+    finish without it): the store gone with node 0 and no record of the end, it waits rendezvous_timeout and then
+    leaves the attempt (the next join waits for the store and exits for a requeue), never waiting for ever."""
+    cluster = shrunk_cluster(tmp_path)
+    assert all(o.error is None for o in cluster.round(nodes=[0, 1]))
+    back = cluster.group(2, timeout_s=1.0, job_end=True)
+    got: dict[str, object] = {}
+
+    def rejoin() -> None:
+        try:
+            back.agree(back.join(0), lambda: None)
+        except BaseException as e:
+            got["error"] = e
+    t = threading.Thread(target=rejoin, daemon=True)
+    t.start()
+    wait_for(lambda: back.coordinator.back(1, [2]) == [2], 10, "node 2's mark that it is back")
+    cluster.store.gone = True
+    t.join(30)
+    error = got.get("error")
+    assert isinstance(error, AttemptAbandoned) and error.reason == EndReason.PEER_FAILURE, got
+    assert "stayed unreachable for 1s while waiting to grow back into attempt 1" in str(error), error
+
+
+def test_the_shrink_wait_ends_once_the_missing_node_s_endpoint_refuses_and_a_listening_one_is_waited_for() -> None:
+    """The lead's wait for a missing node (``spare_takeover_s``, an hour here) ends once its replication endpoint
+    refuses connects (its rlsup is gone: the spare's rule, supervisor.cluster.endpoint_probe); a node whose endpoint
+    still listens (a hung or slow rlsup) is waited for, and plans with every node once it comes."""
+    store = MemoryKVStore()
+    coordinators = [RoundCoordinator(store, JOB, SECRET, n, 3, 60.0) for n in range(3)]
+    coordinators[0].first_round = False  # past the job's first attempt (the one that ran every node)
+    every = inventories()
+    for node in (0, 1):
+        coordinators[node].publish_inventory(4, every[node])
+        coordinators[node].publish_inventory(5, every[node])
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen(8)
+        live = f"127.0.0.1:{listening.getsockname()[1]}"
+        probes: list[str] = []
+
+        def counted(endpoint: str) -> bool:
+            probes.append(endpoint)
+            return connect_refused(endpoint)
+
+        def planned(endpoints: list[str], attempt: int) -> tuple[threading.Thread, dict]:
+            lead = RoundLead(coordinators[0], None, lambda line: None, ShrinkSettings(2, 3600.0), lambda: 0,
+                             endpoints, EndpointProbe(check=counted))
+            lead._ran_whole = True
+            got: dict = {}
+            t = threading.Thread(target=lambda: got.setdefault("plan", lead.plan(attempt, set())), daemon=True)
+            t.start()
+            return t, got
+
+        shrunk, got = planned([live, live, f"127.0.0.1:{free_port()}"], 4)  # nothing listens on node 2's port
+        wait_for(lambda: "plan" in got, 30, "the plan once node 2's endpoint refused")
+        assert got["plan"].nodes == (0, 1), got
+        probes.clear()
+        waiting, got = planned([live, live, live], 5)
+        wait_for(lambda: probes.count(live) >= 10, 30, "ten probes of node 2's listening endpoint")
+        assert "plan" not in got and waiting.is_alive()  # a listening endpoint is silence, not a loss
+        coordinators[2].publish_inventory(5, every[2])
+        wait_for(lambda: "plan" in got, 30, "the plan once node 2 came")
+        assert got["plan"].nodes is None and got["plan"].step == 20, got
 
 
 def test_a_dcp_step_needs_every_part_on_every_node_and_a_part_only_its_owner_holds_stops_the_shrink() -> None:

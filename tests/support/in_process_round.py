@@ -33,6 +33,7 @@ from supervisor.cluster.coordinator import RoundCoordinator
 from supervisor.cluster.fr_exchange import FrExchange
 from supervisor.cluster.multinode import NodeGroup
 from supervisor.cluster.round_lead import ShrinkSettings, round_role
+from supervisor.cluster.spares import JobEndWatch
 from supervisor.job_identity import JobIdentity, namespace_of
 from supervisor.membership import Membership, replica_targets
 from supervisor.observer import Observer
@@ -270,12 +271,13 @@ class SimCluster:
         inner = LocalStore(self.nodes[holder].replicas_of(me))
         return HolderStore(inner, holder, me, self.reads, self.faults.get((holder, me), Fault.NONE))
 
-    def group(self, n: int) -> NodeGroup:
+    def group(self, n: int, timeout_s: float = ROUND_TIMEOUT_S, job_end: bool = False) -> NodeGroup:
         """Node ``n`` as its ``rlsup run`` wires it (:meth:`supervisor.cluster.node_run.NodeRun.group`), over the
-        shared store, with fresh objects (a node's supervisor after a restart builds them anew)."""
+        shared store, with fresh objects (a node's supervisor after a restart builds them anew); ``timeout_s``: its
+        rendezvous_timeout; ``job_end``: it watches for the job's end record (a job that may finish without it)."""
         node = self.nodes[n]
         membership = Membership(self.peers, n)
-        coordinator = RoundCoordinator(self.store, JOB, SECRET, n, self.size, ROUND_TIMEOUT_S)
+        coordinator = RoundCoordinator(self.store, JOB, SECRET, n, self.size, timeout_s)
         engine = ReplicationEngine(membership=membership, checkpoint_dir=node.ckpt, replica_root=node.replica_root,
                                    clients={}, state_path=node.root / "state" / "replication.json", job=JOB.id)
         say = node.lines.append
@@ -285,7 +287,8 @@ class SimCluster:
                          coordinator, round_role(n, coordinator, node.persistent, say, self.shrink),
                          FrExchange(coordinator, n, self.size, f"node{n}", Observer()), StopRequest(signal.SIGUSR1),
                          NodeTiers(node.persistent, node.memory), node.ckpt, node.root / "state", say,
-                         observer=Observer())
+                         observer=Observer(),
+                         job_end=JobEndWatch.attach(coordinator, node.ckpt, node.persistent, JOB) if job_end else None)
 
     def round(self, deadline_s: float = ROUND_TIMEOUT_S + 5, nodes: list[int] | None = None) -> list[NodeOutcome]:
         """Every node (``nodes``: those only, the others lost) joins and agrees, each on its own thread (as each

@@ -13,6 +13,8 @@ from __future__ import annotations
 import threading
 from typing import Callable, Sequence
 
+from supervisor.cluster.kvstore import StoreUnavailable
+
 
 class MemoryKVStore:
     """A dict behind one lock; every write bumps a sequence number that the waits watch. ``before_poll(store,
@@ -29,6 +31,11 @@ class MemoryKVStore:
         self._changed = threading.Condition()
         self._seen = threading.local()  # per thread: the sequence number at its last poll
         self.writes: list[str] = []  # every key written, in order (what crossed the store)
+        self.gone = False  # set: every call fails as a store gone with node 0 does (StoreUnavailable)
+
+    def _reachable(self) -> None:
+        if self.gone:
+            raise StoreUnavailable(f"{self.describe()} is gone")
 
     def describe(self) -> str:
         return f"in-memory store {self.name}"
@@ -42,18 +49,22 @@ class MemoryKVStore:
         self._changed.notify_all()
 
     def set(self, key: str, value: bytes) -> None:
+        self._reachable()
         with self._changed:
             self._write(key, value)
 
     def get(self, key: str) -> bytes | None:
+        self._reachable()
         with self._changed:
             return self._values.get(key)
 
     def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        self._reachable()
         with self._changed:
             return [self._values.get(k) for k in keys]
 
     def poll(self, keys: Sequence[str], other: str | None = None) -> tuple[list[bytes] | None, bytes | None]:
+        self._reachable()
         if self.before_poll is not None:
             self.before_poll(self, keys)
         with self._changed:
@@ -74,6 +85,7 @@ class MemoryKVStore:
             return self._changed.wait_for(lambda: all(k in self._values for k in keys), timeout)
 
     def create(self, key: str, value: bytes) -> bytes:
+        self._reachable()
         with self._changed:
             if key not in self._values:
                 self._write(key, value)
