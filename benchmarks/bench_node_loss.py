@@ -50,11 +50,12 @@ import time
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
+from typing import Iterator
 
 BENCH = Path(__file__).resolve().parent
 sys.path[:0] = [str(BENCH.parent), str(BENCH)]
 
-from jobctl import PY, Figure, alternate, events, job_env, log, pid_alive  # noqa: E402
+from jobctl import PY, Figure, alternating_trials, events, job_env, log, pid_alive, print_figures  # noqa: E402
 from rlsup_format.manifest import list_step_dirs  # noqa: E402
 from rlsup_format.names import manifest_name  # noqa: E402
 from node_loss_accounting import LossFigures, loss_figures  # noqa: E402
@@ -260,6 +261,24 @@ def logged_at(text: str, pattern: str, after: float) -> float | None:
     return None
 
 
+@contextlib.contextmanager
+def started_job(work: Path, prefix: str, side: Side, st: Settings, launch: Launch | None = None,
+                keep: Path | None = None) -> Iterator[Job]:
+    """A trial's job in a fresh directory under ``work``, every node (and the side's spares) started; on the way
+    out every process of it SIGKILLed, its logs kept under ``keep`` (when given) and its directory removed."""
+    root = Path(tempfile.mkdtemp(prefix=f"{prefix}-{side.name}-", dir=work))
+    job = Job(root, side, st, launch)
+    try:
+        for node in range(NODES + side.spares):
+            job.start(node, f"node{node}")
+        yield job
+    finally:
+        job.stop()
+        if keep is not None:
+            save_logs(job, keep / root.name)
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def wait_first_step(job: Job, deadline: float) -> float | None:
     """``time.monotonic()`` of rank 0's first step, or None when the job has not stepped by ``deadline``."""
     while time.monotonic() < deadline:
@@ -270,6 +289,17 @@ def wait_first_step(job: Job, deadline: float) -> float | None:
             return None
         time.sleep(0.2)
     return None
+
+
+def trained_for(job: Job, warm: float) -> bool:
+    """Wait for rank 0's first step (300 s at most), then for ``warm`` seconds of training from it; False when the
+    job never stepped (a node ended first, or the 300 s ran out)."""
+    first = wait_first_step(job, time.monotonic() + 300)
+    if first is None:
+        return False
+    while time.monotonic() < first + warm:
+        time.sleep(0.1)
+    return True
 
 
 def log_marks(job: Job, side: Side, kill_wall: float) -> dict[str, float]:
@@ -286,18 +316,11 @@ def log_marks(job: Job, side: Side, kill_wall: float) -> dict[str, float]:
 def trial(work: Path, side: Side, st: Settings, keep: Path | None) -> Trial:
     """Start the job (and the spare), lose node 2 once it has trained ``st.warm`` s, bring rank 2 back the
     side's way, and account the ``[loss - pre, loss + post]`` window."""
-    root = Path(tempfile.mkdtemp(prefix=f"nodeloss-{side.name}-", dir=work))
     load = os.getloadavg()[0]
-    job = Job(root, side, st)
     marks: dict[str, float] = {}
-    try:
-        for node in range(NODES + side.spares):
-            job.start(node, f"node{node}")
-        first = wait_first_step(job, time.monotonic() + 300)
-        if first is None:
+    with started_job(work, "nodeloss", side, st, keep=keep) as job:
+        if not trained_for(job, st.warm):
             return Trial(side.name, load, None, error=f"no first step: {tail(job)}")
-        while time.monotonic() < first + st.warm:
-            time.sleep(0.1)
         replicated = job.replicated(LOST, "node0")  # node 0 holds node 2's replicas (the ring, factor 1)
         kill_wall = time.time()
         kill_t = job.lose(f"node{LOST}")
@@ -308,16 +331,11 @@ def trial(work: Path, side: Side, st: Settings, keep: Path | None) -> Trial:
             job.start(LOST, "node2-replacement")
         while time.monotonic() < kill_t + st.post + 1.0:
             time.sleep(0.2)
-        evs = events(root)
+        evs = events(job.root)
         marks.update(log_marks(job, side, kill_wall))
         steps = [e["dur"] for e in evs if e["ev"] == "step" and e["rank"] == 0 and e["t"] <= kill_t]
         figs = loss_figures(evs, kill_t, NODES, RANKS_PER_NODE, st.pre, st.post)
         return Trial(side.name, load, figs, marks, statistics.median(steps) if steps else None, replicated)
-    finally:
-        job.stop()
-        if keep is not None:
-            save_logs(job, keep / root.name)
-        shutil.rmtree(root, ignore_errors=True)
 
 
 def tail(job: Job) -> str:
@@ -326,12 +344,13 @@ def tail(job: Job) -> str:
 
 
 def save_logs(job: Job, dest: Path) -> None:
+    """The trial's events and the rlsup log of every node whose directory is left (the lost node's went with it)."""
     dest.mkdir(parents=True, exist_ok=True)
     with contextlib.suppress(OSError):
         shutil.copy(job.events, dest / "events.jsonl")
-    for name in ("node0", "node1", "node3", "node2-replacement"):
+    for path in sorted(job.root.glob("*/rlsup.log")):
         with contextlib.suppress(OSError):
-            shutil.copy(job.root / name / "rlsup.log", dest / f"{name}.log")
+            shutil.copy(path, dest / f"{path.parent.name}.log")
 
 
 def med(xs: list[float | None]) -> float | None:
@@ -339,20 +358,29 @@ def med(xs: list[float | None]) -> float | None:
     return statistics.median(ys) if ys else None
 
 
+def fmt(x: float | None, digits: int = 1) -> str:
+    return "n/a" if x is None else f"{x:.{digits}f}"
+
+
+def loss_text(f: LossFigures, replicated: int | None) -> str:
+    """A trial's way back as its log line says it: the loss -> first step and its phases, the steps redone."""
+    return (f"loss -> first step {fmt(f.first_step)} s (nodes started {'/'.join(fmt(x) for x in f.nodes_started)}, "
+            f"rendezvous {fmt(f.rendezvous)}, restored {fmt(f.restored)}); reached {f.reached} (node 2's newest "
+            f"replicated {replicated}) resumed {f.resumed} redone {f.redone}")
+
+
+def marks_text(marks: dict[str, float]) -> str:
+    """What the rlsup logs said, in the order it came."""
+    return ", ".join(f"{k} +{v:.1f}" for k, v in sorted(marks.items(), key=lambda kv: kv[1]))
+
+
 def describe(t: Trial) -> str:
     """One trial as a log line."""
     if t.figures is None:
         return f"{t.side}: failed ({t.error})"
     f = t.figures
-
-    def s(x: float | None) -> str:
-        return "n/a" if x is None else f"{x:.1f}"
-
-    marks = ", ".join(f"{k} +{v:.1f}" for k, v in sorted(t.marks.items(), key=lambda kv: kv[1]))
-    return (f"{t.side}: load {t.load:.1f}; loss -> first step {s(f.first_step)} s (nodes started "
-            f"{'/'.join(s(x) for x in f.nodes_started)}, rendezvous {s(f.rendezvous)}, restored {s(f.restored)}); "
-            f"reached {f.reached} (node 2's newest replicated {t.replicated}) resumed {f.resumed} redone {f.redone}; goodput {f.goodput:.3f} (before the loss "
-            f"{f.steady_goodput:.3f}); step {t.median_step_s or 0:.3f} s; log: {marks}")
+    return (f"{t.side}: load {t.load:.1f}; {loss_text(f, t.replicated)}; goodput {f.goodput:.3f} (before the loss "
+            f"{f.steady_goodput:.3f}); step {t.median_step_s or 0:.3f} s; log: {marks_text(t.marks)}")
 
 
 def figures(res: dict[str, list[Trial]], all_sides: dict[str, Side], st: Settings) -> list[Figure]:
@@ -383,11 +411,8 @@ def run(work: Path, reps: int = 2, names: tuple[str, ...] = ("spare", "replace",
     if unknown:
         raise ValueError(f"unknown side(s) {unknown}: choose from {list(all_sides)}")
     log(f"node_loss: {state_mb_per_node(st.width):.1f} MB of state per node, sides {list(names)}, {reps} rep(s), {st}")
-    res: dict[str, list[Trial]] = {n: [] for n in names}
-    for _, name in alternate(reps, list(names)):
-        t = trial(work, all_sides[name], st, keep)
-        log(f"node_loss {describe(t)}")
-        res[name].append(t)
+    res = alternating_trials(reps, names, lambda name: trial(work, all_sides[name], st, keep),
+                             lambda t: f"node_loss {describe(t)}")
     return figures(res, all_sides, st)
 
 
@@ -408,15 +433,10 @@ def main() -> int:
     args = ap.parse_args()
     if args.pre > args.warm:
         ap.error("--pre must not exceed --warm (the window would start before the job ran)")
-    work = Path(tempfile.mkdtemp(prefix="rlsup-node-loss-", dir=args.dir))
     st = Settings(args.warm, args.pre, args.post, args.micro_batches, width=args.width)
-    try:
-        for f in run(work, args.reps, tuple(x for x in args.sides.split(",") if x), args.replace_delay, st,
-                     Path(args.keep) if args.keep else None):
-            print(f.line(), flush=True)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    return 0
+    return print_figures("rlsup-node-loss-", args.dir, lambda work: run(
+        work, args.reps, tuple(x for x in args.sides.split(",") if x), args.replace_delay, st,
+        Path(args.keep) if args.keep else None))
 
 
 if __name__ == "__main__":

@@ -53,7 +53,7 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parent
 sys.path[:0] = [str(BENCH.parent), str(BENCH)]
 
-from jobctl import Figure, alternate, events, failed, launch, log, stop  # noqa: E402
+from jobctl import Figure, alternate, events, failed, launch, log, print_figures, stop  # noqa: E402
 
 TRAINER = BENCH / "jobs" / "recovery_trainer.py"
 SIDES = ("torchrun", "rlsup", "rlsup+memory")
@@ -302,15 +302,8 @@ def main() -> int:
     if not 0 < args.skip < args.steps - 1:
         ap.error(f"--skip {args.skip} must be between 1 and --steps - 2 ({args.steps - 2})")
     s = Settings(args.steps, args.skip, args.every, args.width, args.micro_batches, args.reps)
-    work = Path(tempfile.mkdtemp(prefix="rlsup-overhead-", dir=args.dir))
     log(f"overhead: {s}; {os.cpu_count()} cores, load {os.getloadavg()}")
-    try:
-        rows, _ = run(work, s)
-        for f in rows:
-            print(f.line(), flush=True)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    return 0
+    return print_figures("rlsup-overhead-", args.dir, lambda work: run(work, s)[0])
 
 
 if __name__ == "__main__":

@@ -44,7 +44,8 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parent
 sys.path[:0] = [str(BENCH.parent), str(BENCH)]
 
-from jobctl import Figure, alternate, events, launch, log, nvrx_missing, pid_alive, stop  # noqa: E402
+from jobctl import (Figure, alternating_trials, events, launch, log, nvrx_missing, pid_alive,  # noqa: E402
+                    print_figures, stop)
 from recovery_accounting import Kill, Trial, account, kill_schedule, young_cadence  # noqa: E402
 
 TRAINER = BENCH / "jobs" / "recovery_trainer.py"
@@ -246,9 +247,8 @@ def run(work: Path, minutes: float = 5.0, reps: int = 1, seed: int = 31, micro_b
     all_sides = {k: v for k, v in sides(cal, every, mem_every, disk_every, shm).items()
                  if not only or k in only}
     schedule = kill_schedule(seed, window, *GAP_S, ranks=2)
-    res: dict[str, list[Trial]] = {k: [] for k in all_sides}
-    for _, name in alternate(reps, list(all_sides)):
-        res[name].append(trial(work, all_sides[name], window, schedule, cal.step_s))
+    res = alternating_trials(reps, list(all_sides), lambda name: trial(work, all_sides[name], window, schedule,
+                                                                       cal.step_s))
     return figures(res, {k: v.label for k, v in all_sides.items()}, cal, every, disk_every, window)
 
 
@@ -262,14 +262,9 @@ def main() -> int:
     ap.add_argument("--sides", default="", help="a subset of rlsup,rlsup/sync,rlsup/sync-cold,rlsup/k,ft,torchrun (default: all)")
     ap.add_argument("--dir", default=None, help="scratch directory")
     args = ap.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="rlsup-recovery-", dir=args.dir))
-    try:
-        for f in run(work, args.minutes, args.reps, args.seed, args.micro_batches, args.disk_every,
-                     tuple(x for x in args.sides.split(",") if x)):
-            print(f.line(), flush=True)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    return 0
+    return print_figures("rlsup-recovery-", args.dir, lambda work: run(
+        work, args.minutes, args.reps, args.seed, args.micro_batches, args.disk_every,
+        tuple(x for x in args.sides.split(",") if x)))
 
 
 if __name__ == "__main__":

@@ -28,11 +28,8 @@ after it, over ``--post`` seconds from that first step. Sides alternate (spare, 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
-import shutil
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,9 +37,10 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parent
 sys.path[:0] = [str(BENCH.parent), str(BENCH)]
 
-from bench_node_loss import NODES, Job, Launch, Side, logged_at, med, tail, wait_first_step  # noqa: E402
+from bench_node_loss import (NODES, Job, Launch, Side, fmt, logged_at, loss_text, marks_text, med,  # noqa: E402
+                             started_job, tail, trained_for)
 from bench_node_loss import Settings as NodeLossSettings  # noqa: E402
-from jobctl import Figure, alternate, events, log  # noqa: E402
+from jobctl import Figure, alternating_trials, events, log, print_figures  # noqa: E402
 from node_loss_accounting import LossFigures, loss_figures  # noqa: E402
 from shrink_accounting import median_or_none, step_durations  # noqa: E402
 
@@ -137,17 +135,10 @@ def first_step_after(job: Job, kill_t: float, deadline: float) -> dict | None:
 def trial(work: Path, side: Side, st: Settings, keep: Path | None) -> Trial:
     """Start the job (and the spare), lose node 2 once it has trained ``st.warm`` s and a fresh save of it is
     replicated, and time the job's way back to training."""
-    root = Path(tempfile.mkdtemp(prefix=f"shrink-{side.name}-", dir=work))
     load = os.getloadavg()[0]
-    job = Job(root, side, NodeLossSettings(), st.launch())
-    try:
-        for node in range(NODES + side.spares):
-            job.start(node, f"node{node}")
-        first = wait_first_step(job, time.monotonic() + 300)
-        if first is None:
+    with started_job(work, "shrink", side, NodeLossSettings(), st.launch(), keep) as job:
+        if not trained_for(job, st.warm):
             return Trial(side.name, load, None, error=f"no first step: {tail(job)}")
-        while time.monotonic() < first + st.warm:
-            time.sleep(0.1)
         replicated = fresh_replica(job, time.monotonic() + 60)
         kill_wall = time.time()
         kill_t = job.lose(f"node{LOST}")
@@ -155,7 +146,7 @@ def trial(work: Path, side: Side, st: Settings, keep: Path | None) -> Trial:
         if step is not None:
             while time.monotonic() < step["t"] + st.post:
                 time.sleep(0.2)
-        evs = events(root)
+        evs = events(job.root)
         resumed = next((e for e in evs if e["ev"] == "resumed" and e["t"] > kill_t), None)
         world = resumed.get("world") if resumed else None
         before, after = step_durations(evs, kill_t)
@@ -169,37 +160,15 @@ def trial(work: Path, side: Side, st: Settings, keep: Path | None) -> Trial:
         elif world != expected:
             t.error = f"the next attempt ran {world} ranks, not {expected}"
         return t
-    finally:
-        job.stop()
-        if keep is not None:
-            save_logs(job, keep / root.name)
-        shutil.rmtree(root, ignore_errors=True)
-
-
-def save_logs(job: Job, dest: Path) -> None:
-    dest.mkdir(parents=True, exist_ok=True)
-    with contextlib.suppress(OSError):
-        shutil.copy(job.events, dest / "events.jsonl")
-    for name in ("node0", "node1", "node3"):
-        with contextlib.suppress(OSError):
-            shutil.copy(job.root / name / "rlsup.log", dest / f"{name}.log")
 
 
 def describe(t: Trial) -> str:
     """One trial as a log line."""
     if t.figures is None:
         return f"{t.side}: failed ({t.error})"
-    f = t.figures
-
-    def s(x: float | None, digits: int = 1) -> str:
-        return "n/a" if x is None else f"{x:.{digits}f}"
-
-    marks = ", ".join(f"{k} +{v:.1f}" for k, v in sorted(t.marks.items(), key=lambda kv: kv[1]))
-    return (f"{t.side}{' FAILED: ' + t.error if t.error else ''}: load {t.load:.1f}; loss -> first step "
-            f"{s(f.first_step)} s (nodes started {'/'.join(s(x) for x in f.nodes_started)}, rendezvous "
-            f"{s(f.rendezvous)}, restored {s(f.restored)}); world {t.world_after}; reached {f.reached} (node 2's newest "
-            f"replicated {t.replicated}) resumed {f.resumed} redone {f.redone}; step {s(t.step_before, 3)} s before, "
-            f"{s(t.step_after, 3)} s after; log: {marks}")
+    return (f"{t.side}{' FAILED: ' + t.error if t.error else ''}: load {t.load:.1f}; "
+            f"{loss_text(t.figures, t.replicated)}; world {t.world_after}; step {fmt(t.step_before, 3)} s before, "
+            f"{fmt(t.step_after, 3)} s after; log: {marks_text(t.marks)}")
 
 
 def figures(res: dict[str, list[Trial]], st: Settings) -> list[Figure]:
@@ -222,24 +191,18 @@ def figures(res: dict[str, list[Trial]], st: Settings) -> list[Figure]:
                m("spare", lambda t: t.figures.redone), "steps"),
         Figure("step time after the loss: shrunk job (2 ranks x 3 micro batches) vs spare (3 ranks x 2)",
                m("shrink", lambda t: t.step_after), m("spare", lambda t: t.step_after), "s",
-               f"before the loss (3 ranks x 2 micro batches): shrink side {fmt(m('shrink', lambda t: t.step_before))} "
-               f"s, spare side {fmt(m('spare', lambda t: t.step_before))} s; 3 ranks share these 2 cores before the "
-               "loss and 2 after, so the shrunk job's step here is not N/(N-1) times the full one's"),
+               f"before the loss (3 ranks x 2 micro batches): shrink side "
+               f"{fmt(m('shrink', lambda t: t.step_before), 3)} s, spare side "
+               f"{fmt(m('spare', lambda t: t.step_before), 3)} s; 3 ranks share these 2 cores before the loss and 2 "
+               "after, so the shrunk job's step here is not N/(N-1) times the full one's"),
     ]
-
-
-def fmt(x: float | None) -> str:
-    return "n/a" if x is None else f"{x:.3f}"
 
 
 def run(work: Path, reps: int = 2, st: Settings = Settings(), keep: Path | None = None) -> list[Figure]:
     """Both sides ``reps`` times, alternating (spare first); the table's rows."""
     log(f"shrink: {state_mb_per_node(st.width):.1f} MB of state per node, {reps} rep(s) per side, {st}")
-    res: dict[str, list[Trial]] = {n: [] for n in SIDES}
-    for _, name in alternate(reps, list(SIDES)):
-        t = trial(work, SIDES[name], st, keep)
-        log(f"shrink {describe(t)}")
-        res[name].append(t)
+    res = alternating_trials(reps, list(SIDES), lambda name: trial(work, SIDES[name], st, keep),
+                             lambda t: f"shrink {describe(t)}")
     return figures(res, st)
 
 
@@ -254,13 +217,8 @@ def main() -> int:
     args = ap.parse_args()
     base = QUICK if args.quick else Settings()
     st = Settings(base.warm, base.post, base.patience, args.width, base.micro_batch, base.global_micro_batches)
-    work = Path(tempfile.mkdtemp(prefix="rlsup-shrink-", dir=args.dir))
-    try:
-        for f in run(work, args.reps, st, Path(args.keep) if args.keep else None):
-            print(f.line(), flush=True)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    return 0
+    return print_figures("rlsup-shrink-", args.dir,
+                         lambda work: run(work, args.reps, st, Path(args.keep) if args.keep else None))
 
 
 if __name__ == "__main__":

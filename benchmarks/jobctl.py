@@ -1,5 +1,6 @@
 """Start, watch and stop a benchmark job under rlsup, torchrun or ft_launcher: shared by benchmarks/run.py and
-benchmarks/bench_recovery.py, so every figure launches each side the same way.
+benchmarks/bench_recovery.py, so every figure launches each side the same way; and what every bench_*.py harness
+does around its trials (sides alternated, rows printed from a scratch directory removed at the end).
 
 Jobs run in their own session with a scrubbed environment (no RLSUP_/TORCHELASTIC_/FT_ variables leak in);
 trainers append ``time.monotonic()`` JSON events that :func:`events` reads back.
@@ -15,16 +16,18 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator, Sequence, TypeVar
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 PY = sys.executable
 BIN = Path(sys.executable).parent
 TRAINER = BENCH / "jobs" / "bench_trainer.py"
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -153,6 +156,32 @@ def alternate(reps: int, kinds: list[str]) -> Iterator[tuple[int, str]]:
     for r in range(reps):
         for k in (kinds if r % 2 == 0 else list(reversed(kinds))):
             yield r, k
+
+
+def alternating_trials(reps: int, sides: Sequence[str], trial: Callable[[str], T],
+                       say: Callable[[T], str] | None = None) -> dict[str, list[T]]:
+    """Every side's ``trial`` ``reps`` times in :func:`alternate`'s order (a machine that drifts weighs on every side
+    alike), each result logged as ``say`` puts it; the results by side."""
+    res: dict[str, list[T]] = {side: [] for side in sides}
+    for _, side in alternate(reps, list(sides)):
+        t = trial(side)
+        if say is not None:
+            log(say(t))
+        res[side].append(t)
+    return res
+
+
+def print_figures(prefix: str, scratch: str | None, run: Callable[[Path], Iterable[Figure]]) -> int:
+    """A harness's command line once its arguments are read: ``run`` in a fresh scratch directory (under
+    ``scratch``, a temp dir when None), each row printed as soon as it comes, the directory removed however
+    ``run`` ends; the exit status."""
+    work = Path(tempfile.mkdtemp(prefix=prefix, dir=scratch))
+    try:
+        for f in run(work):
+            print(f.line(), flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
 
 
 def pid_alive(pid: int) -> bool:

@@ -113,11 +113,13 @@ class SupervisorConfig:
                                    f"sooner when the node's host refuses connects to its endpoint for {REFUSED_FOR_S:g} s (its rlsup is gone: nothing listens there). "
                                    "A node that arrives later is refused (exit 77) and may rejoin as a spare.")
     min_nodes: int = _opt(0, "Fewest nodes the job may run on: when a node is lost and no spare takes its rank within "
-                          "spare_takeover_s, the job goes on with the nodes left if at least min_nodes remain and the "
-                          "trainer's checkpoints can be restored into another world size (trainer_hooks saves marked "
-                          "resizable); otherwise it waits and requeues (exit 75) as before. It grows back to the full "
-                          "node count at a later restart, once the lost node (or a replacement) is back. 0: the job's "
-                          "node count (len(peers) - spares): never shrink. Needs peers; at most the job's node count.")
+                          "spare_takeover_s (sooner once its endpoint refuses connects for half that time), the job "
+                          "goes on with the nodes left if at least min_nodes remain and the trainer's checkpoints can "
+                          "be restored into another world size (trainer_hooks saves marked resizable); otherwise it "
+                          "waits and requeues (exit 75) as before. Once the lost node (or a replacement) is back, the "
+                          "job grows back to the full node count at its next save (not counted against max_restarts). "
+                          "0: the job's node count (len(peers) - spares): never shrink. Needs peers; at most the job's "
+                          "node count.")
     replication_port: int = _opt(9779, "Port of the replication endpoint when peers come from SLURM or omit a port.")
     coordinator_port: int = _opt(9780, "Port of the coordination store (torch TCPStore) hosted by node 0's supervisor (coordinator_backend embedded).")
     coordinator_backend: CoordinatorBackend = _opt("embedded", "Where the nodes agree before each attempt: embedded (a TCPStore hosted by node 0's supervisor; a replacement node 0 hosts it again) or etcd (an etcd v3 cluster, coordinator_endpoints; no node's loss stalls the others).", noun="backend")

@@ -167,7 +167,8 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     from supervisor.bounded_calls import child_pids
 
     for pid in child_pids():
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
+        try:  # still this worker's child (a pid reaped and reused elsewhere is left alone)
+            if int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]) == os.getpid():
+                os.kill(pid, signal.SIGKILL)
+        except (OSError, ValueError, IndexError):
             pass

@@ -1,4 +1,5 @@
-"""What every benchmark trainer does first and last: its events file, the process group, NVRx's rank monitor.
+"""What every benchmark trainer does first and last: its events file, the process group, NVRx's rank monitor; and
+after each step: the ``step`` event, the save at its cadence timed as a ``save`` event.
 
 Events are JSON lines appended to ``--events`` (one ``os.write`` per line on an O_APPEND descriptor), each
 with ``time.monotonic()`` (system-wide on Linux: ranks, attempts and the benchmark share the clock), the
@@ -12,7 +13,7 @@ import json
 import os
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -35,6 +36,22 @@ class JobStart:
     def heartbeat(self) -> None:
         if self.nvrx is not None:
             self.nvrx.send_heartbeat()
+
+    def stepped(self, step: int, t0: float, **kw: object) -> None:
+        """Step ``step``, begun at ``t0`` (monotonic), is done: NVRx's heartbeat, then rank 0's ``step`` event (its
+        ``dur`` taken now, before any save, so a save never counts as step time)."""
+        self.heartbeat()
+        if self.rank == 0:
+            self.emit("step", step=step, dur=time.monotonic() - t0, **kw)
+
+    def save_every(self, every: int, step: int, save: Callable[[], object]) -> None:
+        """Every ``every``-th step (0: never) ``save()``, and rank 0's ``save`` event: how long the loop was
+        blocked."""
+        if every and step % every == 0:
+            t1 = time.monotonic()
+            save()
+            if self.rank == 0:
+                self.emit("save", step=step, dur=time.monotonic() - t1)
 
     def finish(self, step: int) -> None:
         """Leave the rank monitor and the process group, then say ``done``."""

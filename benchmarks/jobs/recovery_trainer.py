@@ -129,17 +129,11 @@ def main() -> None:
         optimizer.step()
         step += 1
         trainer_hooks.heartbeat(step)
-        job.heartbeat()
-        if rank == 0:
-            emit("step", step=step, dur=time.monotonic() - t0)
-        if args.checkpoint_every and step % args.checkpoint_every == 0:
-            t1 = time.monotonic()
-            if args.saver == "hooks":
-                ckpt.save(step, state)
-            else:
-                ckpt.save(step, model, optimizer)
-            if rank == 0:
-                emit("save", step=step, dur=time.monotonic() - t1)
+        job.stepped(step, t0)
+        if args.saver == "hooks":
+            job.save_every(args.checkpoint_every, step, lambda: ckpt.save(step, state))
+        else:
+            job.save_every(args.checkpoint_every, step, lambda: ckpt.save(step, model, optimizer))
     ckpt.wait()
     job.finish(step)
 

@@ -92,13 +92,8 @@ def main() -> None:
         optimizer.step()
         step += 1
         trainer_hooks.heartbeat(step)
-        if rank == 0:
-            emit("step", step=step, dur=time.monotonic() - t0, world=world)
-        if args.checkpoint_every and step % args.checkpoint_every == 0:
-            t1 = time.monotonic()
-            ckpt.save(step, state)
-            if rank == 0:
-                emit("save", step=step, dur=time.monotonic() - t1)
+        job.stepped(step, t0, world=world)
+        job.save_every(args.checkpoint_every, step, lambda: ckpt.save(step, state))
     ckpt.wait()
     job.finish(step)
 

@@ -25,8 +25,8 @@ CLI show) together; the nodes agree on it in one *round* of the store:
    without it (plan try ``t`` = 1, 2, ...: ``plan/a/t``), so the attempt falls back to an older step
    instead of ending. Then each node marks ``ready/a/<node>``; node 0 waits for all and publishes
    ``ready/a/all``; all launch once they see it;
-4. the first node whose attempt fails creates ``end/a`` (first writer wins); every other node sees it,
-   stops its attempt, and all go to attempt a+1 together.
+4. the first node whose attempt fails creates ``end/a`` (first writer wins; node 0 ending a smaller world's attempt
+   to grow it back marks ``resize/a`` first); every other node sees it, stops its attempt, and all go to a+1.
 
 Only node 0 reads one key per node (the proposals, inventories, fetch results and ready marks); every
 other node reads a constant number of keys per attempt, so what it sends and receives does not grow with
@@ -58,7 +58,7 @@ import json
 import logging
 import time
 import weakref
-from typing import Callable, Iterable
+from typing import Callable, Iterable, NoReturn
 
 from supervisor.tiers.holdings import (
     FetchResult,
@@ -72,6 +72,7 @@ from supervisor.cluster.round_errors import CoordinationError, JobClash, NodesMi
 from supervisor.cluster.kvstore import (CONNECT_SLICE_S, OP_TIMEOUT_S, KVStore, StoreUnavailable)
 from supervisor.cluster.liveness import LIVENESS_REFRESH_S, LapseWatch, LivenessBeat, live_key
 from supervisor.cluster.signed_keys import AbortKind, AbortNotice, Signed, SignedKeys
+from supervisor.settings_vocabulary import REFUSED_FOR_S
 from supervisor.stop_request import StopRequest
 
 log = logging.getLogger(__name__)
@@ -82,7 +83,7 @@ WAIT_POLL_MAX_S = 0.05  # ... and backs off to this
 HOST_KEY = "rlsup/host"
 ABORT_MAX_AGE_S = 60.0  # an abort written this long before this node started belongs to an earlier run
 ABORT_POLL_S = 0.5  # how often a wait looks at ``abort`` (one more read; the attempt's end is read every poll)
-PARTIAL_LOOK_S = 0.2  # a wait that may end with some keys missing (``enough``) reads those that came this often
+PARTIAL_LOOK_S = 0.2  # a wait that may end short (``enough``) reads what came this often, per 64 keys (one check each)
 WAIT_TELL_S = 3.0  # a wait that lasts this long says what it waits for (once), for whoever reads the log
 REACH_AGAIN_S = OP_TIMEOUT_S  # the run loop's watch of the attempt's end tries a lost store again this often
 
@@ -326,14 +327,11 @@ class RoundCoordinator:
 
     def present_inventories(self, attempt: int, after_s: float, floor: int,
                             gone: Callable[[int], bool] = lambda node: False) -> dict[int, NodeInventory]:
-        """Every node's inventory, or, when some are still missing ``after_s`` seconds into the wait (or sooner,
-        once ``gone`` says so of every missing node: its endpoint refuses), those of the nodes that came if they are
-        ``floor`` or more (a job that may go on with fewer nodes: issue 43); waits on as :meth:`inventories`
-        otherwise. Node -> inventory."""
+        """Every node's inventory, or, when some are still missing ``after_s`` seconds into the wait (or once ``gone``
+        says so of each: its endpoint refuses), those that came if they are ``floor`` or more (issue 43: a job that may
+        go on with fewer nodes); waits on as :meth:`inventories` otherwise. Node -> inventory."""
         names = [f"inv/{attempt}/{n}" for n in range(self.num_nodes)]
-
-        def all_gone(missing: list[str]) -> bool:
-            return all(gone(int(name.rsplit("/", 1)[1])) for name in missing)
+        all_gone = lambda missing: all([gone(int(name.rsplit("/", 1)[1])) for name in missing])  # noqa: E731 - each probe
         out: dict[int, NodeInventory] = {}
         for node, value in enumerate(self._wait(names, f"inventories of attempt {attempt}", attempt,
                                                 enough=(after_s, floor, all_gone), nodes_lost=True)):
@@ -428,10 +426,9 @@ class RoundCoordinator:
         return None if value is None else value.payload
 
     def end_to_resize(self, attempt: int, reason: str) -> str:
-        """Node 0 ends ``attempt`` to change the job's world (a node is back): marked first, so every node tells
-        this end from a failure (:meth:`ending`); returns the reason that won, as :meth:`end`."""
-        self.keys.set(f"resize/{attempt}", reason)
-        return self.end(attempt, reason)
+        """Node 0 ends ``attempt`` to grow the job back, marked first so every node tells it from a failure (:meth:`ending`)."""
+        marked = self.keys.create(f"resize/{attempt}", reason).payload  # a retry keeps the first words: ending()
+        return self.end(attempt, marked)
 
     def mark_back(self, attempt: int) -> None:
         """This node, left out of ``attempt``'s smaller world, is back and waits to grow into the next one."""
@@ -444,8 +441,7 @@ class RoundCoordinator:
         return [n for n, m in zip(nodes, marks) if m is not None]
 
     def ending(self, attempt: int) -> tuple[str, EndReason] | None:
-        """Non-blocking: why ``attempt`` ended and what that is to each node: ``resized`` when the end that won is
-        node 0's :meth:`end_to_resize`, else ``peer_failure``; None while it runs."""
+        """Non-blocking: why ``attempt`` ended, ``resized`` if by :meth:`end_to_resize` else ``peer_failure``; or None."""
         why = self.ended(attempt)
         if why is None:
             return None
@@ -508,15 +504,16 @@ class RoundCoordinator:
         abort is first looked at :data:`ABORT_POLL_S` into the wait (the join looked just before).
 
         ``enough`` = (seconds, count, gone): after that many seconds (or once ``gone`` says the keys missing never
-        come), return once ``count`` keys are there, None for the others (a round that may go on without lost nodes). ``nodes_lost``: a timeout means nodes did
-        not come to the round (the inventories, the plan): after the job's first attempt, :class:`NodesMissing`."""
+        come), return once ``count`` keys are there, None for the others (a round that may go on without lost nodes).
+        ``nodes_lost``: a timeout means nodes did not come to the round (the inventories, the plan): after the job's
+        first attempt, :class:`NodesMissing`."""
         started = time.monotonic()
         deadline = started + self.timeout_s
         poll = WAIT_POLL_MIN_S
         end_name = f"end/{attempt}" if attempt is not None else None
         got: dict[str, Signed] = {}
         next_abort_look, tell_at = time.monotonic() + ABORT_POLL_S, time.monotonic() + WAIT_TELL_S
-        next_beat_look = next_partial_look = time.monotonic()
+        next_beat_look, next_partial_look = time.monotonic(), started + REFUSED_FOR_S  # no node is gone sooner
         changed = True  # whether to poll: the store may know that nothing we wait for was written since the last
         while True:
             self.check_stop(what)
@@ -532,30 +529,25 @@ class RoundCoordinator:
                     pass  # the poll below says what an unreachable store means here
             pending = [n for n in names if n not in got]
             settled = enough is not None and time.monotonic() >= started + enough[0]  # look again, even unchanged
-            partial = enough is not None and (settled or time.monotonic() >= next_partial_look)
+            partial = enough is not None and (settled or time.monotonic() >= next_partial_look)  # paced: read below
             if changed or partial or time.monotonic() > deadline:
                 try:
                     values, ended = self.keys.poll(pending, end_name)
+                    read_end = values is not None  # the poll moved every value, not the end
                     if values is None and partial and ended is None:  # some are missing: read those that came
-                        next_partial_look = time.monotonic() + PARTIAL_LOOK_S
+                        next_partial_look = time.monotonic() + PARTIAL_LOOK_S * (1 + len(pending) // 64)
                         values = self.keys.get_many(pending)
                     if values is not None:
                         got.update((n, v) for n, v in zip(pending, values) if v is not None)
                         if len(got) == len(names) or (enough is not None and len(got) >= enough[1] and (
                                 settled or enough[2]([n for n in names if n not in got]))):
                             return [got[n].payload if n in got else None for n in names]
-                        ended = self.keys.get(end_name) if end_name else None  # a value did not verify
+                        if read_end:  # all there, and a value did not verify
+                            ended = self.keys.get(end_name) if end_name else None
                     if ended is None and time.monotonic() > deadline:
                         pending = [n for n, v in zip(pending, self.keys.get_many(pending)) if v is None]
                 except StoreUnavailable as e:
-                    if self.first_round and self.reconnect is not None:  # the join waits for it, not for long
-                        self._store_lost_at = self._store_lost_at or time.monotonic()
-                    if attempt is None and self.reconnect is not None:
-                        raise  # a join's wait (a fresh store's base): the join reconnects within its deadline
-                    if attempt is not None and self.reconnect is not None:
-                        raise RoundEnded(f"attempt {attempt} ended while waiting for {what}: {e}") from e
-                    raise CoordinationError(f"the coordination store is unreachable while waiting for {what}: "
-                                            f"{e}") from e
+                    self._unreachable_in_wait(e, attempt, what)
                 if ended is not None:
                     raise RoundEnded(f"attempt {attempt} ended while waiting for {what}: {ended.payload}")
                 if time.monotonic() > deadline and pending:
@@ -571,6 +563,18 @@ class RoundCoordinator:
             watched = [self.keys.key(n) for n in pending + ([end_name] if end_name else [])]
             changed = self.store.wait_for_change(watched, poll)  # etcd: a watch; the embedded store: a sleep
             poll = min(poll * 2, WAIT_POLL_MAX_S)
+
+
+    def _unreachable_in_wait(self, e: StoreUnavailable, attempt: int | None, what: str) -> NoReturn:
+        """What a store lost in :meth:`_wait` means: the join's own wait reconnects (within its deadline); inside an
+        attempt, the attempt is over (the next join waits for the store); a store nothing replaces, an error."""
+        if self.first_round and self.reconnect is not None:  # the join waits for it, not for long
+            self._store_lost_at = self._store_lost_at or time.monotonic()
+        if self.reconnect is not None and attempt is None:
+            raise e  # a join's wait (a fresh store's base)
+        if self.reconnect is not None:
+            raise RoundEnded(f"attempt {attempt} ended while waiting for {what}: {e}") from e
+        raise CoordinationError(f"the coordination store is unreachable while waiting for {what}: {e}") from e
 
 
 def _attempt_number(name: str, value: Signed) -> int:

@@ -469,6 +469,10 @@ class NodeGroup:
             except StoreUnavailable as e:
                 if self.job_end is None:
                     raise
+                try:  # a stalled connection is replaced (a bounded try every few seconds), as the watch does
+                    self.coordinator.reach_again()
+                except StoreUnavailable:
+                    pass
                 # gone with node 0, with no record of the job's end: after rendezvous_timeout, this attempt is over
                 # for this node too (the next join waits for the store, then exits for a requeue)
                 unreachable_since = unreachable_since or time.monotonic()

@@ -183,8 +183,9 @@ class NodeRun:
 
         def unused_spares() -> int:  # a spare takes a lost node's rank first: the job shrinks only when none is left
             return 0 if seat_of is None else spares_left(seat_of.roster, moved_slots(coordinator, size))
+        engine = self.engine
         role = round_role(rank, coordinator, self.tiers.persistent, say, shrink, unused_spares,
-                          self.membership.peers)
+                          lambda: engine.membership.peers)  # a spare's endpoint once it took a rank (move_peer)
         return NodeGroup(self.membership, self.engine, coordinator, role,
                          fr, self.stop, self.tiers, run.checkpoint_dir, run.state_dir, say,
                          observer=self.observer, spares=self.spares, job_end=job_end)

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 
 from supervisor.cluster.coordinator import RoundCoordinator
 from supervisor.cluster.endpoint_probe import EndpointProbe
+from supervisor.settings_vocabulary import REFUSED_FOR_S
 from supervisor.cluster.round_plan import compute_plan, compute_resized_plan, same_world, saved_by
 from supervisor.cluster.spares import DONE_KEY, JobEndWatch
 from supervisor.tiers.holdings import PERSISTENT_HOLDER, RoundPlan
@@ -79,15 +80,17 @@ class RoundLead:
 
     def __init__(self, coordinator: RoundCoordinator, persistent: PersistentTier | None,
                  say: Callable[[str], None], shrink: ShrinkSettings = ShrinkSettings(),
-                 spares_left: Callable[[], int] = lambda: 0, endpoints: Sequence[str] = (),
-                 probe: EndpointProbe | None = None) -> None:
+                 spares_left: Callable[[], int] = lambda: 0,
+                 endpoints: Callable[[], Sequence[str]] = lambda: (), probe: EndpointProbe | None = None) -> None:
         """``shrink``: when the job may go on with fewer nodes; ``spares_left``: the job's spares not yet used (a
         spare takes a lost node's rank first: the job shrinks only when none is left); ``endpoints``: each node's
-        replication endpoint, by node rank: a missing node whose endpoint refuses connects (``probe``) is gone, and
-        the shrink's wait ends before ``wait_s`` (as a spare's takeover does)."""
+        replication endpoint now, by node rank (a spare's, for a rank it took): a missing node whose endpoint refuses
+        connects (``probe``; default: for half of ``wait_s``) is gone, and the shrink's wait ends before ``wait_s``
+        (as a spare's takeover does; longer than the spare's rule: a shrink costs two world changes)."""
         self.coordinator, self.persistent, self.say = coordinator, persistent, say
         self.shrink, self.spares_left = shrink, spares_left
-        self.endpoints, self.probe = tuple(endpoints), probe or EndpointProbe()
+        self.endpoints = endpoints
+        self.probe = probe or EndpointProbe(refused_for_s=max(REFUSED_FOR_S, shrink.wait_s / 2))
         self.bad_persistent: set[Part] = set()
         self._came: dict[int, dict[int, NodeInventory]] = {}  # attempt -> the inventories its round planned with
         self._told: str = ""  # the last reason given for not going on with fewer nodes (said once)
@@ -147,7 +150,7 @@ class RoundLead:
         if floor is None or not self._ran_whole or self.coordinator.first_round or self.spares_left() > 0:
             came = dict(enumerate(self.coordinator.inventories(attempt)))
         else:
-            for endpoint in self.endpoints:  # each round asks afresh: a node refused before may be back
+            for endpoint in self.endpoints():  # each round asks afresh: a node refused before may be back
                 self.probe.forget(endpoint)
             came = self.coordinator.present_inventories(attempt, self.shrink.wait_s, floor, self._gone)
         self._came = {attempt: came}
@@ -155,7 +158,8 @@ class RoundLead:
 
     def _gone(self, node: int) -> bool:
         """Whether ``node``'s rlsup is gone by its host's word (refused connects), not only silent."""
-        return node < len(self.endpoints) and self.probe.gone(self.endpoints[node])
+        endpoints = self.endpoints()
+        return node < len(endpoints) and self.probe.gone(endpoints[node])
 
     def full_plan(self, attempt: int, inventories: list[NodeInventory], excluded: set[tuple[int, int, int]]) -> RoundPlan:
         """The newest step every part of which is somewhere: in the nodes' inventories, else (steps newer than
@@ -191,7 +195,8 @@ class RoundLead:
 
 def round_role(node_rank: int, coordinator: RoundCoordinator, persistent: PersistentTier | None,
                say: Callable[[str], None], shrink: ShrinkSettings = ShrinkSettings(),
-               spares_left: Callable[[], int] = lambda: 0, endpoints: Sequence[str] = ()) -> RoundRole:
+               spares_left: Callable[[], int] = lambda: 0,
+               endpoints: Callable[[], Sequence[str]] = lambda: ()) -> RoundRole:
     """Node 0 leads every round; the others follow."""
     return RoundLead(coordinator, persistent, say, shrink, spares_left, endpoints) if node_rank == 0 else RoundMember()
 

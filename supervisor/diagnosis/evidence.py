@@ -71,8 +71,8 @@ class StopSeen:
 
 @dataclass(frozen=True)
 class EndedElsewhere:
-    """The attempt ended without this node's job failing: another node ended it (``peer_failure``) or it
-    was never launched (``reason``); ``detail`` says why."""
+    """The attempt ended without this node's job failing: another node ended it (``peer_failure``; ``resized``:
+    node 0, to grow the job back) or it was never launched (``reason``); ``detail`` says why."""
 
     reason: EndReason
     detail: str

@@ -106,7 +106,8 @@ class AttemptWatch:
                 return self._stop_job(attempt, job, detector)
             elsewhere = self.peer_ended(attempt)
             if elsewhere is not None:
-                log.info(f"attempt {attempt}: ended by another node ({elsewhere.detail}); stopping this node's job")
+                who = "to grow the job back" if elsewhere.reason == EndReason.RESIZED else "by another node"
+                log.info(f"attempt {attempt}: ended {who} ({elsewhere.detail}); stopping this node's job")
                 if self.fr_share is not None and elsewhere.reason == EndReason.PEER_FAILURE:  # where that node asked,
                     # dumps first: the ranks still wait
                     self.fr_share.peer_ended(attempt, hb_dir, [r for r in detector.records if r >= 0])

@@ -269,6 +269,10 @@ class Supervisor:
         ending = evidence.ending
         if job_settled(ending) or (isinstance(ending, EndedElsewhere) and ending.reason in NOT_FAILED_ELSEWHERE):
             return classify(evidence)
+        if not isinstance(ending, EndedElsewhere):  # the job failed here: of node 0's end to grow the job back?
+            elsewhere = self.peers.peer_ended(evidence.attempt)  # (its ranks went first, before this watch looked)
+            if elsewhere is not None and elsewhere.reason == EndReason.RESIZED:
+                return classify(replace(evidence, ending=elsewhere))
         self.attempt_failed(evidence.attempt, classify(evidence))  # the verdict changes no reason or detail
         attempt_dir = state_files.attempt_path(self.state_dir, evidence.attempt)
         evidence = self.watcher.with_shared_flight(evidence, attempt_dir if attempt_dir.is_dir() else None)

@@ -24,6 +24,27 @@ from support.spares_cluster import took_rank
 from support.world_phases import Phase, check_data_order, consumed, consumed_from, run_chain, same_state
 
 
+def lose_node_2_at_held(cluster: ShrinkCluster) -> dict[int, int]:
+    """Run the job to HELD, lose node 2 there for good, and wait for the nodes left to end; their exit codes."""
+    try:
+        run_until_held(cluster)
+        lose(cluster, [2])
+        return cluster.wait_all(timeout=180)
+    finally:
+        cluster.kill_all()
+
+
+def same_weights_without_rlsup(cluster: ShrinkCluster, workdir: Path, world_after: int, model: str = "ddp",
+                               backend: str = "torch") -> tuple[Phase, Phase]:
+    """Assert node 0's final weights equal the same job's without rlsup (3 ranks to HELD, then ``world_after``
+    ranks from that save to the end), bit for bit; that reference run's phases."""
+    reference = (Phase(3, HELD, tuple(s for s in SAVE_AT if s <= HELD), range(1, HELD + 1)),
+                 Phase(world_after, UNTIL, tuple(s for s in SAVE_AT if s > HELD), range(HELD + 1, UNTIL + 1)))
+    run_chain(workdir / "reference", reference, model, backend)
+    assert same_state(cluster.node_dir(0) / "final.pt", workdir / "reference" / "final.pt") == []
+    return reference
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("model, backend, factor", [
     ("ddp", "torch", 1),
@@ -33,12 +54,7 @@ from support.world_phases import Phase, check_data_order, consumed, consumed_fro
 def test_a_lost_node_without_spare_shrinks_the_job_exactly(workdir: Path, model: str, backend: str,
                                                            factor: int) -> None:
     cluster = ShrinkCluster(workdir, model=model, backend=backend, replication_factor=factor)
-    try:
-        run_until_held(cluster)
-        lose(cluster, [2])
-        codes = cluster.wait_all(timeout=180)
-    finally:
-        cluster.kill_all()
+    codes = lose_node_2_at_held(cluster)
     assert codes[0] == 0 and codes[1] == 0, (codes, node_logs(cluster))
     for node in (0, 1):
         assert CONTINUED in cluster.log(node), (node, node_logs(cluster))
@@ -51,10 +67,7 @@ def test_a_lost_node_without_spare_shrinks_the_job_exactly(workdir: Path, model:
     assert all(m.world_size == 3 and m.resizable for m in manifests), manifests
 
     # The same job without rlsup: 3 ranks to HELD, then 2 ranks from that save to the end.
-    reference = (Phase(3, HELD, tuple(s for s in SAVE_AT if s <= HELD), range(1, HELD + 1)),
-                 Phase(2, UNTIL, tuple(s for s in SAVE_AT if s > HELD), range(HELD + 1, UNTIL + 1)))
-    run_chain(workdir / "reference", reference, model, backend)
-    assert same_state(cluster.node_dir(0) / "final.pt", workdir / "reference" / "final.pt") == []
+    reference = same_weights_without_rlsup(cluster, workdir, 2, model, backend)
     check_data_order(consumed(workdir / "reference", reference), UNTIL)
 
     # The ids the ranks consumed: the first attempt's up to HELD (what it took after HELD died with it and was
@@ -72,16 +85,8 @@ def test_a_spare_takes_the_lost_rank_first_and_the_job_never_shrinks(workdir: Pa
     """3 nodes and a spare, ``min_nodes`` 2: node 2 lost at HELD, the spare takes its rank; the job goes on with 3
     nodes (nothing says it continued on fewer) and ends with the weights of a run that kept 3 ranks throughout."""
     cluster = ShrinkCluster(workdir, spares=1)
-    try:
-        run_until_held(cluster)
-        lose(cluster, [2])
-        codes = cluster.wait_all(timeout=180)
-    finally:
-        cluster.kill_all()
+    codes = lose_node_2_at_held(cluster)
     assert codes[0] == 0 and codes[1] == 0 and codes[3] == 0, (codes, node_logs(cluster))
     assert took_rank(cluster.log(3)) == 2, node_logs(cluster)
     assert all("continued on" not in cluster.log(n) for n in (0, 1, 3)), node_logs(cluster)
-    reference = (Phase(3, HELD, tuple(s for s in SAVE_AT if s <= HELD), range(1, HELD + 1)),
-                 Phase(3, UNTIL, tuple(s for s in SAVE_AT if s > HELD), range(HELD + 1, UNTIL + 1)))
-    run_chain(workdir / "reference", reference, "ddp", "torch")
-    assert same_state(cluster.node_dir(0) / "final.pt", workdir / "reference" / "final.pt") == []
+    same_weights_without_rlsup(cluster, workdir, 3)

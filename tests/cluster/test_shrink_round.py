@@ -163,6 +163,38 @@ def test_a_node_waiting_to_grow_back_gives_up_on_a_store_gone_without_the_job_s_
     assert "stayed unreachable for 1s while waiting to grow back into attempt 1" in str(error), error
 
 
+def test_a_grow_back_end_is_told_apart_from_a_failure_only_when_it_won() -> None:
+    """Every node reads an attempt's end as ``resized`` only when the end that won is node 0's end to grow back: a
+    failure's end written first stays a failure though the grow's mark follows; a retried grow keeps its first
+    words (a reply lost after the end was written never turns the grow into a failure)."""
+    store = MemoryKVStore()
+    lead, member = (RoundCoordinator(store, JOB, SECRET, n, 3, 60.0) for n in (0, 1))
+    member.end(1, "node 1: exit_code 1")
+    assert lead.end_to_resize(1, "node 0: grow back at step 30") == "node 1: exit_code 1"
+    assert member.ending(1) == ("node 1: exit_code 1", EndReason.PEER_FAILURE)
+    assert lead.end_to_resize(2, "node 0: grow back at step 30") == "node 0: grow back at step 30"
+    assert lead.end_to_resize(2, "node 0: grow back at step 40") == "node 0: grow back at step 30"
+    assert member.ending(2) == ("node 0: grow back at step 30", EndReason.RESIZED)
+    assert member.ending(3) is None
+
+
+def test_every_missing_node_is_probed_in_each_look() -> None:
+    """With two nodes missing, each look asks about both (their probes run side by side), and the wait ends once
+    both are gone: not one node per look."""
+    store = MemoryKVStore()
+    coordinators = [RoundCoordinator(store, JOB, SECRET, n, 4, 60.0) for n in range(4)]
+    coordinators[0].first_round = False
+    for node in (0, 1):
+        coordinators[node].publish_inventory(4, NodeInventory(node))
+    asked: list[int] = []
+
+    def gone(node: int) -> bool:  # each node is judged gone from its second probe on
+        asked.append(node)
+        return asked.count(node) > 1
+    came = coordinators[0].present_inventories(4, 3600.0, 2, gone)
+    assert sorted(came) == [0, 1] and asked == [2, 3, 2, 3], asked
+
+
 def test_the_shrink_wait_ends_once_the_missing_node_s_endpoint_refuses_and_a_listening_one_is_waited_for() -> None:
     """The lead's wait for a missing node (``spare_takeover_s``, an hour here) ends once its replication endpoint
     refuses connects (its rlsup is gone: the spare's rule, supervisor.cluster.endpoint_probe); a node whose endpoint
@@ -186,7 +218,7 @@ def test_the_shrink_wait_ends_once_the_missing_node_s_endpoint_refuses_and_a_lis
 
         def planned(endpoints: list[str], attempt: int) -> tuple[threading.Thread, dict]:
             lead = RoundLead(coordinators[0], None, lambda line: None, ShrinkSettings(2, 3600.0), lambda: 0,
-                             endpoints, EndpointProbe(check=counted))
+                             lambda: endpoints, EndpointProbe(check=counted))
             lead._ran_whole = True
             got: dict = {}
             t = threading.Thread(target=lambda: got.setdefault("plan", lead.plan(attempt, set())), daemon=True)

@@ -28,7 +28,9 @@ from supervisor.config import SupervisorConfig
 from supervisor.tiers.holdings import NodeInventory
 from supervisor.cluster.coordinator import RoundCoordinator
 from supervisor.cluster.embedded_store import embedded_coordinator
+from supervisor.diagnosis.evidence import EndedElsewhere
 from supervisor.job_identity import JobIdentity
+from supervisor.lifecycle import EndReason
 from supervisor.cluster.kvstore import OP_TIMEOUT_S, StoreUnavailable, TCPKVStore
 from supervisor.membership import Membership
 from supervisor.cluster.node_run import NodeRun
@@ -80,7 +82,7 @@ def test_the_watch_sees_a_peers_end_after_the_store_stalled(tmp_path: Path) -> N
 
         RoundCoordinator(TCPKVStore("127.0.0.1", port, False, 10.0), JOB, SECRET, 0, 2, 60.0).end(0, "node 0: exit 1")
         seen = wait_for(lambda: sup.peer_ended(0), 30, "node 1's watch to see node 0's end once the store answers")
-        assert seen == "node 0: exit 1"
+        assert seen == EndedElsewhere(EndReason.PEER_FAILURE, "node 0: exit 1")
         assert member.store is not stalled
     finally:
         os.kill(host.pid, signal.SIGCONT)

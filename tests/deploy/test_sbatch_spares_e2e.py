@@ -44,12 +44,20 @@ def torchrun_args(argv: list[str]) -> list[str]:
     return argv[argv.index("--") + 1:]
 
 
-def test_spares_run_the_job_on_n_and_every_node_gets_peers_of_n_plus_k(tmp_path: Path) -> None:
-    fake, r = run_batch(tmp_path, 5, RLSUP_SPARES="01")  # as typed: a leading zero is still decimal
+def run_elastic_batch(tmp_path: Path, allocated: int, says: str, **extra: str) -> FakeSlurm:
+    """:func:`run_batch` of a job that may lose a node (spares, min_nodes): it ends 0, says ``says``, and its one step
+    runs on every allocated node and outlives a failed one (--no-kill)."""
+    fake, r = run_batch(tmp_path, allocated, **extra)
     assert r.returncode == 0, r.stdout + r.stderr
     (step,) = fake.sruns()
-    assert "--no-kill" in step["options"] and "--nodes=5" in step["options"], step
-    assert "5 node(s) (4 for the job, the last 1 spare)" in r.stdout, r.stdout
+    assert "--no-kill" in step["options"] and f"--nodes={allocated}" in step["options"], step
+    assert says in r.stdout, r.stdout
+    return fake
+
+
+def test_spares_run_the_job_on_n_and_every_node_gets_peers_of_n_plus_k(tmp_path: Path) -> None:
+    # RLSUP_SPARES as typed: a leading zero is still decimal
+    fake = run_elastic_batch(tmp_path, 5, "5 node(s) (4 for the job, the last 1 spare)", RLSUP_SPARES="01")
     for rank, name in enumerate(nodes(5)):
         seen = fake.node(name)
         assert seen["argv"][:3] == ["run", "--state-dir", str(tmp_path / "job" / "rlsup-state" / name)], seen
@@ -82,11 +90,16 @@ def test_without_spares_a_killed_node_is_srun_s_answer_as_before(tmp_path: Path)
 
 
 @pytest.mark.parametrize("how", ["FAKE_ENDS", "FAKE_LOST"])
-def test_a_node_lost_while_a_spare_finished_its_part_ends_the_job_as_succeeded(tmp_path: Path, how: str) -> None:
-    """SIGKILLed (its task's shell writes 137) or gone with its node (nothing written): the others' 0 counts."""
-    fake, r = run_batch(tmp_path, 4, RLSUP_SPARES="1", **{how: "n2=kill" if how == "FAKE_ENDS" else "n2"})
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert "lost node(s): n2" in r.stdout and "the other nodes exited 0" in r.stdout, r.stdout
+@pytest.mark.parametrize(("allocated", "elastic", "lost"), [(4, {"RLSUP_SPARES": "1"}, "n2"),
+                                                           (3, {"RLSUP_MIN_NODES": "2"}, "n3")],
+                         ids=["spare", "min_nodes"])
+def test_a_node_lost_while_the_others_finished_ends_the_job_as_succeeded(tmp_path: Path, how: str, allocated: int,
+                                                                         elastic: dict[str, str], lost: str) -> None:
+    """SIGKILLed (its task's shell writes 137) or gone with its node (nothing written): the others' 0 counts, whether
+    a spare finished the lost node's part or the nodes left finished without it (min_nodes)."""
+    fake, r = run_batch(tmp_path, allocated, **elastic, **{how: f"{lost}=kill" if how == "FAKE_ENDS" else lost})
+    assert r.returncode == 0 and "rlsup exited 0" in r.stdout, r.stdout + r.stderr
+    assert f"lost node(s): {lost}" in r.stdout and "the other nodes exited 0" in r.stdout, r.stdout
     assert not any(c.startswith("requeue") for c in fake.scontrol_calls())
 
 
@@ -227,11 +240,8 @@ def test_without_spares_a_requeue_beside_a_node_that_exited_0_is_not_a_requeue(t
 # ---- min_nodes (issue 43): out of spares, the nodes left go on with at least RLSUP_MIN_NODES of the job's
 
 def test_min_nodes_is_passed_to_every_node_and_the_step_outlives_a_lost_node(tmp_path: Path) -> None:
-    fake, r = run_batch(tmp_path, 3, RLSUP_MIN_NODES="02")  # as typed: a leading zero is still decimal
-    assert r.returncode == 0, r.stdout + r.stderr
-    (step,) = fake.sruns()
-    assert "--no-kill" in step["options"] and "--nodes=3" in step["options"], step
-    assert "3 node(s), going on with at least 2," in r.stdout, r.stdout
+    # RLSUP_MIN_NODES as typed: a leading zero is still decimal
+    fake = run_elastic_batch(tmp_path, 3, "3 node(s), going on with at least 2,", RLSUP_MIN_NODES="02")
     for rank, name in enumerate(nodes(3)):
         seen = fake.node(name)
         assert seen["env"]["RLSUP_MIN_NODES"] == "2" and seen["env"]["RLSUP_SPARES"] is None, seen
@@ -239,9 +249,8 @@ def test_min_nodes_is_passed_to_every_node_and_the_step_outlives_a_lost_node(tmp
 
 
 def test_min_nodes_beside_spares_counts_the_job_s_nodes_only(tmp_path: Path) -> None:
-    fake, r = run_batch(tmp_path, 5, RLSUP_SPARES="1", RLSUP_MIN_NODES="3")
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert "5 node(s) (4 for the job, the last 1 spare), going on with at least 3," in r.stdout, r.stdout
+    fake = run_elastic_batch(tmp_path, 5, "5 node(s) (4 for the job, the last 1 spare), going on with at least 3,",
+                             RLSUP_SPARES="1", RLSUP_MIN_NODES="3")
     seen = fake.node("n5")
     assert seen["env"]["RLSUP_MIN_NODES"] == "3" and seen["env"]["RLSUP_SPARES"] == "1", seen
 
@@ -256,15 +265,6 @@ def test_min_nodes_of_every_node_or_0_never_shrinks_and_the_step_is_as_before(tm
     assert step["options"] == ["--nodes=3", "--ntasks-per-node=1", "--kill-on-bad-exit=0"], step
     assert "going on with" not in r.stdout, r.stdout
     assert fake.node("n2")["env"]["RLSUP_MIN_NODES"] == (floor if floor == "3" else None)
-
-
-@pytest.mark.parametrize("how", ["FAKE_ENDS", "FAKE_LOST"])
-def test_a_node_lost_while_the_others_finished_without_it_ends_the_job_as_succeeded(tmp_path: Path, how: str
-                                                                                    ) -> None:
-    fake, r = run_batch(tmp_path, 3, RLSUP_MIN_NODES="2", **{how: "n3=kill" if how == "FAKE_ENDS" else "n3"})
-    assert r.returncode == 0 and "rlsup exited 0" in r.stdout, r.stdout + r.stderr
-    assert "lost node(s): n3" in r.stdout and "the other nodes exited 0" in r.stdout, r.stdout
-    assert not any(c.startswith("requeue") for c in fake.scontrol_calls())
 
 
 def test_a_node_lost_leaving_too_few_nodes_requeues_the_job(tmp_path: Path) -> None:

@@ -203,3 +203,22 @@ def test_an_attempt_ended_to_grow_the_job_back_is_no_failure(tmp_path: Path) -> 
     assert [(i["reason"], i["action"]) for i in incidents(tmp_path)] == [("resized", "restart")] * 2
     assert rec.failures == [] and rec.states.count("resizing") == 2 and "backoff" not in rec.states
     assert all(j.code is not None or j.signals for j in layer.jobs[:2])  # each ended attempt's job was stopped
+
+
+def test_a_job_that_died_of_node_0_s_end_to_grow_back_is_no_failure(tmp_path: Path) -> None:
+    """Node 0 ended the attempt to grow back and killed its ranks: this node's ranks die in their collective before
+    its watch looked at the store. The exit is taken for what it is, the grow (``resized``), not a failure."""
+    layer: list = []
+
+    class DiedOfTheGrow(SingleNode):
+        def peer_ended(self, attempt: int) -> EndedElsewhere | None:
+            exited = attempt == 0 and layer and layer[0].jobs and layer[0].jobs[0].code is not None
+            return EndedElsewhere(EndReason.RESIZED, "node 0: ending attempt 0 to grow back") if exited else None
+
+    sup, processes, rec = make(tmp_path, Attempt(exit_code=1, exit_at=2), Attempt(exit_code=0),
+                               peers=DiedOfTheGrow(), max_restarts=0)
+    layer.append(processes)
+    result = sup.run()
+    assert (result.exit_code, result.status, result.attempts) == (0, JobStatus.SUCCEEDED, 2)
+    assert [(i["reason"], i["action"]) for i in incidents(tmp_path)] == [("resized", "restart")]
+    assert rec.failures == []
