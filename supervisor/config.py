@@ -113,7 +113,7 @@ class SupervisorConfig:
                                    f"sooner when the node's host refuses connects to its endpoint for {REFUSED_FOR_S:g} s (its rlsup is gone: nothing listens there). "
                                    "A node that arrives later is refused (exit 77) and may rejoin as a spare.")
     min_nodes: int = _opt(0, "Fewest nodes the job may run on: when a node is lost and no spare takes its rank within "
-                          "spare_takeover_s (sooner once its endpoint refuses connects for half that time), the job "
+                          "spare_takeover_s (sooner once its endpoint refuses connects, as for a spare), the job "
                           "goes on with the nodes left if at least min_nodes remain and the trainer's checkpoints can "
                           "be restored into another world size (trainer_hooks saves marked resizable); otherwise it "
                           "waits and requeues (exit 75) as before. Once the lost node (or a replacement) is back, the "
@@ -480,12 +480,6 @@ def node_membership(eff: EffectiveConfig, environ: typing.Mapping[str, str] | No
                           "tier drains the same steps on every node, which a time cadence cannot promise (clocks and "
                           "speeds differ); use disk_every (steps) instead")
     return membership
-
-
-def effective_min_nodes(min_nodes: int, job_nodes: int) -> int:
-    """The fewest nodes the job may go on with: ``min_nodes``, where 0 (the default) means ``job_nodes`` (the
-    job's node count, ``len(peers) - spares``): it never shrinks. One rule, so no caller reads 0 as 'any'."""
-    return min_nodes or job_nodes
 
 
 # ---------------------------------------------------------------- rendering

@@ -72,7 +72,6 @@ from supervisor.cluster.round_errors import CoordinationError, JobClash, NodesMi
 from supervisor.cluster.kvstore import (CONNECT_SLICE_S, OP_TIMEOUT_S, KVStore, StoreUnavailable)
 from supervisor.cluster.liveness import LIVENESS_REFRESH_S, LapseWatch, LivenessBeat, live_key
 from supervisor.cluster.signed_keys import AbortKind, AbortNotice, Signed, SignedKeys
-from supervisor.settings_vocabulary import REFUSED_FOR_S
 from supervisor.stop_request import StopRequest
 
 log = logging.getLogger(__name__)
@@ -513,7 +512,7 @@ class RoundCoordinator:
         end_name = f"end/{attempt}" if attempt is not None else None
         got: dict[str, Signed] = {}
         next_abort_look, tell_at = time.monotonic() + ABORT_POLL_S, time.monotonic() + WAIT_TELL_S
-        next_beat_look, next_partial_look = time.monotonic(), started + REFUSED_FOR_S  # no node is gone sooner
+        next_beat_look = next_partial_look = time.monotonic()
         changed = True  # whether to poll: the store may know that nothing we wait for was written since the last
         while True:
             self.check_stop(what)

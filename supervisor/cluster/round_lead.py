@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 
 from supervisor.cluster.coordinator import RoundCoordinator
 from supervisor.cluster.endpoint_probe import EndpointProbe
-from supervisor.settings_vocabulary import REFUSED_FOR_S
 from supervisor.cluster.round_plan import compute_plan, compute_resized_plan, same_world, saved_by
 from supervisor.cluster.spares import DONE_KEY, JobEndWatch
 from supervisor.tiers.holdings import PERSISTENT_HOLDER, RoundPlan
@@ -85,12 +84,12 @@ class RoundLead:
         """``shrink``: when the job may go on with fewer nodes; ``spares_left``: the job's spares not yet used (a
         spare takes a lost node's rank first: the job shrinks only when none is left); ``endpoints``: each node's
         replication endpoint now, by node rank (a spare's, for a rank it took): a missing node whose endpoint refuses
-        connects (``probe``; default: for half of ``wait_s``) is gone, and the shrink's wait ends before ``wait_s``
-        (as a spare's takeover does; longer than the spare's rule: a shrink costs two world changes)."""
+        connects (``probe``, the spare's rule: :mod:`supervisor.cluster.endpoint_probe`) is gone, and the shrink's
+        wait ends before ``wait_s``, as a spare's takeover does."""
         self.coordinator, self.persistent, self.say = coordinator, persistent, say
         self.shrink, self.spares_left = shrink, spares_left
         self.endpoints = endpoints
-        self.probe = probe or EndpointProbe(refused_for_s=max(REFUSED_FOR_S, shrink.wait_s / 2))
+        self.probe = probe or EndpointProbe()
         self.bad_persistent: set[Part] = set()
         self._came: dict[int, dict[int, NodeInventory]] = {}  # attempt -> the inventories its round planned with
         self._told: str = ""  # the last reason given for not going on with fewer nodes (said once)

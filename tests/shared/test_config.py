@@ -199,12 +199,13 @@ def test_min_nodes_refusals_name_the_key_and_the_numbers(rlsup: Rlsup) -> None:
 
 
 def test_min_nodes_within_the_job_is_accepted_and_0_means_every_node() -> None:
-    from supervisor.config import effective_min_nodes, load_config, node_membership
+    from supervisor.cluster.round_lead import ShrinkSettings
+    from supervisor.config import load_config, node_membership
 
     four = {"peers": ("127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3", "127.0.0.1:4"), "node_rank": 0, "spares": 1}
     for floor in (0, 1, 3):
         membership = node_membership(load_config(environ={}, overrides={**four, "min_nodes": floor}), {})
         assert membership is not None and membership.size == 4
     assert node_membership(load_config(environ={}, overrides={"min_nodes": 0}), {}) is None  # single node: default
-    assert effective_min_nodes(0, 3) == 3  # the default: never shrink
-    assert effective_min_nodes(2, 3) == 2 and effective_min_nodes(3, 3) == 3
+    assert ShrinkSettings(0).floor(3) is None  # the default: never shrink (every node, always)
+    assert ShrinkSettings(2).floor(3) == 2 and ShrinkSettings(3).floor(3) is None  # the job's own size: never fewer
