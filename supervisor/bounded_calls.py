@@ -105,6 +105,9 @@ class BoundedCalls:
                         self.what, self.deadline_s)
             return default
         ok, value = box[0]
+        if not ok and isinstance(value, ChildLost):  # no answer, as past the deadline: the caller goes on without it
+            log.warning("%s gave no answer (%s); going on without it", self.what, value)
+            return default
         if not ok:
             raise value  # type: ignore[misc]
         for name, item in kept.items():
@@ -141,7 +144,12 @@ REAP_WAIT_S = 1.0
 
 
 class ChildCallFailed(OSError):
-    """The forked call raised (its type and message), or its child ended without an answer."""
+    """The forked call raised (its type and message), or its child ended without an answer (:class:`ChildLost`)."""
+
+
+class ChildLost(ChildCallFailed):
+    """The forked call's child ended without an answer (killed, or it died before the call ran): the call gave no
+    answer, as one past its deadline; :meth:`BoundedCalls.call` returns its default then."""
 
 
 def note(text: str) -> None:
@@ -236,7 +244,7 @@ def _run_forked(fn: Callable[[], T], label: str, owner: object, keep: tuple[str,
     # wait on a mount: it closes its files on the way out).
     reaped.wait(REAP_WAIT_S)
     if answer is None:
-        raise ChildCallFailed(f"{label}: its child (pid {pid}) ended without an answer")
+        raise ChildLost(f"{label}: its child (pid {pid}) ended without an answer")
     ok, value, kept = answer
     if not ok:
         raise ChildCallFailed(value)

@@ -201,6 +201,29 @@ def test_a_forked_call_raises_what_failed_and_an_unpicklable_value_is_an_error()
         run_forked(lambda: threading.Lock(), "test-pass")
 
 
+def test_a_forked_call_whose_child_died_without_an_answer_gives_the_default_not_an_error(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A child killed before it answered (the OOM killer, a stray SIGKILL): run_forked says so (ChildLost), and a
+    bounded call goes on with its default as past its deadline; a crash of rlsup's loop was the old outcome (seen in
+    CI: the launch's checkpoint note under load). Its own exception still reaches the caller."""
+    import os
+    import signal
+
+    from supervisor.bounded_calls import BoundedCalls, ChildCallFailed, ChildLost, run_forked
+
+    def killed() -> int:
+        os.kill(os.getpid(), signal.SIGKILL)
+        return 1
+
+    with pytest.raises(ChildLost, match="ended without an answer"):
+        run_forked(killed, "test-pass")
+    calls = BoundedCalls("reading the test directory", 30.0, forked=True)
+    assert calls.call(killed, -1) == -1
+    assert "reading the test directory gave no answer" in caplog.text
+    with pytest.raises(ChildCallFailed, match="FileNotFoundError"):
+        calls.call(lambda: open("/nonexistent/rlsup-test").read(), "")
+
+
 _FORK_WATCH: list = []  # set while the registration test runs: its at-fork hook (os.register_at_fork stays)
 
 
