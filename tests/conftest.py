@@ -172,3 +172,18 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
                 os.kill(pid, signal.SIGKILL)
         except (OSError, ValueError, IndexError):
             pass
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group_left_in_dtensor_s_cache() -> Iterator[None]:
+    """After a test that ran DTensor ops in process: empty torch's thread-local sharding cache, whose entries hold
+    the test's process groups. Left there, a later fork from another thread of this worker (rlsup's forked bounded
+    calls, tested in process) tears that cache down in the child, and the gloo group's destructor waits for threads
+    the child does not have: the call's child hangs, the call gives its default after its deadline, and the test
+    asserting on its answer fails only when such a module ran earlier on the same worker (seen in CI under
+    ``--dist loadfile``; the stack is in pytest_sessionfinish's docstring)."""
+    yield
+    if "torch.distributed.tensor" in sys.modules:
+        clear = getattr(sys.modules["torch"]._C, "_clear_DTensor_sharding_propagator_cache", None)
+        if clear is not None:
+            clear()
