@@ -482,7 +482,7 @@ class NodeGroup:
                                      f"{attempt}: {e}") from e
             self.stop.wait(GROW_POLL_S, GROW_POLL_S)
 
-    def peer_ended(self, attempt: int) -> EndedElsewhere | None:
+    def peer_ended(self, attempt: int, grow: bool = True) -> EndedElsewhere | None:
         """Another node's end of the attempt (or, on the lead of a smaller world, its own end of it to grow back:
         :class:`_BackWatch`). A store that stopped answering is reached again
         (:meth:`RoundCoordinator.reach_again`: a bounded try every few seconds), so a stall does not leave the
@@ -498,7 +498,7 @@ class NodeGroup:
                 if not self.coordinator.reach_again():  # nothing replaced (etcd): one blocking call per poll
                     return None
                 ending = self.coordinator.ending(attempt)
-            if ending is None and self._back is not None and self._grow_at_save(attempt, self._back):
+            if ending is None and grow and self._back is not None and self._grow_at_save(attempt, self._back):
                 ending = self.coordinator.ending(attempt)
         except Exception:  # noqa: BLE001 - the store is gone (node 0 finished or was lost; etcd cut off), or a stop: the watch goes on
             over = self.job_end.over() if self.job_end is not None else None  # it finished without this node?

@@ -270,7 +270,8 @@ class Supervisor:
         if job_settled(ending) or (isinstance(ending, EndedElsewhere) and ending.reason in NOT_FAILED_ELSEWHERE):
             return classify(evidence)
         if not isinstance(ending, EndedElsewhere):  # the job failed here: of node 0's end to grow the job back?
-            elsewhere = self.peers.peer_ended(evidence.attempt)  # (its ranks went first, before this watch looked)
+            elsewhere = self.peers.peer_ended(evidence.attempt, grow=False)  # (its ranks went first, before the watch
+            # looked); never the grow node 0 would start now: its own failure is a failure
             if elsewhere is not None and elsewhere.reason == EndReason.RESIZED:
                 return classify(replace(evidence, ending=elsewhere))
         self.attempt_failed(evidence.attempt, classify(evidence))  # the verdict changes no reason or detail

@@ -73,9 +73,10 @@ class Peers(Protocol):
         """The resume point every node starts ``attempt`` from (``own_choice``: this node's own choice);
         :class:`supervisor.run.loop.AttemptAbandoned` when the attempt is over before launch."""
 
-    def peer_ended(self, attempt: int) -> EndedElsewhere | None:
+    def peer_ended(self, attempt: int, grow: bool = True) -> EndedElsewhere | None:
         """Polled while the job runs: another node ended ``attempt`` (``peer_failure``; ``resized`` when node 0
-        ended it to grow the job back), or None."""
+        ended it to grow the job back), or None. ``grow``: node 0 may end it now to grow back (not once its own
+        job ended: a failure of its own is never passed off as a grow)."""
 
     def attempt_failed(self, attempt: int, result: AttemptResult) -> None:
         """This node's attempt failed: the other nodes are told (before the incident is recorded)."""
@@ -109,7 +110,7 @@ class SingleNode:
     def agree(self, attempt: int, own_choice: Callable[[], ResumePoint | None]) -> ResumePoint | None:
         return own_choice()
 
-    def peer_ended(self, attempt: int) -> EndedElsewhere | None:
+    def peer_ended(self, attempt: int, grow: bool = True) -> EndedElsewhere | None:
         return None
 
     def attempt_failed(self, attempt: int, result: AttemptResult) -> None:

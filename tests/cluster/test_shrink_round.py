@@ -304,6 +304,8 @@ def test_a_lost_node_back_waits_for_the_next_save_and_the_next_round_grows_the_j
     cluster.save(30, world=[0, 1], resizable=True)
     cluster.replicate(30, nodes=[0, 1])
     lead._back.next_look = 0.0
+    # asked once its own job ended (a failure of its own): never passed off as a grow, nothing ended
+    assert lead.peer_ended(1, grow=False) is None and lead.coordinator.ended(1) is None
     ended = lead.peer_ended(1)
     assert ended is not None and "grow back to 3 nodes" in ended.detail and "step 30" in ended.detail
     assert ended.reason == EndReason.RESIZED  # not a failure: the restart policy does not count it

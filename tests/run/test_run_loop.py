@@ -189,7 +189,7 @@ class _GrowingBack(SingleNode):
     """Node 0 of a smaller world ends attempts 0 and 1 to grow the job back (``resized``), as
     :class:`supervisor.cluster.multinode.NodeGroup` reports it; the job's other side is not needed here."""
 
-    def peer_ended(self, attempt: int) -> EndedElsewhere | None:
+    def peer_ended(self, attempt: int, grow: bool = True) -> EndedElsewhere | None:
         return EndedElsewhere(EndReason.RESIZED, f"node 0: ending attempt {attempt} to grow back") if attempt < 2 else None
 
 
@@ -211,7 +211,7 @@ def test_a_job_that_died_of_node_0_s_end_to_grow_back_is_no_failure(tmp_path: Pa
     layer: list = []
 
     class DiedOfTheGrow(SingleNode):
-        def peer_ended(self, attempt: int) -> EndedElsewhere | None:
+        def peer_ended(self, attempt: int, grow: bool = True) -> EndedElsewhere | None:
             exited = attempt == 0 and layer and layer[0].jobs and layer[0].jobs[0].code is not None
             return EndedElsewhere(EndReason.RESIZED, "node 0: ending attempt 0 to grow back") if exited else None
 
