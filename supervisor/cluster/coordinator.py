@@ -26,7 +26,8 @@ CLI show) together; the nodes agree on it in one *round* of the store:
    instead of ending. Then each node marks ``ready/a/<node>``; node 0 waits for all and publishes
    ``ready/a/all``; all launch once they see it;
 4. the first node whose attempt fails creates ``end/a`` (first writer wins; node 0 ending a smaller world's attempt
-   to grow it back marks ``resize/a`` first); every other node sees it, stops its attempt, and all go to a+1.
+   to grow it back marks ``resize/a`` first, and a success there ``succeeded/a``: the two race at the job's last
+   save); every other node sees it, stops its attempt, and all go to a+1.
 
 Only node 0 reads one key per node (the proposals, inventories, fetch results and ready marks); every
 other node reads a constant number of keys per attempt, so what it sends and receives does not grow with
@@ -54,23 +55,18 @@ node that reached the store and then died ends it for all within seconds (:mod:`
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 import weakref
 from typing import Callable, Iterable, NoReturn
 
-from supervisor.tiers.holdings import (
-    FetchResult,
-    NodeInventory,
-    RecordError,
-    RoundPlan,
-)
+from supervisor.tiers.holdings import FetchResult, NodeInventory, RecordError, RoundPlan
 from supervisor.job_identity import JobIdentity
 from supervisor.lifecycle import EndReason
-from supervisor.cluster.round_errors import CoordinationError, JobClash, NodesMissing, PeerLost, RoundEnded, aborted
+from supervisor.cluster.round_errors import CoordinationError, NodesMissing, PeerLost, RoundEnded, aborted
 from supervisor.cluster.kvstore import (CONNECT_SLICE_S, OP_TIMEOUT_S, KVStore, StoreUnavailable)
 from supervisor.cluster.liveness import LIVENESS_REFRESH_S, LapseWatch, LivenessBeat, live_key
+from supervisor.cluster import store_host
 from supervisor.cluster.signed_keys import AbortKind, AbortNotice, Signed, SignedKeys
 from supervisor.stop_request import StopRequest
 
@@ -79,7 +75,6 @@ log = logging.getLogger(__name__)
 
 WAIT_POLL_MIN_S = 0.002  # a wait polls fast at first (agreement is quick when every node is there) ...
 WAIT_POLL_MAX_S = 0.05  # ... and backs off to this
-HOST_KEY = "rlsup/host"
 ABORT_MAX_AGE_S = 60.0  # an abort written this long before this node started belongs to an earlier run
 ABORT_POLL_S = 0.5  # how often a wait looks at ``abort`` (one more read; the attempt's end is read every poll)
 PARTIAL_LOOK_S = 0.2  # a wait that may end short (``enough``) reads what came this often, per 64 keys (one check each)
@@ -131,35 +126,9 @@ class RoundCoordinator:
     def describe(self) -> str:
         return self.store.describe()
 
-    # ------------------------------------------------------------ the embedded store's owner
-
-    def claim_host(self) -> None:
-        """Node 0 of the embedded store: record which job this store is for (before anyone joins)."""
-        self.store.set(HOST_KEY, self.keys.seal(HOST_KEY, json.dumps({"job": self.job.id, "source": self.job.source})))
-
     def check_host(self) -> None:
-        """Refuse a store hosted for another job (:class:`JobClash`, naming both)."""
-        deadline = time.monotonic() + min(10.0, self.timeout_s)
-        raw = self.store.get(HOST_KEY)
-        while raw is None and time.monotonic() < deadline:  # node 0 sets it right after binding the port
-            self.check_stop(f"node 0 to claim the coordination store {self.describe()}")
-            time.sleep(WAIT_POLL_MAX_S)
-            raw = self.store.get(HOST_KEY)
-        other = self.host_owner(raw)
-        if other is not None:
-            raise JobClash(f"the coordination store {self.describe()} is hosted for {other}; this node is job "
-                           f"{self.job}. Two jobs on the same hosts need their own coordinator_port (and "
-                           "replication ports); the nodes of one job need the same job_name or checkpoint_dir")
-
-    def host_owner(self, raw: bytes | None) -> str | None:
-        """None when ``raw`` (the store's host record) is this job's or absent; else who holds the store."""
-        if raw is None or self.keys.open(HOST_KEY, raw, quiet=True) is not None:
-            return None
-        try:
-            other = json.loads(json.loads(raw.decode().partition(":")[2])["v"])
-            return f"rlsup job {other['job']!r} ({other['source']}; or a job signing with another secret)"
-        except (UnicodeDecodeError, ValueError, KeyError, TypeError):
-            return "another job (its record does not parse)"
+        """Refuse an embedded store hosted for another job (:func:`supervisor.cluster.store_host.check`)."""
+        store_host.check(self.keys, self.job, min(10.0, self.timeout_s), self.check_stop)
 
     # ------------------------------------------------------------ attempts
 
@@ -426,7 +395,15 @@ class RoundCoordinator:
 
     def end_to_resize(self, attempt: int, reason: str) -> str:
         """Node 0 ends ``attempt`` to grow the job back, marked first so every node tells it from a failure (:meth:`ending`)."""
-        marked = self.keys.create(f"resize/{attempt}", reason).payload  # a retry keeps the first words: ending()
+        return self._end_marked("resize", attempt, reason)
+
+    def end_succeeded(self, attempt: int, reason: str) -> str:
+        """This node's ranks all exited 0 in a smaller world: the success claims the attempt's one end, against a grow
+        back the lead started at the same save (the job's last). Returns the words that won (:meth:`ending`)."""
+        return self._end_marked("succeeded", attempt, reason)
+
+    def _end_marked(self, mark: str, attempt: int, reason: str) -> str:
+        marked = self.keys.create(f"{mark}/{attempt}", reason).payload  # a retry keeps the first words: ending()
         return self.end(attempt, marked)
 
     def mark_back(self, attempt: int) -> None:
@@ -440,12 +417,14 @@ class RoundCoordinator:
         return [n for n, m in zip(nodes, marks) if m is not None]
 
     def ending(self, attempt: int) -> tuple[str, EndReason] | None:
-        """Non-blocking: why ``attempt`` ended, ``resized`` if by :meth:`end_to_resize` else ``peer_failure``; or None."""
+        """Non-blocking: why ``attempt`` ended, ``resized`` if by :meth:`end_to_resize`, ``success`` if by
+        :meth:`end_succeeded`, else ``peer_failure``; or None while it runs."""
         why = self.ended(attempt)
         if why is None:
             return None
-        resize = self.keys.get(f"resize/{attempt}")
-        return why, EndReason.RESIZED if resize is not None and resize.payload == why else EndReason.PEER_FAILURE
+        marks = self.keys.get_many([f"resize/{attempt}", f"succeeded/{attempt}"])
+        kinds = (EndReason.RESIZED, EndReason.SUCCESS)
+        return why, next((k for k, m in zip(kinds, marks) if m is not None and m.payload == why), EndReason.PEER_FAILURE)
 
     def reach_again(self) -> bool:
         """For the run loop's watch of a running attempt, after a store call failed: a store connection that

@@ -460,7 +460,9 @@ class NodeGroup:
             if self.job_end is not None and (over := self.job_end.over()) is not None:
                 raise JobEnded(over)  # the job finished (its store may be gone with node 0)
             try:
-                if (ending := self.coordinator.ending(attempt)) is not None:
+                if (ending := self.coordinator.ending(attempt)) is not None and ending[1] is EndReason.SUCCESS:
+                    raise JobEnded(f"attempt {attempt} of the smaller world succeeded without this node ({ending[0]})")
+                if ending is not None:
                     raise RoundEnded(f"attempt {attempt} ended: {ending[0]}", ending[1])
                 if job_done(self.coordinator):
                     raise JobEnded(f"the coordination store {self.coordinator.describe()} says the job finished "
@@ -506,7 +508,28 @@ class NodeGroup:
         if self._store_lost:
             self._store_lost = False
             self._log(f"the coordination store {self.coordinator.describe()} answers again; watching the other nodes")
-        return None if ending is None else EndedElsewhere(ending[1], ending[0])
+        if ending is None or ending[1] is EndReason.SUCCESS:  # another node's ranks finished: so do this node's
+            return None
+        return EndedElsewhere(ending[1], ending[0])
+
+    def attempt_succeeded(self, attempt: int) -> EndedElsewhere | None:
+        """In a smaller world the lead may end the attempt to grow back at the save this success follows (the job's
+        last): the success claims the attempt's one end (:meth:`RoundCoordinator.end_succeeded`), and loses only to
+        a grow that came first. A store out of reach leaves the success as it is (node 0 may be gone, done)."""
+        plan = self._plan
+        if plan is None or plan.nodes is None or len(plan.nodes) >= self.membership.size:
+            return None  # every node runs: no grow to race with
+        try:
+            self.coordinator.end_succeeded(attempt, f"node {self.me}: its ranks finished")
+            ending = self.coordinator.ending(attempt)
+        except Exception as e:  # noqa: BLE001 - the store is gone with node 0 (done) or out of reach
+            self._log(f"attempt {attempt}: could not record its success with the other nodes ({e}); it stands")
+            return None
+        if ending is None or ending[1] is not EndReason.RESIZED:
+            return None
+        self._log(f"attempt {attempt}: node 0's grow back came before this node's success ({ending[0]}); "
+                  "going on with every node")
+        return EndedElsewhere(EndReason.RESIZED, ending[0])
 
     def _grow_at_save(self, attempt: int, watch: "_BackWatch") -> bool:
         """The lead of a smaller world: once a left-out node is back (:meth:`RoundCoordinator.back`) and this node's

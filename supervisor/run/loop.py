@@ -268,7 +268,10 @@ class Supervisor:
         minute, and they must not wait with it. A stop asked while waiting for the round asks nothing of them."""
         ending = evidence.ending
         if job_settled(ending) or (isinstance(ending, EndedElsewhere) and ending.reason in NOT_FAILED_ELSEWHERE):
-            return classify(evidence)
+            result = classify(evidence)
+            if result.reason == EndReason.SUCCESS and (grown := self.peers.attempt_succeeded(evidence.attempt)):
+                return classify(replace(evidence, ending=grown))  # node 0's grow back at the same save came first
+            return result
         if not isinstance(ending, EndedElsewhere):  # the job failed here: of node 0's end to grow the job back?
             elsewhere = self.peers.peer_ended(evidence.attempt, grow=False)  # (its ranks went first, before the watch
             # looked); never the grow node 0 would start now: its own failure is a failure

@@ -78,6 +78,11 @@ class Peers(Protocol):
         ended it to grow the job back), or None. ``grow``: node 0 may end it now to grow back (not once its own
         job ended: a failure of its own is never passed off as a grow)."""
 
+    def attempt_succeeded(self, attempt: int) -> EndedElsewhere | None:
+        """This node's ranks all finished: the attempt's one end, as the job's nodes agree on it. None: the success
+        stands; ``resized``: node 0 ended the attempt to grow the job back at that same save (the job's last) first,
+        and this node goes on to the grown world with the others (which resumes from that save and ends at once)."""
+
     def attempt_failed(self, attempt: int, result: AttemptResult) -> None:
         """This node's attempt failed: the other nodes are told (before the incident is recorded)."""
 
@@ -111,6 +116,9 @@ class SingleNode:
         return own_choice()
 
     def peer_ended(self, attempt: int, grow: bool = True) -> EndedElsewhere | None:
+        return None
+
+    def attempt_succeeded(self, attempt: int) -> EndedElsewhere | None:
         return None
 
     def attempt_failed(self, attempt: int, result: AttemptResult) -> None:

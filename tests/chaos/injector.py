@@ -26,7 +26,7 @@ from trainer_hooks.heartbeat import read_record
 from rlsup_format.manifest import list_step_dirs, manifest_name
 from rlsup_format.names import Kind, parse_reserved
 
-from support.procs import pid_alive, rlsup_cmd
+from support.procs import pid_alive, promptly, rlsup_cmd
 from support.waits import Deadline, wait_for
 
 from .common import sandbox_env
@@ -180,9 +180,20 @@ class FaultInjector:
     def _strobe_manifest(self, rank: int, pid: int, slice_s: float = 0.0003) -> bool:
         """The manifest window (data in place, manifest not yet) lasts a few ms: too short to catch by
         polling on a loaded machine. So, once the victim is inside a save, let it run in short slices
-        (SIGCONT, sleep, SIGSTOP) and look while it is frozen. True: caught, the victim is left STOPPED
-        (the caller injects, then continues it); False: the save ended without being caught."""
+        (SIGCONT, sleep, SIGSTOP) and look while it is frozen, at real-time priority (:func:`promptly`) so that
+        a slice lasts what it says under load. True: caught, the victim is left STOPPED (the caller injects,
+        then continues it); False: the save ended without being caught."""
         deadline = time.monotonic() + 20
+        with promptly():
+            caught = self._strobe(rank, pid, slice_s, deadline)
+        if not caught:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        return caught
+
+    def _strobe(self, rank: int, pid: int, slice_s: float, deadline: float) -> bool:
         try:
             while time.monotonic() < deadline and pid_alive(pid):
                 os.kill(pid, signal.SIGSTOP)
@@ -196,10 +207,6 @@ class FaultInjector:
                 os.kill(pid, signal.SIGCONT)
                 time.sleep(slice_s)
         except (ProcessLookupError, Deadline):
-            pass
-        try:
-            os.kill(pid, signal.SIGCONT)
-        except ProcessLookupError:
             pass
         return False
 

@@ -28,7 +28,7 @@ from supervisor.tiers.fetch_staging import PREFIX as STAGING_PREFIX
 
 from support.env import PY
 from support.incidents import incidents
-from support.procs import freeze, pid_alive, thaw
+from support.procs import freeze, pid_alive, promptly, thaw
 from support.waits import Deadline, wait_for
 
 from .common import Sandbox, launcher, reference_checkpoints, reference_weights, train_args
@@ -104,10 +104,10 @@ class AsyncFaultInjector(FaultInjector):
             return "manifest"
         return "done"
 
-    def _catch(self, moment: str, rank: int, pid: int, wpid: int, hb: Path) -> Path | None:
+    def _catch(self, moment: str, rank: int, pid: int, wpid: int, hb: Path) -> tuple[Path | None, str]:
         """Wait until the writer is inside a write; freeze it there (``mid_write``: staging dir present;
         ``mid_manifest``: its files in place and its manifest not, found by letting it run in short slices).
-        Returns the step dir being written, with the writer left STOPPED; None when not caught."""
+        Returns the step dir being written, with the writer left STOPPED, or None and why it was not caught."""
         from trainer_hooks.heartbeat import read_record
 
         deadline = time.monotonic() + self.moment_timeout
@@ -121,7 +121,7 @@ class AsyncFaultInjector(FaultInjector):
             if polls % 200 == 0:
                 rec = read_record(hb)
                 if rec is not None and rec.step >= self.steps - 2:
-                    return None  # training nearly over
+                    return None, f"training nearly over (step {rec.step}); {len(passed)} write(s) let by or missed"
             d = self._staging_dir_of(wpid)
             if d is not None and d not in passed and (len(passed) < skip or not valid_steps(self.run.sandbox.ckpt,
                                                                                              full=False)):
@@ -130,20 +130,32 @@ class AsyncFaultInjector(FaultInjector):
             if d is not None and d not in passed and freeze(wpid):
                 phase = self._phase(d, rank, wpid)
                 if moment == "mid_write" and phase == "staging":
-                    return d
-                if moment == "mid_manifest":
-                    strobe_end = time.monotonic() + 20
-                    while phase == "staging" and time.monotonic() < strobe_end:
-                        thaw(wpid)
-                        time.sleep(0.0003)
-                        if not freeze(wpid):
-                            return None
-                        phase = self._phase(d, rank, wpid)
-                    if phase == "manifest":
-                        return d
+                    return d, ""
+                if moment == "mid_manifest" and phase == "staging":
+                    with promptly():
+                        phase = self._strobe_to_manifest(d, rank, wpid)
+                if moment == "mid_manifest" and phase == "manifest":
+                    return d, ""
+                passed.add(d)  # this write was missed (or its writer would not stop): wait for the next
                 thaw(wpid)
             time.sleep(0.0005)
-        return None
+        if time.monotonic() >= deadline:
+            return None, f"no write caught in {self.moment_timeout:.0f} s"
+        return None, "the writer or its rank ended"
+
+    def _strobe_to_manifest(self, d: Path, rank: int, wpid: int) -> str:
+        """Let the frozen writer run in slices of 0.3 ms until it leaves the staging phase of ``d``; its phase
+        then, with the writer STOPPED ("manifest": caught), or "lost" when it would not stop again (left
+        running: still inside a syscall after 5 s)."""
+        phase = "staging"
+        strobe_end = time.monotonic() + 20
+        while phase == "staging" and time.monotonic() < strobe_end:
+            thaw(wpid)
+            time.sleep(0.0003)
+            if not freeze(wpid):
+                return "lost"
+            phase = self._phase(d, rank, wpid)
+        return phase
 
     def inject_async(self, kind: str, moment: str) -> Fault:
         fault = Fault(kind, moment)
@@ -168,10 +180,10 @@ class AsyncFaultInjector(FaultInjector):
         except psutil.Error:
             pass
         hb = run.sandbox.state / "attempts" / f"attempt_{attempt:04d}" / "heartbeats" / f"rank_{rank:05d}.hb"
-        target = self._catch(moment, rank, pid, wpid, hb)
+        target, why = self._catch(moment, rank, pid, wpid, hb)
         if target is None:
             thaw(wpid)
-            fault.note = "the writer was never caught inside a write"
+            fault.note = f"the writer was never caught inside a write: {why}"
             return fault
         fault.hit = True
         # The writer is frozen inside the write of `target`: nothing it writes changes under us now.

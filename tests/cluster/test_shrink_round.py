@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -24,6 +25,7 @@ from rlsup_format.names import step_dir_name
 from supervisor.cluster.coordinator import RoundCoordinator
 from supervisor.cluster.endpoint_probe import EndpointProbe, connect_refused
 from supervisor.cluster.round_lead import RoundLead, ShrinkSettings
+from supervisor.cluster.spares import JobEnded
 from supervisor.cluster.round_plan import compute_resized_plan, saved_by
 from supervisor.lifecycle import EndReason
 from supervisor.run.loop import AttemptAbandoned
@@ -178,6 +180,20 @@ def test_a_grow_back_end_is_told_apart_from_a_failure_only_when_it_won() -> None
     assert member.ending(3) is None
 
 
+def test_a_success_and_a_grow_back_at_the_job_s_last_save_race_for_the_attempt_s_one_end() -> None:
+    """At the job's last save the lead may start a grow back while a node's ranks finish: whichever claimed the
+    attempt's end first is what every node reads, the grow's words or the success's."""
+    store = MemoryKVStore()
+    lead, member = (RoundCoordinator(store, JOB, SECRET, n, 3, 60.0) for n in (0, 1))
+    assert member.end_succeeded(4, "node 1: its ranks finished") == "node 1: its ranks finished"
+    assert lead.end_to_resize(4, "node 0: grow back at step 36") == "node 1: its ranks finished"
+    assert lead.ending(4) == member.ending(4) == ("node 1: its ranks finished", EndReason.SUCCESS)
+    assert lead.end_to_resize(5, "node 0: grow back at step 36") == "node 0: grow back at step 36"
+    assert member.end_succeeded(5, "node 1: its ranks finished") == "node 0: grow back at step 36"
+    assert lead.end_succeeded(5, "node 0: its ranks finished") == "node 0: grow back at step 36"
+    assert member.ending(5) == ("node 0: grow back at step 36", EndReason.RESIZED)
+
+
 def test_every_missing_node_is_probed_in_each_look() -> None:
     """With two nodes missing, each look asks about both (their probes run side by side), and the wait ends once
     both are gone: not one node per look."""
@@ -271,6 +287,34 @@ def test_a_plan_s_smaller_world_crosses_the_wire_and_bad_fields_are_refused() ->
                                 '"replicas": {}, "resize": "some"}}}', 0)
 
 
+class _Rejoin:
+    """Node 2, back while nodes 0 and 1 run attempt 1 of the smaller world: its join and agreement in a thread."""
+
+    def __init__(self, cluster: SimCluster) -> None:
+        self.group = cluster.group(2, job_end=True)
+        self.got: dict[str, object] = {}
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.got["attempt"] = self.group.join(0)
+            self.group.agree(self.got["attempt"], lambda: None)  # type: ignore[arg-type]
+        except BaseException as e:
+            self.got["error"] = e
+
+
+def _lead_sees_node_2_back(cluster: SimCluster, back: _Rejoin) -> None:
+    """The lead's watch, looked at until it saw node 2's mark (and the newest save then)."""
+    lead = cluster.groups[0]
+    deadline = time.monotonic() + 10
+    while lead._back is not None and lead._back.saved_before is None:
+        assert time.monotonic() < deadline, cluster.nodes[2].lines
+        lead._back.next_look = 0.0
+        assert lead.peer_ended(1) is None
+        back.thread.join(0.05)
+
+
 def test_a_lost_node_back_waits_for_the_next_save_and_the_next_round_grows_the_job_back(tmp_path: Path) -> None:
     """Node 2 comes back empty while nodes 0 and 1 run attempt 1: its join does not end the attempt; it marks
     itself back and waits. The lead ends the attempt once its ranks saved a step after that (step 30, saved by
@@ -279,25 +323,10 @@ def test_a_lost_node_back_waits_for_the_next_save_and_the_next_round_grows_the_j
     shrunk = cluster.round(nodes=[0, 1])
     assert all(o.error is None for o in shrunk)
     lead = cluster.groups[0]
-    back = cluster.group(2)
-    got: dict[str, object] = {}
-
-    def rejoin() -> None:
-        try:
-            got["attempt"] = back.join(0)
-            back.agree(got["attempt"], lambda: None)  # type: ignore[arg-type]
-        except BaseException as e:
-            got["error"] = e
-
-    t = threading.Thread(target=rejoin, daemon=True)
-    t.start()
     lead.peer_ended(1)  # a look before node 2's mark: nothing to do
-    deadline = __import__("time").monotonic() + 10
-    while lead._back is not None and lead._back.saved_before is None:
-        assert __import__("time").monotonic() < deadline, cluster.nodes[2].lines
-        lead._back.next_look = 0.0
-        assert lead.peer_ended(1) is None
-        t.join(0.05)
+    back = _Rejoin(cluster)
+    got, t = back.got, back.thread
+    _lead_sees_node_2_back(cluster, back)
     assert got.get("attempt") == 1 and "error" not in got and cluster.store.keys  # it joined the running attempt
     lead._back.next_look = 0.0
     assert lead.peer_ended(1) is None  # no save since it came back
@@ -310,6 +339,8 @@ def test_a_lost_node_back_waits_for_the_next_save_and_the_next_round_grows_the_j
     assert ended is not None and "grow back to 3 nodes" in ended.detail and "step 30" in ended.detail
     assert ended.reason == EndReason.RESIZED  # not a failure: the restart policy does not count it
     assert cluster.groups[1].peer_ended(1) == ended  # and so it is on the other running node
+    # node 1's ranks had just finished (step 30 was the job's last save): the grow came first, so node 1 goes on too
+    assert cluster.groups[1].attempt_succeeded(1) == ended
     t.join(10)
     assert isinstance(got.get("error"), AttemptAbandoned) and got["error"].reason == EndReason.RESIZED, got
     grown = cluster.round()
@@ -322,6 +353,29 @@ def test_a_lost_node_back_waits_for_the_next_save_and_the_next_round_grows_the_j
     assert grown[2].resume is not None and grown[2].resume.tier != TIER_LOCAL  # node 2's part came from a peer
     env = cluster.groups[2].env()
     assert (env[job_env.NUM_NODES], env[job_env.PREVIOUS_WORLD_SIZE]) == ("3", "4")
+    assert cluster.groups[0].attempt_succeeded(2) is None  # every node runs: no grow to race with, nothing written
+    assert cluster.groups[0].coordinator.ended(2) is None
+
+
+def test_a_success_at_the_job_s_last_save_wins_over_a_grow_back_started_after_it(tmp_path: Path) -> None:
+    """Step 30 is the job's last save: node 1's ranks finish and claim the attempt's end before the lead's grow. The
+    lead does not stop its own ranks (they finish too), and node 2, waiting to grow back, learns the job is over
+    (exit 0 without it) instead of joining an attempt that would only resume the finished job."""
+    cluster = shrunk_cluster(tmp_path)
+    assert all(o.error is None for o in cluster.round(nodes=[0, 1]))
+    lead = cluster.groups[0]
+    back = _Rejoin(cluster)
+    _lead_sees_node_2_back(cluster, back)
+    cluster.save(30, world=[0, 1], resizable=True)
+    cluster.replicate(30, nodes=[0, 1])
+    assert cluster.groups[1].attempt_succeeded(1) is None  # the success stands
+    lead._back.next_look = 0.0
+    assert lead.peer_ended(1) is None  # its grow lost: nothing to stop
+    assert lead.coordinator.ending(1) == ("node 1: its ranks finished", EndReason.SUCCESS)
+    assert lead.attempt_succeeded(1) is None
+    back.thread.join(10)
+    error = back.got.get("error")
+    assert isinstance(error, JobEnded) and "succeeded without this node" in str(error), back.got
 
 
 def test_only_a_launch_line_rlsup_pinned_can_be_given_fewer_nodes() -> None:

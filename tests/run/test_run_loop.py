@@ -222,3 +222,19 @@ def test_a_job_that_died_of_node_0_s_end_to_grow_back_is_no_failure(tmp_path: Pa
     assert (result.exit_code, result.status, result.attempts) == (0, JobStatus.SUCCEEDED, 2)
     assert [(i["reason"], i["action"]) for i in incidents(tmp_path)] == [("resized", "restart")]
     assert rec.failures == []
+
+
+def test_a_success_that_node_0_s_grow_back_came_before_goes_on_with_every_node(tmp_path: Path) -> None:
+    """This node's ranks finished at the job's last save, but node 0 had already ended the attempt there to grow the
+    job back (:meth:`Peers.attempt_succeeded` says ``resized``): the run goes on with the others (the next attempt
+    resumes from that save and finishes at once), recorded as the grow, never as a success nor a failure."""
+
+    class GrowCameFirst(SingleNode):
+        def attempt_succeeded(self, attempt: int) -> EndedElsewhere | None:
+            return EndedElsewhere(EndReason.RESIZED, "node 0: ending attempt 0 to grow back") if attempt == 0 else None
+
+    sup, layer, rec = make(tmp_path, Attempt(exit_code=0), Attempt(exit_code=0), peers=GrowCameFirst(), max_restarts=0)
+    result = sup.run()
+    assert (result.exit_code, result.status, result.attempts) == (0, JobStatus.SUCCEEDED, 2)
+    assert [(i["reason"], i["action"]) for i in incidents(tmp_path)] == [("resized", "restart")]
+    assert rec.failures == [] and rec.states.count("resizing") == 1

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from rlsup_format import fileio
@@ -61,6 +63,25 @@ def freeze(pid: int, timeout: float = 5.0) -> bool:
         return True
     thaw(pid)
     return False
+
+
+@contextmanager
+def promptly() -> Iterator[bool]:
+    """Run the calling thread at real-time priority (``SCHED_FIFO``) for the block; yields whether it does.
+
+    Why: a fault injector that lets a frozen victim run in slices of 0.3 ms (SIGCONT, sleep, SIGSTOP) to catch
+    a window of a few ms sleeps a scheduler tick or more on a loaded machine, and the victim runs through the
+    window unseen (a plan's fault then lands too late, or never). A real-time sleeper is woken on time. Where
+    the scheduler is not ours to set (no CAP_SYS_NICE), the block runs as it is."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(10))
+    except (OSError, AttributeError):
+        yield False
+        return
+    try:
+        yield True
+    finally:
+        os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
 
 
 def thaw(pid: int) -> None:
