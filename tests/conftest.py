@@ -23,6 +23,14 @@ __all__ = ["JOBS", "ROOT", "clean_env", "free_ports", "incidents", "pid_alive", 
            "start_rlsup", "wait_for"]
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    """``--soak MINUTES`` runs the soak tests (the ``soak`` marker: the randomised chaos soak in tests/chaos, the real
+    multi-node SLURM jobs in tests/deploy); without it they are skipped. Here, so it works for any path given."""
+    parser.addoption("--soak", type=float, default=None, metavar="MINUTES",
+                     help="run the soak tests; the chaos soak runs for MINUTES with random seeds (printed for replay)")
+    parser.addoption("--soak-seed", type=int, default=None, help="master seed of the chaos soak (default: random)")
+
+
 def pytest_configure(config: pytest.Config) -> None:
     """Under pytest-xdist (the suite's command: ``-n 3``) each worker gets a loopback of its own, so tests that
     use rlsup's fixed default ports, as users do, never meet another worker's run."""
@@ -147,9 +155,12 @@ def _longest_first(item: pytest.Item, order: dict[str, int]) -> int:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    soak = config.getoption("--soak", default=None)
     for item in items:
         if is_e2e(Path(str(item.path))):
             item.add_marker(pytest.mark.e2e)
+        if "soak" in item.keywords and not soak:
+            item.add_marker(pytest.mark.skip(reason="soak: pass --soak MINUTES (e.g. pytest tests/chaos --soak 30)"))
     if os.environ.get("PYTEST_XDIST_WORKER"):  # every worker sorts alike, so all collect the same list
         order = _longest_first_order()
         items.sort(key=lambda item: _longest_first(item, order))  # stable: the rest keep their order

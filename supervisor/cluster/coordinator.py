@@ -25,9 +25,10 @@ CLI show) together; the nodes agree on it in one *round* of the store:
    without it (plan try ``t`` = 1, 2, ...: ``plan/a/t``), so the attempt falls back to an older step
    instead of ending. Then each node marks ``ready/a/<node>``; node 0 waits for all and publishes
    ``ready/a/all``; all launch once they see it;
-4. the first node whose attempt fails creates ``end/a`` (first writer wins; node 0 ending a smaller world's attempt
-   to grow it back marks ``resize/a`` first, and a success there ``succeeded/a``: the two race at the job's last
-   save); every other node sees it, stops its attempt, and all go to a+1.
+4. the first node whose attempt fails creates ``end/a`` (first writer wins); every other node sees it, stops its
+   attempt, and all go to a+1. Node 0 ending a smaller world's attempt to grow it back marks ``resize/a`` first; a
+   node whose ranks finished there claims the end for the success (``succeeded/a`` first: the two race at the
+   job's last save), and then the others' ranks finish on their own and node 0 records the job's end.
 
 Only node 0 reads one key per node (the proposals, inventories, fetch results and ready marks); every
 other node reads a constant number of keys per attempt, so what it sends and receives does not grow with
@@ -66,7 +67,7 @@ from supervisor.lifecycle import EndReason
 from supervisor.cluster.round_errors import CoordinationError, NodesMissing, PeerLost, RoundEnded, aborted
 from supervisor.cluster.kvstore import (CONNECT_SLICE_S, OP_TIMEOUT_S, KVStore, StoreUnavailable)
 from supervisor.cluster.liveness import LIVENESS_REFRESH_S, LapseWatch, LivenessBeat, live_key
-from supervisor.cluster import store_host
+from supervisor.cluster.store_host import refuse_other_job
 from supervisor.cluster.signed_keys import AbortKind, AbortNotice, Signed, SignedKeys
 from supervisor.stop_request import StopRequest
 
@@ -127,8 +128,8 @@ class RoundCoordinator:
         return self.store.describe()
 
     def check_host(self) -> None:
-        """Refuse an embedded store hosted for another job (:func:`supervisor.cluster.store_host.check`)."""
-        store_host.check(self.keys, self.job, min(10.0, self.timeout_s), self.check_stop)
+        """Refuse an embedded store hosted for another job (:func:`supervisor.cluster.store_host.refuse_other_job`)."""
+        refuse_other_job(self.keys, self.job, min(10.0, self.timeout_s), self.check_stop)
 
     # ------------------------------------------------------------ attempts
 
@@ -174,10 +175,13 @@ class RoundCoordinator:
             return current
         if not self.first_round:  # a store with attempts: a replacement node (or a later join) has no first round
             self.end_first_round()
-        if self.ended(current) is None:
-            if self.runs_without_me(current):  # the job goes on with fewer nodes: grow at its next save, not now
+        ending = self.ending(current)
+        if ending is None or ending[1] is EndReason.SUCCESS:
+            # the job goes on with fewer nodes (grow at its next save, not now), or finished so: wait for node 0's word
+            if self.runs_without_me(current):
                 return current
-            self.end(current, f"node {self.node_rank} rejoined")
+            if ending is None:
+                self.end(current, f"node {self.node_rank} rejoined")
         return current + 1
 
     def current_attempt(self) -> int | None:
@@ -405,6 +409,10 @@ class RoundCoordinator:
     def _end_marked(self, mark: str, attempt: int, reason: str) -> str:
         marked = self.keys.create(f"{mark}/{attempt}", reason).payload  # a retry keeps the first words: ending()
         return self.end(attempt, marked)
+
+    def moved_on(self, attempt: int) -> bool:
+        """Node 0 joined the attempt after ``attempt`` (its inventory is there): ``attempt`` is over for everyone."""
+        return self.keys.get(f"inv/{attempt + 1}/0") is not None
 
     def mark_back(self, attempt: int) -> None:
         """This node, left out of ``attempt``'s smaller world, is back and waits to grow into the next one."""

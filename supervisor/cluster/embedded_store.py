@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 
-from supervisor.cluster import store_host
+from supervisor.cluster.store_host import HOST_KEY, claim_store, store_holder
 from supervisor.cluster.coordinator import RoundCoordinator
 
 from supervisor.cluster.round_errors import CoordinationError, JobClash, NodeZeroRunning
@@ -37,7 +37,7 @@ def embedded_coordinator(host: str, port: int, job: JobIdentity, secret: bytes, 
                        "job on these hosts its own coordinator_port") from e
         coordinator = RoundCoordinator(store, job, secret, node_rank, num_nodes, timeout_s, stop=stop,
                                        beat_store=beat_connect(host, port))
-        store_host.claim(coordinator.keys, job)
+        claim_store(coordinator.keys, job)
         return coordinator
 
     def connect(wait_s: float) -> KVStore:
@@ -61,12 +61,12 @@ def _hosted_for(host: str, port: int, job: JobIdentity, secret: bytes) -> str | 
     """What holds a port node 0 could not bind: " by rlsup job X", " by another program", or None."""
     try:
         probe = RoundCoordinator(TCPKVStore(host, port, False, 2.0), job, secret, 0, 1, 2.0)
-        raw = probe.store.get(store_host.HOST_KEY)
+        raw = probe.store.get(HOST_KEY)
     except StoreUnavailable:
         return " by another program"
     if raw is None:
         return " by another program (no rlsup job record)"
-    other = store_host.owner(probe.keys, raw)
+    other = store_holder(probe.keys, raw)
     return f" by {other}" if other is not None else _SAME_JOB
 
 

@@ -460,10 +460,12 @@ class NodeGroup:
             if self.job_end is not None and (over := self.job_end.over()) is not None:
                 raise JobEnded(over)  # the job finished (its store may be gone with node 0)
             try:
-                if (ending := self.coordinator.ending(attempt)) is not None and ending[1] is EndReason.SUCCESS:
-                    raise JobEnded(f"attempt {attempt} of the smaller world succeeded without this node ({ending[0]})")
-                if ending is not None:
-                    raise RoundEnded(f"attempt {attempt} ended: {ending[0]}", ending[1])
+                ending = self.coordinator.ending(attempt)
+                # a success there is one node's: the job's end is node 0's word (job_done, the job-end record), and
+                # node 0 may yet fail and go on (then this node joins the next attempt)
+                if ending is not None and (ending[1] is not EndReason.SUCCESS or self.coordinator.moved_on(attempt)):
+                    raise RoundEnded(f"attempt {attempt} ended: {ending[0]}", ending[1] if ending[1] is not
+                                     EndReason.SUCCESS else EndReason.PEER_FAILURE)
                 if job_done(self.coordinator):
                     raise JobEnded(f"the coordination store {self.coordinator.describe()} says the job finished "
                                    "without this node")
@@ -508,9 +510,13 @@ class NodeGroup:
         if self._store_lost:
             self._store_lost = False
             self._log(f"the coordination store {self.coordinator.describe()} answers again; watching the other nodes")
-        if ending is None or ending[1] is EndReason.SUCCESS:  # another node's ranks finished: so do this node's
+        if ending is not None and ending[1] is EndReason.SUCCESS:  # another node's ranks finished: so do this node's
+            if self._back is not None and self._back.saved_before is not None:
+                self._log(f"attempt {attempt}: {ending[0]} before the grow back; the job ends on "
+                          f"{len(self._back.plan.nodes or ())} nodes")
+                self._back = None
             return None
-        return EndedElsewhere(ending[1], ending[0])
+        return None if ending is None else EndedElsewhere(ending[1], ending[0])
 
     def attempt_succeeded(self, attempt: int) -> EndedElsewhere | None:
         """In a smaller world the lead may end the attempt to grow back at the save this success follows (the job's

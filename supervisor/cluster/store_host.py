@@ -15,12 +15,12 @@ HOST_KEY = "rlsup/host"
 HOST_POLL_S = 0.05  # how often a node looks for node 0's record while node 0 is binding
 
 
-def claim(keys: SignedKeys, job: JobIdentity) -> None:
+def claim_store(keys: SignedKeys, job: JobIdentity) -> None:
     """Node 0 of the embedded store: record which job this store is for (before anyone joins)."""
     keys.store.set(HOST_KEY, keys.seal(HOST_KEY, json.dumps({"job": job.id, "source": job.source})))
 
 
-def owner(keys: SignedKeys, raw: bytes | None) -> str | None:
+def store_holder(keys: SignedKeys, raw: bytes | None) -> str | None:
     """None when ``raw`` (the store's host record) is this job's or absent; else who holds the store."""
     if raw is None or keys.open(HOST_KEY, raw, quiet=True) is not None:
         return None
@@ -31,7 +31,7 @@ def owner(keys: SignedKeys, raw: bytes | None) -> str | None:
         return "another job (its record does not parse)"
 
 
-def check(keys: SignedKeys, job: JobIdentity, wait_s: float, check_stop: Callable[[str], None]) -> None:
+def refuse_other_job(keys: SignedKeys, job: JobIdentity, wait_s: float, check_stop: Callable[[str], None]) -> None:
     """Refuse a store hosted for another job (:class:`JobClash`, naming both); node 0 sets its record right after
     binding the port, so an absent one is looked for up to ``wait_s``."""
     where = keys.store.describe()
@@ -41,7 +41,7 @@ def check(keys: SignedKeys, job: JobIdentity, wait_s: float, check_stop: Callabl
         check_stop(f"node 0 to claim the coordination store {where}")
         time.sleep(HOST_POLL_S)
         raw = keys.store.get(HOST_KEY)
-    other = owner(keys, raw)
+    other = store_holder(keys, raw)
     if other is not None:
         raise JobClash(f"the coordination store {where} is hosted for {other}; this node is job {job}. Two jobs on the "
                        "same hosts need their own coordinator_port (and replication ports); the nodes of one job need "

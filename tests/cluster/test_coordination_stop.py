@@ -216,14 +216,14 @@ def test_a_stop_in_a_round_is_recorded_as_a_stop_and_ends_the_attempt_for_the_ot
 def test_a_refusing_node_tells_a_job_still_joining_but_not_one_that_runs(tmp_path: Path, running: bool) -> None:
     """The half clash (nobody planned yet: node 0 waits in its first join) is told; a second rlsup started for
     a node of a job that already runs refuses alone, and the running job's next join is not aborted."""
-    from supervisor.cluster import store_host
+    from supervisor.cluster.store_host import claim_store
     from supervisor.cluster.clash_notice import tell_job_refused
     from supervisor.cluster.multinode import CoordinatorSettings
     from supervisor.transport.security import TransportSecurity
 
     port = free_port()
     leader = node(port, 0)
-    store_host.claim(leader.keys, leader.job)
+    claim_store(leader.keys, leader.job)
     if running:
         leader.keys.create("base", "0")  # the nodes agreed on attempt 0: the job runs
     token = tmp_path / "token"

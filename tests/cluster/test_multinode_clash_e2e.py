@@ -8,7 +8,7 @@ may wait out the rendezvous timeout (300 s here): every node has exited, or its 
 
 Before the fix, job C's node 0 waited alone for a node 1 that had already refused. Now a node that
 refuses tells its job's other nodes through the job's store (supervisor.cluster.clash_notice), and they exit 2
-too. The default run does it once; ``--soak`` (tests/chaos/conftest.py's option) repeats it 10 times.
+too. The default run does it once; ``--soak`` (tests/conftest.py's option) repeats it 10 times.
 """
 
 from __future__ import annotations
@@ -86,6 +86,6 @@ def test_two_jobs_started_at_once_on_the_same_hosts(tmp_path: Path, ref: dict) -
 @pytest.mark.timeout(1800)
 def test_two_jobs_started_at_once_ten_times(tmp_path: Path, ref: dict, request: pytest.FixtureRequest) -> None:
     if not request.config.getoption("--soak", default=None):
-        pytest.skip("soak: pass --soak MINUTES with tests/chaos on the command line (tests/chaos/conftest.py)")
+        pytest.skip("soak: pass --soak MINUTES")
     for i in range(10):
         print(f"run {i}: exit codes of C's and D's nodes {clash_once(tmp_path / f'run{i}', ref)}", flush=True)

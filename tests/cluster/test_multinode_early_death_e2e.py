@@ -6,7 +6,7 @@ first attempt is opened, nodes 0 and 1 wait for its inventory), then SIGKILLed t
 OOM killer would. Nodes 0 and 1 must exit within :data:`PROMPT_S` (a deadline on the wait for their exit,
 far below the timeout the test would otherwise wait out) with 75, so the scheduler requeues the job, naming
 node 2 and why; nothing was launched, state.json says the run gave up with 75. With the embedded store and
-with etcd (the same rule through a 3-member etcd cluster). Under ``--soak`` (tests/chaos/conftest.py's
+with etcd (the same rule through a 3-member etcd cluster). Under ``--soak`` (tests/conftest.py's
 option) also the requeue: the three nodes started again run the job to its end, bit-identical to an
 uninterrupted run (nothing was lost, and a run that ended 75 does not stand in the next one's way)."""
 
@@ -95,6 +95,6 @@ def test_a_node_killed_in_the_first_round_ends_the_others_with_75_etcd(tmp_path:
 def test_a_node_killed_in_the_first_round_then_the_requeue_finishes_bit_identical(
         tmp_path: Path, request: pytest.FixtureRequest) -> None:
     if not request.config.getoption("--soak", default=None):
-        pytest.skip("soak: pass --soak MINUTES with tests/chaos on the command line (tests/chaos/conftest.py)")
+        pytest.skip("soak: pass --soak MINUTES")
     dies_in_the_first_round(Cluster(tmp_path, 3, train_args=SHORT, rendezvous_timeout=300),
                             request.getfixturevalue("ref"))

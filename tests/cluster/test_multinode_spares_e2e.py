@@ -5,7 +5,7 @@ replica holders, and every node resumes from the newest step whose parts survive
 uninterrupted run; node 0 too (the spare hosts the embedded store again). The time from the loss to the next
 attempt's first step is printed with its phases (measured, never asserted).
 
-The etcd and second-loss variants are long: they run with the soak (``pytest tests/cluster/test_multinode_spares_e2e.py tests/chaos --soak 1``).
+The etcd and second-loss variants are long: they run with the soak (``pytest tests/cluster/test_multinode_spares_e2e.py --soak 1``).
 """
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ TRAIN_ARGS = ["--steps", "24", "--checkpoint-every", "3", "--step-time", "0.15",
 LONG_ARGS = ["--steps", "48", "--checkpoint-every", "3", "--step-time", "0.15", "--keep-last", "100"]
 @pytest.fixture
 def soak_only(request: pytest.FixtureRequest) -> None:
-    """The long variants run with the soak (as the other soak tests: the option lives in tests/chaos/conftest.py)."""
+    """The long variants run with the soak (as the other soak tests: the option lives in tests/conftest.py)."""
     if not request.config.getoption("--soak", default=None):
-        pytest.skip("soak: pass --soak MINUTES with tests/chaos on the command line (tests/chaos/conftest.py)")
+        pytest.skip("soak: pass --soak MINUTES")
 
 
 def _holder(node: int) -> int:

@@ -357,10 +357,12 @@ def test_a_lost_node_back_waits_for_the_next_save_and_the_next_round_grows_the_j
     assert cluster.groups[0].coordinator.ended(2) is None
 
 
-def test_a_success_at_the_job_s_last_save_wins_over_a_grow_back_started_after_it(tmp_path: Path) -> None:
+@pytest.mark.parametrize("then", ["node 0 records the job's end", "node 0's ranks fail and it goes on"])
+def test_a_success_at_the_job_s_last_save_wins_over_a_grow_back_started_after_it(tmp_path: Path, then: str) -> None:
     """Step 30 is the job's last save: node 1's ranks finish and claim the attempt's end before the lead's grow. The
-    lead does not stop its own ranks (they finish too), and node 2, waiting to grow back, learns the job is over
-    (exit 0 without it) instead of joining an attempt that would only resume the finished job."""
+    lead drops its grow and does not stop its own ranks (they finish too); a node 0 failure after it stays its own
+    failure. Node 2, waiting to grow back (and a node 2 that joins only now), waits for node 0's word: the job's end
+    (exit 0 without it), or node 0 going on to the next attempt (which node 2 joins)."""
     cluster = shrunk_cluster(tmp_path)
     assert all(o.error is None for o in cluster.round(nodes=[0, 1]))
     lead = cluster.groups[0]
@@ -370,12 +372,25 @@ def test_a_success_at_the_job_s_last_save_wins_over_a_grow_back_started_after_it
     cluster.replicate(30, nodes=[0, 1])
     assert cluster.groups[1].attempt_succeeded(1) is None  # the success stands
     lead._back.next_look = 0.0
-    assert lead.peer_ended(1) is None  # its grow lost: nothing to stop
+    assert lead.peer_ended(1) is None and lead.peer_ended(1, grow=False) is None  # nothing to stop, no failure
+    assert lead.coordinator.keys.get("resize/1") is None  # the grow was dropped, never started
+    assert any("before the grow back; the job ends on 2 nodes" in line for line in cluster.nodes[0].lines)
     assert lead.coordinator.ending(1) == ("node 1: its ranks finished", EndReason.SUCCESS)
-    assert lead.attempt_succeeded(1) is None
+    late = RoundCoordinator(cluster.store, JOB, SECRET, 2, 3, 60.0)
+    assert late.join(0) == 1  # a node back only now waits with node 2, it does not open attempt 2
+    back.thread.join(1.0)
+    assert back.thread.is_alive() and "error" not in back.got, back.got  # one node's success is not the job's end
+    if then == "node 0 records the job's end":
+        assert lead.attempt_succeeded(1) is None
+        lead.role.finish_job(None, 1)
+    else:
+        lead.coordinator.publish_inventory(2, lead._inventory())  # node 0 joined attempt 2
     back.thread.join(10)
     error = back.got.get("error")
-    assert isinstance(error, JobEnded) and "succeeded without this node" in str(error), back.got
+    if then == "node 0 records the job's end":
+        assert isinstance(error, JobEnded) and "says the job finished without this node" in str(error), back.got
+    else:
+        assert isinstance(error, AttemptAbandoned) and error.reason == EndReason.PEER_FAILURE, back.got
 
 
 def test_only_a_launch_line_rlsup_pinned_can_be_given_fewer_nodes() -> None:

@@ -12,9 +12,7 @@ A requeued job waits AuthInfo cred_expire (120 s by default) before it runs agai
 from __future__ import annotations
 
 
-import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -24,18 +22,14 @@ import pytest
 
 from support.env import ROOT, clean_env
 from support.ports import free_ports
-from support.slurm_cluster import TOOLS, Cluster, running_cluster
+from support.slurm_cluster import NEEDS_SLURM, Cluster, running_cluster
 from support.waits import wait_for
 
 SBATCH = ROOT / "deploy" / "slurm" / "rlsup.sbatch"
 TRAIN = ROOT / "examples" / "train_tiny.py"
 TRAIN_ARGS = ["--steps", "40", "--checkpoint-every", "5", "--step-time", "0.15"]
 
-pytestmark = [
-    pytest.mark.skipif(any(shutil.which(t) is None for t in TOOLS),
-                       reason=f"SLURM/munge not installed (need {', '.join(TOOLS)}; scripts/install_system_deps.sh)"),
-    pytest.mark.skipif(os.geteuid() != 0, reason="the test cluster's slurmd must run as root to launch jobs"),
-]
+pytestmark = NEEDS_SLURM
 
 
 def test_sbatch_script_syntax() -> None:

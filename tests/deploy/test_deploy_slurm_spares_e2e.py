@@ -6,7 +6,7 @@ COMPLETED without a requeue and with the weights of an uninterrupted run, and th
 nodes' 0, not srun's 137 for the lost node.
 
 Long (a 4-node job on a loaded 2-core machine, about 2 minutes): it runs with the soak
-(``pytest tests/deploy/test_deploy_slurm_spares_e2e.py tests/chaos --soak 1``)."""
+(``pytest tests/deploy/test_deploy_slurm_spares_e2e.py --soak 1``)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ import pytest
 from support.cluster import assert_same_weights, reference_weights
 from support.env import ROOT, clean_env
 from support.ports import free_ports
-from support.slurm_cluster import Cluster, missing_tools, running_cluster
+from support.slurm_cluster import NEEDS_SLURM, Cluster, running_cluster
 from support.waits import wait_for
 
 SBATCH = ROOT / "deploy" / "slurm" / "rlsup.sbatch"
@@ -32,24 +32,12 @@ JOB_NODES, SPARES = 3, 1
 TRAIN_ARGS = ["--steps", "30", "--checkpoint-every", "3", "--step-time", "0.15", "--keep-last", "100"]
 SECRET = "s3cret-shared-by-all-nodes\n"
 
-pytestmark = [
-    pytest.mark.soak,
-    pytest.mark.skipif(bool(missing_tools()),
-                       reason=f"SLURM/munge not installed (need {', '.join(missing_tools())}; "
-                              "scripts/install_system_deps.sh)"),
-    pytest.mark.skipif(os.geteuid() != 0, reason="the test cluster's slurmd must run as root to launch jobs"),
-]
+pytestmark = [pytest.mark.soak, *NEEDS_SLURM]
+
 
 
 @pytest.fixture
-def soak_only(request: pytest.FixtureRequest) -> None:
-    """Runs with the soak, as the other soak tests (the option lives in tests/chaos/conftest.py)."""
-    if not request.config.getoption("--soak", default=None):
-        pytest.skip("soak: pass --soak MINUTES with tests/chaos on the command line (tests/chaos/conftest.py)")
-
-
-@pytest.fixture
-def cluster(soak_only: None) -> Iterator[Cluster]:
+def cluster() -> Iterator[Cluster]:
     with running_cluster("rlsup-slurm-spares-", nodes=JOB_NODES + SPARES) as c:
         yield c
 

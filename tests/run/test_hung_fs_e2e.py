@@ -217,7 +217,7 @@ def test_checkpoint_dir_hung_every_call_excludes_the_node(tmp_path: Path, sick: 
     whole-suite run under load (2026-11-27) saw a stuck rank's file or mount named otherwise (its record is
     printed whole now), not yet understood."""
     if not request.config.getoption("--soak", default=None):
-        pytest.skip("soak: pass --soak MINUTES with tests/chaos on the command line (tests/chaos/conftest.py)")
+        pytest.skip("soak: pass --soak MINUTES")
     hung_save_ends_unkillable(tmp_path, sick, {})
 
 

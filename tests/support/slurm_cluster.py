@@ -18,6 +18,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
+import pytest
+
 from support.env import clean_env
 from support.ports import free_ports
 from support.waits import wait_for
@@ -28,6 +30,14 @@ CRED_EXPIRE = 10
 
 def missing_tools() -> list[str]:
     return [t for t in TOOLS if shutil.which(t) is None]
+
+
+# A test module's marks for a real SLURM cluster started here: the Debian packages, and root for slurmd.
+NEEDS_SLURM = [
+    pytest.mark.skipif(bool(missing_tools()), reason=f"SLURM/munge not installed (need {', '.join(missing_tools())}; "
+                                                     "scripts/install_system_deps.sh)"),
+    pytest.mark.skipif(os.geteuid() != 0, reason="the test cluster's slurmd must run as root to launch jobs"),
+]
 
 
 class Cluster:
