@@ -41,7 +41,13 @@ DRIVER = JOBS / "verl_ray_driver.py"
 # 500 s: above the suite's 300 s default, which CI once hit while the head was still starting.
 pytestmark = pytest.mark.timeout(800)
 
-STOP_GRACE_S = 2.0  # SIGTERM to SIGKILL when the head is torn down (stop_cluster)
+# Ray starts its worker processes (our actors) at nice 15 by default. On a loaded 2-core machine every other process
+# runs at nice 0 and a nice-15 actor gets a few percent of a core: with 3 CPU hogs beside it, importing torch and verl
+# (10-13 s of CPU per actor, two actors per attempt) took 150-300 s of each attempt, and the kill test 470 s or over
+# its 500 s timeout. At 0 the actors compete as the driver and rlsup do: 30-40 s an attempt under the same load. (Ray's
+# job manager sets it to 0 too, for the actor that runs a submitted job's driver.)
+WORKER_NICENESS = "0"
+STOP_GRACE_S = 0.5  # SIGTERM to SIGKILL when the head is torn down (stop_cluster)
 FAST = ["--backoff-initial", "0.05", "--backoff-max", "0.2", "--kill-grace", "5"]
 RAY = Path(sys.executable).parent / "ray"
 
@@ -59,7 +65,8 @@ def ray_head():
              f"--metrics-export-port={metrics}", "--num-cpus=2", "--include-dashboard=false",
              "--disable-usage-stats", f"--temp-dir={temp}", "--object-store-memory=100000000"]
     try:
-        r = subprocess.run(start, env=clean_env(), capture_output=True, text=True, timeout=180)
+        r = subprocess.run(start, env=clean_env(RAY_worker_niceness=WORKER_NICENESS), capture_output=True, text=True,
+                           timeout=180)
         assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
         yield f"127.0.0.1:{gcs}"
     finally:
@@ -71,7 +78,9 @@ def stop_cluster(temp: Path) -> None:
     """End the processes of the cluster whose session lives under ``temp`` (and their workers): SIGTERM, then
     SIGKILL for what is left after a short grace. The cluster is thrown away with its temp dir, so nothing needs
     a clean shutdown; and gcs_server, raylet and the autoscaler's monitor, SIGTERMed together, were all still
-    there 20 s later (a 20 s grace was 20 s of the module's teardown, every run)."""
+    there 20 s later (a 20 s grace was 20 s of the module's teardown, every run; at 2 s only the log monitor and the
+    dashboard had ended, after 1.6 s, and gcs_server, raylet, the monitor and the runtime-env agent were still there 5 s
+    after their SIGTERM)."""
     import psutil
 
     procs = [p for p in psutil.process_iter(["cmdline"]) if str(temp) in " ".join(p.info["cmdline"] or [])]
