@@ -17,27 +17,22 @@ from __future__ import annotations
 import os
 import re
 import signal
-import subprocess
-import sys
 from pathlib import Path
 from typing import Iterator
 
 import pytest
 
-from support.env import ROOT, clean_env
 from support.incidents import incidents, read_state
-from support.ports import free_ports
-from support.slurm_cluster import NEEDS_SLURM, Cluster, running_cluster
+from support.slurm_cluster import NEEDS_SLURM, Cluster, job_output, replicated, running_cluster, submit_recipe
+from support.shrink_cluster import id_logs_in
 from support.waits import wait_for
 from support.world_phases import JOB, Phase, check_data_order, consumed, consumed_from, run_chain, same_state
 
-SBATCH = ROOT / "deploy" / "slurm" / "rlsup.sbatch"
 JOB_NODES, MIN_NODES = 3, 2
 HELD = 6  # the first attempt's save it holds after: the step the shrunk job continues from
 UNTIL = 12  # past two epoch ends (5 steps an epoch), the last one partial
 SAVE_AT = (3, HELD, 9)  # 9: the shrunk job saves too
 CONTINUED = f"continued on {MIN_NODES} of {JOB_NODES} nodes from step {HELD}"
-SECRET = "s3cret-shared-by-all-nodes\n"
 
 pytestmark = [pytest.mark.soak, *NEEDS_SLURM]
 
@@ -59,53 +54,15 @@ def trainer_args(job_dir: Path) -> list[str]:
 
 
 def submit(cluster: Cluster, job_dir: Path) -> str:
-    """The recipe as the script's header gives it, with a token, quick restarts and this host's free ports."""
-    job_dir.mkdir(parents=True)
-    token = job_dir / "token"
-    token.write_text(SECRET)
-    token.chmod(0o600)
-    master, replication, coordinator = free_ports(3)
-    env = clean_env(SLURM_CONF=str(cluster.conf), SUPERVISOR=str(Path(sys.executable).parent / "rlsup"),
-                    TORCHRUN=f"{sys.executable} -m torch.distributed.run", JOB_DIR=str(job_dir),
-                    MASTER_PORT=str(master), RLSUP_MIN_NODES=str(MIN_NODES), PEER_ADDR="nodeaddr",
-                    RLSUP_REPLICATION_PORT=str(replication), RLSUP_COORDINATOR_PORT=str(coordinator),
-                    RLSUP_TOKEN_FILE=str(token), RLSUP_SPARE_TAKEOVER_S="2",
-                    RLSUP_HEARTBEAT_TIMEOUT="600",  # the trainer sends none, and rank 0 holds at HELD
-                    RLSUP_BACKOFF_INITIAL="0.2", RLSUP_BACKOFF_MAX="0.5", RLSUP_KILL_GRACE="3",
-                    RLSUP_REPLICATION_SCAN_INTERVAL="0.5", RLSUP_RENDEZVOUS_TIMEOUT="120", OMP_NUM_THREADS="1")
-    r = subprocess.run(["sbatch", "--parsable", f"--nodes={JOB_NODES}", "--no-kill", f"--chdir={job_dir}",
-                        str(SBATCH), *trainer_args(job_dir)],
-                       capture_output=True, text=True, env=env, timeout=60)
-    assert r.returncode == 0, r.stderr
-    return r.stdout.strip().split(";")[0]
-
-
-def output(job_dir: Path, job: str) -> str:
-    path = job_dir / f"rlsup-train-{job}.out"
-    return path.read_text(errors="replace") if path.exists() else ""
-
-
-def replicated(job_dir: Path, holder: str, owner: int, step: int) -> bool:
-    """Node ``holder`` (a SLURM node name) holds node rank ``owner``'s part of ``step`` (one rank per node)."""
-    return any((job_dir / "rlsup-replicas" / holder).glob(
-        f"*.node{owner}/step_{step:09d}/manifest.rank_{owner:05d}.json"))
+    return submit_recipe(cluster, job_dir, JOB_NODES, trainer_args(job_dir), RLSUP_MIN_NODES=str(MIN_NODES),
+                         RLSUP_SPARE_TAKEOVER_S="2", OMP_NUM_THREADS="1",
+                         RLSUP_HEARTBEAT_TIMEOUT="600")  # the trainer sends none, and rank 0 holds at HELD
 
 
 def saved_everywhere(job_dir: Path, step: int) -> bool:
     """Every rank's part of ``step`` is in the shared checkpoint directory."""
     return all((job_dir / "checkpoints" / f"step_{step:09d}" / f"manifest.rank_{rank:05d}.json").exists()
                for rank in range(JOB_NODES))
-
-
-def id_logs(job_dir: Path) -> dict[int, list[Path]]:
-    """{attempt: its ranks' id logs} over the attempts that took a step (the shared ``logs`` directory)."""
-    out: dict[int, list[Path]] = {}
-    for path in (job_dir / "logs").glob("ids.a.attempt*.rank*"):
-        m = re.fullmatch(r"ids\.a\.attempt(\d+)\.rank(\d+)", path.name)
-        assert m, path
-        if path.read_text().strip():
-            out.setdefault(int(m.group(1)), []).append(path)
-    return {a: sorted(files, key=lambda p: p.name) for a, files in sorted(out.items())}
 
 
 def test_a_lost_node_without_spare_shrinks_the_job_and_it_completes(cluster: Cluster, tmp_path: Path) -> None:
@@ -119,7 +76,7 @@ def test_a_lost_node_without_spare_shrinks_the_job_and_it_completes(cluster: Clu
     try:
         wait_for(lambda: saved_everywhere(job_dir, HELD) and replicated(job_dir, holder, 2, HELD), 300,
                  f"step {HELD} saved and {lost}'s part replicated to {holder}", interval=0.1)
-        wait_for(lambda: f"HOLDING after step {HELD}" in output(job_dir, job), 60, "rank 0 holding")
+        wait_for(lambda: f"HOLDING after step {HELD}" in job_output(job_dir, job), 60, "rank 0 holding")
         pid = int((job_dir / "rlsup-pids" / job / f"{lost}.pid").read_text())
         os.kill(pid, signal.SIGKILL)  # the node's rlsup; its torchrun and rank die with it
         (job_dir / "release-hold").touch()  # rank 0 goes on into a collective with the lost rank
@@ -127,9 +84,9 @@ def test_a_lost_node_without_spare_shrinks_the_job_and_it_completes(cluster: Clu
         wait_for(lambda: cluster.state(job)[0] in ("COMPLETED", "FAILED", "CANCELLED"), 420,
                  f"job {job} to finish", interval=0.5)
     except BaseException:
-        print(output(job_dir, job), cluster.logs())
+        print(job_output(job_dir, job), cluster.logs())
         raise
-    out = output(job_dir, job)
+    out = job_output(job_dir, job)
     shown = cluster.run("scontrol", "show", "job", job).stdout
     assert cluster.state(job)[0] == "COMPLETED" and re.search(r"Restarts=0\b", shown), out + shown
     assert f"{JOB_NODES} node(s), going on with at least {MIN_NODES}," in out, out
@@ -152,7 +109,7 @@ def test_a_lost_node_without_spare_shrinks_the_job_and_it_completes(cluster: Clu
     # HELD died with it and was redone), then the shrunk attempt's, every sample of each epoch once, in order.
     assert same_state(job_dir / "final.pt", tmp_path / "reference" / "final.pt") == []
     check_data_order(consumed(tmp_path / "reference", reference), UNTIL)
-    logs = id_logs(job_dir)
+    logs = id_logs_in([job_dir])
     assert list(logs) == [0, 1], {a: [p.name for p in f] for a, f in logs.items()}
     assert min(int(line.split()[0]) for p in logs[1] for line in p.read_text().splitlines()) == HELD + 1, logs[1]
     check_data_order(consumed_from([logs[0], logs[1]], reference), UNTIL)

@@ -13,24 +13,19 @@ from __future__ import annotations
 import os
 import re
 import signal
-import subprocess
-import sys
 from pathlib import Path
 from typing import Iterator
 
 import pytest
 
 from support.cluster import assert_same_weights, reference_weights
-from support.env import ROOT, clean_env
-from support.ports import free_ports
-from support.slurm_cluster import NEEDS_SLURM, Cluster, running_cluster
+from support.env import ROOT
+from support.slurm_cluster import NEEDS_SLURM, Cluster, job_output, replicated, running_cluster, submit_recipe
 from support.waits import wait_for
 
-SBATCH = ROOT / "deploy" / "slurm" / "rlsup.sbatch"
 TRAIN = ROOT / "examples" / "train_tiny.py"
 JOB_NODES, SPARES = 3, 1
 TRAIN_ARGS = ["--steps", "30", "--checkpoint-every", "3", "--step-time", "0.15", "--keep-last", "100"]
-SECRET = "s3cret-shared-by-all-nodes\n"
 
 pytestmark = [pytest.mark.soak, *NEEDS_SLURM]
 
@@ -43,35 +38,8 @@ def cluster() -> Iterator[Cluster]:
 
 
 def submit(cluster: Cluster, job_dir: Path) -> str:
-    """The recipe as docs/deploy.md gives it, with a token, quick restarts and this host's free ports."""
-    job_dir.mkdir(parents=True)
-    token = job_dir / "token"
-    token.write_text(SECRET)
-    token.chmod(0o600)
-    master, replication, coordinator = free_ports(3)
-    env = clean_env(SLURM_CONF=str(cluster.conf), SUPERVISOR=str(Path(sys.executable).parent / "rlsup"),
-                    TORCHRUN=f"{sys.executable} -m torch.distributed.run", JOB_DIR=str(job_dir),
-                    MASTER_PORT=str(master), RLSUP_SPARES=str(SPARES), PEER_ADDR="nodeaddr",
-                    RLSUP_REPLICATION_PORT=str(replication), RLSUP_COORDINATOR_PORT=str(coordinator),
-                    RLSUP_TOKEN_FILE=str(token), RLSUP_SPARE_TAKEOVER_S="1", RLSUP_HEARTBEAT_TIMEOUT="60",
-                    RLSUP_BACKOFF_INITIAL="0.2", RLSUP_BACKOFF_MAX="0.5", RLSUP_KILL_GRACE="3",
-                    RLSUP_REPLICATION_SCAN_INTERVAL="0.5", RLSUP_RENDEZVOUS_TIMEOUT="120")
-    r = subprocess.run(["sbatch", "--parsable", f"--nodes={JOB_NODES + SPARES}", "--no-kill", f"--chdir={job_dir}",
-                        str(SBATCH), str(TRAIN), *TRAIN_ARGS, "--out", str(job_dir / "final.pt")],
-                       capture_output=True, text=True, env=env, timeout=60)
-    assert r.returncode == 0, r.stderr
-    return r.stdout.strip().split(";")[0]
-
-
-def output(job_dir: Path, job: str) -> str:
-    path = job_dir / f"rlsup-train-{job}.out"
-    return path.read_text(errors="replace") if path.exists() else ""
-
-
-def replicated(job_dir: Path, holder: str, owner: int, step: int) -> bool:
-    """Node ``holder`` (a SLURM node name) holds node rank ``owner``'s part of ``step`` (one rank per node)."""
-    return any((job_dir / "rlsup-replicas" / holder).glob(
-        f"*.node{owner}/step_{step:09d}/manifest.rank_{owner:05d}.json"))
+    return submit_recipe(cluster, job_dir, JOB_NODES + SPARES, [str(TRAIN), *TRAIN_ARGS, "--out", str(job_dir / "final.pt")],
+                         RLSUP_SPARES=str(SPARES), RLSUP_SPARE_TAKEOVER_S="1", RLSUP_HEARTBEAT_TIMEOUT="60")
 
 
 def test_a_spare_takes_a_lost_node_s_rank_and_the_job_completes(cluster: Cluster, tmp_path: Path) -> None:
@@ -85,14 +53,14 @@ def test_a_spare_takes_a_lost_node_s_rank_and_the_job_completes(cluster: Cluster
         pid = int((job_dir / "rlsup-pids" / job / f"{lost}.pid").read_text())
         os.kill(pid, signal.SIGKILL)  # the node's rlsup; its torchrun and ranks die with it
         # lost mid-run (a node lost after the last step leaves the others in torchrun's exit barrier instead)
-        assert "done at step" not in output(job_dir, job), output(job_dir, job)
+        assert "done at step" not in job_output(job_dir, job), job_output(job_dir, job)
         ref = reference_weights(tmp_path, nodes=JOB_NODES, train_args=TRAIN_ARGS)  # meanwhile
         wait_for(lambda: cluster.state(job)[0] in ("COMPLETED", "FAILED", "CANCELLED"), 300,
                  f"job {job} to finish", interval=0.5)
     except BaseException:
-        print(output(job_dir, job), cluster.logs())
+        print(job_output(job_dir, job), cluster.logs())
         raise
-    out = output(job_dir, job)
+    out = job_output(job_dir, job)
     shown = cluster.run("scontrol", "show", "job", job).stdout
     assert cluster.state(job)[0] == "COMPLETED" and re.search(r"Restarts=0\b", shown), out + shown
     assert "4 node(s) (3 for the job, the last 1 spare)" in out, out

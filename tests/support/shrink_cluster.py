@@ -131,7 +131,11 @@ def node_logs(cluster: ShrinkCluster, lines: int = 60) -> str:
 def id_logs(cluster: ShrinkCluster) -> dict[int, list[Path]]:
     """{attempt: its ranks' id logs, from every node's directory (a lost node's too)} over the attempts that took
     a step (an attempt that ended before its first step may leave an empty log)."""
-    dirs = [cluster.node_dir(n) for n in range(NODES)] + [cluster.root / f"node{n}.lost" for n in range(NODES)]
+    return id_logs_in([cluster.node_dir(n) for n in range(NODES)] + [cluster.root / f"node{n}.lost" for n in range(NODES)])
+
+
+def id_logs_in(dirs: Sequence[Path]) -> dict[int, list[Path]]:
+    """{attempt: the ranks' id logs under ``<dir>/logs`` of each of ``dirs``} over the attempts that took a step."""
     out: dict[int, list[Path]] = {}
     for d in dirs:
         for path in (d / "logs").glob("ids.a.attempt*.rank*"):

@@ -13,6 +13,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
@@ -20,7 +21,7 @@ from typing import Iterator
 
 import pytest
 
-from support.env import clean_env
+from support.env import ROOT, clean_env
 from support.ports import free_ports
 from support.waits import wait_for
 
@@ -175,3 +176,41 @@ def running_cluster(prefix: str, nodes: int = 1) -> Iterator[Cluster]:
     finally:
         c.stop()
         shutil.rmtree(root, ignore_errors=True)
+
+
+def job_output(job_dir: Path, job: str) -> str:
+    """The batch script's output file for ``job`` (the recipe's ``rlsup-train-<job>.out``), "" until it exists."""
+    path = job_dir / f"rlsup-train-{job}.out"
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
+def replicated(job_dir: Path, holder: str, owner: int, step: int) -> bool:
+    """Node ``holder`` (a SLURM node name) holds node rank ``owner``'s part of ``step`` (one rank per node), in the
+    recipe's replica directory ``$JOB_DIR/rlsup-replicas/<node>``."""
+    return any((job_dir / "rlsup-replicas" / holder).glob(
+        f"*.node{owner}/step_{step:09d}/manifest.rank_{owner:05d}.json"))
+
+
+SBATCH = ROOT / "deploy" / "slurm" / "rlsup.sbatch"
+SECRET = "s3cret-shared-by-all-nodes\n"
+
+
+def submit_recipe(cluster: "Cluster", job_dir: Path, nodes: int, argv: list[str], **settings: str) -> str:
+    """``sbatch --nodes=N --no-kill deploy/slurm/rlsup.sbatch ARGV`` as the script's header gives it, with a token,
+    quick restarts and this host's free ports; ``settings``: the job's own (``RLSUP_SPARES``, ``RLSUP_MIN_NODES``,
+    timeouts), over those. Returns the job id."""
+    job_dir.mkdir(parents=True)
+    token = job_dir / "token"
+    token.write_text(SECRET)
+    token.chmod(0o600)
+    master, replication, coordinator = free_ports(3)
+    env = clean_env(**{"SLURM_CONF": str(cluster.conf), "SUPERVISOR": str(Path(sys.executable).parent / "rlsup"),
+                       "TORCHRUN": f"{sys.executable} -m torch.distributed.run", "JOB_DIR": str(job_dir),
+                       "MASTER_PORT": str(master), "PEER_ADDR": "nodeaddr", "RLSUP_REPLICATION_PORT": str(replication),
+                       "RLSUP_COORDINATOR_PORT": str(coordinator), "RLSUP_TOKEN_FILE": str(token),
+                       "RLSUP_BACKOFF_INITIAL": "0.2", "RLSUP_BACKOFF_MAX": "0.5", "RLSUP_KILL_GRACE": "3",
+                       "RLSUP_REPLICATION_SCAN_INTERVAL": "0.5", "RLSUP_RENDEZVOUS_TIMEOUT": "120", **settings})
+    r = subprocess.run(["sbatch", "--parsable", f"--nodes={nodes}", "--no-kill", f"--chdir={job_dir}", str(SBATCH),
+                        *argv], capture_output=True, text=True, env=env, timeout=60)
+    assert r.returncode == 0, r.stderr
+    return r.stdout.strip().split(";")[0]
