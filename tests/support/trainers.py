@@ -73,9 +73,11 @@ class Supervised:
 
     def wait_trainer(self, n: int, match: Callable[["psutil.Process"], bool], what: str,
                      timeout: float = 240) -> "psutil.Process | None":
-        """Attempt ``n``'s training process (None if rlsup ended first)."""
+        """Attempt ``n``'s training process (None if rlsup ended first). Polled every 0.1 s: each poll walks
+        the process tree and may read warm ranks' /proc maps (~1 ms each), which at 0.02 s took 10-15% of a
+        core from the ranks importing their libraries; callers then wait seconds for a save or step anyway."""
         got = wait_for(lambda: self.ended() or (self.attempt() == n and self.trainers(match)), timeout,
-                       f"{what} of attempt {n}", interval=0.02)
+                       f"{what} of attempt {n}", interval=0.1)
         return None if got is True else got[0]
 
     def finish(self, timeout: float = 400) -> int:
