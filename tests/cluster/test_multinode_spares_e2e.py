@@ -29,7 +29,9 @@ SPARE = JOB_NODES  # the spare's node rank in peers
 WORLD = JOB_NODES * RANKS_PER_NODE
 # RLSUP_SPARES_BALLAST_MB: extra MB each rank saves (50: the 100 MB per node of issue 31's recovery figure)
 BALLAST = ["--ballast-mb", os.environ["RLSUP_SPARES_BALLAST_MB"]] if os.environ.get("RLSUP_SPARES_BALLAST_MB") else []
-TRAIN_ARGS = ["--steps", "24", "--checkpoint-every", "3", "--step-time", "0.15", "--keep-last", "100", *BALLAST]
+# 36 steps: the loss comes once step 9 is replicated; with 24, a loaded CI machine once replicated it as training ended,
+# and the node was lost in torchrun's exit barrier instead of mid-run (no next attempt to wait for)
+TRAIN_ARGS = ["--steps", "36", "--checkpoint-every", "3", "--step-time", "0.15", "--keep-last", "100", *BALLAST]
 LONG_ARGS = ["--steps", "48", "--checkpoint-every", "3", "--step-time", "0.15", "--keep-last", "100"]
 @pytest.fixture
 def soak_only(request: pytest.FixtureRequest) -> None:
