@@ -118,7 +118,8 @@ class SupervisorConfig:
                           "be restored into another world size (trainer_hooks saves marked resizable); otherwise it "
                           "waits and requeues (exit 75) as before. Once the lost node (or a replacement) is back, the "
                           "job grows back to the full node count at its next save (not counted against max_restarts). "
-                          "0: the job's node count (len(peers) - spares): never shrink. Needs peers; at most the job's "
+                          "Node 0 lost: only with coordinator_backend etcd (the embedded store goes with node 0); "
+                          "another node then leads the rounds until node 0 is back. 0: the job's node count (len(peers) - spares): never shrink. Needs peers; at most the job's "
                           "node count.")
     replication_port: int = _opt(9779, "Port of the replication endpoint when peers come from SLURM or omit a port.")
     coordinator_port: int = _opt(9780, "Port of the coordination store (torch TCPStore) hosted by node 0's supervisor (coordinator_backend embedded).")

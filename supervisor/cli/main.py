@@ -147,7 +147,7 @@ def _end_run(code: int) -> None:
 def _run_multinode(cfg: SupervisorConfig, command: list[str], membership: Membership, job: "JobIdentity",
                    observer: Observer | None) -> int:
     from supervisor.cluster.round_errors import CoordinationError, JobClash
-    from supervisor.cluster.multinode import connect_coordinator
+    from supervisor.cluster.job_store import connect_coordinator
     from supervisor.cluster.node_run import NodeRun
     from supervisor.cluster.node_service import NodeServiceSettings, daemon_running
     from supervisor.launch.rank_pinning import PinningError
@@ -225,7 +225,7 @@ def _refused(cfg: SupervisorConfig, membership: Membership | None, job: "JobIden
     nodes, so they end now instead of waiting for it (supervisor.cluster.clash_notice)."""
     if membership is not None:
         from supervisor.cluster.clash_notice import tell_job_refused
-        from supervisor.cluster.multinode import CoordinatorSettings
+        from supervisor.cluster.job_store import CoordinatorSettings
         from supervisor.transport.security import TransportSecurity
 
         tell_job_refused(CoordinatorSettings.from_config(cfg), TransportSecurity.from_config(cfg), membership, job,

@@ -27,7 +27,7 @@ from supervisor.membership import Membership
 from supervisor.stop_request import StopAsked, StopRequest
 
 if TYPE_CHECKING:
-    from supervisor.cluster.multinode import CoordinatorSettings
+    from supervisor.cluster.job_store import CoordinatorSettings
     from supervisor.transport.security import TransportSecurity
 
 log = logging.getLogger(__name__)

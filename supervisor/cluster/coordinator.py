@@ -7,38 +7,35 @@ Every key lives under ``rlsup/<job>/`` and every value is signed with the job's 
 without the secret forged, is ignored and named in the log. No home-made consensus: the store's
 atomic create is the only arbiter.
 
-Every node runs attempt ``a`` (= ``RLSUP_RESTART_COUNT``, the number incidents, state.json and the
-CLI show) together; the nodes agree on it in one *round* of the store:
+Every node runs attempt ``a`` (= ``RLSUP_RESTART_COUNT``, the number incidents, state.json and the CLI show)
+together; the nodes agree on it in one *round* of the store, led by node 0 (or, after node 0's loss with etcd, the node
+that claimed ``lead/a``: :mod:`supervisor.cluster.round_lead`; "the lead" below):
 
-0. joining: when the store has no attempt yet (a new job, or node 0's supervisor was lost and its
-   replacement hosts a fresh embedded store), every node proposes the next attempt it may run
-   (``join/<node>``: 0, or one past the attempt it last ran) and node 0 publishes ``base`` = the largest,
-   so a job that lost its store keeps counting its attempts;
-1. each node publishes its inventory ``inv/a/<node>`` (which checkpoint parts of this job it holds,
-   locally or as replicas for others: :class:`~supervisor.tiers.holdings.NodeInventory`);
-2. node 0 waits for all inventories, computes the plan (the newest step whose every rank part is valid
-   somewhere: in place, on a peer, or in the persistent tier; and where each node fetches what it lacks)
-   and publishes ``plan/a`` and ``round`` = a (the store's name for the planned attempt);
-3. each node fetches and publishes ``fetched/a/t/<node>``: the persistent parts that failed verification
-   (and any other error); node 0 waits for all of them and publishes their union ``fetched/a/t/all``,
-   which is what the other nodes read. If a part was bad and nothing else failed, node 0 plans again
-   without it (plan try ``t`` = 1, 2, ...: ``plan/a/t``), so the attempt falls back to an older step
-   instead of ending. Then each node marks ``ready/a/<node>``; node 0 waits for all and publishes
-   ``ready/a/all``; all launch once they see it;
+0. joining a store with no attempt yet (a new job, or a replacement node 0 hosting a fresh embedded store): every node
+   proposes the next attempt it may run (``join/<node>``) and node 0 publishes ``base`` = the largest, so a job that
+   lost its store keeps counting its attempts;
+1. each node publishes its inventory ``inv/a/<node>`` (the checkpoint parts of this job it holds, locally or as
+   replicas for others: :class:`~supervisor.tiers.holdings.NodeInventory`);
+2. the lead waits for the inventories, computes the plan (the newest step whose every rank part is valid somewhere:
+   in place, on a peer, or in the persistent tier; and what each node fetches) and publishes ``plan/a`` (naming its
+   lead) and ``round`` = a;
+3. each node fetches and publishes ``fetched/a/t/<node>`` (persistent parts that failed verification, any other
+   error); the lead publishes their union ``fetched/a/t/all``, which the others read. A bad part and nothing else
+   failed: the lead plans again without it (try ``t`` = 1, 2, ...: ``plan/a/t``), so the attempt falls back to an
+   older step instead of ending. Then each node marks ``ready/a/<node>``, the lead publishes ``ready/a/all``, and all
+   launch once they see it;
 4. the first node whose attempt fails creates ``end/a`` (first writer wins); every other node sees it, stops its
-   attempt, and all go to a+1. Node 0 ending a smaller world's attempt to grow it back marks ``resize/a`` first; a
-   node whose ranks finished there claims the end for the success (``succeeded/a`` first: the two race at the
-   job's last save), and then the others' ranks finish on their own and node 0 records the job's end.
+   attempt, and all go to a+1. The lead ending a smaller world's attempt to grow it back marks ``resize/a`` first; a
+   node whose ranks finished there claims the end for the success (``succeeded/a`` first: the two race at the job's
+   last save), and then the others' ranks finish on their own and the lead records the job's end.
 
-Only node 0 reads one key per node (the proposals, inventories, fetch results and ready marks); every
-other node reads a constant number of keys per attempt, so what it sends and receives does not grow with
-the number of nodes. A wait's poll asks whether every key it still needs exists and, if not, whether
-the attempt ended (one etcd transaction, two TCPStore round trips); values move once all are there.
+Only the lead reads one key per node; every other node reads a constant number of keys per attempt. A wait's poll
+asks whether every key it still needs exists and, if not, whether the attempt ended (one etcd transaction, two
+TCPStore round trips); values move once all are there.
 
-Values are signed, not trusted to parse: a node of another version, or a broken one, may publish a
-record that does not parse (:class:`~supervisor.tiers.holdings.RecordError`, naming node and field).
-Its inventory then offers nothing, its fetch result counts as a failed fetch, and a plan that does not
-parse ends the attempt for all; no node crashes on what another wrote.
+Values are signed, not trusted to parse: a record that does not parse (a node of another version, a broken one:
+:class:`~supervisor.tiers.holdings.RecordError`, naming node and field) offers nothing (an inventory), counts as a
+failed fetch (a fetch result) or ends the attempt for all (a plan); no node crashes on what another wrote.
 
 A node that joins while attempt ``c`` is open (planned or based, and not ended) is a replacement for a
 lost node: it ends attempt ``c`` (its predecessor's ranks are gone anyway) and joins ``c+1``. ``abort``
@@ -114,6 +111,7 @@ class RoundCoordinator:
         self._store_lost_at: float | None = None  # when the store was lost in the first round (its bound)
         self._reach_again_at = 0.0  # reach_again's next try
         self._running: dict[int, tuple[int, ...] | None] = {}  # attempt -> the nodes its plan runs (None: all)
+        self._lead: dict[int, int] = {}  # attempt -> the node that planned it (its plan's word; 0 until read)
 
     def check_stop(self, waiting_for: str) -> None:
         """:class:`~supervisor.stop_request.StopAsked` when rlsup was asked to stop (see the module docstring)."""
@@ -287,15 +285,16 @@ class RoundCoordinator:
         """Every node's inventory, in node order. One that does not parse (a node of another rlsup version,
         or a damaged store) ends the attempt for all, naming the node and field: planning without that
         node's parts could start the job afresh over checkpoints it still holds."""
-        out = []
-        for node, value in enumerate(self._wait([f"inv/{attempt}/{n}" for n in range(self.num_nodes)],
-                                                  f"inventories of attempt {attempt}", attempt, nodes_lost=True)):
-            try:
-                out.append(NodeInventory.from_json(value, node))
-            except RecordError as e:
-                why = f"node {self.node_rank}: {e} (a node of another rlsup version, or a damaged store?)"
-                raise RoundEnded(f"attempt {attempt} ended: {self.end(attempt, why)}") from e
-        return out
+        values = self._wait([f"inv/{attempt}/{n}" for n in range(self.num_nodes)], f"inventories of attempt {attempt}",
+                            attempt, nodes_lost=True)
+        return [self._inventory(attempt, node, value) for node, value in enumerate(values)]
+
+    def _inventory(self, attempt: int, node: int, value: str) -> NodeInventory:
+        try:
+            return NodeInventory.from_json(value, node)
+        except RecordError as e:
+            why = f"node {self.node_rank}: {e} (a node of another rlsup version, or a damaged store?)"
+            raise RoundEnded(f"attempt {attempt} ended: {self.end(attempt, why)}") from e
 
     def present_inventories(self, attempt: int, after_s: float, floor: int,
                             gone: Callable[[int], bool] = lambda node: False) -> dict[int, NodeInventory]:
@@ -304,17 +303,9 @@ class RoundCoordinator:
         go on with fewer nodes); waits on as :meth:`inventories` otherwise. Node -> inventory."""
         names = [f"inv/{attempt}/{n}" for n in range(self.num_nodes)]
         all_gone = lambda missing: all([gone(int(name.rsplit("/", 1)[1])) for name in missing])  # noqa: E731 - each probe
-        out: dict[int, NodeInventory] = {}
-        for node, value in enumerate(self._wait(names, f"inventories of attempt {attempt}", attempt,
-                                                enough=(after_s, floor, all_gone), nodes_lost=True)):
-            if value is None:
-                continue
-            try:
-                out[node] = NodeInventory.from_json(value, node)
-            except RecordError as e:
-                why = f"node {self.node_rank}: {e} (a node of another rlsup version, or a damaged store?)"
-                raise RoundEnded(f"attempt {attempt} ended: {self.end(attempt, why)}") from e
-        return out
+        values = self._wait(names, f"inventories of attempt {attempt}", attempt, enough=(after_s, floor, all_gone),
+                            nodes_lost=True)
+        return {node: self._inventory(attempt, node, value) for node, value in enumerate(values) if value is not None}
 
     def runs_without_me(self, attempt: int) -> bool:
         """Whether attempt ``attempt``'s plan leaves this node out: the job went on with fewer nodes, and this
@@ -352,21 +343,50 @@ class RoundCoordinator:
             why = f"node {self.node_rank}: {key} plans attempt {plan.attempt}"
             raise RoundEnded(f"attempt {attempt} ended: {self.end(attempt, why)}")
         self._running[attempt] = plan.nodes
+        self._lead[attempt] = plan.lead
         return plan
+
+    def lead_of(self, attempt: int) -> int:
+        """The node that planned ``attempt`` (and gathers its round): node 0 unless a node took the lead from a lost
+        node 0 (:meth:`claim_lead`), as the attempt's plan says once read."""
+        return self._lead.get(attempt, 0)
+
+    def leads(self, attempt: int) -> bool:
+        return self.lead_of(attempt) == self.node_rank
+
+    def nodes_of(self, attempt: int) -> list[int]:
+        """The nodes that run ``attempt`` by its plan (every node of the job until the plan was read)."""
+        return list(self._running.get(attempt) or range(self.num_nodes))
+
+    def claim_lead(self, attempt: int) -> int:
+        """This node asks to plan ``attempt`` (``lead/a``: the store's atomic create decides); the node that leads."""
+        won = self.keys.create(f"lead/{attempt}", str(self.node_rank))
+        lead = _attempt_number(f"lead/{attempt}", won)
+        self._lead[attempt] = lead
+        return lead
+
+    def plan_or_absent(self, attempt: int, node: int, after_s: float, gone: Callable[[], bool]) -> bool:
+        """Wait until ``attempt``'s plan or ``node``'s inventory is in the store: True when neither came within
+        ``after_s`` (or once ``gone`` says ``node``'s rlsup is gone): the node that plans is missing. The attempt's
+        end, a stop or an abort ends the wait as any round's wait."""
+        names = [self._plan_key(attempt, 0), f"inv/{attempt}/{node}"]
+        got = self._wait(names, f"the plan of attempt {attempt} or node {node}'s inventory", attempt,
+                         enough=(after_s, 0, lambda missing: len(missing) < len(names) or gone()), nodes_lost=True)
+        return all(v is None for v in got)
 
     def publish_fetch_result(self, attempt: int, plan_try: int, result: FetchResult) -> None:
         self.keys.set(f"fetched/{attempt}/{plan_try}/{self.node_rank}", result.to_json())
 
     def fetch_results(self, attempt: int, plan_try: int) -> list[FetchResult]:
-        """The results of try ``plan_try``, the same answer on every node: on node 0 every node's (it
+        """The results of try ``plan_try``, the same answer on every node: on the attempt's lead every node's (it
         waits for all, then publishes their union ``fetched/a/t/all``); elsewhere that union, one key.
         A result that does not parse is a failed fetch (the attempt ends, as for any fetch error)."""
-        prefix = f"fetched/{attempt}/{plan_try}"
-        if self.node_rank != 0:
-            (value,) = self._wait([f"{prefix}/all"], f"node 0's summary of every node's fetch in attempt {attempt}",
+        prefix, lead = f"fetched/{attempt}/{plan_try}", self.lead_of(attempt)
+        if lead != self.node_rank:
+            (value,) = self._wait([f"{prefix}/all"], f"node {lead}'s summary of every node's fetch in attempt {attempt}",
                                   attempt)
-            return [_fetch_result(value, 0)]  # node 0 wrote the union
-        nodes = self._running.get(attempt) or range(self.num_nodes)
+            return [_fetch_result(value, lead)]  # the lead wrote the union
+        nodes = self.nodes_of(attempt)
         results = [_fetch_result(v, n) for n, v in
                    zip(nodes, self._wait_all(prefix, f"every node's fetch in attempt {attempt}", attempt, nodes))]
         union = FetchResult(sorted({b for r in results for b in r.bad}),
@@ -378,10 +398,11 @@ class RoundCoordinator:
         self.keys.set(f"ready/{attempt}/{self.node_rank}", "1")
 
     def wait_all_ready(self, attempt: int) -> None:
-        """Until every node is ready: node 0 waits for every ``ready/a/<node>`` and publishes ``ready/a/all``,
-        which the other nodes wait for."""
-        if self.node_rank != 0:
-            self._wait([f"ready/{attempt}/all"], f"node 0 to see all nodes ready for attempt {attempt}", attempt)
+        """Until every node is ready: the attempt's lead waits for every ``ready/a/<node>`` and publishes
+        ``ready/a/all``, which the other nodes wait for."""
+        if not self.leads(attempt):
+            self._wait([f"ready/{attempt}/all"], f"node {self.lead_of(attempt)} to see all nodes ready for attempt "
+                       f"{attempt}", attempt)
         else:
             self._wait_all(f"ready/{attempt}", f"all nodes ready for attempt {attempt}", attempt,
                            self._running.get(attempt))
@@ -409,20 +430,6 @@ class RoundCoordinator:
     def _end_marked(self, mark: str, attempt: int, reason: str) -> str:
         marked = self.keys.create(f"{mark}/{attempt}", reason).payload  # a retry keeps the first words: ending()
         return self.end(attempt, marked)
-
-    def moved_on(self, attempt: int) -> bool:
-        """Node 0 joined the attempt after ``attempt`` (its inventory is there): ``attempt`` is over for everyone."""
-        return self.keys.get(f"inv/{attempt + 1}/0") is not None
-
-    def mark_back(self, attempt: int) -> None:
-        """This node, left out of ``attempt``'s smaller world, is back and waits to grow into the next one."""
-        self.keys.set(f"back/{attempt}/{self.node_rank}", "1")
-
-    def back(self, attempt: int, nodes: Iterable[int]) -> list[int]:
-        """Which of ``nodes`` (left out of ``attempt``) marked themselves back (:meth:`mark_back`)."""
-        nodes = list(nodes)
-        marks = self.keys.get_many([f"back/{attempt}/{n}" for n in nodes])
-        return [n for n, m in zip(nodes, marks) if m is not None]
 
     def ending(self, attempt: int) -> tuple[str, EndReason] | None:
         """Non-blocking: why ``attempt`` ended, ``resized`` if by :meth:`end_to_resize`, ``success`` if by
@@ -460,9 +467,9 @@ class RoundCoordinator:
         because another job holds what it needs (its peers exit 2 too)."""
         self.keys.create("abort", AbortNotice(reason, AbortKind.CLASH if clash else AbortKind.GAVE_UP).to_payload())
 
-    def finish(self) -> None:
-        """The job ended for good: a store that outlives it (etcd) forgets its keys (node 0 only)."""
-        if self.node_rank == 0:
+    def finish(self, attempt: int) -> None:
+        """The job ended for good in ``attempt``: a store that outlives it (etcd) forgets its keys (the lead only)."""
+        if self.leads(attempt):
             self.store.delete_prefix(self.keys.prefix)
 
     # ------------------------------------------------------------ waiting

@@ -13,11 +13,12 @@ from its own node. So in a job of several nodes (keys under the job's signed nam
 2. a node told the attempt ended (:meth:`FrExchange.peer_ended`) finds ``want`` and publishes its ranks'
    dumps before its job is killed; a node whose job ended otherwise publishes an empty record, so
    nobody waits for it;
-3. node 0 waits for every node's record (at most :data:`GATHER_S`), runs torch's analyser over all of
+3. the attempt's lead (node 0, unless it was lost: :mod:`supervisor.cluster.round_lead`) waits for the record of
+   every node that runs the attempt (at most :data:`GATHER_S`), runs torch's analyser over all of
    them (:mod:`supervisor.diagnosis.flight_recorder`, in a child, at most :data:`ANALYSE_S`) and publishes the
    verdict (``fr/<a>/verdict``); every other node waits for it (the two bounds and a margin) and puts
    it in its incident, so every node's incident names the suspect rank and its node;
-4. node 0 deletes the records once the verdict is out (they are up to 1 MB a node: node 0's memory, etcd's
+4. the lead deletes the records once the verdict is out (they are up to 1 MB a node: node 0's memory, etcd's
    quota), and the small rest of an earlier attempt's exchange (``want``, ``verdict``, a late record)
    when the next exchange starts: by then every node has left the earlier one.
 
@@ -104,7 +105,7 @@ class FrExchange:
         asked to stop), so that this node's kill does not break the peers' ranks out of the collective first."""
         if attempt not in self._wanted:
             return
-        names = [f"fr/{attempt}/{n}" for n in range(self.nodes)]
+        names = [f"fr/{attempt}/{n}" for n in self.coordinator.nodes_of(attempt)]
         deadline = self._gather_ends.get(attempt, time.monotonic() + self.gather_s)
         self._gather_ends = {attempt: deadline}  # this hang's only: nothing accumulates over a long run
         try:
@@ -114,8 +115,8 @@ class FrExchange:
             log.info(f"flight recorder: not waiting for the other nodes' dumps: {e}")
 
     def _forget_earlier(self, attempt: int) -> None:
-        """Node 0: the keys of earlier exchanges (small, but a store may outlive many hangs)."""
-        if self.node != 0:
+        """The attempt's lead: the keys of earlier exchanges (small, but a store may outlive many hangs)."""
+        if not self.coordinator.leads(attempt):
             return
         for old in sorted(a for a in self._wanted if a != attempt):
             names = ["want", "verdict", *map(str, range(self.nodes))]
@@ -150,7 +151,7 @@ class FrExchange:
     # ------------------------------------------------------------ after the attempt ended
 
     def settle(self, attempt: int, attempt_dir: Path | None = None) -> FlightEvidence | None:
-        """Where dumps were asked for in this attempt: node 0 judges them all and publishes the verdict,
+        """Where dumps were asked for in this attempt: its lead judges them all and publishes the verdict,
         the others wait for it; it is evidence for the attempt's outcome (and so the incident) on every node.
         None: no dumps were asked for, or no verdict came (this node's own stands)."""
         try:
@@ -163,7 +164,8 @@ class FrExchange:
             self._wanted.add(attempt)
             if attempt not in self._published:
                 self._publish(attempt, {}, {})  # this node's job ended before it could dump: nobody waits for it
-            verdict = self._judge(attempt, attempt_dir) if self.node == 0 else self._await_verdict(attempt)
+            judges = self.coordinator.leads(attempt)
+            verdict = self._judge(attempt, attempt_dir) if judges else self._await_verdict(attempt)
         except Exception as e:  # noqa: BLE001 - the incident keeps this node's own verdict
             log.warning(f"flight recorder: no verdict across nodes: {type(e).__name__}: {e}")
             return None
@@ -194,14 +196,14 @@ class FrExchange:
         verdict = SharedVerdict(fr.text, fr.suspects, sorted({node_of[r] for r in fr.suspects if r in node_of}),
                                 fr.seq, fr.op)
         self.keys.set(f"fr/{attempt}/verdict", verdict.to_json())
-        try:  # read for good: only node 0 reads the records
-            self.coordinator.store.delete([self.keys.key(f"fr/{attempt}/{n}") for n in range(self.nodes)])
+        try:  # read for good: only the lead reads the records
+            self.coordinator.store.delete([self.keys.key(f"fr/{attempt}/{n}") for n in self.coordinator.nodes_of(attempt)])
         except Exception as e:  # noqa: BLE001 - the next exchange deletes them again
             log.info(f"flight recorder: records not deleted: {e}")
         return verdict
 
     def _gather(self, attempt: int) -> tuple[list[NodeDumps], list[str]]:
-        names = [f"fr/{attempt}/{n}" for n in range(self.nodes)]
+        names = [f"fr/{attempt}/{n}" for n in self.coordinator.nodes_of(attempt)]
         deadline = self._gather_ends.pop(attempt, time.monotonic() + self.gather_s)
         while self.keys.poll(names, None)[0] is None and time.monotonic() < deadline and not self.stopped():
             time.sleep(POLL_S)  # one look whether every key exists: no record moves meanwhile
@@ -214,7 +216,7 @@ class FrExchange:
             time.sleep(STALE_POLL_S)
         records, problems = [], []
         waited = f"({STOPPING})" if self.stopped() else f"within {self.gather_s:.0f}s"
-        for node, name in enumerate(names):
+        for node, name in zip(self.coordinator.nodes_of(attempt), names):
             value = got.get(name)
             if value is None:
                 problems.append(f"node {node} shared no dumps {waited}")
@@ -228,7 +230,7 @@ class FrExchange:
         return records, problems
 
     def _await_verdict(self, attempt: int) -> SharedVerdict | None:
-        name = f"fr/{attempt}/verdict"
+        name, lead = f"fr/{attempt}/verdict", self.coordinator.lead_of(attempt)
         wait_s = self.gather_s + self.analyse_s + MARGIN_S
         deadline = time.monotonic() + wait_s
         value = self.keys.get(name)
@@ -237,10 +239,11 @@ class FrExchange:
             value = self.keys.get(name)
         if value is None or not self._fresh(value):
             why = STOPPING if self.stopped() else f"within {wait_s:.0f}s"
-            log.warning(f"flight recorder: no verdict from node 0 ({why})")
+            log.warning(f"flight recorder: no verdict from node {lead} ({why})")
             return None
-        if value.node != 0:
-            log.warning(f"flight recorder: refused {self.keys.key(name)}: written by node {value.node}, not node 0")
+        if value.node != lead:
+            log.warning(f"flight recorder: refused {self.keys.key(name)}: written by node {value.node}, not node {lead} "
+                        "(the attempt's lead)")
             return None
         try:
             return SharedVerdict.from_json(value.payload, self.keys.key(name))
@@ -250,7 +253,7 @@ class FrExchange:
 
     def _apply(self, attempt: int, verdict: SharedVerdict, attempt_dir: Path | None) -> FlightEvidence:
         log.info(f"attempt {attempt}: {verdict.text}")
-        if self.node != 0:
+        if not self.coordinator.leads(attempt):
             save_verdict(FlightVerdict(verdict.text), attempt_dir)
         self.observer.flight_recorder(verdict.suspects)
         for node in verdict.suspect_nodes if verdict.suspects else ():

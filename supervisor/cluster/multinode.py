@@ -30,27 +30,24 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, NoReturn
 
 from supervisor.bounded_calls import BoundedCalls
-from supervisor.config import SupervisorConfig
 from supervisor.tiers.holdings import PERSISTENT_HOLDER, FetchResult, InventoryBuilder, NodeInventory, RoundPlan
+from supervisor.cluster import grow_back
 from supervisor.cluster.coordinator import RoundCoordinator
-from supervisor.cluster.round_errors import CoordinationError, NodeZeroRunning, RoundEnded
-from supervisor.cluster.embedded_store import embedded_coordinator
+from supervisor.cluster.round_errors import RoundEnded
 from supervisor.cluster.fr_exchange import FrExchange
-from supervisor.cluster.kvstore import OP_TIMEOUT_S, StoreUnavailable
+from supervisor.cluster.kvstore import StoreUnavailable
 from supervisor.cluster.round_lead import RoundRole
-from supervisor.job_identity import JobIdentity
 from supervisor.lifecycle import EndReason
 from supervisor.membership import Membership
 from supervisor.observer import Observer
-from supervisor.settings_vocabulary import CoordinatorBackend
 from supervisor.tiers.part_protocol import FetchFailed, PartError, PartStore, fetch_part
 from supervisor.cluster.spares import (JobEnded, JobEndWatch, NodeRole, SpareSeat, check_holder, check_seat, job_done,
-                                       moved_slots, refuse_if_taken, spares_left)
+                                       moved_slots, spares_left)
 from supervisor.launch.rank_pinning import resize_pinned
 from supervisor.tiers.replication import ReplicationEngine, newest_own_step
 from supervisor.tiers.resume import ResumePoint
@@ -79,53 +76,6 @@ class _Fetched:
     tier: str = TIER_LOCAL  # where this node's missing parts came from (the farthest tier used)
     ranks: list[int] = field(default_factory=list)  # parts fetched (dropped again if the step is abandoned)
     path: Path | None = None  # the step directory this node's ranks load (memory tier or checkpoint_dir)
-
-
-@dataclass(frozen=True)
-class CoordinatorSettings:
-    """The coordination store's part of the config (``coordinator_*`` keys and ``rendezvous_timeout``)."""
-
-    backend: CoordinatorBackend = "embedded"
-    endpoints: tuple[str, ...] = ()
-    port: int = 9780
-    rendezvous_timeout: float = 600.0
-
-    @classmethod
-    def from_config(cls, cfg: SupervisorConfig) -> "CoordinatorSettings":
-        return cls(cfg.coordinator_backend, tuple(cfg.coordinator_endpoints), cfg.coordinator_port,
-                   cfg.rendezvous_timeout)
-
-    def hosted_by(self, node_rank: int) -> bool:
-        """Whether node ``node_rank``'s rlsup serves the store: the embedded store lives in node 0's (etcd is the
-        site's)."""
-        return self.backend == "embedded" and node_rank == 0
-
-
-def connect_coordinator(cfg: SupervisorConfig, membership: Membership, job: JobIdentity,
-                        secret: bytes, stop: StopRequest | None = None,
-                        gone_after_s: float | None = None, wait_s: float | None = None) -> RoundCoordinator:
-    """This node's handle on the job's coordination store (``coordinator_backend``); ``stop`` ends its waits;
-    ``gone_after_s``: see :func:`~supervisor.cluster.embedded_store.embedded_coordinator` (etcd outlives node 0); ``wait_s``:
-    the connect's window and the handle's waits instead of ``rendezvous_timeout`` (a spare's bounded reconnect)."""
-    s = CoordinatorSettings.from_config(cfg)
-    s = s if wait_s is None else replace(s, rendezvous_timeout=wait_s)
-    if s.backend == "etcd":
-        from supervisor.cluster.kvstore_etcd import EtcdKVStore
-
-        try:
-            store = EtcdKVStore(list(s.endpoints), timeout_s=min(30.0, s.rendezvous_timeout))
-        except StoreUnavailable as e:
-            raise CoordinationError(str(e)) from e
-        return RoundCoordinator(store, job, secret, membership.node_rank, membership.size, s.rendezvous_timeout,
-                                stop=stop, beat_store=lambda: EtcdKVStore(list(s.endpoints), timeout_s=OP_TIMEOUT_S))
-    host = membership.peers[0].rpartition(":")[0]
-    try:
-        return embedded_coordinator(host, s.port, job, secret, membership.node_rank, membership.size,
-                                    s.rendezvous_timeout, stop, gone_after_s)
-    except NodeZeroRunning:
-        if cfg.spares:
-            refuse_if_taken(host, s.port, job, secret, membership.size, stop)
-        raise
 
 
 GROW_POLL_S = 1.0  # how often a left-out node looks for the attempt's end, and the lead for its return and a save
@@ -416,11 +366,14 @@ class NodeGroup:
 
     def command(self, argv: list[str]) -> list[str]:
         """The launch line for this attempt: torchrun's node count and node rank are those of the nodes that run it
-        (the i-th of them is node i), after a shrink or a grow."""
+        (the i-th of them is node i), after a shrink or a grow; without node 0, torchrun's master is on the first
+        node that runs it."""
         plan = self._plan
         if plan is None or plan.nodes is None:
             return argv
-        return resize_pinned(argv, plan.nodes.index(self.me), len(plan.nodes))
+        first = plan.nodes[0]
+        master = self.engine.membership.peers[first].rpartition(":")[0] if first != 0 else None
+        return resize_pinned(argv, plan.nodes.index(self.me), len(plan.nodes), master)
 
     def _world(self, attempt: int, plan: RoundPlan) -> None:
         """Says what the plan does to the job's size (on every node, the incident's words) and keeps the plan."""
@@ -439,6 +392,9 @@ class NodeGroup:
         if self._change:
             self._log(f"attempt {attempt}: {self._change}{why}")
         self._plan = plan
+        self.role.launched(plan)
+        if self.persistent is not None:
+            self.persistent.lead(self.role.leads)
         self._back = _BackWatch(plan) if self.role.leads and nodes < job else None
 
     def world(self) -> World:
@@ -452,7 +408,7 @@ class NodeGroup:
         attempt to end (the lead ends it at the job's next save, and the next round grows the job to every node)."""
         self._log(f"attempt {attempt}: the job goes on with nodes {list(plan.nodes or ())} without this node; "
                   "waiting for its next save to grow back")
-        self.coordinator.mark_back(attempt)
+        grow_back.mark_back(self.coordinator, attempt)
         unreachable_since: float | None = None
         while True:
             if self.stop.asked:  # this node's stop is its own: the attempt the others run goes on
@@ -463,7 +419,7 @@ class NodeGroup:
                 ending = self.coordinator.ending(attempt)
                 # a success there is one node's: the job's end is node 0's word (job_done, the job-end record), and
                 # node 0 may yet fail and go on (then this node joins the next attempt)
-                if ending is not None and (ending[1] is not EndReason.SUCCESS or self.coordinator.moved_on(attempt)):
+                if ending is not None and (ending[1] is not EndReason.SUCCESS or grow_back.moved_on(self.coordinator, attempt)):
                     raise RoundEnded(f"attempt {attempt} ended: {ending[0]}", ending[1] if ending[1] is not
                                      EndReason.SUCCESS else EndReason.PEER_FAILURE)
                 if job_done(self.coordinator):
@@ -533,12 +489,12 @@ class NodeGroup:
             return None
         if ending is None or ending[1] is not EndReason.RESIZED:
             return None
-        self._log(f"attempt {attempt}: node 0's grow back came before this node's success ({ending[0]}); "
+        self._log(f"attempt {attempt}: the lead's grow back came before this node's success ({ending[0]}); "
                   "going on with every node")
         return EndedElsewhere(EndReason.RESIZED, ending[0])
 
     def _grow_at_save(self, attempt: int, watch: "_BackWatch") -> bool:
-        """The lead of a smaller world: once a left-out node is back (:meth:`RoundCoordinator.back`) and this node's
+        """The lead of a smaller world: once a left-out node is back (:func:`supervisor.cluster.grow_back.back`) and this node's
         ranks saved a step after that, the attempt ends (``resized``) so that the next round grows the job (never
         mid-step: at a save). True once ended."""
         now = time.monotonic()
@@ -547,7 +503,7 @@ class NodeGroup:
         watch.next_look = now + GROW_POLL_S
         try:
             if watch.saved_before is None:
-                back = self.coordinator.back(attempt, (n for n in range(self.membership.size) if not watch.plan.runs(n)))
+                back = grow_back.back(self.coordinator, attempt, (n for n in range(self.membership.size) if not watch.plan.runs(n)))
                 if not back:
                     return False
                 saved = self._newest_own_save()
@@ -594,4 +550,4 @@ class NodeGroup:
         return newest_step(on_disk, self.memory)
 
 
-__all__ = ["NodeGroup", "CoordinatorSettings", "connect_coordinator"]
+__all__ = ["NodeGroup"]

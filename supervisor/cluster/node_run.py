@@ -19,7 +19,8 @@ from supervisor import exit_codes
 from supervisor.cluster.coordinator import RoundCoordinator
 from supervisor.cluster.round_errors import CoordinationError, JobClash, NodesMissing, PeerLost
 from supervisor.cluster.fr_exchange import FrExchange
-from supervisor.cluster.multinode import CoordinatorSettings, NodeGroup
+from supervisor.cluster.job_store import CoordinatorSettings
+from supervisor.cluster.multinode import NodeGroup
 from supervisor.cluster.round_lead import RoundRole, ShrinkSettings, round_role
 from supervisor.cluster.spares import JobEnded, JobEndWatch, SpareSeat, moved_slots, spares_left
 from supervisor.job_identity import JobIdentity
@@ -185,7 +186,8 @@ class NodeRun:
             return 0 if seat_of is None else spares_left(seat_of.roster, moved_slots(coordinator, size))
         engine = self.engine
         role = round_role(rank, coordinator, self.tiers.persistent, say, shrink, unused_spares,
-                          lambda: engine.membership.peers)  # a spare's endpoint once it took a rank (move_peer)
+                          lambda: engine.membership.peers,  # a spare's endpoint once it took a rank (move_peer)
+                          self.settings.store.outlives_node_0)
         return NodeGroup(self.membership, self.engine, coordinator, role,
                          fr, self.stop, self.tiers, run.checkpoint_dir, run.state_dir, say,
                          observer=self.observer, spares=self.spares, job_end=job_end)
@@ -231,7 +233,7 @@ class NodeRun:
         job's keys."""
         try:
             role.finish_job(job_end, result.attempts - 1)  # the attempt that finished (attempts: a count)
-            coordinator.finish()  # a store that outlives the job (etcd) forgets its keys
+            coordinator.finish(result.attempts - 1)  # a store that outlives the job (etcd) forgets its keys
         except Exception as e:  # noqa: BLE001 - the job is done; stale keys are ignored by the next run
             say(f"could not clear the job's coordination keys: {e}")
 

@@ -1,13 +1,15 @@
 """Who leads: node 0 (:class:`RoundLead`) plans each round from every node's inventory and the persistent tier and
 publishes the plan, and at a successful end records the job's end and tells the spares; every other node
-(:class:`RoundMember`) reads the plan and has no end-of-run duty. The round itself
+(:class:`RoundMember`) reads the plan and has no end-of-run duty. A job that may go on with fewer nodes, in a store
+that outlives node 0 (etcd), goes on without node 0 too (:class:`Succession`: the lead of each attempt is claimed in
+the store, and a node other than 0 claims it only when node 0 is missing from the round). The round itself
 (:class:`supervisor.cluster.multinode.NodeGroup`) and the node's run (:class:`supervisor.cluster.node_run.NodeRun`)
 are the same on every node: they ask the role, never the rank.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 
 from supervisor.cluster.coordinator import RoundCoordinator
@@ -44,13 +46,16 @@ class ShrinkSettings:
 class RoundRole(Protocol):
     """This node's part in planning a round."""
 
-    leads: bool  # plans the rounds (and ends a smaller world's attempt to grow it back)
+    leads: bool  # plans the round of the attempt it last planned or read (and ends a smaller world's to grow it back)
 
     def publish_plan(self, attempt: int, plan_try: int, excluded: set[tuple[int, int, int]]) -> None:
         """Plan try ``plan_try`` of ``attempt`` without the (step, rank, holder) triples ``excluded``."""
 
     def note_bad(self, parts: set[Part]) -> None:
         """Persistent parts that failed verification in a fetch of this round."""
+
+    def launched(self, plan: RoundPlan) -> None:
+        """Every node of ``plan`` was ready: its attempt launches."""
 
     def finish_job(self, job_end: JobEndWatch | None, last_attempt: int) -> None:
         """The job succeeded in ``last_attempt``: what this node owes the others before the store forgets the job."""
@@ -65,6 +70,9 @@ class RoundMember:
         pass
 
     def note_bad(self, parts: set[Part]) -> None:
+        pass
+
+    def launched(self, plan: RoundPlan) -> None:
         pass
 
     def finish_job(self, job_end: JobEndWatch | None, last_attempt: int) -> None:
@@ -96,17 +104,32 @@ class RoundLead:
         self._ran_whole = False  # this run planned an attempt of every node: only then may a node be missed
 
     def publish_plan(self, attempt: int, plan_try: int, excluded: set[tuple[int, int, int]]) -> None:
-        self.coordinator.publish_plan(self.plan(attempt, excluded), plan_try)
+        plan, me = self.plan(attempt, excluded), self.coordinator.node_rank
+        self.coordinator.publish_plan(replace(plan, lead=me) if me else plan, plan_try)
 
     def note_bad(self, parts: set[Part]) -> None:
         self.bad_persistent |= parts
+
+    def launched(self, plan: RoundPlan) -> None:
+        """An attempt of every node launched: from now on a node missing from a round may be gone for good."""
+        if plan.nodes is None or len(plan.nodes) == self.coordinator.num_nodes:
+            self._ran_whole = True
 
     def finish_job(self, job_end: JobEndWatch | None, last_attempt: int) -> None:
         """Record the end where a node cut off until now finds it once the store is gone with this one (a job with
         spares), and set the spares' cue to exit."""
         if job_end is not None:
-            job_end.record(0, last_attempt)
+            job_end.record(self.coordinator.node_rank, last_attempt)
         self.coordinator.keys.set(DONE_KEY, "1")
+
+    def floor_now(self) -> int | None:
+        """The fewest nodes the job may go on with in this round; None: every node is waited for (no ``min_nodes``
+        below the job's size, a spare left to take a lost rank, or no attempt of every node in this run yet: a
+        requeued run's nodes starting seconds apart are never taken for lost)."""
+        floor = self.shrink.floor(self.coordinator.num_nodes)
+        if floor is None or not self._ran_whole or self.coordinator.first_round or self.spares_left() > 0:
+            return None
+        return floor
 
     def plan(self, attempt: int, excluded: set[tuple[int, int, int]]) -> RoundPlan:
         """Every node came: :meth:`full_plan`, or, for a step saved by fewer nodes, the plan that grows the job
@@ -116,14 +139,13 @@ class RoundLead:
         came = self._inventories(attempt)
         if len(came) == job:
             plan = self.full_plan(attempt, [came[n] for n in range(job)], excluded)
-            self._ran_whole = True
             if self.shrink.floor(job) is None or plan.step is None or same_world(came, plan.step, range(job)):
                 return plan  # without min_nodes, exactly as before it existed
             grown = compute_resized_plan(attempt, came, list(range(job)))
             if not isinstance(grown, str):
                 return grown
             # Not now: the nodes that saved the step go on as they were (the others wait for a later save)
-            saved = sorted((saved_by(came, plan.step) or (0, set()))[1] | {0})
+            saved = sorted((saved_by(came, plan.step) or (0, set()))[1] | {self.coordinator.node_rank})
             again = compute_resized_plan(attempt, {n: came[n] for n in saved}, saved)
             self.say(f"attempt {attempt}: cannot grow back to {job} nodes: {grown}")
             return again if not isinstance(again, str) else plan
@@ -145,17 +167,21 @@ class RoundLead:
         enough are there. The same answer for every plan try of the attempt."""
         if (came := self._came.get(attempt)) is not None:
             return came
-        floor = self.shrink.floor(self.coordinator.num_nodes)
-        if floor is None or not self._ran_whole or self.coordinator.first_round or self.spares_left() > 0:
+        floor = self.floor_now()
+        if floor is None:
             came = dict(enumerate(self.coordinator.inventories(attempt)))
         else:
-            for endpoint in self.endpoints():  # each round asks afresh: a node refused before may be back
-                self.probe.forget(endpoint)
-            came = self.coordinator.present_inventories(attempt, self.shrink.wait_s, floor, self._gone)
+            self.ask_afresh()
+            came = self.coordinator.present_inventories(attempt, self.shrink.wait_s, floor, self.gone)
         self._came = {attempt: came}
         return came
 
-    def _gone(self, node: int) -> bool:
+    def ask_afresh(self) -> None:
+        """Each round probes the missing nodes anew: a node refused before may be back."""
+        for endpoint in self.endpoints():
+            self.probe.forget(endpoint)
+
+    def gone(self, node: int) -> bool:
         """Whether ``node``'s rlsup is gone by its host's word (refused connects), not only silent."""
         endpoints = self.endpoints()
         return node < len(endpoints) and self.probe.gone(endpoints[node])
@@ -192,12 +218,60 @@ class RoundLead:
         return listing
 
 
+class Succession:
+    """Who leads each attempt's round in a job that may go on with fewer nodes and whose store outlives node 0:
+    node 0 claims the attempt's lead (``lead/a``) before it plans, as it always leads; any other node claims it only
+    when neither the plan nor node 0's inventory came within the shrink's wait (or node 0's endpoint refuses
+    connects) and the job may go on without a node now (:meth:`RoundLead.floor_now`). The store's atomic create
+    decides; the node that won plans (its :class:`RoundLead`), and the plan names it, so that every node knows who
+    gathers the round, records the job's end, and grows the job back once node 0 returns."""
+
+    def __init__(self, planner: RoundLead) -> None:
+        self.planner = planner
+        self.leads = False
+
+    def publish_plan(self, attempt: int, plan_try: int, excluded: set[tuple[int, int, int]]) -> None:
+        if plan_try == 0:
+            self.leads = self._claims(attempt)
+        if self.leads:
+            self.planner.publish_plan(attempt, plan_try, excluded)
+
+    def _claims(self, attempt: int) -> bool:
+        planner = self.planner
+        coordinator, me = planner.coordinator, planner.coordinator.node_rank
+        if me != 0:
+            if planner.floor_now() is None:
+                return False
+            planner.ask_afresh()
+            if not coordinator.plan_or_absent(attempt, 0, planner.shrink.wait_s, lambda: planner.gone(0)):
+                return False
+        lead = coordinator.claim_lead(attempt)
+        if lead == me and me != 0:
+            planner.say(f"attempt {attempt}: node 0 is missing from the round (nothing from it within "
+                        f"spare_takeover_s, or its endpoint refuses connects; no spare left, min_nodes "
+                        f"{planner.shrink.min_nodes}); node {me} leads the round in its place")
+        return lead == me
+
+    def note_bad(self, parts: set[Part]) -> None:
+        self.planner.note_bad(parts)
+
+    def launched(self, plan: RoundPlan) -> None:
+        self.planner.launched(plan)
+
+    def finish_job(self, job_end: JobEndWatch | None, last_attempt: int) -> None:
+        if self.leads:
+            self.planner.finish_job(job_end, last_attempt)
+
+
 def round_role(node_rank: int, coordinator: RoundCoordinator, persistent: PersistentTier | None,
                say: Callable[[str], None], shrink: ShrinkSettings = ShrinkSettings(),
                spares_left: Callable[[], int] = lambda: 0,
-               endpoints: Callable[[], Sequence[str]] = lambda: ()) -> RoundRole:
-    """Node 0 leads every round; the others follow."""
+               endpoints: Callable[[], Sequence[str]] = lambda: (), store_outlives_node_0: bool = False) -> RoundRole:
+    """Node 0 leads every round, the others follow; in a job that may go on with fewer nodes and whose store outlives
+    node 0, each attempt's lead is claimed (:class:`Succession`)."""
+    if store_outlives_node_0 and shrink.floor(coordinator.num_nodes) is not None:
+        return Succession(RoundLead(coordinator, persistent, say, shrink, spares_left, endpoints))
     return RoundLead(coordinator, persistent, say, shrink, spares_left, endpoints) if node_rank == 0 else RoundMember()
 
 
-__all__ = ["RoundRole", "RoundLead", "RoundMember", "ShrinkSettings", "round_role"]
+__all__ = ["RoundRole", "RoundLead", "RoundMember", "ShrinkSettings", "Succession", "round_role"]

@@ -27,7 +27,7 @@ from supervisor.cluster.endpoint_probe import all_gone
 from supervisor.job_identity import JobIdentity
 from supervisor.cluster.kvstore import StoreUnavailable
 from supervisor.cluster.liveness import LIVENESS_LAPSE_S
-from supervisor.cluster.multinode import CoordinatorSettings
+from supervisor.cluster.job_store import CoordinatorSettings
 from supervisor.membership import Membership
 from supervisor.observer import Observer
 from supervisor.processes.job import OsProcesses

@@ -147,14 +147,17 @@ def pin_ranks(command: Sequence[str], node_rank: int, num_nodes: int, master_hos
     return Pinned(pinned, note)
 
 
-def resize_pinned(command: Sequence[str], node_rank: int, num_nodes: int) -> list[str]:
+def resize_pinned(command: Sequence[str], node_rank: int, num_nodes: int, master_host: str | None = None) -> list[str]:
     """A command :func:`pin_ranks` pinned, for a world of ``num_nodes`` nodes in which this node is ``node_rank``
     (the job shrank or grew back): the values of the ``--nnodes`` and ``--node-rank`` it set (the run of options it
-    adds, never a like-named argument of the script), replaced. A command it left as typed is returned unchanged."""
+    adds, never a like-named argument of the script), replaced, and ``--master-addr`` too when ``master_host`` is
+    given (the world's first node is not node 0, which was lost). A command it left as typed is returned unchanged."""
     out = list(command)
     at = _pinned_at(out)
     if at is not None:
         out[at + 1], out[at + 3] = str(num_nodes), str(node_rank)
+        if master_host is not None:
+            out[at + 7] = master_host
     return out
 
 
@@ -165,9 +168,10 @@ def resizable_launch(command: Sequence[str]) -> bool:
 
 
 def _pinned_at(command: list[str]) -> int | None:
-    """Where the run of options :func:`pin_ranks` adds begins (``--nnodes N --node-rank R --rdzv-backend static``)."""
-    for i in range(len(command) - 5):
+    """Where the run of options :func:`pin_ranks` adds begins (``--nnodes N --node-rank R --rdzv-backend static
+    --master-addr H``)."""
+    for i in range(len(command) - 7):
         if (command[i] == "--nnodes" and command[i + 2] == "--node-rank"
-                and command[i + 4:i + 6] == ["--rdzv-backend", "static"]):
+                and command[i + 4:i + 7] == ["--rdzv-backend", "static", "--master-addr"]):
             return i
     return None

@@ -223,6 +223,7 @@ class RoundPlan:
     nodes: tuple[int, ...] | None = None  # None: every node of the job, each as its own node rank
     owners: Mapping[int, int] = field(default_factory=dict)  # rank -> owner, for the parts of a smaller world
     from_nodes: int | None = None  # how many nodes saved the step, when not ``len(nodes)`` (the world changes)
+    lead: int = 0  # the node that planned it, and gathers the round's fetch results and ready marks (0 but after node 0's loss)
 
     @property
     def changes_world(self) -> bool:
@@ -242,6 +243,8 @@ class RoundPlan:
             out["nodes"] = list(self.nodes)
             out["owners"] = {str(r): o for r, o in self.owners.items()}
             out["from_nodes"] = self.from_nodes
+        if self.lead:
+            out["lead"] = self.lead
         return json.dumps(out)
 
     @classmethod
@@ -283,7 +286,10 @@ class RoundPlan:
         from_nodes = d.get("from_nodes")
         if from_nodes is not None and not (_is_index(from_nodes) and from_nodes > 0):
             fail("from_nodes", f"{str(from_nodes)[:40]} is not a node count")
-        return cls(attempt, step, world, fetch, None if nodes is None else tuple(nodes), owned, from_nodes)
+        lead = d.get("lead", 0)
+        if not _is_index(lead) or (nodes is not None and lead not in nodes):
+            fail("lead", f"{str(lead)[:40]} is not a node rank of the nodes that run the attempt")
+        return cls(attempt, step, world, fetch, None if nodes is None else tuple(nodes), owned, from_nodes, lead)
 
 
 @dataclass

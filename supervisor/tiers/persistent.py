@@ -149,6 +149,7 @@ class PersistentTier:
         self.store: Any = open_store(s.location, self.throttle)
         self.location = self.store.location
         self.node = s.node
+        self._leads = s.node == 0  # starts and prunes steps: node 0, or the node that leads the job's round for it
         self.source = s.source
         self._clock = clock
         self._last_step: int | None = None  # the step node 0 last started (the cadence counts from it)
@@ -223,7 +224,7 @@ class PersistentTier:
                         copied = step
             if started is not None and all(self._is_done(p) for p in own[started]):
                 self._last_step, self._last_time = started, self._clock()
-            if self.node == 0 and (copied is not None or self._retain_due or (steps, floor) != self._retained
+            if self._leads and (copied is not None or self._retain_due or (steps, floor) != self._retained
                                    or self._retained_protect != self._protect_changes):
                 self._retain()
                 self._retained = (self.store.steps(), floor)
@@ -232,7 +233,7 @@ class PersistentTier:
     def _step_to_start(self, own: dict[int, list[Part]], steps: list[int]) -> int | None:
         """Node 0: its newest step whose local parts all verify (sizes) and that the tier lacks, newer
         than the last step started, if the cadence says it is due."""
-        if self.node != 0:
+        if not self._leads:
             return None
         for step in sorted(own, reverse=True):
             if step in steps or (self._last_step is not None and step <= self._last_step):
@@ -336,6 +337,11 @@ class PersistentTier:
             log.info("persistent tier retention removes step %d", step)
             self.store.delete(step)
             self._done = {d for d in self._done if d[0] != step}
+
+    def lead(self, leads: bool) -> None:
+        """Whether this node starts and prunes the tier's steps from now on: the node that leads the job's rounds
+        (node 0, or the node that took its place after its loss: :mod:`supervisor.cluster.round_lead`)."""
+        self._leads = leads
 
     def protect(self, step: int | None) -> None:
         """Keep ``step`` from retention (the step a restore is using); replaces the previous one. Waits (at most

@@ -218,7 +218,7 @@ def test_a_refusing_node_tells_a_job_still_joining_but_not_one_that_runs(tmp_pat
     a node of a job that already runs refuses alone, and the running job's next join is not aborted."""
     from supervisor.cluster.store_host import claim_store
     from supervisor.cluster.clash_notice import tell_job_refused
-    from supervisor.cluster.multinode import CoordinatorSettings
+    from supervisor.cluster.job_store import CoordinatorSettings
     from supervisor.transport.security import TransportSecurity
 
     port = free_port()

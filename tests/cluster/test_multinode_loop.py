@@ -86,7 +86,7 @@ class FakeCoordinator:
     def abort(self, reason: str) -> None:
         self.aborts.append(reason)
 
-    def finish(self) -> None:
+    def finish(self, attempt: int) -> None:
         self.finished = True
 
 
@@ -293,6 +293,7 @@ class FakeTier:
 
 class InventoryStore:
     first_round = False
+    node_rank = 0
 
     def __init__(self, inventories: list[NodeInventory]) -> None:
         self.inventories_ = inventories
@@ -355,7 +356,7 @@ def test_only_the_lead_owes_the_job_s_end_and_only_node_0_hosts_the_embedded_sto
     """Node 0's end-of-run duties are its role's (supervisor.cluster.round_lead), not a rank test in the node's run:
     the lead records the job's end for a node cut off until now and sets the spares' cue; a member does neither.
     The embedded store lives in node 0's rlsup; an etcd store in nobody's."""
-    from supervisor.cluster.multinode import CoordinatorSettings
+    from supervisor.cluster.job_store import CoordinatorSettings
     from supervisor.cluster.round_lead import round_role
     from supervisor.cluster.spares import DONE_KEY
 
@@ -368,6 +369,7 @@ def test_only_the_lead_owes_the_job_s_end_and_only_node_0_hosts_the_embedded_sto
 
     class Coordinator:
         keys = Keys()
+        node_rank = 0
 
     class JobEnd:
         recorded: list[tuple[int, int]] = []

@@ -12,7 +12,7 @@ from supervisor.cluster.round_errors import NodeZeroRunning
 from supervisor.cluster.embedded_store import embedded_coordinator
 from supervisor.job_identity import JobIdentity
 from supervisor.membership import Membership
-from supervisor.cluster.multinode import connect_coordinator
+from supervisor.cluster.job_store import connect_coordinator
 from supervisor.cluster.spares import SlotTaken, try_claim
 from support.ports import free_port
 

@@ -2,7 +2,8 @@
 (:mod:`support.shrink_cluster`).
 
 - A lost node back (empty disk) waits without ending the running attempt; the job grows back to 3 nodes at its
-  next save, with the weights of a run without rlsup that went 3 -> 2 -> 3 ranks at the same steps.
+  next save, with the weights of a run without rlsup that went 3 -> 2 -> 3 ranks at the same steps. Node 2, and node
+  0 in a store that outlives it (etcd: node 1 or 2 leads the rounds meanwhile, torchrun's master on node 1).
 - Below the floor (nodes 1 and 2 lost): node 0 waits ``rendezvous_timeout`` and exits 75 for a requeue, its
   checkpoints and replicas untouched.
 - Saves never marked resizable: nodes 0 and 1 never continue on 2 nodes; node 0 (which plans the rounds) says once
@@ -23,44 +24,57 @@ from support.shrink_cluster import (CONTINUED, GROW_AT, HELD, NODES, NOT_RESIZAB
                                     ShrinkCluster, assert_parts_untouched, id_logs, lose, node_logs, parts,
                                     run_until_held)
 from support.waits import wait_for
+from etcd_cluster import EtcdCluster, etcd_cluster  # noqa: F401 - the fixture, for node 0's case
 from support.world_phases import Phase, check_data_order, consumed_from, run_chain, same_state
 
 
 @pytest.mark.timeout(400)
-def test_a_lost_node_back_grows_the_job_at_its_next_save(workdir: Path) -> None:
-    """Node 2 lost at HELD, the job goes on with 2 nodes and holds after its first step; node 2 comes back with an
-    empty disk and waits (its return does not end the running attempt); the job, released, saves at GROW_AT and the
-    next round grows it back to 3 nodes from there. The final weights equal a run without rlsup with the same shrink
-    and grow points (3 ranks to HELD, 2 ranks to GROW_AT, 3 ranks to the end), and the ids of the kept steps are
-    every sample of each epoch once."""
+@pytest.mark.parametrize("lost", [2, 0])
+def test_a_lost_node_back_grows_the_job_at_its_next_save(workdir: Path, lost: int, request: pytest.FixtureRequest) -> None:
+    """Node ``lost`` lost at HELD, the job goes on with 2 nodes and holds after its first step; the node comes back
+    with an empty disk and waits (its return does not end the running attempt); the job, released, saves at GROW_AT
+    and the next round grows it back to 3 nodes from there. The final weights equal a run without rlsup with the same
+    shrink and grow points (3 ranks to HELD, 2 ranks to GROW_AT, 3 ranks to the end), and the ids of the kept steps
+    are every sample of each epoch once. Node 0 lost: the job's store is etcd (the embedded one goes with node 0)."""
     released = workdir / "release-shrunk"
+    store: list[str] = []
+    if lost == 0:
+        etcd: EtcdCluster = request.getfixturevalue("etcd_cluster")
+        store = ["--coordinator-backend", "etcd", "--coordinator-endpoints", ",".join(etcd.endpoints)]
+    left = [n for n in range(NODES) if n != lost]
     # the shrunk job also holds after its save at GROW_AT (for good: the lead ends that attempt to grow), so it cannot
     # finish before the lead's look (a second here; this job's steps take milliseconds)
     cluster = ShrinkCluster(workdir, job_args=["--hold-in", f"2:{HELD + 1}:{released}", "--hold-in",
                                                f"2:{GROW_AT}:{workdir / 'never'}"],
-                            extra=["--max-restarts", "1"])  # the loss uses it up: growing back must not count
+                            extra=["--max-restarts", "1", *store])  # the loss uses it up: growing back must not count
     try:
         run_until_held(cluster)
-        lose(cluster, [2])
-        wait_for(lambda: f"HOLDING in world 2 after step {HELD + 1}" in cluster.log(0), 180, "the shrunk job holding")
-        cluster.start(2)  # back, its disk empty
-        wait_for(lambda: "waiting for its next save to grow back" in cluster.log(2), 120, "node 2 waiting to grow")
-        wait_for(lambda: "node(s) [2] back" in cluster.log(0), 30, "the lead to see node 2 back")
+        lose(cluster, [lost])
+        wait_for(lambda: f"HOLDING in world 2 after step {HELD + 1}" in cluster.log(left[0]), 180,
+                 "the shrunk job holding")
+        cluster.start(lost)  # back, its disk empty
+        wait_for(lambda: "waiting for its next save to grow back" in cluster.log(lost), 120,
+                 f"node {lost} waiting to grow")
+        wait_for(lambda: any(f"node(s) [{lost}] back" in cluster.log(n) for n in left), 30,
+                 f"the lead to see node {lost} back")
         assert all("grew back" not in cluster.log(n) for n in range(NODES)), node_logs(cluster)
         released.touch()
         codes = cluster.wait_all(timeout=240)
     finally:
         cluster.kill_all()
     assert codes == {0: 0, 1: 0, 2: 0}, (codes, node_logs(cluster))
-    assert CONTINUED in cluster.log(0), node_logs(cluster)
+    assert CONTINUED in cluster.log(left[0]), node_logs(cluster)
+    if lost == 0:  # one of the nodes left led the round without node 0, and said so
+        assert sum(cluster.log(n).count("attempt 1: node 0 is missing from the round") for n in left) == 1, \
+            node_logs(cluster)
     for node in range(NODES):
         assert f"grew back to 3 at step {GROW_AT}" in cluster.log(node), (node, node_logs(cluster))
-    assert [i.get("world") for i in incidents(cluster.node_dir(0) / ".rlsup")] == [CONTINUED,
-                                                                                   f"grew back to 3 at step {GROW_AT}"]
+    assert [i.get("world") for i in incidents(cluster.node_dir(left[0]) / ".rlsup")] == [
+        CONTINUED, f"grew back to 3 at step {GROW_AT}"]
     for node in range(NODES):  # the grow-back end is nobody's failure, on the nodes that ran it and the one waiting
         assert [(i["reason"], i["action"]) for i in incidents(cluster.node_dir(node) / ".rlsup")][-1] == \
             ("resized", "restart"), (node, node_logs(cluster))
-    assert cluster.state(0)["world_nodes"] == 3
+    assert cluster.state(left[0])["world_nodes"] == 3
     reference = (Phase(3, HELD, tuple(s for s in SAVE_AT if s <= HELD), range(1, HELD + 1)),
                  Phase(2, GROW_AT, (GROW_AT,), range(HELD + 1, GROW_AT + 1)),
                  Phase(3, UNTIL, (), range(GROW_AT + 1, UNTIL + 1)))

@@ -22,6 +22,7 @@ import pytest
 from rlsup_format import job_env
 from rlsup_format.manifest import manifest_name
 from rlsup_format.names import step_dir_name
+from supervisor.cluster import grow_back
 from supervisor.cluster.coordinator import RoundCoordinator
 from supervisor.cluster.endpoint_probe import EndpointProbe, connect_refused
 from supervisor.cluster.round_lead import RoundLead, ShrinkSettings
@@ -136,9 +137,13 @@ def test_a_run_that_has_not_yet_run_every_node_never_shrinks() -> None:
     every = inventories()
     store = Store({0: every[0], 1: every[1]}, every)
     lead = RoundLead(store, None, lambda line: None, SHRINK, lambda: 0)  # type: ignore[arg-type]
-    assert lead.plan(4, set()).nodes is None and store.asked == ["every"]
+    whole = lead.plan(4, set())
+    assert whole.nodes is None and store.asked == ["every"]
     store.asked.clear()
-    assert lead.plan(5, set()).nodes == (0, 1) and store.asked == ["present 0.2 2"]  # now it may
+    assert lead.plan(5, set()).nodes is None and store.asked == ["every"]  # planned, not yet launched
+    lead.launched(whole)  # every node ran attempt 4
+    store.asked.clear()
+    assert lead.plan(6, set()).nodes == (0, 1) and store.asked == ["present 0.2 2"]  # now it may
 
 
 def test_a_node_waiting_to_grow_back_gives_up_on_a_store_gone_without_the_job_s_end(tmp_path: Path) -> None:
@@ -157,7 +162,7 @@ def test_a_node_waiting_to_grow_back_gives_up_on_a_store_gone_without_the_job_s_
             got["error"] = e
     t = threading.Thread(target=rejoin, daemon=True)
     t.start()
-    wait_for(lambda: back.coordinator.back(1, [2]) == [2], 10, "node 2's mark that it is back")
+    wait_for(lambda: grow_back.back(back.coordinator, 1, [2]) == [2], 10, "node 2's mark that it is back")
     cluster.store.gone = True
     t.join(30)
     error = got.get("error")

@@ -31,7 +31,7 @@ from supervisor.cluster.endpoint_probe import connect_refused
 from supervisor.job_identity import JobIdentity
 from supervisor.cluster.kvstore import StoreGone, connect_store
 from supervisor.membership import Membership
-from supervisor.cluster.multinode import connect_coordinator
+from supervisor.cluster.job_store import connect_coordinator
 from supervisor.observer import Observer
 from supervisor.processes.layer import Processes
 from supervisor.cluster.spare_run import SpareRun, SpareSettings

@@ -31,7 +31,7 @@ DISPATCH: dict[str, Callable[[], tuple[str, ...]]] = {
     "checkpoint_layout": lambda: ("auto", *layouts.LAYOUTS, single_file.NAME),  # layouts._resolve
     "progress": lambda: ("", *progress.PRESETS),  # progress.progress_pattern; empty: off
     "straggler_action": lambda: typing.get_args(StragglerAction),  # run.settings: StragglerWatch(restart=...)
-    "coordinator_backend": lambda: typing.get_args(CoordinatorBackend),  # multinode.connect_coordinator
+    "coordinator_backend": lambda: typing.get_args(CoordinatorBackend),  # job_store.connect_coordinator
     "log_format": lambda: log.FORMATS,  # log.LineFormatter
 }
 NOUN = {"checkpoint_layout": "layout", "progress": "preset", "straggler_action": "action",

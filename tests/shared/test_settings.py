@@ -54,7 +54,7 @@ def test_metrics_settings() -> None:
 
 
 def test_coordinator_settings() -> None:
-    from supervisor.cluster.multinode import CoordinatorSettings
+    from supervisor.cluster.job_store import CoordinatorSettings
 
     cfg = SupervisorConfig(coordinator_backend="etcd", coordinator_endpoints=["e1:2379", "e2:2379"],
                            coordinator_port=1234, rendezvous_timeout=9.0)

@@ -128,6 +128,10 @@ class RoundEngine:
                  holder_store: Callable[[int, int], PartStore]) -> None:
         self.engine, self._peer_store, self._holder_store = engine, peer_store, holder_store
 
+    @property
+    def membership(self) -> Membership:
+        return self.engine.membership
+
     def inventory(self, known: KnownDigests | None = None) -> NodeInventory:
         return self.engine.inventory(known=known)
 
@@ -200,16 +204,18 @@ class SimCluster:
 
     def __init__(self, tmp: Path, nodes: int = 3, ranks_per_node: int = 2, *, memory: bool = False,
                  persistent: bool = False, store: MemoryKVStore | None = None,
-                 shrink: ShrinkSettings = NEVER_SHRINK) -> None:
-        """``shrink``: node 0's rule for going on with fewer nodes (``min_nodes``; default never)."""
+                 shrink: ShrinkSettings = NEVER_SHRINK, etcd_like: bool = False) -> None:
+        """``shrink``: the lead's rule for going on with fewer nodes (``min_nodes``; default never); ``etcd_like``: the
+        store outlives node 0 (as etcd does), so the job may go on without node 0 too."""
         self.size, self.per_node, self.world = nodes, ranks_per_node, nodes * ranks_per_node
-        self.shrink = shrink
+        self.shrink, self.etcd_like = shrink, etcd_like
         self.groups: dict[int, NodeGroup] = {}
         self.store = store or MemoryKVStore(tmp.name)
         self.reads: list[Read] = []
         self.faults: dict[tuple[int, int], Fault] = {}
         self.persistent_dir = tmp / "persistent" / JOB.id
-        self.peers = tuple(f"127.0.0.1:{9000 + n}" for n in range(nodes))  # never dialled
+        # never dialled (a missing node's is probed: refused); a host each, as torchrun's master address is a node's
+        self.peers = tuple(f"127.0.0.{n + 1}:{9000 + n}" for n in range(nodes))
         self.nodes = []
         for n in range(nodes):
             node = SimNode(n, tmp / f"node{n}")
@@ -245,14 +251,16 @@ class SimCluster:
                                RankIdentity(rank, len(running) * self.per_node, n, JOB.id), get_backend("torch"))
 
     def replicate(self, step: int, factor: int = 1, nodes: list[int] | None = None,
-                  ranks: list[int] | None = None) -> None:
+                  ranks: list[int] | None = None, world: list[int] | None = None) -> None:
         """Each node's parts of ``step`` (``ranks``: only those) copied to its replica targets (the ring of
-        ``replication_factor``), as its replication engine pushes them."""
-        for n in range(self.size) if nodes is None else nodes:
+        ``replication_factor``), as its replication engine pushes them; ``world``: as for :meth:`save`."""
+        running = list(range(self.size)) if world is None else world
+        for n in running if nodes is None else nodes:
             src = LocalStore(self.nodes[n].ckpt)
+            index = running.index(n)
             for target in replica_targets(n, self.size, factor):
                 dst = LocalStore(self.nodes[target].replicas_of(n))
-                for rank in self.ranks_of(n):
+                for rank in range(index * self.per_node, (index + 1) * self.per_node):
                     if ranks is None or rank in ranks:
                         copy_part(src, dst, step, rank)
 
@@ -284,7 +292,8 @@ class SimCluster:
         engine_here = RoundEngine(engine, lambda holder: self._holder_store(n, holder),
                                   lambda holder, owner: self._holder_store(owner, holder))
         return NodeGroup(membership, engine_here,  # type: ignore[arg-type]
-                         coordinator, round_role(n, coordinator, node.persistent, say, self.shrink),
+                         coordinator, round_role(n, coordinator, node.persistent, say, self.shrink,
+                                                 store_outlives_node_0=self.etcd_like),
                          FrExchange(coordinator, n, self.size, f"node{n}", Observer()), StopRequest(signal.SIGUSR1),
                          NodeTiers(node.persistent, node.memory), node.ckpt, node.root / "state", say,
                          observer=Observer(),

@@ -1,0 +1,165 @@
+"""Out of spares, node 0 lost (issue 43): in a store that outlives node 0 (etcd), the nodes left go on without it.
+In process (:mod:`support.in_process_round`: real parts, inventories, plans and copies over one in-memory store
+standing for etcd): a node other than 0 claims the attempt's lead once neither the plan nor node 0's inventory came
+within the shrink's wait, plans the smaller world, gathers its round, and launches torchrun with the master on the
+first node that runs; node 0 back waits for the next save and the job grows back to every node. With the embedded
+store (which goes with node 0) nobody claims: the nodes wait, as before.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from rlsup_format.manifest import manifest_name
+from rlsup_format.names import step_dir_name
+from supervisor.cluster.round_errors import NodesMissing
+from supervisor.cluster.round_lead import RoundMember, ShrinkSettings, Succession
+from supervisor.launch.rank_pinning import resize_pinned
+from supervisor.lifecycle import EndReason
+from supervisor.run.loop import AttemptAbandoned
+from supervisor.run.peers import World
+from supervisor.tiers.holdings import RecordError, RoundPlan
+from supervisor.tiers.parts import verify_part
+from support.in_process_round import SimCluster
+
+SHRINK = ShrinkSettings(min_nodes=2, wait_s=0.2)
+PINNED = ["torchrun", "--nproc-per-node", "2", "--nnodes", "3", "--node-rank", "1", "--rdzv-backend", "static",
+          "--master-addr", "127.0.0.1", "--master-port", "29500", "train.py", "--master-addr", "x"]
+
+
+def node_0_lost(tmp: Path, etcd_like: bool = True) -> SimCluster:
+    """3 nodes of 2 ranks ran attempt 0 together (node 0 leading), saved steps 10 and 20 (replicated on the ring),
+    then node 0 was lost with its disk."""
+    cluster = SimCluster(tmp, shrink=SHRINK, etcd_like=etcd_like)
+    for step in (10, 20):
+        cluster.save(step, resizable=True)
+        cluster.replicate(step)
+    first = cluster.round()
+    assert all(o.error is None for o in first), first
+    assert cluster.plans(0)[0].lead == 0
+    cluster.nodes[0].wipe()
+    cluster.groups.pop(0)  # lost: a later node 0 is a new supervisor
+    return cluster
+
+
+def test_without_node_0_a_node_left_leads_and_the_two_go_on_from_the_newest_complete_step(tmp_path: Path) -> None:
+    cluster = node_0_lost(tmp_path)
+    assert all(isinstance(cluster.groups[n].role, Succession) for n in (1, 2))
+    outcomes = cluster.round(nodes=[1, 2])
+    assert [(o.error, o.resume.step if o.resume else None) for o in outcomes] == [(None, 20), (None, 20)], outcomes
+    (plan,) = cluster.plans(1)
+    assert (plan.nodes, plan.world_size, plan.from_nodes, plan.step) == ((1, 2), 6, 3, 20)
+    lead = plan.lead
+    assert lead in (1, 2) and [cluster.groups[n].role.leads for n in (1, 2)] == [n == lead for n in (1, 2)]
+    said = [line for o in outcomes for line in o.lines if "leads the round in its place" in line]
+    assert len(said) == 1 and f"node {lead} leads" in said[0], said
+    # rank 0's part (node 0's, the torch backend's resize reads it on every node): node 1 keeps its replica (the
+    # ring), node 2 fetches it from node 1
+    assert plan.fetch == {1: {0: [1]}, 2: {0: [1]}} and plan.owners == {0: 0}
+    for n in (1, 2):
+        assert verify_part(cluster.nodes[n].ckpt / step_dir_name(20), 0) is not None
+        assert cluster.groups[n].world() == World(2, 3, "continued on 2 of 3 nodes from step 20")
+        # torchrun: node i of 2, its master on node 1's host (node 0's is gone); the script's own option untouched
+        command = cluster.groups[n].command(PINNED)
+        assert command[3:11] == ["--nnodes", "2", "--node-rank", str(n - 1), "--rdzv-backend", "static",
+                                 "--master-addr", "127.0.0.2"], command
+        assert command[-2:] == ["--master-addr", "x"]
+    # the round's gathering was the lead's: the fetch results' and ready marks' unions are its words
+    keys = cluster.groups[1].coordinator.keys
+    assert keys.get("fetched/1/0/all").node == lead and keys.get("ready/1/all").node == lead
+
+
+def test_a_node_waiting_for_node_0_s_plan_claims_nothing_while_node_0_s_inventory_is_there(tmp_path: Path) -> None:
+    """Node 0 slow to plan (its inventory is in): the others wait for its plan; nobody else leads."""
+    cluster = node_0_lost(tmp_path)
+    coordinator = cluster.groups[1].coordinator
+    cluster.groups[2].coordinator.publish_inventory(5, cluster.groups[2]._inventory())
+    started = time.monotonic()
+    assert coordinator.plan_or_absent(5, 2, 5.0, lambda: False) is False  # node 2's inventory: there
+    assert time.monotonic() - started < 2.0
+    assert coordinator.plan_or_absent(5, 0, 0.2, lambda: False) is True  # node 0's: not within the wait
+    assert coordinator.plan_or_absent(6, 0, 60.0, lambda: True) is True  # node 0's endpoint refuses: at once
+
+
+def test_node_0_always_claims_the_lead_and_a_later_claim_loses(tmp_path: Path) -> None:
+    cluster = node_0_lost(tmp_path)
+    assert cluster.store.get(cluster.groups[1].coordinator.keys.key("lead/0")) is not None  # node 0 claimed attempt 0
+    one, two = cluster.groups[1].coordinator, cluster.groups[2].coordinator
+    assert one.claim_lead(7) == 1 and two.claim_lead(7) == 1 and two.lead_of(7) == 1 and not two.leads(7)
+
+
+def test_with_the_embedded_store_nobody_takes_node_0_s_place(tmp_path: Path) -> None:
+    """The embedded store goes with node 0 (here it stays, to show the rule): the nodes left read node 0's plan only,
+    and wait for it until rendezvous_timeout (then exit 75 for a requeue, as before)."""
+    cluster = node_0_lost(tmp_path, etcd_like=False)
+    assert isinstance(cluster.groups[1].role, RoundMember)
+    for n in (1, 2):
+        cluster.groups[n] = cluster.group(n, timeout_s=1.0)
+    outcomes = cluster.round(nodes=[1, 2])
+    assert all(isinstance(o.error, AttemptAbandoned) or isinstance(o.error, NodesMissing) for o in outcomes), outcomes
+    assert cluster.plans(1) == []
+
+
+def test_node_0_back_waits_for_the_next_save_and_the_job_grows_back_to_every_node(tmp_path: Path) -> None:
+    cluster = node_0_lost(tmp_path)
+    shrunk = cluster.round(nodes=[1, 2])
+    assert all(o.error is None for o in shrunk), shrunk
+    lead = cluster.plans(1)[0].lead
+    back = cluster.group(0, job_end=True)  # node 0's rlsup again, its disk empty
+    got: dict[str, object] = {}
+
+    def rejoin() -> None:
+        try:
+            got["attempt"] = back.join(0)
+            back.agree(got["attempt"], lambda: None)  # type: ignore[arg-type]
+        except BaseException as e:
+            got["error"] = e
+    thread = threading.Thread(target=rejoin, daemon=True)
+    thread.start()
+    watch = cluster.groups[lead]
+    deadline = time.monotonic() + 10
+    while watch._back is not None and watch._back.saved_before is None:  # the lead's look, until it saw node 0 back
+        assert time.monotonic() < deadline, cluster.nodes[0].lines
+        watch._back.next_look = 0.0
+        assert watch.peer_ended(1) is None
+        thread.join(0.05)
+    assert got.get("attempt") == 1 and "error" not in got, got  # joined the running attempt, not ended it
+    assert not back.role.leads and cluster.groups[1].coordinator.lead_of(1) == lead  # node 0's claim lost
+    cluster.save(30, world=[1, 2], resizable=True)
+    cluster.replicate(30, world=[1, 2])
+    watch._back.next_look = 0.0
+    ended = watch.peer_ended(1)
+    assert ended is not None and ended.reason == EndReason.RESIZED and "grow back to 3 nodes" in ended.detail
+    thread.join(10)
+    assert isinstance(got.get("error"), AttemptAbandoned) and got["error"].reason == EndReason.RESIZED, got
+    grown = cluster.round()
+    assert [(o.error, o.resume.step if o.resume else None) for o in grown] == [(None, 30)] * 3, grown
+    (plan,) = cluster.plans(2)
+    assert (plan.nodes, plan.world_size, plan.from_nodes) == ((0, 1, 2), 4, 2)
+    assert (cluster.nodes[0].ckpt / step_dir_name(30) / manifest_name(0)).exists()
+    assert cluster.groups[0].world() == World(3, 3, "grew back to 3 at step 30")
+    # torchrun's master is node 0's again: the command is left as pinned
+    assert cluster.groups[1].command(PINNED)[3:11] == ["--nnodes", "3", "--node-rank", "1", "--rdzv-backend",
+                                                       "static", "--master-addr", "127.0.0.1"]
+
+
+def test_only_the_pinned_master_address_is_moved() -> None:
+    assert resize_pinned(PINNED, 0, 2, "10.0.0.2")[3:11] == ["--nnodes", "2", "--node-rank", "0", "--rdzv-backend",
+                                                             "static", "--master-addr", "10.0.0.2"]
+    assert resize_pinned(PINNED, 0, 2)[9:11] == ["--master-addr", "127.0.0.1"]
+    typed = ["python", "train.py", "--nnodes", "3", "--master-addr", "h"]
+    assert resize_pinned(typed, 0, 2, "10.0.0.2") == typed  # a line rlsup did not pin: as typed
+
+
+def test_a_plan_s_lead_crosses_the_wire_and_must_run_the_attempt() -> None:
+    plan = RoundPlan(4, 20, 6, {}, (1, 2), {0: 0}, 3, lead=2)
+    assert RoundPlan.from_json(plan.to_json()) == plan
+    assert '"lead"' not in RoundPlan(4, 20, 6, {}).to_json()  # node 0's plans are as they were on the wire
+    for bad in ('"lead": 0', '"lead": -1', '"lead": "1"'):
+        with pytest.raises(RecordError, match="lead"):
+            RoundPlan.from_json('{"round": 4, "step": 20, "world_size": 6, "fetch": {}, "nodes": [1, 2], '
+                                f'"owners": {{}}, "from_nodes": 3, {bad}}}')
