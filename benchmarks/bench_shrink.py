@@ -16,23 +16,29 @@ ResumableSampler, the global batch kept by gradient accumulation).
              node 0; the job goes on with 3 nodes
     shrink   no spare: node 0 waits ``spare_takeover_s`` for node 2, then the job goes on with nodes 0 and 1
              ("continued on 2 of 3 nodes from step S"), each rank now taking 3 micro batches per step instead of 2
+    shrink0  no spare, node 0 lost instead (the store is a 3-member etcd on 127.0.0.1, tests/etcd_cluster.py: the
+             embedded one goes with node 0): node 1 or 2 claims the round's lead once node 0 is missing from it,
+             and the job goes on with nodes 1 and 2, torchrun's master on node 1
 
 Once the job has trained ``--warm`` seconds and a newer save of node 2 is replicated to node 0, node 2's rlsup and its
 whole process tree are SIGKILLed at once and its directory removed (never replaced). Figures per trial
 (benchmarks/node_loss_accounting.py, as the node-loss harness's): the SIGKILL -> rank 0's first step in a process
 started after it (every step ends in DDP's all-reduce over every rank of the new world: the first step on every
 node), its phases, the steps redone; and (benchmarks/shrink_accounting.py) rank 0's step time before the loss and
-after it, over ``--post`` seconds from that first step. Sides alternate (spare, shrink, shrink, spare, ...).
+after it, over ``--post`` seconds from that first step. Sides alternate (spare, shrink, shrink0, shrink0, shrink,
+spare, ...); ``shrink0`` only where etcd is installed.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 BENCH = Path(__file__).resolve().parent
 sys.path[:0] = [str(BENCH.parent), str(BENCH)]
@@ -44,11 +50,25 @@ from jobctl import Figure, alternating_trials, events, log, print_figures  # noq
 from node_loss_accounting import LossFigures, loss_figures  # noqa: E402
 from shrink_accounting import median_or_none, step_durations  # noqa: E402
 
+if TYPE_CHECKING:
+    from etcd_cluster import EtcdCluster
+
 TRAINER = BENCH / "jobs" / "shrink_trainer.py"
 LOST = 2
 MIN_NODES = 2
 SIDES = {"spare": Side("spare", 1, None, "spare (--spares 1, spare_takeover_s 3 s)"),
-         "shrink": Side("shrink", 0, None, "shrink to 2 of 3 (--min-nodes 2, no spare)")}
+         "shrink": Side("shrink", 0, None, "shrink to 2 of 3 (--min-nodes 2, no spare)"),
+         "shrink0": Side("shrink0", 0, None, "shrink to 2 of 3 without node 0 (--min-nodes 2, etcd)")}
+
+
+def lost_node(side: Side) -> int:
+    """The node a side loses: node 0 for ``shrink0``, else node 2."""
+    return 0 if side.name == "shrink0" else LOST
+
+
+def survivors(side: Side) -> list[str]:
+    """The nodes left after the loss (not the spare), by directory name, the round's lead (after a shrink) first."""
+    return [f"node{n}" for n in range(NODES) if n != lost_node(side)]
 
 
 def state_mb_per_node(width: int) -> float:
@@ -67,10 +87,11 @@ class Settings:
     micro_batch: int = 8
     global_micro_batches: int = 6  # 2 per rank in 3 ranks, 3 in 2: the global batch kept
 
-    def launch(self) -> Launch:
+    def launch(self, store: tuple[str, ...] = ()) -> Launch:
+        """``store``: rlsup's options for the coordination store (etcd's, for ``shrink0``)."""
         return Launch(TRAINER, ("--width", str(self.width), "--micro-batch", str(self.micro_batch),
                                 "--global-micro-batches", str(self.global_micro_batches), "--checkpoint-every", "1"),
-                      ranks_per_node=1, rlsup_args=("--min-nodes", str(MIN_NODES)), rdzv_id="shrink")
+                      ranks_per_node=1, rlsup_args=("--min-nodes", str(MIN_NODES), *store), rdzv_id="shrink")
 
 
 QUICK = Settings(warm=10.0, post=12.0)
@@ -97,52 +118,61 @@ def log_marks(job: Job, side: Side, kill_wall: float) -> dict[str, float]:
     def at(name: str, pattern: str) -> float | None:
         return logged_at(job.log_text(name), pattern, kill_wall)
 
-    fetching = [t for name in ("node0", "node1", "node3") if (t := at(name, r"attempt \d+: fetching ranks"))]
-    marks = {"survivors' attempt ended": at("node0", r"attempt \d+ failed"),
+    first = survivors(side)[0]
+    fetching = [t for name in (*survivors(side), "node3") if (t := at(name, r"attempt \d+: fetching ranks"))]
+    leads = [t for name in survivors(side) if (t := at(name, "leads the round in its place"))]
+    marks = {"survivors' attempt ended": at(first, r"attempt \d+ failed"),
              "spare took the rank": at("node3", "took node rank") if side.spares else None,
-             "continued on fewer nodes": None if side.spares else at("node0", r"continued on \d+ of \d+ nodes"),
+             "a node left took the lead": min(leads, default=None),
+             "continued on fewer nodes": None if side.spares else at(first, r"continued on \d+ of \d+ nodes"),
              "parts fetch began": min(fetching, default=None),
-             "node 0 launched": at("node0", r"attempt \d+: launching")}
+             f"{'node 0' if first == 'node0' else first.replace('node', 'node ')} launched":
+                 at(first, r"attempt \d+: launching")}
     return {k: v - kill_wall for k, v in marks.items() if v is not None}
 
 
-def fresh_replica(job: Job, deadline: float) -> int | None:
-    """Wait for node 0 to hold a part of node 2 newer than the one it holds now (a save replicated right before the
-    loss); the newest it holds then (None: none by ``deadline``)."""
-    was = job.replicated(LOST, "node0")
+def fresh_replica(job: Job, lost: int, deadline: float) -> int | None:
+    """Wait for the node after ``lost`` in the ring (its replica target) to hold a part of it newer than the one it
+    holds now (a save replicated right before the loss); the newest it holds then (None: none by ``deadline``)."""
+    holder = f"node{(lost + 1) % NODES}"
+    was = job.replicated(lost, holder)
     while time.monotonic() < deadline:
-        now = job.replicated(LOST, "node0")
+        now = job.replicated(lost, holder)
         if now is not None and (was is None or now > was):
             return now
         time.sleep(0.05)
-    return job.replicated(LOST, "node0")
+    return job.replicated(lost, holder)
 
 
-def first_step_after(job: Job, kill_t: float, deadline: float) -> dict | None:
-    """Rank 0's first step in a process started after the SIGKILL, or None by ``deadline``."""
+def first_step_after(job: Job, kill_t: float, deadline: float, left: list[str]) -> dict | None:
+    """Rank 0's first step in a process started after the SIGKILL, or None by ``deadline`` (or once a node ``left``
+    ended)."""
     while time.monotonic() < deadline:
         evs = events(job.root)
         later = {e["pid"] for e in evs if e["ev"] == "start" and e["t"] > kill_t}
         step = next((e for e in evs if e["ev"] == "step" and e["rank"] == 0 and e["pid"] in later), None)
         if step is not None:
             return step
-        if any(p.poll() is not None for name, p in job.procs.items() if name in ("node0", "node1")):
+        if any(p.poll() is not None for name, p in job.procs.items() if name in left):
             return None
         time.sleep(0.1)
     return None
 
 
-def trial(work: Path, side: Side, st: Settings, keep: Path | None) -> Trial:
-    """Start the job (and the spare), lose node 2 once it has trained ``st.warm`` s and a fresh save of it is
-    replicated, and time the job's way back to training."""
+def trial(work: Path, side: Side, st: Settings, keep: Path | None, etcd: list[str] | None = None) -> Trial:
+    """Start the job (and the spare), lose its node (2, or 0 for ``shrink0``: ``etcd``, the store's endpoints, wiped
+    before) once it has trained ``st.warm`` s and a fresh save of it is replicated, and time the job's way back to
+    training."""
     load = os.getloadavg()[0]
-    with started_job(work, "shrink", side, NodeLossSettings(), st.launch(), keep) as job:
+    lost = lost_node(side)
+    store = ("--coordinator-backend", "etcd", "--coordinator-endpoints", ",".join(etcd)) if etcd else ()
+    with started_job(work, "shrink", side, NodeLossSettings(), st.launch(store), keep) as job:
         if not trained_for(job, st.warm):
             return Trial(side.name, load, None, error=f"no first step: {tail(job)}")
-        replicated = fresh_replica(job, time.monotonic() + 60)
+        replicated = fresh_replica(job, lost, time.monotonic() + 60)
         kill_wall = time.time()
-        kill_t = job.lose(f"node{LOST}")
-        step = first_step_after(job, kill_t, kill_t + st.patience)
+        kill_t = job.lose(f"node{lost}")
+        step = first_step_after(job, kill_t, kill_t + st.patience, survivors(side))
         if step is not None:
             while time.monotonic() < step["t"] + st.post:
                 time.sleep(0.2)
@@ -167,7 +197,7 @@ def describe(t: Trial) -> str:
     if t.figures is None:
         return f"{t.side}: failed ({t.error})"
     return (f"{t.side}{' FAILED: ' + t.error if t.error else ''}: load {t.load:.1f}; "
-            f"{loss_text(t.figures, t.replicated)}; world {t.world_after}; step {fmt(t.step_before, 3)} s before, "
+            f"{loss_text(t.figures, t.replicated).replace('node 2', f'node {lost_node(SIDES[t.side])}')}; world {t.world_after}; step {fmt(t.step_before, 3)} s before, "
             f"{fmt(t.step_after, 3)} s after; log: {marks_text(t.marks)}")
 
 
@@ -182,8 +212,15 @@ def figures(res: dict[str, list[Trial]], st: Settings) -> list[Figure]:
     head = (f"3 nodes x 1 rank, DDP + gloo, {state_mb_per_node(st.width):.0f} MB/node saved every step and "
             f"replicated; shrink (--min-nodes 2, no spare) vs spare (--spares 1)")
     note = " | ".join(describe(t) for k in ("shrink", "spare") for t in res.get(k, []))
-    fails = "; ".join(f"{k}: {n} trial(s) failed" for k, n in failed.items() if n)
-    return [
+    fails = "; ".join(f"{k}: {n} trial(s) failed" for k, n in failed.items() if n and k != "shrink0")
+    without_0 = []
+    if "shrink0" in res:
+        without_0 = [Figure("node 0 lost -> first step of the next attempt on every node: shrink without node 0 "
+                            "(etcd; node 1 or 2 leads the round) vs node 2 lost (shrink)",
+                            m("shrink0", lambda t: t.figures.first_step), m("shrink", lambda t: t.figures.first_step),
+                            "s", "; ".join(x for x in (f"{failed['shrink0']} trial(s) failed" if failed["shrink0"]
+                                                       else "", " | ".join(describe(t) for t in res["shrink0"])) if x))]
+    return without_0 + [
         Figure(f"node loss -> first step of the next attempt on every node ({head})",
                m("shrink", lambda t: t.figures.first_step), m("spare", lambda t: t.figures.first_step), "s",
                "; ".join(x for x in (fails, note) if x)),
@@ -199,11 +236,29 @@ def figures(res: dict[str, list[Trial]], st: Settings) -> list[Figure]:
 
 
 def run(work: Path, reps: int = 2, st: Settings = Settings(), keep: Path | None = None) -> list[Figure]:
-    """Both sides ``reps`` times, alternating (spare first); the table's rows."""
+    """Every side ``reps`` times, alternating (spare first; ``shrink0`` where etcd is installed); the table's rows."""
     log(f"shrink: {state_mb_per_node(st.width):.1f} MB of state per node, {reps} rep(s) per side, {st}")
-    res = alternating_trials(reps, list(SIDES), lambda name: trial(work, SIDES[name], st, keep),
-                             lambda t: f"shrink {describe(t)}")
+    with contextlib.ExitStack() as stack:
+        etcd = etcd_endpoints(work, stack)
+        sides = [name for name in SIDES if name != "shrink0" or etcd is not None]
+
+        def one(name: str) -> Trial:
+            if name == "shrink0" and etcd is not None:
+                etcd.wipe()  # each trial's job starts in an empty store
+            return trial(work, SIDES[name], st, keep, etcd.endpoints if name == "shrink0" and etcd else None)
+        res = alternating_trials(reps, sides, one, lambda t: f"shrink {describe(t)}")
     return figures(res, st)
+
+
+def etcd_endpoints(work: Path, stack: contextlib.ExitStack) -> "EtcdCluster | None":
+    """A 3-member etcd on 127.0.0.1 for the ``shrink0`` side (stopped with ``stack``), or None (said) without etcd."""
+    sys.path.insert(0, str(BENCH.parent / "tests"))
+    from etcd_cluster import EtcdCluster, etcd_binary
+
+    if etcd_binary() is None:
+        log("shrink: etcd not installed (apt-get install etcd-server): the shrink0 side is skipped")
+        return None
+    return stack.enter_context(EtcdCluster(work / "etcd"))
 
 
 def main() -> int:

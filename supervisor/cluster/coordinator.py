@@ -180,7 +180,10 @@ class RoundCoordinator:
                 return current
             if ending is None:
                 self.end(current, f"node {self.node_rank} rejoined")
-        return current + 1
+        after = current + 1
+        while self.ended(after) is not None:  # ended before its plan (a stop in its round, a lead gone): nobody runs it
+            after += 1
+        return after
 
     def current_attempt(self) -> int | None:
         """The newest attempt this store knows (planned, or the first one opened); None until the nodes' first
@@ -358,20 +361,23 @@ class RoundCoordinator:
         """The nodes that run ``attempt`` by its plan (every node of the job until the plan was read)."""
         return list(self._running.get(attempt) or range(self.num_nodes))
 
-    def claim_lead(self, attempt: int) -> int:
-        """This node asks to plan ``attempt`` (``lead/a``: the store's atomic create decides); the node that leads."""
-        won = self.keys.create(f"lead/{attempt}", str(self.node_rank))
-        lead = _attempt_number(f"lead/{attempt}", won)
-        self._lead[attempt] = lead
-        return lead
+    def claim_lead(self, attempt: int, claim: bool = True) -> int | None:
+        """This node asks to plan ``attempt`` (``lead/a``: the store's atomic create decides); the node that leads.
+        ``claim`` False: only who claimed it (None: nobody yet)."""
+        name = f"lead/{attempt}"
+        won = self.keys.create(name, str(self.node_rank)) if claim else self.keys.get(name)
+        if won is not None:
+            self._lead[attempt] = _attempt_number(name, won)
+        return None if won is None else self._lead[attempt]
 
-    def plan_or_absent(self, attempt: int, node: int, after_s: float, gone: Callable[[], bool]) -> bool:
-        """Wait until ``attempt``'s plan or ``node``'s inventory is in the store: True when neither came within
-        ``after_s`` (or once ``gone`` says ``node``'s rlsup is gone): the node that plans is missing. The attempt's
-        end, a stop or an abort ends the wait as any round's wait."""
-        names = [self._plan_key(attempt, 0), f"inv/{attempt}/{node}"]
-        got = self._wait(names, f"the plan of attempt {attempt} or node {node}'s inventory", attempt,
-                         enough=(after_s, 0, lambda missing: len(missing) < len(names) or gone()), nodes_lost=True)
+    def plan_or_absent(self, attempt: int, node: int | None, after_s: float, gone: Callable[[], bool]) -> bool:
+        """Wait until ``attempt``'s plan (or ``node``'s inventory) is in the store: True when none came within
+        ``after_s`` (or once ``gone`` says the node expected to plan is gone): the node that plans is missing. The
+        attempt's end, a stop or an abort ends the wait as any round's wait."""
+        names = [self._plan_key(attempt, 0)] + ([f"inv/{attempt}/{node}"] if node is not None else [])
+        what = f"the plan of attempt {attempt}" + (f" or node {node}'s inventory" if node is not None else "")
+        got = self._wait(names, what, attempt, enough=(after_s, 0, lambda missing: len(missing) < len(names) or gone()),
+                         nodes_lost=True)
         return all(v is None for v in got)
 
     def publish_fetch_result(self, attempt: int, plan_try: int, result: FetchResult) -> None:

@@ -409,6 +409,9 @@ class NodeGroup:
         self._log(f"attempt {attempt}: the job goes on with nodes {list(plan.nodes or ())} without this node; "
                   "waiting for its next save to grow back")
         grow_back.mark_back(self.coordinator, attempt)
+        self.role.joined_running()
+        if self.persistent is not None:
+            self.persistent.lead(False)  # the lead of the smaller world starts and prunes the tier's steps
         unreachable_since: float | None = None
         while True:
             if self.stop.asked:  # this node's stop is its own: the attempt the others run goes on

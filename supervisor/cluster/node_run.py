@@ -47,6 +47,7 @@ log = logging.getLogger(__name__)
 CLASH_LINGER_S = 10.0
 # A node that ends the first round for a lost peer clears its keys this long after (supervisor.cluster.liveness): by then
 # every node of the round saw ``abort`` (each looks twice a second) or ends on its own lapse rule.
+JOB_END_LINGER_S = 3.0  # the lead of a smaller world keeps the job's keys this long after its end (see _job_done)
 LOST_LINGER_S = 3.0
 Connect = Callable[[StopRequest], RoundCoordinator]  # reaches the job's store; every wait asks the stop
 
@@ -157,7 +158,8 @@ class NodeRun:
         finally:
             leave_first_round(coordinator)
         if result.status is JobStatus.SUCCEEDED:
-            self._job_done(coordinator, group.role, group.job_end, result)
+            world = group.world()
+            self._job_done(coordinator, group.role, group.job_end, result, world.nodes < world.job_nodes)
         return result
 
     def _connect(self) -> RoundCoordinator:
@@ -228,11 +230,15 @@ class NodeRun:
         raise e
 
     def _job_done(self, coordinator: RoundCoordinator, role: RoundRole, job_end: JobEndWatch | None,
-                  result: RunResult) -> None:
+                  result: RunResult, smaller: bool = False) -> None:
         """The job succeeded: the lead records its end and tells the spares (its role's duty); the store forgets the
-        job's keys."""
+        job's keys. ``smaller``: it ended on fewer nodes than the job's, and a node left out of it may be waiting to
+        grow back: the lead leaves ``done`` in the store for :data:`JOB_END_LINGER_S` first (that node looks every
+        second, and may see no record of the end on its own disks)."""
         try:
             role.finish_job(job_end, result.attempts - 1)  # the attempt that finished (attempts: a count)
+            if smaller and role.leads:
+                self.stop.wait(JOB_END_LINGER_S, self.settings.run.poll_interval)
             coordinator.finish(result.attempts - 1)  # a store that outlives the job (etcd) forgets its keys
         except Exception as e:  # noqa: BLE001 - the job is done; stale keys are ignored by the next run
             say(f"could not clear the job's coordination keys: {e}")

@@ -9,11 +9,13 @@ are the same on every node: they ask the role, never the rank.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 
 from supervisor.cluster.coordinator import RoundCoordinator
 from supervisor.cluster.endpoint_probe import EndpointProbe
+from supervisor.cluster.round_errors import RoundEnded
 from supervisor.cluster.round_plan import compute_plan, compute_resized_plan, same_world, saved_by
 from supervisor.cluster.spares import DONE_KEY, JobEndWatch
 from supervisor.tiers.holdings import PERSISTENT_HOLDER, RoundPlan
@@ -57,6 +59,9 @@ class RoundRole(Protocol):
     def launched(self, plan: RoundPlan) -> None:
         """Every node of ``plan`` was ready: its attempt launches."""
 
+    def joined_running(self) -> None:
+        """This node joined an attempt the job runs without it (it was lost, and is back): the job has run."""
+
     def finish_job(self, job_end: JobEndWatch | None, last_attempt: int) -> None:
         """The job succeeded in ``last_attempt``: what this node owes the others before the store forgets the job."""
 
@@ -73,6 +78,9 @@ class RoundMember:
         pass
 
     def launched(self, plan: RoundPlan) -> None:
+        pass
+
+    def joined_running(self) -> None:
         pass
 
     def finish_job(self, job_end: JobEndWatch | None, last_attempt: int) -> None:
@@ -114,6 +122,10 @@ class RoundLead:
         """An attempt of every node launched: from now on a node missing from a round may be gone for good."""
         if plan.nodes is None or len(plan.nodes) == self.coordinator.num_nodes:
             self._ran_whole = True
+
+    def joined_running(self) -> None:
+        """A node back in a running job (not a requeued run's start): a node missing from its next round may be lost."""
+        self._ran_whole = True
 
     def finish_job(self, job_end: JobEndWatch | None, last_attempt: int) -> None:
         """Record the end where a node cut off until now finds it once the store is gone with this one (a job with
@@ -240,23 +252,44 @@ class Succession:
         planner = self.planner
         coordinator, me = planner.coordinator, planner.coordinator.node_rank
         if me != 0:
-            if planner.floor_now() is None:
-                return False
+            held = coordinator.claim_lead(attempt, claim=False)
+            if held == me:  # claimed by this node's rlsup before it was stopped or restarted: its plan is still owed
+                return True
+            if held is not None or planner.floor_now() is None:
+                return self._follows(attempt)
             planner.ask_afresh()
             if not coordinator.plan_or_absent(attempt, 0, planner.shrink.wait_s, lambda: planner.gone(0)):
-                return False
+                return self._follows(attempt)
         lead = coordinator.claim_lead(attempt)
         if lead == me and me != 0:
             planner.say(f"attempt {attempt}: node 0 is missing from the round (nothing from it within "
                         f"spare_takeover_s, or its endpoint refuses connects; no spare left, min_nodes "
                         f"{planner.shrink.min_nodes}); node {me} leads the round in its place")
-        return lead == me
+        return lead == me or self._follows(attempt)
+
+    def _follows(self, attempt: int) -> bool:
+        """Another node leads ``attempt``: wait for its plan, and when the job may go on with fewer nodes and the lead
+        is gone before its plan (its endpoint refuses connects: it died in the round, or claimed in a run that is over),
+        end the attempt, so that the next one's round has a lead. False (this node does not lead)."""
+        planner = self.planner
+        coordinator = planner.coordinator
+        if planner.floor_now() is None:
+            return False  # nobody may take its place: wait for its plan as always
+        lead = coordinator.lead_of(attempt)
+        planner.ask_afresh()
+        if coordinator.plan_or_absent(attempt, None, math.inf, lambda: planner.gone(lead)):
+            why = f"node {coordinator.node_rank}: node {lead}, the lead of attempt {attempt}, is gone before its plan"
+            raise RoundEnded(f"attempt {attempt} ended: {coordinator.end(attempt, why)}")
+        return False
 
     def note_bad(self, parts: set[Part]) -> None:
         self.planner.note_bad(parts)
 
     def launched(self, plan: RoundPlan) -> None:
         self.planner.launched(plan)
+
+    def joined_running(self) -> None:
+        self.planner.joined_running()
 
     def finish_job(self, job_end: JobEndWatch | None, last_attempt: int) -> None:
         if self.leads:

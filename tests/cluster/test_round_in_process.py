@@ -269,3 +269,18 @@ def test_a_node_that_fetched_resumes_from_disk_with_its_memory_parts_copied_ther
     assert node_step_files(node1, 30) == held  # ranks 2 (from memory) and 3 (from node 2), bit-identical
     assert cluster.reads == [Read(2, 1, 30, "rank_00003.pt")]
     assert any("1 part(s) copied from the memory tier" in line for line in outcomes[1].lines), outcomes[1].lines
+
+
+def test_an_attempt_ended_before_its_plan_is_skipped_by_every_node_s_next_join(tmp_path: Path) -> None:
+    """Attempt 1 ended in its round before any plan (a node stopped there, or its lead was gone): the nodes in it
+    abandon it, and every node's next join goes past it to attempt 2, which runs (it used to join attempt 1 again,
+    ended, for ever)."""
+    cluster = SimCluster(tmp_path)
+    cluster.save(10)
+    cluster.replicate(10)
+    assert all(o.error is None for o in cluster.round())
+    store = cluster.groups[1].coordinator
+    store.end(0, "node 1: its ranks failed")
+    store.end(1, "node 2: asked to stop while waiting for the inventories of attempt 1")
+    outcomes = cluster.round()
+    assert [(o.attempt, o.error, o.resume.step if o.resume else None) for o in outcomes] == [(2, None, 10)] * 3

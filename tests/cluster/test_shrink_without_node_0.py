@@ -11,30 +11,36 @@ from __future__ import annotations
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from rlsup_format.manifest import manifest_name
 from rlsup_format.names import step_dir_name
+from supervisor.cluster.coordinator import RoundCoordinator
+from supervisor.cluster.multinode import GROW_POLL_S
+from supervisor.cluster.node_run import JOB_END_LINGER_S, NodeRun
 from supervisor.cluster.round_errors import NodesMissing
 from supervisor.cluster.round_lead import RoundMember, ShrinkSettings, Succession
 from supervisor.launch.rank_pinning import resize_pinned
 from supervisor.lifecycle import EndReason
 from supervisor.run.loop import AttemptAbandoned
 from supervisor.run.peers import World
-from supervisor.tiers.holdings import RecordError, RoundPlan
+from supervisor.lifecycle import JobStatus
+from supervisor.run.record import RunResult
+from supervisor.tiers.holdings import NodeInventory, RecordError, RoundPlan
 from supervisor.tiers.parts import verify_part
-from support.in_process_round import SimCluster
+from support.in_process_round import JOB, SECRET, SimCluster
 
 SHRINK = ShrinkSettings(min_nodes=2, wait_s=0.2)
 PINNED = ["torchrun", "--nproc-per-node", "2", "--nnodes", "3", "--node-rank", "1", "--rdzv-backend", "static",
           "--master-addr", "127.0.0.1", "--master-port", "29500", "train.py", "--master-addr", "x"]
 
 
-def node_0_lost(tmp: Path, etcd_like: bool = True) -> SimCluster:
+def node_0_lost(tmp: Path, etcd_like: bool = True, probe: bool = False) -> SimCluster:
     """3 nodes of 2 ranks ran attempt 0 together (node 0 leading), saved steps 10 and 20 (replicated on the ring),
     then node 0 was lost with its disk."""
-    cluster = SimCluster(tmp, shrink=SHRINK, etcd_like=etcd_like)
+    cluster = SimCluster(tmp, shrink=SHRINK, etcd_like=etcd_like, probe=probe)
     for step in (10, 20):
         cluster.save(step, resizable=True)
         cluster.replicate(step)
@@ -129,6 +135,8 @@ def test_node_0_back_waits_for_the_next_save_and_the_job_grows_back_to_every_nod
         thread.join(0.05)
     assert got.get("attempt") == 1 and "error" not in got, got  # joined the running attempt, not ended it
     assert not back.role.leads and cluster.groups[1].coordinator.lead_of(1) == lead  # node 0's claim lost
+    # back in a running job, node 0 may lead its next round without waiting for a node that is lost for good
+    assert back.role.planner.floor_now() == 2
     cluster.save(30, world=[1, 2], resizable=True)
     cluster.replicate(30, world=[1, 2])
     watch._back.next_look = 0.0
@@ -163,3 +171,64 @@ def test_a_plan_s_lead_crosses_the_wire_and_must_run_the_attempt() -> None:
         with pytest.raises(RecordError, match="lead"):
             RoundPlan.from_json('{"round": 4, "step": 20, "world_size": 6, "fetch": {}, "nodes": [1, 2], '
                                 f'"owners": {{}}, "from_nodes": 3, {bad}}}')
+
+
+def test_a_claim_a_node_made_before_its_rlsup_was_restarted_is_still_its_own(tmp_path: Path) -> None:
+    """Node 1 claimed attempt 1's lead, and the run ended before its plan (a requeue): in the next run (fresh
+    supervisors, every node back) node 1 plans attempt 1 as the lead it is; nobody waits for a plan that never comes."""
+    cluster = node_0_lost(tmp_path)
+    one = cluster.groups[1].coordinator
+    one.end(0, "node 1: the run ended")
+    assert one.claim_lead(1) == 1
+    cluster.groups.clear()  # the requeued run: every node's rlsup anew
+    outcomes = cluster.round()
+    assert [(o.error, o.resume.step if o.resume else None) for o in outcomes] == [(None, 20)] * 3, outcomes
+    (plan,) = cluster.plans(1)
+    assert plan.lead == 1 and plan.nodes is None  # a fresh run waits for every node: node 0 back, nothing missed
+
+
+def test_a_lead_gone_before_its_plan_ends_the_attempt_and_the_next_round_has_a_lead(tmp_path: Path) -> None:
+    """Node 0 joined attempt 1, published its inventory, claimed the lead, and died before its plan: the nodes left
+    see its endpoint refuse connects and end the attempt (they would otherwise wait for its plan until
+    rendezvous_timeout); the next round is led by one of them and runs without node 0."""
+    cluster = node_0_lost(tmp_path, probe=True)
+    one = cluster.groups[1].coordinator
+    one.end(0, "node 1: node 0's ranks are gone")
+    ghost = RoundCoordinator(cluster.store, JOB, SECRET, 0, 3, 10.0)  # node 0's last words in the round
+    ghost.publish_inventory(1, NodeInventory(0))
+    assert ghost.claim_lead(1) == 0
+    ended = cluster.round(nodes=[1, 2])
+    assert all(isinstance(o.error, AttemptAbandoned) and o.attempt == 1 for o in ended), ended
+    assert "node 0, the lead of attempt 1, is gone before its plan" in (one.ended(1) or "")
+    outcomes = cluster.round(nodes=[1, 2])
+    assert [(o.error, o.resume.step if o.resume else None) for o in outcomes] == [(None, 20)] * 2, outcomes
+    (plan,) = cluster.plans(2)
+    assert plan.nodes == (1, 2) and plan.lead in (1, 2)
+
+
+def test_the_lead_of_a_smaller_world_keeps_the_job_s_end_in_the_store_a_moment_for_a_node_left_out() -> None:
+    """A node left out of the world that finished looks for ``done`` every second: the lead clears the job's keys
+    only after a linger (a full world's end clears them at once, as before)."""
+    events: list[str] = []
+
+    class Stop:
+        def wait(self, seconds: float, poll: float) -> None:
+            events.append(f"linger {seconds:g}")
+
+    class Coordinator:
+        def finish(self, attempt: int) -> None:
+            events.append(f"finish {attempt}")
+
+    class Role:
+        leads = True
+
+        def finish_job(self, job_end: object, last_attempt: int) -> None:
+            events.append("done")
+
+    run = SimpleNamespace(stop=Stop(), settings=SimpleNamespace(run=SimpleNamespace(poll_interval=0.1)))
+    result = RunResult(0, JobStatus.SUCCEEDED, 3, [])
+    NodeRun._job_done(run, Coordinator(), Role(), None, result, smaller=True)  # type: ignore[arg-type]
+    assert events == ["done", f"linger {JOB_END_LINGER_S:g}", "finish 2"] and JOB_END_LINGER_S >= 2 * GROW_POLL_S
+    events.clear()
+    NodeRun._job_done(run, Coordinator(), Role(), None, result)  # type: ignore[arg-type]
+    assert events == ["done", "finish 2"]

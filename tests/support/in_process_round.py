@@ -204,11 +204,12 @@ class SimCluster:
 
     def __init__(self, tmp: Path, nodes: int = 3, ranks_per_node: int = 2, *, memory: bool = False,
                  persistent: bool = False, store: MemoryKVStore | None = None,
-                 shrink: ShrinkSettings = NEVER_SHRINK, etcd_like: bool = False) -> None:
+                 shrink: ShrinkSettings = NEVER_SHRINK, etcd_like: bool = False, probe: bool = False) -> None:
         """``shrink``: the lead's rule for going on with fewer nodes (``min_nodes``; default never); ``etcd_like``: the
-        store outlives node 0 (as etcd does), so the job may go on without node 0 too."""
+        store outlives node 0 (as etcd does), so the job may go on without node 0 too; ``probe``: a missing node's
+        endpoint is probed (nothing listens on the peers' ports: refused), else never."""
         self.size, self.per_node, self.world = nodes, ranks_per_node, nodes * ranks_per_node
-        self.shrink, self.etcd_like = shrink, etcd_like
+        self.shrink, self.etcd_like, self.probe = shrink, etcd_like, probe
         self.groups: dict[int, NodeGroup] = {}
         self.store = store or MemoryKVStore(tmp.name)
         self.reads: list[Read] = []
@@ -293,6 +294,7 @@ class SimCluster:
                                   lambda holder, owner: self._holder_store(owner, holder))
         return NodeGroup(membership, engine_here,  # type: ignore[arg-type]
                          coordinator, round_role(n, coordinator, node.persistent, say, self.shrink,
+                                                 endpoints=lambda: self.peers if self.probe else (),
                                                  store_outlives_node_0=self.etcd_like),
                          FrExchange(coordinator, n, self.size, f"node{n}", Observer()), StopRequest(signal.SIGUSR1),
                          NodeTiers(node.persistent, node.memory), node.ckpt, node.root / "state", say,
