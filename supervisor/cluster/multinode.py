@@ -366,14 +366,15 @@ class NodeGroup:
 
     def command(self, argv: list[str]) -> list[str]:
         """The launch line for this attempt: torchrun's node count and node rank are those of the nodes that run it
-        (the i-th of them is node i), after a shrink or a grow; without node 0, torchrun's master is on the first
-        node that runs it."""
-        plan = self._plan
-        if plan is None or plan.nodes is None:
+        (the i-th of them is node i), after a shrink or a grow; torchrun's master is on the first node that runs it
+        when that is not node 0 as launched (node 0 lost, or a spare holding its rank: its host)."""
+        plan, peers = self._plan, self.engine.membership.peers
+        nodes = plan.nodes if plan is not None and plan.nodes is not None else tuple(range(self.size))
+        moved = nodes[0] != 0 or peers[0] != self.membership.peers[0]
+        if (plan is None or plan.nodes is None) and not moved:
             return argv
-        first = plan.nodes[0]
-        master = self.engine.membership.peers[first].rpartition(":")[0] if first != 0 else None
-        return resize_pinned(argv, plan.nodes.index(self.me), len(plan.nodes), master)
+        master = peers[nodes[0]].rpartition(":")[0] if moved else None
+        return resize_pinned(argv, nodes.index(self.me), len(nodes), master)
 
     def _world(self, attempt: int, plan: RoundPlan) -> None:
         """Says what the plan does to the job's size (on every node, the incident's words) and keeps the plan."""

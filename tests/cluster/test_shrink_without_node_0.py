@@ -232,3 +232,18 @@ def test_the_lead_of_a_smaller_world_keeps_the_job_s_end_in_the_store_a_moment_f
     events.clear()
     NodeRun._job_done(run, Coordinator(), Role(), None, result)  # type: ignore[arg-type]
     assert events == ["done", "finish 2"]
+
+
+def test_a_spare_holding_node_0_s_rank_is_torchrun_s_master_on_every_node(tmp_path: Path) -> None:
+    """A spare on another host took node rank 0 (the engine's peers moved): the other nodes launch torchrun with the
+    master on the spare's host, not on the lost node 0's; the spare itself, and a job whose node 0 never moved, keep
+    the line as pinned."""
+    cluster = SimCluster(tmp_path)
+    cluster.save(10)
+    cluster.replicate(10)
+    assert all(o.error is None for o in cluster.round())
+    assert cluster.groups[1].command(PINNED) == PINNED
+    cluster.groups[1].engine.move_peer(0, "127.0.0.9:9100")
+    command = cluster.groups[1].command(PINNED)
+    assert command[3:11] == ["--nnodes", "3", "--node-rank", "1", "--rdzv-backend", "static", "--master-addr",
+                             "127.0.0.9"] and command[-2:] == ["--master-addr", "x"], command
