@@ -1,7 +1,7 @@
 """Shrink (issue 43): a node lost with no spare left, the job going on with the 2 nodes it has, against a spare
 taking the lost node's rank (the node-loss harness's "spare", benchmarks/bench_node_loss.py), in the same run.
 
-    .venv/bin/python benchmarks/run.py --quick --only shrink        # 1 trial per side (~2.5 min on 2 cores)
+    .venv/bin/python benchmarks/run.py --quick --only shrink        # 1 trial per side (~3 min on 2 cores)
     .venv/bin/python benchmarks/run.py --only shrink                # 2 trials per side, alternating (~6 min)
     .venv/bin/python benchmarks/bench_shrink.py --reps 1 --keep /tmp/shrink
 

@@ -13,7 +13,7 @@ Figures (``--only`` keys): restart, hang, save, heartbeat, selection, replicatio
 goodput, gpu_check, flight_recorder, watch_cpu, writer_start; and recovery (issue 31's realistic harness, benchmarks/bench_recovery.py),
 node_loss (its node-loss variant, a spare against a replacement: benchmarks/bench_node_loss.py), overhead (issue
 41: what rlsup costs when nothing fails, benchmarks/bench_overhead.py) and shrink (issue 43: a job that goes on with
-2 of its 3 nodes against a spare's takeover, benchmarks/bench_shrink.py; ``--quick --only shrink`` about 2.5 min),
+2 of its 3 nodes against a spare's takeover, benchmarks/bench_shrink.py; ``--quick --only shrink`` about 3 min, node 0 lost with etcd beside),
 run only when named. Jobs are 2-rank torchrun/gloo runs of ``benchmarks/jobs/bench_trainer.py``, which writes
 ``time.monotonic()`` events (CLOCK_MONOTONIC is system-wide on Linux, so ranks, attempts and this script share one
 clock). Method, machine and results: BENCHMARKS.md.
@@ -1048,7 +1048,7 @@ def bench_overhead(ctx: Ctx) -> list[Row]:
 def bench_shrink(ctx: Ctx) -> list[Row]:
     """Shrink (issue 43): 3 nodes x 1 rank, 100 MB per node; node 2 lost with no spare left, the job going on with 2
     (``--min-nodes 2``), against a spare taking its rank, sides alternating (benchmarks/bench_shrink.py); 1 trial per
-    side quick (about 2.5 min), 2 full (about 6 min), ``--reps`` overrides; only with ``--only shrink``."""
+    side quick (about 3 min), 2 full (about 9 min), node 0 lost (etcd) as a third side, ``--reps`` overrides; only with ``--only shrink``."""
     import bench_shrink
 
     st = bench_shrink.QUICK if ctx.quick else bench_shrink.Settings()
@@ -1100,7 +1100,7 @@ def main() -> int:
                     "(issue 31's realistic recovery harness, never in the default set: 15 min and more) and "
                     "node_loss (its node-loss variant, never in the default set: about 18 min) and overhead (no "
                     "faults: rlsup's price against bare torchrun, never in the default set: about 12 min) and shrink (issue "
-                    "43: a shrink to 2 of 3 nodes against a spare's takeover, never in the default set: about 2.5 min "
+                    "43: a shrink to 2 of 3 nodes against a spare's takeover, never in the default set: about 3 min "
                     "quick, 6 full)")
     ap.add_argument("--recovery-minutes", type=float, default=5.0, help="recovery: wall window per side")
     ap.add_argument("--reps", type=int, default=None, help="repetitions per side (default: 2 quick, 5 full)")
