@@ -370,15 +370,15 @@ class RoundCoordinator:
             self._lead[attempt] = _attempt_number(name, won)
         return None if won is None else self._lead[attempt]
 
-    def plan_or_absent(self, attempt: int, node: int | None, after_s: float, gone: Callable[[], bool]) -> bool:
+    def plan_or_absent(self, attempt: int, node: int | None, after_s: float, gone: Callable[[], bool],
+                       looks_from_s: float = 0.0) -> bool:
         """Wait until ``attempt``'s plan (or ``node``'s inventory) is in the store: True when none came within
-        ``after_s`` (or once ``gone`` says the node expected to plan is gone): the node that plans is missing. The
-        attempt's end, a stop or an abort ends the wait as any round's wait."""
+        ``after_s`` (or once ``gone``, asked from ``looks_from_s`` into the wait, says the node expected to plan is
+        gone): the node that plans is missing. The attempt's end, a stop or an abort ends it as any round's wait."""
         names = [self._plan_key(attempt, 0)] + ([f"inv/{attempt}/{node}"] if node is not None else [])
         what = f"the plan of attempt {attempt}" + (f" or node {node}'s inventory" if node is not None else "")
-        got = self._wait(names, what, attempt, enough=(after_s, 0, lambda missing: len(missing) < len(names) or gone()),
-                         nodes_lost=True)
-        return all(v is None for v in got)
+        return all(v is None for v in self._wait(names, what, attempt, nodes_lost=True, looks_from_s=looks_from_s,
+                   enough=(after_s, 0, lambda missing: len(missing) < len(names) or gone())))
 
     def publish_fetch_result(self, attempt: int, plan_try: int, result: FetchResult) -> None:
         self.keys.set(f"fetched/{attempt}/{plan_try}/{self.node_rank}", result.to_json())
@@ -487,7 +487,8 @@ class RoundCoordinator:
         return [v for v in self._wait([f"{prefix}/{n}" for n in nodes], what, attempt) if v is not None]
 
     def _wait(self, names: list[str], what: str, attempt: int | None = None,
-              enough: tuple[float, int, Callable[[list[str]], bool]] | None = None, nodes_lost: bool = False) -> list:
+              enough: tuple[float, int, Callable[[list[str]], bool]] | None = None, nodes_lost: bool = False,
+              looks_from_s: float = 0.0) -> list:
         """Poll until every key holds a signed value; their payloads. Inside attempt ``attempt``, its end
         stops the wait with :class:`RoundEnded`: a node that died there never writes its keys, and its
         replacement ends the attempt on rejoin, so waiting out the timeout would only lose the job. A
@@ -503,8 +504,8 @@ class RoundCoordinator:
         abort is first looked at :data:`ABORT_POLL_S` into the wait (the join looked just before).
 
         ``enough`` = (seconds, count, gone): after that many seconds (or once ``gone`` says the keys missing never
-        come), return once ``count`` keys are there, None for the others (a round that may go on without lost nodes).
-        ``nodes_lost``: a timeout means nodes did not come to the round (the inventories, the plan): after the job's
+        come), return once ``count`` keys are there, None for the others (a round that may go on without lost nodes);
+        what came is read from ``looks_from_s`` into the wait (before, a wait that ends in time costs no reads). ``nodes_lost``: a timeout means nodes did not come to the round (the inventories, the plan): after the job's
         first attempt, :class:`NodesMissing`."""
         started = time.monotonic()
         deadline = started + self.timeout_s
@@ -512,7 +513,7 @@ class RoundCoordinator:
         end_name = f"end/{attempt}" if attempt is not None else None
         got: dict[str, Signed] = {}
         next_abort_look, tell_at = time.monotonic() + ABORT_POLL_S, time.monotonic() + WAIT_TELL_S
-        next_beat_look = next_partial_look = time.monotonic()
+        next_beat_look, next_partial_look = time.monotonic(), started + looks_from_s
         changed = True  # whether to poll: the store may know that nothing we wait for was written since the last
         while True:
             self.check_stop(what)

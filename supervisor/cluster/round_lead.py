@@ -10,7 +10,6 @@ are the same on every node: they ask the role, never the rank.
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 
@@ -27,7 +26,9 @@ if TYPE_CHECKING:
     from supervisor.tiers.holdings import NodeInventory
 
 Part = tuple[int, int]  # (step, rank)
-PROBE_AFTER_S = 1.0  # a node waiting for node 0 in a round probes its endpoint once the wait lasted this long
+# a node waiting for node 0 in a round reads what came, and probes node 0's endpoint, once the wait lasted this long
+# (a round normally ends sooner: no node reads more, nor dials node 0, in every round)
+PROBE_AFTER_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -260,7 +261,8 @@ class Succession:
             if held is not None or planner.floor_now() is None:
                 return self._follows(attempt)
             planner.ask_afresh()
-            if not coordinator.plan_or_absent(attempt, 0, planner.shrink.wait_s, self._gone_after(0, PROBE_AFTER_S)):
+            if not coordinator.plan_or_absent(attempt, 0, planner.shrink.wait_s, lambda: planner.gone(0),
+                                              looks_from_s=min(PROBE_AFTER_S, planner.shrink.wait_s)):
                 return self._follows(attempt)
         lead = coordinator.claim_lead(attempt)
         if lead == me and me != 0:
@@ -279,16 +281,11 @@ class Succession:
             return False  # nobody may take its place: wait for its plan as always
         lead = coordinator.lead_of(attempt)
         planner.ask_afresh()
-        if coordinator.plan_or_absent(attempt, None, math.inf, self._gone_after(lead, planner.shrink.wait_s)):
+        if coordinator.plan_or_absent(attempt, None, math.inf, lambda: planner.gone(lead),
+                                      looks_from_s=planner.shrink.wait_s):
             why = f"node {coordinator.node_rank}: node {lead}, the lead of attempt {attempt}, is gone before its plan"
             raise RoundEnded(f"attempt {attempt} ended: {coordinator.end(attempt, why)}")
         return False
-
-    def _gone_after(self, node: int, after_s: float) -> Callable[[], bool]:
-        """Whether ``node``'s rlsup is gone, asked in a wait: its endpoint is probed only once the wait lasted
-        ``after_s`` (a round normally ends sooner: every node need not dial the lead in every round)."""
-        since = time.monotonic()
-        return lambda: time.monotonic() - since >= after_s and self.planner.gone(node)
 
     def note_bad(self, parts: set[Part]) -> None:
         self.planner.note_bad(parts)
