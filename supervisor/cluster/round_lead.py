@@ -112,7 +112,7 @@ class RoundLead:
         self.bad_persistent: set[Part] = set()
         self._came: dict[int, dict[int, NodeInventory]] = {}  # attempt -> the inventories its round planned with
         self._told: str = ""  # the last reason given for not going on with fewer nodes (said once)
-        self._ran_whole = False  # this run planned an attempt of every node: only then may a node be missed
+        self._ran_whole = False  # an attempt of every node launched in this run (or it joined a running job): only then may a node be missed
 
     def publish_plan(self, attempt: int, plan_try: int, excluded: set[tuple[int, int, int]]) -> None:
         plan, me = self.plan(attempt, excluded), self.coordinator.node_rank
