@@ -77,7 +77,7 @@ from supervisor.cluster.coordinator import RoundCoordinator  # noqa: E402
 from supervisor.cluster.round_plan import compute_plan  # noqa: E402
 from supervisor.job_identity import JobIdentity  # noqa: E402
 from supervisor.membership import Membership, replica_targets  # noqa: E402
-from supervisor.cluster.multinode import connect_coordinator  # noqa: E402
+from supervisor.cluster.job_store import connect_coordinator  # noqa: E402
 from supervisor.cluster.node_run import NodeRun  # noqa: E402
 
 SECRET = b"bench-scale-secret-bench-scale-secret"
@@ -527,7 +527,7 @@ def _teardown(nodes: dict[int, Any]) -> None:
         try:
             if isinstance(sim, SimNode) and sim.cfg.coordinator_backend == "etcd":  # embedded: pooled, kept
                 if node == 0:
-                    sim.coordinator.finish()  # the job's keys go
+                    sim.coordinator.store.delete_prefix(sim.coordinator.keys.prefix)  # the job's keys go (node 0 led)
                 sim.coordinator.store.close()
         except Exception:
             pass

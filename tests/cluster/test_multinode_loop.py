@@ -91,6 +91,8 @@ class FakeCoordinator:
 
 
 class FakeEngine:
+    membership = Membership(PEERS, 1)  # the peers as the engine knows them (a spare's endpoint once it took a rank)
+
     def inventory(self, known: object = None) -> NodeInventory:
         return NodeInventory(1)
 
