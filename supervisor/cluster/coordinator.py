@@ -410,8 +410,7 @@ class RoundCoordinator:
             self._wait([f"ready/{attempt}/all"], f"node {self.lead_of(attempt)} to see all nodes ready for attempt "
                        f"{attempt}", attempt)
         else:
-            self._wait_all(f"ready/{attempt}", f"all nodes ready for attempt {attempt}", attempt,
-                           self._running.get(attempt))
+            self._wait_all(f"ready/{attempt}", f"all nodes ready for attempt {attempt}", attempt, self.nodes_of(attempt))
             self.keys.set(f"ready/{attempt}/all", "1")
         self.end_first_round()  # every node is ready: the job's first round, if this was it, is over
 
