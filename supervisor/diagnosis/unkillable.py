@@ -48,6 +48,10 @@ _SYSCALLS = {"x86_64": _X86_64, "aarch64": _ARM64}
 #: Kernel functions a caller sleeps in while a FUSE daemon or a network filesystem's server has not answered.
 _REMOTE_WAIT = re.compile(r"fuse|request_wait_answer|nfs|rpc_wait|ptlrpc|lustre|cifs|smb|ceph|9p")
 _SHARED_FS = ("fuse", "nfs", "lustre", "cifs", "smb", "ceph", "gpfs", "9p", "beegfs", "glusterfs", "afs")
+#: The kernel's own filesystems: a call on them never waits for a server, so a file open there (e.g. a cgroup file
+#: rlsup was reading in another thread as it forked a call) never names a mount that holds a process.
+_KERNEL_FS = ("cgroup", "cgroup2", "proc", "sysfs", "devpts", "devtmpfs", "debugfs", "tracefs", "bpf", "securityfs",
+              "pstore", "mqueue", "configfs", "fusectl", "hugetlbfs")
 
 
 @dataclass(frozen=True)
@@ -123,6 +127,11 @@ def mount_of(path: str, table: list[Mount]) -> Mount | None:
         if path == m.point or path.startswith(m.point.rstrip("/") + "/"):
             return m
     return None
+
+
+def _may_hold(mount: Mount) -> bool:
+    """Whether a file open on ``mount`` can be what holds a process: not the root's, nor the kernel's own."""
+    return mount.point != "/" and mount.fstype not in _KERNEL_FS
 
 
 def _read(path: str) -> str:
@@ -258,7 +267,7 @@ def examine(pids: list[int], table: list[Mount] | None = None) -> list[StuckProc
         suspects = [m for m in held.values() if m is not None and (m.fstype.startswith(_SHARED_FS) or
                                                                    (target and m == held[target]))]
         on = list(dict.fromkeys(suspects)) or list(dict.fromkeys(
-            m for m in held.values() if m is not None and m.point != "/"))
+            m for m in held.values() if m is not None and _may_hold(m)))
         files.sort(key=lambda path: (held[path] not in on, path))  # those on the suspect mounts first
         out.append(StuckProcess(pid, state, name, _read(f"/proc/{pid}/wchan").strip(), _rank(pid), target,
                                 [p for p in files if p != target], on, start_time(pid)))
@@ -349,7 +358,7 @@ def left_at_exit(state_dir: Path, code: int, helpers: list[dict], say: Callable[
              and _state(p["pid"])[0] not in ("", "Z", "X") and start_time(p["pid"]) == p["start_time"]]
     for h in helpers:
         h["mounts"] = sorted({m.point for path in _open_files(h["pid"]) + [waiting_on(h["pid"])]
-                              if path and (m := mount_of(path, table)) is not None and m.point != "/"})
+                              if path and (m := mount_of(path, table)) is not None and _may_hold(m)})
     threads = held_threads(table)
     if not (ranks or helpers or threads):
         return None

@@ -90,6 +90,34 @@ def test_what_rlsup_leaves_at_exit_is_said_once_and_recorded(tmp_path: Path) -> 
     assert held_threads() == []  # this process: no thread asleep on a shared mount
 
 
+def test_a_helper_s_files_on_the_kernel_s_own_filesystems_name_no_mount(tmp_path: Path) -> None:
+    """A forked call inherits what rlsup had open as it forked (a cgroup file another thread was reading, in a CI
+    run): a file on /proc or a cgroup mount never holds a process, so rlsup's exit line and record name no mount
+    for it (they named /sys/fs/cgroup/unified beside the hung mount)."""
+    import subprocess
+    import sys
+
+    from supervisor.diagnosis.unkillable import left_at_exit, mounts
+
+    kernel = [m.point for m in mounts() if m.fstype in ("proc", "cgroup", "cgroup2", "sysfs")]
+    assert "/proc" in kernel, kernel
+    held = [f"{point}/{name}" for point in kernel for name in ("cgroup.procs", "self/stat")
+            if os.path.exists(f"{point}/{name}")]
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\n"
+                               "files = [open(p, 'rb') for p in sys.argv[1:]]\n"
+                               "print('open', flush=True); time.sleep(60)", *held], stdout=subprocess.PIPE)
+    said: list[str] = []
+    try:
+        assert holder.stdout.readline() == b"open\n"
+        helper = {"pid": holder.pid, "label": "rlsup-file-versions", "doing": "", "state": "S", "wchan": ""}
+        left = left_at_exit(tmp_path, 77, [helper], said.append)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert left is not None and left["helpers"][0]["mounts"] == [] and left["mounts"] == [], left
+    assert " on mount" not in said[0], said[0]
+
+
 def test_a_forked_call_left_behind_does_not_hold_rlsups_output_open() -> None:
     """A child left in a mount outlives rlsup: it must not hold rlsup's stdout and stderr (a ``| tee``, a
     subprocess capture or srun's I/O waits for their EOF). rlsup exits; its pipes reach EOF at once."""
