@@ -72,14 +72,23 @@ def launcher(world: int) -> list[str]:
 _REF_CACHE: dict[str, dict] = {}
 
 
+def _without(args: list[str], *flags: str) -> list[str]:
+    """``args`` less each of ``flags`` and its value."""
+    out = list(args)
+    for flag in flags:
+        while flag in out:
+            i = out.index(flag)
+            del out[i:i + 2]
+    return out
+
+
 def reference_weights(cache_dir: Path, world: int, args: list[str]) -> dict:
     """Final weights of an uninterrupted run (cached per process and on disk under ``cache_dir``)."""
     import torch
 
-    relevant = list(args)
-    if "--keep-last" in relevant:  # retention never changes the weights: share the reference
-        i = relevant.index("--keep-last")
-        del relevant[i:i + 2]
+    # retention, the step's sleep (the run below sleeps 0) and the ballast (saved beside the model, never part of
+    # it) never change the final weights: one reference for the scenarios that differ only in those
+    relevant = _without(args, "--keep-last", "--step-time", "--ballast-mb")
     key = hashlib.sha256(json.dumps([world, relevant]).encode()).hexdigest()[:16]
     if key in _REF_CACHE:
         return _REF_CACHE[key]
@@ -116,10 +125,7 @@ def reference_checkpoints(cache_dir: Path, world: int, args: list[str]) -> Path:
     state of the same step here: that is how a torn or mixed snapshot that still verifies is caught."""
     import shutil
 
-    relevant = list(args)
-    if "--keep-last" in relevant:
-        i = relevant.index("--keep-last")
-        del relevant[i:i + 2]
+    relevant = _without(args, "--keep-last", "--step-time")  # the ballast stays: its payloads are compared
     key = hashlib.sha256(json.dumps(["keep-all", world, relevant]).encode()).hexdigest()[:16]
     work = cache_dir / f"refckpt-{key}"
     if (work / "final.pt").exists():

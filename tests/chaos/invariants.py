@@ -24,6 +24,7 @@ from typing import Iterable
 
 import psutil
 
+from supervisor.processes.children import descendants
 from trainer_hooks.heartbeat import read_record
 from rlsup_format.names import Kind, parse_reserved
 from rlsup_format.manifest import list_step_dirs, verify_step_dir
@@ -136,29 +137,32 @@ class ProcessTracker:
             self.roots.append(pid)
         self.sample()
 
-    def _remember(self, proc: psutil.Process) -> None:
+    def _remember(self, pid: int) -> None:
+        if pid in self.seen:  # the first sighting's start time names the process (a reused pid is another one)
+            return
         try:
-            self.seen.setdefault(proc.pid, proc.create_time())
+            self.seen[pid] = psutil.Process(pid).create_time()
         except psutil.Error:
             pass
 
     def sample(self) -> None:
+        """Every process below the roots, and each rank a heartbeat names. The tree walks the kernel's children
+        files (as rlsup does), not psutil's scan of every process on the host ten times a second."""
         with self._lock:
             roots = list(self.roots)
         for pid in roots:
-            try:
-                root = psutil.Process(pid)
-                for child in root.children(recursive=True):
-                    self._remember(child)
-            except psutil.Error:
-                continue
+            below = descendants(pid)
+            if below is None:
+                try:
+                    below = [c.pid for c in psutil.Process(pid).children(recursive=True)]
+                except psutil.Error:
+                    continue
+            for child in below:
+                self._remember(child)
         for hb in self.state_dir.glob("attempts/*/heartbeats/rank_*.hb"):
             rec = read_record(hb)
-            if rec is not None and rec.pid and rec.pid not in self.seen:
-                try:
-                    self._remember(psutil.Process(rec.pid))
-                except psutil.Error:
-                    pass
+            if rec is not None and rec.pid:
+                self._remember(rec.pid)
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval):

@@ -175,10 +175,7 @@ class AsyncFaultInjector(FaultInjector):
         if wpid is True or not pid_alive(pid):
             fault.note = "the attempt ended before its writer started"
             return fault
-        try:
-            run.tracker._remember(psutil.Process(wpid))  # it must die with its rank, and its rank with rlsup
-        except psutil.Error:
-            pass
+        run.tracker._remember(wpid)  # it must die with its rank, and its rank with rlsup
         hb = run.sandbox.state / "attempts" / f"attempt_{attempt:04d}" / "heartbeats" / f"rank_{rank:05d}.hb"
         target, why = self._catch(moment, rank, pid, wpid, hb)
         if target is None:
@@ -251,6 +248,12 @@ class AsyncFaultInjector(FaultInjector):
         return problems
 
 
+def _final_weights(path: Path) -> dict:
+    import torch
+
+    return torch.load(path, weights_only=True)
+
+
 def async_write_scenario(parent: Path, ref_cache: Path, seed: int, world: int = 1,
                          plan: list[tuple[str, str]] | None = None, n_faults: int = 4, steps: int = 36,
                          keep_last: int = 2, require_injected: bool = True) -> ScenarioResult:
@@ -262,8 +265,8 @@ def async_write_scenario(parent: Path, ref_cache: Path, seed: int, world: int = 
     res = ScenarioResult(f"async-w{world}", seed)
     sb = Sandbox(parent)
     args = train_args(steps=steps, keep_last=keep_last)
-    ref = reference_weights(ref_cache, world, args)
     ref_ckpt = reference_checkpoints(ref_cache, world, args)
+    ref = _final_weights(ref_ckpt.parent / "final.pt")  # that same uninterrupted run's: no second reference run
     # No fault here stops a rank, so nothing is meant to be caught by save_timeout; 15 s (RLSUP_FAST) was tripped
     # once in CI by a rank waiting on its writer's write behind the other workers' I/O (a fourth incident, a
     # save_timeout, beside three faults). Given more, a writer the harness failed to thaw is still caught.

@@ -68,7 +68,9 @@ def test_a_node_cut_off_until_after_the_job_finished_exits_0(tmp_path: Path) -> 
     """Node 2's rlsup, torchrun and ranks are stopped mid-run (as a node cut off both ways: nothing it sends or
     answers gets through) until the job has finished on nodes 0, 1 and the spare; then it goes on."""
     persistent = tmp_path / "persistent"  # a file system every node reads, as a persistent tier is
-    cluster = SpareCluster(tmp_path, train_args=TRAIN_ARGS,
+    # no warm launcher: this test is about the job's end, and each of 4 nodes would arm one it never uses
+    # (warm takeovers are test_multinode_spares_e2e.py's)
+    cluster = SpareCluster(tmp_path, train_args=TRAIN_ARGS, warm_launcher=False,
                            extra=["--persistent-dir", str(persistent), "--heartbeat-timeout", "10"])
     frozen: list[psutil.Process] = []
     try:

@@ -12,8 +12,10 @@
 
 from __future__ import annotations
 
+import shutil
 import time
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -28,9 +30,30 @@ from etcd_cluster import EtcdCluster, etcd_cluster  # noqa: F401 - the fixture, 
 from support.world_phases import Phase, check_data_order, consumed_from, run_chain, same_state
 
 
+#: The run without rlsup both growth cases compare with: 3 ranks to HELD, 2 ranks to GROW_AT, 3 ranks to the end.
+GROWN = (Phase(3, HELD, tuple(s for s in SAVE_AT if s <= HELD), range(1, HELD + 1)),
+         Phase(2, GROW_AT, (GROW_AT,), range(HELD + 1, GROW_AT + 1)),
+         Phase(3, UNTIL, (), range(GROW_AT + 1, UNTIL + 1)))
+
+
+@pytest.fixture(scope="module")
+def grown_reference(tmp_path_factory: pytest.TempPathFactory) -> Callable[[], Path]:
+    """GROWN's final weights, run once for the module's cases (whichever first gets that far; again after a run
+    that failed part way): both cases shrink and grow at the same steps, so they compare with the same run."""
+    root = tmp_path_factory.mktemp("grown-reference") / "run"
+
+    def final() -> Path:
+        if not (root / "final.pt").exists():
+            shutil.rmtree(root, ignore_errors=True)
+            run_chain(root, GROWN, "ddp", "torch")
+        return root / "final.pt"
+    return final
+
+
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("lost", [2, 0])
-def test_a_lost_node_back_grows_the_job_at_its_next_save(workdir: Path, lost: int, request: pytest.FixtureRequest) -> None:
+def test_a_lost_node_back_grows_the_job_at_its_next_save(workdir: Path, lost: int, request: pytest.FixtureRequest,
+                                                          grown_reference: Callable[[], Path]) -> None:
     """Node ``lost`` lost at HELD, the job goes on with 2 nodes and holds after its first step; the node comes back
     with an empty disk and waits (its return does not end the running attempt); the job, released, saves at GROW_AT
     and the next round grows it back to 3 nodes from there. The final weights equal a run without rlsup with the same
@@ -75,14 +98,10 @@ def test_a_lost_node_back_grows_the_job_at_its_next_save(workdir: Path, lost: in
         assert [(i["reason"], i["action"]) for i in incidents(cluster.node_dir(node) / ".rlsup")][-1] == \
             ("resized", "restart"), (node, node_logs(cluster))
     assert cluster.state(left[0])["world_nodes"] == 3
-    reference = (Phase(3, HELD, tuple(s for s in SAVE_AT if s <= HELD), range(1, HELD + 1)),
-                 Phase(2, GROW_AT, (GROW_AT,), range(HELD + 1, GROW_AT + 1)),
-                 Phase(3, UNTIL, (), range(GROW_AT + 1, UNTIL + 1)))
-    run_chain(workdir / "reference", reference, "ddp", "torch")
-    assert same_state(cluster.node_dir(0) / "final.pt", workdir / "reference" / "final.pt") == []
+    assert same_state(cluster.node_dir(0) / "final.pt", grown_reference()) == []
     logs = id_logs(cluster)
     assert len(logs) == 3, {a: [str(p) for p in f] for a, f in logs.items()}
-    check_data_order(consumed_from(list(logs.values()), reference), UNTIL)
+    check_data_order(consumed_from(list(logs.values()), GROWN), UNTIL)
 
 
 @pytest.mark.timeout(300)

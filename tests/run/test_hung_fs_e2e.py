@@ -146,10 +146,10 @@ def healed_end(sick: SickFs, stuck: list[dict]) -> None:
         wait_for(lambda p=p: not pid_alive(p["pid"]), 30, f"stuck pid {p['pid']} to end once the mount healed")
 
 
-def hung_save_ends_unkillable(tmp_path: Path, sick: SickFs, hang: dict) -> dict:
+def hung_save_ends_unkillable(tmp_path: Path, sick: SickFs, hang: dict, extra: tuple[str, ...] = ()) -> dict:
     """A save hung as ``hang`` says: the invariants while it is held, rlsup's exit while it is held, then the
     healed end (healed, and rlsup killed, whatever fails); what rlsup's exit record says it left."""
-    run, state, record = hung_save_run(tmp_path, sick, hang)
+    run, state, record = hung_save_run(tmp_path, sick, hang, extra)
     try:
         stuck = check_unkillable(tmp_path, sick, run, state, record)
         left = exits_while_hung(run, [str(sick.mountpoint)], stuck)
@@ -176,7 +176,9 @@ def test_checkpoint_dir_hung_rlsup_exits_leaving_its_own_pass(tmp_path: Path, si
     single-file pass is held in the mount too. rlsup exits 77 within 30 s of the verdict all the same, the mount
     still hung, naming the mount, the stuck ranks and its own pass it left behind (a forked child, in the
     mount); none of its own threads is held there."""
-    left = hung_save_ends_unkillable(tmp_path, sick, {"ops": ALL_BUT_FLUSH})
+    # no warm launcher: the run never restarts (one attempt, asserted), and rlsup's defaults with one armed beside
+    # a hung mount are test_checkpoint_dir_hung_mid_save_excludes_the_node's
+    left = hung_save_ends_unkillable(tmp_path, sick, {"ops": ALL_BUT_FLUSH}, ("--warm-launcher", "false"))
     passes = [h for h in left["helpers"] if h["label"] == "rlsup-file-versions"]
     assert passes and all(h["mounts"] == [str(sick.mountpoint)] for h in passes), left
 

@@ -23,10 +23,10 @@ class SpareCluster(Cluster):
     """:class:`Cluster` with ``spares`` more processes (node ranks 3, 4, ...) that hold no ranks at first."""
 
     def __init__(self, root: Path, spares: int = 1, extra: Sequence[str] = (), takeover_s: float = 1.0,
-                 **kw: object) -> None:
+                 warm_launcher: bool = True, **kw: object) -> None:
         super().__init__(root, JOB_NODES + spares,  # type: ignore[arg-type]
                          extra=["--spares", str(spares), "--spare-takeover-s", str(takeover_s), *extra],
-                         warm_launcher=True, **kw)  # the default: its tests assert warm takeovers and restarts
+                         warm_launcher=warm_launcher, **kw)  # on by default: its tests assert warm takeovers
 
     def launcher(self, node: int) -> list[str]:
         """c10d as users type it, or static with the node rank each process was started with (a spare's is 3

@@ -159,7 +159,9 @@ def test_memory_too_small_saves_to_disk_with_a_clear_message_bit_identical(workd
              "--keep-last", "2"]
     ref = reference(2, train)
     shm, out = workdir / "shm", workdir / "final.pt"
-    proc = start_rlsup([*run_args(shm, "--memory-limit-bytes", str(20 << 20), "--disk-every", "100"), "--",
+    # cold restarts: the memory tier with warm ranks (rlsup's default) is this module's other crash tests'
+    proc = start_rlsup([*run_args(shm, "--memory-limit-bytes", str(20 << 20), "--disk-every", "100",
+                                  "--warm-launcher", "false"), "--",
                         *launcher(2), *train, "--crash-at-step", "13", "--out", str(out)], workdir)
     output, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, output[-4000:]
