@@ -86,6 +86,9 @@ class RankDeathWatch:
     def __init__(self) -> None:
         self._fds: dict[int, tuple[int, int]] = {}  # pidfd -> (rank, pid)
         self._seen: set[int] = set()  # pids tracked once (a pid is never tracked again)
+        # a rank gone before rlsup read its status (its launcher reaped it): the cause may be that one, in this
+        # wait or a later one (a peer failing its collective exits 1 after it), so only a cause-like death is named
+        self._reaped_unread = False
 
     def track(self, ranks: Iterable[tuple[int, int]]) -> None:
         """Start watching each (rank, pid) not seen before (skips pids that are already gone)."""
@@ -110,16 +113,16 @@ class RankDeathWatch:
         # Every rank that is gone by now, not only the first fd: when one rank is SIGKILLed its peers
         # fail their collective and exit 1 a moment later, or its launcher SIGTERMs them (cause_first).
         readable, _, _ = select.select(list(self._fds), [], [], 0)
-        deaths, unknown = [], False
+        deaths = []
         for fd in readable:
             rank, pid = self._fds.pop(fd)
             status = zombie_status(pid)
             os.close(fd)
-            unknown = unknown or status is None
+            self._reaped_unread = self._reaped_unread or status is None
             death = death_from_status(rank, pid, status) if status is not None else None
             if death is not None:
                 deaths.append(death)
-        if unknown and all(cause_first(d)[0] > 0 for d in deaths):
+        if self._reaped_unread and all(cause_first(d)[0] > 0 for d in deaths):
             # The cause may be the rank its launcher already reaped (its status is gone): a peer's exit 1 or
             # a teardown signal is a consequence, so the launcher's report says who failed.
             return None

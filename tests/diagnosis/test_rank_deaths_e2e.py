@@ -122,6 +122,24 @@ def test_a_peer_exit_beside_a_reaped_rank_claims_nothing() -> None:
     watch.close()
 
 
+def test_a_peer_exit_seen_after_a_reaped_rank_claims_nothing() -> None:
+    """CI saw it too (NVRx, rank 1 SIGKILLed): the watch woke for rank 1, already reaped by ft_launcher, while
+    rank 0 still ran; rank 0 failed its collective a moment later and its exit 1 was named in the next wait.
+    A rank reaped unread stays a possible cause for the rest of the attempt: the launcher's report decides."""
+    reaped = spawn("import time; time.sleep(60)")
+    peer = subprocess.Popen([PY, "-c", "import sys; sys.stdin.read(); sys.exit(1)"], stdin=subprocess.PIPE)
+    watch = RankDeathWatch()
+    watch.track([(0, peer.pid), (1, reaped.pid)])
+    os.kill(reaped.pid, signal.SIGKILL)
+    reaped.wait()
+    assert watch.wait(10) is None  # woke for rank 1: its status is gone
+    peer.stdin.close()  # rank 0's collective fails: exit 1
+    until_zombie(peer)
+    assert watch.wait(1) is None
+    peer.wait()
+    watch.close()
+
+
 def test_a_rank_terminated_alone_is_still_named() -> None:
     proc = spawn("import time; time.sleep(60)")
     os.kill(proc.pid, signal.SIGTERM)
