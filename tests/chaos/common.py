@@ -57,7 +57,11 @@ class Sandbox:
         return self.run / ".rlsup"
 
 
-def train_args(steps: int = 30, every: int = 3, keep_last: int = 2, ballast_mb: int = 6,
+STEPS = 36  # every scenario's default: the single-rank ones then share one reference run (reference_weights)
+SHARED_BALLAST_MB = 6  # train_args' default ballast: that of the one single-rank reference run
+
+
+def train_args(steps: int = STEPS, every: int = 3, keep_last: int = 2, ballast_mb: int = SHARED_BALLAST_MB,
                step_time: float = 0.03) -> list[str]:
     return ["--steps", str(steps), "--checkpoint-every", str(every), "--step-time", str(step_time),
             "--ballast-mb", str(ballast_mb), "--keep-last", str(keep_last)]
@@ -73,17 +77,25 @@ _REF_CACHE: dict[str, dict] = {}
 
 
 def _without(args: list[str], *flags: str) -> list[str]:
-    """``args`` less each of ``flags`` and its value."""
+    """``args`` less each of ``flags`` and its value, the rest as (flag, value) pairs in flag order: the same
+    arguments in another order are the same run (a reference's cache key)."""
     out = list(args)
     for flag in flags:
         while flag in out:
             i = out.index(flag)
             del out[i:i + 2]
-    return out
+    pairs = list(zip(out[::2], out[1::2]))
+    if len(out) % 2 or not all(flag.startswith("--") for flag, _ in pairs):
+        return out  # not all flag-value pairs: kept as given
+    return [x for pair in sorted(pairs) for x in pair]
 
 
 def reference_weights(cache_dir: Path, world: int, args: list[str]) -> dict:
-    """Final weights of an uninterrupted run (cached per process and on disk under ``cache_dir``)."""
+    """Final weights of an uninterrupted run (cached per process and on disk under ``cache_dir``).
+
+    One rank: the final weights of :func:`reference_checkpoints`' run with the shared ballast, the run the async
+    scenario compares its checkpoints with and the corruption scenario takes its checkpoints from: every
+    single-rank scenario of a session compares with that one run (one torch process, not three)."""
     import torch
 
     # retention, the step's sleep (the run below sleeps 0) and the ballast (saved beside the model, never part of
@@ -91,6 +103,10 @@ def reference_weights(cache_dir: Path, world: int, args: list[str]) -> dict:
     relevant = _without(args, "--keep-last", "--step-time", "--ballast-mb")
     key = hashlib.sha256(json.dumps([world, relevant]).encode()).hexdigest()[:16]
     if key in _REF_CACHE:
+        return _REF_CACHE[key]
+    if world == 1:
+        out = reference_checkpoints(cache_dir, 1, [*relevant, "--ballast-mb", str(SHARED_BALLAST_MB)]).parent
+        _REF_CACHE[key] = torch.load(out / "final.pt", weights_only=True)
         return _REF_CACHE[key]
     cache_dir.mkdir(parents=True, exist_ok=True)
     out = cache_dir / f"reference-{key}.pt"
@@ -139,6 +155,19 @@ def reference_checkpoints(cache_dir: Path, world: int, args: list[str]) -> Path:
         raise AssertionError(f"reference run (all checkpoints kept) failed: {r.stdout[-2000:]}{r.stderr[-2000:]}")
     os.replace(work / "final.pt.tmp", work / "final.pt")
     return work / "ckpt"
+
+
+def copy_reference_steps(ref_ckpt: Path, dest: Path, upto: int) -> None:
+    """``dest`` as a run killed after step ``upto`` (between two saves) leaves it: every checkpoint of the
+    uninterrupted run (:func:`reference_checkpoints`) up to that step, the same bytes that run saved."""
+    import shutil
+
+    from rlsup_format.manifest import list_step_dirs
+
+    dest.mkdir(parents=True, exist_ok=True)
+    for step, path in list_step_dirs(ref_ckpt):
+        if step <= upto:
+            shutil.copytree(path, dest / path.name)
 
 
 def payload_diff(got: object, want: object, where: str = "") -> str:

@@ -21,7 +21,10 @@ import signal
 import subprocess
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
 
+from rlsup_format.heartbeat_record import rank_file_name
 from trainer_hooks.heartbeat import read_record
 from rlsup_format.manifest import list_step_dirs, manifest_name
 from rlsup_format.names import Kind, parse_reserved
@@ -31,6 +34,10 @@ from support.waits import Deadline, wait_for
 
 from .common import sandbox_env
 from .invariants import ProcessTracker, valid_steps
+
+# The last rlsup generation of a plan, after its last fault: no restart follows, so a warm launcher armed beside its
+# attempt (torchrun and a warm rank per local rank, the CPU of a cold start) would never be used.
+NO_WARM_LAUNCHER = ("--warm-launcher", "false")
 
 KINDS = ("rank_kill", "rank_stop", "supervisor_kill", "node_kill", "supervisor_stop")
 MOMENTS = ("random", "mid_save", "mid_manifest", "mid_load")
@@ -75,9 +82,10 @@ class SupervisedRun:
         self.generation = 0
         self.survivor_problems: list[str] = []
 
-    def start(self) -> subprocess.Popen:
+    def start(self, extra: Sequence[str] = ()) -> subprocess.Popen:
+        """A new rlsup generation; ``extra``: flags of this start only, after the run's."""
         log = open(self.sandbox.run / f"rlsup.{self.generation}.log", "ab")
-        self.proc = subprocess.Popen(rlsup_cmd("run", *self.rlsup_args, "--", *self.job), cwd=self.sandbox.run,
+        self.proc = subprocess.Popen(rlsup_cmd("run", *self.rlsup_args, *extra, "--", *self.job), cwd=self.sandbox.run,
                                      env=self.env, stdout=log, stderr=subprocess.STDOUT)
         log.close()
         self.generation += 1
@@ -90,10 +98,12 @@ class SupervisedRun:
         except (OSError, ValueError):
             return {}
 
+    def heartbeats(self, attempt: int) -> Path:
+        return self.sandbox.state / "attempts" / f"attempt_{attempt:04d}" / "heartbeats"
+
     def ranks(self, attempt: int) -> dict[int, "object"]:
-        hb = self.sandbox.state / "attempts" / f"attempt_{attempt:04d}" / "heartbeats"
         out = {}
-        for path in hb.glob("rank_*.hb"):
+        for path in self.heartbeats(attempt).glob("rank_*.hb"):
             rec = read_record(path)
             if rec is not None and rec.pid:
                 out[rec.rank] = rec
@@ -128,10 +138,11 @@ class SupervisedRun:
 
 class FaultInjector:
     def __init__(self, run: SupervisedRun, world: int, steps: int, seed: int, moment_timeout: float = 30.0,
-                 stop_hold: float = 2.0) -> None:
+                 stop_hold: float = 2.0, every: int = 3) -> None:
         self.run = run
         self.world = world
         self.steps = steps
+        self.every = every  # the trainer's --checkpoint-every: how far the next save is from a heartbeat's step
         self.rng = random.Random(seed)
         self.moment_timeout = moment_timeout
         self.stop_hold = stop_hold
@@ -140,17 +151,50 @@ class FaultInjector:
 
     # ------------------------------------------------------------ waiting for an attempt and a moment
 
-    def _live_attempt(self) -> tuple[int, dict] | None:
+    def _fresh_attempt(self) -> int | None:
+        """The attempt this rlsup generation runs now, unless a fault already hit it."""
         st = self.run.state()
         if st.get("state") != "running" or st.get("pid") != self.run.proc.pid:
             return None
         attempt = int(st.get("attempt", -1))
-        if attempt in self._faulted_attempts:
-            return None
-        ranks = self.run.ranks(attempt)
-        if len(ranks) < self.world or not all(pid_alive(r.pid) for r in ranks.values()):
-            return None
-        return attempt, ranks
+        return None if attempt in self._faulted_attempts else attempt
+
+    def _registered(self, attempt: int) -> dict | None:
+        """Every rank of ``attempt`` by its heartbeat record, once each has one naming a live pid."""
+        hb = self.run.heartbeats(attempt)
+        ranks = {}
+        for rank in range(self.world):
+            rec = read_record(hb / rank_file_name(rank))
+            if rec is None or not rec.pid or not pid_alive(rec.pid):
+                return None
+            ranks[rank] = rec
+        return ranks
+
+    def _live_attempt(self, what: str, fine: bool) -> tuple[int, dict] | None:
+        """A fresh attempt with every rank registered; None once rlsup ended. rlsup's launch is looked for every
+        20 ms; the ranks, which register after their imports, every 0.5 ms when ``fine`` (mid_load: the restore
+        that follows lasts a few ms), looking at the heartbeat files alone (state.json every 20 ms)."""
+        run = self.run
+        deadline = time.monotonic() + 180
+        while True:
+            found = wait_for(lambda: run.proc.poll() is not None or (a := self._fresh_attempt()) is not None and (a,),
+                             180, what, interval=0.02)
+            if found is True:
+                return None
+            attempt, recheck = found[0], time.monotonic() + 0.02
+            while run.proc.poll() is None:
+                ranks = self._registered(attempt)
+                if ranks:
+                    return attempt, ranks
+                if time.monotonic() > recheck:
+                    if self._fresh_attempt() != attempt:
+                        break  # it ended before all its ranks registered: the next one
+                    recheck = time.monotonic() + 0.02
+                if time.monotonic() > deadline:
+                    raise Deadline(f"timed out after 180s waiting for {what}")
+                time.sleep(0.0005 if fine else 0.02)
+            else:
+                return None
 
     def _staging_of(self, pid: int) -> bool:
         for _, d in list_step_dirs(self.run.sandbox.ckpt):
@@ -211,40 +255,44 @@ class FaultInjector:
         return False
 
     def _wait_moment(self, fault: Fault, attempt: int, rank: int, pid: int) -> bool:
-        hb = self.run.sandbox.state / "attempts" / f"attempt_{attempt:04d}" / "heartbeats" / f"rank_{rank:05d}.hb"
+        """Until the victim is at the fault's moment. Save moments look at its checkpoint dir only while its
+        heartbeat says it is inside a save, and every 10 ms instead of 0.5 ms while its next save is a whole
+        step or more away (the step's sleep comes first): not a core spun polling a directory between saves."""
+        hb = self.run.heartbeats(attempt) / rank_file_name(rank)
         deadline = time.monotonic() + self.moment_timeout
         if fault.moment == "random":
             time.sleep(self.rng.uniform(0.05, 0.8))
             return True
-        polls = 0
         while time.monotonic() < deadline and pid_alive(pid):
-            polls += 1
-            if polls % 200 == 0:
-                rec = read_record(hb)
-                if rec is not None and rec.step >= self.steps - 4:
-                    return False  # training nearly over: fall back to a random instant while there is one
-            if fault.moment == "mid_save" and self._staging_of(pid):
-                return True
-            if fault.moment == "mid_manifest" and self._staging_of(pid) and self._strobe_manifest(rank, pid):
-                return True
+            rec = read_record(hb)
             if fault.moment == "mid_load":
-                rec = read_record(hb)
                 if rec is not None and rec.section == "load":
                     return True
                 if rec is not None and rec.beat_ns > 0:
                     return False  # the load is over for this attempt
+            elif rec is not None and rec.step >= self.steps - 4:
+                return False  # training nearly over: fall back to a random instant while there is one
+            elif rec is not None and rec.section == "save":
+                if fault.moment == "mid_save" and self._staging_of(pid):
+                    return True
+                if fault.moment == "mid_manifest" and self._staging_of(pid) and self._strobe_manifest(rank, pid):
+                    return True
+            elif rec is not None and (-rec.step) % self.every >= 2:
+                time.sleep(0.01)  # the next save comes after at least one more step
+                continue
             time.sleep(0.0005)
         return False
 
     # ------------------------------------------------------------ injecting
 
-    def inject(self, kind: str, moment: str) -> Fault:
+    def inject(self, kind: str, moment: str, last: bool = False) -> Fault:
+        """Inject one fault of the plan; ``last``: no fault follows, so an rlsup started after this one (a supervisor
+        or node kill) arms no warm launcher: its attempt runs to the end and nothing would ever use one."""
         fault = Fault(kind, moment)
         self.faults.append(fault)
         run = self.run
-        found = wait_for(lambda: run.proc.poll() is not None or self._live_attempt(), 180,
-                         f"a fresh live attempt for fault {kind}@{moment}", interval=0.0005 if moment == "mid_load" else 0.02)
-        if found is True:
+        found = self._live_attempt(f"a fresh live attempt for fault {kind}@{moment}", fine=moment == "mid_load")
+        if found is None:
             fault.note = "rlsup already finished"
             return fault
         attempt, ranks = found
@@ -299,7 +347,7 @@ class FaultInjector:
 
             run.tracker.sample()
             run.survivor_problems += check_no_survivors(run.tracker, timeout=20)
-            run.start()
+            run.start(NO_WARM_LAUNCHER if last else ())
         return fault
 
     def random_plan(self, n: int, kinds=KINDS, moments=MOMENTS) -> list[tuple[str, str]]:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import random
-import signal
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -17,7 +16,8 @@ from support.incidents import incidents
 from support.procs import rlsup_cmd
 from support.waits import wait_for
 
-from .common import Sandbox, launcher, reference_weights, sandbox_env, train_args
+from .common import (STEPS, Sandbox, copy_reference_steps, launcher, reference_checkpoints, reference_weights,
+                     sandbox_env, train_args)
 from .injector import Fault, FaultInjector, SupervisedRun
 from .invariants import (check_incidents, check_no_leftovers, check_no_survivors, check_no_writes_outside,
                          check_valid_not_lost, check_weights, valid_steps)
@@ -53,7 +53,7 @@ class ScenarioResult:
 
 
 def kill_scenario(parent: Path, ref_cache: Path, seed: int, world: int, plan: list[tuple[str, str]] | None = None,
-                  n_faults: int = 4, steps: int = 30, keep_last: int = 2, heartbeat_timeout: float = 6.0,
+                  n_faults: int = 4, steps: int = STEPS, keep_last: int = 2, heartbeat_timeout: float = 6.0,
                   name: str = "kill", require_injected: bool = True) -> ScenarioResult:
     """Supervised training with faults at chosen (or random) moments; all invariants checked at the end."""
     started = time.monotonic()
@@ -71,8 +71,8 @@ def kill_scenario(parent: Path, ref_cache: Path, seed: int, world: int, plan: li
     plan = plan if plan is not None else inj.random_plan(n_faults)
     try:
         run.start()
-        for kind, moment in plan:
-            inj.inject(kind, moment)
+        for i, (kind, moment) in enumerate(plan):
+            inj.inject(kind, moment, last=i == len(plan) - 1)
         code = run.wait_exit(timeout=600)
         run.tracker.sample()
         res.faults = inj.faults
@@ -167,10 +167,12 @@ def disk_full_scenario(parent: Path, ref_cache: Path, seed: int, size_mb: int = 
     if why:
         res.problems.append(f"SKIP: cannot mount a small filesystem: {why}")
         return res
-    args = train_args(steps=30, keep_last=2, ballast_mb=2)
+    args = train_args(keep_last=2, ballast_mb=2)
     ref = reference_weights(ref_cache, 1, args)
+    # One attempt without progress ends it: the first fills the disk after saving some steps, the second resumes
+    # and fails the same save; a third doing the same would only cost another rank's start.
     rlsup_args = ["--backoff-initial", "0.05", "--backoff-max", "0.2", "--max-restarts", "10",
-                  "--max-no-progress-attempts", "2", "--heartbeat-timeout", "60", "--kill-grace", "2"]
+                  "--max-no-progress-attempts", "1", "--heartbeat-timeout", "60", "--kill-grace", "2"]
     run = SupervisedRun(sb, [*launcher(1), *args, "--out", str(sb.run / "final.pt")], rlsup_args)
     poller = ValidPoller(sb.ckpt)
     try:
@@ -306,16 +308,14 @@ def corruption_scenario(parent: Path, ref_cache: Path, seed: int, n_damaged: int
     rng = random.Random(seed)
     res = ScenarioResult("corruption", seed)
     sb = Sandbox(parent)
-    args = train_args(steps=30, keep_last=100, ballast_mb=1)
+    args = train_args(keep_last=100)
     ref = reference_weights(ref_cache, 1, args)
     run = None
     try:
+        # The checkpoints a run killed after step `crash` leaves: the uninterrupted reference run's up to it
+        # (the same bytes; no run of its own to crash).
         crash = rng.choice([16, 19, 22, 25])
-        r = subprocess.run([*launcher(1), *args, "--checkpoint-dir", str(sb.ckpt), "--crash-at-step", str(crash),
-                            "--fault-rank", "0"], cwd=sb.run, env=sandbox_env(sb), capture_output=True, text=True,
-                           timeout=300)
-        if r.returncode != -signal.SIGKILL:
-            raise AssertionError(f"seed run ended {r.returncode}: {r.stdout[-1000:]}{r.stderr[-2000:]}")
+        copy_reference_steps(reference_checkpoints(ref_cache, 1, args), sb.ckpt, crash)
         before = sorted(valid_steps(sb.ckpt))
         damaged = before[-n_damaged:]
         notes = [f"step {s}: " + damage_step(sb.ckpt / f"step_{s:09d}", rng.choice(DAMAGES), rng) for s in damaged]
@@ -396,7 +396,7 @@ def clock_jump_scenario(parent: Path, ref_cache: Path, seed: int, jumps: int = 4
         return res
     rc = sb.run / "tmp" / "walljump.offset"
     rc.write_text("0\n")
-    args = train_args(steps=30, keep_last=100, ballast_mb=1, step_time=0.08)
+    args = train_args(keep_last=100, ballast_mb=1, step_time=0.08)
     ref = reference_weights(ref_cache, 1, args)
     env = {"LD_PRELOAD": lib, "WALLJUMP_FILE": str(rc)}
     run = SupervisedRun(sb, [*launcher(1), *args, "--out", str(sb.run / "final.pt")],

@@ -22,6 +22,7 @@ import signal
 import subprocess
 import time
 from pathlib import Path
+from typing import Sequence
 
 from supervisor.job_identity import job_identity, namespace_of
 from rlsup_format.names import Kind, parse_reserved
@@ -33,8 +34,8 @@ from support.ports import free_ports
 from support.procs import freeze, kill_tree, rlsup_cmd, thaw
 from support.waits import Deadline, wait_for
 
-from .common import Sandbox, reference_weights, sandbox_env, train_args
-from .injector import Fault
+from .common import STEPS, Sandbox, reference_weights, sandbox_env, train_args
+from .injector import NO_WARM_LAUNCHER, Fault
 from .invariants import (ProcessTracker, check_no_survivors, check_no_temp_copies, check_no_writes_outside,
                          check_weights)
 from .scenarios import ScenarioResult
@@ -147,7 +148,8 @@ def transfer_kill_scenario(parent: Path, seed: int, victims: list[str] | None = 
                 step += 1
                 mgr.save(step, {"w": torch.randn(mb * 2**18, generator=gen)})
                 try:
-                    wait_for(lambda: os.listdir(incoming), 60, f"step {step}'s upload to start", interval=0.002)
+                    wait_for(lambda: os.listdir(incoming), 60, f"step {step}'s upload to start",
+                             interval=0.02)  # the capped push lasts about 2 s
                 except Deadline:
                     break
                 if freeze(procs[node].pid):
@@ -250,7 +252,7 @@ def transfer_kill_scenario(parent: Path, seed: int, victims: list[str] | None = 
 # ------------------------------------------------------------------ (b) replacement killed mid-fetch
 
 
-def fetch_kill_scenario(parent: Path, ref_cache: Path, seed: int, kills: int = 1, steps: int = 30,
+def fetch_kill_scenario(parent: Path, ref_cache: Path, seed: int, kills: int = 1, steps: int = STEPS,
                         bandwidth: float = 2e6, rendezvous_timeout: float = 20.0) -> ScenarioResult:
     """Node 1 of a 2-node job is lost; its replacement is SIGKILLed ``kills`` times while fetching its parts
     from node 0 (round prepare), then started again: the job resumes and ends bit-identical."""
@@ -271,7 +273,7 @@ def fetch_kill_scenario(parent: Path, ref_cache: Path, seed: int, kills: int = 1
     generation = [0, 0]
     logs: list[Path] = []
 
-    def start(node: int, extra: list[str] = ()) -> subprocess.Popen:
+    def start(node: int, extra: Sequence[str] = ()) -> subprocess.Popen:
         """Node ``node``'s supervisor, each start with its own log and a tracker of its process tree."""
         log_name = f"rlsup.{generation[node]}.log"
         generation[node] += 1
@@ -334,7 +336,7 @@ def fetch_kill_scenario(parent: Path, ref_cache: Path, seed: int, kills: int = 1
                     if caught:
                         break
                     thaw(proc.pid)
-                time.sleep(0.002)
+                time.sleep(0.02)  # the capped fetch of a 6 MB part lasts about 3 s
             if not caught:
                 fault.note = "the replacement's fetch was never caught"
                 res.problems.append(fault.note)
@@ -347,7 +349,8 @@ def fetch_kill_scenario(parent: Path, ref_cache: Path, seed: int, kills: int = 1
             res.check(check_no_survivors(trackers[-1]))
             partial = [s for s, d in list_step_dirs(ckpt1) if _valid_part(d, 1) is not None]
             res.check([f"{fault.note}: step(s) {partial} verify on node 1 after a killed fetch"] if partial else [])
-        start(1)  # uncapped: the fetch completes
+        # uncapped: the fetch completes; no fault follows, so this last start arms no warm launcher nothing would use
+        start(1, NO_WARM_LAUNCHER)
         codes = {}
         for node in (0, 1):
             try:

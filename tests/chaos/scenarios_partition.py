@@ -60,6 +60,9 @@ class PartitionPlan:
     during: Literal["training", "round"] = "training"
     backend: Literal["embedded", "etcd"] = "embedded"
     heal: bool = True  # False: the cut outlasts the rendezvous timeout; every node must stop, named, losing nothing
+    # rlsup's max_restarts (None: its default). The failures the plan causes, when known: the attempt after the last
+    # one then arms no warm launcher, which nothing would use (a torchrun and a warm rank per node).
+    max_restarts: int | None = None
 
 
 @dataclass
@@ -172,6 +175,8 @@ def partition_scenario(parent: Path, ref_cache: Path, plan: PartitionPlan) -> tu
     with Partition(NODES) as net:
         etcd = None
         extra = ["--heartbeat-timeout", str(HEARTBEAT_S)]
+        if plan.max_restarts is not None:
+            extra += ["--max-restarts", str(plan.max_restarts)]
         if plan.backend == "etcd":
             from etcd_cluster import EtcdCluster, etcd_binary
 

@@ -24,6 +24,7 @@ import psutil
 
 from rlsup_format.manifest import list_step_dirs, manifest_name, read_manifest, step_dir_name, verify_step_dir
 from rlsup_format.names import Kind, parse_manifest_rank, parse_reserved
+from supervisor.processes.children import children
 from supervisor.tiers.fetch_staging import PREFIX as STAGING_PREFIX
 
 from support.env import PY
@@ -31,8 +32,8 @@ from support.incidents import incidents
 from support.procs import freeze, pid_alive, promptly, thaw
 from support.waits import Deadline, wait_for
 
-from .common import Sandbox, launcher, reference_checkpoints, reference_weights, train_args
-from .injector import Fault, FaultInjector, SupervisedRun, written_by
+from .common import STEPS, Sandbox, launcher, reference_checkpoints, reference_weights, train_args
+from .injector import NO_WARM_LAUNCHER, Fault, FaultInjector, SupervisedRun, written_by
 from .invariants import (check_incidents, check_no_leftovers, check_no_stale_holds, check_no_survivors,
                          check_no_temp_copies, check_no_writes_outside, check_steps_match_reference,
                          check_valid_not_lost, check_weights, valid_steps)
@@ -118,7 +119,7 @@ class AsyncFaultInjector(FaultInjector):
         passed: set[Path] = set()
         while time.monotonic() < deadline and pid_alive(wpid) and pid_alive(pid):
             polls += 1
-            if polls % 200 == 0:
+            if polls % 50 == 0:
                 rec = read_record(hb)
                 if rec is not None and rec.step >= self.steps - 2:
                     return None, f"training nearly over (step {rec.step}); {len(passed)} write(s) let by or missed"
@@ -138,7 +139,7 @@ class AsyncFaultInjector(FaultInjector):
                     return d, ""
                 passed.add(d)  # this write was missed (or its writer would not stop): wait for the next
                 thaw(wpid)
-            time.sleep(0.0005)
+            time.sleep(0.002)  # a write (6 MB, fsync, hash) lasts tens of ms: a few looks each, not a spun core
         if time.monotonic() >= deadline:
             return None, f"no write caught in {self.moment_timeout:.0f} s"
         return None, "the writer or its rank ended"
@@ -157,13 +158,13 @@ class AsyncFaultInjector(FaultInjector):
             phase = self._phase(d, rank, wpid)
         return phase
 
-    def inject_async(self, kind: str, moment: str) -> Fault:
+    def inject_async(self, kind: str, moment: str, last: bool = False) -> Fault:
+        """One fault of the plan (``last``: as :meth:`FaultInjector.inject`)."""
         fault = Fault(kind, moment)
         self.faults.append(fault)
         run = self.run
-        found = wait_for(lambda: run.proc.poll() is not None or self._live_attempt(), 180,
-                         f"a fresh live attempt for fault {kind}@{moment}", interval=0.02)
-        if found is True:
+        found = self._live_attempt(f"a fresh live attempt for fault {kind}@{moment}", fine=False)
+        if found is None:
             fault.note = "rlsup already finished"
             return fault
         attempt, ranks = found
@@ -217,7 +218,7 @@ class AsyncFaultInjector(FaultInjector):
             run.proc.wait(timeout=30)
             run.tracker.sample()
             run.survivor_problems += check_no_survivors(run.tracker, timeout=20)
-            run.start()
+            run.start(NO_WARM_LAUNCHER if last else ())
         return fault
 
     def _check_killed_write(self, rank: int, wpid: int, step: int, kind: str) -> list[str]:
@@ -255,7 +256,7 @@ def _final_weights(path: Path) -> dict:
 
 
 def async_write_scenario(parent: Path, ref_cache: Path, seed: int, world: int = 1,
-                         plan: list[tuple[str, str]] | None = None, n_faults: int = 4, steps: int = 36,
+                         plan: list[tuple[str, str]] | None = None, n_faults: int = 4, steps: int = STEPS,
                          keep_last: int = 2, require_injected: bool = True) -> ScenarioResult:
     """SIGKILL of a rank, of the async writer, of rlsup, or of rlsup and the job, mid-async-write. Then:
     the killed write never verifies, every valid step holds the uninterrupted run's state of that step,
@@ -277,8 +278,8 @@ def async_write_scenario(parent: Path, ref_cache: Path, seed: int, world: int = 
         plan = [(inj.rng.choice(ASYNC_KINDS), inj.rng.choice(ASYNC_MOMENTS)) for _ in range(n_faults)]
     try:
         run.start()
-        for kind, moment in plan:
-            inj.inject_async(kind, moment)
+        for i, (kind, moment) in enumerate(plan):
+            inj.inject_async(kind, moment, last=i == len(plan) - 1)
         code = run.wait_exit(timeout=600)
         run.tracker.sample()
         res.faults = inj.faults
@@ -314,19 +315,25 @@ def _incoming(root: Path, pid: int | None = None) -> list[tuple[int, Path]]:
     """(step, path) of the temp files of part copies in ``root``'s step directories and in the fetch staging
     directories beside them (of process ``pid`` or a child of its when given: rlsup copies on a mount from a child
     forked per pass): reserved TMP names (rlsup_format.names) beside the files they become."""
-    writers = None if pid is None else {pid, *_children_of(pid)}
-    out = []
+    found = []
     roots = [root, *sorted(root.glob(STAGING_PREFIX + "*"))]  # a whole-step fetch lands in staging first
     for step, step_dir in (entry for r in roots for entry in list_step_dirs(r)):
         for dirpath, _dirs, files in os.walk(step_dir):
             for n in files:
                 res = parse_reserved(n)
-                if res is not None and res.kind is Kind.TMP and (writers is None or res.pid in writers):
-                    out.append((step, Path(dirpath) / n))
-    return out
+                if res is not None and res.kind is Kind.TMP:
+                    found.append((step, Path(dirpath) / n, res.pid))
+    if pid is None or not found:
+        return [(step, path) for step, path, _ in found]
+    writers = {pid, *_children_of(pid)}  # only when there is a temp file to attribute
+    return [(step, path) for step, path, writer in found if writer in writers]
 
 
 def _children_of(pid: int) -> set[int]:
+    """``pid``'s children, from the kernel's children files (psutil's walk reads every process on the host)."""
+    kids = children(pid)
+    if kids is not None:
+        return set(kids)
     try:
         return {c.pid for c in psutil.Process(pid).children()}
     except psutil.Error:
@@ -343,7 +350,7 @@ def _lacks_a_manifest(step_dir: Path) -> bool:
 
 
 def persistent_copy_scenario(parent: Path, ref_cache: Path, seed: int,
-                             plan: list[tuple[str, str, bool]] | None = None, n_faults: int = 2, steps: int = 30,
+                             plan: list[tuple[str, str, bool]] | None = None, n_faults: int = 2, steps: int = STEPS,
                              keep_last: int = 2, persistent_keep_last: int = 2,
                              bandwidth: float = 25e6, require_injected: bool = True) -> ScenarioResult:
     """rlsup (alone: ``supervisor_kill``, or with its job: ``node_kill``) SIGKILLed while it copies a step to
@@ -387,7 +394,7 @@ def persistent_copy_scenario(parent: Path, ref_cache: Path, seed: int,
         polls = 0
         while time.monotonic() < deadline and run.proc.poll() is None:
             polls += 1
-            if moment == "mid_copy" and polls % 100 == 0:
+            if moment == "mid_copy" and polls % 20 == 0:
                 st = run.state()
                 recs = run.ranks(int(st.get("attempt", 0))) if st.get("pid") == pid else {}
                 if any(r.step >= steps - 2 for r in recs.values()):
@@ -402,7 +409,7 @@ def persistent_copy_scenario(parent: Path, ref_cache: Path, seed: int,
                         return inc[0]
                 for p in (pid, *copiers):
                     thaw(p)
-            time.sleep(0.001)
+            time.sleep(0.005)  # a bandwidth-capped copy of a step lasts about 0.25 s
         return None
 
     def check_resume() -> None:

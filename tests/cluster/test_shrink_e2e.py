@@ -2,10 +2,13 @@
 ``min_nodes`` allows it and its saves are resizable (:mod:`support.shrink_cluster`: real rlsup, 3 nodes on
 127.0.0.1, each its own directory, torchrun typed with c10d).
 
-- Resizable saves, ``--min-nodes 2``, DDP (torch backend) and FSDP2 (dcp, replication_factor 2): nodes 0 and 1 end 0,
-  saying (log and incident) they continued on 2 of 3 nodes from HELD; the final weights equal a run without rlsup
-  (3 ranks to HELD, then 2 ranks from that save) bit for bit, and over the kept steps every rank's sample ids are
-  every sample of each epoch once, in its order.
+- Resizable saves, ``--min-nodes 2``, FSDP2 (dcp, replication_factor 2): nodes 0 and 1 end 0 (the shrunk job runs
+  to its end), saying (log and incident) they continued on 2 of 3 nodes from HELD; the final weights equal a run
+  without rlsup (3 ranks to HELD, then 2 ranks from that save) bit for bit, and over the kept steps every rank's
+  sample ids are every sample of each epoch once, in its order. The same shrink with DDP (torch backend,
+  replication_factor 1) is checked on test_shrink_grow_e2e's run that loses node 2, before that job grows back
+  (the same assertions, and its final weights equal a run without rlsup through the shrink and the growth): a
+  whole 3-node run fewer.
 - A spare left: it takes the lost rank first, and the job never shrinks.
 """
 
@@ -47,7 +50,7 @@ def same_weights_without_rlsup(cluster: ShrinkCluster, workdir: Path, world_afte
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("model, backend, factor", [
-    ("ddp", "torch", 1),
+    # ("ddp", "torch", 1): on test_shrink_grow_e2e's run (test_a_lost_node_back_grows_the_job_at_its_next_save[2])
     # dcp reshards: every node reads every part, so each part needs a replica on a node left (factor 2 of 3)
     ("fsdp", "dcp", 2),
 ])

@@ -4,6 +4,10 @@
 - A lost node back (empty disk) waits without ending the running attempt; the job grows back to 3 nodes at its
   next save, with the weights of a run without rlsup that went 3 -> 2 -> 3 ranks at the same steps. Node 2, and node
   0 in a store that outlives it (etcd: node 1 or 2 leads the rounds meanwhile, torchrun's master on node 1).
+  Before it grows, the same run checks the shrink itself (DDP, torch backend, replication factor 1; the case
+  test_shrink_e2e ran on a run of its own): the nodes left say (log and incident) they continued on 2 of 3 nodes
+  from HELD, state.json says 2 of 3, rank 0 restored HELD (saved by 3 ranks, marked resizable) into 2 ranks, and
+  the shrunk attempt took its first step at HELD + 1. A shrunk job that runs to its end: test_shrink_e2e (FSDP2).
 - Below the floor (nodes 1 and 2 lost): node 0 waits ``rendezvous_timeout`` and exits 75 for a requeue, its
   checkpoints and replicas untouched.
 - Saves never marked resizable: nodes 0 and 1 never continue on 2 nodes; node 0 (which plans the rounds) says once
@@ -27,7 +31,7 @@ from support.shrink_cluster import (CONTINUED, GROW_AT, HELD, NODES, NOT_RESIZAB
                                     run_until_held)
 from support.waits import wait_for
 from etcd_cluster import EtcdCluster, etcd_cluster  # noqa: F401 - the fixture, for node 0's case
-from support.world_phases import Phase, check_data_order, consumed_from, run_chain, same_state
+from support.world_phases import Phase, check_data_order, consumed, consumed_from, run_chain, same_state
 
 
 #: The run without rlsup both growth cases compare with: 3 ranks to HELD, 2 ranks to GROW_AT, 3 ranks to the end.
@@ -50,6 +54,38 @@ def grown_reference(tmp_path_factory: pytest.TempPathFactory) -> Callable[[], Pa
     return final
 
 
+def said_continued(cluster: ShrinkCluster, node: int) -> bool:
+    """Node ``node`` said, in its log and in its one incident (the loss), that the job continued on 2 of 3 nodes."""
+    return CONTINUED in cluster.log(node) and \
+        [i.get("world") for i in incidents(cluster.node_dir(node) / ".rlsup")] == [CONTINUED]
+
+
+def assert_shrunk_while_held(cluster: ShrinkCluster, left: list[int]) -> None:
+    """What the shrink leaves, checked while the shrunk job holds (before the lost node is back): each node left
+    says (log, and the failure's incident) it continued on 2 of 3 nodes from HELD and its state.json says 2 of 3;
+    HELD was saved by 3 ranks and marked resizable; rank 0 of the shrunk job restored it into 2 ranks."""
+    for node in left:
+        wait_for(lambda: said_continued(cluster, node), 30, f"node {node} saying (log and incident) it continued",
+                 interval=0.5)
+        assert (cluster.state(node)["world_nodes"], cluster.state(node)["job_nodes"]) == (2, 3), node
+        manifest = read_manifest(cluster.node_dir(node) / "checkpoints" / step_dir_name(HELD) / manifest_name(node))
+        assert manifest.world_size == 3 and manifest.resizable, manifest
+    assert any(f"WORLD_CHANGE {HELD} 3 2" in cluster.log(n) for n in left), node_logs(cluster)
+
+
+def assert_grown_as_without_rlsup(cluster: ShrinkCluster, reference: Path) -> None:
+    """Node 0's final weights equal GROWN's (run without rlsup); over the kept steps of the 3 attempts the ranks
+    consumed every sample of each epoch once, in its order (GROWN's ranks too); the shrunk attempt started at
+    HELD + 1 (what the first attempt took after HELD died with it and was redone)."""
+    assert same_state(cluster.node_dir(0) / "final.pt", reference) == []
+    check_data_order(consumed(reference.parent, GROWN), UNTIL)
+    logs = id_logs(cluster)
+    assert len(logs) == 3, {a: [str(p) for p in f] for a, f in logs.items()}
+    shrunk = list(logs.values())[1]
+    assert min(int(line.split()[0]) for p in shrunk for line in p.read_text().splitlines()) == HELD + 1, shrunk
+    check_data_order(consumed_from(list(logs.values()), GROWN), UNTIL)
+
+
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("lost", [2, 0])
 def test_a_lost_node_back_grows_the_job_at_its_next_save(workdir: Path, lost: int, request: pytest.FixtureRequest,
@@ -58,7 +94,8 @@ def test_a_lost_node_back_grows_the_job_at_its_next_save(workdir: Path, lost: in
     with an empty disk and waits (its return does not end the running attempt); the job, released, saves at GROW_AT
     and the next round grows it back to 3 nodes from there. The final weights equal a run without rlsup with the same
     shrink and grow points (3 ranks to HELD, 2 ranks to GROW_AT, 3 ranks to the end), and the ids of the kept steps
-    are every sample of each epoch once. Node 0 lost: the job's store is etcd (the embedded one goes with node 0)."""
+    are every sample of each epoch once. Node 0 lost: the job's store is etcd (the embedded one goes with node 0).
+    While the shrunk job holds: :func:`assert_shrunk_while_held` (test_shrink_e2e's DDP case, merged here)."""
     released = workdir / "release-shrunk"
     store: list[str] = []
     if lost == 0:
@@ -74,7 +111,8 @@ def test_a_lost_node_back_grows_the_job_at_its_next_save(workdir: Path, lost: in
         run_until_held(cluster)
         lose(cluster, [lost])
         wait_for(lambda: f"HOLDING in world 2 after step {HELD + 1}" in cluster.log(left[0]), 180,
-                 "the shrunk job holding")
+                 "the shrunk job holding", interval=0.5)
+        assert_shrunk_while_held(cluster, left)
         cluster.start(lost)  # back, its disk empty
         wait_for(lambda: "waiting for its next save to grow back" in cluster.log(lost), 120,
                  f"node {lost} waiting to grow")
@@ -86,7 +124,6 @@ def test_a_lost_node_back_grows_the_job_at_its_next_save(workdir: Path, lost: in
     finally:
         cluster.kill_all()
     assert codes == {0: 0, 1: 0, 2: 0}, (codes, node_logs(cluster))
-    assert CONTINUED in cluster.log(left[0]), node_logs(cluster)
     if lost == 0:  # one of the nodes left led the round without node 0, and said so
         assert sum(cluster.log(n).count("attempt 1: node 0 is missing from the round") for n in left) == 1, \
             node_logs(cluster)
@@ -98,10 +135,7 @@ def test_a_lost_node_back_grows_the_job_at_its_next_save(workdir: Path, lost: in
         assert [(i["reason"], i["action"]) for i in incidents(cluster.node_dir(node) / ".rlsup")][-1] == \
             ("resized", "restart"), (node, node_logs(cluster))
     assert cluster.state(left[0])["world_nodes"] == 3
-    assert same_state(cluster.node_dir(0) / "final.pt", grown_reference()) == []
-    logs = id_logs(cluster)
-    assert len(logs) == 3, {a: [str(p) for p in f] for a, f in logs.items()}
-    check_data_order(consumed_from(list(logs.values()), GROWN), UNTIL)
+    assert_grown_as_without_rlsup(cluster, grown_reference())
 
 
 @pytest.mark.timeout(300)

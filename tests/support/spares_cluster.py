@@ -20,19 +20,23 @@ RANKS_PER_NODE = 2
 
 
 class SpareCluster(Cluster):
-    """:class:`Cluster` with ``spares`` more processes (node ranks 3, 4, ...) that hold no ranks at first."""
+    """:class:`Cluster` with ``spares`` more processes (node ranks 3, 4, ...) that hold no ranks at first.
+    ``job_nodes`` and ``ranks_per_node`` (default 3 of 2): fewer where the counts are not a test's subject (each
+    rank and each node's torchrun is one more process importing torch); :func:`ranks_of` knows the default only."""
 
     def __init__(self, root: Path, spares: int = 1, extra: Sequence[str] = (), takeover_s: float = 1.0,
-                 warm_launcher: bool = True, **kw: object) -> None:
-        super().__init__(root, JOB_NODES + spares,  # type: ignore[arg-type]
+                 warm_launcher: bool = True, job_nodes: int = JOB_NODES, ranks_per_node: int = RANKS_PER_NODE,
+                 **kw: object) -> None:
+        self.job_nodes, self.ranks_per_node = job_nodes, ranks_per_node
+        super().__init__(root, job_nodes + spares,  # type: ignore[arg-type]
                          extra=["--spares", str(spares), "--spare-takeover-s", str(takeover_s), *extra],
                          warm_launcher=warm_launcher, **kw)  # on by default: its tests assert warm takeovers
 
     def launcher(self, node: int) -> list[str]:
         """c10d as users type it, or static with the node rank each process was started with (a spare's is 3
         or more: rlsup rewrites it to the rank the spare takes)."""
-        common = [PY, "-m", "torch.distributed.run", "--nnodes", str(JOB_NODES), "--nproc-per-node",
-                  str(RANKS_PER_NODE)]
+        common = [PY, "-m", "torch.distributed.run", "--nnodes", str(self.job_nodes), "--nproc-per-node",
+                  str(self.ranks_per_node)]
         if self.rdzv == "static":
             return [*common, "--node-rank", str(node), "--master-addr", self.hosts[0], "--master-port",
                     str(self.master_port)]

@@ -5,11 +5,12 @@ single-file flags. Its training process is SIGKILLed six times, once in each att
 first new save (issue 41: PyKEEN prints its progress only at the save, so each of these attempts reports one
 step; more than ``max_no_progress_attempts``, 5, of them in a row once ended in a false exit 76): right after
 the save, in the next epoch, or inside the next ``torch.save`` that rewrites ``ckpts/ckpt.pt`` in place
-(ckpt.pt's stat polled every ~0.5 ms, the kill as soon as the new save's first bytes are there; repeated until
-one left the file torn). Each restart resumes from the newest complete epoch (rlsup puts the newest complete
-version back when the file is torn; PyKEEN's own "loaded checkpoint ... finished epoch N" line says where it
-resumed), a torn save costs at most one epoch, the run reaches its last epoch and exits 0, no incident is
-``no_progress``, and since PyKEEN restores its RNG states the final weights equal an uninterrupted run's.
+(ckpt.pt's stat polled every ~0.5 ms from the epoch's last batches on, the kill as soon as the new save's first
+bytes are there; repeated until one left the file torn). Each restart resumes from the newest complete epoch
+(rlsup puts the newest complete version back when the file is torn; PyKEEN's own "loaded checkpoint ... finished
+epoch N" line says where it resumed), a torn save costs at most one epoch, the run reaches its last epoch and
+exits 0, no incident is ``no_progress``, and since PyKEEN restores its RNG states the final weights equal an
+uninterrupted run's.
 """
 
 from __future__ import annotations
@@ -37,6 +38,10 @@ psutil = pytest.importorskip("psutil")
 pytest.importorskip("pykeen")
 
 KILLS = 6  # one more than max_no_progress_attempts' default: each attempt killed after its first new save
+# each kill moves the newest complete epoch on by one (a torn save's by one net): six kills end near epoch 6-7,
+# and the last attempt trains the rest (sp.EPOCHS, 12, would add three epochs here and in the reference run)
+EPOCHS = 9
+NEAR_SAVE = 9  # of an epoch's 13 batches: the "save" kill polls ckpt.pt tightly only from this batch on
 BATCH_RE = re.compile(r"Training batches on cpu:\s*\d+%\|[^|]*\|\s*(\d+)(?:\.\d+)?/")
 
 
@@ -77,18 +82,24 @@ def _pykeen_kill(job: Supervised, n: int, how: str, rng: random.Random) -> bool:
     if start is None:
         return False
     wait_for(lambda: job.ended() or any(e > start for e in _saved(job.attempt_log(n))), 240,
-             f"attempt {n}'s first save", interval=0.005)
+             f"attempt {n}'s first save", interval=0.02)
     if job.ended():
         return False
     if how == "save":
         before = file_stat(ckpt)  # torch.save truncates the file, then writes it record by record: kill after its
         # first bytes, so the cut lies inside the zip (a cut before the first byte leaves it empty)
-        wait_for(lambda: job.ended() or not proc.is_running() or ((now := file_stat(ckpt)) != before and now[1] > 0),
-                 240, f"attempt {n}'s next save", interval=0.0005)
+
+        def saving() -> bool:
+            return job.ended() or not proc.is_running() or ((now := file_stat(ckpt)) != before and now[1] > 0)
+
+        # polled every 0.5 ms, from the end of the epoch on (the bar says; every 50 ms before: an epoch is seconds)
+        wait_for(lambda: saving() or _batch_after_last_save(job.attempt_log(n)) >= NEAR_SAVE, 240,
+                 f"attempt {n} near its next save")
+        wait_for(saving, 240, f"attempt {n}'s next save", interval=0.0005)
     elif how == "random":
         batch = rng.randint(2, 9)
         wait_for(lambda: job.ended() or _batch_after_last_save(job.attempt_log(n)) >= batch, 240,
-                 f"attempt {n}'s batch {batch}", interval=0.005)
+                 f"attempt {n}'s batch {batch}", interval=0.02)
     if job.ended() or not sigkill(proc.pid):
         return False
     try:
@@ -110,8 +121,8 @@ def _weights(path: Path) -> dict:
 @pytest.mark.timeout(600)
 def test_pykeen_single_file_survives_kills_mid_save(tmp_path: Path) -> None:
     t0 = time.monotonic()
-    work = sp.workdir(tmp_path / "run")
-    ref_dir = sp.workdir(tmp_path / "reference")
+    work = sp.workdir(tmp_path / "run", EPOCHS)
+    ref_dir = sp.workdir(tmp_path / "reference", EPOCHS)
     env = job_env(work, **sp.env(work))
     # an uninterrupted run beside it, for the final weights
     ref_out = open(ref_dir / "out.log", "w")
@@ -141,7 +152,7 @@ def test_pykeen_single_file_survives_kills_mid_save(tmp_path: Path) -> None:
     torn = [k for k in job.kills if k["how"] == "save" and k["ckpt_epoch"] is None]
     assert torn, f"no kill landed inside a torch.save of ckpt.pt\n{report}"
     last = job.attempt()
-    assert max(_saved(job.attempt_log(last))) == sp.EPOCHS, report
+    assert max(_saved(job.attempt_log(last))) == EPOCHS, report
     for k in job.kills:  # the next attempt resumed from the newest complete epoch; a torn save cost <= 1 epoch
         resumed = _resumed_epoch(job.attempt_log(k["attempt"] + 1))
         expected = k["ckpt_epoch"] if k["ckpt_epoch"] is not None else (k["last_saved"] or 0)
@@ -157,10 +168,10 @@ def test_pykeen_single_file_survives_kills_mid_save(tmp_path: Path) -> None:
     listing = subprocess.run(rlsup_cmd("incidents", str(job.state_dir)), env=clean_env(), capture_output=True,
                              text=True, timeout=60).stdout
     assert "no_progress" not in listing and rc != 76, listing
-    assert job.status_json()["job"].get("last_step") == sp.EPOCHS, report
+    assert job.status_json()["job"].get("last_step") == EPOCHS, report
     # the final checkpoint loads, at the last epoch, with the uninterrupted run's weights
     final, ref = _weights(work / sp.CKPT_DIR / sp.CKPT_NAME), _weights(ref_dir / sp.CKPT_DIR / sp.CKPT_NAME)
-    assert final["epoch"] == ref["epoch"] == sp.EPOCHS, report
+    assert final["epoch"] == ref["epoch"] == EPOCHS, report
     assert final["model_state_dict"].keys() == ref["model_state_dict"].keys()
     for name, t in final["model_state_dict"].items():
         assert torch.equal(t, ref["model_state_dict"][name]), (name, report)
