@@ -9,10 +9,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rlsup_format.manifest import list_step_dirs
 from support.env import PY, TRAIN, clean_env
 
 
@@ -76,7 +78,7 @@ def launcher(world: int) -> list[str]:
 _REF_CACHE: dict[str, dict] = {}
 
 
-def _without(args: list[str], *flags: str) -> list[str]:
+def _reference_key(args: list[str], *flags: str) -> list[str]:
     """``args`` less each of ``flags`` and its value, the rest as (flag, value) pairs in flag order: the same
     arguments in another order are the same run (a reference's cache key)."""
     out = list(args)
@@ -100,7 +102,7 @@ def reference_weights(cache_dir: Path, world: int, args: list[str]) -> dict:
 
     # retention, the step's sleep (the run below sleeps 0) and the ballast (saved beside the model, never part of
     # it) never change the final weights: one reference for the scenarios that differ only in those
-    relevant = _without(args, "--keep-last", "--step-time", "--ballast-mb")
+    relevant = _reference_key(args, "--keep-last", "--step-time", "--ballast-mb")
     key = hashlib.sha256(json.dumps([world, relevant]).encode()).hexdigest()[:16]
     if key in _REF_CACHE:
         return _REF_CACHE[key]
@@ -139,9 +141,7 @@ def reference_checkpoints(cache_dir: Path, world: int, args: list[str]) -> Path:
     """An uninterrupted run that keeps every checkpoint: ``<dir>/ckpt/step_N`` for each saved step (cached
     on disk under ``cache_dir``). A checkpoint of an interrupted run that verifies must hold exactly the
     state of the same step here: that is how a torn or mixed snapshot that still verifies is caught."""
-    import shutil
-
-    relevant = _without(args, "--keep-last", "--step-time")  # the ballast stays: its payloads are compared
+    relevant = _reference_key(args, "--keep-last", "--step-time")  # the ballast stays: its payloads are compared
     key = hashlib.sha256(json.dumps(["keep-all", world, relevant]).encode()).hexdigest()[:16]
     work = cache_dir / f"refckpt-{key}"
     if (work / "final.pt").exists():
@@ -160,10 +160,6 @@ def reference_checkpoints(cache_dir: Path, world: int, args: list[str]) -> Path:
 def copy_reference_steps(ref_ckpt: Path, dest: Path, upto: int) -> None:
     """``dest`` as a run killed after step ``upto`` (between two saves) leaves it: every checkpoint of the
     uninterrupted run (:func:`reference_checkpoints`) up to that step, the same bytes that run saved."""
-    import shutil
-
-    from rlsup_format.manifest import list_step_dirs
-
     dest.mkdir(parents=True, exist_ok=True)
     for step, path in list_step_dirs(ref_ckpt):
         if step <= upto:

@@ -171,30 +171,24 @@ class FaultInjector:
         return ranks
 
     def _live_attempt(self, what: str, fine: bool) -> tuple[int, dict] | None:
-        """A fresh attempt with every rank registered; None once rlsup ended. rlsup's launch is looked for every
-        20 ms; the ranks, which register after their imports, every 0.5 ms when ``fine`` (mid_load: the restore
-        that follows lasts a few ms), looking at the heartbeat files alone (state.json every 20 ms)."""
-        run = self.run
-        deadline = time.monotonic() + 180
-        while True:
-            found = wait_for(lambda: run.proc.poll() is not None or (a := self._fresh_attempt()) is not None and (a,),
-                             180, what, interval=0.02)
-            if found is True:
-                return None
-            attempt, recheck = found[0], time.monotonic() + 0.02
-            while run.proc.poll() is None:
-                ranks = self._registered(attempt)
-                if ranks:
-                    return attempt, ranks
-                if time.monotonic() > recheck:
-                    if self._fresh_attempt() != attempt:
-                        break  # it ended before all its ranks registered: the next one
-                    recheck = time.monotonic() + 0.02
-                if time.monotonic() > deadline:
-                    raise Deadline(f"timed out after 180s waiting for {what}")
-                time.sleep(0.0005 if fine else 0.02)
-            else:
-                return None
+        """A fresh attempt with every rank registered; None once rlsup ended. One poll at two rates: the ranks,
+        which register after their imports, every 0.5 ms when ``fine`` (mid_load: the restore that follows lasts a
+        few ms) by their heartbeat files alone; rlsup's state.json (which attempt runs) at most every 20 ms. An
+        attempt that ended before all its ranks registered gives way to the next."""
+        run, seen = self.run, {"attempt": None, "read_at": float("-inf")}
+
+        def live() -> tuple[int | None, dict | None] | None:
+            if run.proc.poll() is not None:
+                return None, None
+            now = time.monotonic()
+            if now - seen["read_at"] >= 0.02:
+                seen["attempt"], seen["read_at"] = self._fresh_attempt(), now
+            attempt = seen["attempt"]
+            ranks = self._registered(attempt) if attempt is not None else None
+            return (attempt, ranks) if ranks else None
+
+        attempt, ranks = wait_for(live, 180, what, interval=0.0005 if fine else 0.02)
+        return None if attempt is None else (attempt, ranks)
 
     def _staging_of(self, pid: int) -> bool:
         for _, d in list_step_dirs(self.run.sandbox.ckpt):

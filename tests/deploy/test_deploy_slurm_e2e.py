@@ -49,9 +49,11 @@ def cluster() -> Iterator[Cluster]:
 
 def submit(cluster: Cluster, job_dir: Path, master_port: int, **extra_env: str) -> str:
     job_dir.mkdir(parents=True)
+    # No warm launcher (RLSUP_WARM_LAUNCHER, as a user sets any key): no rlsup here restarts its job, SLURM's requeue
+    # starts a new one, so each would arm one it never uses (CONTRIBUTING.md "Suite time")
     env = clean_env(SLURM_CONF=str(cluster.conf), SUPERVISOR=str(Path(sys.executable).parent / "rlsup"),
                     TORCHRUN=f"{sys.executable} -m torch.distributed.run", MASTER_PORT=str(master_port),
-                    JOB_DIR=str(job_dir), **extra_env)
+                    JOB_DIR=str(job_dir), RLSUP_WARM_LAUNCHER="false", **extra_env)
     r = subprocess.run(["sbatch", "--parsable", f"--chdir={job_dir}", str(SBATCH), str(TRAIN), *TRAIN_ARGS,
                         "--out", str(job_dir / "final.pt")], capture_output=True, text=True, env=env, timeout=60)
     assert r.returncode == 0, r.stderr

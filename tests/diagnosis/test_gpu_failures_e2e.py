@@ -48,7 +48,8 @@ def test_torchrun_error_file_oom(tmp_path: Path) -> None:
     ``torchelastic_error.json``); rlsup reads the OOM there and in torchrun's Root Cause report."""
     launch = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", JOB,
               str(DATA / "h200_cuda_oom.error.json"), "raise"]
-    r = run_rlsup(["run", *FAST, "--", *launch], tmp_path, timeout=240, OMP_NUM_THREADS="1")
+    # --max-restarts 1: the one OOM (attempt 1 arms no warm launcher it would never use)
+    r = run_rlsup(["run", *FAST, "--max-restarts", "1", "--", *launch], tmp_path, timeout=240, OMP_NUM_THREADS="1")
     assert r.returncode == 0, r.stdout + r.stderr
     (inc,) = incidents(tmp_path / ".rlsup")
     assert (inc["reason"], inc["action"], inc["rank"]) == ("cuda_oom", "restart", 0), inc

@@ -26,7 +26,9 @@ torch = pytest.importorskip("torch")
 
 def test_kill_mid_save_of_a_single_file_costs_one_save_interval(tmp_path: Path) -> None:
     (port,) = free_ports(1)
-    cmd = rlsup_cmd("run", "--checkpoint-dir", "out", "--metrics-port", "0", "--", str(Path(sys.executable).parent / "torchrun"),
+    # --max-restarts 1: the one kill (attempt 1 arms no warm launcher it would never use)
+    cmd = rlsup_cmd("run", "--checkpoint-dir", "out", "--metrics-port", "0", "--max-restarts", "1", "--",
+                    str(Path(sys.executable).parent / "torchrun"),
                     "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
                     str(JOBS / "single_file_job.py"), "out", "--iters", "30", "--save-every", "5",
                     "--init_from={resume?resume:scratch}", "{resume:--resume_path={dir}}")

@@ -69,7 +69,9 @@ def test_rank_death_seen_by_rlsup_without_waiting_for_torchrun(workdir: Path) ->
     """torchrun's agent checks its workers every 5 s here: only rlsup's own watch on the ranks (pidfds,
     the zombie's exit status) can end the attempt at once, kill it with SIGKILL and restart without delay."""
     out = workdir / "result"
-    r = run_rlsup(["run", "--kill-grace", "30", "--heartbeat-timeout", "60", "--", PY, "-m", "torch.distributed.run",
+    # --max-restarts 1: the one kill (attempt 1 arms no warm launcher it would never use)
+    r = run_rlsup(["run", "--kill-grace", "30", "--heartbeat-timeout", "60", "--max-restarts", "1", "--", PY, "-m",
+                   "torch.distributed.run",
                    "--standalone", "--monitor-interval", "5", "--nproc-per-node", "2", str(JOBS / "ddp_kill_job.py"),
                    str(out)], workdir, timeout=240)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

@@ -36,14 +36,15 @@ class Phase:
 TORCH_TEARDOWN_ABORT = "terminate called without an active exception"
 
 
-def run_chain(root: Path, chain: tuple[Phase, ...], model: str, backend: str) -> list[str]:
-    """Each phase as one torchrun; returns each phase's output. These runs are the tests' plain-torch side, not
-    what they test: a chain whose rank aborted in torch's own teardown (:data:`TORCH_TEARDOWN_ABORT`) is run once
-    more from an empty ``root`` (the job is deterministic: the same ids, dumps and weights), said on stdout."""
+def run_chain(root: Path, chain: tuple[Phase, ...], model: str, backend: str, reference: bool = True) -> list[str]:
+    """Each phase as one torchrun; returns each phase's output. A ``reference`` chain is the tests' plain-torch
+    side, not what they test: where a rank aborted in torch's own teardown (:data:`TORCH_TEARDOWN_ABORT`) it runs
+    once more from an empty ``root`` (the job is deterministic: the same ids, dumps and weights), said on stdout.
+    A chain under test (``reference`` False) is never rerun."""
     try:
         return _run_chain_once(root, chain, model, backend)
     except AssertionError as e:
-        if TORCH_TEARDOWN_ABORT not in str(e):
+        if not reference or TORCH_TEARDOWN_ABORT not in str(e):
             raise
         print(f"run_chain: a rank aborted in torch's teardown; the chain runs once more from an empty {root}: {e}")
         shutil.rmtree(root)

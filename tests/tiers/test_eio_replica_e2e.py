@@ -23,7 +23,9 @@ from support.sick_fs import SickFs, unavailable
 
 pytestmark = pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))
 
-FAST = ["--backoff-initial", "0.05", "--backoff-max", "0.2", "--max-restarts", "2", "--poll-interval", "0.1"]
+# No warm launcher: neither run restarts (each would arm one it never uses; CONTRIBUTING.md "Suite time")
+FAST = ["--backoff-initial", "0.05", "--backoff-max", "0.2", "--max-restarts", "2", "--poll-interval", "0.1",
+        "--warm-launcher", "false"]
 
 
 def write_part(root: Path, step: int, rank: int, world: int, data: bytes) -> None:

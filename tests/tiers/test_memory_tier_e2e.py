@@ -111,7 +111,9 @@ def test_rank_sigkill_resumes_from_memory_bit_identical_and_success_removes_the_
              "--keep-last", "2", "--async-save"]
     ref = reference(2, train)
     shm, out = workdir / "shm", workdir / "final.pt"
-    proc = start_rlsup([*run_args(shm, "--disk-every", "10"), "--", *launcher(2), *train, "--crash-at-step", "13",
+    # --max-restarts 1: the one crash (attempt 1 arms no warm launcher it would never use)
+    proc = start_rlsup([*run_args(shm, "--disk-every", "10", "--max-restarts", "1"), "--", *launcher(2), *train,
+                        "--crash-at-step", "13",
                         "--out", str(out)], workdir)
     output, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, output[-4000:]

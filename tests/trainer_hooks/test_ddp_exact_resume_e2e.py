@@ -54,7 +54,9 @@ def killed_and_resumed(tmp: Path, world: int, extra: list[str], supervisor: tupl
     """Final weights of a supervised run whose last rank is SIGKILLed after step CRASH_AT (``supervisor``: more
     of rlsup's flags)."""
     out = tmp / "final.pt"
-    proc = run_rlsup(["run", "--backoff-initial", "0.05", "--backoff-max", "0.1", "--max-restarts", "3",
+    # --max-restarts 1: the one kill's restart is the last the budget allows, so the resumed attempt arms no warm
+    # launcher it would never use (a cold torchrun and its ranks; CONTRIBUTING.md "Suite time")
+    proc = run_rlsup(["run", "--backoff-initial", "0.05", "--backoff-max", "0.1", "--max-restarts", "1",
                       "--heartbeat-timeout", "60", *supervisor, "--", *torchrun(world), *TRAIN_ARGS, *extra,
                       "--crash-at-step", str(CRASH_AT), "--fault-rank", str(world - 1), "--out", str(out)],
                      tmp, timeout=150)
