@@ -24,7 +24,7 @@ from rlsup_format.manifest import manifest_name
 from rlsup_format.names import step_dir_name
 from supervisor.cluster import grow_back
 from supervisor.cluster.coordinator import RoundCoordinator
-from supervisor.cluster.endpoint_probe import EndpointProbe, connect_refused
+from supervisor.cluster.endpoint_probe import MIN_REFUSALS, EndpointProbe, connect_refused
 from supervisor.cluster.round_lead import RoundLead, ShrinkSettings
 from supervisor.cluster.spares import JobEnded
 from supervisor.cluster.round_plan import compute_resized_plan, saved_by
@@ -251,7 +251,8 @@ def test_the_shrink_wait_ends_once_the_missing_node_s_endpoint_refuses_and_a_lis
         assert got["plan"].nodes == (0, 1), got
         probes.clear()
         waiting, got = planned([live, live, live], 5)
-        wait_for(lambda: probes.count(live) >= 10, 30, "ten probes of node 2's listening endpoint")
+        # more probes than a refusing endpoint needs to be judged gone (MIN_REFUSALS, over REFUSED_FOR_S)
+        wait_for(lambda: probes.count(live) > MIN_REFUSALS + 1, 30, "probes of node 2's listening endpoint")
         assert "plan" not in got and waiting.is_alive()  # a listening endpoint is silence, not a loss
         coordinators[2].publish_inventory(5, every[2])
         wait_for(lambda: "plan" in got, 30, "the plan once node 2 came")
