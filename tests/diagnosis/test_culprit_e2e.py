@@ -136,8 +136,7 @@ def test_a_sigstopped_torchrun_rank_is_named_with_its_rank_cold_and_warm_started
     # beside each attempt slows it on a loaded machine; a tighter timeout took it for a hang
     # --max-restarts 2: the two hangs (attempt 2 arms no warm launcher it would never use)
     r = run_rlsup(["run", *FAST, "--max-restarts", "2", "--heartbeat-timeout", "10", "--progress-regex", r"^step (\d+)",
-                   "--", PY, "-m",
-                   "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                   "--", PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                    str(JOBS / "stopped_rank_job.py"), "ranks", "0,1"], workdir, timeout=300)
     assert r.returncode == 0, r.stderr[-4000:]
     assert "attempt 1: started by the warm launcher" in r.stderr, r.stderr[-3000:]

@@ -71,9 +71,8 @@ def test_rank_death_seen_by_rlsup_without_waiting_for_torchrun(workdir: Path) ->
     out = workdir / "result"
     # --max-restarts 1: the one kill (attempt 1 arms no warm launcher it would never use)
     r = run_rlsup(["run", "--kill-grace", "30", "--heartbeat-timeout", "60", "--max-restarts", "1", "--", PY, "-m",
-                   "torch.distributed.run",
-                   "--standalone", "--monitor-interval", "5", "--nproc-per-node", "2", str(JOBS / "ddp_kill_job.py"),
-                   str(out)], workdir, timeout=240)
+                   "torch.distributed.run", "--standalone", "--monitor-interval", "5", "--nproc-per-node", "2",
+                   str(JOBS / "ddp_kill_job.py"), str(out)], workdir, timeout=240)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     (inc,) = incidents(workdir / ".rlsup")
     assert (inc["reason"], inc["signal"], inc["rank"]) == ("signal", "SIGKILL", 1), inc
