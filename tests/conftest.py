@@ -10,6 +10,12 @@ from typing import Iterator
 
 import pytest
 
+# One intra-op thread per process, this one and every one a test starts (they inherit it; a test that needs another
+# count sets its own): torchrun sets the same for 2+ local ranks, but a single-rank job, a node of one rank, or a
+# trainer run alone would start a thread per core, and on the CI's 2 cores shared by 3 workers those threads spin
+# against each other (a 1-rank node of the cluster tests: ~10% more CPU for the same steps and the same weights).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 from support.env import JOBS, ROOT, TESTS, clean_env
 from support.incidents import incidents
 from support.netns import enter_own_network_namespace

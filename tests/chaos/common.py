@@ -16,6 +16,7 @@ from pathlib import Path
 
 from rlsup_format.manifest import list_step_dirs
 from support.env import PY, TRAIN, clean_env
+from support.forked_ranks import ForkedPhase, run_phases
 
 
 def sandbox_env(sandbox: "Sandbox | None" = None, **extra: str) -> dict[str, str]:
@@ -115,11 +116,8 @@ def reference_weights(cache_dir: Path, world: int, args: list[str]) -> dict:
     if not out.exists():
         work = cache_dir / f"ref-{key}"
         work.mkdir(exist_ok=True)
-        r = subprocess.run([*launcher(world), *args, "--step-time", "0", "--checkpoint-dir", str(work / "ckpt"),
-                            "--out", str(out)], env=sandbox_env(TMPDIR=str(work)), cwd=work, capture_output=True,
-                           text=True, timeout=600)
-        if r.returncode != 0:
-            raise AssertionError(f"reference run failed: {r.stdout[-2000:]}{r.stderr[-2000:]}")
+        _reference_run(work, world, [*args, "--step-time", "0", "--checkpoint-dir", str(work / "ckpt"), "--out",
+                                     str(out)])
     _REF_CACHE[key] = torch.load(out, weights_only=True)
     return _REF_CACHE[key]
 
@@ -148,13 +146,22 @@ def reference_checkpoints(cache_dir: Path, world: int, args: list[str]) -> Path:
         return work / "ckpt"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    r = subprocess.run([*launcher(world), *relevant, "--keep-last", "100000", "--step-time", "0",
-                        "--checkpoint-dir", str(work / "ckpt"), "--out", str(work / "final.pt.tmp")],
-                       env=sandbox_env(TMPDIR=str(work)), cwd=work, capture_output=True, text=True, timeout=600)
-    if r.returncode != 0:
-        raise AssertionError(f"reference run (all checkpoints kept) failed: {r.stdout[-2000:]}{r.stderr[-2000:]}")
+    _reference_run(work, world, [*relevant, "--keep-last", "100000", "--step-time", "0", "--checkpoint-dir",
+                                 str(work / "ckpt"), "--out", str(work / "final.pt.tmp")])
     os.replace(work / "final.pt.tmp", work / "final.pt")
     return work / "ckpt"
+
+
+def _reference_run(work: Path, world: int, args: list[str]) -> None:
+    """The example trainer uninterrupted in ``work``: one process for one rank, else ranks forked as torchrun's
+    (:mod:`support.forked_ranks`: one ``import torch`` for the run, not one per rank and one for torchrun)."""
+    env = sandbox_env(TMPDIR=str(work))
+    if world == 1:
+        r = subprocess.run([*launcher(1), *args], env=env, cwd=work, capture_output=True, text=True, timeout=600)
+        if r.returncode != 0:
+            raise AssertionError(f"reference run failed: {r.stdout[-2000:]}{r.stderr[-2000:]}")
+        return
+    run_phases(TRAIN, [ForkedPhase(world, tuple(args), str(work / "reference"))], work, env, timeout=600)
 
 
 def copy_reference_steps(ref_ckpt: Path, dest: Path, upto: int) -> None:

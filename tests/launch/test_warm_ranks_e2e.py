@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -18,7 +19,7 @@ import psutil
 import pytest
 
 from support.env import clean_env
-from support.procs import pid_alive, run_rlsup
+from support.procs import pid_alive, rlsup_cmd
 from support.waits import wait_for
 
 from supervisor.launch.warm_launcher import Zygote, warm_spec
@@ -128,8 +129,12 @@ def _warm_started(info: dict) -> bool:
 
 
 def _run_job(workdir: Path, launch: list[str], *extra: str) -> tuple[dict[str, dict], str, str]:
-    """One rlsup run of the dumper (attempt 0 fails); the dumps, rlsup's stderr, attempt 1's output."""
-    r = run_rlsup(["run", *FAST, "--max-restarts", "1", *extra, "--", *launch], workdir, timeout=280)
+    """One rlsup run of the dumper (attempt 0 fails); the dumps, rlsup's stderr, attempt 1's output. Run in a
+    user's environment, without the ``OMP_NUM_THREADS`` the suite sets (tests/conftest.py): torchrun adds it to the
+    cold ranks of a 2-rank job, so the warm launcher must add the same to its warm ones."""
+    env = {k: v for k, v in clean_env().items() if k != "OMP_NUM_THREADS"}
+    r = subprocess.run(rlsup_cmd("run", *FAST, "--max-restarts", "1", *extra, "--", *launch), cwd=workdir, env=env,
+                       capture_output=True, text=True, timeout=280)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     log1 = (workdir / ".rlsup" / "attempts" / "attempt_0001" / "output.log").read_text()
     return _dumps(workdir), r.stderr, log1

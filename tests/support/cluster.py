@@ -21,6 +21,7 @@ from typing import Callable, Literal, Sequence
 
 from rlsup_format.manifest import list_step_dirs, manifest_name
 from support.env import PY, ROOT, TRAIN, clean_env
+from support.forked_ranks import ForkedPhase, run_phases
 from support.incidents import read_state
 from support.ports import free_ports
 from support.procs import kill_and_reap, processes_naming, rlsup_cmd
@@ -204,7 +205,8 @@ def reference_weights(tmp: Path, nodes: int = NODES, train_args: Sequence[str] =
 
     Run once per (nodes, arguments, trainer and hook sources, torch): several modules and workers compare with
     the same run, and it is deterministic (that is what every bit-identical test relies on). The weights are
-    cached under the system temp directory, with a lock so two xdist workers never run it twice at once."""
+    cached under the system temp directory, with a lock so two xdist workers never run it twice at once. Its ranks
+    are forked as torchrun's (:mod:`support.forked_ranks`): one ``import torch`` for the run, not four."""
     import torch
 
     cache = REFERENCE_CACHE / _reference_key(nodes, train_args)
@@ -214,9 +216,10 @@ def reference_weights(tmp: Path, nodes: int = NODES, train_args: Sequence[str] =
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not out.is_file():
             part = cache / "reference.pt.part"
-            subprocess.run([PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nodes), TRAIN,
-                            *train_args, "--step-time", "0", "--checkpoint-dir", str(tmp / "ref_ckpt"), "--out",
-                            str(part)], env=clean_env(), check=True, capture_output=True, timeout=300)
+            (tmp / "ref_ranks").mkdir(parents=True, exist_ok=True)
+            run_phases(TRAIN, [ForkedPhase(nodes, (*train_args, "--step-time", "0", "--checkpoint-dir",
+                                                   str(tmp / "ref_ckpt"), "--out", str(part)),
+                                           str(tmp / "ref_ranks" / "rank"))], tmp, clean_env())
             os.replace(part, out)
     return torch.load(out, weights_only=True)
 

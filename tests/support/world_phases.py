@@ -17,6 +17,7 @@ from typing import Sequence
 import torch
 
 from support.env import JOBS, clean_env
+from support.forked_ranks import ForkedPhase, run_phases
 
 JOB = str(JOBS / "world_change_job.py")
 N, GLOBAL, SEED = 60, 12, 7  # the job's dataset size, global batch and sampler seed
@@ -38,34 +39,49 @@ TORCH_TEARDOWN_ABORT = "terminate called without an active exception"
 
 def run_chain(root: Path, chain: tuple[Phase, ...], model: str, backend: str, reference: bool = True) -> list[str]:
     """Each phase as one torchrun; returns each phase's output. A ``reference`` chain is the tests' plain-torch
-    side, not what they test: where a rank aborted in torch's own teardown (:data:`TORCH_TEARDOWN_ABORT`) it runs
-    once more from an empty ``root`` (the job is deterministic: the same ids, dumps and weights), said on stdout.
-    A chain under test (``reference`` False) is never rerun."""
+    side, not what they test: its phases' ranks are forked by one driver (:mod:`support.forked_ranks`: one
+    ``import torch`` for the chain), and where a rank aborted in torch's own teardown (:data:`TORCH_TEARDOWN_ABORT`)
+    it runs once more from an empty ``root`` (the job is deterministic: the same ids, dumps and weights), said on
+    stdout. A chain under test (``reference`` False) runs each phase as a real torchrun and is never rerun."""
+    run = _run_forked if reference else _run_torchruns
     try:
-        return _run_chain_once(root, chain, model, backend)
+        return run(root, chain, model, backend)
     except AssertionError as e:
         if not reference or TORCH_TEARDOWN_ABORT not in str(e):
             raise
         print(f"run_chain: a rank aborted in torch's teardown; the chain runs once more from an empty {root}: {e}")
         shutil.rmtree(root)
-        return _run_chain_once(root, chain, model, backend)
+        return run(root, chain, model, backend)
 
 
-def _run_chain_once(root: Path, chain: tuple[Phase, ...], model: str, backend: str) -> list[str]:
+def _job_args(root: Path, i: int, phase: Phase, model: str, backend: str) -> list[str]:
+    """world_change_job's arguments for phase ``i``: the chain's directories, the phase's steps and saves."""
+    return ["--model", model, "--backend", backend, "--checkpoint-dir", str(root / "ckpt"), "--until",
+            str(phase.until), "--save-at", ",".join(map(str, phase.save_at)), "--log-dir", str(root / "logs"),
+            "--tag", f"p{i}", "--dump-dir", str(root / "dump"), "--out", str(root / "final.pt")]
+
+
+def _run_torchruns(root: Path, chain: tuple[Phase, ...], model: str, backend: str) -> list[str]:
     (root / "logs").mkdir(parents=True)
     (root / "dump").mkdir()
     outputs = []
     for i, phase in enumerate(chain):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(phase.world), JOB,
-               "--model", model, "--backend", backend, "--checkpoint-dir", str(root / "ckpt"), "--until",
-               str(phase.until), "--save-at", ",".join(map(str, phase.save_at)), "--log-dir", str(root / "logs"),
-               "--tag", f"p{i}", "--dump-dir", str(root / "dump"), "--out", str(root / "final.pt")]
-        proc = subprocess.run(cmd, env=clean_env(OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=240,
-                              cwd=root)
+               *_job_args(root, i, phase, model, backend)]
+        proc = subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, timeout=240, cwd=root)
         output = proc.stdout + proc.stderr
         assert proc.returncode == 0, f"phase {i} ({phase.world} ranks): {output[-6000:]}"
         outputs.append(output)
     return outputs
+
+
+def _run_forked(root: Path, chain: tuple[Phase, ...], model: str, backend: str) -> list[str]:
+    (root / "logs").mkdir(parents=True)
+    (root / "dump").mkdir()
+    (root / "ranks").mkdir()
+    phases = [ForkedPhase(phase.world, tuple(_job_args(root, i, phase, model, backend)), str(root / "ranks" / f"p{i}"))
+              for i, phase in enumerate(chain)]
+    return run_phases(JOB, phases, root, clean_env(), timeout=240 * len(chain))
 
 
 def consumed(root: Path, chain: tuple[Phase, ...]) -> dict[int, tuple[int, list[int]]]:
