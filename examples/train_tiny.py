@@ -19,6 +19,7 @@ Checkpoints hold the unwrapped model's state either way.
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import os
 import random
@@ -89,6 +90,10 @@ def main() -> None:
     state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "sampler": sampler}
     if args.ballast_mb:
         state["ballast"] = torch.zeros(args.ballast_mb * 2**18)  # float32: 4 bytes each
+    # What lives as long as the run exists now (torch's modules, and torch._dynamo's, which the optimizer imported):
+    # out of the garbage collector's way, as long-running trainers do (torchtitan manages its GC too). On 2 cores
+    # that is also ~0.8 s less CPU at the exit, where Python's last collection would walk all of it.
+    gc.freeze()
 
     step = ckpt.restore(state)
     if use_ddp and not args.no_prime:

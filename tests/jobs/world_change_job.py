@@ -15,6 +15,7 @@ until the lost node is back); ``--not-resizable`` saves with ``CheckpointManager
 marks its saves restorable into another world size. None of them changes what is computed."""
 import argparse
 import contextlib
+import gc
 import os
 import time
 from pathlib import Path
@@ -116,6 +117,7 @@ def main() -> None:
     loader = DataLoader(Samples(), batch_size=MICRO, sampler=sampler, num_workers=0, generator=torch.Generator())
     ckpt = CheckpointManager(args.checkpoint_dir, backend=args.backend, resizable=False if args.not_resizable else None)
     state = {"model": saved, "optimizer": optimizer, "scheduler": scheduler, "sampler": sampler}
+    gc.freeze()  # as examples/train_tiny.py: what lives as long as the run, out of the collector's way
     step = ckpt.restore(state)
     change = ckpt.world_change
     if rank == 0 and change is not None:
