@@ -13,6 +13,7 @@ import hashlib
 import os
 import re
 import tempfile
+import shutil
 import signal
 import subprocess
 import time
@@ -209,17 +210,22 @@ def reference_weights(tmp: Path, nodes: int = NODES, train_args: Sequence[str] =
     are forked as torchrun's (:mod:`support.forked_ranks`): one ``import torch`` for the run, not four."""
     import torch
 
-    cache = REFERENCE_CACHE / _reference_key(nodes, train_args)
+    key = _reference_key(nodes, train_args)
+    cache = REFERENCE_CACHE / key
     cache.mkdir(parents=True, exist_ok=True)
     out = cache / "reference.pt"
     with open(cache / "lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not out.is_file():
             part = cache / "reference.pt.part"
-            (tmp / "ref_ranks").mkdir(parents=True, exist_ok=True)
+            # A directory of this run's own: a checkpoint directory another reference left (a test may ask for
+            # two from one ``tmp``) would be resumed from, and its weights cached under this key.
+            work = tmp / f"reference-{key}"
+            shutil.rmtree(work, ignore_errors=True)
+            work.mkdir(parents=True)
             run_phases(TRAIN, [ForkedPhase(nodes, (*train_args, "--step-time", "0", "--checkpoint-dir",
-                                                   str(tmp / "ref_ckpt"), "--out", str(part)),
-                                           str(tmp / "ref_ranks" / "rank"))], tmp, clean_env())
+                                                   str(work / "ckpt"), "--out", str(part)),
+                                           str(work / "rank"))], work, clean_env())
             os.replace(part, out)
     return torch.load(out, weights_only=True)
 
