@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import gc
 import json
+import logging
 import os
 import runpy
 import signal
@@ -104,9 +105,13 @@ def _run_rank(script: str, args: Sequence[str], env: dict[str, str], log: str) -
         import traceback
         traceback.print_exc()
         code = 1
+    logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    raise SystemExit(code)  # the interpreter's own exit: atexit handlers and thread joins, as a torchrun worker
+    # As multiprocessing's forked children end: the interpreter's own exit in a forked child can wait forever on
+    # what torch's import started in the driver and the fork did not copy (a reference once hung there in CI).
+    # The jobs write what a test reads (weights, checkpoints, id logs) and close it before they return.
+    os._exit(code)
 
 
 def _run_phase(script: str, phase: dict) -> bool:
@@ -137,7 +142,7 @@ def main() -> int:
     request = json.loads(sys.stdin.read())
     for name in PRELOAD:
         __import__(name)
-    gc.freeze()  # what the ranks inherit is never collected again: no copy of it per rank, and their exit is 1 s cheaper
+    gc.freeze()  # what the ranks inherit is never walked by their collector: no copy of it per rank
     started = time.monotonic()
     for i, phase in enumerate(request["phases"]):
         if not _run_phase(request["script"], phase):

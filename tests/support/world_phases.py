@@ -81,7 +81,7 @@ def _run_forked(root: Path, chain: tuple[Phase, ...], model: str, backend: str) 
     (root / "ranks").mkdir()
     phases = [ForkedPhase(phase.world, tuple(_job_args(root, i, phase, model, backend)), str(root / "ranks" / f"p{i}"))
               for i, phase in enumerate(chain)]
-    return run_phases(JOB, phases, root, clean_env(), timeout=240 * len(chain))
+    return run_phases(JOB, phases, root, clean_env(), timeout=120 * len(chain))
 
 
 def consumed(root: Path, chain: tuple[Phase, ...]) -> dict[int, tuple[int, list[int]]]:
