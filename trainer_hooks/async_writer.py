@@ -449,6 +449,7 @@ def writer_main(argv: list[str] | None = None) -> int:
     os.environ.pop(job_env.HEARTBEAT_DIR, None)  # the rank's heartbeat file belongs to the trainer
     _skip_zip_crc32()
     logging.basicConfig(level=logging.WARNING, format="rlsup-writer: %(message)s")
+    gc.collect()
     gc.freeze()  # torch's objects live as long as the writer: no collection walks them again, nor its exit (0.4 s)
     keeper = SpareKeeper()
     try:

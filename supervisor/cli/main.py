@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import os
@@ -180,6 +181,10 @@ def _run_multinode(cfg: SupervisorConfig, command: list[str], membership: Member
                                        coordinator=hosted, stop=early, spares=seat, warm=warm, processes=processes,
                                        connect=None if hosted else lambda stop: connect_coordinator(
                                            cfg, membership, job, secret, stop))
+            # Start-up is done and torch imported (torchrun's parser; the store's client): what exists now lives as
+            # long as this process, so no full collection of the run walks it again, nor the exit's (~0.4 s of CPU)
+            gc.collect()
+            gc.freeze()
             return node.run().exit_code
         except SlotTaken as e:
             log.error("%s", e)

@@ -10,7 +10,6 @@ around the loop: the loop records the give-up, this module says what it means fo
 
 from __future__ import annotations
 
-import gc
 import logging
 from dataclasses import dataclass, replace
 from functools import partial
@@ -147,10 +146,6 @@ class NodeRun:
         self._say_store(coordinator)
         group = self.group(coordinator)
         loop = self.loop(group)
-        # Start-up is done, torch imported (the store, torchrun's parser): what exists now lives as long as rlsup,
-        # so the collector need not walk it again, at every full collection of the run nor at the exit (~0.4 s of
-        # CPU per node).
-        gc.freeze()
         try:
             result = loop.run()
         except CoordinationError as e:

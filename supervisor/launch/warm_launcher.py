@@ -285,6 +285,7 @@ def _zygote_main(argv: list[str]) -> None:
     if not safe_path:
         sys.path[0] = argv[argv.index("--path0") + 1]
     import torch.distributed.run as torchrun  # the slow part, done before the attempt starts
+    gc.collect()
     gc.freeze()  # torch's objects live as long as the launcher: never walked by the collector again (0.4 s at exit)
 
     warm_pool = _load_warm_pool()

@@ -115,7 +115,8 @@ def reference_weights(cache_dir: Path, world: int, args: list[str]) -> dict:
     out = cache_dir / f"reference-{key}.pt"
     if not out.exists():
         work = cache_dir / f"ref-{key}"
-        work.mkdir(exist_ok=True)
+        shutil.rmtree(work, ignore_errors=True)  # a failed run's checkpoints would be resumed from
+        work.mkdir(parents=True)
         _reference_run(work, world, [*args, "--step-time", "0", "--checkpoint-dir", str(work / "ckpt"), "--out",
                                      str(out)])
     _REF_CACHE[key] = torch.load(out, weights_only=True)

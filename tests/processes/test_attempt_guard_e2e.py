@@ -83,6 +83,7 @@ def test_kill9_of_rlsup_ends_a_shells_background_children(workdir: Path) -> None
             assert "/rlsup." in Path(f"/proc/{found['sleep 311']}/cgroup").read_text()
         _kill9_and_expect_tree_gone(proc, list(found.values()))
         guard_log = workdir / ".rlsup" / "attempt_guard.log"
+        # polls: the deadline only bounds a loaded machine (CI once took over 10 s for the run record below)
         log = wait_for(lambda: guard_log.exists() and guard_log.read_text(), 30, "the guardian's log line")
         assert str(found["sleep 311"]) in log and str(found["sleep 312"]) in log, log
         assert ("(cgroup)" in log) == CGROUPS, log  # killed as a unit where a group could be made
@@ -112,6 +113,7 @@ def test_kill9_of_rlsup_ends_an_unmodified_torchrun_job(workdir: Path) -> None:
     try:
         ranks = wait_for(lambda: [int((workdir / f"rank{r}.pid").read_text()) for r in (0, 1)]
                          if all((workdir / f"rank{r}.pid").exists() for r in (0, 1)) else None, 90, "both ranks up")
+        # a poll: the deadline only bounds a loaded machine (10 s was missed once, the ranks already up)
         root = wait_for(lambda: _recorded(workdir / ".rlsup", f"{PY} {torchrun} *"), 60, "torchrun recorded")
         root = root[f"{PY} {torchrun} *"]
         _kill9_and_expect_tree_gone(proc, [root, *ranks])

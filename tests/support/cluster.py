@@ -12,16 +12,17 @@ import fcntl
 import hashlib
 import os
 import re
-import tempfile
 import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable, Literal, Sequence
 
 from rlsup_format.manifest import list_step_dirs, manifest_name
 from support.env import PY, ROOT, TRAIN, clean_env
+from support import forked_ranks
 from support.forked_ranks import ForkedPhase, run_phases
 from support.incidents import read_state
 from support.ports import free_ports
@@ -231,11 +232,12 @@ def reference_weights(tmp: Path, nodes: int = NODES, train_args: Sequence[str] =
 
 
 def _reference_key(nodes: int, train_args: Sequence[str]) -> str:
-    """What the reference run's weights depend on: the arguments, the sources the trainer runs, torch."""
+    """What the reference run's weights depend on: the arguments, the sources the trainer runs, torch, and how its
+    ranks are started (a change there is a new reference, never weights cached by the old way)."""
     import torch
 
     digest = hashlib.sha256(repr((nodes, list(train_args), torch.__version__)).encode())
-    for source in sorted([Path(TRAIN), *ROOT.joinpath("trainer_hooks").rglob("*.py"),
+    for source in sorted([Path(TRAIN), Path(forked_ranks.__file__), *ROOT.joinpath("trainer_hooks").rglob("*.py"),
                           *ROOT.joinpath("rlsup_format").rglob("*.py")]):
         digest.update(source.read_bytes())
     return digest.hexdigest()[:24]

@@ -6,11 +6,12 @@ well under one: the cost of a reference is its steps.
 
 What a test runs under rlsup (or tests the launch of) still runs under real torchrun; only the run a test compares
 with comes from here. Its results are the same: the jobs seed everything, and the bit-identical tests compare a
-supervised torchrun run with it.
+supervised torchrun run with it. One difference from torchrun: no agent hosts the rendezvous store, rank 0 does
+(``env://`` without an agent, as ``torch.multiprocessing.spawn`` users run), on a port picked just before the fork.
 
 Run as ``python forked_ranks.py`` with a JSON request on stdin (:func:`run_phases` writes it): the script, the
 working directory, and each phase's world size, arguments and log file prefix; exit 0 when every rank of every
-phase exited 0, else 1 after the phase that failed (later phases are not run).
+phase exited 0, else 1 after the phase that failed (later phases are not run), which it names on stderr.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import gc
 import json
 import logging
 import os
+import re
 import runpy
 import signal
 import socket
@@ -48,8 +50,11 @@ def run_phases(script: str, phases: Sequence[ForkedPhase], cwd: Path, env: Mappi
     """Run ``phases`` one after the other (forked ranks, see the module); returns each phase's output, its ranks'
     in rank order. Raises AssertionError naming the phase and its output when a rank of it fails."""
     request = {"script": script, "phases": [asdict(p) for p in phases]}
+    env = dict(env)
+    if any(p.world > 1 for p in phases):  # as torchrun sets it for 2+ local ranks; torch reads it at import
+        env.setdefault("OMP_NUM_THREADS", "1")
     proc = subprocess.Popen([sys.executable, __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, cwd=cwd, env=dict(env), text=True, start_new_session=True)
+                            stderr=subprocess.STDOUT, cwd=cwd, env=env, text=True, start_new_session=True)
     try:
         said, _ = proc.communicate(json.dumps(request), timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -58,7 +63,10 @@ def run_phases(script: str, phases: Sequence[ForkedPhase], cwd: Path, env: Mappi
         raise AssertionError(f"forked reference run of {script} still running after {timeout:.0f}s") from None
     outputs = [_output(p) for p in phases]
     if proc.returncode != 0:
-        failed = max(0, len([o for o in outputs if o is not None]) - 1)
+        named = re.search(r"^forked_ranks: phase (\d+) failed", said, re.M)
+        if named is None:  # the driver failed before a phase (its import, the request)
+            raise AssertionError(f"forked reference run of {script} failed before its ranks: {said[-6000:]}")
+        failed = int(named.group(1))
         raise AssertionError(f"phase {failed} ({phases[failed].world} ranks, forked): "
                              f"{(said + (outputs[failed] or ''))[-6000:]}")
     return [o or "" for o in outputs]
@@ -101,6 +109,8 @@ def _run_rank(script: str, args: Sequence[str], env: dict[str, str], log: str) -
         runpy.run_path(script, run_name="__main__")
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if not isinstance(e.code, int) and e.code is not None:
+            print(e.code, file=sys.stderr)  # as the interpreter prints sys.exit("message")
     except BaseException:  # a rank's crash: its exit code, and its traceback in its log
         import traceback
         traceback.print_exc()
@@ -118,13 +128,14 @@ def _run_phase(script: str, phase: dict) -> bool:
     """Fork the phase's ranks, wait for all of them; whether every one exited 0 (a failed rank ends the rest: the
     others would wait in a collective for it)."""
     world, port = phase["world"], _free_port()
-    if world > 1:
-        os.environ.setdefault("OMP_NUM_THREADS", "1")  # as torchrun sets it for 2+ local ranks
     pids = []
     for rank in range(world):
         pid = os.fork()
         if pid == 0:
-            _run_rank(script, phase["args"], _worker_env(rank, world, port), f"{phase['log_prefix']}.rank{rank}")
+            try:
+                _run_rank(script, phase["args"], _worker_env(rank, world, port), f"{phase['log_prefix']}.rank{rank}")
+            finally:
+                os._exit(1)  # a child never returns into the driver's loop (it would fork ranks of its own)
         pids.append(pid)
     ok = True
     left = set(pids)

@@ -6,7 +6,6 @@ and whether two whole-state dumps are equal (:func:`same_state`). Shared by the 
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 from collections import Counter
@@ -32,26 +31,13 @@ class Phase:
     kept: range  # the steps of this phase the run keeps (later ones are lost: the next phase restores before them)
 
 
-#: What torch prints when a rank aborts in its own teardown: a gloo worker thread still joinable as the interpreter
-#: ends (pytorch/pytorch#179291 discusses it), seen about once in 2,000 plain torchruns here, after the job's work.
-TORCH_TEARDOWN_ABORT = "terminate called without an active exception"
-
-
 def run_chain(root: Path, chain: tuple[Phase, ...], model: str, backend: str, reference: bool = True) -> list[str]:
-    """Each phase as one torchrun; returns each phase's output. A ``reference`` chain is the tests' plain-torch
+    """Each phase's ranks in turn; returns each phase's output. A ``reference`` chain is the tests' plain-torch
     side, not what they test: its phases' ranks are forked by one driver (:mod:`support.forked_ranks`: one
-    ``import torch`` for the chain), and where a rank aborted in torch's own teardown (:data:`TORCH_TEARDOWN_ABORT`)
-    it runs once more from an empty ``root`` (the job is deterministic: the same ids, dumps and weights), said on
-    stdout. A chain under test (``reference`` False) runs each phase as a real torchrun and is never rerun."""
-    run = _run_forked if reference else _run_torchruns
-    try:
-        return run(root, chain, model, backend)
-    except AssertionError as e:
-        if not reference or TORCH_TEARDOWN_ABORT not in str(e):
-            raise
-        print(f"run_chain: a rank aborted in torch's teardown; the chain runs once more from an empty {root}: {e}")
-        shutil.rmtree(root)
-        return run(root, chain, model, backend)
+    ``import torch`` for the chain; its ranks end without torch's teardown, where a plain torchrun's rank aborted
+    about once in 2,000 runs, pytorch/pytorch#179291). A chain under test (``reference`` False) runs each phase
+    as a real torchrun."""
+    return (_run_forked if reference else _run_torchruns)(root, chain, model, backend)
 
 
 def _job_args(root: Path, i: int, phase: Phase, model: str, backend: str) -> list[str]:

@@ -14,6 +14,18 @@ from test_backends import round_trip
 HAVE_MEGATRON = importlib.util.find_spec("megatron") is not None
 
 
+@pytest.fixture(autouse=True)
+def _megatron_results_queue_of_its_own() -> None:
+    """Megatron keeps one ``multiprocessing.Manager`` queue for the life of the process (filesystem_async's
+    ``_results_queue``), made by the first in-process save in this worker, which may have been another module's.
+    Twice its Manager process was found gone when a save here ran (a broken pipe; another test of the same worker
+    ran in between; the cause is not found yet): each test here makes its own."""
+    if HAVE_MEGATRON:
+        from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+        filesystem_async._results_queue = None
+
+
 
 
 
