@@ -144,8 +144,12 @@ def main() -> None:
         print(f"[train_tiny] done at step {step}; weights sha256 {digest[:16]}", flush=True)
     if dist.is_initialized():
         dist.barrier()
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
+    # The process group goes last, once main's locals are gone. Destroyed while DDP still held it, the group would
+    # die with DDP's reducer, whose destructor runs holding the GIL and joins gloo's threads, one of which may be
+    # waiting for the GIL to free a finished collective: the process would hang at its end (pytorch/pytorch#56297).
+    if dist.is_initialized():
+        dist.destroy_process_group()

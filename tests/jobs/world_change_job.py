@@ -177,9 +177,10 @@ def main() -> None:
     weights = full_weights(saved)
     if rank == 0 and args.out:
         torch.save(weights, args.out)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     main()
+    # Once main's locals (DDP's reducer) are gone, as examples/train_tiny.py explains.
+    dist.destroy_process_group()

@@ -58,9 +58,12 @@ def run_phases(script: str, phases: Sequence[ForkedPhase], cwd: Path, env: Mappi
     try:
         said, _ = proc.communicate(json.dumps(request), timeout=timeout)
     except subprocess.TimeoutExpired:
+        stacks = _stacks(proc.pid)  # where the driver and its ranks wait: what a timeout's report is for
         os.killpg(proc.pid, signal.SIGKILL)  # the driver and its ranks (one stuck in a collective outlives it)
-        proc.communicate()
-        raise AssertionError(f"forked reference run of {script} still running after {timeout:.0f}s") from None
+        said, _ = proc.communicate()
+        logs = "".join(f"--- phase {i} ---\n{o[-3000:]}\n" for i, p in enumerate(phases) if (o := _output(p)))
+        raise AssertionError(f"forked reference run of {script} still running after {timeout:.0f}s\n"
+                             f"driver said: {said[-2000:]}\n{logs}{stacks}") from None
     outputs = [_output(p) for p in phases]
     if proc.returncode != 0:
         named = re.search(r"^forked_ranks: phase (\d+) failed", said, re.M)
@@ -70,6 +73,27 @@ def run_phases(script: str, phases: Sequence[ForkedPhase], cwd: Path, env: Mappi
         raise AssertionError(f"phase {failed} ({phases[failed].world} ranks, forked): "
                              f"{(said + (outputs[failed] or ''))[-6000:]}")
     return [o or "" for o in outputs]
+
+
+def _stacks(session: int) -> str:
+    """py-spy's dump of each process of ``session`` (the driver's), for a run that hangs."""
+    spy = Path(sys.executable).with_name("py-spy")
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == session:  # field 6 of stat: the session id
+            pids.append(int(stat.parent.name))
+    out = []
+    for pid in sorted(pids):
+        try:
+            dump = subprocess.run([str(spy), "dump", "--native", "--pid", str(pid)], capture_output=True, text=True, timeout=30)
+            out.append(f"--- stacks of {pid} ---\n{(dump.stdout + dump.stderr)[-3000:]}")
+        except (OSError, subprocess.TimeoutExpired) as e:
+            out.append(f"--- stacks of {pid}: {e} ---")
+    return "\n".join(out)
 
 
 def _output(phase: ForkedPhase) -> str | None:
