@@ -9,7 +9,7 @@ with comes from here. Its results are the same: the jobs seed everything, and th
 supervised torchrun run with it. One difference from torchrun: no agent hosts the rendezvous store, rank 0 does
 (``env://`` without an agent, as ``torch.multiprocessing.spawn`` users run), on a port picked just before the fork.
 
-Run as ``python forked_ranks.py`` with a JSON request on stdin (:func:`run_phases` writes it): the script, the
+Run as ``python forked_ranks.py REQUEST`` with a JSON request (:class:`ForkedRun` writes it): the script, the
 working directory, and each phase's world size, arguments and log file prefix; exit 0 when every rank of every
 phase exited 0, else 1 after the phase that failed (later phases are not run), which it names on stderr.
 """
@@ -49,30 +49,55 @@ def run_phases(script: str, phases: Sequence[ForkedPhase], cwd: Path, env: Mappi
                timeout: float = 300) -> list[str]:
     """Run ``phases`` one after the other (forked ranks, see the module); returns each phase's output, its ranks'
     in rank order. Raises AssertionError naming the phase and its output when a rank of it fails."""
-    request = {"script": script, "phases": [asdict(p) for p in phases]}
-    env = dict(env)
-    if any(p.world > 1 for p in phases):  # as torchrun sets it for 2+ local ranks; torch reads it at import
-        env.setdefault("OMP_NUM_THREADS", "1")
-    proc = subprocess.Popen([sys.executable, __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, cwd=cwd, env=env, text=True, start_new_session=True)
-    try:
-        said, _ = proc.communicate(json.dumps(request), timeout=timeout)
-    except subprocess.TimeoutExpired:
-        stacks = _stacks(proc.pid)  # where the driver and its ranks wait: what a timeout's report is for
-        os.killpg(proc.pid, signal.SIGKILL)  # the driver and its ranks (one stuck in a collective outlives it)
-        said, _ = proc.communicate()
-        logs = "".join(f"--- phase {i} ---\n{o[-3000:]}\n" for i, p in enumerate(phases) if (o := _output(p)))
-        raise AssertionError(f"forked reference run of {script} still running after {timeout:.0f}s\n"
-                             f"driver said: {said[-2000:]}\n{logs}{stacks}") from None
-    outputs = [_output(p) for p in phases]
-    if proc.returncode != 0:
-        named = re.search(r"^forked_ranks: phase (\d+) failed", said, re.M)
-        if named is None:  # the driver failed before a phase (its import, the request)
-            raise AssertionError(f"forked reference run of {script} failed before its ranks: {said[-6000:]}")
-        failed = int(named.group(1))
-        raise AssertionError(f"phase {failed} ({phases[failed].world} ranks, forked): "
-                             f"{(said + (outputs[failed] or ''))[-6000:]}")
-    return [o or "" for o in outputs]
+    return ForkedRun(script, phases, cwd, env).result(timeout)
+
+
+class ForkedRun:
+    """:func:`run_phases` started now, to run alongside what a test runs under rlsup (the two share only the
+    cores): :meth:`result` waits for it; :meth:`stop` ends it (a test that failed before it asked)."""
+
+    def __init__(self, script: str, phases: Sequence[ForkedPhase], cwd: Path, env: Mapping[str, str]) -> None:
+        self.script, self.phases = script, tuple(phases)
+        env = dict(env)
+        if any(p.world > 1 for p in phases):  # as torchrun sets it for 2+ local ranks; torch reads it at import
+            env.setdefault("OMP_NUM_THREADS", "1")
+        request = json.dumps({"script": script, "phases": [asdict(p) for p in phases]})
+        self.proc = subprocess.Popen([sys.executable, __file__, request], stdin=subprocess.DEVNULL,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=cwd, env=env, text=True,
+                                     start_new_session=True)
+
+    def result(self, timeout: float = 300) -> list[str]:
+        """Each phase's output, its ranks' in rank order, once the run ended; AssertionError naming the phase and
+        its output when a rank of it failed, or with every process's stacks when it is still running at
+        ``timeout``."""
+        proc, script, phases = self.proc, self.script, self.phases
+        try:
+            said, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            stacks = _stacks(proc.pid)  # where the driver and its ranks wait: what a timeout's report is for
+            self.stop()
+            said, _ = proc.communicate()
+            logs = "".join(f"--- phase {i} ---\n{o[-3000:]}\n" for i, p in enumerate(phases) if (o := _output(p)))
+            raise AssertionError(f"forked reference run of {script} still running after {timeout:.0f}s\n"
+                                 f"driver said: {said[-2000:]}\n{logs}{stacks}") from None
+        outputs = [_output(p) for p in phases]
+        if proc.returncode != 0:
+            named = re.search(r"^forked_ranks: phase (\d+) failed", said, re.M)
+            if named is None:  # the driver failed before a phase (its import, the request)
+                raise AssertionError(f"forked reference run of {script} failed before its ranks: {said[-6000:]}")
+            failed = int(named.group(1))
+            raise AssertionError(f"phase {failed} ({phases[failed].world} ranks, forked): "
+                                 f"{(said + (outputs[failed] or ''))[-6000:]}")
+        return [o or "" for o in outputs]
+
+    def stop(self) -> None:
+        """Kill the driver and its ranks (one stuck in a collective outlives the driver) if still running."""
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait()
 
 
 def _stacks(session: int) -> str:
@@ -174,7 +199,7 @@ def _run_phase(script: str, phase: dict) -> bool:
 
 
 def main() -> int:
-    request = json.loads(sys.stdin.read())
+    request = json.loads(sys.argv[1])
     for name in PRELOAD:
         __import__(name)
     gc.freeze()  # what the ranks inherit is never walked by their collector: no copy of it per rank

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from support.env import ROOT, clean_env
+from support.forked_ranks import ForkedPhase, ForkedRun
 from support.incidents import incidents
 from support.procs import start_rlsup
 from support.waits import wait_for
@@ -62,29 +63,41 @@ def launcher(world: int) -> list[str]:
 
 @pytest.fixture
 def reference(workdir: Path) -> Iterator[Callable[[int, list[str]], Callable[[], dict[str, torch.Tensor]]]]:
-    """Starts the uninterrupted run (no rlsup) to run alongside the supervised one (they share only the cores);
-    the call it returns waits for that run and gives its final weights."""
-    procs: list[subprocess.Popen] = []
+    """Starts the uninterrupted run (no rlsup; 2+ ranks forked as torchrun's, :mod:`support.forked_ranks`) to run
+    alongside the supervised one (they share only the cores); the call it returns waits for that run and gives
+    its final weights."""
+    runs: list[ForkedRun | subprocess.Popen] = []
 
     def start(world: int, train: list[str]) -> Callable[[], dict[str, torch.Tensor]]:
         out = workdir / "reference.pt"
-        proc = subprocess.Popen([*launcher(world), *train, "--step-time", "0", "--checkpoint-dir",
-                                 str(workdir / "ref"), "--out", str(out)], env=clean_env(), stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True)
-        procs.append(proc)
+        args = [*train, "--step-time", "0", "--checkpoint-dir", str(workdir / "ref"), "--out", str(out)]
+        if world > 1:
+            (workdir / "reference").mkdir()
+            run = ForkedRun(TRAIN, [ForkedPhase(world, tuple(args), str(workdir / "reference" / "rank"))],
+                            workdir / "reference", clean_env())
+            runs.append(run)
 
-        def weights() -> dict[str, torch.Tensor]:
+            def weights() -> dict[str, torch.Tensor]:
+                run.result(timeout=300)
+                return torch.load(out, weights_only=True)
+            return weights
+        proc = subprocess.Popen([PY, TRAIN, *args], env=clean_env(), stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+        runs.append(proc)
+
+        def weights_of_one() -> dict[str, torch.Tensor]:
             log, _ = proc.communicate(timeout=300)
             assert proc.returncode == 0, log[-4000:]
             return torch.load(out, weights_only=True)
-
-        return weights
+        return weights_of_one
 
     yield start
-    for proc in procs:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    for run in runs:
+        if isinstance(run, ForkedRun):
+            run.stop()
+        elif run.poll() is None:
+            run.kill()
+            run.wait()
 
 
 def assert_identical(out: Path, ref: dict[str, torch.Tensor]) -> None:

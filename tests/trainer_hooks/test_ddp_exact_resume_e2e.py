@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from support.env import ROOT, clean_env
+from support.forked_ranks import ForkedPhase, ForkedRun
 from support.incidents import incidents
 from support.procs import run_rlsup
 
@@ -30,24 +31,23 @@ def torchrun(world: int) -> list[str]:
 
 @contextlib.contextmanager
 def reference_alongside(tmp: Path, world: int, extra: list[str]) -> Iterator[Callable[[], dict[str, torch.Tensor]]]:
-    """The uninterrupted run (plain torchrun, no rlsup), started now to run alongside the supervised one (the two
-    share nothing but the cores); the yielded call waits for it and returns its final weights."""
+    """The uninterrupted run (no rlsup; its ranks forked as torchrun's, :mod:`support.forked_ranks`), started now
+    to run alongside the supervised one (the two share nothing but the cores); the yielded call waits for it and
+    returns its final weights."""
     out = tmp / "reference.pt"
-    proc = subprocess.Popen([*torchrun(world), *TRAIN_ARGS, *extra, "--checkpoint-dir", str(tmp / "ref_ckpt"),
-                             "--out", str(out)], env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+    (tmp / "reference").mkdir()
+    run = ForkedRun(TRAIN, [ForkedPhase(world, (*TRAIN_ARGS, *extra, "--checkpoint-dir", str(tmp / "ref_ckpt"),
+                                                "--out", str(out)), str(tmp / "reference" / "rank"))],
+                    tmp / "reference", clean_env())
 
     def weights() -> dict[str, torch.Tensor]:
-        log, _ = proc.communicate(timeout=180)
-        assert proc.returncode == 0, log[-4000:]
+        run.result(timeout=180)
         return torch.load(out, weights_only=True)
 
     try:
         yield weights
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        run.stop()
 
 
 def killed_and_resumed(tmp: Path, world: int, extra: list[str], supervisor: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
