@@ -17,7 +17,12 @@ from hf_builders import truncate
 import kill_matrix
 from supervisor import layouts
 
-trainer_utils = pytest.importorskip("transformers.trainer_utils")
+
+def get_last_checkpoint(folder: str) -> str | None:
+    """transformers' own pick of the checkpoint to resume; imported when a test asks (at collection it cost every
+    worker ~3 s, e2e or not)."""
+    trainer_utils = pytest.importorskip("transformers.trainer_utils")
+    return trainer_utils.get_last_checkpoint(folder)
 
 
 def _env() -> dict[str, str]:
@@ -62,7 +67,7 @@ def _kill_and_check(point: kill_matrix.FileEvent, events: list[kill_matrix.FileE
     assert best is not None and best.step == 1, (point.describe(), best)
     rec2 = layouts.verify_path(root / "checkpoint-2") if (root / "checkpoint-2").exists() else None
     assert rec2 is None or not rec2.valid, point.describe()
-    picks_broken = trainer_utils.get_last_checkpoint(str(root)) == str(root / "checkpoint-2")
+    picks_broken = get_last_checkpoint(str(root)) == str(root / "checkpoint-2")
     _half_written_variant(root, events, point)
     return picks_broken
 
@@ -102,7 +107,7 @@ def test_half_written_trainer_state_and_torn_files(recorded, tmp_path: Path) -> 
         rec = layouts.verify_path(root / "checkpoint-2")
         assert not rec.valid and expect in rec.reason, rec
         assert layouts.latest_valid(root).step == 1
-        assert trainer_utils.get_last_checkpoint(str(root)).endswith("checkpoint-2")
+        assert get_last_checkpoint(str(root)).endswith("checkpoint-2")
 
 
 def test_missing_optimizer_is_invalid_when_the_run_saves_it(recorded, tmp_path: Path) -> None:
