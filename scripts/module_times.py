@@ -3,7 +3,7 @@
 the suite hands modules to its workers is generated from them (tests/conftest.py), never kept by hand.
 
     python scripts/module_times.py .ci/junit.xml            # rewrite tests/module_times.json
-    python scripts/module_times.py .ci/junit.xml --top 15   # and print the 15 longest modules
+    python scripts/module_times.py .ci/junit.xml --top 15   # and print the 15 longest modules, with their CPU
 """
 
 from __future__ import annotations
@@ -43,6 +43,18 @@ def module_times(junit: Path) -> dict[str, float]:
     return {m: round(t, 1) for m, t in sorted(times.items(), key=lambda kv: (-kv[1], kv[0]))}
 
 
+def module_cpu(junit: Path) -> dict[str, float]:
+    """CPU seconds per test module, from the ``cpu_s`` property tests/conftest.py gives each test (empty for a
+    report without it)."""
+    cpu: dict[str, float] = defaultdict(float)
+    for case in ET.parse(junit).getroot().iter("testcase"):
+        module = module_of(case.get("classname", ""))
+        for prop in case.iter("property"):
+            if module is not None and prop.get("name") == "cpu_s":
+                cpu[module] += float(prop.get("value") or 0.0)
+    return {m: round(c, 1) for m, c in cpu.items()}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("junit", type=Path, help="the JUnit XML a CI run wrote (.ci/run: --junitxml=.ci/junit.xml)")
@@ -57,8 +69,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"module_times: {args.junit}: no test case of tests/ in it", file=sys.stderr)
         return 2
     args.out.write_text(json.dumps(times, indent=1) + "\n")
+    cpu = module_cpu(args.junit)
     for module, seconds in list(times.items())[:args.top]:
-        print(f"{seconds:8.1f}s  {module}")
+        print(f"{seconds:8.1f}s  {module}" + (f"  (CPU {cpu[module]:.1f} s)" if module in cpu else ""))
     print(f"module_times: {len(times)} modules, {sum(times.values()):.0f} s in all -> {args.out}")
     return 0
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import sys
 from pathlib import Path
 from typing import Iterator
@@ -158,6 +159,30 @@ def _longest_first_order() -> dict[str, int]:
 
 def _longest_first(item: pytest.Item, order: dict[str, int]) -> int:
     return order.get(_module(item) or "", len(order))
+
+
+_CPU_AT_SETUP = pytest.StashKey[float]()
+
+
+def _cpu_s() -> float:
+    """CPU seconds of this process and of the children it has waited for (a test's subprocesses, and theirs)."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    item.stash[_CPU_AT_SETUP] = _cpu_s()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """Each test's CPU, setup to teardown, as the JUnit property ``cpu_s`` (scripts/module_times.py sums it per
+    module): the suite is bound by CPU, and a module long in wall time may be light in it (CONTRIBUTING.md, "Suite
+    time"). What a test started and never waited for is not counted."""
+    if call.when == "teardown" and _CPU_AT_SETUP in item.stash:
+        item.user_properties.append(("cpu_s", f"{_cpu_s() - item.stash[_CPU_AT_SETUP]:.2f}"))
+    return (yield)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -12,8 +12,10 @@ MODULE_TIMES = script("module_times")
 
 JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest">
 <testcase classname="tests.shared.test_node_name" name="test_a" time="1.5"/>
-<testcase classname="tests.chaos.test_chaos_ci_e2e" name="test_b" time="90.25"/>
-<testcase classname="tests.chaos.test_chaos_ci_e2e" name="test_c" time="10"/>
+<testcase classname="tests.chaos.test_chaos_ci_e2e" name="test_b" time="90.25"><properties>
+<property name="cpu_s" value="20.5"/></properties></testcase>
+<testcase classname="tests.chaos.test_chaos_ci_e2e" name="test_c" time="10"><properties>
+<property name="cpu_s" value="4.25"/></properties></testcase>
 <testcase classname="tests.project.test_module_times.TestInAClass" name="test_d" time="0.5"/>
 <testcase classname="tests.test_gone_since" name="test_e" time="30"/>
 </testsuite></testsuites>"""
@@ -28,7 +30,7 @@ def test_times_per_module_longest_first_from_junit(tmp_path: Path, capsys: pytes
     # summed per file (a class's tests count for its module), a module no longer in tests/ left out, longest first
     assert list(times.items()) == [("chaos/test_chaos_ci_e2e.py", 100.2), ("shared/test_node_name.py", 1.5),
                                    ("project/test_module_times.py", 0.5)]
-    assert "chaos/test_chaos_ci_e2e.py" in printed
+    assert "chaos/test_chaos_ci_e2e.py  (CPU 24.8 s)" in printed  # the tests' cpu_s (tests/conftest.py) summed
 
 
 def test_a_missing_or_empty_report_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
