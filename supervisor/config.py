@@ -122,8 +122,8 @@ class SupervisorConfig:
                           "another node then leads the rounds until node 0 is back. 0: the job's node count (len(peers) - spares): never shrink. Needs peers; at most the job's "
                           "node count.")
     replication_port: int = _opt(9779, "Port of the replication endpoint when peers come from SLURM or omit a port.")
-    coordinator_port: int = _opt(9780, "Port of the coordination store (torch TCPStore) hosted by node 0's supervisor (coordinator_backend embedded).")
-    coordinator_backend: CoordinatorBackend = _opt("embedded", "Where the nodes agree before each attempt: embedded (a TCPStore hosted by node 0's supervisor; a replacement node 0 hosts it again) or etcd (an etcd v3 cluster, coordinator_endpoints; no node's loss stalls the others).", noun="backend")
+    coordinator_port: int = _opt(9780, "Port of the coordination store (rlsup's own, authenticated with token_file) hosted by node 0's supervisor (coordinator_backend embedded).")
+    coordinator_backend: CoordinatorBackend = _opt("embedded", "Where the nodes agree before each attempt: embedded (a store hosted by node 0's supervisor; a replacement node 0 hosts it again) or etcd (an etcd v3 cluster, coordinator_endpoints; no node's loss stalls the others).", noun="backend")
     coordinator_endpoints: tuple[str, ...] = _opt((), "coordinator_backend etcd: client URLs host:port of the etcd members (the gRPC gateway, etcd's default client port).")
     token_file: str = _opt("", "File holding the shared secret that authenticates every replication request (mode 600).")
     replica_dir: str = _opt("replicas", "Where this node stores the replicas it holds for other nodes.")

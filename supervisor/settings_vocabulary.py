@@ -21,8 +21,8 @@ PROGRESS_PRESETS = ("verl", "areal", "megatron-bridge", "hf", "nanogpt", "lightn
 #: ``straggler_action``: report a straggler (log, stragglers.jsonl, metric) or also end the attempt like a hang
 #: (:class:`supervisor.diagnosis.stragglers.StragglerWatch` ``restart``).
 StragglerAction = Literal["report", "restart"]
-#: ``coordinator_backend``: the stores by name: ``embedded``, the TCPStore node 0's supervisor hosts
-#: (:class:`supervisor.cluster.kvstore.TCPKVStore`), or ``etcd`` (:mod:`supervisor.cluster.kvstore_etcd`).
+#: ``coordinator_backend``: the stores by name: ``embedded``, the store node 0's supervisor hosts
+#: (:class:`supervisor.cluster.kvstore.EmbeddedKVStore`), or ``etcd`` (:mod:`supervisor.cluster.kvstore_etcd`).
 CoordinatorBackend = Literal["embedded", "etcd"]
 #: An endpoint refused without a break this long: its rlsup is gone (:mod:`supervisor.cluster.endpoint_probe`;
 #: ``spare_takeover_s``'s help quotes it).

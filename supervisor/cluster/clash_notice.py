@@ -58,7 +58,7 @@ def tell_job_refused(store_settings: CoordinatorSettings, security: TransportSec
         elif store_settings.hosted_by(membership.node_rank):
             return None  # the store this node would have hosted never started: nobody is there to tell
         else:
-            store = connect_store(membership.peers[0].rpartition(":")[0], store_settings.port, wait_s, stop)
+            store = connect_store(membership.peers[0].rpartition(":")[0], store_settings.port, secret, wait_s, stop)
         coordinator = RoundCoordinator(store, job, secret, membership.node_rank, membership.size, wait_s, stop=stop)
         if store_settings.backend != "etcd":
             coordinator.check_host()  # JobClash: the other job's store, not ours to write in

@@ -1,6 +1,6 @@
 """Agreement between the node supervisors of one job, through a key-value store.
 
-The store is the embedded torch ``TCPStore`` hosted by node 0's supervisor (as torchrun's c10d
+The store is the embedded one hosted by node 0's supervisor (:mod:`supervisor.cluster.kv_server`; as torchrun's c10d
 rendezvous hosts its own), or etcd v3 (``coordinator_backend: etcd``), which no single node's loss stalls.
 Every key lives under ``rlsup/<job>/`` and every value is signed with the job's shared secret
 (HMAC-SHA256 over key, job, writer, time and payload): a value another job wrote, or one a writer
@@ -30,8 +30,8 @@ that claimed ``lead/a``: :mod:`supervisor.cluster.round_lead`; "the lead" below)
    last save), and then the others' ranks finish on their own and the lead records the job's end.
 
 Only the lead reads one key per node; every other node reads a constant number of keys per attempt. A wait's poll
-asks whether every key it still needs exists and, if not, whether the attempt ended (one etcd transaction, two
-TCPStore round trips); values move once all are there.
+asks whether every key it still needs exists and, if not, whether the attempt ended (one etcd transaction, one
+embedded-store request); values move once all are there.
 
 Values are signed, not trusted to parse: a record that does not parse (a node of another version, a broken one:
 :class:`~supervisor.tiers.holdings.RecordError`, naming node and field) offers nothing (an inventory), counts as a
@@ -258,7 +258,7 @@ class RoundCoordinator:
         fresh first round. Every node that ends so does it (node 0 may be the lost one)."""
         self.end_first_round()
         names = ["abort", "base", "round"] + [f"{k}/{n}" for n in range(self.num_nodes) for k in ("live", "join")]
-        self.store.delete([self.keys.key(n) for n in names])  # a store without prefix deletion (TCPStore)
+        self.store.delete([self.keys.key(n) for n in names])  # a store without prefix deletion (the embedded one)
         self.store.delete_prefix(self.keys.prefix)  # etcd: every key of the round (inventories, plans) too
 
     def _look_at_beats(self) -> None:
@@ -495,7 +495,7 @@ class RoundCoordinator:
         ends any wait at its next poll (:meth:`check_stop`), and so does the job's ``abort`` (looked at every
         :data:`ABORT_POLL_S`: :class:`JobClash` when a node refused to start for a clash).
 
-        A poll is one look (:meth:`KVStore.poll`: one etcd transaction, two TCPStore round trips) whatever
+        A poll is one look (:meth:`KVStore.poll`: one etcd transaction or one embedded-store request) whatever
         the number of keys: whether every key still missing exists, and if not, whether the attempt ended.
         Values move and are verified once they all exist; a verified value is kept, so only a key that
         failed verification is read again. Between polls the store's :meth:`KVStore.wait_for_change` waits:

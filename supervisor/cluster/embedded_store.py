@@ -1,16 +1,16 @@
-"""The embedded coordination store: node 0's rlsup hosts a torch ``TCPStore`` for its job (as torchrun's c10d
-rendezvous hosts its own), the other nodes reach it, and a store hosted for another job on the same port is named
+"""The embedded coordination store: node 0's rlsup hosts it for its job (as torchrun's c10d rendezvous hosts its
+own ``TCPStore``; :mod:`supervisor.cluster.kv_server`), the other nodes reach it, and a store hosted for another job on the same port is named
 and refused (see :mod:`supervisor.cluster.coordinator` for what the nodes keep in it)."""
 
 from __future__ import annotations
 
 import logging
 
-from supervisor.cluster.store_host import HOST_KEY, claim_store, store_holder
+from supervisor.cluster.store_host import HOST_KEY, claim_store, clash, store_holder
 from supervisor.cluster.coordinator import RoundCoordinator
 
 from supervisor.cluster.round_errors import CoordinationError, JobClash, NodeZeroRunning
-from supervisor.cluster.kvstore import KVStore, StoreGone, StoreUnavailable, TCPKVStore, connect_store
+from supervisor.cluster.kvstore import EmbeddedKVStore, KVStore, StoreGone, StoreRefused, StoreUnavailable, connect_store
 from supervisor.cluster.liveness import beat_connect
 from supervisor.job_identity import JobIdentity
 from supervisor.stop_request import StopRequest
@@ -21,38 +21,40 @@ log = logging.getLogger(__name__)
 def embedded_coordinator(host: str, port: int, job: JobIdentity, secret: bytes, node_rank: int, num_nodes: int,
                          timeout_s: float, stop: StopRequest | None = None,
                          gone_after_s: float | None = None) -> RoundCoordinator:
-    """Node 0 hosts a TCPStore on ``port`` and claims it for ``job``; other nodes connect (and reconnect to
+    """Node 0 hosts the store on ``port`` and claims it for ``job``; other nodes connect (and reconnect to
     a replacement node 0 after a loss) and refuse a store hosted for another job. ``stop``: every wait
     (the connect included) ends when rlsup is asked to stop. ``gone_after_s``: the first connect raises
     :class:`~supervisor.cluster.kvstore.StoreGone` once a store that answered has refused this long (a spare)."""
     if node_rank == 0:
         try:
-            store = TCPKVStore(host, port, True, timeout_s)
+            store = EmbeddedKVStore(host, port, secret, True, timeout_s, serves={"job": job.id, "source": job.source})
         except StoreUnavailable as e:
-            clash = _hosted_for(host, port, job, secret)
-            if clash is None:
+            holder = _hosted_for(host, port, job, secret)
+            if holder is None:
                 raise CoordinationError(str(e)) from e
-            kind = NodeZeroRunning if clash == _SAME_JOB else JobClash
-            raise kind(f"coordinator port {port} on {host} is taken{clash}; this node is job {job}. Give each "
+            kind = NodeZeroRunning if holder == _SAME_JOB else JobClash
+            raise kind(f"coordinator port {port} on {host} is taken{holder}; this node is job {job}. Give each "
                        "job on these hosts its own coordinator_port") from e
         coordinator = RoundCoordinator(store, job, secret, node_rank, num_nodes, timeout_s, stop=stop,
-                                       beat_store=beat_connect(host, port))
+                                       beat_store=beat_connect(host, port, secret))
         claim_store(coordinator.keys, job)
         return coordinator
 
     def connect(wait_s: float) -> KVStore:
-        return connect_store(host, port, wait_s, stop)
+        return connect_store(host, port, secret, wait_s, stop)
 
-    log.info("node %d: reaching the coordination store TCPStore %s:%d (up to %.0fs, rendezvous_timeout)",
+    log.info("node %d: reaching the coordination store %s:%d (up to %.0fs, rendezvous_timeout)",
              node_rank, host, port, timeout_s)
     try:
-        store = connect_store(host, port, timeout_s, stop, gone_after_s)
+        store = connect_store(host, port, secret, timeout_s, stop, gone_after_s)
+    except StoreRefused as e:
+        raise clash(f"{host}:{port}", f"{e.serves} (it refused this job's secret)", job) from e
     except StoreGone:
         raise
     except StoreUnavailable as e:
         raise CoordinationError(f"{e} (waited {timeout_s:.0f}s, rendezvous_timeout)") from e
     coordinator = RoundCoordinator(store, job, secret, node_rank, num_nodes, timeout_s, reconnect=connect, stop=stop,
-                                   beat_store=beat_connect(host, port))
+                                   beat_store=beat_connect(host, port, secret))
     coordinator.check_host()
     return coordinator
 
@@ -60,8 +62,10 @@ def embedded_coordinator(host: str, port: int, job: JobIdentity, secret: bytes, 
 def _hosted_for(host: str, port: int, job: JobIdentity, secret: bytes) -> str | None:
     """What holds a port node 0 could not bind: " by rlsup job X", " by another program", or None."""
     try:
-        probe = RoundCoordinator(TCPKVStore(host, port, False, 2.0), job, secret, 0, 1, 2.0)
+        probe = RoundCoordinator(EmbeddedKVStore(host, port, secret, False, 2.0), job, secret, 0, 1, 2.0)
         raw = probe.store.get(HOST_KEY)
+    except StoreRefused as e:
+        return f" by {e.serves} (it refused this job's secret)"
     except StoreUnavailable:
         return " by another program"
     if raw is None:

@@ -1,14 +1,14 @@
 """The key-value store the node supervisors agree through, behind one small interface.
 
-Two stores sit behind it: the embedded one (a torch ``TCPStore`` hosted by node 0's supervisor, as
-torchrun's c10d rendezvous hosts its own) and etcd v3 (:mod:`supervisor.cluster.kvstore_etcd`), a highly
+Two stores sit behind it: the embedded one (hosted by node 0's supervisor, as torchrun's c10d rendezvous hosts
+its own ``TCPStore``; rlsup's own authenticated protocol, :mod:`supervisor.cluster.kv_wire`) and etcd v3 (:mod:`supervisor.cluster.kvstore_etcd`), a highly
 available store whose loss of one member or of any one node stalls nobody. The coordinator
 (:mod:`supervisor.cluster.coordinator`) signs and namespaces what it writes; a store only moves bytes.
 
 Semantics every store keeps: keys are never rewritten by the protocol except through :meth:`set`;
 :meth:`create` is atomic (the first writer wins, everyone reads the winner); :meth:`get` never blocks.
 A store that cannot be reached raises :class:`StoreUnavailable`, within :data:`OP_TIMEOUT_S` even when its
-host is cut off and TCP neither answers nor resets (torch's TCPStore client then waits for ever).
+host is cut off and TCP neither answers nor resets.
 """
 
 from __future__ import annotations
@@ -16,23 +16,32 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from datetime import timedelta
-from typing import TYPE_CHECKING, Callable, Protocol, Sequence, TypeVar
+from typing import TYPE_CHECKING, NoReturn, Protocol, Sequence
+
+from supervisor.cluster.kv_wire import Refused, Session, WireError, client_handshake
 
 if TYPE_CHECKING:
     from supervisor.stop_request import StopRequest
 
-#: The longest one TCPStore operation may take. Every operation is immediate (a key is checked before it is
+#: The longest one operation of the embedded store may take. Every operation is immediate (a key is checked before it is
 #: read), so a longer one means node 0's host no longer answers: a network partition, where TCP neither
-#: answers nor resets and torch's client waits for ever, holding the run loop (hang detection, rank deaths,
+#: answers nor resets and a client without a deadline would wait for ever, holding the run loop (hang detection, rank deaths,
 #: SIGTERM) and every other node's view of the job with it.
 OP_TIMEOUT_S = 5.0
-CONNECT_SLICE_S = 1.0  # the store's connect blocks in torch, deaf to signals: it is tried in slices this long
-T = TypeVar("T")
+CONNECT_SLICE_S = 1.0  # a connect to a store not yet up is tried in slices this long, the stop asked between them
 
 
 class StoreUnavailable(RuntimeError):
     """The store cannot be reached (its host is gone, or every etcd member is down)."""
+
+
+class StoreRefused(StoreUnavailable):
+    """The embedded store refused this node's secret: it serves another job (``serves`` names it, as the store
+    says: not authenticated, for the message only)."""
+
+    def __init__(self, message: str, serves: str) -> None:
+        super().__init__(message)
+        self.serves = serves
 
 
 class StoreGone(StoreUnavailable):
@@ -44,7 +53,7 @@ class KVStore(Protocol):
     """What the coordinator needs of a store."""
 
     def describe(self) -> str:
-        """Where the store is, for messages (``TCPStore 10.0.0.1:9780``, ``etcd a:2379,b:2379``)."""
+        """Where the store is, for messages (``embedded store 10.0.0.1:9780``, ``etcd a:2379,b:2379``)."""
 
     def set(self, key: str, value: bytes) -> None:
         """Write ``key`` (overwrites)."""
@@ -58,8 +67,7 @@ class KVStore(Protocol):
     def poll(self, keys: Sequence[str], other: str | None = None) -> tuple[list[bytes] | None, bytes | None]:
         """One look for a wait: ``(values of keys, None)`` when every key exists, else ``(None, value of
         other)`` (None when ``other`` is absent or not given). Few round trips, and no values moved while a
-        key is missing: TCPStore checks the keys, then reads ``other`` or every value; etcd does it all in
-        one transaction."""
+        key is missing: one request to the embedded store, one transaction in etcd."""
 
     def wait_for_change(self, keys: Sequence[str], timeout: float) -> bool:
         """Between a wait's polls: up to ``timeout`` for one of ``keys`` to be written after this thread's last
@@ -89,141 +97,178 @@ def sleep_then_poll(timeout: float) -> bool:
     return True
 
 
-class TCPKVStore:
-    """The embedded store: torch's TCPStore, hosted when ``host_it`` (node 0's supervisor)."""
+class EmbeddedKVStore:
+    """The embedded store (:mod:`supervisor.cluster.kv_server`, over :mod:`supervisor.cluster.kv_wire`): node 0's
+    supervisor hosts it when ``host_it`` (its own calls go straight to the table), the other nodes are clients
+    holding the job's ``secret``. ``serves``: the job the host says it serves in its hello (for other jobs'
+    messages). A client that the store refuses raises :class:`StoreRefused`."""
 
-    def __init__(self, host: str, port: int, host_it: bool, timeout_s: float, op_timeout_s: float = OP_TIMEOUT_S) -> None:
-        from torch.distributed import TCPStore
+    def __init__(self, host: str, port: int, secret: bytes, host_it: bool, timeout_s: float,
+                 op_timeout_s: float = OP_TIMEOUT_S, serves: dict | None = None) -> None:
+        from supervisor.cluster.kv_server import KVServer, KVTable
 
         self.host, self.port = host, port
-        # Not timeout_s: that is the connect's (a short slice, where it is retried). None on node 0, whose store
-        # is served in this process: no partition comes between them.
-        self.op_timeout_s = None if host_it else op_timeout_s
-        self._stalled = ""  # why this connection was given up (an operation got no answer in time)
-
-        def connect() -> "TCPStore":
-            return TCPStore(host, port, None, host_it, timedelta(seconds=timeout_s), wait_for_workers=False)
+        self.op_timeout_s = op_timeout_s
+        self._stalled = ""  # why this connection was given up (an operation got no answer in time, or broke)
+        self._lock = threading.Lock()  # one request in flight per connection
+        self._table: KVTable | None = None
+        self._server: KVServer | None = None
+        self._session: Session | None = None
+        if host_it:
+            table = KVTable()
+            try:
+                self._server = KVServer(port, secret, serves or {}, table)
+            except OSError as e:
+                raise StoreUnavailable(f"cannot host the coordination store {self.describe()}: {e}") from e
+            self._table = table
+            return
+        sock = None
         try:
-            # A client's connect is an operation too: a host that accepts the connection and then never answers
-            # (stopped, hung) would hold torch's handshake for ever, whatever its timeout.
-            self._store = connect() if host_it else self._bounded("connect", connect, timeout_s + 1.0)
-        except StoreUnavailable as e:  # the bounded connect: torch's own error, or no answer in time
-            raise StoreUnavailable(f"cannot reach the coordination store {self.describe()}: {e.__cause__ or e}") from e
-        except Exception as e:  # torch raises several types; all mean the same here
-            raise StoreUnavailable(f"cannot {'host' if host_it else 'reach'} the coordination store "
-                                   f"{self.describe()}: {e}") from e
+            sock = socket.create_connection((host, port), timeout=timeout_s)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._session = client_handshake(sock, secret)  # bounded: the socket's timeout is timeout_s
+            sock.settimeout(op_timeout_s)
+        except Refused as e:
+            _close(sock)
+            raise StoreRefused(f"coordination store {self.describe()}: {e}", e.serves) from e
+        except (OSError, WireError) as e:
+            _close(sock)
+            raise StoreUnavailable(f"cannot reach the coordination store {self.describe()}: {e}") from e
 
     def describe(self) -> str:
-        return f"TCPStore {self.host}:{self.port}"
+        return f"embedded store {self.host}:{self.port}"
 
-    def _call(self, what: str, fn: Callable[..., T], *args: object) -> T:
-        """``fn(*args)`` on a daemon thread, given up after ``op_timeout_s``: the connection is then dead for
-        good (its answer may still come, out of turn) and every later call fails at once; the coordinator
-        reconnects (a fresh store) where it waits for node 0 to come back."""
-        if self._stalled:
-            raise StoreUnavailable(f"coordination store {self.describe()}: {self._stalled}")
-        if self.op_timeout_s is None:
-            try:
-                return fn(*args)
-            except Exception as e:  # DistNetworkError, DistStoreError, RuntimeError: the host is gone
-                raise StoreUnavailable(f"coordination store {self.describe()}: {what} failed: {e}") from e
-        return self._bounded(what, lambda: fn(*args), self.op_timeout_s)
+    def _request(self, what: str, fields: list[bytes]) -> list[bytes]:
+        """One round trip, given up after ``op_timeout_s``: the connection is then dead for good (its answer may
+        still come, out of turn) and every later call fails at once; the coordinator reconnects (a fresh store)
+        where it waits for node 0 to come back."""
+        if self._stalled or self._session is None:
+            raise StoreUnavailable(f"coordination store {self.describe()}: {self._stalled or 'closed'}")
+        if not self._lock.acquire(timeout=self.op_timeout_s):
+            raise StoreUnavailable(f"coordination store {self.describe()}: {what} waited {self.op_timeout_s:.0f}s "
+                                   "for another call on this connection")
+        try:
+            self._session.send(fields)
+            answer = self._session.receive()
+        except TimeoutError:
+            self._give_up(f"{what} got no answer within {self.op_timeout_s:g}s (its host is cut off or "
+                          "stopped); this connection is given up")
+        except (OSError, WireError) as e:
+            self._give_up(f"{what} failed: {e}; this connection is given up")
+        finally:
+            self._lock.release()
+        if answer[:1] != [b"ok"]:
+            raise StoreUnavailable(f"coordination store {self.describe()}: {what} refused: "
+                                   f"{b''.join(answer[1:2]).decode(errors='replace')}")
+        return answer[1:]
 
-    def _bounded(self, what: str, fn: Callable[[], T], timeout_s: float) -> T:
-        """``fn()`` on a daemon thread, given up (for good: see :meth:`_call`) after ``timeout_s``."""
-        outcome: list = []
-        done = threading.Event()
-
-        def run() -> None:
-            try:
-                outcome.append((True, fn()))
-            except Exception as e:  # noqa: BLE001 - DistNetworkError, DistStoreError, RuntimeError: the host is gone
-                outcome.append((False, e))
-            done.set()
-
-        threading.Thread(target=run, name=f"rlsup-store-{what}", daemon=True).start()
-        if not done.wait(timeout_s):
-            self._stalled = (f"{what} got no answer within {timeout_s:.0f}s (its host is cut off or "
-                             "stopped); this connection is given up")
-            raise StoreUnavailable(f"coordination store {self.describe()}: {self._stalled}")
-        ok, value = outcome[0]
-        if not ok:
-            raise StoreUnavailable(f"coordination store {self.describe()}: {what} failed: {value}") from value
-        return value
+    def _give_up(self, why: str) -> NoReturn:
+        self._stalled = why
+        if self._session is not None:
+            _close(self._session.sock)
+        raise StoreUnavailable(f"coordination store {self.describe()}: {why}")
 
     def set(self, key: str, value: bytes) -> None:
-        self._call("set", self._store.set, key, value)
+        if self._table is not None:
+            return self._table.set(key, value)
+        self._request("set", [b"set", key.encode(), _bytes(value)])
 
     def get(self, key: str) -> bytes | None:
-        if not self._call("check", self._store.check, [key]):
-            return None
-        return self._call("get", self._store.get, key)
+        return self.get_many([key])[0]
 
     def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
         keys = list(keys)
         if not keys:
             return []
-        if self._call("check", self._store.check, keys):  # one round trip for the common case
-            return list(self._call("multi_get", self._store.multi_get, keys))
-        return [self.get(k) for k in keys]
+        if self._table is not None:
+            return self._table.get_many(keys)
+        answer = self._request("get", [b"get", *(k.encode() for k in keys)])
+        return [answer[i + 1] if answer[i] == b"1" else None for i in range(0, len(answer), 2)]
 
     def poll(self, keys: Sequence[str], other: str | None = None) -> tuple[list[bytes] | None, bytes | None]:
         keys = list(keys)
         if not keys:
             return [], None
-        # Between check and multi_get a key could go only through delete(), which spares keys still waited for.
-        if self._call("check", self._store.check, keys):
-            return list(self._call("multi_get", self._store.multi_get, keys)), None
-        return None, self.get(other) if other is not None else None
+        if self._table is not None:
+            return self._table.poll(keys, other)
+        answer = self._request("poll", [b"poll", (other or "").encode(), *(k.encode() for k in keys)])
+        if answer[0] == b"1":
+            return list(answer[1:]), None
+        return None, answer[2] if answer[1] == b"1" else None
 
     def wait_for_change(self, keys: Sequence[str], timeout: float) -> bool:
-        return sleep_then_poll(timeout)  # TCPStore's own wait blocks without a deadline we could interrupt
+        return sleep_then_poll(timeout)
 
     def create(self, key: str, value: bytes) -> bytes:
-        # TCPStore's compare_set with an empty expected value sets a missing key, else returns the current one.
-        return bytes(self._call("compare_set", self._store.compare_set, key, "", value))
+        if self._table is not None:
+            return self._table.create(key, _bytes(value))
+        return self._request("create", [b"create", key.encode(), _bytes(value)])[0]
 
     def add(self, key: str, amount: int) -> int:
-        return int(self._call("add", self._store.add, key, amount))
+        if self._table is not None:
+            return self._table.add(key, amount)
+        return int(self._request("add", [b"add", key.encode(), str(int(amount)).encode()])[0])
 
     def delete(self, keys: Sequence[str]) -> None:
-        for key in keys:
-            self._call("delete_key", self._store.delete_key, key)
+        keys = list(keys)
+        if self._table is not None:
+            return self._table.delete(keys)
+        if keys:
+            self._request("delete", [b"delete", *(k.encode() for k in keys)])
 
     def delete_prefix(self, prefix: str) -> None:
         """Nothing to do: the embedded store lives and dies with node 0's supervisor."""
 
     def close(self) -> None:
-        self._store = None  # type: ignore[assignment]  # the TCPStore (and its server) go with the object
+        self._table = None  # node 0's own calls fail from now on, as every client's do
+        if self._server is not None:
+            self._server.close()
+        if self._session is not None:
+            _close(self._session.sock)
+        self._stalled = self._stalled or "closed"
 
 
-def connect_store(host: str, port: int, wait_s: float, stop: StopRequest | None,
+def _bytes(value: bytes | str) -> bytes:
+    """Values as bytes; str is taken as UTF-8 (as etcd's client and torch's store take it)."""
+    return value.encode() if isinstance(value, str) else bytes(value)
+
+
+def _close(sock: socket.socket | None) -> None:
+    if sock is not None:
+        try:
+            sock.close()
+        except OSError:
+            pass
+
+
+def connect_store(host: str, port: int, secret: bytes, wait_s: float, stop: StopRequest | None,
                   gone_after_s: float | None = None) -> KVStore:
-    """A client of the TCPStore at ``host:port``, waited for up to ``wait_s``. torch's connect blocks in C++
-    where no signal handler runs (and logs a stack trace per retry), so the port is first awaited with
-    plain connects of up to :data:`CONNECT_SLICE_S`, the stop asked between them
-    (:class:`~supervisor.stop_request.StopAsked`); torch connects once the port answers, each try bounded (a
-    resolver that does not answer torch's lookups costs one try). ``gone_after_s``: a port that answered and
-    then refuses connections for this long (refused: not a timeout, which a stalled or cut-off host also gives)
+    """A client of the embedded store at ``host:port``, waited for up to ``wait_s``: the port is tried with
+    connects of up to :data:`CONNECT_SLICE_S`, the stop asked between them
+    (:class:`~supervisor.stop_request.StopAsked`). A store that refuses this job's secret raises
+    :class:`StoreRefused` at once (it serves another job). ``gone_after_s``: a port that answered and then
+    refuses connections for this long (refused: not a timeout, which a stalled or cut-off host also gives)
     raises :class:`StoreGone` at once instead of waiting out ``wait_s``."""
     deadline = time.monotonic() + wait_s
     answered, refused_since = False, None
     while True:
         if stop is not None:
-            stop.check(f"the coordination store TCPStore {host}:{port} (node 0) to answer")
+            stop.check(f"the coordination store {host}:{port} (node 0) to answer")
         left = deadline - time.monotonic()
         try:
             with socket.create_connection((host, port), timeout=max(0.1, min(CONNECT_SLICE_S, left))):
                 pass
             answered, refused_since = True, None
-            return TCPKVStore(host, port, False, max(1.0, min(CONNECT_SLICE_S * 5, left)))
+            return EmbeddedKVStore(host, port, secret, False, max(1.0, min(CONNECT_SLICE_S * 5, left)))
+        except StoreRefused:
+            raise
         except (OSError, StoreUnavailable) as e:
             if answered and isinstance(e, ConnectionRefusedError):  # nothing listens (a stall or timeout is not that)
                 refused_since = time.monotonic() if refused_since is None else refused_since
                 if gone_after_s is not None and time.monotonic() - refused_since >= gone_after_s:
-                    raise StoreGone(f"the coordination store TCPStore {host}:{port} answered, then nothing listened "
+                    raise StoreGone(f"the coordination store {host}:{port} answered, then nothing listened "
                                     f"on it for {gone_after_s:g}s: {e}") from e
             if left <= CONNECT_SLICE_S:
                 raise e if isinstance(e, StoreUnavailable) else StoreUnavailable(
-                    f"cannot reach the coordination store TCPStore {host}:{port}: {e}") from e
+                    f"cannot reach the coordination store {host}:{port}: {e}") from e
             time.sleep(min(CONNECT_SLICE_S / 4, max(0.0, deadline - time.monotonic())))

@@ -1,6 +1,6 @@
 """The etcd v3 coordination store: :class:`supervisor.cluster.kvstore.KVStore` on a highly available etcd cluster.
 
-The embedded store (a TCPStore on node 0) dies with node 0; etcd keeps serving while a majority of its
+The embedded store (hosted by node 0's supervisor) dies with node 0; etcd keeps serving while a majority of its
 members live, so losing any one node, or one etcd member, stalls nobody. We talk to etcd's gRPC
 gateway (plain HTTP/JSON, ``/v3/...``, etcd >= 3.4) over keep-alive connections of our own
 (:mod:`supervisor.cluster.etcd_http`: a third of ``http.client``'s CPU per request, which is what bounds a
@@ -49,7 +49,7 @@ def _b64(data: bytes) -> str:
 
 
 def _bytes(value: bytes | str) -> bytes:
-    """Values as bytes; str is taken as UTF-8, as TCPStore takes it."""
+    """Values as bytes; str is taken as UTF-8, as the embedded store takes it."""
     return value.encode() if isinstance(value, str) else bytes(value)
 
 
@@ -371,7 +371,7 @@ class EtcdKVStore:
         return _value(kvs[0])
 
     def add(self, key: str, amount: int) -> int:
-        """A compare-and-swap loop on the key's mod_revision; the value is the decimal text, as in TCPStore.
+        """A compare-and-swap loop on the key's mod_revision; the value is the decimal text, as in the embedded store.
 
         Each attempt also writes a receipt key (``<key>\\0add\\0<uuid>``, holding the new total) in the same
         transaction, and reads it back when the compare fails: if a member died after committing our

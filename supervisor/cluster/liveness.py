@@ -21,7 +21,7 @@ lapse ends the round: the job's ``abort`` (a lost peer) and exit 75 on every nod
 
 :data:`LIVENESS_LAPSE_S` is three store operation timeouts (:data:`~supervisor.cluster.kvstore.OP_TIMEOUT_S`, 15 s, as
 torch's three missed 5 s beats): a beat whose write stalls (its connection given up after one timeout, 5 s),
-whose reconnect to the embedded store stalls too (one try, :func:`beat_connect`: torch's handshake bounded at
+whose reconnect to the embedded store stalls too (one try, :func:`beat_connect`: the connect and handshake bounded at
 :data:`BEAT_CONNECT_S` + 1 s, 3 s; an etcd client connects within its write) and that waits two refreshes
 (2 s) still writes again within 10 s, so a slow or loaded node, or a stalled connection, is never taken for a
 dead one.
@@ -48,7 +48,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable
 
-from supervisor.cluster.kvstore import OP_TIMEOUT_S, KVStore, TCPKVStore
+from supervisor.cluster.kvstore import OP_TIMEOUT_S, EmbeddedKVStore, KVStore
 
 log = logging.getLogger(__name__)
 
@@ -57,9 +57,9 @@ LIVENESS_LAPSE_S = 3 * OP_TIMEOUT_S  # a registered node whose beat stays the sa
 BEAT_CONNECT_S = 2.0  # a beat's reconnect to the embedded store: one try, bounded at this + 1 s (see the docstring)
 
 
-def beat_connect(host: str, port: int) -> Callable[[], KVStore]:
+def beat_connect(host: str, port: int, secret: bytes) -> Callable[[], KVStore]:
     """How a beat reaches the embedded store at ``host:port``: one bounded try (the beat itself retries)."""
-    return lambda: TCPKVStore(host, port, False, BEAT_CONNECT_S)
+    return lambda: EmbeddedKVStore(host, port, secret, False, BEAT_CONNECT_S)
 
 
 def live_key(node: int) -> str:

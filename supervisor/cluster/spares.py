@@ -190,7 +190,7 @@ def refuse_if_taken(host: str, port: int, job: JobIdentity, secret: bytes, job_s
     """Node 0 back after a spare took its rank and hosts the store on its address: :class:`SlotTaken` (exit 77,
     it may rejoin as a spare), not a clash; nothing happens when no spare holds rank 0 (it is running twice)."""
     try:
-        store = connect_store(host, port, OP_TIMEOUT_S, stop)
+        store = connect_store(host, port, secret, OP_TIMEOUT_S, stop)
     except StoreUnavailable:
         return
     try:

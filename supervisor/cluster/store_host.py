@@ -43,6 +43,11 @@ def refuse_other_job(keys: SignedKeys, job: JobIdentity, wait_s: float, check_st
         raw = keys.store.get(HOST_KEY)
     other = store_holder(keys, raw)
     if other is not None:
-        raise JobClash(f"the coordination store {where} is hosted for {other}; this node is job {job}. Two jobs on the "
-                       "same hosts need their own coordinator_port (and replication ports); the nodes of one job need "
-                       "the same job_name or checkpoint_dir")
+        raise clash(where, other, job)
+
+
+def clash(where: str, other: str, job: JobIdentity) -> JobClash:
+    """A node of ``job`` reached the store ``where`` of another job (``other`` names it)."""
+    return JobClash(f"the coordination store {where} is hosted for {other}; this node is job {job}. Two jobs on the "
+                    "same hosts need their own coordinator_port (and replication ports); the nodes of one job need "
+                    "the same job_name or checkpoint_dir")

@@ -22,7 +22,6 @@ quiet fresh start).
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 from dataclasses import dataclass
@@ -50,29 +49,34 @@ class Pinned:
     note: str  # what changed, for the log ("" when nothing did)
 
 
-def _launcher(command: Sequence[str]) -> tuple[int, argparse.ArgumentParser] | None:
-    """(index of the launcher's first option, its argparse parser) for a torchrun-compatible launcher."""
+#: torchrun's options that take no value (torch 2.4-2.14, ``torch.distributed.run.get_args_parser``); every other
+#: option of its parser takes one (:data:`TORCHRUN_VALUE_OPTIONS`). Spelled here so that a node's supervisor never
+#: imports torch (1.3 s of CPU a node process) to read a command line; tests/launch/test_rank_pinning.py checks the
+#: installed torch's parser against both tables.
+TORCHRUN_FLAGS = frozenset({"--help", "-h", "--module", "-m", "--no-python", "--no_python", "--run-path", "--run_path",
+                            "--standalone", "--virtual-local-rank", "--virtual_local_rank"})
+TORCHRUN_VALUE_OPTIONS = frozenset({
+    "--nnodes", "--nproc-per-node", "--nproc_per_node", "--rdzv-backend", "--rdzv_backend", "--rdzv-endpoint",
+    "--rdzv_endpoint", "--rdzv-id", "--rdzv_id", "--rdzv-conf", "--rdzv_conf", "--max-restarts", "--max_restarts",
+    "--monitor-interval", "--monitor_interval", "--start-method", "--start_method", "--event-log-handler",
+    "--event_log_handler", "--role", "--log-dir", "--log_dir", "-r", "--redirects", "-t", "--tee",
+    "--local-ranks-filter", "--local_ranks_filter", "--node-rank", "--node_rank", "--master-addr", "--master_addr",
+    "--master-port", "--master_port", "--local-addr", "--local_addr", "--logs-specs", "--logs_specs",
+    "--numa-binding", "--numa_binding", "--signals-to-handle", "--signals_to_handle", "--shutdown-timeout",
+    "--shutdown_timeout", "--duplicate-stdout-filters", "--duplicate_stdout_filters", "--duplicate-stderr-filters",
+    "--duplicate_stderr_filters"})
+
+
+def _launcher(command: Sequence[str]) -> int | None:
+    """The index of the launcher's first option, for a torchrun-compatible launcher."""
     if not command:
         return None
     head = os.path.basename(command[0])
     if head == "torchrun":
-        start = 1
-    elif re.fullmatch(r"python[0-9.]*", head) and list(command[1:3]) == ["-m", "torch.distributed.run"]:
-        start = 3
-    else:
-        return None
-    from torch.distributed.run import get_args_parser
-
-    return start, get_args_parser()
-
-
-def _value_options(parser: argparse.ArgumentParser) -> tuple[set[str], set[str]]:
-    """(options that take a value, options that take none) of ``parser``."""
-    takes, flags = set(), set()
-    for action in parser._actions:  # argparse has no public listing of its actions
-        for opt in action.option_strings:
-            (flags if action.nargs == 0 else takes).add(opt)
-    return takes, flags
+        return 1
+    if re.fullmatch(r"python[0-9.]*", head) and list(command[1:3]) == ["-m", "torch.distributed.run"]:
+        return 3
+    return None
 
 
 def pin_ranks(command: Sequence[str], node_rank: int, num_nodes: int, master_host: str) -> Pinned:
@@ -84,8 +88,7 @@ def pin_ranks(command: Sequence[str], node_rank: int, num_nodes: int, master_hos
                         or any(c.startswith("nvidia_resiliency_ext.") for c in command[1:3])):
             return Pinned(list(command), FT_LAUNCHER_NOTE)
         return Pinned(list(command), "")
-    start, parser = found
-    takes, flags = _value_options(parser)
+    start, takes, flags = found, TORCHRUN_VALUE_OPTIONS, TORCHRUN_FLAGS
     options: dict[str, str] = {}
     kept: list[str] = []
     i = start

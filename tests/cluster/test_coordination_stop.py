@@ -1,5 +1,5 @@
 """A stop asked while a node waits for the others ends the wait at once, in every wait of the coordination
-(in-process, through a real TCPStore): the connect to a store nobody hosts yet, node 0 waiting for the other
+(in-process, through a real embedded store): the connect to a store nobody hosts yet, node 0 waiting for the other
 nodes to join (a peer that never started), a node waiting for node 0 to open the first attempt, for the
 plan, for every node's fetch, for all to be ready, and the reconnect after node 0's store is lost. Also
 a node that refuses to start for a clash: its ``abort`` ends the others' waits, as a clash.

@@ -1,6 +1,6 @@
 """The end-to-end half of test_coordination_stop.py (real processes, or waits on real time): a stop asked while a
 node waits for the others ends the wait at once, in every wait of the coordination (in-process, through a real
-TCPStore): the connect to a store nobody hosts yet, node 0 waiting for the other nodes to join (a peer that never
+embedded store): the connect to a store nobody hosts yet, node 0 waiting for the other nodes to join (a peer that never
 started), a node waiting for node 0 to open the first attempt, for the plan, for every node's fetch, for all to be
 ready, and the reconnect after node 0's store is lost."""
 
@@ -18,7 +18,7 @@ from supervisor.config import SupervisorConfig
 from supervisor.cluster.round_errors import CoordinationError, JobClash
 from supervisor.cluster.kvstore import connect_store
 from supervisor.cluster.embedded_store import embedded_coordinator
-from supervisor.cluster.kvstore import TCPKVStore
+from supervisor.cluster.kvstore import EmbeddedKVStore
 from supervisor.membership import Membership
 from supervisor.cluster.node_run import NodeRun
 from support.ports import free_port
@@ -36,13 +36,13 @@ from test_coordination_stop import JOB, SECRET, TIMEOUT_S, StopWhenWaiting, node
 
 def test_the_connect_to_a_store_nobody_hosts_yet_and_the_wait_for_its_claim() -> None:
     stop = StopWhenWaiting("to answer", at=2)  # each look is a connect of up to CONNECT_SLICE_S
-    e = ends_with(lambda: connect_store("127.0.0.1", free_port(), TIMEOUT_S, stop))
-    assert_stopped(e, "the coordination store TCPStore 127.0.0.1:")
+    e = ends_with(lambda: connect_store("127.0.0.1", free_port(), SECRET, TIMEOUT_S, stop))
+    assert_stopped(e, "the coordination store 127.0.0.1:")
     stop = StopWhenWaiting("to answer", at=2)
     e = ends_with(lambda: node(free_port(), 1, stop))  # embedded_coordinator's first connect
     assert_stopped(e, "(node 0) to answer")
     port = free_port()
-    unclaimed = TCPKVStore("127.0.0.1", port, True, 10)  # a store whose node 0 has not said whose it is yet
+    unclaimed = EmbeddedKVStore("127.0.0.1", port, SECRET, True, 10)  # a store whose node 0 has not said whose it is yet
     stop = StopWhenWaiting("node 0 to claim the coordination store")
     assert_stopped(ends_with(lambda: node(port, 1, stop)), "node 0 to claim the coordination store")
     unclaimed.close()

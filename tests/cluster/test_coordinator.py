@@ -1,4 +1,4 @@
-"""Attempt coordination through a real TCPStore, and the resume plan across nodes' inventories."""
+"""Attempt coordination through a real embedded store, and the resume plan across nodes' inventories."""
 
 from __future__ import annotations
 
@@ -221,16 +221,18 @@ def test_a_node_of_another_job_is_refused_naming_both_jobs() -> None:
 
 def test_forged_values_are_ignored_and_named(caplog: pytest.LogCaptureFixture) -> None:
     """A writer without the job's secret (another job, a stale or hostile client) cannot end an attempt or
-    plant a plan: its values do not verify and are ignored, with the key named in the log."""
-    from torch.distributed import TCPStore
-    from datetime import timedelta
+    plant a plan: the embedded store refuses its connection, and values that reach a store unsigned (etcd, which
+    any client of its cluster can write) do not verify and are ignored, with the key named in the log."""
+    from supervisor.cluster.kvstore import EmbeddedKVStore, StoreRefused
 
     port = free_port()
     leader, follower = node(port, 0), node(port, 1)
     assert join_all([leader, follower]) == [0, 0]
-    intruder = TCPStore("127.0.0.1", port, None, False, timedelta(seconds=5))
-    intruder.set("rlsup/job-a/end/0", "node 9: forged")
-    intruder.set("rlsup/job-a/plan/0", '{"round": 0, "step": 999, "world_size": 1, "fetch": {}}')
+    with pytest.raises(StoreRefused):
+        EmbeddedKVStore("127.0.0.1", port, b"not-the-job-secret-16", False, 5.0)
+    intruder = leader.store  # node 0's own handle writes the table as it is: unsigned values, as in etcd
+    intruder.set("rlsup/job-a/end/0", b"node 9: forged")
+    intruder.set("rlsup/job-a/plan/0", b'{"round": 0, "step": 999, "world_size": 1, "fetch": {}}')
     assert follower.ended(0) is None
     assert "ignored rlsup/job-a/end/0" in caplog.text  # through the logging channel (supervisor.cluster.coordinator)
     assert leader.end(0, "node 0: real") == "node 0: real"  # the signed writer takes the key back

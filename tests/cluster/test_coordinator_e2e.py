@@ -1,5 +1,5 @@
 """The end-to-end half of test_coordinator.py (real processes, or waits on real time): attempt coordination through
-a real TCPStore, and the resume plan across nodes' inventories."""
+a real embedded store, and the resume plan across nodes' inventories."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The end-to-end half of test_first_round_liveness.py (real processes, or waits on real time): the job's first
-round and its liveness rule (supervisor.cluster.liveness), in-process over a real TCPStore: a node that reached the
+round and its liveness rule (supervisor.cluster.liveness), in-process over a real embedded store: a node that reached the
 store and then died before the first attempt ends every other node's wait promptly, naming it, as a lost peer (exit
 75 on every node); a node that is merely slow (its beat goes on) is never failed; node 0's embedded store gone in
 the first round ends the others' reconnect wait within the lapse."""

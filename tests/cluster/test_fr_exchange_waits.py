@@ -1,6 +1,6 @@
 """The Flight Recorder exchange's waits give up as soon as rlsup is asked to stop (a preemption's grace is
 short), saying why in the verdict; and node 0 deletes the records it read (up to 1 MB a node) and an earlier
-exchange's keys. Through a real TCPStore; each wait is given an hour, so only the stop can end it within the
+exchange's keys. Through a real embedded store; each wait is given an hour, so only the stop can end it within the
 test's deadline."""
 
 from __future__ import annotations

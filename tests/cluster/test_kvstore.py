@@ -1,4 +1,4 @@
-"""The KVStore contract on the embedded TCPKVStore (a host and its clients on a free port); the same contract on a
+"""The KVStore contract on the embedded store (a host and its clients on a free port), and its wire's authentication; the same contract on a
 real 3-member etcd cluster, and etcd's failover and loss of quorum, are in test_kvstore_e2e.py."""
 
 from __future__ import annotations
@@ -12,9 +12,11 @@ from support.waits import wait_for
 
 from support.ports import free_ports
 from etcd_cluster import EtcdCluster
-from supervisor.cluster.kvstore import KVStore, StoreUnavailable, TCPKVStore
+from supervisor.cluster.kvstore import EmbeddedKVStore, KVStore, StoreRefused, StoreUnavailable
 
 TIMEOUT_S = 5.0
+SECRET = b"0123456789abcdef-kvstore"
+SERVES = {"job": "job-k", "source": "job_name"}
 Connect = Callable[[], KVStore]
 
 
@@ -30,10 +32,10 @@ def _etcd_store(cluster: EtcdCluster, first: int = 0, timeout_s: float = TIMEOUT
 def connect() -> Iterator[Connect]:
     """A fresh embedded store; calling the fixture's value opens one more client (one more node)."""
     port = free_ports(1)[0]
-    opened: list[KVStore] = [TCPKVStore("127.0.0.1", port, True, TIMEOUT_S)]  # node 0 hosts
+    opened: list[KVStore] = [EmbeddedKVStore("127.0.0.1", port, SECRET, True, TIMEOUT_S, serves=SERVES)]  # node 0 hosts
 
     def make() -> KVStore:
-        opened.append(TCPKVStore("127.0.0.1", port, False, TIMEOUT_S))
+        opened.append(EmbeddedKVStore("127.0.0.1", port, SECRET, False, TIMEOUT_S))
         return opened[-1]
     yield make
     for store in reversed(opened):
@@ -67,7 +69,7 @@ def _race(n: int, fn: Callable[[int], object]) -> list[object]:
 # ---- the contract (test_kvstore_e2e.py runs it on etcd too) ----
 
 def test_set_get_overwrite(connect: Connect) -> None:
-    a, b = connect(), connect()  # TCPStore's set is not answered: another client sees it soon, not at once
+    a, b = connect(), connect()  # etcd's client may answer a set before every member has it: seen soon
     a.set("t/k", b"\x00\xffbinary")
     wait_for(lambda: b.get("t/k") == b"\x00\xffbinary", TIMEOUT_S, "the value from the other client")
     b.set("t/k", b"second")
@@ -118,7 +120,7 @@ def test_add_from_threads_is_exact(connect: Connect) -> None:
     seen = sorted(v for vs in _race(n, bump) for v in vs)  # type: ignore[union-attr]
     assert seen == list(range(1, n * each + 1))  # every add saw its own total: none lost, none doubled
     assert clients[0].add("t/count", -10) == n * each - 10
-    assert clients[1].get("t/count") == str(n * each - 10).encode()  # decimal text, as TCPStore keeps it
+    assert clients[1].get("t/count") == str(n * each - 10).encode()  # decimal text, as etcd keeps it too
 
 
 def test_delete_prefix(connect: Connect) -> None:
@@ -126,7 +128,7 @@ def test_delete_prefix(connect: Connect) -> None:
     for k in ("job1/a", "job1/b/c", "job10/a", "job2/a"):
         a.set(k, b"v")
     a.delete_prefix("job1/")
-    if isinstance(a, TCPKVStore):  # documented no-op: the embedded store dies with its job
+    if isinstance(a, EmbeddedKVStore):  # documented no-op: the embedded store dies with its job
         assert a.get("job1/a") == b"v"
         return
     assert a.get_many(["job1/a", "job1/b/c", "job10/a", "job2/a"]) == [None, None, b"v", b"v"]
@@ -136,16 +138,117 @@ def test_delete_prefix(connect: Connect) -> None:
 
 def test_tcp_unavailable_after_host_closed() -> None:
     port = free_ports(1)[0]
-    host = TCPKVStore("127.0.0.1", port, True, 2.0)
-    client = TCPKVStore("127.0.0.1", port, False, 2.0)
+    host = EmbeddedKVStore("127.0.0.1", port, SECRET, True, 2.0)
+    client = EmbeddedKVStore("127.0.0.1", port, SECRET, False, 2.0)
     client.set("k", b"v")
-    host.close()
-    del host  # the TCPStore server goes with its last reference
+    host.close()  # as when node 0's supervisor dies: its connections end
     start = time.monotonic()
-    with pytest.raises(StoreUnavailable, match=f"TCPStore 127.0.0.1:{port}"):
+    with pytest.raises(StoreUnavailable, match=f"embedded store 127.0.0.1:{port}"):
         client.get("k")
     assert time.monotonic() - start < 3.0
     client.close()
+
+
+def test_node_0_hosting_twice_on_one_port_is_refused_and_a_closed_host_frees_it() -> None:
+    port = free_ports(1)[0]
+    host = EmbeddedKVStore("127.0.0.1", port, SECRET, True, 2.0)
+    with pytest.raises(StoreUnavailable, match=f"cannot host the coordination store embedded store 127.0.0.1:{port}"):
+        EmbeddedKVStore("127.0.0.1", port, SECRET, True, 2.0)
+    host.set("k", b"v")
+    host.close()
+    with pytest.raises(StoreUnavailable):
+        host.get("k")  # node 0's own calls end with its store
+    again = EmbeddedKVStore("127.0.0.1", port, SECRET, True, 2.0)  # a replacement node 0 binds at once
+    assert again.get("k") is None
+    again.close()
+
+
+# ---- the embedded store's wire: authenticated, bounded ----
+
+def test_a_client_without_the_secret_is_refused_naming_the_job_the_store_serves(connect: Connect) -> None:
+    host_port = connect()
+    assert isinstance(host_port, EmbeddedKVStore)
+    host_port.set("t/k", b"v")
+    with pytest.raises(StoreRefused, match="serves rlsup job 'job-k' \\(job_name\\) and refused this node's secret") as e:
+        EmbeddedKVStore("127.0.0.1", host_port.port, b"another-secret-of-16+", False, TIMEOUT_S)
+    assert e.value.serves == "rlsup job 'job-k' (job_name)"
+    assert host_port.get("t/k") == b"v"
+
+
+def test_the_wire_refuses_what_is_not_a_verified_frame(connect: Connect) -> None:
+    """Raw sockets: a request before the handshake, a wrong proof, an oversized handshake frame and a frame whose
+    tag does not verify all end the connection without touching a key; the store serves on."""
+    import socket
+
+    from supervisor.cluster import kv_wire
+
+    first = connect()
+    assert isinstance(first, EmbeddedKVStore)
+    first.set("t/k", b"v")
+    port = first.port
+
+    def raw() -> socket.socket:
+        s = socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT_S)
+        assert kv_wire.read_plain(s)[0] == kv_wire.MAGIC  # the hello
+        return s
+
+    def closed(s: socket.socket) -> bool:
+        try:
+            while s.recv(65536):
+                pass
+            return True
+        except ConnectionResetError:
+            return True
+        finally:
+            s.close()
+
+    s = raw()  # a request instead of the proof
+    kv_wire.send_plain(s, [b"set", b"t/k", b"forged"])
+    assert closed(s)
+    s = raw()  # a wrong proof: told, then closed
+    kv_wire.send_plain(s, [b"\0" * kv_wire.NONCE_BYTES, b"\0" * 32])
+    assert kv_wire.read_plain(s)[0] == b"refused" and closed(s)
+    s = raw()  # a handshake frame over its limit is not read
+    s.sendall((kv_wire.MAX_HELLO_BYTES + 1).to_bytes(4, "big"))
+    assert closed(s)
+    s = socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT_S)  # authenticated, then a bad tag
+    session = kv_wire.client_handshake(s, SECRET)
+    body = kv_wire.encode([b"set", b"t/k", b"forged"])
+    s.sendall(len(body).to_bytes(4, "big") + body + b"\0" * kv_wire.TAG_BYTES)
+    assert closed(s)
+    del session
+    assert connect().get("t/k") == b"v"  # nothing was written, and the store still serves
+
+
+def test_a_client_gives_a_stalled_connection_up_and_fails_at_once_after() -> None:
+    """A store that accepts and then never answers (node 0 stopped or cut off): the connect fails within its
+    timeout; an operation on a connection whose host then stalls, within op_timeout_s, and every later one at once."""
+    import socket
+
+    listener = socket.create_server(("127.0.0.1", 0))  # accepts (the kernel's backlog), never says hello
+    port = listener.getsockname()[1]
+    start = time.monotonic()
+    with pytest.raises(StoreUnavailable, match="cannot reach the coordination store"):
+        EmbeddedKVStore("127.0.0.1", port, SECRET, False, 1.0)
+    assert time.monotonic() - start < 3.0
+    listener.close()
+
+    port = free_ports(1)[0]
+    host = EmbeddedKVStore("127.0.0.1", port, SECRET, True, 2.0)
+    client = EmbeddedKVStore("127.0.0.1", port, SECRET, False, 2.0, op_timeout_s=0.5)
+    assert client.add("t/n", 2) == 2
+    host._table._lock.acquire()  # noqa: SLF001 - the host stalls: its table never answers
+    try:
+        start = time.monotonic()
+        with pytest.raises(StoreUnavailable, match="got no answer within 0.5s"):
+            client.get("t/n")
+        assert time.monotonic() - start < 2.0
+        with pytest.raises(StoreUnavailable, match="this connection is given up"):
+            client.get("t/n")
+    finally:
+        host._table._lock.release()  # noqa: SLF001
+        client.close()
+        host.close()
 
 
 # ---- etcd: failover and quorum ----

@@ -59,6 +59,9 @@ def lose_node_0_once_held(cluster: Cluster) -> int:
     wait_for(lambda: (replica_part(cluster, 1, 0, HOLD) / manifest_name(0)).exists(), 120,
              f"node 0's step {HOLD} part replicated to node 1", interval=0.5)
     assert_status_shows_replication(cluster)
+    for node in range(cluster.nodes):  # a node's supervisor never loads torch (its store and launch parsing are rlsup's)
+        libs = cluster.supervisor_libraries(node)
+        assert libs and not any(lib.startswith("libtorch") for lib in libs), (node, sorted(libs))
     cluster.lose(0)
     held0 = {s for s, d in list_step_dirs(replica_ns(cluster.node_dir(1) / "replicas", 0))
              if (d / manifest_name(0)).exists()}

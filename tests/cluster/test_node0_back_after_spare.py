@@ -1,6 +1,6 @@
 """Node 0 restarted after a spare took node rank 0 (and hosts the embedded store on node 0's address) is refused
 as a node whose rank was taken: exit 77's SlotTaken, so it may rejoin as a spare; not the clash exit 2 of a node 0
-running twice, which it still is when no spare holds rank 0. Real TCPStores on 127.0.0.1, in process."""
+running twice, which it still is when no spare holds rank 0. Real embedded stores on 127.0.0.1, in process."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ hosting the store. Here node 0 stands as a port that accepts and says nothing (t
 did), then goes away: the spare must host the store on node 0's address and take node rank 0, and a plain connect
 must raise :class:`StoreGone` after ``gone_after_s``, not wait out its window.
 
-In process, with a real torch TCPStore and real sockets.
+In process, with a real embedded store and real sockets.
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ def test_a_store_that_answered_and_went_away_raises_store_gone_not_the_whole_win
     node0 = SilentNode0()
     lost_once_seen(node0)
     with pytest.raises(StoreGone, match="answered, then nothing listened"):
-        connect_store("127.0.0.1", node0.port, WINDOW_S, None, gone_after_s=1.0)
+        connect_store("127.0.0.1", node0.port, SECRET, WINDOW_S, None, gone_after_s=1.0)
 
 
 def survivor() -> socket.socket:

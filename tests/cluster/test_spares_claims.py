@@ -1,4 +1,4 @@
-"""Spare nodes' claims through a real embedded store (torch TCPStore), in process: one slot goes to one spare,
+"""Spare nodes' claims through a real embedded store, in process: one slot goes to one spare,
 a spare claims once, the node that held the slot before is refused, and a slot is lost only when a round has
 waited for it for ``spare_takeover_s`` while the other nodes are in it."""
 

@@ -1,6 +1,6 @@
-"""The embedded coordination store across a network partition: node 0's TCPStore in a namespace of its own
-(support.partition), a client in the test's. Cut off, TCP neither answers nor resets and torch's client would
-wait for ever; rlsup's store gives the operation up after ``op_timeout_s``, and every later call fails at once
+"""The embedded coordination store across a network partition: node 0's store in a namespace of its own
+(support.partition), a client in the test's. Cut off, TCP neither answers nor resets and a client without a
+deadline would wait for ever; rlsup's store gives the operation up after ``op_timeout_s``, and every later call fails at once
 (StoreUnavailable), so the run loop polling it goes on. Healed, a fresh connection reads the same keys."""
 
 from __future__ import annotations
@@ -10,13 +10,15 @@ import sys
 
 import pytest
 
-from supervisor.cluster.kvstore import StoreUnavailable, TCPKVStore
+from supervisor.cluster.kvstore import EmbeddedKVStore, StoreUnavailable
+from support.env import clean_env
 from support.partition import Partition, why_unavailable
 from support.ports import free_ports
 from support.waits import wait_for
 
-HOST = ("import sys, time; from datetime import timedelta; from torch.distributed import TCPStore; "
-        "s = TCPStore('0.0.0.0', int(sys.argv[1]), None, True, timedelta(seconds=60), wait_for_workers=False); "
+SECRET = b"0123456789abcdef-partition"
+HOST = ("import sys, time; from supervisor.cluster.kvstore import EmbeddedKVStore; "
+        f"s = EmbeddedKVStore('0.0.0.0', int(sys.argv[1]), {SECRET!r}, True, 60); "
         "s.set('k', b'v'); print('up', flush=True); time.sleep(300)")
 
 
@@ -24,7 +26,8 @@ HOST = ("import sys, time; from datetime import timedelta; from torch.distribute
 def test_a_cut_off_store_fails_fast_and_a_fresh_connection_works_once_healed() -> None:
     port = free_ports(1)[0]
     with Partition(1) as net:
-        host = subprocess.Popen([*net.wrap(0), sys.executable, "-c", HOST, str(port)], stdout=subprocess.PIPE, text=True)
+        host = subprocess.Popen([*net.wrap(0), sys.executable, "-c", HOST, str(port)], stdout=subprocess.PIPE, text=True,
+                                env=clean_env())
         try:
             assert host.stdout is not None and host.stdout.readline().strip() == "up"
             store = wait_for(lambda: _connect(net.addrs[0], port), 30, "the store to accept a client")
@@ -42,8 +45,8 @@ def test_a_cut_off_store_fails_fast_and_a_fresh_connection_works_once_healed() -
             host.wait(timeout=30)
 
 
-def _connect(addr: str, port: int) -> TCPKVStore | None:
+def _connect(addr: str, port: int) -> EmbeddedKVStore | None:
     try:
-        return TCPKVStore(addr, port, False, 5.0, op_timeout_s=1.0)
+        return EmbeddedKVStore(addr, port, SECRET, False, 5.0, op_timeout_s=1.0)
     except StoreUnavailable:
         return None

@@ -1,7 +1,7 @@
 """The run loop's watch of another node's end goes on after the store stalled (issue 32, review finding 7).
 
 Node 0's embedded store is hosted by a process of its own (as node 0's supervisor hosts it); node 1 is a
-real NodeGroup (NodeRun's) in this process, over a real TCPStore client, its watch polled as the run loop
+real NodeGroup (NodeRun's) in this process, over a real embedded-store client, its watch polled as the run loop
 polls it (``peer_ended``). The store's process is SIGSTOPped: node 1's read gets no answer, and the store
 gives that connection up after its operation timeout (StoreUnavailable, for good: a late answer could come
 out of turn). SIGCONT, then node 0 ends the attempt. Node 1's watch must see that end: it reaches the store
@@ -31,7 +31,7 @@ from supervisor.cluster.embedded_store import embedded_coordinator
 from supervisor.diagnosis.evidence import EndedElsewhere
 from supervisor.job_identity import JobIdentity
 from supervisor.lifecycle import EndReason
-from supervisor.cluster.kvstore import OP_TIMEOUT_S, StoreUnavailable, TCPKVStore
+from supervisor.cluster.kvstore import OP_TIMEOUT_S, EmbeddedKVStore, StoreUnavailable
 from supervisor.membership import Membership
 from supervisor.cluster.node_run import NodeRun
 
@@ -80,7 +80,7 @@ def test_the_watch_sees_a_peers_end_after_the_store_stalled(tmp_path: Path) -> N
         with pytest.raises(StoreUnavailable, match=f"got no answer within {OP_TIMEOUT_S:.0f}s .* given up"):
             stalled.get("anything")  # the connection the watch used is given up for good
 
-        RoundCoordinator(TCPKVStore("127.0.0.1", port, False, 10.0), JOB, SECRET, 0, 2, 60.0).end(0, "node 0: exit 1")
+        RoundCoordinator(EmbeddedKVStore("127.0.0.1", port, SECRET, False, 10.0), JOB, SECRET, 0, 2, 60.0).end(0, "node 0: exit 1")
         seen = wait_for(lambda: sup.peer_ended(0), 30, "node 1's watch to see node 0's end once the store answers")
         assert seen == EndedElsewhere(EndReason.PEER_FAILURE, "node 0: exit 1")
         assert member.store is not stalled

@@ -10,7 +10,7 @@ import pytest
 
 from etcd_cluster import EtcdCluster, etcd_cluster, etcd_cluster_clean, shared_etcd_cluster  # noqa: F401  (fixtures)
 from support.ports import free_ports
-from supervisor.cluster.kvstore import TCPKVStore
+from supervisor.cluster.kvstore import EmbeddedKVStore
 from supervisor.cluster.kvstore_etcd import EtcdKVStore
 
 KEYS = ["w/plan/1", "w/end/1"]
@@ -132,7 +132,7 @@ def test_a_watch_message_over_the_limit_breaks_the_watch(etcd_cluster_clean: Etc
 
 def test_the_embedded_store_always_polls() -> None:
     port = free_ports(1)[0]
-    host = TCPKVStore("127.0.0.1", port, True, 5.0)
+    host = EmbeddedKVStore("127.0.0.1", port, b"0123456789abcdef-watch", True, 5.0)
     try:
         assert host.wait_for_change(KEYS, 0.01) is True
     finally:

@@ -1,6 +1,6 @@
 """The Flight Recorder records nodes share (supervisor.diagnosis.fr_records): recorded dumps of a real 4-rank hang survive
 the trip and still name the rank; a ring too big for the store is cut to its newest entries; an oversized,
-malformed or inflating record is refused naming the node and the key; and through a real TCPStore, node 0's
+malformed or inflating record is refused naming the node and the key; and through a real embedded store, node 0's
 verdict says which node's record it refused, and the other node reads that verdict."""
 
 from __future__ import annotations

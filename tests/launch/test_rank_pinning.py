@@ -58,3 +58,17 @@ def test_other_commands_run_as_typed_and_ft_launcher_warns() -> None:
 def test_nnodes_that_cannot_hold_the_peers_is_refused() -> None:
     with pytest.raises(PinningError, match="--nnodes 2 does not admit the 3 nodes"):
         pin_ranks(["torchrun", "--nnodes", "2", *SCRIPT], 0, 3, "n0")
+
+
+def test_the_option_tables_match_the_installed_torchruns_parser() -> None:
+    """rank_pinning reads a launch line without importing torch (a node's supervisor never does): its tables of
+    torchrun's options must hold every option of the installed torch's parser, each with its arity."""
+    from torch.distributed.run import get_args_parser
+
+    from supervisor.launch.rank_pinning import TORCHRUN_FLAGS, TORCHRUN_VALUE_OPTIONS
+
+    for action in get_args_parser()._actions:
+        for option in action.option_strings:
+            table = TORCHRUN_FLAGS if action.nargs == 0 else TORCHRUN_VALUE_OPTIONS
+            assert option in table, f"torchrun's {option} is not in rank_pinning's table of its options"
+    assert not TORCHRUN_FLAGS & TORCHRUN_VALUE_OPTIONS

@@ -95,7 +95,6 @@ FOREIGN_PRIVATE_ALLOWED = {
         "what `python -m` itself runs: the only way to run a module as __main__ with its argv",
     ("supervisor/cli/checkpoints.py", "argparse._SubParsersAction"):
         "argparse has no public name for the type add_subparsers() returns (an annotation only)",
-    ("supervisor/launch/rank_pinning.py", "parser._actions"): "argparse has no public listing of a parser's options",
     ("trainer_hooks/backends/megatron_backend.py", "filesystem_async._results_queue"):
         "Megatron's synchronous save needs its module queue set; patched in a scope and restored",
     ("trainer_hooks/ddp.py", "reducer._rebuild_buckets"): "DDP has no public call to fix the bucket order",

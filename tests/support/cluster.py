@@ -163,6 +163,21 @@ class Cluster:
         """Each node's rlsup output: its last ``tail`` characters (for assertion messages), or all of it."""
         return "\n".join(f"--- node {n} ---\n" + self.log(n)[-(tail or 0):] for n in range(self.nodes))
 
+    def supervisor_libraries(self, node: int) -> set[str]:
+        """The shared objects mapped by ``node``'s rlsup process itself (not its job's, not the warm launcher's)."""
+        import psutil
+
+        root = psutil.Process(self.procs[node].pid)
+        libs: set[str] = set()
+        for p in [root, *root.children(recursive=True)]:
+            try:
+                if "supervisor.cli.main" not in p.cmdline():
+                    continue
+                libs |= {os.path.basename(m.path) for m in p.memory_maps() if m.path.endswith(".so") or ".so." in m.path}
+            except psutil.Error:
+                continue
+        return libs
+
     def state(self, node: int) -> dict:
         """Node ``node``'s ``state.json``."""
         return read_state(self.node_dir(node) / ".rlsup")
