@@ -237,7 +237,7 @@ def test_a_client_gives_a_stalled_connection_up_and_fails_at_once_after() -> Non
     host = EmbeddedKVStore("127.0.0.1", port, SECRET, True, 2.0)
     client = EmbeddedKVStore("127.0.0.1", port, SECRET, False, 2.0, op_timeout_s=0.5)
     assert client.add("t/n", 2) == 2
-    host._table._lock.acquire()  # noqa: SLF001 - the host stalls: its table never answers
+    host._table._lock.acquire()  # the host stalls: its table never answers
     try:
         start = time.monotonic()
         with pytest.raises(StoreUnavailable, match="got no answer within 0.5s"):
@@ -246,7 +246,7 @@ def test_a_client_gives_a_stalled_connection_up_and_fails_at_once_after() -> Non
         with pytest.raises(StoreUnavailable, match="this connection is given up"):
             client.get("t/n")
     finally:
-        host._table._lock.release()  # noqa: SLF001
+        host._table._lock.release()
         client.close()
         host.close()
 
