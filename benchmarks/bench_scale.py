@@ -22,11 +22,12 @@ Figures (``--only`` keys):
   ``ReplicationEngine.inventory()`` returns them; the fetch runs the supervisor's own path
   (``fetch_part``) over in-memory stores whose parts list no files, so it moves no data (``bytes`` does
   it for real). The nodes are threads of ``--procs`` worker processes (default 4; round-robin, node 0 on
-  worker 0): each process imports torch (~300 MB) for the TCPStore, and 2 cores gain nothing from more.
-  So the embedded store, hosted by node 0 in worker 0, serves real cross-process TCP. Every node's
-  connection to it is made once and reused by every size (each size is a job of its own): connecting
-  is not what is measured, and torch's TCPStore reverse-resolves each client's address when it
-  accepts it, which this machine's resolver sometimes answers after seconds. etcd: a real 3-member
+  worker 0): each process imports torch (~300 MB) for the baseline's TCPStore, and 2 cores gain nothing
+  from more. So the embedded store (rlsup's own since issue 42: supervisor/cluster/kv_server.py), hosted
+  by node 0 in worker 0, serves real cross-process TCP. Every node's connection to it is made once and
+  reused by every size (each size is a job of its own): connecting is not what is measured, and torch's
+  TCPStore (the baseline) reverse-resolves each client's address when it accepts it, which this
+  machine's resolver sometimes answers after seconds. etcd: a real 3-member
   cluster on 127.0.0.1 (tests/etcd_cluster.py), each node connected as ``rlsup run`` connects it.
   Baseline (embedded rows): a bare TCPStore exchange of the same shape on the same workers and
   connections: each node sets its inventory; node 0 ``wait``s for all, plans, sets the plan; each node
