@@ -336,17 +336,18 @@ def _worker_main(conn: Any, worker: int) -> None:
     and torch's TCPStore reverse-resolves every client's address when it accepts it, which on this
     machine's resolver costs seconds now and then."""
     nodes: dict[int, Any] = {}
-    pool: dict[int, Any] = {}  # node -> TCPKVStore (node 0: the host)
+    pool: dict[int, Any] = {}  # node -> EmbeddedKVStore (node 0: the host)
+    bare: dict[int, Any] = {}  # node -> torch TCPStore (node 0: the host), the baseline's
     work = Path(tempfile.mkdtemp(prefix=f"rlsup-scale-w{worker}-"))
     try:
         while True:
             msg = conn.recv()
             try:
                 if msg[0] == "connect":
-                    pool = _connect_pool(msg[1], msg[2])
+                    pool, bare = _connect_pool(msg[1], msg[2], msg[3])
                     conn.send(("ok", len(pool)))
                 elif msg[0] == "setup":
-                    nodes = _setup_nodes(work, msg[1], pool)
+                    nodes = _setup_nodes(work, msg[1], pool, bare)
                     conn.send(("ok", len(nodes)))
                 elif msg[0] == "round":
                     conn.send(("ok", _run_round(nodes, msg[1], msg[2], msg[3])))
@@ -367,23 +368,31 @@ def _worker_main(conn: Any, worker: int) -> None:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _connect_pool(port: int, mine: list[int]) -> dict[int, Any]:
-    from supervisor.cluster.kvstore import TCPKVStore
+def _connect_pool(port: int, bare_port: int, mine: list[int]) -> tuple[dict[int, Any], dict[int, Any]]:
+    """Each of ``mine``'s connections to the embedded store on ``port`` and to the baseline's TCPStore on
+    ``bare_port`` (node 0 hosts both)."""
+    from datetime import timedelta
 
-    pool = connect_all(mine, lambda n: TCPKVStore("127.0.0.1", port, n == 0, TIMEOUT_S))
+    from torch.distributed import TCPStore
+
+    from supervisor.cluster.kvstore import EmbeddedKVStore
+
+    pool = connect_all(mine, lambda n: EmbeddedKVStore("127.0.0.1", port, SECRET, n == 0, TIMEOUT_S))
     for store in pool.values():
         REQUESTS.attach(store)
-    return pool
+    bare = connect_all(mine, lambda n: TCPStore("127.0.0.1", bare_port, None, n == 0, timedelta(seconds=TIMEOUT_S),
+                                                wait_for_workers=False))
+    return pool, bare
 
 
-def _setup_nodes(work: Path, spec: dict[str, Any], pool: dict[int, Any]) -> dict[int, Any]:
+def _setup_nodes(work: Path, spec: dict[str, Any], pool: dict[int, Any], bare: dict[int, Any]) -> dict[int, Any]:
     n, lost, backend = spec["nodes"], spec["lost"], spec["backend"]
     held = holders_of(n)
 
     def one(node: int) -> Any:
         inventory = synthetic_inventory(node, n, held, lost)
         if backend == "bare":
-            return BareNode(node, n, pool[node]._store, spec["job"], inventory)
+            return BareNode(node, n, bare[node], spec["job"], inventory)
         engine = StubEngine(inventory, n * RANKS)
         if backend == "embedded":
             return make_node(work, node, n, backend, spec["job"], 0, [], engine, store=pool[node])
@@ -407,7 +416,8 @@ def connect_all(nodes: list[int], connect: Callable[[int], Any]) -> dict[int, An
 
 
 class RequestCounter:
-    """Counts a store's round trips: wraps ``TCPKVStore._call`` (one per TCPStore request) or
+    """Counts a store's round trips: wraps ``EmbeddedKVStore._request`` (one per request on the wire; node 0's own
+    calls go to its table) or
     ``EtcdKVStore._post`` (one per HTTP request to etcd) of the stores it is given."""
 
     def __init__(self) -> None:
@@ -416,9 +426,9 @@ class RequestCounter:
         self._lock = threading.Lock()
 
     def attach(self, store: Any) -> None:
-        if hasattr(store, "wait_for_change") and not hasattr(store, "_call"):
+        if hasattr(store, "wait_for_change") and not hasattr(store, "_request"):
             self._count_watches()
-        name = "_call" if hasattr(store, "_call") else "_post"
+        name = "_request" if hasattr(store, "_request") else "_post"
         inner = getattr(store, name)
 
         def counted(*args: Any, **kwargs: Any) -> Any:
@@ -557,10 +567,12 @@ class Workers:
 
     def connect(self, nodes: int) -> None:
         """Every node's connection to one embedded store (node 0 hosts it), made once for every size."""
-        port = free_port()
+        port, bare_port = free_port(), free_port()
+        while bare_port == port:
+            bare_port = free_port()
         blocks = self.assign(nodes)
-        self.call({0: ("connect", port, blocks[0])})
-        self.call({w: ("connect", port, mine) for w, mine in blocks.items() if w})
+        self.call({0: ("connect", port, bare_port, blocks[0])})
+        self.call({w: ("connect", port, bare_port, mine) for w, mine in blocks.items() if w})
 
     def call(self, msgs: dict[int, tuple], timeout: float = 600) -> dict[int, Any]:
         for w, msg in msgs.items():
