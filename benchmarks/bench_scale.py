@@ -21,8 +21,8 @@ Figures (``--only`` keys):
   node publishes 8 ranks x 5 steps of its own plus the replicas it holds (replication factor 1), as
   ``ReplicationEngine.inventory()`` returns them; the fetch runs the supervisor's own path
   (``fetch_part``) over in-memory stores whose parts list no files, so it moves no data (``bytes`` does
-  it for real). The nodes are threads of ``--procs`` worker processes (default 4; round-robin, node 0 on
-  worker 0): each process imports torch (~300 MB) for the baseline's TCPStore, and 2 cores gain nothing
+  it for real). The nodes are threads of ``--procs`` worker processes (default 4; node 0 alone on worker 0, as its
+  rlsup is a process of its own, the others round-robin): each process imports torch (~300 MB) for the baseline's TCPStore, and 2 cores gain nothing
   from more. So the embedded store (rlsup's own since issue 42: supervisor/cluster/kv_server.py), hosted
   by node 0 in worker 0, serves real cross-process TCP. Every node's connection to it is made once and
   reused by every size (each size is a job of its own): connecting is not what is measured, and torch's
@@ -380,6 +380,8 @@ def _connect_pool(port: int, bare_port: int, mine: list[int]) -> tuple[dict[int,
     pool = connect_all(mine, lambda n: EmbeddedKVStore("127.0.0.1", port, SECRET, n == 0, TIMEOUT_S))
     for store in pool.values():
         REQUESTS.attach(store)
+    POOL.clear()
+    POOL.update(pool)
     bare = connect_all(mine, lambda n: TCPStore("127.0.0.1", bare_port, None, n == 0, timedelta(seconds=TIMEOUT_S),
                                                 wait_for_workers=False))
     return pool, bare
@@ -465,11 +467,13 @@ class RequestCounter:
 
 
 REQUESTS = RequestCounter()  # this worker's
+POOL: dict[int, Any] = {}  # this worker's connections to the embedded store (node -> store), for their CPU
 
 
 def store_thread_cpu() -> float:
-    """CPU seconds of this process's TCPStore server thread (torch names it pt_tcpstore_uv); 0 without one."""
-    total = 0.0
+    """CPU seconds this process's embedded store spent answering (the host's, in worker 0), and its TCPStore
+    server thread's (torch names it pt_tcpstore_uv: the baseline's, idle while the embedded store is measured)."""
+    total = sum(store.served_cpu_s() for store in POOL.values() if hasattr(store, "served_cpu_s"))
     for task in Path("/proc/self/task").iterdir():
         try:
             if (task / "comm").read_text().strip() == "pt_tcpstore_uv":
@@ -562,8 +566,14 @@ class Workers:
         return len(self.conns)
 
     def assign(self, nodes: int) -> dict[int, list[int]]:
-        """Which worker simulates which nodes: round-robin (node 0, the embedded store's host, on worker 0)."""
-        return {w: [n for n in range(nodes) if n % len(self) == w] for w in range(min(len(self), nodes))}
+        """Which worker simulates which nodes: node 0 (the embedded store's host) alone on worker 0, as its rlsup
+        is a process of its own on a cluster (the store's server shares its interpreter with node 0 only), the
+        others round-robin over the other workers."""
+        others = max(1, len(self) - 1)
+        out = {0: [0]}
+        for n in range(1, nodes):
+            out.setdefault(1 + (n - 1) % others, []).append(n)
+        return out
 
     def connect(self, nodes: int) -> None:
         """Every node's connection to one embedded store (node 0 hosts it), made once for every size."""

@@ -560,7 +560,7 @@ class RoundCoordinator:
                 except StoreUnavailable:
                     pass  # the next poll says what an unreachable store means here
             watched = [self.keys.key(n) for n in pending + ([end_name] if end_name else [])]
-            changed = self.store.wait_for_change(watched, poll)  # etcd: a watch; the embedded store: a sleep
+            changed = self.store.wait_for_change(watched, poll)  # etcd: a watch; the embedded store: a held wait
             poll = min(poll * 2, WAIT_POLL_MAX_S)
 
 

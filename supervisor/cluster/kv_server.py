@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+import time
 from typing import Sequence
 
 from supervisor.cluster.kv_wire import Session, WireError, server_handshake
@@ -19,33 +20,61 @@ log = logging.getLogger(__name__)
 
 HANDSHAKE_S = 5.0
 MAX_CONNECTIONS = 512
+MAX_WAIT_S = 1.0  # the longest one wait request is held (a client's wait asks for its poll interval, 2-50 ms)
 KEEPALIVE = {"TCP_KEEPIDLE": 30, "TCP_KEEPINTVL": 10, "TCP_KEEPCNT": 6}  # a vanished client's thread ends in ~90 s
 
 
 class KVTable:
-    """The keys, behind one lock: every operation is immediate (no call waits for a key)."""
+    """The keys, behind one lock. Every operation is immediate except :meth:`wait`, which a node's wait calls
+    between its polls: it returns as soon as a key it watches is written (no sleep to the next poll), and says
+    when none was (the next poll is skipped). Writes are numbered for it."""
 
     def __init__(self) -> None:
         self._values: dict[str, bytes] = {}
-        self._lock = threading.Lock()
+        self._written_at: dict[str, int] = {}  # key -> the number of its last write
+        self._seq = 0
+        self._lock = threading.Condition()
+
+    def _write(self, key: str, value: bytes) -> None:
+        """Under the lock: store, number the write, wake the waits."""
+        self._seq += 1
+        self._values[key] = bytes(value)
+        self._written_at[key] = self._seq
+        self._lock.notify_all()
 
     def set(self, key: str, value: bytes) -> None:
         with self._lock:
-            self._values[key] = bytes(value)
+            self._write(key, value)
 
     def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
         with self._lock:
             return [self._values.get(k) for k in keys]
 
-    def poll(self, keys: Sequence[str], other: str | None) -> tuple[list[bytes] | None, bytes | None]:
+    def poll(self, keys: Sequence[str], other: str | None) -> tuple[list[bytes] | None, bytes | None, int]:
+        """:meth:`~supervisor.cluster.kvstore.KVStore.poll`, and the number of the last write it saw (for
+        :meth:`wait`)."""
         with self._lock:
             if all(k in self._values for k in keys):
-                return [self._values[k] for k in keys], None
-            return None, self._values.get(other) if other is not None else None
+                return [self._values[k] for k in keys], None, self._seq
+            return None, self._values.get(other) if other is not None else None, self._seq
+
+    def wait(self, keys: Sequence[str], since: int, timeout: float) -> bool:
+        """Up to ``timeout`` (at most :data:`MAX_WAIT_S`) for one of ``keys`` to be written after write ``since``;
+        whether one was."""
+        deadline = time.monotonic() + min(timeout, MAX_WAIT_S)
+        with self._lock:
+            while not any(self._written_at.get(k, 0) > since for k in keys):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._lock.wait(left)
+            return True
 
     def create(self, key: str, value: bytes) -> bytes:
         with self._lock:
-            return self._values.setdefault(key, bytes(value))
+            if key not in self._values:
+                self._write(key, value)
+            return self._values[key]
 
     def add(self, key: str, amount: int) -> int:
         """The counter is kept as decimal text (any client reads it with :meth:`get_many`)."""
@@ -55,7 +84,7 @@ class KVTable:
                 total = int(raw) + amount
             except ValueError:
                 raise ValueError(f"key {key!r} does not hold a counter") from None
-            self._values[key] = str(total).encode()
+            self._write(key, str(total).encode())
             return total
 
     def delete(self, keys: Sequence[str]) -> None:
@@ -78,8 +107,11 @@ class KVTable:
             return [f for v in self.get_many([a.decode() for a in args]) for f in _optional(v)]
         if op == b"poll" and args:
             other = args[0].decode() if args[0] else None
-            values, other_value = self.poll([a.decode() for a in args[1:]], other)
-            return [b"1", *values] if values is not None else [b"0", *_optional(other_value)]
+            values, other_value, seq = self.poll([a.decode() for a in args[1:]], other)
+            return [str(seq).encode(), *([b"1", *values] if values is not None else [b"0", *_optional(other_value)])]
+        if op == b"wait" and len(args) >= 2:
+            changed = self.wait([a.decode() for a in args[2:]], int(args[0]), int(args[1]) / 1000)
+            return [b"1" if changed else b"0"]
         if op == b"create" and len(args) == 2:
             return [self.create(args[0].decode(), args[1])]
         if op == b"add" and len(args) == 2:
@@ -107,6 +139,7 @@ class KVServer:
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._closed = False
+        self.cpu_s = 0.0  # CPU its connections' threads spent answering (the scale benchmark reports it)
         threading.Thread(target=self._accept, name=f"rlsup-kv-accept-{port}", daemon=True).start()
 
     def _accept(self) -> None:
@@ -129,7 +162,10 @@ class KVServer:
             session: Session = server_handshake(conn, self._secret, self._serves)
             conn.settimeout(None)  # a node between rounds is idle for as long as an attempt runs
             while True:
-                session.send(self.table.answer(session.receive()))
+                request = session.receive()
+                start = time.thread_time()
+                session.send(self.table.answer(request))
+                self.cpu_s += time.thread_time() - start  # a race may lose an addition: a figure, not a count
         except (OSError, WireError) as e:
             log.debug("coordination store: a connection ended: %s", e)
         finally:

@@ -111,6 +111,7 @@ class EmbeddedKVStore:
         self.op_timeout_s = op_timeout_s
         self._stalled = ""  # why this connection was given up (an operation got no answer in time, or broke)
         self._lock = threading.Lock()  # one request in flight per connection
+        self._seen = threading.local()  # per thread: the number of the last write its last poll saw
         self._table: KVTable | None = None
         self._server: KVServer | None = None
         self._session: Session | None = None
@@ -138,8 +139,12 @@ class EmbeddedKVStore:
     def describe(self) -> str:
         return f"embedded store {self.host}:{self.port}"
 
-    def _request(self, what: str, fields: list[bytes]) -> list[bytes]:
-        """One round trip, given up after ``op_timeout_s``: the connection is then dead for good (its answer may
+    def served_cpu_s(self) -> float:
+        """CPU node 0's store has spent answering the other nodes (0 on a client), as far as its threads counted."""
+        return self._server.cpu_s if self._server is not None else 0.0
+
+    def _request(self, what: str, fields: list[bytes], extra_s: float = 0.0) -> list[bytes]:
+        """One round trip, given up after ``op_timeout_s`` (+ ``extra_s``, what the request asks the store to wait): the connection is then dead for good (its answer may
         still come, out of turn) and every later call fails at once; the coordinator reconnects (a fresh store)
         where it waits for node 0 to come back."""
         if self._stalled or self._session is None:
@@ -148,8 +153,12 @@ class EmbeddedKVStore:
             raise StoreUnavailable(f"coordination store {self.describe()}: {what} waited {self.op_timeout_s:.0f}s "
                                    "for another call on this connection")
         try:
+            if extra_s:
+                self._session.sock.settimeout(self.op_timeout_s + extra_s)
             self._session.send(fields)
             answer = self._session.receive()
+            if extra_s:
+                self._session.sock.settimeout(self.op_timeout_s)
         except TimeoutError:
             self._give_up(f"{what} got no answer within {self.op_timeout_s:g}s (its host is cut off or "
                           "stopped); this connection is given up")
@@ -190,14 +199,25 @@ class EmbeddedKVStore:
         if not keys:
             return [], None
         if self._table is not None:
-            return self._table.poll(keys, other)
+            values, other_value, self._seen.seq = self._table.poll(keys, other)
+            return values, other_value
         answer = self._request("poll", [b"poll", (other or "").encode(), *(k.encode() for k in keys)])
-        if answer[0] == b"1":
-            return list(answer[1:]), None
-        return None, answer[2] if answer[1] == b"1" else None
+        self._seen.seq = int(answer[0])
+        if answer[1] == b"1":
+            return list(answer[2:]), None
+        return None, answer[3] if answer[2] == b"1" else None
 
     def wait_for_change(self, keys: Sequence[str], timeout: float) -> bool:
-        return sleep_then_poll(timeout)
+        """Node 0's store is asked to hold the wait until one of ``keys`` is written after this thread's last
+        :meth:`poll` (or ``timeout``); a thread that never polled sleeps."""
+        since = getattr(self._seen, "seq", None)
+        if since is None or not keys:
+            return sleep_then_poll(timeout)
+        if self._table is not None:
+            return self._table.wait(keys, since, timeout)
+        answer = self._request("wait", [b"wait", str(since).encode(), str(max(0, int(timeout * 1000))).encode(),
+                                        *(k.encode() for k in keys)], extra_s=timeout)
+        return answer[0] == b"1"
 
     def create(self, key: str, value: bytes) -> bytes:
         if self._table is not None:

@@ -163,6 +163,42 @@ def test_node_0_hosting_twice_on_one_port_is_refused_and_a_closed_host_frees_it(
     again.close()
 
 
+# ---- the embedded store's held waits ----
+
+@pytest.mark.parametrize("through", ["client", "node 0"])
+def test_a_wait_ends_at_the_first_write_after_the_poll_and_says_when_none_came(connect: Connect, through: str) -> None:
+    """Node 0's store holds a wait between a node's polls until a watched key is written after that thread's
+    poll: at once for a write made between the poll and the wait, early for one made during it; "nothing
+    changed" (the next poll skipped) when only other keys were written."""
+    host, writer = connect(), connect()
+    waiter = host if through == "node 0" else connect()
+    keys = ["t/plan/1", "t/end/1"]
+    assert waiter.poll(keys[:1], keys[1]) == (None, None)
+    writer.set("t/plan/0", b"another attempt's")
+    start = time.monotonic()
+    assert waiter.wait_for_change(keys, 0.3) is False
+    assert time.monotonic() - start >= 0.25
+    writer.create(keys[1], b"node 3 failed")  # after the poll, before the wait
+    assert waiter.wait_for_change(keys, 0.9) is True
+    assert waiter.poll(keys[:1], keys[1]) == (None, b"node 3 failed")
+    timer = threading.Timer(0.1, lambda: writer.set(keys[0], b"the plan"))
+    timer.start()
+    start = time.monotonic()
+    assert waiter.wait_for_change(keys, 0.9) is True
+    assert time.monotonic() - start < 0.8, "the write did not end the wait"
+    timer.join()
+    assert waiter.poll(keys[:1], keys[1]) == ([b"the plan"], None)
+
+
+def test_a_thread_that_never_polled_sleeps_and_says_poll(connect: Connect) -> None:
+    store = connect()
+    out: list[bool] = []
+    thread = threading.Thread(target=lambda: out.append(store.wait_for_change(["t/a"], 0.05)))
+    thread.start()
+    thread.join(10)
+    assert out == [True]
+
+
 # ---- the embedded store's wire: authenticated, bounded ----
 
 def test_a_client_without_the_secret_is_refused_naming_the_job_the_store_serves(connect: Connect) -> None:

@@ -1,6 +1,6 @@
 """``EtcdKVStore.wait_for_change`` on a real 3-member etcd cluster: a wait's watch is woken by a write after
 its poll (never missing one), tells "nothing changed" when nothing did, and falls back to polling when the
-watch breaks (its member killed, a message over the limit). The embedded store always says "poll again"."""
+watch breaks (its member killed, a message over the limit). The embedded store on a thread that never polled says "poll again" (its held waits: test_kvstore.py)."""
 
 from __future__ import annotations
 
