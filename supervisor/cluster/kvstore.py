@@ -209,14 +209,18 @@ class EmbeddedKVStore:
 
     def wait_for_change(self, keys: Sequence[str], timeout: float) -> bool:
         """Node 0's store is asked to hold the wait until one of ``keys`` is written after this thread's last
-        :meth:`poll` (or ``timeout``); a thread that never polled sleeps."""
+        :meth:`poll` (or ``timeout``); a thread that never polled sleeps. Never raises (as etcd's watch): a store
+        that cannot be reached is the next poll's to report."""
         since = getattr(self._seen, "seq", None)
         if since is None or not keys:
             return sleep_then_poll(timeout)
         if self._table is not None:
             return self._table.wait(keys, since, timeout)
-        answer = self._request("wait", [b"wait", str(since).encode(), str(max(0, int(timeout * 1000))).encode(),
-                                        *(k.encode() for k in keys)], extra_s=timeout)
+        try:
+            answer = self._request("wait", [b"wait", str(since).encode(), str(max(0, int(timeout * 1000))).encode(),
+                                            *(k.encode() for k in keys)], extra_s=timeout)
+        except StoreUnavailable:
+            return True  # cannot tell: the next poll fails at once on this connection, and says what that means
         return answer[0] == b"1"
 
     def create(self, key: str, value: bytes) -> bytes:

@@ -37,6 +37,7 @@ def connect() -> Iterator[Connect]:
     def make() -> KVStore:
         opened.append(EmbeddedKVStore("127.0.0.1", port, SECRET, False, TIMEOUT_S))
         return opened[-1]
+    make.host = opened[0]  # type: ignore[attr-defined]  # node 0's own handle (the embedded store's tests)
     yield make
     for store in reversed(opened):
         store.close()
@@ -170,8 +171,8 @@ def test_a_wait_ends_at_the_first_write_after_the_poll_and_says_when_none_came(c
     """Node 0's store holds a wait between a node's polls until a watched key is written after that thread's
     poll: at once for a write made between the poll and the wait, early for one made during it; "nothing
     changed" (the next poll skipped) when only other keys were written."""
-    host, writer = connect(), connect()
-    waiter = host if through == "node 0" else connect()
+    writer = connect()
+    waiter = connect.host if through == "node 0" else connect()  # type: ignore[attr-defined]
     keys = ["t/plan/1", "t/end/1"]
     assert waiter.poll(keys[:1], keys[1]) == (None, None)
     writer.set("t/plan/0", b"another attempt's")
@@ -190,6 +191,15 @@ def test_a_wait_ends_at_the_first_write_after_the_poll_and_says_when_none_came(c
     assert waiter.poll(keys[:1], keys[1]) == ([b"the plan"], None)
 
 
+def test_a_wait_on_a_store_that_went_away_says_poll_and_the_poll_says_why(connect: Connect) -> None:
+    waiter = connect()
+    assert waiter.poll(["t/a"], None) == (None, None)
+    connect.host.close()  # type: ignore[attr-defined]  # node 0 dies
+    assert waiter.wait_for_change(["t/a"], 0.5) is True
+    with pytest.raises(StoreUnavailable, match="given up|closed"):
+        waiter.poll(["t/a"], None)
+
+
 def test_a_thread_that_never_polled_sleeps_and_says_poll(connect: Connect) -> None:
     store = connect()
     out: list[bool] = []
@@ -204,7 +214,7 @@ def test_a_thread_that_never_polled_sleeps_and_says_poll(connect: Connect) -> No
 def test_a_client_without_the_secret_is_refused_naming_the_job_the_store_serves(connect: Connect) -> None:
     host_port = connect()
     assert isinstance(host_port, EmbeddedKVStore)
-    host_port.set("t/k", b"v")
+    host_port.set("t/k", b"v")  # through a client of the job
     with pytest.raises(StoreRefused, match="serves rlsup job 'job-k' \\(job_name\\) and refused this node's secret") as e:
         EmbeddedKVStore("127.0.0.1", host_port.port, b"another-secret-of-16+", False, TIMEOUT_S)
     assert e.value.serves == "rlsup job 'job-k' (job_name)"
