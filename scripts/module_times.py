@@ -55,11 +55,30 @@ def module_cpu(junit: Path) -> dict[str, float]:
     return {m: round(c, 1) for m, c in cpu.items()}
 
 
+def timeline(junit: Path) -> list[tuple[str, float, float, str]]:
+    """``(worker, start, seconds, module)`` per module run, in start order, start in seconds from the first test's
+    (from the ``started`` and ``worker`` properties tests/conftest.py writes; empty for a report without them)."""
+    runs: dict[tuple[str, str], list[float]] = {}  # (worker, module) -> [first start, seconds]
+    for case in ET.parse(junit).getroot().iter("testcase"):
+        module = module_of(case.get("classname", ""))
+        props = {p.get("name"): p.get("value") for p in case.iter("property")}
+        if module is None or "started" not in props:
+            continue
+        run = runs.setdefault((props.get("worker") or "-", module), [float(props["started"]), 0.0])
+        run[0] = min(run[0], float(props["started"]))
+        run[1] += float(case.get("time") or 0.0)
+    if not runs:
+        return []
+    t0 = min(start for start, _ in runs.values())
+    return sorted(((w, round(s - t0, 1), round(d, 1), m) for (w, m), (s, d) in runs.items()), key=lambda r: (r[1], r[0]))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("junit", type=Path, help="the JUnit XML a CI run wrote (.ci/run: --junitxml=.ci/junit.xml)")
     ap.add_argument("--top", type=int, default=0, help="print the N longest modules")
     ap.add_argument("--out", type=Path, default=OUT, help="where to write the times (default: %(default)s)")
+    ap.add_argument("--timeline", action="store_true", help="print when each module started, on which worker")
     args = ap.parse_args(argv)
     if not args.junit.is_file():
         print(f"module_times: {args.junit}: no such file (run the suite with --junitxml first)", file=sys.stderr)
@@ -72,6 +91,9 @@ def main(argv: list[str] | None = None) -> int:
     cpu = module_cpu(args.junit)
     for module, seconds in list(times.items())[:args.top]:
         print(f"{seconds:8.1f}s  {module}" + (f"  (CPU {cpu[module]:.1f} s)" if module in cpu else ""))
+    if args.timeline:
+        for worker, start, seconds, module in timeline(args.junit):
+            print(f"{start:8.1f}s {worker:>4} {seconds:7.1f}s  {module}" + (f"  (CPU {cpu[module]:.1f} s)" if module in cpu else ""))
     print(f"module_times: {len(times)} modules, {sum(times.values()):.0f} s in all -> {args.out}")
     return 0
 

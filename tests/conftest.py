@@ -6,6 +6,7 @@ import json
 import os
 import resource
 import sys
+import time
 from pathlib import Path
 from typing import Iterator
 
@@ -162,6 +163,7 @@ def _longest_first(item: pytest.Item, order: dict[str, int]) -> int:
 
 
 _CPU_AT_SETUP = pytest.StashKey[float]()
+_STARTED_AT = pytest.StashKey[float]()
 
 
 def _cpu_s() -> float:
@@ -173,15 +175,19 @@ def _cpu_s() -> float:
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
     item.stash[_CPU_AT_SETUP] = _cpu_s()
+    item.stash[_STARTED_AT] = time.time()
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
     """Each test's CPU, setup to teardown, as the JUnit property ``cpu_s`` (scripts/module_times.py sums it per
     module): the suite is bound by CPU, and a module long in wall time may be light in it (CONTRIBUTING.md, "Suite
-    time"). What a test started and never waited for is not counted."""
+    time"). What a test started and never waited for is not counted. Also when it started (Unix time) and on which
+    worker: the hand-out order's effect (which modules ran together, where the workers waited) can be read back."""
     if call.when == "teardown" and _CPU_AT_SETUP in item.stash:
         item.user_properties.append(("cpu_s", f"{_cpu_s() - item.stash[_CPU_AT_SETUP]:.2f}"))
+        item.user_properties.append(("started", f"{item.stash[_STARTED_AT]:.2f}"))
+        item.user_properties.append(("worker", os.environ.get("PYTEST_XDIST_WORKER", "")))
     return (yield)
 
 
