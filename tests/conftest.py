@@ -19,6 +19,7 @@ import pytest
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from support.env import JOBS, ROOT, TESTS, clean_env
+from support.hand_out import hand_out_order
 from support.incidents import incidents
 from support.netns import enter_own_network_namespace
 from support.ports import free_ports
@@ -123,11 +124,12 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
     return True if is_e2e(collection_path) else None
 
 
-# The longest modules first. Under pytest-xdist (`--dist loadfile`: a module stays on one worker; its reordering by
-# test count is turned off in pytest_configure, or the many-test fast modules would go first) they are handed out
+# The longest modules first (wait-bound ones spread out: tests/support/hand_out.py). Under pytest-xdist (`--dist
+# loadfile`: a module stays on one worker; its reordering by test count is turned off in pytest_configure, or the
+# many-test fast modules would go first) they are handed out
 # first, so no worker starts one of them while the others are already done: the suite's wall time is the sum over
-# workers, not the sum plus one long module at the end. The order is generated from the seconds each module took in
-# a CI run (`.ci/run` writes JUnit XML; `python scripts/module_times.py .ci/junit.xml` rewrites
+# workers, not the sum plus one long module at the end. The order is generated from the seconds and CPU each module
+# took in a CI run (`.ci/run` writes JUnit XML; `python scripts/module_times.py .ci/junit.xml` rewrites
 # tests/module_times.json). A stale or missing entry costs speed only: an unknown module runs after the timed ones.
 MODULE_TIMES = TESTS / "module_times.json"
 # Used only while tests/module_times.json is absent (a checkout from before the file was generated).
@@ -149,13 +151,12 @@ LONGEST_FIRST = ("chaos/test_chaos_ci_e2e.py", "thirdparty/test_thirdparty_train
 
 
 def _longest_first_order() -> dict[str, int]:
-    """Each module's place in the hand-out order: by the seconds module_times.json gives it, longest first."""
+    """Each module's place in the hand-out order (support.hand_out: longest first, wait-bound modules spread)."""
     try:
-        times = json.loads(MODULE_TIMES.read_text())
-        ranked = sorted((m for m, t in times.items() if isinstance(t, (int, float))), key=lambda m: -times[m])
+        ranked = hand_out_order(json.loads(MODULE_TIMES.read_text()))
     except (OSError, ValueError, AttributeError):
-        ranked = list(LONGEST_FIRST)
-    return {m: i for i, m in enumerate(ranked)}
+        ranked = []
+    return {m: i for i, m in enumerate(ranked or LONGEST_FIRST)}
 
 
 def _longest_first(item: pytest.Item, order: dict[str, int]) -> int:

@@ -29,9 +29,11 @@ def test_times_per_module_longest_first_from_junit(tmp_path: Path, capsys: pytes
     assert MODULE_TIMES.main([str(junit), "--out", str(out), "--top", "1"]) == 0
     printed = capsys.readouterr().out
     times = json.loads(out.read_text())
-    # summed per file (a class's tests count for its module), a module no longer in tests/ left out, longest first
-    assert list(times.items()) == [("chaos/test_chaos_ci_e2e.py", 100.2), ("shared/test_node_name.py", 1.5),
-                                   ("project/test_module_times.py", 0.5)]
+    # summed per file (a class's tests count for its module), a module no longer in tests/ left out, longest first;
+    # a module's CPU is its tests' cpu_s (its wall time where the report has none)
+    assert list(times.items()) == [("chaos/test_chaos_ci_e2e.py", {"wall": 100.2, "cpu": 24.8}),
+                                   ("shared/test_node_name.py", {"wall": 1.5, "cpu": 1.5}),
+                                   ("project/test_module_times.py", {"wall": 0.5, "cpu": 0.5})]
     assert "chaos/test_chaos_ci_e2e.py  (CPU 24.8 s)" in printed  # the tests' cpu_s (tests/conftest.py) summed
 
 
@@ -48,3 +50,26 @@ def test_the_timeline_says_which_module_ran_when_and_where(tmp_path: Path) -> No
     junit.write_text(JUNIT)
     assert MODULE_TIMES.timeline(junit) == [("gw0", 0.0, 90.2, "chaos/test_chaos_ci_e2e.py"),
                                             ("gw1", 0.5, 1.5, "shared/test_node_name.py")]
+
+
+def test_with_two_reports_each_module_s_longest_run_counts(tmp_path: Path) -> None:
+    """A test that failed early in one run is short there: the other run's time (and CPU) is the module's."""
+    a, b, out = tmp_path / "a.xml", tmp_path / "b.xml", tmp_path / "times.json"
+    a.write_text(JUNIT)
+    b.write_text(JUNIT.replace('time="90.25"', 'time="2"').replace('time="1.5"', 'time="3"'))
+    assert MODULE_TIMES.main([str(a), str(b), "--out", str(out)]) == 0
+    times = json.loads(out.read_text())
+    assert times["chaos/test_chaos_ci_e2e.py"] == {"wall": 100.2, "cpu": 24.8}
+    assert times["shared/test_node_name.py"] == {"wall": 3.0, "cpu": 3.0}
+
+
+def test_the_hand_out_order_is_longest_first_with_wait_bound_modules_spread() -> None:
+    from support.hand_out import hand_out_order
+
+    times = {"wait_a.py": {"wall": 150, "cpu": 15}, "wait_b.py": {"wall": 140, "cpu": 20},
+             "cpu_a.py": {"wall": 130, "cpu": 120}, "cpu_b.py": {"wall": 100, "cpu": 90},
+             "wait_c.py": {"wall": 90, "cpu": 9}, "cpu_c.py": 80, "wait_d.py": {"wall": 10, "cpu": 1}, "bad.py": "x"}
+    # wait_b would run beside wait_a: two CPU-bound modules go between them; at the end only waiting ones are left
+    assert hand_out_order(times) == ["wait_a.py", "cpu_a.py", "cpu_b.py", "wait_b.py", "cpu_c.py", "wait_c.py",
+                                     "wait_d.py"]
+    assert hand_out_order({"a.py": 3, "b.py": 5}) == ["b.py", "a.py"]  # the old format: seconds alone
