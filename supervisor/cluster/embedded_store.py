@@ -41,7 +41,10 @@ def embedded_coordinator(host: str, port: int, job: JobIdentity, secret: bytes, 
         return coordinator
 
     def connect(wait_s: float) -> KVStore:
-        return connect_store(host, port, secret, wait_s, stop)
+        try:
+            return connect_store(host, port, secret, wait_s, stop)
+        except StoreRefused as e:  # node 0's port now serves another job: a clash, not an outage to wait out
+            raise clash(f"{host}:{port}", f"{e.serves} (it refused this job's secret)", job) from e
 
     log.info("node %d: reaching the coordination store %s:%d (up to %.0fs, rendezvous_timeout)",
              node_rank, host, port, timeout_s)

@@ -3,7 +3,8 @@ other nodes over :mod:`supervisor.cluster.kv_wire`.
 
 One daemon thread accepts, one serves each connection; nothing here runs on the run loop's thread, and a client
 that stops answering holds only its own thread (TCP keepalive ends a vanished one). A connection must finish its
-handshake within :data:`HANDSHAKE_S`; at most :data:`MAX_CONNECTIONS` are served at once.
+handshake within :data:`HANDSHAKE_S`; at most :data:`MAX_CONNECTIONS` are served at once, of which at most
+:data:`MAX_HANDSHAKING` unauthenticated.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ from supervisor.cluster.kv_wire import Session, WireError, server_handshake
 
 log = logging.getLogger(__name__)
 
-HANDSHAKE_S = 5.0
+HANDSHAKE_S = 5.0  # the whole handshake's deadline (not one read's)
 MAX_CONNECTIONS = 512
+MAX_HANDSHAKING = 32  # connections not yet authenticated, at most: strangers never take an authenticated node's slot
 MAX_WAIT_S = 1.0  # the longest one wait request is held (a client's wait asks for its poll interval, 2-50 ms)
 KEEPALIVE = {"TCP_KEEPIDLE": 30, "TCP_KEEPINTVL": 10, "TCP_KEEPCNT": 6}  # a vanished client's thread ends in ~90 s
 
@@ -93,11 +95,12 @@ class KVTable:
                 self._values.pop(k, None)
 
     def answer(self, request: list[bytes]) -> list[bytes]:
-        """One request from the wire (``[op, args...]``) answered: ``[b"ok", results...]`` or ``[b"err", why]``."""
+        """One request from the wire (``[op, args...]``) answered: ``[b"ok", results...]`` or ``[b"err", why]``;
+        a request that does not parse or cannot be done is an ``err``, never the end of the connection."""
         try:
             return [b"ok", *self._dispatch(request[0], request[1:])]
-        except (ValueError, IndexError, UnicodeDecodeError) as e:
-            return [b"err", str(e).encode()[:1024] or b"malformed request"]
+        except Exception as e:  # noqa: BLE001 - malformed input (ValueError, IndexError, OverflowError ...): say so
+            return [b"err", f"{type(e).__name__}: {e}".encode()[:1024]]
 
     def _dispatch(self, op: bytes, args: list[bytes]) -> list[bytes]:
         if op == b"set" and len(args) == 2:
@@ -137,6 +140,7 @@ class KVServer:
         self._listener = socket.create_server(("", port), family=socket.AF_INET6 if dual else socket.AF_INET,
                                               backlog=128, dualstack_ipv6=dual)
         self._conns: set[socket.socket] = set()
+        self._handshaking = 0
         self._lock = threading.Lock()
         self._closed = False
         self.cpu_s = 0.0  # CPU its connections' threads spent answering (the scale benchmark reports it)
@@ -146,31 +150,43 @@ class KVServer:
         while True:
             try:
                 conn, _ = self._listener.accept()
-            except OSError:
-                return  # closed
+            except OSError as e:
+                if self._closed:
+                    return
+                log.warning("coordination store: accept failed (%s); accepting again", e)  # EMFILE, ENOBUFS ...
+                time.sleep(0.1)
+                continue
             with self._lock:
-                if self._closed or len(self._conns) >= MAX_CONNECTIONS:
+                if self._closed or len(self._conns) >= MAX_CONNECTIONS or self._handshaking >= MAX_HANDSHAKING:
                     conn.close()
                     continue
                 self._conns.add(conn)
+                self._handshaking += 1
             threading.Thread(target=self._serve, args=(conn,), name="rlsup-kv-conn", daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
+        shaking = True
         try:
             _keepalive(conn)
-            conn.settimeout(HANDSHAKE_S)
-            session: Session = server_handshake(conn, self._secret, self._serves)
+            session: Session = server_handshake(conn, self._secret, self._serves, time.monotonic() + HANDSHAKE_S)
+            with self._lock:
+                self._handshaking, shaking = self._handshaking - 1, False
             conn.settimeout(None)  # a node between rounds is idle for as long as an attempt runs
             while True:
                 request = session.receive()
                 start = time.thread_time()
-                session.send(self.table.answer(request))
+                answer = self.table.answer(request)
+                try:
+                    session.send(answer)
+                except ValueError as e:  # over the frame limit: nothing was sent
+                    session.send([b"err", str(e).encode()])
                 self.cpu_s += time.thread_time() - start  # a race may lose an addition: a figure, not a count
         except (OSError, WireError) as e:
             log.debug("coordination store: a connection ended: %s", e)
         finally:
             with self._lock:
                 self._conns.discard(conn)
+                self._handshaking -= shaking
             conn.close()
 
     def close(self) -> None:

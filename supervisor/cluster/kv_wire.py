@@ -26,6 +26,7 @@ import json
 import os
 import socket
 import struct
+import time
 from typing import Sequence
 
 MAGIC = b"rlsup-kv/1"
@@ -75,9 +76,19 @@ def decode(body: bytes) -> list[bytes]:
     return out
 
 
-def _read_exact(sock: socket.socket, n: int) -> bytes:
+def _until(sock: socket.socket, deadline: float | None) -> None:
+    """The socket's timeout set to what is left before ``deadline`` (a whole exchange's, not one call's)."""
+    if deadline is not None:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the deadline passed")
+        sock.settimeout(left)
+
+
+def _read_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
     chunks, left = [], n
     while left:
+        _until(sock, deadline)
         chunk = sock.recv(min(left, 1 << 20))
         if not chunk:
             raise WireError("the connection was closed")
@@ -86,16 +97,17 @@ def _read_exact(sock: socket.socket, n: int) -> bytes:
     return b"".join(chunks)
 
 
-def read_plain(sock: socket.socket, limit: int = MAX_HELLO_BYTES) -> list[bytes]:
-    """One handshake frame (no tag)."""
-    (n,) = _LEN.unpack(_read_exact(sock, _LEN.size))
+def read_plain(sock: socket.socket, limit: int = MAX_HELLO_BYTES, deadline: float | None = None) -> list[bytes]:
+    """One handshake frame (no tag), whole before ``deadline``."""
+    (n,) = _LEN.unpack(_read_exact(sock, _LEN.size, deadline))
     if n > limit:
         raise WireError(f"a handshake frame of {n} bytes (at most {limit})")
-    return decode(_read_exact(sock, n))
+    return decode(_read_exact(sock, n, deadline))
 
 
-def send_plain(sock: socket.socket, fields: Sequence[bytes]) -> None:
+def send_plain(sock: socket.socket, fields: Sequence[bytes], deadline: float | None = None) -> None:
     body = encode(fields)
+    _until(sock, deadline)
     sock.sendall(_LEN.pack(len(body)) + body)
 
 
@@ -114,50 +126,55 @@ class Session:
     def _tag(self, direction: bytes, seq: int, body: bytes) -> bytes:
         return hmac.new(self._key, direction + seq.to_bytes(8, "big") + body, hashlib.sha256).digest()
 
-    def send(self, fields: Sequence[bytes]) -> None:
+    def send(self, fields: Sequence[bytes], deadline: float | None = None) -> None:
+        """One frame; :class:`ValueError` (nothing sent) when it is over :data:`MAX_FRAME_BYTES`."""
         body = encode(fields)
         if len(body) > MAX_FRAME_BYTES:
             raise ValueError(f"a frame of {len(body)} bytes (at most {MAX_FRAME_BYTES})")
+        _until(self.sock, deadline)
         self.sock.sendall(_LEN.pack(len(body)) + body + self._tag(self._out, self._sent, body))
         self._sent += 1
 
-    def receive(self) -> list[bytes]:
-        (n,) = _LEN.unpack(_read_exact(self.sock, _LEN.size))
+    def receive(self, deadline: float | None = None) -> list[bytes]:
+        """One frame, whole before ``deadline`` (None: the socket's own timeout per read)."""
+        (n,) = _LEN.unpack(_read_exact(self.sock, _LEN.size, deadline))
         if n > MAX_FRAME_BYTES:
             raise WireError(f"a frame of {n} bytes (at most {MAX_FRAME_BYTES})")
-        body = _read_exact(self.sock, n)
-        if not hmac.compare_digest(_read_exact(self.sock, TAG_BYTES), self._tag(self._in, self._received, body)):
+        body = _read_exact(self.sock, n, deadline)
+        if not hmac.compare_digest(_read_exact(self.sock, TAG_BYTES, deadline),
+                                   self._tag(self._in, self._received, body)):
             raise WireError("a frame whose tag does not verify (altered, replayed or not from the peer)")
         self._received += 1
         return decode(body)
 
 
-def server_handshake(sock: socket.socket, secret: bytes, serves: dict) -> Session:
-    """The server's side: hello, check the client's proof (:class:`WireError` when it fails, after telling
-    the client), prove the secret back."""
+def server_handshake(sock: socket.socket, secret: bytes, serves: dict, deadline: float) -> Session:
+    """The server's side, whole before ``deadline``: hello, check the client's proof (:class:`WireError` when it
+    fails, after telling the client), prove the secret back."""
     server_nonce = os.urandom(NONCE_BYTES)
-    send_plain(sock, [MAGIC, server_nonce, json.dumps(serves).encode()])
-    fields = read_plain(sock)
+    send_plain(sock, [MAGIC, server_nonce, json.dumps(serves).encode()], deadline)
+    fields = read_plain(sock, deadline=deadline)
     if len(fields) != 2 or len(fields[0]) != NONCE_BYTES:
         raise WireError("a malformed handshake")
     client_nonce, proof = fields
     if not hmac.compare_digest(proof, _mac(secret, b"client", server_nonce, client_nonce)):
-        send_plain(sock, [b"refused", b"this store's job signs with another secret"])
+        send_plain(sock, [b"refused", b"this store's job signs with another secret"], deadline)
         raise WireError("a client without this job's secret")
-    send_plain(sock, [b"ok", _mac(secret, b"server", server_nonce, client_nonce)])
+    send_plain(sock, [b"ok", _mac(secret, b"server", server_nonce, client_nonce)], deadline)
     return Session(sock, _mac(secret, b"session", server_nonce, client_nonce), TO_CLIENT)
 
 
-def client_handshake(sock: socket.socket, secret: bytes) -> Session:
-    """The client's side; :class:`Refused` (naming the job the store serves) when the store does not take this
-    secret, :class:`WireError` when the other end is not an rlsup store or cannot prove the secret."""
-    hello = read_plain(sock)
+def client_handshake(sock: socket.socket, secret: bytes, deadline: float | None = None) -> Session:
+    """The client's side, whole before ``deadline``; :class:`Refused` (naming the job the store serves) when the
+    store does not take this secret, :class:`WireError` when the other end is not an rlsup store or cannot prove
+    the secret."""
+    hello = read_plain(sock, deadline=deadline)
     if len(hello) != 3 or hello[0] != MAGIC or len(hello[1]) != NONCE_BYTES:
         raise WireError("the other end is not an rlsup coordination store")
     server_nonce, serves = hello[1], _serves(hello[2])
     client_nonce = os.urandom(NONCE_BYTES)
-    send_plain(sock, [client_nonce, _mac(secret, b"client", server_nonce, client_nonce)])
-    answer = read_plain(sock)
+    send_plain(sock, [client_nonce, _mac(secret, b"client", server_nonce, client_nonce)], deadline)
+    answer = read_plain(sock, deadline=deadline)
     if answer[:1] == [b"refused"]:
         raise Refused(f"the store serves {serves} and refused this node's secret", serves)
     if len(answer) != 2 or answer[0] != b"ok" or not hmac.compare_digest(

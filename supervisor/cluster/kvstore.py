@@ -125,10 +125,10 @@ class EmbeddedKVStore:
             return
         sock = None
         try:
+            deadline = time.monotonic() + timeout_s
             sock = socket.create_connection((host, port), timeout=timeout_s)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._session = client_handshake(sock, secret)  # bounded: the socket's timeout is timeout_s
-            sock.settimeout(op_timeout_s)
+            self._session = client_handshake(sock, secret, deadline)
         except Refused as e:
             _close(sock)
             raise StoreRefused(f"coordination store {self.describe()}: {e}", e.serves) from e
@@ -144,26 +144,30 @@ class EmbeddedKVStore:
         return self._server.cpu_s if self._server is not None else 0.0
 
     def _request(self, what: str, fields: list[bytes], extra_s: float = 0.0) -> list[bytes]:
-        """One round trip, given up after ``op_timeout_s`` (+ ``extra_s``, what the request asks the store to wait): the connection is then dead for good (its answer may
-        still come, out of turn) and every later call fails at once; the coordinator reconnects (a fresh store)
-        where it waits for node 0 to come back."""
+        """One round trip, whole within ``op_timeout_s`` (+ ``extra_s``, what the request asks the store to wait) or
+        given up: the connection is then dead for good (its answer may still come, out of turn), as after any
+        failure or interruption between the request and its answer, and every later call fails at once; the
+        coordinator reconnects (a fresh store) where it waits for node 0 to come back."""
         if self._stalled or self._session is None:
             raise StoreUnavailable(f"coordination store {self.describe()}: {self._stalled or 'closed'}")
         if not self._lock.acquire(timeout=self.op_timeout_s):
             raise StoreUnavailable(f"coordination store {self.describe()}: {what} waited {self.op_timeout_s:.0f}s "
                                    "for another call on this connection")
         try:
-            if extra_s:
-                self._session.sock.settimeout(self.op_timeout_s + extra_s)
-            self._session.send(fields)
-            answer = self._session.receive()
-            if extra_s:
-                self._session.sock.settimeout(self.op_timeout_s)
+            deadline = time.monotonic() + self.op_timeout_s + extra_s
+            self._session.send(fields, deadline)
+            answer = self._session.receive(deadline)
+        except ValueError:  # a request over the frame limit: nothing was sent, the connection stays good
+            raise
         except TimeoutError:
             self._give_up(f"{what} got no answer within {self.op_timeout_s:g}s (its host is cut off or "
                           "stopped); this connection is given up")
         except (OSError, WireError) as e:
             self._give_up(f"{what} failed: {e}; this connection is given up")
+        except BaseException:  # interrupted (KeyboardInterrupt, a stop): its answer would pair with the next request
+            self._stalled = f"{what} was interrupted; this connection is given up"
+            self._close_session()
+            raise
         finally:
             self._lock.release()
         if answer[:1] != [b"ok"]:
@@ -173,13 +177,16 @@ class EmbeddedKVStore:
 
     def _give_up(self, why: str) -> NoReturn:
         self._stalled = why
-        if self._session is not None:
-            _close(self._session.sock)
+        self._close_session()
         raise StoreUnavailable(f"coordination store {self.describe()}: {why}")
 
+    def _close_session(self) -> None:
+        if self._session is not None:
+            _close(self._session.sock)
+
     def set(self, key: str, value: bytes) -> None:
-        if self._table is not None:
-            return self._table.set(key, value)
+        if (table := self._table) is not None:  # read once: close() on another thread may clear it
+            return table.set(key, value)
         self._request("set", [b"set", key.encode(), _bytes(value)])
 
     def get(self, key: str) -> bytes | None:
@@ -189,8 +196,8 @@ class EmbeddedKVStore:
         keys = list(keys)
         if not keys:
             return []
-        if self._table is not None:
-            return self._table.get_many(keys)
+        if (table := self._table) is not None:
+            return table.get_many(keys)
         answer = self._request("get", [b"get", *(k.encode() for k in keys)])
         return [answer[i + 1] if answer[i] == b"1" else None for i in range(0, len(answer), 2)]
 
@@ -198,8 +205,8 @@ class EmbeddedKVStore:
         keys = list(keys)
         if not keys:
             return [], None
-        if self._table is not None:
-            values, other_value, self._seen.seq = self._table.poll(keys, other)
+        if (table := self._table) is not None:
+            values, other_value, self._seen.seq = table.poll(keys, other)
             return values, other_value
         answer = self._request("poll", [b"poll", (other or "").encode(), *(k.encode() for k in keys)])
         self._seen.seq = int(answer[0])
@@ -214,8 +221,8 @@ class EmbeddedKVStore:
         since = getattr(self._seen, "seq", None)
         if since is None or not keys:
             return sleep_then_poll(timeout)
-        if self._table is not None:
-            return self._table.wait(keys, since, timeout)
+        if (table := self._table) is not None:
+            return table.wait(keys, since, timeout)
         try:
             answer = self._request("wait", [b"wait", str(since).encode(), str(max(0, int(timeout * 1000))).encode(),
                                             *(k.encode() for k in keys)], extra_s=timeout)
@@ -224,19 +231,19 @@ class EmbeddedKVStore:
         return answer[0] == b"1"
 
     def create(self, key: str, value: bytes) -> bytes:
-        if self._table is not None:
-            return self._table.create(key, _bytes(value))
+        if (table := self._table) is not None:
+            return table.create(key, _bytes(value))
         return self._request("create", [b"create", key.encode(), _bytes(value)])[0]
 
     def add(self, key: str, amount: int) -> int:
-        if self._table is not None:
-            return self._table.add(key, amount)
+        if (table := self._table) is not None:
+            return table.add(key, amount)
         return int(self._request("add", [b"add", key.encode(), str(int(amount)).encode()])[0])
 
     def delete(self, keys: Sequence[str]) -> None:
         keys = list(keys)
-        if self._table is not None:
-            return self._table.delete(keys)
+        if (table := self._table) is not None:
+            return table.delete(keys)
         if keys:
             self._request("delete", [b"delete", *(k.encode() for k in keys)])
 
@@ -247,8 +254,7 @@ class EmbeddedKVStore:
         self._table = None  # node 0's own calls fail from now on, as every client's do
         if self._server is not None:
             self._server.close()
-        if self._session is not None:
-            _close(self._session.sock)
+        self._close_session()
         self._stalled = self._stalled or "closed"
 
 
@@ -258,11 +264,13 @@ def _bytes(value: bytes | str) -> bytes:
 
 
 def _close(sock: socket.socket | None) -> None:
+    """Shut down, then close: a thread of ours blocked reading it wakes at once (close alone does not wake it)."""
     if sock is not None:
-        try:
-            sock.close()
-        except OSError:
-            pass
+        for end in (lambda: sock.shutdown(socket.SHUT_RDWR), sock.close):
+            try:
+                end()
+            except OSError:
+                pass
 
 
 def connect_store(host: str, port: int, secret: bytes, wait_s: float, stop: StopRequest | None,

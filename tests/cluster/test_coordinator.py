@@ -8,7 +8,7 @@ import pytest
 
 from supervisor.tiers.holdings import PERSISTENT_HOLDER, FetchResult, NodeInventory, StepHoldings, TierOffer
 from supervisor.cluster.coordinator import RoundCoordinator
-from supervisor.cluster.round_errors import CoordinationError
+from supervisor.cluster.round_errors import CoordinationError, JobClash
 from supervisor.cluster.round_plan import compute_plan
 from supervisor.cluster.embedded_store import embedded_coordinator
 from supervisor.job_identity import JobIdentity
@@ -237,6 +237,19 @@ def test_forged_values_are_ignored_and_named(caplog: pytest.LogCaptureFixture) -
     assert "ignored rlsup/job-a/end/0" in caplog.text  # through the logging channel (supervisor.cluster.coordinator)
     assert leader.end(0, "node 0: real") == "node 0: real"  # the signed writer takes the key back
     assert follower.ended(0) == "node 0: real"
+
+
+def test_a_reconnect_that_finds_another_jobs_store_on_node_0s_port_is_a_clash() -> None:
+    """Node 0 went away and another job (another secret) now hosts its store on the port: the reconnect names it
+    (JobClash) instead of waiting out rendezvous_timeout for a store that refuses this node."""
+    port = free_port()
+    leader, follower = node(port, 0), node(port, 1)
+    leader.store.close()
+    other = node(port, 0, job=JobIdentity("job-b", "job_name"), secret=b"another-secret-of-16+")
+    assert follower.reconnect is not None
+    with pytest.raises(JobClash, match="hosted for rlsup job 'job-b' .*refused this job's secret"):
+        follower.reconnect(5.0)
+    other.store.close()
 
 
 def test_a_replacement_node_0_hosts_a_fresh_store_and_the_job_keeps_counting() -> None:

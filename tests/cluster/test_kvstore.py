@@ -266,6 +266,77 @@ def test_the_wire_refuses_what_is_not_a_verified_frame(connect: Connect) -> None
     assert connect().get("t/k") == b"v"  # nothing was written, and the store still serves
 
 
+def test_a_handshake_is_bounded_as_a_whole_and_strangers_have_few_slots(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stranger that trickles its handshake a byte at a time is cut off at the handshake's deadline (not per
+    read), and connections not yet authenticated are capped apart from the nodes' (MAX_HANDSHAKING)."""
+    import socket
+
+    from supervisor.cluster import kv_server, kv_wire
+
+    monkeypatch.setattr(kv_server, "HANDSHAKE_S", 0.6)
+    monkeypatch.setattr(kv_server, "MAX_HANDSHAKING", 1)
+    port = free_ports(1)[0]
+    host = EmbeddedKVStore("127.0.0.1", port, SECRET, True, 2.0)
+    try:
+        s = socket.create_connection(("127.0.0.1", port), timeout=5.0)
+        assert kv_wire.read_plain(s)[0] == kv_wire.MAGIC
+        second = socket.create_connection(("127.0.0.1", port), timeout=5.0)  # over the cap: closed at once
+        assert second.recv(1) == b""
+        second.close()
+        start, ended = time.monotonic(), False
+        s.settimeout(0.2)
+        while time.monotonic() - start < 3.0 and not ended:
+            try:
+                s.send(b"\0")  # a byte within every read's own timeout, never a whole frame
+                ended = s.recv(1) == b""
+            except TimeoutError:
+                continue
+            except OSError:
+                ended = True
+        assert ended and time.monotonic() - start < 2.0, "a trickled handshake outlived its deadline"
+        s.close()
+        wait_for(lambda: _connects(port), 5.0, "a node to get in once the stranger's slot was freed")
+    finally:
+        host.close()
+
+
+def _connects(port: int) -> bool:
+    try:
+        EmbeddedKVStore("127.0.0.1", port, SECRET, False, 2.0).close()
+        return True
+    except StoreUnavailable:
+        return False
+
+
+def test_a_request_the_store_cannot_do_is_an_error_and_the_connection_goes_on(connect: Connect) -> None:
+    client = connect()
+    assert isinstance(client, EmbeddedKVStore)
+    session = client._session  # the wire itself: requests rlsup's client never makes
+    assert session is not None
+    session.send([b"wait", b"0", b"9" * 400, b"t/k"])  # a timeout no float holds
+    assert session.receive()[0] == b"err"
+    session.send([b"nonsense"])
+    assert session.receive()[:1] == [b"err"]
+    client.set("t/k", b"v")
+    assert client.get("t/k") == b"v"
+
+
+def test_an_interrupted_request_gives_its_connection_up(connect: Connect, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An answer that comes after an interruption would pair with the next request: the connection goes."""
+    client = connect()
+    assert isinstance(client, EmbeddedKVStore) and client._session is not None
+
+    def interrupted(deadline: float | None = None) -> list[bytes]:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(client._session, "receive", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        client.get("t/k")
+    monkeypatch.undo()
+    with pytest.raises(StoreUnavailable, match="interrupted; this connection is given up"):
+        client.get("t/k")
+
+
 def test_a_client_gives_a_stalled_connection_up_and_fails_at_once_after() -> None:
     """A store that accepts and then never answers (node 0 stopped or cut off): the connect fails within its
     timeout; an operation on a connection whose host then stalls, within op_timeout_s, and every later one at once."""
