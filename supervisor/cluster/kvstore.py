@@ -1,8 +1,8 @@
 """The key-value store the node supervisors agree through, behind one small interface.
 
 Two stores sit behind it: the embedded one (hosted by node 0's supervisor, as torchrun's c10d rendezvous hosts
-its own ``TCPStore``; rlsup's own authenticated protocol, :mod:`supervisor.cluster.kv_wire`) and etcd v3 (:mod:`supervisor.cluster.kvstore_etcd`), a highly
-available store whose loss of one member or of any one node stalls nobody. The coordinator
+its own ``TCPStore``; rlsup's own authenticated protocol, :mod:`supervisor.cluster.kv_wire`) and etcd v3
+(:mod:`supervisor.cluster.kvstore_etcd`), a highly available store whose loss of one member or of any one node stalls nobody. The coordinator
 (:mod:`supervisor.cluster.coordinator`) signs and namespaces what it writes; a store only moves bytes.
 
 Semantics every store keeps: keys are never rewritten by the protocol except through :meth:`set`;
@@ -23,10 +23,10 @@ from supervisor.cluster.kv_wire import Refused, Session, WireError, client_hands
 if TYPE_CHECKING:
     from supervisor.stop_request import StopRequest
 
-#: The longest one operation of the embedded store may take. Every operation is immediate (a key is checked before it is
-#: read), so a longer one means node 0's host no longer answers: a network partition, where TCP neither
-#: answers nor resets and a client without a deadline would wait for ever, holding the run loop (hang detection, rank deaths,
-#: SIGTERM) and every other node's view of the job with it.
+#: The longest one operation of the embedded store may take. Every operation is immediate (a key is checked before
+#: it is read), so a longer one means node 0's host no longer answers: a network partition, where TCP neither
+#: answers nor resets and a client without a deadline would wait for ever, holding the run loop (hang detection,
+#: rank deaths, SIGTERM) and every other node's view of the job with it.
 OP_TIMEOUT_S = 5.0
 CONNECT_SLICE_S = 1.0  # a connect to a store not yet up is tried in slices this long, the stop asked between them
 
@@ -186,8 +186,8 @@ class EmbeddedKVStore:
 
     def set(self, key: str, value: bytes) -> None:
         if (table := self._table) is not None:  # read once: close() on another thread may clear it
-            return table.set(key, value)
-        self._request("set", [b"set", key.encode(), _bytes(value)])
+            return table.set(key, value_bytes(value))
+        self._request("set", [b"set", key.encode(), value_bytes(value)])
 
     def get(self, key: str) -> bytes | None:
         return self.get_many([key])[0]
@@ -232,8 +232,8 @@ class EmbeddedKVStore:
 
     def create(self, key: str, value: bytes) -> bytes:
         if (table := self._table) is not None:
-            return table.create(key, _bytes(value))
-        return self._request("create", [b"create", key.encode(), _bytes(value)])[0]
+            return table.create(key, value_bytes(value))
+        return self._request("create", [b"create", key.encode(), value_bytes(value)])[0]
 
     def add(self, key: str, amount: int) -> int:
         if (table := self._table) is not None:
@@ -258,8 +258,8 @@ class EmbeddedKVStore:
         self._stalled = self._stalled or "closed"
 
 
-def _bytes(value: bytes | str) -> bytes:
-    """Values as bytes; str is taken as UTF-8 (as etcd's client and torch's store take it)."""
+def value_bytes(value: bytes | str) -> bytes:
+    """A value as every store keeps it: bytes; str is taken as UTF-8."""
     return value.encode() if isinstance(value, str) else bytes(value)
 
 

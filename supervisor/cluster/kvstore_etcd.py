@@ -33,7 +33,7 @@ from typing import Any, Sequence
 
 from supervisor.cluster import etcd_http
 from supervisor.cluster.etcd_watch import MAX_WATCH_MESSAGE_BYTES, EtcdWatch, WatchBroken
-from supervisor.cluster.kvstore import StoreUnavailable
+from supervisor.cluster.kvstore import StoreUnavailable, value_bytes
 
 log = logging.getLogger(__name__)
 
@@ -46,11 +46,6 @@ WATCH_COALESCE_S = 0.05  # a change is told at most this long after the last pol
 
 def _b64(data: bytes) -> str:
     return base64.b64encode(data).decode("ascii")
-
-
-def _bytes(value: bytes | str) -> bytes:
-    """Values as bytes; str is taken as UTF-8, as the embedded store takes it."""
-    return value.encode() if isinstance(value, str) else bytes(value)
 
 
 def _value(kv: dict[str, Any]) -> bytes:
@@ -244,7 +239,7 @@ class EtcdKVStore:
         return bool(result.get("succeeded", False)), result.get("responses", [])
 
     def set(self, key: str, value: bytes) -> None:
-        self._post("set", "kv/put", {"key": _b64(key.encode()), "value": _b64(_bytes(value))})
+        self._post("set", "kv/put", {"key": _b64(key.encode()), "value": _b64(value_bytes(value))})
 
     def get(self, key: str) -> bytes | None:
         kvs = self._post("get", "kv/range", {"key": _b64(key.encode())}).get("kvs", [])
@@ -362,9 +357,9 @@ class EtcdKVStore:
         k = _b64(key.encode())
         won, responses = self._txn(
             "create", [{"key": k, "target": "CREATE", "result": "EQUAL", "create_revision": 0}],
-            [{"request_put": {"key": k, "value": _b64(_bytes(value))}}], [{"request_range": {"key": k}}])
+            [{"request_put": {"key": k, "value": _b64(value_bytes(value))}}], [{"request_range": {"key": k}}])
         if won:
-            return _bytes(value)
+            return value_bytes(value)
         kvs = responses[0].get("response_range", {}).get("kvs", []) if responses else []
         if not kvs:  # a key deleted (delete_prefix) between the compare and now cannot happen in one txn
             raise StoreUnavailable(f"coordination store {self.describe()}: create {key!r}: etcd returned no value")
