@@ -211,7 +211,8 @@ class Supervisor:
                         pending[0].world = world.change  # the failure's incident says what the job went on with
                 result = self._launch_and_watch(attempt, resume, pending)
             if result.reason == EndReason.SUCCESS:  # the real exit code (non-zero after a trainer's done line)
-                self.record.set_state(JobStatus.SUCCEEDED, exit_code=result.exit_code or 0, last_step=result.last_step)
+                reached = step_reached(result.last_step, resume.step if resume else None, None)  # not below the resume
+                self.record.set_state(JobStatus.SUCCEEDED, exit_code=result.exit_code or 0, last_step=reached)
                 return self._finish(exit_codes.OK, JobStatus.SUCCEEDED, attempt, result.detail)
             if result.reason in (EndReason.STOPPED, EndReason.PREEMPTED):
                 self.record_incident(incident_for(result, Action.STOP))

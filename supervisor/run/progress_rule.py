@@ -91,7 +91,7 @@ def _passed(step: int, mark: int | None) -> bool:
 
 
 def step_reached(last_step: int | None, resumed_step: int | None, newest_step: int | None) -> int | None:
-    """The step a failed attempt really reached, for incidents, metrics and the progress mark: never below
+    """The step an attempt really reached, for incidents, state, metrics and the progress mark: never below
     the step it resumed from (HF's bar draws ``0/N`` before it jumps to the resumed step, and a kill can land
     in between) nor below the newest valid checkpoint (a bar redrawn at most every 0.1 s lags the save)."""
     known = [s for s in (last_step, resumed_step, newest_step) if s is not None]

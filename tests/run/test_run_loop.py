@@ -238,3 +238,13 @@ def test_a_success_that_node_0_s_grow_back_came_before_goes_on_with_every_node(t
     assert (result.exit_code, result.status, result.attempts) == (0, JobStatus.SUCCEEDED, 2)
     assert [(i["reason"], i["action"]) for i in incidents(tmp_path)] == [("resized", "restart")]
     assert rec.failures == [] and rec.states.count("resizing") == 1
+
+
+def test_a_success_never_reports_a_step_below_the_one_it_resumed_from(tmp_path: Path) -> None:
+    """A restart that resumes at the job's final step trains none and its trainer's first bar draw says ``0/N``
+    (HF's, before it jumps): ``rlsup status`` must still say the step the job reached, not 0."""
+    sup, _, _ = make(tmp_path, Attempt(exit_code=1, exit_at=4, saves=20), Attempt(exit_code=0, exit_at=1))
+    assert sup.run().exit_code == 0
+    (inc,) = incidents(tmp_path)
+    assert inc["resumed_step"] == 20
+    assert read_state(tmp_path / "state")["last_step"] == 20
