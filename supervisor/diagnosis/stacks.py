@@ -214,10 +214,12 @@ def tree_roles(tree: list, hb_dir: Path | None = None) -> list[TreeRole]:
         cmd, _, ppid = info[pid]
         return ppid in info and (cmd == info[ppid][0] or any(m in arg for arg in cmd for m in _HELPER_MARKS))
 
-    helpers = {pid for pid in info if helper(pid)}
-    launchers = {info[pid][2] for pid in info if pid not in helpers and info[pid][2] in info}
-    launchers |= {pid for pid in info if pid not in helpers and _launcher_command(info[pid][0])}
+    # A warm rank with a record is a rank whatever its command line says (a forked one shows its zygote's, the
+    # launcher's, until it writes the worker's over it).
     warm = _warm_rank_records(hb_dir)
+    helpers = {pid for pid in info if pid not in warm and helper(pid)}
+    launchers = {info[pid][2] for pid in info if pid not in helpers and info[pid][2] in info}
+    launchers |= {pid for pid in info if pid not in helpers and pid not in warm and _launcher_command(info[pid][0])}
     roles = []
     for pid, (cmd, env, ppid) in info.items():
         title = cmd[0].split()[0] if is_ray_worker(cmd[0]) else " ".join(cmd[:3])

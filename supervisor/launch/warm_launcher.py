@@ -4,8 +4,10 @@ A restart of a ``torchrun`` job used to pay a fresh interpreter and ``import tor
 (1.5 s idle, ~3 s on a loaded node) before torchrun even spawned its workers. While an attempt runs,
 the supervisor spawns a *zygote* instead: the job's own interpreter running this file, exactly
 like a job root (own session, ``PR_SET_PDEATHSIG``, output piped, the job's environment and working
-directory), which imports ``torch.distributed.run``, reports ready on a pipe and blocks reading one
-JSON message on stdin.
+directory), which imports ``torch.distributed.run``, starts the workers' warm ranks (``warm_pool.py``),
+reports ready on a pipe and blocks reading one JSON message on stdin. It runs with ``-u`` and imports
+torch under the ``OMP_NUM_THREADS=1`` torchrun gives a several-rank node's workers (then drops it again),
+as the workers start: so its ranks can be forked from it.
 When the next attempt starts, the supervisor writes ``{argv0, argv, env, cwd, path0}``; the zygote
 replaces its environment (clear + update, so the workers inherit exactly the attempt's environment),
 changes directory, points stdin at /dev/null, sets ``sys.argv`` and runs ``sys.exit(main())`` as the
@@ -44,6 +46,9 @@ if TYPE_CHECKING:
     from supervisor.processes.job import JobProcess
 
 TORCHRUN_MODULE = "torch.distributed.run"
+#: The seed of torch's default generator after an import that does not draw one at random (c10's
+#: ``default_rng_seed_val``): ranks forked from the zygote then share its state, as cold ranks would.
+TORCH_DEFAULT_SEED = 67280421310721
 READY = b"R"
 _FILE = os.path.abspath(__file__)
 _PIP_SH_SHEBANG = re.compile(r"""^'''exec' "?([^"\s]+)"? "\$0" "\$@"$""", re.M)
@@ -81,6 +86,32 @@ def warm_spec(command: Sequence[str], env: Mapping[str, str], cwd: str | None = 
             return None
         return WarmSpec(python, "", list(command[3:]), "module", cwd)
     return None
+
+
+def nproc_hint(args: Sequence[str]) -> int | None:
+    """torchrun's ``--nproc-per-node`` as a number, read without torch (1 when absent; None for ``auto``,
+    ``gpu`` and the like): the zygote imports torch under the ``OMP_NUM_THREADS=1`` torchrun gives the
+    workers of a several-rank node, so that its ranks may be forked from it (``warm_pool.fork_unfit``)."""
+    from supervisor.launch.rank_pinning import TORCHRUN_FLAGS, TORCHRUN_VALUE_OPTIONS
+
+    args = list(args)
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        name, eq, value = arg.partition("=")
+        if arg in TORCHRUN_FLAGS:
+            i += 1
+            continue
+        if eq and name in TORCHRUN_VALUE_OPTIONS:
+            i += 1
+        elif arg in TORCHRUN_VALUE_OPTIONS and i + 1 < len(args):
+            name, value = arg, args[i + 1]
+            i += 2
+        else:
+            break  # the training script: what follows is its own
+        if name in ("--nproc-per-node", "--nproc_per_node"):
+            return int(value) if value.isdigit() else None
+    return 1
 
 
 def _which(name: str, path: str, cwd: str) -> str | None:
@@ -129,9 +160,11 @@ class Zygote:
         self.output_left = ""  # what a zygote that was discarded unused had printed (an import error)
         self.warm_pids: list[int] = []  # its warm ranks (warm_pool.py), known once it is ready
         ready_r, ready_w = os.pipe()
-        argv = [spec.python, _FILE, "--ready-fd", str(ready_w), "--path0", spec.path0,
+        # ``-u`` as torchrun starts its workers: ranks forked from the zygote keep its flags
+        argv = [spec.python, "-u", _FILE, "--ready-fd", str(ready_w), "--path0", spec.path0,
                 "--args-json", json.dumps(list(spec.args)), "--warm-imports", json.dumps(list(warm_imports)),
-                "--warm-cuda", "1" if warm_cuda else "0"]
+                "--warm-cuda", "1" if warm_cuda else "0",
+                "--omp-one", "1" if "OMP_NUM_THREADS" not in env and (nproc_hint(spec.args) or 1) > 1 else "0"]
         try:
             self.popen = spawn_job_root(argv, env, cwd=cwd, stdin=subprocess.PIPE, pass_fds=(ready_w,))
         except BaseException:
@@ -284,14 +317,22 @@ def _zygote_main(argv: list[str]) -> None:
     safe_path = getattr(sys.flags, "safe_path", False)
     if not safe_path:
         sys.path[0] = argv[argv.index("--path0") + 1]
+    omp_one = _arg(argv, "--omp-one", "0") == "1" and "OMP_NUM_THREADS" not in os.environ
+    if omp_one:  # torch loads libgomp, which reads it then: as the workers' own import will (fork_unfit)
+        os.environ["OMP_NUM_THREADS"] = "1"
     import torch.distributed.run as torchrun  # the slow part, done before the attempt starts
     gc.collect()
     gc.freeze()  # torch's objects live as long as the launcher: never walked by the collector again (0.4 s at exit)
 
     warm_pool = _load_warm_pool()
+    generator = sys.modules["torch"].default_generator
+    start = warm_pool.ForkStart(dict(os.environ), None if safe_path else sys.path[0],
+                                generator.get_state() if generator.initial_seed() == TORCH_DEFAULT_SEED else None)
+    if omp_one:
+        del os.environ["OMP_NUM_THREADS"]
     pool = warm_pool.WarmPool.spawn(json.loads(_arg(argv, "--args-json", "[]")),
                                     json.loads(_arg(argv, "--warm-imports", "[]")),
-                                    warm_cuda=_arg(argv, "--warm-cuda", "0") == "1")
+                                    warm_cuda=_arg(argv, "--warm-cuda", "0") == "1", start=start)
     os.write(ready_fd, READY + json.dumps(pool.pids()).encode())
     os.close(ready_fd)
     data = sys.stdin.buffer.read()

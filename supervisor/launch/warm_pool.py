@@ -1,10 +1,19 @@
 """The zygote's warm ranks: pre-started workers that torchrun's worker spawn hands its ranks to.
 
 The warm launcher's zygote already knows the next attempt's torchrun arguments. It parses them with
-torchrun's own parser, and spawns ``nproc_per_node`` warm ranks (``warm_rank.py``) exactly as torch's
-``SubprocessHandler`` would spawn the workers (``python -u``, own session, stdout/stderr inherited, the
+torchrun's own parser and starts ``nproc_per_node`` warm ranks (``warm_rank.py``), each what torch's
+``SubprocessHandler`` would spawn as a worker (``python -u``, own session, stdout/stderr inherited, the
 attempt's environment with the ``OMP_NUM_THREADS=1`` torchrun adds, the working directory), plus a
-stdin pipe and a parent-death signal so an unused one dies with the zygote. Before ``torchrun.main()``
+message pipe and a parent-death signal so an unused one dies with the zygote.
+
+They are **forked** from the zygote, which imported torch (and ``torch._dynamo``) once for all of them,
+where a fork is what a spawn would be (:func:`fork_unfit`: torch imported under the workers' start-up
+environment, no module the zygote imported found elsewhere from the worker's ``sys.path[0]``, a zygote of
+one thread); a fork saves each rank its own import (~2 s of CPU on 2 cores, and its memory is shared until
+written). Otherwise, and saying why, they are **spawned** as fresh interpreters that import torch
+themselves. What a fork cannot make fresh: Python's ``str`` hash seed, drawn once per interpreter, is the
+zygote's in all its ranks (a cold start draws one per rank unless ``PYTHONHASHSEED`` is set; no trainer can
+rely on either, as hashes already differ between runs). Before ``torchrun.main()``
 runs, :func:`install` replaces torch's ``get_subprocess_handler`` with one whose ``_popen`` gives a
 ready warm rank the worker's ``{argv, env, cwd}`` and returns that rank's ``Popen``: torchrun's
 monitoring, ``close()`` (killpg), exit codes and error files work unchanged.
@@ -32,7 +41,8 @@ import subprocess
 import sys
 import time
 import zipfile
-from typing import Any, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
 
 WARM_RANK_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "warm_rank.py")
 PREFIX = "[rlsup] warm ranks: "
@@ -93,14 +103,27 @@ def worker_command(args: Any, python: str) -> tuple[list[str] | None, str]:
 
 
 class WarmRank:
-    """One pre-started worker: its Popen (what torchrun will hold) and its ready pipe."""
+    """One pre-started worker: its Popen (what torchrun will hold), its ready pipe, and where its spec goes
+    (the Popen's stdin for a spawned rank, a pipe of its own for a forked one)."""
 
-    def __init__(self, command: Sequence[str], imports: Sequence[str], env: Mapping[str, str],
-                 cuda_device: int | None = None) -> None:
+    def __init__(self, popen: subprocess.Popen, ready_r: int, cuda_device: int | None,
+                 message_w: int | None = None) -> None:
+        self.popen = popen
+        self.pid = popen.pid
+        self.cuda_device = cuda_device  # the device it made its CUDA context on (None: not CUDA-warm)
+        self.forked = message_w is not None
+        self._ready_r: int | None = ready_r
+        self._message_w = message_w
+        self._state = ""  # "", "ready", or why not
+
+    @classmethod
+    def spawned(cls, command: Sequence[str], imports: Sequence[str], env: Mapping[str, str],
+                cuda_device: int | None = None) -> "WarmRank":
+        """A fresh ``python -u warm_rank.py`` that imports torch itself, as torch's handler spawns a worker."""
         ready_r, ready_w = os.pipe()
         cuda = [] if cuda_device is None else ["--cuda-device", str(cuda_device)]
         try:
-            self.popen = subprocess.Popen(
+            popen = subprocess.Popen(
                 [command[0], "-u", WARM_RANK_FILE, "--ready-fd", str(ready_w), "--parent", str(os.getpid()),
                  "--command", json.dumps(list(command)), "--imports", json.dumps(list(imports)), *cuda],
                 env=dict(env), stdin=subprocess.PIPE, start_new_session=True, pass_fds=(ready_w,))
@@ -109,10 +132,35 @@ class WarmRank:
             raise
         finally:
             os.close(ready_w)
-        self.pid = self.popen.pid
-        self.cuda_device = cuda_device  # the device it made its CUDA context on (None: not CUDA-warm)
-        self._ready_r: int | None = ready_r
-        self._state = ""  # "", "ready", or why not
+        return cls(popen, ready_r, cuda_device)
+
+    @classmethod
+    def forked(cls, command: Sequence[str], imports: Sequence[str], env: Mapping[str, str],
+               cuda_device: int | None, torch_state: Any) -> "WarmRank":
+        """A child of this zygote, which already imported torch (:func:`fork_unfit` said it may fork)."""
+        rank = _warm_rank_module()
+        ready_r, ready_w = os.pipe()
+        message_r, message_w = os.pipe()
+        parent = os.getpid()
+        sys.stdout.flush()
+        sys.stderr.flush()
+
+        def child() -> None:
+            rank.forked(ready_w, message_r, parent, list(command), list(imports), dict(env), cuda_device,
+                        torch_state)
+
+        # No ``finally`` here, nor below the fork: the child's trainer leaves through these frames (SystemExit)
+        # and must meet no clean-up of the zygote's (these numbers are its files by then).
+        try:
+            popen = _ForkedPopen(child)
+        except OSError:
+            for fd in (ready_r, ready_w, message_r, message_w):
+                os.close(fd)
+            raise
+        os.close(ready_w)
+        os.close(message_r)
+        return cls(popen, ready_r, cuda_device, message_w)
+
 
     def wait_ready(self, timeout: float) -> str:
         """"" once the rank imported everything and waits; else why it cannot be used."""
@@ -135,10 +183,20 @@ class WarmRank:
 
     def hand_over(self, message: dict) -> str:
         """Send the worker's spec; "" when the rank took it."""
-        assert self.popen.stdin is not None
+        data = json.dumps(message).encode()
         try:
-            self.popen.stdin.write(json.dumps(message).encode())
-            self.popen.stdin.close()
+            if self._message_w is not None:
+                fd, self._message_w = self._message_w, None
+                try:
+                    view = memoryview(data)
+                    while view:
+                        view = view[os.write(fd, view):]
+                finally:
+                    os.close(fd)
+            else:
+                assert self.popen.stdin is not None
+                self.popen.stdin.write(data)
+                self.popen.stdin.close()
         except (BrokenPipeError, OSError, ValueError):
             return f"warm rank pid {self.pid} died"
         return ""
@@ -155,10 +213,43 @@ class WarmRank:
                     f.close()
             except OSError:
                 pass
+        if self._message_w is not None:
+            os.close(self._message_w)
+            self._message_w = None
         if self._ready_r is not None:
             os.close(self._ready_r)
             self._ready_r = None
 
+
+class _ForkedPopen(subprocess.Popen):
+    """A ``Popen`` whose child is a fork of this process running ``child`` (never an exec): torchrun's
+    handler polls, waits for and signals it as any worker it spawned."""
+
+    def __init__(self, child: Callable[[], None]) -> None:
+        self._child_main = child
+        super().__init__(["(forked warm rank)"])
+
+    def _execute_child(self, *args: Any, **kwargs: Any) -> None:
+        pid = os.fork()
+        if pid == 0:
+            self._child_main()  # never returns (SystemExit at the trainer's end, os._exit before it)
+            os._exit(1)
+        self.pid = pid
+        self._child_created = True
+
+
+def _warm_rank_module() -> Any:
+    """``warm_rank.py`` beside this file, by path (the zygote's sys.path is the job's, not rlsup's)."""
+    name = "_rlsup_warm_rank"
+    if name not in sys.modules:
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location(name, WARM_RANK_FILE)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
 
 class WarmPool:
     """The warm ranks of one zygote, and the decision, per worker, whether one of them becomes it."""
@@ -169,12 +260,15 @@ class WarmPool:
         self.cwd = os.getcwd()
         self.ranks: list[WarmRank] = []
         self.used: list[int] = []
+        self.fork_why = ""  # why its ranks were spawned, not forked from the zygote ("" : forked)
         self._said = False
 
     @classmethod
-    def spawn(cls, torchrun_args: Sequence[str], imports: Sequence[str], warm_cuda: bool = False) -> "WarmPool":
+    def spawn(cls, torchrun_args: Sequence[str], imports: Sequence[str], warm_cuda: bool = False,
+              start: "ForkStart | None" = None) -> "WarmPool":
         """Parse torchrun's arguments as it will, and start its workers' warm ranks (or say why not);
-        ``warm_cuda``: on a GPU node, rank *i* makes its CUDA context on device *i*."""
+        ``warm_cuda``: on a GPU node, rank *i* makes its CUDA context on device *i*; ``start``: how this
+        zygote imported torch, so its ranks may be forked from it (:func:`fork_unfit`), else spawned."""
         try:
             from torch.distributed.run import determine_local_world_size, parse_args
 
@@ -190,9 +284,13 @@ class WarmPool:
             env["OMP_NUM_THREADS"] = "1"
         pool = cls("", command, env, nproc)
         cuda = warm_cuda and os.path.exists(NVIDIA_CONTROL)
+        pool.fork_why = "this zygote did not say how it imported torch" if start is None else (
+            fork_unfit(command, env, start) or _import_lazy() or _threads_unfit())
         try:
             for i in range(nproc):
-                pool.ranks.append(WarmRank(command, imports, env, i if cuda else None))
+                device = i if cuda else None
+                pool.ranks.append(WarmRank.spawned(command, imports, env, device) if pool.fork_why else
+                                  WarmRank.forked(command, imports, env, device, start.torch_state))  # type: ignore[union-attr]
         except (OSError, subprocess.SubprocessError) as e:
             pool.discard()
             return cls(f"could not start a warm rank ({e})")
@@ -256,8 +354,9 @@ class WarmPool:
     def round_done(self) -> None:
         """torchrun started its workers: say which came from warm ranks, kill the unused ones."""
         if self.used and not self._said:
+            how = "forked from the launcher" if not self.fork_why else f"spawned: {self.fork_why}"
             print(rlsup_line(f"{len(self.used)} local rank(s) started from warm ranks (pids "
-                             f"{', '.join(map(str, self.used))})"), file=sys.stderr, flush=True)
+                             f"{', '.join(map(str, self.used))}; {how})"), file=sys.stderr, flush=True)
         self.used = []
         self.discard()
 
@@ -265,6 +364,73 @@ class WarmPool:
         ranks, self.ranks = self.ranks, []
         for rank in ranks:
             rank.kill()
+
+
+@dataclass(frozen=True)
+class ForkStart:
+    """How the zygote imported torch, for :func:`fork_unfit`: the start-up environment then, its
+    ``sys.path[0]`` then (None under ``-P``), and torch's default generator state right after the import (None
+    where that import seeded it at random: each fork then draws a seed of its own)."""
+
+    env: Mapping[str, str]
+    path0: str | None
+    torch_state: Any
+
+
+def fork_unfit(command: Sequence[str], env: Mapping[str, str], start: ForkStart,
+               modules: Mapping[str, Any] | None = None) -> str:
+    """Why the workers' warm ranks cannot be forked from this zygote ("" : they can).
+
+    A fork has what the zygote imported, as the zygote imported it: so only where a spawned rank would have
+    imported the same. Its start-up environment must be the workers' (libgomp, the allocator and torch read
+    theirs when torch is loaded: the supervisor starts the zygote with torchrun's ``OMP_NUM_THREADS=1`` for
+    that), and no module the zygote imported may resolve otherwise from the worker's ``sys.path[0]`` (a
+    module of that name beside the script, or one the zygote found in its own first directory)."""
+    modules = sys.modules if modules is None else modules
+    differ = env_difference(start.env, env)
+    if differ:
+        return f"the launcher imported torch under another start-up environment ({', '.join(differ)})"
+    if start.path0 is None:
+        return ""
+    mode, target = ("module", command[3]) if len(command) > 3 and command[2] == "-m" else ("script", command[2])
+    path0 = os.getcwd() if mode == "module" else os.path.dirname(os.path.realpath(target))
+    loaded = {name.partition(".")[0] for name in modules}
+    try:
+        beside = {entry.partition(".")[0] for entry in os.listdir(path0)} if path0 != start.path0 else set()
+    except OSError as e:
+        return f"the worker's directory cannot be listed ({e})"
+    shadowed = sorted(loaded & beside)
+    if shadowed:
+        return f"the worker's directory {path0} has modules the launcher imported from elsewhere ({', '.join(shadowed)})"
+    own = sorted(name for name, module in modules.items() if path0 != start.path0
+                 and os.path.dirname(str(getattr(module, "__file__", None) or "")) == start.path0)
+    if own:
+        return f"the launcher imported modules from its own directory {start.path0} ({', '.join(own)})"
+    return ""
+
+
+def _import_lazy() -> str:
+    """Import :data:`warm_rank.TORCH_LAZY` here, once for every forked rank; never a reason not to fork."""
+    import gc
+    import importlib
+
+    for name in _warm_rank_module().TORCH_LAZY:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
+    gc.collect()
+    gc.freeze()  # as a spawned warm rank's heap: no collection in a fork walks (and so copies) the imports
+    return ""
+
+
+def _threads_unfit() -> str:
+    """Only a process of one thread forks safely (a thread pool that ran, OpenMP's, hangs the child)."""
+    try:
+        threads = len(os.listdir("/proc/self/task"))
+    except OSError as e:
+        return f"the launcher's threads cannot be counted ({e})"
+    return "" if threads == 1 else f"the launcher runs {threads} threads"
 
 
 def install(pool: WarmPool, torchrun_args: Sequence[str]) -> None:

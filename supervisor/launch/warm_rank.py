@@ -21,6 +21,10 @@ attempt) or torch sees fewer devices. What differs from a cold start is what any
 before the script implies: the script can no longer choose its GPUs by setting ``CUDA_VISIBLE_DEVICES``
 itself, and a process it forks cannot use CUDA (``warm_cuda: false`` for such trainers).
 
+Forked instead (:func:`forked`, where ``warm_pool.fork_unfit`` allows it), it skips the imports, which the
+zygote did once, and on the hand-over also writes the worker's command line over the zygote's in
+``/proc/PID/cmdline`` (``ps`` and rlsup's stacks see ``python -u script args``, padded with empty arguments).
+
 Run by path (``<python> -u .../supervisor/launch/warm_rank.py``), not as ``-m supervisor.launch.warm_rank``: the job's
 interpreter need not have rlsup installed, and nothing may be imported before ``sys.path[0]`` is set.
 So this file imports only the standard library at module level, and nothing that a cold start would
@@ -147,7 +151,8 @@ def _point_stdin(path: str) -> None:
 
 
 def _reseed(torch_state: Any) -> None:
-    """Fresh seeds where a new interpreter would have them; torch exactly as right after its import."""
+    """Fresh seeds where a new interpreter would have them; torch exactly as right after its import (``None``:
+    seeded afresh, as an import that seeds at random does)."""
     import random
 
     random.seed()  # from os.urandom, as at a cold import of random
@@ -156,7 +161,10 @@ def _reseed(torch_state: Any) -> None:
         numpy.random.seed()
     import torch
 
-    torch.default_generator.set_state(torch_state)
+    if torch_state is None:  # a fork of a zygote whose import seeded torch at random: a seed of its own, as its import
+        torch.default_generator.seed()
+    else:
+        torch.default_generator.set_state(torch_state)
 
 
 def _become(message: dict, torch_state: Any, layout: tuple[str, str, list[str]]) -> None:
@@ -257,13 +265,101 @@ def _run_as_main(mode: str, target: str) -> None:
         sys.exit(1)
 
 
-def _read_message() -> bytes:
+def _read_message(fd: int = 0) -> bytes:
     chunks = []
     while True:
-        chunk = os.read(0, 1 << 16)
+        chunk = os.read(fd, 1 << 16)
         if not chunk:
             return b"".join(chunks)
         chunks.append(chunk)
+
+
+def forked(ready_fd: int, message_fd: int, parent: int, command: list[str], imports: list[str],
+           env: dict[str, str], cuda_device: int | None, torch_state: Any) -> None:
+    """A warm rank forked from the zygote (``warm_pool.ForkedRank``), which imported torch and
+    :data:`TORCH_LAZY` once for all its ranks under the ranks' start-up environment (the fork saves each
+    rank that import: ~2 s of CPU). Made what a spawned warm rank is, then what the worker is: own session,
+    parent-death signal, no descriptor of the zygote's, its stdin not the zygote's message pipe, the warm
+    environment; on the hand-over also the worker's command line in ``/proc/PID/cmdline``.
+
+    Runs on the zygote's stack: it never returns into the zygote's code. The trainer's end (return,
+    ``sys.exit``) leaves as ``SystemExit`` through the zygote's frames, none of which catches it, so the
+    interpreter ends as a cold one does (threads joined, atexit, buffers flushed); anything that fails
+    before the trainer starts ends the child here."""
+    import importlib
+
+    try:
+        os.setsid()
+        _prctl_pdeathsig(_SIGKILL)  # an unused warm rank dies with the zygote
+        if os.getppid() != parent:
+            os._exit(1)
+        _close_inherited(keep=(0, 1, 2, ready_fd, message_fd))
+        null = os.open(os.devnull, os.O_RDONLY)  # not the zygote's message pipe
+        os.dup2(null, 0)
+        os.close(null)
+        os.environ.clear()
+        os.environ.update(env)
+        layout = _worker_layout(command)
+        _set_path0(layout[0], layout[1])
+        for name in imports:
+            importlib.import_module(name)
+        if layout[0] == "module" and layout[1] in sys.modules:  # runpy would warn about it; a cold start never does
+            raise RuntimeError(f"the -m module {layout[1]!r} is imported before the worker starts")
+        if cuda_device is not None:
+            _warm_cuda(cuda_device)
+    except BaseException as e:  # noqa: BLE001 - a cold start would have failed or behaved differently: tell the zygote
+        os.write(ready_fd, FAILED + f"{type(e).__name__}: {e}".encode("utf-8", "replace")[:2000])
+        os._exit(1)
+    try:
+        os.write(ready_fd, READY)
+        os.close(ready_fd)
+        data = _read_message(message_fd)
+        os.close(message_fd)
+        if not data:  # the zygote closed the pipe without a message: never used
+            os._exit(0)
+        message = json.loads(data)
+        layout = _worker_layout(message["argv"])
+        _become(message, torch_state, layout)
+        _set_cmdline(message["argv"])
+    except BaseException:  # noqa: BLE001 - never back into the zygote's code as a second zygote
+        os._exit(1)
+    del data, message
+    _run_as_main(layout[0], layout[1])
+    raise SystemExit(0)  # the script ran to its end: exit 0 as a cold interpreter does, never returning
+
+
+def _close_inherited(keep: tuple[int, ...]) -> None:
+    """Close every descriptor but ``keep`` (what ``Popen(close_fds=True)`` gives a spawned rank)."""
+    try:
+        fds = [int(fd) for fd in os.listdir("/proc/self/fd")]
+    except OSError:
+        return
+    for fd in fds:
+        if fd not in keep:
+            try:
+                os.close(fd)
+            except OSError:
+                pass  # the directory's own descriptor, already gone
+
+
+def _set_cmdline(argv: list[str]) -> None:
+    """``/proc/PID/cmdline`` as the cold worker's (``python -u script args``), written over the zygote's own
+    argument strings (the area is the zygote's command line, longer than the worker's: it holds the same
+    arguments JSON-quoted); ``ps``, psutil and rlsup's stacks then see the worker, not the zygote. Cut to the
+    area where longer; left as it is where /proc does not say where the area is."""
+    import ctypes
+
+    try:
+        with open("/proc/self/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        start, end = int(fields[45]), int(fields[46])  # arg_start, arg_end (proc(5): fields 48 and 49)
+    except (OSError, IndexError, ValueError):
+        return
+    size = end - start
+    if size <= 1:
+        return
+    text = b"\0".join(a.encode("utf-8", "surrogateescape") for a in argv)[:size - 1] + b"\0"
+    ctypes.memmove(start, text.ljust(size, b"\0"), size)
 
 
 def main(argv: list[str]) -> None:

@@ -185,7 +185,9 @@ def test_the_culprit_is_a_stopped_or_singled_out_trainer_never_a_launcher_or_hel
 
 def test_tree_roles_read_ranks_from_the_environment_the_warm_record_and_the_command_line(tmp_path: Path) -> None:
     """Real processes: a CLI parent running three trainers (one with RANK in its environment, one whose rank only
-    its warm-rank record tells, one with --local_rank), one of them with a forked worker."""
+    its warm-rank record tells, one with --local_rank), one of them with a forked worker; and a fork of the parent
+    itself with a warm-rank record (a rank forked from the warm launcher shows the launcher's command line until it
+    writes the worker's): a rank, not a helper."""
     import psutil
 
     from supervisor.diagnosis.stacks import tree_roles
@@ -201,18 +203,24 @@ def test_tree_roles_read_ranks_from_the_environment_the_warm_record_and_the_comm
               "ps = [subprocess.Popen([sys.executable, '-c', c, 'fork'], env=env),\n"
               "      subprocess.Popen([sys.executable, '-c', c, 'warm'], env=dict(os.environ, WORLD_SIZE='3')),\n"
               "      subprocess.Popen([sys.executable, '-c', c, 'x', '--local_rank=2'])]\n"
+              "if os.fork() == 0:\n"
+              "    time.sleep(60)\n"
               "time.sleep(60)\n")
     proc = subprocess.Popen([PY, "-c", parent])
     try:
         root = psutil.Process(proc.pid)
-        wait_for(lambda: len(root.children(recursive=True)) == 4, 30, "three trainers and a forked worker")
+        wait_for(lambda: len(root.children(recursive=True)) == 5, 30, "three trainers, a forked worker, a fork")
         tree = [root, *root.children(recursive=True)]
         warm = next(p for p in root.children() if "warm" in p.cmdline())
-        (tmp_path / WARM_RANK_RECORD.format(pid=warm.pid)).write_text(json.dumps({"pid": warm.pid, "rank": 1}))
+        forked = next(p for p in root.children() if p.cmdline() == root.cmdline())
+        for pid, rank in ((warm.pid, 1), (forked.pid, 3)):
+            (tmp_path / WARM_RANK_RECORD.format(pid=pid)).write_text(json.dumps({"pid": pid, "rank": rank}))
         roles = {r.pid: r for r in tree_roles(tree, tmp_path)}
         assert roles[proc.pid].kind == "launcher" and roles[proc.pid].key().startswith(f"launcher pid {proc.pid} (")
         by_rank = {r.rank: r for r in roles.values() if r.kind == "trainer"}
-        assert {k: v.rank_from for k, v in by_rank.items()} == {0: "RANK", 1: "warm rank record", 2: "cmdline"}
+        assert {k: v.rank_from for k, v in by_rank.items()} == {0: "RANK", 1: "warm rank record", 2: "cmdline",
+                                                                3: "warm rank record"}
+        assert by_rank[3].pid == forked.pid
         (helper,) = [r for r in roles.values() if r.kind == "helper"]
         assert helper.parent == by_rank[0].pid and "helper of pid" in helper.key()
     finally:

@@ -113,7 +113,9 @@ def test_restart_starts_from_the_prespawned_launcher(workdir: Path) -> None:
     for rank in (0, 1):
         cold, warm = info[f"rank{rank}.attempt0.json"], info[f"rank{rank}.attempt1.json"]
         assert cold["agent_cmdline"][1:3] == [TORCHRUN, "--standalone"], cold  # the console script
-        assert warm["agent_cmdline"][1].endswith("supervisor/launch/warm_launcher.py"), warm
+        # ``-u``: the workers are started so, and ranks forked from the zygote keep its flags
+        assert warm["agent_cmdline"][1] == "-u" and warm["agent_cmdline"][2].endswith(
+            "supervisor/launch/warm_launcher.py"), warm
         # attempt 1's torchrun agent is the zygote spawned during attempt 0
         assert warm["agent"] == spawned[0]
         assert warm["restart_count"] == "1" and cold["restart_count"] == "0"

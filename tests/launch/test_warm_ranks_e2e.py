@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -81,6 +82,7 @@ info = {
     "affinity": sorted(os.sched_getaffinity(0)),
     "pickle": pickle.loads(pickle.dumps(Payload(7))).x,
     "torch_fresh": draws["torch"] == torch.rand(3, generator=fresh).tolist(),
+    "uuid_shadowed": getattr(sys.modules.get("uuid"), "SHADOWED", False),
     "pid": os.getpid(), "cmdline": open("/proc/self/cmdline").read().split("\0")[:3],
     "seed": seed, "draws": draws,
 }
@@ -114,8 +116,11 @@ RUN_SPECIFIC_ENV = {"MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FI
 PER_ATTEMPT_ENV = {"RLSUP_RESTART_COUNT", "RLSUP_HEARTBEAT_DIR", "RLSUP_RESUME_DIR", "RLSUP_RESUME_STEP"}
 
 
-def _comparable(info: dict, drop_env: set[str]) -> dict:
-    out = {k: v for k, v in info.items() if k not in ("pid", "cmdline", "seed", "draws")}
+def _comparable(info: dict, drop_env: set[str], cmdline: bool = True) -> dict:
+    """What a warm rank must share with a cold one; ``cmdline``: a forked rank writes the worker's command line
+    over its zygote's (a spawned one keeps warm_rank.py's)."""
+    drop = ("pid", "seed", "draws") if cmdline else ("pid", "cmdline", "seed", "draws")
+    out = {k: v for k, v in info.items() if k not in drop}
     out["env"] = {k: v for k, v in info["env"].items() if k not in drop_env}
     return out
 
@@ -124,8 +129,15 @@ def _dumps(workdir: Path, out: str = "info") -> dict[str, dict]:
     return {p.name.split(".", 1)[1]: json.loads(p.read_text()) for p in workdir.glob(f"{out}.rank*.json")}
 
 
-def _warm_started(info: dict) -> bool:
-    return info["cmdline"][2].endswith("supervisor/launch/warm_rank.py")
+def _used_line(log: str) -> str:
+    """rlsup's line naming the warm ranks the attempt's workers started from, and how they were started."""
+    assert USED in log, log
+    return log.split(USED)[1].splitlines()[0]
+
+
+def _warm_started(info: dict, log: str) -> bool:
+    """Whether the dumping rank is one that line names (a forked rank's command line is the worker's own)."""
+    return USED in log and info["pid"] in {int(p) for p in re.findall(r"\d+", _used_line(log).split(";")[0])}
 
 
 def _run_job(workdir: Path, launch: list[str], *extra: str) -> tuple[dict[str, dict], str, str]:
@@ -157,10 +169,10 @@ def test_warm_ranks_are_indistinguishable_from_cold_ones(workdir: Path) -> None:
     dumps, stderr, warm_log1 = _run_job(workdir, launch, "--warm-imports", "warmprobe")
     assert "attempt 1: started by the warm launcher" in stderr, stderr
     assert USED in warm_log1 and "launching cold" not in warm_log1, warm_log1
+    assert _used_line(warm_log1).endswith("; forked from the launcher)"), warm_log1
     for rank in (0, 1):
         w, c = dumps[f"rank{rank}.attempt1.json"], dumps[f"rank{rank}.attempt0.json"]
-        assert _warm_started(w) and not _warm_started(c), (w["cmdline"], c["cmdline"])
-        assert str(w["pid"]) in warm_log1.split(USED)[1].splitlines()[0]  # the pids rlsup's line names
+        assert _warm_started(w, warm_log1) and not _warm_started(c, warm_log1), (w["pid"], c["pid"], warm_log1)
         assert _comparable(w, RUN_SPECIFIC_ENV | PER_ATTEMPT_ENV) == _comparable(c, RUN_SPECIFIC_ENV | PER_ATTEMPT_ENV)
         assert {k: w["env"].get(k) for k in PER_ATTEMPT_ENV} == _cold_attempt_1_env(c["env"])
         assert w["torch_fresh"] and w["pdeathsig"] == 0 and w["stdin"] == "/dev/null"
@@ -178,9 +190,10 @@ def test_module_entrypoint_starts_warm(workdir: Path) -> None:
     dumps, stderr, log1 = _run_job(workdir, [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                                              "2", "-m", "dumpmod", "info"])
     assert USED in log1 and "launching cold" not in log1, log1
+    assert _used_line(log1).endswith("; forked from the launcher)"), log1
     for rank in (0, 1):
         cold, warm = dumps[f"rank{rank}.attempt0.json"], dumps[f"rank{rank}.attempt1.json"]
-        assert _warm_started(warm) and not _warm_started(cold)
+        assert _warm_started(warm, log1) and not _warm_started(cold, log1)
         drop = RUN_SPECIFIC_ENV | PER_ATTEMPT_ENV
         assert _comparable(warm, drop) == _comparable(cold, drop)
         assert warm["main"]["__spec__"][0] == "dumpmod" and warm["argv"][0] == str(workdir / "dumpmod.py")
@@ -193,7 +206,36 @@ def test_unusual_options_launch_cold_and_say_so_once(workdir: Path) -> None:
     assert "attempt 1: started by the warm launcher" in stderr, stderr
     said = [line.split(" ", 3)[3] for line in log1.splitlines() if " [rlsup] warm ranks:" in line]  # after the stamp
     assert said == ["[rlsup] warm ranks: worker output redirected (--redirects/--tee); launching cold"], log1
-    assert not _warm_started(dumps["rank0.attempt1.json"]) and not _warm_started(dumps["rank1.attempt1.json"])
+    assert USED not in log1, log1  # no rank of attempt 1 started warm
+
+
+# A module beside the script with the name of one torch imports (the standard ``uuid``), as a cold worker finds it
+# first on its sys.path; it is the standard one, marked.
+SHADOW = r'''
+import importlib.util, os, sysconfig
+_spec = importlib.util.spec_from_file_location("uuid", os.path.join(sysconfig.get_paths()["stdlib"], "uuid.py"))
+_real = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_real)
+globals().update({k: v for k, v in vars(_real).items() if not k.startswith("__")})
+SHADOWED = True
+'''
+
+
+def test_a_module_beside_the_script_that_the_launcher_imported_gets_spawned_ranks(workdir: Path) -> None:
+    """``uuid.py`` beside the script: a cold worker imports it with torch, the zygote imported the standard one. So
+    the ranks are spawned (each imports torch after taking the script's sys.path[0]), not forked, say why, and see
+    what a cold rank sees: the module beside the script."""
+    (workdir / "dumper.py").write_text(DUMPER)
+    (workdir / "uuid.py").write_text(SHADOW)
+    dumps, stderr, log1 = _run_job(workdir, [TORCHRUN, "--standalone", "--nproc-per-node", "2", "dumper.py", "info"])
+    assert "attempt 1: started by the warm launcher" in stderr, stderr
+    assert "spawned: the worker's directory" in _used_line(log1) and "(uuid)" in _used_line(log1), log1
+    drop = RUN_SPECIFIC_ENV | PER_ATTEMPT_ENV
+    for rank in (0, 1):
+        cold, warm = dumps[f"rank{rank}.attempt0.json"], dumps[f"rank{rank}.attempt1.json"]
+        assert _warm_started(warm, log1) and warm["cmdline"][2].endswith("supervisor/launch/warm_rank.py")
+        assert cold["uuid_shadowed"] and warm["uuid_shadowed"]
+        assert _comparable(warm, drop, cmdline=False) == _comparable(cold, drop, cmdline=False)
 
 
 def test_fit_checks() -> None:
@@ -215,6 +257,51 @@ def test_fit_checks() -> None:
     assert "is not the warmed" in unfit([PY, "train.py"], worker, False)  # no -u
     assert "is not the warmed" in unfit([PY, "-u", "-m", "train"], worker, False)
     assert "files" in unfit([PY, "-u", "train.py"], worker, True)
+
+
+def test_fork_checks(tmp_path: Path) -> None:
+    """When a zygote's warm ranks are forked from it, and why not (no process needed)."""
+    import uuid
+
+    from supervisor.launch.warm_pool import ForkStart, fork_unfit
+
+    bin_dir, job = tmp_path / "bin", tmp_path / "job"
+    bin_dir.mkdir()
+    job.mkdir()
+    (job / "train.py").write_text("")
+    env = {"OMP_NUM_THREADS": "1", "PATH": "/bin"}
+    start = ForkStart(dict(env), str(bin_dir), None)
+    modules = {"uuid": uuid, "torch": uuid}  # what the zygote imported (any module objects)
+    script = [PY, "-u", str(job / "train.py")]
+    assert fork_unfit(script, env, start, modules) == ""
+    assert fork_unfit(script, dict(env, PATH="/usr/bin"), start, modules) == ""  # not read at start-up
+    assert "another start-up environment (OMP_NUM_THREADS)" in fork_unfit(script, {"PATH": "/bin"}, start, modules)
+    (job / "uuid.py").write_text("")
+    assert "has modules the launcher imported from elsewhere (uuid)" in fork_unfit(script, env, start, modules)
+    assert fork_unfit(script, env, ForkStart(dict(env), None, None), modules) == ""  # -P: no directory first
+    assert fork_unfit(script, env, ForkStart(dict(env), str(job), None), modules) == ""  # the same first directory
+    (job / "uuid.py").unlink()
+    own = type(uuid)("mine")
+    own.__file__ = str(bin_dir / "mine.py")
+    assert "from its own directory" in fork_unfit(script, env, start, dict(modules, mine=own))
+    cwd = os.getcwd()
+    os.chdir(job)
+    try:  # -m: the worker's first directory is the working directory
+        (job / "torch").mkdir()
+        assert "(torch)" in fork_unfit([PY, "-u", "-m", "train"], env, start, modules)
+    finally:
+        os.chdir(cwd)
+
+
+def test_nproc_hint_reads_torchruns_options_without_torch() -> None:
+    """The zygote imports torch under OMP_NUM_THREADS=1 exactly where torchrun will give it to the workers."""
+    from supervisor.launch.warm_launcher import nproc_hint
+
+    assert nproc_hint(["--standalone", "--nproc-per-node", "2", "t.py", "--nproc-per-node", "8"]) == 2
+    assert nproc_hint(["--nproc_per_node=4", "t.py"]) == 4
+    assert nproc_hint(["--nnodes", "1", "-m", "t", "--nproc-per-node", "8"]) == 1  # the trainer's own option
+    assert nproc_hint(["--nproc-per-node", "auto", "t.py"]) is None
+    assert nproc_hint(["t.py"]) == 1
 
 
 @pytest.mark.parametrize("nodes, skewed", [(["--standalone"], False), (["--nnodes", "1"], False),
@@ -239,11 +326,12 @@ def test_a_single_node_skips_the_rendezvous_skew(nodes: list[str], skewed: bool)
 def _ready_warm_ranks(zygote: Zygote, n: int) -> list[int]:
     assert zygote.wait_ready(120)
     assert len(zygote.warm_pids) == n
-    script = [str(Path(__file__).resolve().parents[2] / "supervisor" / "launch" / "warm_rank.py")]
+    launch = Path(__file__).resolve().parents[2] / "supervisor" / "launch"
+    started = ([str(launch / "warm_rank.py")], [str(launch / "warm_launcher.py")])  # spawned; forked (the zygote's)
     for pid in zygote.warm_pids:
-        # The zygote says ready once its own imports are done; a warm rank may still be inside its execve
+        # The zygote says ready once its own imports are done; a spawned warm rank may still be inside its execve
         # (an empty cmdline under load), so its cmdline is waited for.
-        wait_for(lambda: psutil.Process(pid).cmdline()[2:3] == script, 60, f"warm rank {pid} to run warm_rank.py")
+        wait_for(lambda: psutil.Process(pid).cmdline()[2:3] in started, 60, f"warm rank {pid} to run")
     return list(zygote.warm_pids)
 
 

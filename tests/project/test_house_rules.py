@@ -87,6 +87,8 @@ def test_reserved_names_come_from_rlsup_format_names() -> None:
 # Private names of the standard library and the frameworks rlsup drives, used on purpose: (file, expression): why.
 FOREIGN_PRIVATE_ALLOWED = {
     ("supervisor/launch/warm_rank.py", "os._exit"): "documented: exit without cleanup in a forked child",
+    ("supervisor/launch/warm_pool.py", "os._exit"):
+        "a forked warm rank never returns into the zygote's code, whatever its own code did",
     ("trainer_hooks/writer_guard.py", "os._exit"): "the writer's trainer is already gone: exit before any cleanup",
     ("supervisor/bounded_calls.py", "os._exit"): "documented: a forked call's child never runs its parent's cleanup",
     ("supervisor/cli/main.py", "os._exit"):
