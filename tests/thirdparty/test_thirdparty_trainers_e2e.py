@@ -203,20 +203,37 @@ def _hf_steps(out: Path) -> list[tuple[int, bool]]:
     return [(r.step, r.valid) for r in layouts.scan(out)] if out.exists() else []
 
 
-def _checkpoint_dirs(out: Path) -> set[str]:
+def _checkpoint_dirs(out: Path) -> dict[str, int]:
+    """Each checkpoint-N directory and the newest change in it (ns): a save into a directory a killed save left
+    torn changes it without making a new directory."""
+    found = {}
     try:
-        return {p.name for p in out.iterdir() if p.name.startswith("checkpoint-")}
+        dirs = [p for p in os.scandir(out) if p.name.startswith("checkpoint-")]
     except FileNotFoundError:
-        return set()
+        return {}
+    for d in dirs:
+        try:
+            found[d.name] = max([d.stat().st_mtime_ns, *(e.stat().st_mtime_ns for e in os.scandir(d.path))])
+        except FileNotFoundError:  # removed (rotated) between the listing and the look
+            continue
+    return found
+
+
+def _saved_since(out: Path, before: dict[str, int]) -> set[str]:
+    """The checkpoint directories new or written since ``before``."""
+    return {name for name, mark in _checkpoint_dirs(out).items() if before.get(name) != mark}
 
 
 def _rank_proc(workdir: Path, script: str) -> Callable[["psutil.Process"], bool]:
-    """A training process: a cold one runs ``script``; a warm rank (its cmdline is warm_rank.py's) is told
-    apart from the next attempt's idle warm ranks by the datasets cache it has mapped."""
+    """A training process: a cold or forked one runs ``script`` (a forked warm rank writes the worker's command
+    line over its zygote's); a spawned warm rank (its cmdline is warm_rank.py's) is told apart from the next
+    attempt's idle warm ranks by the datasets cache it has mapped. Launchers are told by their command's head: a
+    trainer's arguments name the test's directory (``--resume_from_checkpoint=.../test_trl_sft_torchrun_...``)."""
     cache = str(workdir / "hf-datasets-cache")
 
     def match(p: "psutil.Process") -> bool:
-        cmd = " ".join(p.cmdline())
+        argv = p.cmdline()
+        cmd, head = " ".join(argv), " ".join(argv[:4]) + " "  # the launchers' names, never in their arguments
         if "warm_rank.py" in cmd:
             try:
                 with open(f"/proc/{p.pid}/maps") as f:
@@ -224,38 +241,28 @@ def _rank_proc(workdir: Path, script: str) -> Callable[["psutil.Process"], bool]
             except OSError:
                 return False
         # not rlsup's own children forked per call (their cmdline is rlsup's, which names the script): short-lived
-        return script in cmd and not any(w in cmd for w in ("torch.distributed.run", "torchrun", "warm_launcher",
-                                                             "/bin/trl ", "supervisor.cli.main", "bin/rlsup "))
+        return script in cmd and not any(w in head for w in ("torch.distributed.run", "torchrun", "warm_launcher",
+                                                              "/bin/trl ", "supervisor.cli.main", "bin/rlsup "))
 
     return match
 
 
-def _bar_step(log: str, total: int) -> int:
-    """The highest step of the trainer's own tqdm bar ("N/total [") in ``log``, -1 before its first draw."""
-    return max((int(n) for n, t in re.findall(r"(\d+)/(\d+) \[", log) if int(t) == total), default=-1)
-
-
-def _hf_kill(job: Supervised, n: int, how: str, rng: random.Random, match: Callable,
-             steps: tuple[int, int] = (SFT_MAX_STEPS, SFT_SAVE_STEPS)) -> bool:
-    """SIGKILL one training process of attempt ``n``: ``save`` = the instant a new checkpoint-N directory
-    appears; ``random`` = a seeded delay (0-0.3 s) after the attempt's first complete new save. ``steps``:
-    (max_steps, save_steps): the directory is polled every 1 ms only from 2-3 steps before a save on (the bar
-    says), every 50 ms before (the attempt's start-up and first steps take seconds)."""
-    out, (total, every) = job.cwd / "out", steps
+def _hf_kill(job: Supervised, n: int, how: str, rng: random.Random, match: Callable) -> bool:
+    """SIGKILL one training process of attempt ``n``: ``save`` = the instant a checkpoint-N directory appears or
+    is written again (a save into one a killed save left torn); ``random`` = a seeded delay (0-0.3 s, cut short by
+    the next save) after the attempt's first complete new save. The directories are polled every 2 ms from the
+    moment the attempt's trainer is seen (a warm attempt of this tiny model trains up to ~200 steps/s: a save
+    interval is a few tens of ms)."""
+    out = job.cwd / "out"
     proc = job.wait_trainer(n, match, "a training process")
     if proc is None:
         return False
     before = _checkpoint_dirs(out)
 
     def new_dirs() -> set[str] | bool:
-        return job.ended() or (_checkpoint_dirs(out) - before)
+        return job.ended() or _saved_since(out, before)
 
-    def near() -> bool:
-        step = _bar_step(job.attempt_log(n), total)
-        return step >= 0 and step % every >= every - 3
-
-    wait_for(lambda: new_dirs() or near(), 240, f"attempt {n} near a save")
-    new = wait_for(new_dirs, 240, f"a new checkpoint of attempt {n}", interval=0.001)
+    new = wait_for(new_dirs, 240, f"a new checkpoint of attempt {n}", interval=0.002)
     if new is True or job.ended():
         return False
     if how == "random":
@@ -264,9 +271,13 @@ def _hf_kill(job: Supervised, n: int, how: str, rng: random.Random, match: Calla
                  interval=0.005)
         if job.ended():
             return False
+        # no later than the next save's start: a warm attempt trains ~40 steps/s here (nothing imports beside it:
+        # the next attempt's warm ranks are forked), so a later moment can pass the job's last save and leave the
+        # next kill no save to land in
         delay = rng.uniform(0.0, 0.3)
-        deadline = time.monotonic() + delay
-        wait_for(lambda: time.monotonic() >= deadline, delay + 5, "the random kill moment", interval=0.01)
+        deadline, seen = time.monotonic() + delay, _checkpoint_dirs(out)
+        wait_for(lambda: time.monotonic() >= deadline or bool(_saved_since(out, seen)), delay + 5,
+                 "the random kill moment", interval=0.002)
     if not sigkill(proc.pid):
         return False
     # the steps as rlsup chose among them: once the attempt's incident is written every process of it is gone
@@ -276,14 +287,13 @@ def _hf_kill(job: Supervised, n: int, how: str, rng: random.Random, match: Calla
     return True
 
 
-def _hf_kills(job: Supervised, match: Callable, seed: int,
-              steps: tuple[int, int] = (SFT_MAX_STEPS, SFT_SAVE_STEPS)) -> None:
+def _hf_kills(job: Supervised, match: Callable, seed: int) -> None:
     """Three kills (mid-save, random, mid-save); more mid-save ones (at most two) until one left a torn step."""
     rng = random.Random(seed)
     for n, how in enumerate(["save", "random", "save", "save", "save"]):
         if len(job.kills) >= 3 and any(k["steps_after"] and not k["steps_after"][-1][1] for k in job.kills):
             return
-        if not _hf_kill(job, n, how, rng, match, steps):
+        if not _hf_kill(job, n, how, rng, match):
             return
 
 
@@ -341,7 +351,7 @@ def _hf_under_rlsup(tmp_path: Path, launch: list[str], script: str, seed: int, r
     reference = _reference(work, launch)
     job = Supervised.start(work, [*rlsup_args, *FAST], launch, job_env(work))
     try:
-        _hf_kills(job, _rank_proc(work, script), seed, steps)
+        _hf_kills(job, _rank_proc(work, script), seed)
         rc = job.finish()
     finally:
         if job.proc.poll() is None:
