@@ -45,7 +45,7 @@ from jobctl import (BIN, PY, alternate, events, failed, job_env, launch, log, nv
                     pid_alive, stop, wait_until)
 
 FIGURES = ("restart", "hang", "hang_restart", "save", "heartbeat", "selection", "replication", "restore", "footprint", "goodput",
-           "gpu_check", "flight_recorder", "watch_cpu", "writer_start")
+           "gpu_check", "flight_recorder", "watch_cpu", "writer_start", "warm_fork")
 
 
 # ------------------------------------------------------------------------------------------ output
@@ -806,6 +806,62 @@ def bench_footprint(ctx: Ctx) -> list[Row]:
         shutil.rmtree(d, ignore_errors=True)
 
 
+def _settled_cpu(pid: int, quiet_s: float = 0.6, timeout: float = 120) -> float:
+    """The CPU seconds of ``pid``'s tree once it stopped growing for ``quiet_s`` (every process waits)."""
+    last, since, t0 = _cpu_s(pid), time.monotonic(), time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        time.sleep(0.1)
+        now = _cpu_s(pid)
+        if now - last > 0.01:
+            last, since = now, time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
+            break
+    return last
+
+
+def bench_warm_fork(ctx: Ctx) -> list[Row]:
+    """Arming the warm launcher of a 2-rank torchrun job: its warm ranks forked from it (``warm_fork``, the
+    default) against spawned (each imports torch itself), alternating; CPU until every process waits, and
+    the memory the waiting ranks hold of their own (USS) and in all (PSS, shared pages split)."""
+    import psutil
+
+    from supervisor.launch.warm_launcher import Zygote, warm_spec
+
+    d = ctx.fresh("warm_fork")
+    (d / "t.py").write_text("print('never run')\n")
+    env = {k: v for k, v in job_env().items() if k != "OMP_NUM_THREADS"}  # a user's: torchrun adds it for 2 ranks
+    spec = warm_spec([str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2", str(d / "t.py")], env, str(d))
+    if spec is None:
+        return [Row("warm ranks forked vs spawned: failed", None, None, "", "torchrun not found")]
+    got: dict[str, list[tuple[float, float, float]]] = {"fork": [], "spawn": []}
+    for _, side in alternate(max(2, ctx.reps), ["fork", "spawn"]):
+        zygote = Zygote(spec, env, cwd=str(d), warm_fork=side == "fork")
+        try:
+            if not zygote.wait_ready(120):
+                raise RuntimeError(f"the warm launcher did not get ready ({zygote.output_left[-500:]})")
+            cpu = _settled_cpu(zygote.pid)
+            uss = pss = 0.0
+            for pid in zygote.warm_pids:
+                with contextlib.suppress(psutil.Error):
+                    m = psutil.Process(pid).memory_full_info()
+                    uss, pss = uss + m.uss / 2**20, pss + m.pss / 2**20
+            got[side].append((cpu, uss, pss))
+        finally:
+            zygote.discard()
+
+    def col(side: str, i: int) -> float | None:
+        return median([x[i] for x in got[side]])
+
+    return [
+        Row("arming a 2-rank warm launcher: CPU, ranks forked vs spawned", col("fork", 0), col("spawn", 0), "s",
+            "the launcher (torchrun and torch._dynamo imported) and 2 warm ranks, until all wait"),
+        Row("2 waiting warm ranks: memory of their own (USS), forked vs spawned", col("fork", 1), col("spawn", 1),
+            "MB", "a fork shares the launcher's pages until it writes them"),
+        Row("2 waiting warm ranks: PSS, forked vs spawned", col("fork", 2), col("spawn", 2), "MB",
+            "shared pages split among the processes that map them"),
+    ]
+
+
 # ------------------------------------------------------------------------------------------ 7. goodput
 
 
@@ -1089,7 +1145,7 @@ BENCHES: dict[str, Callable[[Ctx], list[Row]]] = {
     "footprint": bench_footprint, "goodput": bench_goodput, "gpu_check": bench_gpu_check,
     "flight_recorder": bench_flight_recorder, "recovery": bench_recovery, "node_loss": bench_node_loss,
     "watch_cpu": bench_watch_cpu, "writer_start": bench_writer_start, "overhead": bench_overhead,
-    "shrink": bench_shrink,
+    "shrink": bench_shrink, "warm_fork": bench_warm_fork,
 }
 
 

@@ -41,7 +41,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Under pytest-xdist (the suite's command: ``-n 3``) each worker gets a loopback of its own, so tests that
+    """Under pytest-xdist (the suite's command: ``-n 4``) each worker gets a loopback of its own, so tests that
     use rlsup's fixed default ports, as users do, never meet another worker's run."""
     if os.environ.get("PYTEST_XDIST_WORKER"):
         why_not = enter_own_network_namespace()

@@ -150,7 +150,7 @@ class SpareRun:
         is then followed by a warm start on this spare, as a restart on the other nodes is."""
         warm = WarmStarts(self.command, settings.warm_launcher, settings.warm_imports,
                           lambda line: log.info("spare %s: %s", self.roster.peers[self.node_rank], line),
-                          settings.warm_cuda)
+                          settings.warm_cuda, settings.warm_fork)
         warm.arm(launch_env(settings), budget_left=True)
         return warm
 

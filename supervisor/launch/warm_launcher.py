@@ -153,7 +153,7 @@ class Zygote:
     directory (relative PYTHONPATH entries, LOGLEVEL and the like act at start-up and import time)."""
 
     def __init__(self, spec: WarmSpec, env: Mapping[str, str], cwd: str | None = None,
-                 warm_imports: Sequence[str] = (), warm_cuda: bool = False) -> None:
+                 warm_imports: Sequence[str] = (), warm_cuda: bool = False, warm_fork: bool = True) -> None:
         from supervisor.processes.job import JobProcess, spawn_job_root
 
         self.spec = spec
@@ -163,8 +163,9 @@ class Zygote:
         # ``-u`` as torchrun starts its workers: ranks forked from the zygote keep its flags
         argv = [spec.python, "-u", _FILE, "--ready-fd", str(ready_w), "--path0", spec.path0,
                 "--args-json", json.dumps(list(spec.args)), "--warm-imports", json.dumps(list(warm_imports)),
-                "--warm-cuda", "1" if warm_cuda else "0",
-                "--omp-one", "1" if "OMP_NUM_THREADS" not in env and (nproc_hint(spec.args) or 1) > 1 else "0"]
+                "--warm-cuda", "1" if warm_cuda else "0", "--warm-fork", "1" if warm_fork else "0",
+                "--omp-one", "1" if warm_fork and "OMP_NUM_THREADS" not in env and (nproc_hint(spec.args) or 1) > 1
+                else "0"]
         try:
             self.popen = spawn_job_root(argv, env, cwd=cwd, stdin=subprocess.PIPE, pass_fds=(ready_w,))
         except BaseException:
@@ -332,7 +333,8 @@ def _zygote_main(argv: list[str]) -> None:
         del os.environ["OMP_NUM_THREADS"]
     pool = warm_pool.WarmPool.spawn(json.loads(_arg(argv, "--args-json", "[]")),
                                     json.loads(_arg(argv, "--warm-imports", "[]")),
-                                    warm_cuda=_arg(argv, "--warm-cuda", "0") == "1", start=start)
+                                    warm_cuda=_arg(argv, "--warm-cuda", "0") == "1",
+                                    start=start if _arg(argv, "--warm-fork", "1") == "1" else None)
     os.write(ready_fd, READY + json.dumps(pool.pids()).encode())
     os.close(ready_fd)
     data = sys.stdin.buffer.read()

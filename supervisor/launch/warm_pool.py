@@ -268,7 +268,7 @@ class WarmPool:
               start: "ForkStart | None" = None) -> "WarmPool":
         """Parse torchrun's arguments as it will, and start its workers' warm ranks (or say why not);
         ``warm_cuda``: on a GPU node, rank *i* makes its CUDA context on device *i*; ``start``: how this
-        zygote imported torch, so its ranks may be forked from it (:func:`fork_unfit`), else spawned."""
+        zygote imported torch, so its ranks may be forked from it (:func:`fork_unfit`); None: spawned."""
         try:
             from torch.distributed.run import determine_local_world_size, parse_args
 
@@ -284,7 +284,7 @@ class WarmPool:
             env["OMP_NUM_THREADS"] = "1"
         pool = cls("", command, env, nproc)
         cuda = warm_cuda and os.path.exists(NVIDIA_CONTROL)
-        pool.fork_why = "this zygote did not say how it imported torch" if start is None else (
+        pool.fork_why = "warm_fork is off" if start is None else (
             fork_unfit(command, env, start) or _import_lazy() or _threads_unfit())
         try:
             for i in range(nproc):

@@ -17,9 +17,9 @@ class WarmStarts:
     """At most one waiting launcher for ``command`` (torchrun jobs with ``warm_launcher`` on)."""
 
     def __init__(self, command: Sequence[str], enabled: bool, warm_imports: Sequence[str],
-                 log: Callable[[str], None], warm_cuda: bool = False) -> None:
+                 log: Callable[[str], None], warm_cuda: bool = False, warm_fork: bool = True) -> None:
         self.command, self.enabled, self.warm_imports, self.log = list(command), enabled, tuple(warm_imports), log
-        self.warm_cuda = warm_cuda
+        self.warm_cuda, self.warm_fork = warm_cuda, warm_fork
         self._zygote: Zygote | None = None
         self._armed: list[str] = []  # the command the waiting launcher was armed for
 
@@ -38,7 +38,8 @@ class WarmStarts:
         if spec is None:
             return
         try:
-            self._zygote = Zygote(spec, env, warm_imports=self.warm_imports, warm_cuda=self.warm_cuda)
+            self._zygote = Zygote(spec, env, warm_imports=self.warm_imports, warm_cuda=self.warm_cuda,
+                                  warm_fork=self.warm_fork)
             self._armed = list(self.command)
         except (OSError, subprocess.SubprocessError) as e:
             self.log(f"warm launcher not started ({e}); restarts launch cold")

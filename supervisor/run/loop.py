@@ -141,7 +141,8 @@ class Supervisor:
         if warm is not None:
             warm.adopt(self.command, self._log)  # the loop's from here on (discarded at the end)
         self.warm = warm or WarmStarts(self.command, self.settings.warm_launcher, self.settings.warm_imports,
-                                       self._log, self.settings.warm_cuda)  # the next attempt's root, spawned early
+                                       self._log, self.settings.warm_cuda,
+                                       self.settings.warm_fork)  # the next attempt's root, spawned early
         self.node_name = node_name()  # what incidents, metrics and the SLURM exclude list call this machine
         tiers = tiers or NodeTiers.from_config(cfg, self.job.id)
         self.persistent, self.memory = tiers.persistent, tiers.memory  # None: persistent_dir / memory_dir empty

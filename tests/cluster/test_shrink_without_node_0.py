@@ -32,6 +32,15 @@ from supervisor.tiers.holdings import NodeInventory, RecordError, RoundPlan
 from supervisor.tiers.parts import verify_part
 from support.in_process_round import JOB, SECRET, SimCluster
 
+
+@pytest.fixture(autouse=True)
+def _quick_grow_polls(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A left-out node looks for the attempt's end every GROW_POLL_S (1 s): a tenth of that here, where the store is
+    in memory, so that a fast test does not sit out whole polls (what is looked at, and when, is unchanged)."""
+    from supervisor.cluster import multinode
+
+    monkeypatch.setattr(multinode, "GROW_POLL_S", 0.1)
+
 SHRINK = ShrinkSettings(min_nodes=2, wait_s=0.2)
 PINNED = ["torchrun", "--nproc-per-node", "2", "--nnodes", "3", "--node-rank", "1", "--rdzv-backend", "static",
           "--master-addr", "127.0.0.1", "--master-port", "29500", "train.py", "--master-addr", "x"]

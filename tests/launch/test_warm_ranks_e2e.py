@@ -82,7 +82,7 @@ info = {
     "affinity": sorted(os.sched_getaffinity(0)),
     "pickle": pickle.loads(pickle.dumps(Payload(7))).x,
     "torch_fresh": draws["torch"] == torch.rand(3, generator=fresh).tolist(),
-    "uuid_shadowed": getattr(sys.modules.get("uuid"), "SHADOWED", False),
+    "uuid_shadowed": getattr(sys.modules.get("uuid"), "SHADOWED", False), "str_hash": hash("rlsup"),
     "pid": os.getpid(), "cmdline": open("/proc/self/cmdline").read().split("\0")[:3],
     "seed": seed, "draws": draws,
 }
@@ -119,7 +119,7 @@ PER_ATTEMPT_ENV = {"RLSUP_RESTART_COUNT", "RLSUP_HEARTBEAT_DIR", "RLSUP_RESUME_D
 def _comparable(info: dict, drop_env: set[str], cmdline: bool = True) -> dict:
     """What a warm rank must share with a cold one; ``cmdline``: a forked rank writes the worker's command line
     over its zygote's (a spawned one keeps warm_rank.py's)."""
-    drop = ("pid", "seed", "draws") if cmdline else ("pid", "cmdline", "seed", "draws")
+    drop = ("pid", "seed", "draws", "str_hash") if cmdline else ("pid", "cmdline", "seed", "draws", "str_hash")
     out = {k: v for k, v in info.items() if k not in drop}
     out["env"] = {k: v for k, v in info["env"].items() if k not in drop_env}
     return out
@@ -160,20 +160,26 @@ def _cold_attempt_1_env(cold0: dict[str, str]) -> dict[str, str | None]:
     return env
 
 
-def test_warm_ranks_are_indistinguishable_from_cold_ones(workdir: Path) -> None:
+@pytest.mark.parametrize("fork", [True, False], ids=["forked", "spawned"])
+def test_warm_ranks_are_indistinguishable_from_cold_ones(workdir: Path, fork: bool) -> None:
     """Attempt 1's warm ranks against attempt 0's cold ones of the same run: equal in all a trainer can see
-    but the per-attempt variables, which are what a cold attempt 1 gets."""
+    but the per-attempt variables, which are what a cold attempt 1 gets; forked from the launcher (the
+    default) or, with ``--warm-fork false``, spawned (then their command line is warm_rank.py's)."""
     (workdir / "dumper.py").write_text(DUMPER)
     (workdir / "warmprobe.py").write_text(WARMPROBE)
     launch = [TORCHRUN, "--standalone", "--nproc-per-node", "2", "dumper.py", "info"]
-    dumps, stderr, warm_log1 = _run_job(workdir, launch, "--warm-imports", "warmprobe")
+    dumps, stderr, warm_log1 = _run_job(workdir, launch, "--warm-imports", "warmprobe",
+                                        *(() if fork else ("--warm-fork", "false")))
     assert "attempt 1: started by the warm launcher" in stderr, stderr
     assert USED in warm_log1 and "launching cold" not in warm_log1, warm_log1
-    assert _used_line(warm_log1).endswith("; forked from the launcher)"), warm_log1
+    how = "forked from the launcher" if fork else "spawned: warm_fork is off"
+    assert _used_line(warm_log1).endswith(f"; {how})"), warm_log1
+    drop = RUN_SPECIFIC_ENV | PER_ATTEMPT_ENV
     for rank in (0, 1):
         w, c = dumps[f"rank{rank}.attempt1.json"], dumps[f"rank{rank}.attempt0.json"]
         assert _warm_started(w, warm_log1) and not _warm_started(c, warm_log1), (w["pid"], c["pid"], warm_log1)
-        assert _comparable(w, RUN_SPECIFIC_ENV | PER_ATTEMPT_ENV) == _comparable(c, RUN_SPECIFIC_ENV | PER_ATTEMPT_ENV)
+        assert _comparable(w, drop, cmdline=fork) == _comparable(c, drop, cmdline=fork)
+        assert fork or w["cmdline"][2].endswith("supervisor/launch/warm_rank.py")
         assert {k: w["env"].get(k) for k in PER_ATTEMPT_ENV} == _cold_attempt_1_env(c["env"])
         assert w["torch_fresh"] and w["pdeathsig"] == 0 and w["stdin"] == "/dev/null"
         pre = json.loads((workdir / f"pre.{w['pid']}.json").read_text())  # what the warm rank held before
@@ -182,6 +188,8 @@ def test_warm_ranks_are_indistinguishable_from_cold_ones(workdir: Path) -> None:
     c0, c1 = dumps["rank0.attempt0.json"], dumps["rank1.attempt0.json"]
     assert w0["draws"]["random"] != w1["draws"]["random"] and w0["draws"]["numpy"] != w1["draws"]["numpy"]
     assert (w0["seed"] == w1["seed"]) == (c0["seed"] == c1["seed"])  # torch: as independent as cold ones
+    assert c0["str_hash"] != c1["str_hash"]  # each cold interpreter draws its hash seed (no PYTHONHASHSEED here)
+    assert (w0["str_hash"] == w1["str_hash"]) == fork  # forked ranks share their launcher's, spawned ones draw theirs
 
 
 def test_module_entrypoint_starts_warm(workdir: Path) -> None:
