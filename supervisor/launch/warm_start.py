@@ -32,19 +32,29 @@ class WarmStarts:
     def arm(self, env: dict[str, str], budget_left: bool) -> None:
         """Pre-spawn the next attempt's job root while this one runs (or while a spare waits for a rank). Not when
         this attempt's failure would end the run anyway (``budget_left`` False: max_restarts used up)."""
-        if not self.enabled or self._zygote is not None or not budget_left:
+        if budget_left:
+            self._spawn(self.command, env, "the next attempt")
+
+    def arm_now(self, argv: list[str], env: dict[str, str]) -> None:
+        """A launcher for the attempt about to start with ``argv`` where none waits (the first attempt, or one whose
+        launcher was never armed): its ranks are forked from one torch import (``warm_fork``), where a cold
+        torchrun's each import it, so the attempt starts sooner even without the head start."""
+        self._spawn(argv, env, "this attempt")
+
+    def _spawn(self, command: list[str], env: dict[str, str], what: str) -> None:
+        if not self.enabled or self._zygote is not None:
             return
-        spec = warm_spec(self.command, env)
+        spec = warm_spec(command, env)
         if spec is None:
             return
         try:
             self._zygote = Zygote(spec, env, warm_imports=self.warm_imports, warm_cuda=self.warm_cuda,
                                   warm_fork=self.warm_fork)
-            self._armed = list(self.command)
+            self._armed = list(command)
         except (OSError, subprocess.SubprocessError) as e:
-            self.log(f"warm launcher not started ({e}); restarts launch cold")
+            self.log(f"warm launcher not started ({e}); launching cold")
             return
-        self.log(f"warm launcher pid {self._zygote.pid} spawned for the next attempt")
+        self.log(f"warm launcher pid {self._zygote.pid} spawned for {what}")
 
     def start(self, attempt: int, env: dict[str, str], argv: list[str], log_path: Path,
               tail_lines: int) -> JobProcess | None:
@@ -53,7 +63,6 @@ class WarmStarts:
         zygote, self._zygote = self._zygote, None
         if zygote is None:
             return None
-        age = time.monotonic() - zygote.spawned
         # The attempt's torchrun args where they differ from those armed (filled placeholders, a spare's pinned rank)
         spec = warm_spec(argv, env) if argv != self._armed else None
         if argv != self._armed and spec is None:  # never run the armed arguments for another command (a pinned rank)
@@ -72,6 +81,7 @@ class WarmStarts:
             self.log(f"attempt {attempt}: warm launcher pid {zygote.pid} not usable (exit {zygote.popen.returncode}"
                      f"{': ' + said[-1].strip() if said else ''}); launching cold")
         else:
+            age = time.monotonic() - zygote.spawned
             self.log(f"attempt {attempt}: started by the warm launcher (pid {job.pid}, spawned {age:.1f}s ago)")
         return job
 

@@ -524,6 +524,8 @@ class Supervisor:
             self.memory.supersede(resume.step if resume is not None else None)  # steps of an abandoned timeline
         env = self.attempt_env(attempt, resume, hb_dir)
         tail_lines = self.settings.output_tail_lines
+        if self.settings.warm_first_attempt:
+            self.warm.arm_now(argv, env)  # none waiting (the first attempt): one for this attempt, as later ones have
         job: Job | None = self.warm.start(attempt, env, argv, attempt_dir / state_files.OUTPUT_LOG, tail_lines)
         if job is None:
             job = self.processes.start(argv, env, attempt_dir / state_files.OUTPUT_LOG, tail_lines)

@@ -36,6 +36,7 @@ class RunSettings:
     warm_imports: tuple[str, ...]
     warm_cuda: bool
     warm_fork: bool
+    warm_first_attempt: bool
     pre_launch_check: str
     pre_launch_timeout: float
     # stop and cleanup
@@ -55,7 +56,8 @@ class RunSettings:
             resume=cfg.resume, checkpoint_layout=cfg.checkpoint_layout, repair_tracker=cfg.repair_tracker,
             output_tail_lines=cfg.output_tail_lines, progress=cfg.progress, progress_regex=cfg.progress_regex,
             warm_launcher=cfg.warm_launcher, warm_imports=tuple(cfg.warm_imports),
-            warm_cuda=cfg.warm_cuda, warm_fork=cfg.warm_fork, pre_launch_check=cfg.pre_launch_check,
+            warm_cuda=cfg.warm_cuda, warm_fork=cfg.warm_fork, warm_first_attempt=cfg.warm_first_attempt,
+            pre_launch_check=cfg.pre_launch_check,
             pre_launch_timeout=cfg.pre_launch_timeout,
             preempt_signal=signal_named(cfg.preempt_signal), stop_grace=cfg.stop_grace, kill_grace=cfg.kill_grace,
             straggler_factor=cfg.straggler_factor, straggler_window=cfg.straggler_window,

@@ -135,7 +135,9 @@ def test_a_sigstopped_torchrun_rank_is_named_with_its_rank_cold_and_warm_started
     # 10 s: the job's own end (the ranks' exit, then the agent's) is not paced by steps, and the warm launcher armed
     # beside each attempt slows it on a loaded machine; a tighter timeout took it for a hang
     # --max-restarts 2: the two hangs (attempt 2 arms no warm launcher it would never use)
-    r = run_rlsup(["run", *FAST, "--max-restarts", "2", "--heartbeat-timeout", "10", "--progress-regex", r"^step (\d+)",
+    # --warm-first-attempt false: attempt 0 cold, as the test's subject asks
+    r = run_rlsup(["run", *FAST, "--max-restarts", "2", "--warm-first-attempt", "false", "--heartbeat-timeout", "10",
+                   "--progress-regex", r"^step (\d+)",
                    "--", PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                    str(JOBS / "stopped_rank_job.py"), "ranks", "0,1"], workdir, timeout=300)
     assert r.returncode == 0, r.stderr[-4000:]

@@ -102,8 +102,9 @@ def test_restart_starts_from_the_prespawned_launcher(workdir: Path) -> None:
     script = workdir / "crash_once.py"
     script.write_text(CRASH_ONCE)
     out = workdir / "info"
-    r = run_rlsup(["run", *FAST, "--max-restarts", "2", "--", TORCHRUN, "--standalone", "--nproc-per-node", "2",
-                   str(script), str(out)], workdir, timeout=240)
+    # attempt 0 cold (--warm-first-attempt false): the yardstick of the warm attempt 1
+    r = run_rlsup(["run", *FAST, "--max-restarts", "2", "--warm-first-attempt", "false", "--", TORCHRUN, "--standalone",
+                   "--nproc-per-node", "2", str(script), str(out)], workdir, timeout=240)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     info = {p.name.split(".", 1)[1]: json.loads(p.read_text()) for p in workdir.glob("info.rank*.json")}
     assert sorted(info) == ["rank0.attempt0.json", "rank0.attempt1.json", "rank1.attempt0.json",
@@ -142,8 +143,10 @@ def test_dead_zygote_falls_back_to_cold_launch(workdir: Path) -> None:
     script = workdir / "waiter.py"
     script.write_text(WAITER)
     started, crash = workdir / "started", workdir / "crash"
-    proc = start_rlsup(["run", *FAST, "--max-restarts", "1", "--", PY, "-m", "torch.distributed.run", "--standalone",
-                        "--nproc-per-node", "1", str(script), str(started), str(crash)], workdir)
+    # attempt 0 cold (--warm-first-attempt false): the only warm launcher is the one armed for attempt 1
+    proc = start_rlsup(["run", *FAST, "--max-restarts", "1", "--warm-first-attempt", "false", "--", PY, "-m",
+                        "torch.distributed.run", "--standalone", "--nproc-per-node", "1", str(script), str(started),
+                        str(crash)], workdir)
     try:
         zygote = wait_for(lambda: _zygotes(proc.pid), 60, "a warm launcher")[0]
         zygote.kill()
@@ -181,14 +184,38 @@ def test_no_zygote_when_disabled(workdir: Path) -> None:
     assert not re.search(r"warm (launcher|ranks?)", out + log1), out[-3000:]  # (the test's paths say warm_)
 
 
+def test_the_first_attempt_starts_from_a_launcher_spawned_for_it(workdir: Path) -> None:
+    """The default: attempt 0 has no launcher waiting, so one is spawned for it and its ranks are forked from that
+    launcher's one torch import (a cold torchrun's ranks import it each); with no restart left, none is armed
+    for a next attempt."""
+    script = workdir / "ranks.py"
+    # one write per line: the two ranks share the pipe (print's separate writes could interleave)
+    script.write_text("import os\nimport torch\nos.write(1, f\"rank {os.environ['RANK']} pid {os.getpid()}\\n\".encode())\n")
+    env = {k: v for k, v in clean_env().items() if k != "OMP_NUM_THREADS"}  # a user's: torchrun adds it for 2 ranks
+    r = subprocess.run([sys.executable, "-m", "supervisor.cli.main", "run", *FAST,
+                        "--max-restarts", "0", "--", TORCHRUN, "--standalone", "--nproc-per-node", "2", str(script)],
+                       cwd=workdir, env=env, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    (zygote,) = re.findall(r"warm launcher pid (\d+) spawned for this attempt", r.stderr)
+    assert f"attempt 0: started by the warm launcher (pid {zygote}," in r.stderr, r.stderr[-3000:]
+    assert "spawned for the next attempt" not in r.stderr, r.stderr[-3000:]  # --max-restarts 0: no next attempt
+    log0 = (workdir / ".rlsup" / "attempts" / "attempt_0000" / "output.log").read_text()
+    used = re.search(r"2 local rank\(s\) started from warm ranks \(pids (\d+), (\d+); forked from the launcher\)", log0)
+    assert used is not None, log0[-3000:]
+    ranks = {int(pid) for pid in re.findall(r"^rank \d pid (\d+)$", log0, re.M)}
+    assert ranks == {int(used[1]), int(used[2])}, log0[-3000:]
+    assert json.loads((workdir / ".rlsup" / "state.json").read_text())["job_pid"] == int(zygote)
+
+
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["sigkill", "sigterm"])
 def test_waiting_zygote_dies_with_rlsup(workdir: Path, sig: int) -> None:
     """SIGKILL: PR_SET_PDEATHSIG takes the zygote along; SIGTERM: rlsup stops and kills it on its way out."""
     script = workdir / "waiter.py"
     script.write_text(WAITER)
     started, crash = workdir / "started", workdir / "crash"
-    proc = start_rlsup(["run", *FAST, "--", TORCHRUN, "--standalone", "--nproc-per-node", "1", str(script),
-                        str(started), str(crash)], workdir)
+    # attempt 0 cold (--warm-first-attempt false): the only warm launcher is the one waiting for attempt 1
+    proc = start_rlsup(["run", *FAST, "--warm-first-attempt", "false", "--", TORCHRUN, "--standalone",
+                        "--nproc-per-node", "1", str(script), str(started), str(crash)], workdir)
     rank_pid = None
     try:
         zygote = wait_for(lambda: _zygotes(proc.pid), 60, "a warm launcher")[0]

@@ -145,7 +145,9 @@ def _run_job(workdir: Path, launch: list[str], *extra: str) -> tuple[dict[str, d
     user's environment, without the ``OMP_NUM_THREADS`` the suite sets (tests/conftest.py): torchrun adds it to the
     cold ranks of a 2-rank job, so the warm launcher must add the same to its warm ones."""
     env = {k: v for k, v in clean_env().items() if k != "OMP_NUM_THREADS"}
-    r = subprocess.run(rlsup_cmd("run", *FAST, "--max-restarts", "1", *extra, "--", *launch), cwd=workdir, env=env,
+    # attempt 0 cold (--warm-first-attempt false): the reference every warm rank is compared with
+    r = subprocess.run(rlsup_cmd("run", *FAST, "--max-restarts", "1", "--warm-first-attempt", "false", *extra, "--",
+                                 *launch), cwd=workdir, env=env,
                        capture_output=True, text=True, timeout=280)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     log1 = (workdir / ".rlsup" / "attempts" / "attempt_0001" / "output.log").read_text()
