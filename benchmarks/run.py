@@ -26,6 +26,7 @@ import dataclasses
 import contextlib
 import json
 import os
+import resource
 import shutil
 import signal
 import statistics
@@ -852,7 +853,32 @@ def bench_warm_fork(ctx: Ctx) -> list[Row]:
     def col(side: str, i: int) -> float | None:
         return median([x[i] for x in got[side]])
 
+    # the first attempt of a whole run: from a launcher spawned for it (warm_first_attempt) against torchrun's cold
+    # start; the job imports torch and builds an optimizer (which imports torch._dynamo) on 2 ranks, then exits
+    (d / "first.py").write_text("import torch\ntorch.optim.AdamW(torch.nn.Linear(4, 4).parameters())\n")
+    first: dict[str, list[tuple[float, float]]] = {"warm": [], "cold": []}
+    for _, side in alternate(max(2, ctx.reps), ["warm", "cold"]):
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        t0 = time.monotonic()
+        r = subprocess.run([PY, "-m", "supervisor.cli.main", "run", "--max-restarts", "0", "--warm-first-attempt",
+                            "true" if side == "warm" else "false", "--state-dir", str(d / f"state-{side}"), "--",
+                            str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2", str(d / "first.py")],
+                           cwd=d, env=env, capture_output=True, text=True, timeout=300)
+        wall = time.monotonic() - t0
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        if r.returncode != 0:
+            raise RuntimeError(f"rlsup run failed: {r.stderr[-800:]}")
+        first[side].append((wall, after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime))
+        shutil.rmtree(d / f"state-{side}", ignore_errors=True)
+
+    def fcol(side: str, i: int) -> float | None:
+        return median([x[i] for x in first[side]])
+
     return [
+        Row("a 2-rank run's first attempt: wall, launcher spawned for it vs torchrun cold", fcol("warm", 0),
+            fcol("cold", 0), "s", "rlsup run --max-restarts 0 to its exit: torch imported, an optimizer built, on 2 ranks"),
+        Row("a 2-rank run's first attempt: CPU, launcher spawned for it vs torchrun cold", fcol("warm", 1),
+            fcol("cold", 1), "s", "rlsup and everything it started"),
         Row("arming a 2-rank warm launcher: CPU, ranks forked vs spawned", col("fork", 0), col("spawn", 0), "s",
             "the launcher (torchrun and torch._dynamo imported) and 2 warm ranks, until all wait"),
         Row("2 waiting warm ranks: memory of their own (USS), forked vs spawned", col("fork", 1), col("spawn", 1),

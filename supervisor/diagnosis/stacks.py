@@ -216,7 +216,7 @@ def tree_roles(tree: list, hb_dir: Path | None = None) -> list[TreeRole]:
 
     # A warm rank with a record is a rank whatever its command line says (a forked one shows its zygote's, the
     # launcher's, until it writes the worker's over it).
-    warm = _warm_rank_records(hb_dir)
+    warm = warm_rank_records(hb_dir)
     helpers = {pid for pid in info if pid not in warm and helper(pid)}
     launchers = {info[pid][2] for pid in info if pid not in helpers and info[pid][2] in info}
     launchers |= {pid for pid in info if pid not in helpers and pid not in warm and _launcher_command(info[pid][0])}
@@ -265,7 +265,7 @@ def _rank_of(cmd: list[str], env: Mapping[str, str], warm: int | None) -> tuple[
     return None, ""
 
 
-def _warm_rank_records(hb_dir: Path | None) -> dict[int, int]:
+def warm_rank_records(hb_dir: Path | None) -> dict[int, int]:
     """{pid: rank} from the warm ranks' own records in the attempt's heartbeat directory
     (:data:`rlsup_format.state_files.WARM_RANK_RECORD`, written by ``supervisor/launch/warm_rank.py``)."""
     import json

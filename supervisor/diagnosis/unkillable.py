@@ -20,7 +20,7 @@ import os
 import platform
 import re
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, TypeVar
 
@@ -200,6 +200,17 @@ def _bounded(read: Callable[[], T], default: T) -> T:
     thread.start()
     thread.join(_MEMORY_READ_DEADLINE_S)
     return box[0] if box else default
+
+
+def with_warm_ranks(stuck: list[StuckProcess], hb_dir: Path) -> list[StuckProcess]:
+    """``stuck`` with the rank of each warm-started one its environment does not give (it was spawned or forked
+    before it became a rank: its number is in its own record in the attempt's heartbeat directory)."""
+    from supervisor.diagnosis.stacks import warm_rank_records
+
+    if all(p.rank is not None for p in stuck):
+        return stuck
+    warm = warm_rank_records(hb_dir)
+    return [replace(p, rank=warm[p.pid]) if p.rank is None and p.pid in warm else p for p in stuck]
 
 
 def _rank(pid: int) -> int | None:

@@ -69,6 +69,13 @@ def rlsup_line(text: str) -> str:
             f"{PREFIX}{text}")
 
 
+def _say_line(text: str) -> None:
+    """One of rlsup's lines on the launcher's stderr in one write: the zygote runs with ``-u``, where ``print``
+    writes the text and its newline apart, and a rank's output could land in between."""
+    sys.stderr.write(rlsup_line(text) + "\n")
+    sys.stderr.flush()
+
+
 def startup_env(env: Mapping[str, str]) -> dict[str, str]:
     """The part of an environment that acts at interpreter start or import."""
     return {k: v for k, v in env.items()
@@ -349,14 +356,14 @@ class WarmPool:
     def _say(self, why: str) -> None:
         if not self._said:
             self._said = True
-            print(rlsup_line(f"{why}; launching cold"), file=sys.stderr, flush=True)
+            _say_line(f"{why}; launching cold")
 
     def round_done(self) -> None:
         """torchrun started its workers: say which came from warm ranks, kill the unused ones."""
         if self.used and not self._said:
             how = "forked from the launcher" if not self.fork_why else f"spawned: {self.fork_why}"
-            print(rlsup_line(f"{len(self.used)} local rank(s) started from warm ranks (pids "
-                             f"{', '.join(map(str, self.used))}; {how})"), file=sys.stderr, flush=True)
+            _say_line(f"{len(self.used)} local rank(s) started from warm ranks (pids "
+                      f"{', '.join(map(str, self.used))}; {how})")
         self.used = []
         self.discard()
 

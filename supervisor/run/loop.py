@@ -259,7 +259,7 @@ class Supervisor:
             self.record_incident(pending[0], downtime=time.monotonic() - pending[1], resume=resume)
         self.record.set_state(JobStatus.RUNNING, job_pid=job.pid)
         evidence = self.watch(job, hb_dir, attempt)
-        stuck = self.cleanup(job, evidence)
+        stuck = self.cleanup(job, evidence, hb_dir)
         return self._classify(replace(evidence, gpu=GpuEvidence(started, self.kernel_log, self.gpu_probe),
                                       stuck=tuple(stuck), kill_grace=self.settings.kill_grace))
 
@@ -548,7 +548,7 @@ class Supervisor:
         (:class:`supervisor.run.attempt_watch.AttemptWatch`)."""
         return self.watcher.watch(job, hb_dir, attempt)
 
-    def cleanup(self, job: Job, evidence: AttemptEvidence) -> list[StuckProcess]:
+    def cleanup(self, job: Job, evidence: AttemptEvidence, hb_dir: Path) -> list[StuckProcess]:
         """Nothing of an attempt may survive it.
 
         A failed attempt (crash, hang, another node's failure) is killed at once with SIGKILL: a
@@ -560,9 +560,9 @@ class Supervisor:
         killed = job.terminate_tree(self.settings.kill_grace if graceful else 0.0, stuck_after=self.settings.kill_grace)
         if killed:
             self._log(f"attempt {evidence.attempt}: killed leftover processes {killed}")
-        from supervisor.diagnosis.unkillable import record_stuck
+        from supervisor.diagnosis.unkillable import record_stuck, with_warm_ranks
 
-        stuck = list(job.stuck)
+        stuck = with_warm_ranks(list(job.stuck), hb_dir)  # a warm-started rank's number is in its own record
         record_stuck(evidence.attempt, stuck, self.settings.kill_grace, self._log, self.state_dir / state_files.UNKILLABLE)
         return stuck
 
