@@ -326,15 +326,21 @@ def _zygote_main(argv: list[str]) -> None:
     gc.freeze()  # torch's objects live as long as the launcher: never walked by the collector again (0.4 s at exit)
 
     warm_pool = _load_warm_pool()
+    fork = _arg(argv, "--warm-fork", "1") == "1"
     generator = sys.modules["torch"].default_generator
-    start = warm_pool.ForkStart(dict(os.environ), None if safe_path else sys.path[0],
-                                generator.get_state() if generator.initial_seed() == TORCH_DEFAULT_SEED else None)
+    state = generator.get_state() if generator.initial_seed() == TORCH_DEFAULT_SEED else None
+    if fork:  # under the environment the fork check compares with the workers'
+        environ = dict(os.environ)
+        warm_pool.import_lazy()
+        os.environ.clear()  # what the import set (torch._inductor: TORCHINDUCTOR_CACHE_DIR) is not the workers'
+        os.environ.update(environ)
+    start = warm_pool.ForkStart(dict(os.environ), None if safe_path else sys.path[0], state)
     if omp_one:
         del os.environ["OMP_NUM_THREADS"]
     pool = warm_pool.WarmPool.spawn(json.loads(_arg(argv, "--args-json", "[]")),
                                     json.loads(_arg(argv, "--warm-imports", "[]")),
                                     warm_cuda=_arg(argv, "--warm-cuda", "0") == "1",
-                                    start=start if _arg(argv, "--warm-fork", "1") == "1" else None)
+                                    start=start if fork else None)
     os.write(ready_fd, READY + json.dumps(pool.pids()).encode())
     os.close(ready_fd)
     data = sys.stdin.buffer.read()

@@ -7,8 +7,8 @@ attempt's environment with the ``OMP_NUM_THREADS=1`` torchrun adds, the working 
 message pipe and a parent-death signal so an unused one dies with the zygote.
 
 They are **forked** from the zygote, which imported torch (and ``torch._dynamo``) once for all of them,
-where a fork is what a spawn would be (:func:`fork_unfit`: torch imported under the workers' start-up
-environment, no module the zygote imported found elsewhere from the worker's ``sys.path[0]``, a zygote of
+where a fork is what a spawn would be (:func:`fork_unfit`: the workers' interpreter, torch imported under
+their start-up environment, no module the zygote imported found elsewhere from the worker's ``sys.path[0]``, a zygote of
 one thread); a fork saves each rank its own import (~2 s of CPU on 2 cores, and its memory is shared until
 written). Otherwise, and saying why, they are **spawned** as fresh interpreters that import torch
 themselves. What a fork cannot make fresh: Python's ``str`` hash seed, drawn once per interpreter, is the
@@ -239,7 +239,12 @@ class _ForkedPopen(subprocess.Popen):
     def _execute_child(self, *args: Any, **kwargs: Any) -> None:
         pid = os.fork()
         if pid == 0:
-            self._child_main()  # never returns (SystemExit at the trainer's end, os._exit before it)
+            try:  # the trainer's end leaves as SystemExit (or KeyboardInterrupt) to the interpreter's own exit
+                self._child_main()
+            except (SystemExit, KeyboardInterrupt):
+                raise
+            except BaseException:  # noqa: BLE001 - anything else would run the zygote's clean-up in the child
+                os._exit(1)
             os._exit(1)
         self.pid = pid
         self._child_created = True
@@ -291,8 +296,7 @@ class WarmPool:
             env["OMP_NUM_THREADS"] = "1"
         pool = cls("", command, env, nproc)
         cuda = warm_cuda and os.path.exists(NVIDIA_CONTROL)
-        pool.fork_why = "warm_fork is off" if start is None else (
-            fork_unfit(command, env, start) or _import_lazy() or _threads_unfit())
+        pool.fork_why = "warm_fork is off" if start is None else (fork_unfit(command, env, start) or _threads_unfit())
         try:
             for i in range(nproc):
                 device = i if cuda else None
@@ -389,11 +393,14 @@ def fork_unfit(command: Sequence[str], env: Mapping[str, str], start: ForkStart,
     """Why the workers' warm ranks cannot be forked from this zygote ("" : they can).
 
     A fork has what the zygote imported, as the zygote imported it: so only where a spawned rank would have
-    imported the same. Its start-up environment must be the workers' (libgomp, the allocator and torch read
+    imported the same. The workers' interpreter must be the zygote's (not another ``PYTHON_EXEC``); its start-up
+    environment must be the workers' (libgomp, the allocator and torch read
     theirs when torch is loaded: the supervisor starts the zygote with torchrun's ``OMP_NUM_THREADS=1`` for
     that), and no module the zygote imported may resolve otherwise from the worker's ``sys.path[0]`` (a
     module of that name beside the script, or one the zygote found in its own first directory)."""
     modules = sys.modules if modules is None else modules
+    if os.path.realpath(command[0]) != os.path.realpath(sys.executable):  # PYTHON_EXEC: another interpreter
+        return f"the workers run {command[0]}, not the launcher's interpreter {sys.executable}"
     differ = env_difference(start.env, env)
     if differ:
         return f"the launcher imported torch under another start-up environment ({', '.join(differ)})"
@@ -416,8 +423,9 @@ def fork_unfit(command: Sequence[str], env: Mapping[str, str], start: ForkStart,
     return ""
 
 
-def _import_lazy() -> str:
-    """Import :data:`warm_rank.TORCH_LAZY` here, once for every forked rank; never a reason not to fork."""
+def import_lazy() -> None:
+    """Import :data:`warm_rank.TORCH_LAZY` in the zygote, once for every forked rank, under the start-up environment
+    :class:`ForkStart` records (before it is built)."""
     import gc
     import importlib
 
@@ -428,7 +436,6 @@ def _import_lazy() -> str:
             pass
     gc.collect()
     gc.freeze()  # as a spawned warm rank's heap: no collection in a fork walks (and so copies) the imports
-    return ""
 
 
 def _threads_unfit() -> str:

@@ -261,8 +261,10 @@ def _run_as_main(mode: str, target: str) -> None:
         tb = e.__traceback__
         while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
             tb = tb.tb_next
-        sys.excepthook(type(e), e.with_traceback(tb), tb)  # the printer reads e.__traceback__
-        sys.exit(1)
+        try:
+            sys.excepthook(type(e), e.with_traceback(tb), tb)  # the printer reads e.__traceback__
+        finally:
+            sys.exit(1)  # whatever the trainer's own hook raised
 
 
 def _read_message(fd: int = 0) -> bytes:

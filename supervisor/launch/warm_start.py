@@ -13,6 +13,13 @@ from supervisor.processes.job import JobProcess
 from supervisor.launch.warm_launcher import Zygote, warm_spec
 
 
+#: How long an attempt waits for a launcher armed beside the previous one to be ready (it had that attempt's run)...
+ARMED_READY_S = 30.0
+#: ... and for one spawned for the attempt itself (``arm_now``): its import is the attempt's own start, which a cold
+#: torchrun would spend as well (on a cold page cache or a shared file system, more than 30 s); past it, cold.
+JUST_IN_TIME_READY_S = 120.0
+
+
 class WarmStarts:
     """At most one waiting launcher for ``command`` (torchrun jobs with ``warm_launcher`` on)."""
 
@@ -22,6 +29,7 @@ class WarmStarts:
         self.warm_cuda, self.warm_fork = warm_cuda, warm_fork
         self._zygote: Zygote | None = None
         self._armed: list[str] = []  # the command the waiting launcher was armed for
+        self._ready_timeout = ARMED_READY_S
 
     def adopt(self, command: Sequence[str], log: Callable[[str], None]) -> None:
         """A new owner goes on with this launcher (a spare that became a node: its command is now pinned to the
@@ -39,9 +47,9 @@ class WarmStarts:
         """A launcher for the attempt about to start with ``argv`` where none waits (the first attempt, or one whose
         launcher was never armed): its ranks are forked from one torch import (``warm_fork``), where a cold
         torchrun's each import it, so the attempt starts sooner even without the head start."""
-        self._spawn(argv, env, "this attempt")
+        self._spawn(argv, env, "this attempt", ready_timeout=JUST_IN_TIME_READY_S)
 
-    def _spawn(self, command: list[str], env: dict[str, str], what: str) -> None:
+    def _spawn(self, command: list[str], env: dict[str, str], what: str, ready_timeout: float = ARMED_READY_S) -> None:
         if not self.enabled or self._zygote is not None:
             return
         spec = warm_spec(command, env)
@@ -51,6 +59,7 @@ class WarmStarts:
             self._zygote = Zygote(spec, env, warm_imports=self.warm_imports, warm_cuda=self.warm_cuda,
                                   warm_fork=self.warm_fork)
             self._armed = list(command)
+            self._ready_timeout = ready_timeout
         except (OSError, subprocess.SubprocessError) as e:
             self.log(f"warm launcher not started ({e}); launching cold")
             return
@@ -71,7 +80,8 @@ class WarmStarts:
                      "and not a torchrun it can take; launching cold")
             return None
         try:
-            job = zygote.start(spec.args if spec is not None else None, env, os.getcwd(), log_path, tail_lines)
+            job = zygote.start(spec.args if spec is not None else None, env, os.getcwd(), log_path, tail_lines,
+                               ready_timeout=self._ready_timeout)
         except Exception as e:  # noqa: BLE001 - whatever went wrong, the cold launch still can
             zygote.discard()
             self.log(f"attempt {attempt}: warm launcher pid {zygote.pid} failed to start ({e}); launching cold")

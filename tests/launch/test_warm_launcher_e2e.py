@@ -207,6 +207,25 @@ def test_the_first_attempt_starts_from_a_launcher_spawned_for_it(workdir: Path) 
     assert json.loads((workdir / ".rlsup" / "state.json").read_text())["job_pid"] == int(zygote)
 
 
+def test_a_forked_rank_whose_own_excepthook_fails_still_fails(workdir: Path) -> None:
+    """A trainer's exception whose own ``sys.excepthook`` raises too: the forked rank exits 1 as a cold one does,
+    never falling back into its zygote's code (which would end it 0, a failed rank taken for a success)."""
+    script = workdir / "bad_hook.py"
+    script.write_text("import os, sys\nimport torch\n"
+                      "def hook(*args):\n    raise OSError('the hook itself failed')\n"
+                      "sys.excepthook = hook\n"
+                      "if os.environ['RANK'] == '0':\n    raise ValueError('the trainer failed')\n")
+    env = {k: v for k, v in clean_env().items() if k != "OMP_NUM_THREADS"}
+    r = subprocess.run([sys.executable, "-m", "supervisor.cli.main", "run", *FAST, "--max-restarts", "0", "--",
+                        TORCHRUN, "--standalone", "--nproc-per-node", "2", str(script)],
+                       cwd=workdir, env=env, capture_output=True, text=True, timeout=240)
+    log0 = (workdir / ".rlsup" / "attempts" / "attempt_0000" / "output.log").read_text()
+    assert "forked from the launcher" in log0, log0[-3000:]
+    assert r.returncode != 0, r.stderr[-3000:]
+    (inc,) = [json.loads(line) for line in (workdir / ".rlsup" / "incidents.jsonl").read_text().splitlines()]
+    assert inc["rank"] == 0 and "exit code 1" in inc["detail"], inc
+
+
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["sigkill", "sigterm"])
 def test_waiting_zygote_dies_with_rlsup(workdir: Path, sig: int) -> None:
     """SIGKILL: PR_SET_PDEATHSIG takes the zygote along; SIGTERM: rlsup stops and kills it on its way out."""

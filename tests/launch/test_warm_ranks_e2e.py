@@ -285,6 +285,7 @@ def test_fork_checks(tmp_path: Path) -> None:
     script = [PY, "-u", str(job / "train.py")]
     assert fork_unfit(script, env, start, modules) == ""
     assert fork_unfit(script, dict(env, PATH="/usr/bin"), start, modules) == ""  # not read at start-up
+    assert "not the launcher's interpreter" in fork_unfit(["/bin/sh", *script[1:]], env, start, modules)  # PYTHON_EXEC
     assert "another start-up environment (OMP_NUM_THREADS)" in fork_unfit(script, {"PATH": "/bin"}, start, modules)
     (job / "uuid.py").write_text("")
     assert "has modules the launcher imported from elsewhere (uuid)" in fork_unfit(script, env, start, modules)
