@@ -118,7 +118,6 @@ class WarmRank:
         self.popen = popen
         self.pid = popen.pid
         self.cuda_device = cuda_device  # the device it made its CUDA context on (None: not CUDA-warm)
-        self.forked = message_w is not None
         self._ready_r: int | None = ready_r
         self._message_w = message_w
         self._state = ""  # "", "ready", or why not
@@ -167,7 +166,6 @@ class WarmRank:
         os.close(ready_w)
         os.close(message_r)
         return cls(popen, ready_r, cuda_device, message_w)
-
 
     def wait_ready(self, timeout: float) -> str:
         """"" once the rank imported everything and waits; else why it cannot be used."""
@@ -262,6 +260,7 @@ def _warm_rank_module() -> Any:
         sys.modules[name] = module
         spec.loader.exec_module(module)
     return sys.modules[name]
+
 
 class WarmPool:
     """The warm ranks of one zygote, and the decision, per worker, whether one of them becomes it."""

@@ -278,7 +278,7 @@ def _read_message(fd: int = 0) -> bytes:
 
 def forked(ready_fd: int, message_fd: int, parent: int, command: list[str], imports: list[str],
            env: dict[str, str], cuda_device: int | None, torch_state: Any) -> None:
-    """A warm rank forked from the zygote (``warm_pool.ForkedRank``), which imported torch and
+    """A warm rank forked from the zygote (``warm_pool.WarmRank.forked``), which imported torch and
     :data:`TORCH_LAZY` once for all its ranks under the ranks' start-up environment (the fork saves each
     rank that import: ~2 s of CPU). Made what a spawned warm rank is, then what the worker is: own session,
     parent-death signal, no descriptor of the zygote's, its stdin not the zygote's message pipe, the warm
