@@ -54,6 +54,7 @@ node that reached the store and then died ends it for all within seconds (:mod:`
 from __future__ import annotations
 
 import logging
+import os
 import time
 import weakref
 from typing import Callable, Iterable, NoReturn
@@ -63,7 +64,7 @@ from supervisor.job_identity import JobIdentity
 from supervisor.lifecycle import EndReason
 from supervisor.cluster.round_errors import CoordinationError, NodesMissing, PeerLost, RoundEnded, aborted
 from supervisor.cluster.kvstore import (CONNECT_SLICE_S, OP_TIMEOUT_S, KVStore, StoreUnavailable)
-from supervisor.cluster.liveness import LIVENESS_REFRESH_S, LapseWatch, LivenessBeat, live_key
+from supervisor.cluster.liveness import LIVENESS_REFRESH_S, Beat, LapseWatch, LivenessBeat, live_key
 from supervisor.cluster.store_host import refuse_other_job
 from supervisor.cluster.signed_keys import AbortKind, AbortNotice, Signed, SignedKeys
 from supervisor.stop_request import StopRequest
@@ -201,7 +202,8 @@ class RoundCoordinator:
         job's first round begins (unless the job had an attempt in a store that went): this node beats."""
         if self.first_round is None:
             self.first_round = True
-            self._start_beat()
+        if self.first_round:
+            self._start_beat()  # its first beat written here, before join/<node>: every node that joined has beaten
         self._proposed = True
         self.keys.set(f"join/{self.node_rank}", str(min_attempt))
         if self.node_rank == 0:
@@ -231,13 +233,13 @@ class RoundCoordinator:
         if self._beat_store is None or self.beat is not None:
             return
         from supervisor.membership import node_name
-
         name = live_key(self.node_rank)
         keys = SignedKeys(self.store, self.job, self.secret, self.node_rank)  # sealing only: writes go to the beat's store
 
         def write(store: KVStore, payload: str) -> None:
             store.set(keys.key(name), keys.seal(keys.key(name), payload))
 
+        write(self.store, Beat(0, node_name(), os.getpid()).to_payload())  # the join's own (liveness: "Beat")
         self.beat = LivenessBeat(self.node_rank, node_name(), self._beat_store, write, self.refresh_s)
         weakref.finalize(self, self.beat.stop)
         self.beat.start()
@@ -562,7 +564,6 @@ class RoundCoordinator:
             watched = [self.keys.key(n) for n in pending + ([end_name] if end_name else [])]
             changed = self.store.wait_for_change(watched, poll)  # etcd: a watch; the embedded store: a held wait
             poll = min(poll * 2, WAIT_POLL_MAX_S)
-
 
     def _unreachable_in_wait(self, e: StoreUnavailable, attempt: int | None, what: str) -> NoReturn:
         """What a store lost in :meth:`_wait` means: the join's own wait reconnects (within its deadline); inside an

@@ -7,8 +7,9 @@ torch's c10d rendezvous keeps its participants the same way: each sends a keep-a
 rendezvous (``DynamicRendezvousHandler``). rlsup needs every node and has no rendezvous to shrink, so a
 lapse ends the round: the job's ``abort`` (a lost peer) and exit 75 on every node, for a requeue.
 
-* **Beat.** From its first join into a store with no attempt yet, each node refreshes ``live/<node>`` every
-  :data:`LIVENESS_REFRESH_S` from a thread of its own, over a store connection of its own
+* **Beat.** From its first join into a store with no attempt yet (its first beat written by the join itself,
+  before ``join/<node>``, so that a node killed before its thread wrote is still judged), each node refreshes
+  ``live/<node>`` every :data:`LIVENESS_REFRESH_S` from a thread of its own, over a store connection of its own
   (:class:`LivenessBeat`): a node busy in its fetch, its pre_launch_check or its plan keeps beating; only a
   dead process (or one cut off from the store) stops. The beat ends once the first attempt is launched.
 * **Lapse.** While it waits in that first round, node 0 looks at every other node's beat and every other

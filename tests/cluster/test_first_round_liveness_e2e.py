@@ -12,6 +12,7 @@ from __future__ import annotations
 from supervisor.tiers.holdings import NodeInventory
 from supervisor.cluster.round_errors import PeerLost
 from support.ports import free_ports
+import threading
 from typing import Callable
 from support.waits import wait_for
 from support import waits
@@ -92,6 +93,25 @@ def test_a_node_dead_after_its_join_ends_the_first_round_for_the_others() -> Non
         assert "before the job's first attempt" in str(e), str(e)
     abort = leader.keys.get("abort")
     assert abort is not None and AbortNotice.from_payload(abort.payload).kind is AbortKind.PEER_LOST
+
+
+def test_a_node_killed_before_its_beats_thread_wrote_is_still_judged() -> None:
+    """A busy host: node 2's beat thread is still connecting when node 2 is killed (CI saw this: the others then
+    waited out rendezvous_timeout, the node never registered). Its join wrote its first beat itself."""
+    (port,) = free_ports(1)
+    never = threading.Event()
+    nodes = [node(port, rank) for rank in range(3)]
+    nodes[2]._beat_store = lambda: never.wait() or nodes[2].store  # its thread's connect never returns
+    joins = [in_thread(lambda c=c: c.join(0)) for c in nodes]
+    assert [j() for j in joins] == [0, 0, 0]
+    leader, member, dead = nodes
+    assert leader.keys.get("live/2") is not None  # the join's own beat
+    dead.beat.stop()  # killed: its thread never wrote
+    leader.publish_inventory(0, NodeInventory(0))
+    member.publish_inventory(0, NodeInventory(1))
+    e = in_thread(lambda: leader.inventories(0))()
+    never.set()
+    assert isinstance(e, PeerLost) and "node 2 (host " in str(e), repr(e)
 
 
 def test_a_slow_node_whose_beat_goes_on_is_never_failed() -> None:
