@@ -14,7 +14,7 @@ import os
 import re
 import time
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable
 
 import pytest
 
@@ -33,10 +33,6 @@ BALLAST = ["--ballast-mb", os.environ["RLSUP_SPARES_BALLAST_MB"]] if os.environ.
 # and the node was lost in torchrun's exit barrier instead of mid-run (no next attempt to wait for)
 TRAIN_ARGS = ["--steps", "36", "--checkpoint-every", "3", "--step-time", "0.15", "--keep-last", "100", *BALLAST]
 LONG_ARGS = ["--steps", "48", "--checkpoint-every", "3", "--step-time", "0.15", "--keep-last", "100"]
-# A node whose warm launcher no assertion reads: the lost node (its launcher dies unused with it), and in node 0's
-# case the survivors (their warm restarts are node 2's case's subject). A launcher costs a cold start of torchrun and
-# its 2 ranks, plus the one re-armed after each restart (CONTRIBUTING.md "Suite time"); the spare keeps its own.
-COLD = ["--warm-launcher", "false"]
 
 
 @pytest.fixture
@@ -78,12 +74,12 @@ def _phases(cluster: SpareCluster, lost_at: float, survivor: int) -> str:
 
 def _run_and_lose(cluster: SpareCluster, lost: int, step: int = 9,
                   more: Callable[[SpareCluster], None] = lambda c: None,
-                  waiting: Callable[[SpareCluster], None] = lambda c: None, cold: Sequence[int] = ()) -> int:
-    """Start every node (those in ``cold`` without a warm launcher), lose ``lost`` once its ``step`` is replicated,
-    and wait for the others to end 0; the newest step complete when it was lost."""
+                  waiting: Callable[[SpareCluster], None] = lambda c: None) -> int:
+    """Start every node (rlsup's default warm launcher: its ranks forked from one torch import), lose ``lost`` once
+    its ``step`` is replicated, and wait for the others to end 0; the newest step complete when it was lost."""
     try:
         for node in range(cluster.nodes):
-            cluster.start(node, extra=COLD if node in cold else ())
+            cluster.start(node)
         waiting(cluster)
         complete, _ = _lose(cluster, lost, SPARE if lost == 0 else 0, step)
         more(cluster)
@@ -131,7 +127,7 @@ def test_spare_takes_node_2_after_its_loss_bit_identical(tmp_path: Path) -> None
     # would never use (CONTRIBUTING.md "Suite time")
     cluster = SpareCluster(tmp_path, extra=[*HELD_PATIENCE, "--max-restarts", "1"],
                            train_args=[*TRAIN_ARGS, "--hang-at-step", "12", "--fault-rank", str(ranks_of(2)[0])])
-    complete = _run_and_lose(cluster, lost=2, waiting=_launcher_guarded, cold=[2])
+    complete = _run_and_lose(cluster, lost=2, waiting=_launcher_guarded)
     spare_log = cluster.log(SPARE)
     assert took_rank(spare_log) == 2, spare_log[-4000:]
     assert f"fetching ranks {ranks_of(2)}" in spare_log, spare_log[-4000:]
@@ -154,7 +150,7 @@ def test_spare_takes_node_0_after_its_loss_bit_identical(tmp_path: Path) -> None
     ref = reference_weights(tmp_path, nodes=WORLD, train_args=TRAIN_ARGS)
     cluster = SpareCluster(tmp_path, extra=HELD_PATIENCE,
                            train_args=[*TRAIN_ARGS, "--hang-at-step", "12", "--fault-rank", "0"])
-    complete = _run_and_lose(cluster, lost=0, cold=range(JOB_NODES))
+    complete = _run_and_lose(cluster, lost=0)
     spare_log = cluster.log(SPARE)
     assert took_rank(spare_log) == 0, spare_log[-4000:]
     assert "hosting the coordination store" in spare_log, spare_log[-4000:]

@@ -61,9 +61,8 @@ def test_no_suspect_without_a_majority() -> None:
 
 def test_four_rank_hang_names_the_rank_stuck_elsewhere(workdir: Path) -> None:
     # The timeout only decides when the stuck attempt is ended; 4 s of silence still leaves the healthy steps
-    # (0.05 s apart) room on a loaded machine. --warm-launcher false: the hang is in attempt 0, which starts cold
-    # anyway; the 4 warm ranks armed beside it (about 15 s of CPU) only served the restart after it.
-    r = run_rlsup(["run", *FAST, "--heartbeat-timeout", "4", "--warm-launcher", "false", "--", PY, "-m",
+    # (0.05 s apart) room on a loaded machine. rlsup's default launch: attempt 0's ranks forked from one torch import.
+    r = run_rlsup(["run", *FAST, "--heartbeat-timeout", "4", "--", PY, "-m",
                    "torch.distributed.run", "--standalone",
                    "--nproc-per-node", "4", str(JOBS / "odd_rank_out_job.py")], workdir, timeout=240)
     assert r.returncode == 0, r.stderr[-4000:]

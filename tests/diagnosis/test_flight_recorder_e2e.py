@@ -18,9 +18,8 @@ from supervisor.diagnosis.flight_recorder import ANALYSIS_FILE
 from supervisor.membership import node_name
 
 PY = sys.executable
-# --warm-launcher false: what is tested happens in attempt 0, which starts cold anyway; the launcher armed beside
-# it (4 warm ranks importing torch, about 15 s of CPU sampled) was only ever used for the restart after it
-FAST = ["--backoff-initial", "0.05", "--backoff-max", "0.2", "--kill-grace", "2", "--warm-launcher", "false"]
+# rlsup's default launch: attempt 0's 4 ranks forked from one torch import (a cold torchrun's import it each)
+FAST = ["--backoff-initial", "0.05", "--backoff-max", "0.2", "--kill-grace", "2"]
 # The timeout only decides when the stuck attempt is ended; 4 s of silence leaves the healthy steps (0.05 s
 # apart) room on a loaded machine.
 JOB = ["--heartbeat-timeout", "4", "--", PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",

@@ -19,9 +19,8 @@ from rlsup_format.heartbeat_record import rank_file_name, read_record
 from supervisor import exit_codes
 
 PY = sys.executable
-# --warm-launcher false: the run stops in attempt 0, so the launcher armed beside it (4 warm ranks importing torch,
-# about 15 s of CPU sampled) was never used
-FAST = ["--backoff-initial", "0.05", "--backoff-max", "0.2", "--kill-grace", "2", "--warm-launcher", "false"]
+# rlsup's default launch: attempt 0's 4 ranks forked from one torch import (a cold torchrun's import it each)
+FAST = ["--backoff-initial", "0.05", "--backoff-max", "0.2", "--kill-grace", "2"]
 JOB = ["--heartbeat-timeout", "4", "--", PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
        str(JOBS / "fr_skip_job.py")]
 

@@ -26,9 +26,9 @@ PY = sys.executable
 def start(workdir: Path, metrics_port: int, mode: str, steps: int) -> subprocess.Popen:
     workdir.mkdir(parents=True, exist_ok=True)
     out = open(workdir / "rlsup.log", "ab")
-    # --warm-launcher false: these runs never restart, and arming 4 warm ranks (each importing torch) for a restart
-    # that never comes took about 15 s of CPU a run, sampled (the warm launcher is tested in tests/test_warm_*.py)
-    cmd = rlsup_cmd("run", "--metrics-addr", "127.0.0.1", "--straggler-window", "8", "--warm-launcher", "false", "--",
+    # --max-restarts 0: these runs never restart, so no launcher is armed for a next attempt; attempt 0 starts from
+    # rlsup's default, a launcher whose 4 ranks are forked from its one torch import
+    cmd = rlsup_cmd("run", "--metrics-addr", "127.0.0.1", "--straggler-window", "8", "--max-restarts", "0", "--",
                     PY, "-m",
                     "torch.distributed.run", "--standalone", "--nproc-per-node", "4", str(JOBS / "straggler_job.py"),
                     str(steps), mode)

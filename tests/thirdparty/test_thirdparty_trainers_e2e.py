@@ -426,8 +426,8 @@ def test_run_clm_torchrun_survives_kills(tmp_path: Path) -> None:
 # ------------------------------------------------------------------------------------------- a stopped rank
 # the stop comes once checkpoint-40 is complete (the timeout learned by then); the resumed attempt runs 20 more
 HANG_MAX_STEPS, HANG_SAVE_STEPS = 60, 20
-# --warm-launcher false: the hang is attempt 0's (cold anyway); the resumed attempt starts cold rather than from
-# warm ranks armed beside attempt 0, and no launcher is armed beside it for a restart that never comes
+# --warm-launcher false: both attempts start cold (TRL's warm ranks are the kill test's subject), and no launcher is
+# armed for a restart that never comes (no exact budget: a rank's abort at exit may add one, _exit_abort_after_training)
 HANG_RLSUP = ["--auto-timeout-floor", "3", "--auto-timeout-min-intervals", "5", "--heartbeat-timeout-initial", "60",
               "--warm-launcher", "false"]
 
