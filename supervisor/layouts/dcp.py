@@ -5,55 +5,42 @@ temp file and rename), so a DCP without a loadable ``.metadata`` was never finis
 metadata, each storage entry names (file, offset, length); a shard shorter than its last entry was
 cut short. Both checks read only the metadata pickle and ``stat`` the shards.
 
-The pickle is read with a restricted unpickler that only builds DCP/torch metadata classes, so a
-hostile or foreign ``.metadata`` cannot run code in the supervisor.
+The pickle is read with :mod:`supervisor.layouts.inert_pickle`: torch's and Megatron's metadata classes become
+inert stubs (torch is never imported), anything else is refused, so a hostile or foreign ``.metadata`` cannot run
+code in the supervisor.
 """
 
 from __future__ import annotations
 
-import importlib
-import io
+import pathlib
 import pickle
 import re
 from pathlib import Path
 from typing import Any
 
 from supervisor.layouts.files import tree_size
+from supervisor.layouts.inert_pickle import PLAIN, InertUnpickler
 from supervisor.layouts.record import Check, CheckpointRecord
 
 NAME = "dcp"
 METADATA = ".metadata"
 _STEP_IN_NAME = re.compile(r"(\d+)(?!.*\d)")
 
-_ALLOWED_PREFIXES = ("torch.distributed.checkpoint", "torch.distributed.tensor", "megatron.core.dist_checkpointing")
-_ALLOWED_EXACT = {
-    ("torch.serialization", "_get_layout"),
-    ("torch._utils", "_rebuild_tensor_v2"),
-    ("collections", "OrderedDict"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "PurePosixPath"),
-    ("pathlib", "WindowsPath"),
-    ("pathlib", "PureWindowsPath"),
-    ("builtins", "set"),
-    ("builtins", "frozenset"),
-    ("builtins", "slice"),
-    ("builtins", "complex"),
+# What a DCP .metadata may name: torch's and Megatron's metadata classes and values become stubs (nothing of torch is
+# imported: supervisor.layouts.inert_pickle); a few plain containers are built as themselves; anything else is refused
+_STUBBED_PREFIXES = ("torch.", "megatron.core.dist_checkpointing")
+_REAL = {
+    **PLAIN,
+    ("pathlib", "PosixPath"): pathlib.PurePosixPath,
+    ("pathlib", "PurePosixPath"): pathlib.PurePosixPath,
+    ("pathlib", "WindowsPath"): pathlib.PureWindowsPath,
+    ("pathlib", "PureWindowsPath"): pathlib.PureWindowsPath,
+    ("torch", "Size"): tuple,
 }
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    """Builds only DCP metadata classes and torch value types (Size, dtype, layout, memory_format)."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if module.startswith(_ALLOWED_PREFIXES) or (module, name) in _ALLOWED_EXACT:
-            return getattr(importlib.import_module(module), name)
-        if module == "torch" or module.startswith("torch."):
-            obj = getattr(importlib.import_module(module), name, None)
-            import torch
-
-            if obj is torch.Size or isinstance(obj, (torch.dtype, torch.layout, torch.memory_format)):
-                return obj
-        raise pickle.UnpicklingError(f"refusing to unpickle {module}.{name} from a DCP .metadata")
+def _stubbed(module: str, name: str) -> bool:
+    return module == "torch" or module.startswith(_STUBBED_PREFIXES)
 
 
 def load_metadata(directory: Path) -> tuple[Any, str | None]:
@@ -68,7 +55,7 @@ def load_metadata(directory: Path) -> tuple[Any, str | None]:
     if not data:
         return None, f"{METADATA} is empty (torn write)"
     try:
-        return _MetadataUnpickler(io.BytesIO(data)).load(), None
+        return InertUnpickler(data, _REAL, _stubbed, refusal=" from a DCP .metadata").load(), None
     except pickle.UnpicklingError as exc:
         if "refusing" in str(exc):
             return None, str(exc)

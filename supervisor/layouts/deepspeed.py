@@ -19,7 +19,6 @@ restricted unpickler that stubs torch/DeepSpeed classes and never touches tensor
 
 from __future__ import annotations
 
-import io
 import os
 import pickle
 import re
@@ -29,6 +28,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from supervisor.layouts.files import check_zip, tree_size
+from supervisor.layouts.inert_pickle import PLAIN, InertUnpickler
 from supervisor.layouts.record import Check, CheckpointRecord
 from supervisor.layouts.tracker import read_stripped
 
@@ -51,33 +51,11 @@ class _Dict(dict):
     """OrderedDict stand-in that takes the attributes a state_dict pickles (``_metadata``)."""
 
 
-_REAL = {("collections", "OrderedDict"): _Dict, ("builtins", "set"): set, ("builtins", "frozenset"): frozenset,
-         ("builtins", "slice"): slice, ("builtins", "complex"): complex, ("torch", "Size"): tuple}
+_REAL = {**PLAIN, ("collections", "OrderedDict"): _Dict, ("torch", "Size"): tuple}
 
 
-class _Stub:
-    """Stand-in for any torch/DeepSpeed object in the pickle: records its arguments, runs no code."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self.args = args
-
-    def __setstate__(self, state: Any) -> None:
-        self.state = state
-
-
-class _MetaUnpickler(pickle.Unpickler):
-    """Builds plain containers; torch/DeepSpeed globals become :class:`_Stub`; tensors stay unread."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        real = _REAL.get((module, name))
-        if real is not None:
-            return real
-        if module.split(".")[0] in _STUB_PREFIXES:
-            return type(name, (_Stub,), {})
-        raise pickle.UnpicklingError(f"refusing to unpickle {module}.{name}")
-
-    def persistent_load(self, pid: Any) -> Any:
-        return None  # tensor storage: a placeholder, its bytes are never read
+def _stubbed(module: str, name: str) -> bool:
+    return module.split(".")[0] in _STUB_PREFIXES
 
 
 @dataclass
@@ -224,7 +202,7 @@ def _read_pickle(path: Path) -> tuple[Any, str | None]:
     except (zipfile.BadZipFile, OSError, ValueError, EOFError, KeyError) as exc:
         return None, f"{path.name} unreadable ({exc})"
     try:
-        return _MetaUnpickler(io.BytesIO(data)).load(), None
+        return InertUnpickler(data, _REAL, _stubbed).load(), None
     except pickle.UnpicklingError as exc:
         return None, f"{path.name}: {exc}"
     except Exception as exc:  # noqa: BLE001 - a torn pickle is a failed check, never a crash

@@ -21,17 +21,14 @@ Commit points (lightning 2.6.6, fsspec 2026.9.0):
   ``engine.save_checkpoint(tag="checkpoint")``): ``checkpoint/*model_states.pt`` and
   ``*optim_states.pt``, then the ``latest`` file (plain ``open("w")``): ``latest`` is the commit.
 
-Pickles are read with :class:`_InertUnpickler`: no tensor storage is touched (persistent ids become
-placeholders) and no global is imported except ``collections.OrderedDict`` and a few builtins; every
+Pickles are read with :mod:`supervisor.layouts.inert_pickle`: no tensor storage is touched (persistent ids
+become placeholders) and no global is imported except ``collections.OrderedDict`` and a few builtins; every
 other class or function named in the pickle becomes an inert stub.
 """
 
 from __future__ import annotations
 
-import collections
-import io
 import os
-import pickle
 import re
 import zipfile
 from pathlib import Path
@@ -39,6 +36,7 @@ from typing import Any
 
 from supervisor.layouts import dcp
 from supervisor.layouts.files import check_zip, tree_size
+from supervisor.layouts.inert_pickle import PLAIN, InertUnpickler, Stub
 from supervisor.layouts.record import Check, CheckpointRecord
 
 NAME = "lightning"
@@ -49,52 +47,10 @@ STEP_RE = re.compile(r"(?:^|[-_ ])step=(\d+)")
 LAST_RE = re.compile(r"^last")  # ModelCheckpoint._find_last_checkpoints: re.match(r"^last(-(\d+))?", stem)
 DS_MODEL_RE = re.compile(r"mp_rank_(\d+)_model_states\.pt$")
 DS_OPTIM_RE = re.compile(r"zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
-_SAFE_GLOBALS = {
-    ("collections", "OrderedDict"): collections.OrderedDict,
-    ("builtins", "set"): set,
-    ("builtins", "frozenset"): frozenset,
-    ("builtins", "slice"): slice,
-    ("builtins", "complex"): complex,
-    ("builtins", "bytearray"): bytearray,
-}
 
 
-class _Stub:
-    """Stands in for any class or function a checkpoint pickle names: accepts everything, runs nothing."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self.args, self.kwargs, self.items, self.state = args, kwargs, {}, None
-
-    def __setstate__(self, state: Any) -> None:
-        self.state = state
-
-    def __setitem__(self, key: Any, value: Any) -> None:
-        self.items[key] = value
-
-    def append(self, value: Any) -> None:
-        self.items[len(self.items)] = value
-
-    def extend(self, values: Any) -> None:
-        for v in values:
-            self.append(v)
-
-
-class _InertUnpickler(pickle.Unpickler):
-    """Parses a torch.save ``data.pkl`` without loading tensors or importing anything unsafe."""
-
-    _stubs: dict[tuple[str, str], type] = {}
-
-    def find_class(self, module: str, name: str) -> Any:
-        safe = _SAFE_GLOBALS.get((module, name))
-        if safe is not None:
-            return safe
-        key = (module, name)
-        if key not in self._stubs:
-            self._stubs[key] = type(name, (_Stub,), {"__module__": f"rlsup_stub.{module}"})
-        return self._stubs[key]
-
-    def persistent_load(self, pid: Any) -> Any:
-        return _Stub("storage")
+def _any(module: str, name: str) -> bool:
+    return True  # a Lightning checkpoint may name any class: each is an inert stub
 
 
 def read_checkpoint_dict(path: Path) -> tuple[dict | None, str | None]:
@@ -108,7 +64,7 @@ def read_checkpoint_dict(path: Path) -> tuple[dict | None, str | None]:
     except (zipfile.BadZipFile, OSError, ValueError, EOFError, RuntimeError) as exc:
         return None, f"{path.name}: data.pkl unreadable ({type(exc).__name__}: {exc})"
     try:
-        obj = _InertUnpickler(io.BytesIO(data)).load()
+        obj = InertUnpickler(data, PLAIN, _any, storage=Stub("storage")).load()
     except Exception as exc:  # noqa: BLE001 - a torn pickle is an expected outcome, not a crash
         return None, f"{path.name}: data.pkl is torn or corrupt ({type(exc).__name__}: {exc})"
     if not isinstance(obj, dict):

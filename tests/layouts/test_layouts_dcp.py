@@ -80,3 +80,17 @@ def test_extents_come_from_metadata(tmp_path: Path) -> None:
     assert err is None
     need = dcp.storage_extents(md)
     assert need and all((d / rel).stat().st_size >= end for rel, end in need.items())
+
+
+def test_extents_and_keys_are_what_torchs_own_reader_sees(tmp_path: Path) -> None:
+    """rlsup reads .metadata with inert stubs (no torch): the same shards, ends and keys as DCP's own reader."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    d = dcp_save(tmp_path / "c")
+    real = FileSystemReader(str(d)).read_metadata()
+    want: dict[str, int] = {}
+    for info in real.storage_data.values():
+        want[info.relative_path] = max(want.get(info.relative_path, 0), info.offset + info.length)
+    md, err = dcp.load_metadata(d)
+    assert err is None and dcp.storage_extents(md) == want
+    assert set(md.state_dict_metadata) == set(real.state_dict_metadata)
