@@ -10,14 +10,33 @@ import io
 import pickle
 from typing import Any, Callable, Mapping
 
-#: Names a checkpoint pickle may build as themselves: plain containers, nothing that runs code
+def _bytearray(*args: Any) -> bytearray:
+    """``bytearray`` of bytes or of a string and its encoding, as pickle writes one; never ``bytearray(size)``, which
+    a few bytes of pickle could make gigabytes."""
+    if args and not isinstance(args[0], (bytes, bytearray, str)):
+        raise pickle.UnpicklingError(f"refusing bytearray({type(args[0]).__name__})")
+    return bytearray(*args)
+
+
+def _member(owner: Any, name: Any) -> Any:
+    """``getattr(EnumClass, "NAME")``, as some Python versions pickle an enum member (3.11.2 does; 3.11.7 calls the
+    class with its value): a stub of that member, only for a stubbed class and a plain name. The real ``getattr``
+    would let a pickle walk from any object to anything."""
+    if isinstance(owner, type) and issubclass(owner, Stub) and isinstance(name, str) and not name.startswith("_"):
+        return owner(name)
+    raise pickle.UnpicklingError("refusing getattr on anything but a stubbed class")
+
+
+#: Names a checkpoint pickle may build as themselves: plain containers (and an enum member of a stubbed class),
+#: nothing that runs code
 PLAIN = {
     ("collections", "OrderedDict"): collections.OrderedDict,
     ("builtins", "set"): set,
     ("builtins", "frozenset"): frozenset,
     ("builtins", "slice"): slice,
     ("builtins", "complex"): complex,
-    ("builtins", "bytearray"): bytearray,
+    ("builtins", "bytearray"): _bytearray,
+    ("builtins", "getattr"): _member,
 }
 
 # Attributes a Stub keeps for itself: a pickle's state never overwrites them
@@ -55,17 +74,6 @@ class Stub:
             self.append(value)
 
 
-_STUBS: dict[tuple[str, str], type] = {}
-
-
-def stub_class(module: str, name: str) -> type:
-    """One Stub subclass per name a pickle uses (named after it, for a reader's repr)."""
-    key = (module, name)
-    if key not in _STUBS:
-        _STUBS[key] = type(name, (Stub,), {"__module__": f"rlsup_stub.{module}"})
-    return _STUBS[key]
-
-
 class InertUnpickler(pickle.Unpickler):
     """``real``: names built as themselves (plain containers); ``stubbed(module, name)``: names that become a
     Stub; anything else raises ``refusing to unpickle MODULE.NAME`` + ``refusal``. Persistent ids (torch.save's
@@ -75,17 +83,21 @@ class InertUnpickler(pickle.Unpickler):
                  refusal: str = "", storage: Any = None) -> None:
         super().__init__(io.BytesIO(data))
         self.real, self.stubbed, self.refusal, self.storage = real, stubbed, refusal, storage
+        self._stubs: dict[tuple[str, str], type] = {}  # one per name, for this read only (a pickle may name many)
 
     def find_class(self, module: str, name: str) -> Any:
         real = self.real.get((module, name))
         if real is not None:
             return real
         if self.stubbed(module, name):
-            return stub_class(module, name)
+            key = (module, name)
+            if key not in self._stubs:  # named after it, for a reader's repr
+                self._stubs[key] = type(name, (Stub,), {"__module__": f"rlsup_stub.{module}"})
+            return self._stubs[key]
         raise pickle.UnpicklingError(f"refusing to unpickle {module}.{name}{self.refusal}")
 
     def persistent_load(self, pid: Any) -> Any:
         return self.storage
 
 
-__all__ = ["InertUnpickler", "PLAIN", "Stub", "stub_class"]
+__all__ = ["InertUnpickler", "PLAIN", "Stub"]

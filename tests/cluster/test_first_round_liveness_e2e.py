@@ -101,12 +101,18 @@ def test_a_node_killed_before_its_beats_thread_wrote_is_still_judged() -> None:
     (port,) = free_ports(1)
     never = threading.Event()
     nodes = [node(port, rank) for rank in range(3)]
-    nodes[2]._beat_store = lambda: never.wait() or nodes[2].store  # its thread's connect never returns
+
+    def connect_never() -> None:  # node 2's thread: its connect never returns (until the test ends)
+        never.wait()
+
+    nodes[2]._beat_store = connect_never
+    nodes[0].lapses.lapse_s = PROMPT_S  # node 2 beats once only: the joins of a loaded machine must not lapse it
     joins = [in_thread(lambda c=c: c.join(0)) for c in nodes]
     assert [j() for j in joins] == [0, 0, 0]
     leader, member, dead = nodes
     assert leader.keys.get("live/2") is not None  # the join's own beat
     dead.beat.stop()  # killed: its thread never wrote
+    leader.lapses.lapse_s = LAPSE_S
     leader.publish_inventory(0, NodeInventory(0))
     member.publish_inventory(0, NodeInventory(1))
     e = in_thread(lambda: leader.inventories(0))()

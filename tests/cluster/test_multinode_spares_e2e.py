@@ -144,9 +144,9 @@ def test_spare_takes_node_0_after_its_loss_bit_identical(tmp_path: Path) -> None
     """Node 0 hosts the embedded store and torchrun's c10d endpoint: the spare hosts the store again. Attempt 0
     holds after step 12 until node 0 is lost (rank 0 stops, the others wait in its next collective), as
     ``HELD_FOR_NODE_0_LOSS`` does: on a loaded CI machine step 9's replica came as training ended, and nodes 1 and 2
-    finished the job without node 0 while the spare waited for them in vain. The weights are TRAIN_ARGS'. The job
-    nodes run without warm launchers (the spare's warm takeover is asserted; the survivors' warm restarts are
-    node 2's case's)."""
+    finished the job without node 0 while the spare waited for them in vain. The weights are TRAIN_ARGS'. Every
+    node runs rlsup's default warm launcher; the spare's warm takeover is asserted here, the survivors' warm
+    restarts in node 2's case."""
     ref = reference_weights(tmp_path, nodes=WORLD, train_args=TRAIN_ARGS)
     cluster = SpareCluster(tmp_path, extra=HELD_PATIENCE,
                            train_args=[*TRAIN_ARGS, "--hang-at-step", "12", "--fault-rank", "0"])

@@ -154,7 +154,7 @@ def test_a_sigstopped_torchrun_rank_is_named_with_its_rank_cold_and_warm_started
 def test_a_hung_trainer_run_as_a_child_is_named_not_its_cli_parent(workdir: Path) -> None:
     """One process whose Python runs the trainer as a child (one-process ``trl sft``): the child is the culprit,
     rank 0 (the job's only trainer, in no distributed world)."""
-    r = run_rlsup(["run", *FAST, "--heartbeat-timeout", "6", "--warm-launcher", "false", "--progress-regex",
+    r = run_rlsup(["run", *FAST, "--heartbeat-timeout", "6", "--progress-regex",
                    r"^step (\d+)", "--", PY, str(JOBS / "stopped_rank_job.py"), "child"], workdir, timeout=180)
     assert r.returncode == 0, r.stderr[-4000:]
     launcher = int(re.findall(r"launcher pid (\d+)", r.stdout)[0])

@@ -72,7 +72,10 @@ def main() -> int:
         state = torch.load(args.resume_path or ckpt, weights_only=True)
         w, it = state["w"], state["iter_num"]
         print(f"resumed from iter {it} ({args.resume_path or ckpt})", flush=True)
-    print(f"argv: {sys.argv[1:]}", flush=True)
+    # one write: under -u print writes the text and its newline apart, and the launcher's own line to the same merged
+    # output (torchrun's, or the warm launcher's "started from warm ranks") can land between them (seen in CI)
+    sys.stdout.write(f"argv: {sys.argv[1:]}\n")
+    sys.stdout.flush()
     saves = 0
     while it < args.iters:
         it += 1

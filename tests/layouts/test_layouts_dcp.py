@@ -94,3 +94,30 @@ def test_extents_and_keys_are_what_torchs_own_reader_sees(tmp_path: Path) -> Non
     md, err = dcp.load_metadata(d)
     assert err is None and dcp.storage_extents(md) == want
     assert set(md.state_dict_metadata) == set(real.state_dict_metadata)
+
+
+def test_an_enum_member_pickled_by_getattr_reads_and_nothing_else_does(tmp_path: Path) -> None:
+    """Python 3.11.2 pickles an enum member as ``getattr(cls, name)`` (every tensor's memory format in a DCP
+    .metadata); the real getattr would reach anything, so only a stubbed class's plain name reads."""
+    d = tmp_path / "c"
+    d.mkdir()
+    member = b"cbuiltins\ngetattr\n(ctorch.distributed.checkpoint.metadata\n_MEM_FORMAT_ENCODING\nVTORCH_CONTIGUOUS\ntR."
+    (d / ".metadata").write_bytes(member)
+    md, err = dcp.load_metadata(d)
+    assert err is None and md.args == ("TORCH_CONTIGUOUS",), err
+    for escape in (b"cbuiltins\ngetattr\n(ccollections\nOrderedDict\nV__init__\ntR.",
+                   b"cbuiltins\ngetattr\n(ctorch.distributed.checkpoint.metadata\nMetadata\nV__class__\ntR."):
+        (d / ".metadata").write_bytes(escape)
+        md, err = dcp.load_metadata(d)
+        assert md is None and "refusing getattr" in err, err
+
+
+def test_a_bytearray_of_a_size_is_refused(tmp_path: Path) -> None:
+    """A few bytes of pickle asking for ``bytearray(N)`` would allocate N bytes in rlsup."""
+    d = tmp_path / "c"
+    d.mkdir()
+    (d / ".metadata").write_bytes(b"cbuiltins\nbytearray\n(I1000000000000\ntR.")
+    md, err = dcp.load_metadata(d)
+    assert md is None and "refusing bytearray(int)" in err, err
+    (d / ".metadata").write_bytes(pickle.dumps(bytearray(b"ok"), protocol=4))  # bytearray(b"ok")
+    assert dcp.load_metadata(d) == (bytearray(b"ok"), None)
