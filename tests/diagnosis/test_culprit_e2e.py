@@ -61,8 +61,9 @@ def test_no_suspect_without_a_majority() -> None:
 
 def test_four_rank_hang_names_the_rank_stuck_elsewhere(workdir: Path) -> None:
     # The timeout only decides when the stuck attempt is ended; 4 s of silence still leaves the healthy steps
-    # (0.05 s apart) room on a loaded machine. rlsup's default launch: attempt 0's ranks forked from one torch import.
-    r = run_rlsup(["run", *FAST, "--heartbeat-timeout", "4", "--", PY, "-m",
+    # (0.05 s apart) room on a loaded machine. rlsup's default launch: attempt 0's ranks forked from one torch import;
+    # --max-restarts 1: one hang (one incident, asserted), so the last attempt arms no launcher it never uses.
+    r = run_rlsup(["run", *FAST, "--heartbeat-timeout", "4", "--max-restarts", "1", "--", PY, "-m",
                    "torch.distributed.run", "--standalone",
                    "--nproc-per-node", "4", str(JOBS / "odd_rank_out_job.py")], workdir, timeout=240)
     assert r.returncode == 0, r.stderr[-4000:]

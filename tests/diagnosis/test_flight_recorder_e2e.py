@@ -18,8 +18,9 @@ from supervisor.diagnosis.flight_recorder import ANALYSIS_FILE
 from supervisor.membership import node_name
 
 PY = sys.executable
-# rlsup's default launch: attempt 0's 4 ranks forked from one torch import (a cold torchrun's import it each)
-FAST = ["--backoff-initial", "0.05", "--backoff-max", "0.2", "--kill-grace", "2"]
+# rlsup's default launch: attempt 0's 4 ranks forked from one torch import (a cold torchrun's import it each);
+# --max-restarts 1: each run fails once (one incident, asserted), so its last attempt arms no launcher it never uses
+FAST = ["--backoff-initial", "0.05", "--backoff-max", "0.2", "--kill-grace", "2", "--max-restarts", "1"]
 # The timeout only decides when the stuck attempt is ended; 4 s of silence leaves the healthy steps (0.05 s
 # apart) room on a loaded machine.
 JOB = ["--heartbeat-timeout", "4", "--", PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
