@@ -10,35 +10,6 @@ import io
 import pickle
 from typing import Any, Callable, Mapping
 
-def _bytearray(*args: Any) -> bytearray:
-    """``bytearray`` of bytes or of a string and its encoding, as pickle writes one; never ``bytearray(size)``, which
-    a few bytes of pickle could make gigabytes."""
-    if args and not isinstance(args[0], (bytes, bytearray, str)):
-        raise pickle.UnpicklingError(f"refusing bytearray({type(args[0]).__name__})")
-    return bytearray(*args)
-
-
-def _member(owner: Any, name: Any) -> Any:
-    """``getattr(EnumClass, "NAME")``, as some Python versions pickle an enum member (3.11.2 does; 3.11.7 calls the
-    class with its value): a stub of that member, only for a stubbed class and a plain name. The real ``getattr``
-    would let a pickle walk from any object to anything."""
-    if isinstance(owner, type) and issubclass(owner, Stub) and isinstance(name, str) and not name.startswith("_"):
-        return owner(name)
-    raise pickle.UnpicklingError("refusing getattr on anything but a stubbed class")
-
-
-#: Names a checkpoint pickle may build as themselves: plain containers (and an enum member of a stubbed class),
-#: nothing that runs code
-PLAIN = {
-    ("collections", "OrderedDict"): collections.OrderedDict,
-    ("builtins", "set"): set,
-    ("builtins", "frozenset"): frozenset,
-    ("builtins", "slice"): slice,
-    ("builtins", "complex"): complex,
-    ("builtins", "bytearray"): _bytearray,
-    ("builtins", "getattr"): _member,
-}
-
 # Attributes a Stub keeps for itself: a pickle's state never overwrites them
 _OWN = frozenset({"args", "kwargs", "state", "items", "append", "extend"})
 
@@ -72,6 +43,36 @@ class Stub:
     def extend(self, values: Any) -> None:
         for value in values:
             self.append(value)
+
+
+def _bytearray(*args: Any) -> bytearray:
+    """``bytearray`` of bytes or of a string and its encoding, as pickle writes one; never ``bytearray(size)``, which
+    a few bytes of pickle could make gigabytes."""
+    if args and not isinstance(args[0], (bytes, bytearray, str)):
+        raise pickle.UnpicklingError(f"refusing bytearray({type(args[0]).__name__})")
+    return bytearray(*args)
+
+
+def _member(owner: Any, name: Any) -> Any:
+    """``getattr(EnumClass, "NAME")``, as some Python versions pickle an enum member (3.11.2 does; 3.11.7 calls the
+    class with its value): a stub of that member, only for a stubbed class and a plain name. The real ``getattr``
+    would let a pickle walk from any object to anything."""
+    if isinstance(owner, type) and issubclass(owner, Stub) and isinstance(name, str) and not name.startswith("_"):
+        return owner(name)
+    raise pickle.UnpicklingError("refusing getattr on anything but a stubbed class")
+
+
+#: Names a checkpoint pickle may build as themselves: plain containers (and an enum member of a stubbed class),
+#: nothing that runs code
+PLAIN = {
+    ("collections", "OrderedDict"): collections.OrderedDict,
+    ("builtins", "set"): set,
+    ("builtins", "frozenset"): frozenset,
+    ("builtins", "slice"): slice,
+    ("builtins", "complex"): complex,
+    ("builtins", "bytearray"): _bytearray,
+    ("builtins", "getattr"): _member,
+}
 
 
 class InertUnpickler(pickle.Unpickler):
